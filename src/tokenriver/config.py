@@ -1,0 +1,88 @@
+"""EngineConfig: every engine knob, frozen and validated once.
+
+Components receive the fields they need as arguments; nothing reads
+environment variables deep in the code. The CLI builds its flags from these
+fields. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from tokenriver.errors import InvalidParameterError
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+               "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a plain byte count → bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise InvalidParameterError(
+            f"kv_cache_memory={text!r} is not a size: write bytes or a number with a unit, e.g. 2GiB, 512MiB, 1GB",
+            param="kv_cache_memory")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def default_num_threads() -> int:
+    """One thread per core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine loads its model and shares the machine between requests."""
+
+    # GGUF file or Hugging Face model folder; None = the embedded default model.
+    model: str | None = None
+    # Compute dtype: "float32" or "bfloat16".
+    dtype: str = "float32"
+    # torch device string ("cpu", "cuda", ...).
+    device: str = "cpu"
+    # Bytes for the paged KV pool; None = sized from max_num_kv_tokens.
+    kv_cache_memory: int | None = None
+    # KV pool size in tokens when kv_cache_memory is not given; None = max_num_seqs full contexts, capped at 256Ki tokens.
+    max_num_kv_tokens: int | None = None
+    # Tokens per KV block.
+    block_size: int = 16
+    # Cap on requests running at once.
+    max_num_seqs: int = 64
+    # Cap on tokens computed in one step (prompt chunks plus decode tokens).
+    max_num_batched_tokens: int = 2048
+    # Longest sequence (prompt + output); None = the model's context length.
+    max_model_len: int | None = None
+    # Reuse KV blocks of identical prompt prefixes.
+    enable_prefix_caching: bool = True
+    # Keep K/V between steps (False recomputes the whole sequence every step, to show what the cache saves).
+    use_kv_cache: bool = True
+    # CPU threads for torch; None = the cores available.
+    num_threads: int | None = None
+    # Seed of the engine's generator for requests without their own seed.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise InvalidParameterError(f"dtype={self.dtype!r} is not supported: use 'float32' or 'bfloat16'",
+                                        param="dtype")
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
+            if self.kv_cache_memory <= 0:
+                raise InvalidParameterError("kv_cache_memory must be positive, e.g. 2GiB", param="kv_cache_memory")
+        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise InvalidParameterError(f"{name}={value!r} must be an integer >= {low}", param=name)
+        for name in ("max_num_kv_tokens", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1 or unset", param=name)
+        if self.max_num_batched_tokens < self.block_size:
+            raise InvalidParameterError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least block_size={self.block_size}",
+                param="max_num_batched_tokens")

@@ -1,0 +1,49 @@
+"""Error types every entry point raises.
+
+Each error names what is wrong and how to fix it; `param` names the offending
+field so the HTTP layer can map it onto OpenAI's error body in one place.
+Stdlib only: this module sits at the bottom of the import graph.
+"""
+
+from __future__ import annotations
+
+
+class TokenriverError(Exception):
+    """Base of every error tokenriver raises on purpose."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidParameterError(TokenriverError, ValueError):
+    """A value the user gave is out of range or of the wrong kind."""
+
+
+class ContextLengthError(InvalidParameterError):
+    """A prompt (plus what must be generated) does not fit the model or the KV pool."""
+
+    def __init__(self, message: str, *, num_tokens: int, max_tokens: int, param: str | None = "prompt") -> None:
+        super().__init__(message, param=param)
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+
+
+class ModelLoadError(TokenriverError):
+    """A model file or folder is missing, damaged, or of a kind tokenriver cannot run."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message, param="model")
+        self.path = path
+
+
+class RequestNotFoundError(TokenriverError, KeyError):
+    """An operation named a request id the engine does not know."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class EngineDeadError(TokenriverError):
+    """The engine loop stopped after an internal failure; no new request can run."""

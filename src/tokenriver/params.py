@@ -1,0 +1,159 @@
+"""SamplingParams: how one request turns logits into tokens and when it stops.
+
+Validated on construction: a bad value raises `InvalidParameterError` naming
+the field, the value and the allowed range, so no entry point (CLI, Python,
+HTTP) can hand the engine something it would have to guess about.
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tokenriver.errors import InvalidParameterError
+
+MAX_LOGPROBS = 20
+DEFAULT_TRACE_TOP = 10
+
+
+def _fail(name: str, value: object, rule: str) -> None:
+    raise InvalidParameterError(f"{name}={value!r} is invalid: {rule}", param=name)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping controls of one request (vLLM's names and meanings)."""
+
+    # Candidates returned per prompt.
+    n: int = 1
+    # Candidates generated; the `n` with the highest cumulative log-probability are returned. None = n.
+    best_of: int | None = None
+    # 0 means greedy (argmax); otherwise logits are divided by it.
+    temperature: float = 1.0
+    # Keep the k most likely tokens; 0 or -1 turns it off.
+    top_k: int = 0
+    # Keep the smallest set of tokens whose probability adds up to at least top_p.
+    top_p: float = 1.0
+    # Drop tokens whose probability is below min_p times the top token's.
+    min_p: float = 0.0
+    # transformers' multiplicative penalty on tokens seen in prompt or output (>1 discourages).
+    repetition_penalty: float = 1.0
+    # OpenAI's additive penalty on tokens already generated (once per token).
+    presence_penalty: float = 0.0
+    # OpenAI's additive penalty proportional to how often a token was generated.
+    frequency_penalty: float = 0.0
+    # Added to the logits of the given token ids before sampling.
+    logit_bias: dict[int, float] | None = None
+    # Per-request random seed: the request's tokens then do not depend on its neighbours in the batch.
+    seed: int | None = None
+    # Maximum number of generated tokens; None = until EOS or the context is full.
+    max_tokens: int | None = 16
+    # EOS, stop tokens and stop strings are ignored until this many tokens were generated.
+    min_tokens: int = 0
+    # Strings that end generation; cut from the text unless include_stop_str_in_output.
+    stop: list[str] = field(default_factory=list)
+    # Token ids that end generation (kept in token_ids, and in text unless special).
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Keep generating past the model's end-of-sequence tokens.
+    ignore_eos: bool = False
+    # Number of top alternatives returned per generated token (None = no logprobs).
+    logprobs: int | None = None
+    # Number of top alternatives returned per prompt token (None = none).
+    prompt_logprobs: int | None = None
+    # Drop special tokens (such as <|im_end|>) from the text.
+    skip_special_tokens: bool = True
+    # Keep the matched stop string at the end of the text.
+    include_stop_str_in_output: bool = False
+    # Record a StepTrace per generated token (the "why this token" data).
+    trace: bool = False
+    # How many candidates each StepTrace keeps.
+    trace_top: int = DEFAULT_TRACE_TOP
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+        self._validate()
+
+    @property
+    def num_generated(self) -> int:
+        """How many candidates the engine runs for this request (best_of or n)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            _fail("n", self.n, "must be an integer >= 1")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            _fail("best_of", self.best_of, f"must be an integer >= n ({self.n})")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            _fail("temperature", self.temperature, "must be a number >= 0 (0 = greedy)")
+        if self.num_generated > 1 and self.temperature == 0.0:
+            _fail("temperature", self.temperature,
+                  "greedy sampling gives the same candidate every time; use temperature > 0 with n or best_of > 1")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            _fail("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 to turn it off")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "must be in [0, 1]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be a number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                _fail(name, value, "must be in [-2, 2]")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    _fail("logit_bias", self.logit_bias, f"key {token_id!r} must be a token id (integer >= 0)")
+                if not _is_number(bias) or not -100 <= bias <= 100:
+                    _fail("logit_bias", self.logit_bias, f"bias {bias!r} for token {token_id} must be in [-100, 100]")
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", self.seed, "must be an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            _fail("max_tokens", self.max_tokens, "must be an integer >= 1, or None to run until EOS")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                _fail("stop", self.stop, "must be a list of non-empty strings")
+        for token_id in self.stop_token_ids:
+            if not _is_int(token_id) or token_id < 0:
+                _fail("stop_token_ids", self.stop_token_ids, "must be a list of token ids (integers >= 0)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                _fail(name, value, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "trace"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "must be true or false")
+        if not _is_int(self.trace_top) or not 1 <= self.trace_top <= 100:
+            _fail("trace_top", self.trace_top, "must be an integer in [1, 100]")
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Token ids can only be checked once the model is known."""
+        for token_id in (self.logit_bias or {}):
+            if token_id >= vocab_size:
+                _fail("logit_bias", self.logit_bias, f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+        for token_id in self.stop_token_ids:
+            if token_id >= vocab_size:
+                _fail("stop_token_ids", self.stop_token_ids,
+                      f"token id {token_id} is outside the vocabulary (size {vocab_size})")

@@ -1,0 +1,82 @@
+"""The two plain-data contracts around one step.
+
+`SchedulerOutput` (scheduler → runner): which requests compute which tokens
+this step, and where their K/V lives. `RunnerOutput` (runner → scheduler):
+what was sampled. No tensors on either side, so the scheduler can be driven by
+a scripted fake runner in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenriver.outputs import TokenLogprobs
+from tokenriver.params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    # Tokens to compute this step: positions start_position .. start_position + len(token_ids) - 1.
+    token_ids: list[int]
+    # Tokens of this request whose K/V is already in the cache (num_computed_tokens before the step).
+    start_position: int
+    # The request's block table: every block it holds, in order.
+    block_ids: list[int]
+    # True when the step reaches the end of the known tokens, so the last position's logits are sampled.
+    sample: bool
+    # The request's sampling controls (shared reference, not a copy).
+    sampling_params: SamplingParams
+    # The prompt's token ids (shared reference; repetition penalty and prompt logprobs read it).
+    prompt_token_ids: list[int]
+    # Tokens generated so far (shared reference; penalties and min_tokens read it).
+    output_token_ids: list[int]
+    # Extra ids treated as end-of-sequence for min_tokens blocking (model EOS ids, unless ignore_eos).
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs for one forward pass."""
+
+    # The requests that run this step, in batch order.
+    scheduled: list[ScheduledRequest]
+    # Requests that left since the previous step (finished or aborted): the runner drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    # Block copies to do before the forward pass (source id, destination id), e.g. copy-on-write.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestStepResult:
+    """What one request got out of a step."""
+
+    # Newly sampled tokens (one per step without speculation; empty for a prompt chunk that does not sample).
+    token_ids: list[int] = field(default_factory=list)
+    # One entry per sampled token: its raw logprob and rank always, `top` only when logprobs were asked.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # One StepTrace per sampled token, when SamplingParams.trace is set.
+    traces: list = field(default_factory=list)
+    # Prompt logprobs for the prompt positions computed this step (when prompt_logprobs is set).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class RunnerOutput:
+    """What the runner returns for a step, keyed by request id."""
+
+    results: dict[str, RequestStepResult] = field(default_factory=dict)

@@ -1,0 +1,97 @@
+"""Per-step generation trace: why each token was chosen.
+
+A `StepTrace` records, for one generated token, the top candidates of the
+model's distribution and what each sampling stage did to them. It is plain
+data (stdlib only) so it can travel from the sampler to the API, the CLI
+table and the visualizer unchanged.
+
+Stage names, in the order the sampler applies them, are listed in `STAGES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The sampler's processing order; `TraceCandidate.removed_by` is one of these.
+STAGES: tuple[str, ...] = ("penalty", "bias", "min_tokens", "temperature", "top_k", "top_p", "min_p")
+
+
+@dataclass
+class TraceCandidate:
+    """One token of the distribution at a step."""
+
+    # Vocabulary id of the candidate.
+    token_id: int
+    # Its text, decoded alone; filled in by the engine, which owns the tokenizer (the sampler leaves "").
+    text: str
+    # The model's raw logit, before any processing.
+    logit: float
+    # Probability under softmax(raw logits): what the model itself believes.
+    prob_raw: float
+    # Probability in the distribution actually sampled from (0 when removed).
+    prob_final: float
+    # Rank by raw probability, 1 = most likely.
+    rank: int
+    # The first stage that removed this candidate (probability forced to 0), or None if it survived.
+    removed_by: str | None = None
+    # Logit after penalties and bias, before temperature (equals `logit` when no such stage applied).
+    logit_processed: float | None = None
+
+
+@dataclass
+class StepTrace:
+    """Everything the sampler knew when it chose one token."""
+
+    # Index of the generated token this step produced (0 = first generated token).
+    index: int
+    # The top candidates by raw probability, best first (plus the chosen one if it ranked lower).
+    candidates: list[TraceCandidate]
+    # The token that was sampled.
+    chosen_token_id: int
+    # Rank of the chosen token under the raw distribution (1 = argmax).
+    chosen_rank: int
+    # Probability of the chosen token in the raw distribution.
+    chosen_prob_raw: float
+    # Probability of the chosen token in the processed distribution it was drawn from.
+    chosen_prob_final: float
+    # Shannon entropy (nats) of the raw distribution.
+    entropy_raw: float
+    # Shannon entropy (nats) of the processed distribution.
+    entropy_final: float
+    # How many vocabulary entries survived all filters.
+    num_candidates_kept: int
+    # Temperature used at this step (0 = greedy).
+    temperature: float
+    # "greedy" or "sample": how the token was picked from the processed distribution.
+    method: str = "sample"
+    # Extra per-strategy facts (speculative accept/reject, beam index); empty when unused.
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form for the API and the visualizer."""
+        return {
+            "index": self.index,
+            "chosen_token_id": self.chosen_token_id,
+            "chosen_rank": self.chosen_rank,
+            "chosen_prob_raw": self.chosen_prob_raw,
+            "chosen_prob_final": self.chosen_prob_final,
+            "entropy_raw": self.entropy_raw,
+            "entropy_final": self.entropy_final,
+            "num_candidates_kept": self.num_candidates_kept,
+            "temperature": self.temperature,
+            "method": self.method,
+            "extra": dict(self.extra),
+            "candidates": [
+                {
+                    "token_id": c.token_id,
+                    "text": c.text,
+                    "logit": c.logit,
+                    "logit_processed": c.logit_processed,
+                    "prob_raw": c.prob_raw,
+                    "prob_final": c.prob_final,
+                    "rank": c.rank,
+                    "removed_by": c.removed_by,
+                }
+                for c in self.candidates
+            ],
+        }
