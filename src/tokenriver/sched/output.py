@@ -3,14 +3,15 @@
 `SchedulerOutput` (scheduler → runner): which requests compute which tokens
 this step, and where their K/V lives. `RunnerOutput` (runner → scheduler):
 what was sampled. No tensors on either side, so the scheduler can be driven by
-a scripted fake runner in tests.
+a scripted fake runner in tests. Then, scheduler → engine: one `RequestUpdate`
+per request that produced something, and `SchedulerStats` for metrics.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenriver.outputs import TokenLogprobs
+from tokenriver.outputs import FinishReason, RequestMetrics, TokenLogprobs
 from tokenriver.params import SamplingParams
 
 
@@ -80,3 +81,58 @@ class RunnerOutput:
     """What the runner returns for a step, keyed by request id."""
 
     results: dict[str, RequestStepResult] = field(default_factory=dict)
+
+
+@dataclass
+class RequestUpdate:
+    """What one request produced in a step, after token-level stops (scheduler → engine)."""
+
+    request_id: str
+    # Tokens appended this step (tokens sampled past a stop are dropped).
+    new_token_ids: list[int] = field(default_factory=list)
+    # One entry per new token, aligned with new_token_ids.
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # One StepTrace per new token, when SamplingParams.trace is set.
+    new_traces: list = field(default_factory=list)
+    # Prompt logprobs not reported before, in prompt order (positions recomputed after a preemption are not repeated).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Set when the request finished this step by a token-level stop (EOS, stop token id, max_tokens, context full).
+    finish_reason: FinishReason | None = None
+    # The stop token id that matched (None for EOS or length).
+    stop_reason: int | str | None = None
+    # Prompt tokens served from the prefix cache at the request's first admission.
+    num_cached_tokens: int = 0
+    # The request's timings (shared reference: final once finished).
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler and its KV pool, for logs, /metrics and the visualizer."""
+
+    num_running: int
+    num_waiting: int
+    # Preemptions since the start (a request preempted twice counts twice).
+    num_preempted_total: int
+    num_blocks_total: int
+    num_blocks_used: int
+    # Free blocks, including cached ones nobody holds (they are evicted on demand).
+    num_blocks_free: int
+    # num_blocks_used / num_blocks_total.
+    kv_usage: float
+    # Tokens looked up in the prefix cache at admissions, and how many of them were found.
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    # prefix_cache_hit_tokens / prefix_cache_queried_tokens (0 before any lookup).
+    prefix_cache_hit_rate: float
+    # Tokens computed in the last scheduled step: prompt (and recomputed) tokens vs one-token decodes.
+    num_prefill_tokens_last_step: int
+    num_decode_tokens_last_step: int
+    num_prefill_tokens_total: int
+    num_decode_tokens_total: int
+    # Non-empty steps scheduled since the start.
+    num_steps: int

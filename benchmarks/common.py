@@ -1,0 +1,43 @@
+"""Helpers shared by the benchmarks: the embedded model, prompts of an exact length, result files."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FILLER = ("The river carries tokens from the mountains to the sea, and every bend of it is a step of the model. "
+          "Engineers measure its flow, count the stones, and write down what they see. ")
+
+
+def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
+    """Token ids of natural-looking text cut to exactly num_tokens."""
+    text = FILLER
+    while len(tokenizer.encode(text)) < num_tokens:
+        text += FILLER
+    return tokenizer.encode(text)[:num_tokens]
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+        cpu = model
+    except (OSError, StopIteration):
+        pass
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    return (f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"{os.cpu_count()} cores visible, commit {commit or 'unknown'}")
+
+
+def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""AsyncEngine: the engine core on a background thread, one async stream per request.
+
+The core stays single-threaded and synchronous; this class only moves typed
+commands in (add, abort) through a thread-safe queue and RequestOutputs out
+to each caller's asyncio queue. A consumer that stops iterating (a client
+that disconnected) aborts its request, which frees its KV blocks at the next
+step. An exception inside a step kills the engine: every stream gets an
+EngineDeadError instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tokenriver.config import EngineConfig
+from tokenriver.engine.core import EngineCore, StepStats
+from tokenriver.errors import EngineDeadError
+from tokenriver.loader.load import LoadedModel
+from tokenriver.outputs import RequestOutput
+from tokenriver.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    priority: int
+    stream: "_Stream"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """Thread-backed engine for asyncio servers."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.core = EngineCore(config, loaded)
+        self.tokenizer = self.core.tokenizer
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tokenriver-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> StepStats | None:
+        """The latest step's statistics (a snapshot reference; never mutated after publication)."""
+        return self.core.last_step
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; raises the engine's validation error if it cannot run."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}")
+        request_id = request_id or self.new_request_id()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, prompt, priority, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished)."""
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the loop after the current step; requests still running get EngineDeadError."""
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    def _handle(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            if self._streams.pop(command.request_id, None) is not None:
+                self.core.abort_request(command.request_id)
+            return
+        try:
+            self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                  prompt=command.prompt, priority=command.priority)
+        except Exception as error:  # validation errors go back to the caller that sent the request
+            command.stream.put(error)
+            return
+        self._streams[command.request_id] = command.stream
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                idle = not self.core.has_unfinished_requests()
+                try:
+                    command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+                while command is not None:
+                    self._handle(command)
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        command = None
+                if self._stopping or not self.core.has_unfinished_requests():
+                    continue
+                for output in self.core.step():
+                    stream = self._streams.get(output.request_id)
+                    if stream is None:
+                        continue
+                    if output.finished:
+                        del self._streams[output.request_id]
+                    stream.put(output)
+        except BaseException as error:
+            logger.exception("engine loop failed")
+            self._dead = error
+        finally:
+            reason = EngineDeadError(f"the engine stopped: {self._dead!r}" if self._dead else "the engine shut down")
+            for stream in self._streams.values():
+                stream.put(reason)
+            self._streams.clear()

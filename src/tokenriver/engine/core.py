@@ -1,0 +1,157 @@
+"""EngineCore: the step loop. One thread, one step at a time, deterministic for fixed seeds.
+
+    schedule → execute → update → process outputs
+
+The core takes typed requests (prompt token ids + SamplingParams) and returns
+RequestOutput deltas; tokenizing prompts and formatting responses happen in
+the layers above. A user request with n or best_of > 1 runs as that many
+engine requests ("<id>#<i>") that share the prompt's cached blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenriver.config import EngineConfig, default_num_threads
+from tokenriver.errors import ContextLengthError, InvalidParameterError, RequestNotFoundError
+from tokenriver.engine.output_processor import OutputProcessor
+from tokenriver.kv.block_manager import BlockManager
+from tokenriver.kv.cache import KVCache, bytes_per_block
+from tokenriver.loader.load import LoadedModel, load_model
+from tokenriver.outputs import FinishReason, RequestOutput
+from tokenriver.params import SamplingParams
+from tokenriver.runner.model_runner import ModelRunner
+from tokenriver.sched.output import SchedulerStats
+from tokenriver.sched.request import Request
+from tokenriver.sched.scheduler import Scheduler
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+@dataclass
+class StepStats:
+    """What one step did, for logs, /metrics and the visualizer."""
+
+    scheduler: SchedulerStats
+    # Wall time of the step (schedule + forward + sample + detokenize), seconds.
+    step_time: float
+    # Forward passes run since start.
+    num_forward_passes: int
+
+
+def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
+    """Blocks in the KV pool: from kv_cache_memory, or max_num_kv_tokens, or the 2 GiB default."""
+    model_config = loaded.config
+    dtype = getattr(torch, config.dtype)
+    per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
+                                model_config.head_dim, dtype)
+    if config.max_num_kv_tokens is not None:
+        num_blocks = -(-config.max_num_kv_tokens // config.block_size)
+    else:
+        memory = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+        num_blocks = memory // per_block
+        if config.kv_cache_memory is None:
+            # Unasked-for memory is capped at what max_num_seqs full contexts could ever use.
+            num_blocks = min(num_blocks, config.max_num_seqs * -(-max_model_len // config.block_size))
+    if num_blocks < 1:
+        raise InvalidParameterError(
+            f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block: one block of {config.block_size} "
+            f"tokens needs {per_block} bytes for this model; give at least that much", param="kv_cache_memory")
+    return num_blocks
+
+
+class EngineCore:
+    """Owns the model, the KV pool, the scheduler and the runner."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads or default_num_threads())
+        self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
+        self.tokenizer = self.loaded.tokenizer
+        model_config = self.loaded.config
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise InvalidParameterError(
+                f"max_model_len={self.max_model_len} exceeds the model's context length "
+                f"({model_config.max_position_embeddings}); lower it", param="max_model_len")
+        num_blocks = kv_pool_blocks(config, self.loaded, self.max_model_len)
+        self.kv_cache = KVCache(model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads,
+                                model_config.head_dim, getattr(torch, config.dtype), config.device)
+        use_prefix_cache = config.enable_prefix_caching and config.use_kv_cache
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=use_prefix_cache)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len,
+                                   recompute_every_step=not config.use_kv_cache)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_step: StepStats | None = None
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request; raises a clear error if it can never run."""
+        if self.output_processor.has_request(request_id):
+            raise InvalidParameterError(f"request id {request_id!r} is already running; use a unique id",
+                                        param="request_id")
+        if not prompt_token_ids:
+            raise InvalidParameterError("the prompt is empty: give at least one token", param="prompt")
+        vocab_size = self.loaded.config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidParameterError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+        params.validate_for_vocab(vocab_size)
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_token_ids)} tokens but the context holds {self.max_model_len}, "
+                f"which must also leave room for at least one generated token; shorten the prompt",
+                num_tokens=len(prompt_token_ids), max_tokens=self.max_model_len)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        eos_token_ids = list(self.tokenizer.eos_token_ids)
+        children = []
+        for index in range(params.num_generated):
+            child_params = params
+            if params.num_generated > 1:
+                child_seed = None if params.seed is None else params.seed + index
+                child_params = dataclasses.replace(params, n=1, best_of=None, seed=child_seed)
+            children.append(Request(f"{request_id}#{index}" if params.num_generated > 1 else request_id,
+                                    list(prompt_token_ids), child_params, eos_token_ids, arrival_time, priority))
+        added: list[Request] = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child)
+        except Exception:
+            for child in added:
+                self.scheduler.abort_request(child.request_id)
+            raise
+        self.output_processor.add_request(request_id, prompt, list(prompt_token_ids), params,
+                                          {child.request_id: child.metrics for child in children})
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free everything it holds."""
+        child_ids = self.output_processor.remove_request(request_id)
+        if not child_ids:
+            raise RequestNotFoundError(f"no running request has id {request_id!r}", param="request_id")
+        for child_id in child_ids:
+            self.scheduler.abort_request(child_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass for the current batch; return the outputs that changed."""
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        updates = self.scheduler.update(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(updates)
+        for request_id, stop in stopped:
+            self.scheduler.finish_request(request_id, FinishReason.STOP, stop)
+        self.last_step = StepStats(self.scheduler.stats(), time.perf_counter() - started,
+                                   self.runner.num_forward_passes)
+        return outputs

@@ -1,0 +1,132 @@
+"""LLM: the offline Python API, in the shape vLLM users know.
+
+    llm = LLM()                                   # the embedded default model
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+
+Prompts are strings (tokenized here) or {"prompt_token_ids": [...]}. All prompts
+go through one EngineCore together, so they are batched continuously.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tokenriver.config import EngineConfig
+from tokenriver.engine.core import EngineCore
+from tokenriver.errors import InvalidParameterError
+from tokenriver.loader.load import LoadedModel
+from tokenriver.outputs import RequestOutput
+from tokenriver.params import SamplingParams
+from tokenriver.tokenizer.tokenizer import Tokenizer
+
+Prompt = str | dict[str, Any]
+
+
+def _engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
+    known = {f for f in EngineConfig.__dataclass_fields__}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise InvalidParameterError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}",
+                                    param=unknown[0])
+    return EngineConfig(model=model, **kwargs)
+
+
+class LLM:
+    """Load a model once, then generate for many prompts at a time."""
+
+    def __init__(self, model: str | None = None, dtype: str = "float32", **engine_options: Any) -> None:
+        self._start(EngineCore(_engine_config(model, {"dtype": dtype, **engine_options})))
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, **engine_options: Any) -> "LLM":
+        """An LLM over an already loaded model: several engines (tests, benchmarks) can share one copy of weights."""
+        llm = cls.__new__(cls)
+        options = {"dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."), **engine_options}
+        llm._start(EngineCore(_engine_config(loaded.path, options), loaded=loaded))
+        return llm
+
+    def _start(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def _prompt_ids(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in ids):
+                raise InvalidParameterError(f"prompts[{index}]['prompt_token_ids'] must be a list of integers",
+                                            param="prompt_token_ids")
+            return prompt.get("prompt"), list(ids)
+        raise InvalidParameterError(
+            f"prompts[{index}] must be a string or a dict with 'prompt_token_ids', not {type(prompt).__name__}",
+            param="prompts")
+
+    def _add(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]) -> list[str]:
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidParameterError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt",
+                    param="sampling_params")
+        request_ids = []
+        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+            text, ids = self._prompt_ids(prompt, index)
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, ids, params, prompt=text)
+            request_ids.append(request_id)
+        return request_ids
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        request_ids = self._add(list(prompts), sampling_params or SamplingParams())
+        finished: dict[str, RequestOutput] = {}
+        try:
+            with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as progress:
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            progress.update(1)
+        finally:
+            for request_id in request_ids:
+                if request_id not in finished and self.engine.output_processor.has_request(request_id):
+                    self.engine.abort_request(request_id)
+        return [finished[request_id] for request_id in request_ids]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that changed it (text deltas in `delta_text`)."""
+        (request_id,) = self._add([prompt], sampling_params or SamplingParams())
+        done = False
+        try:
+            while not done and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        done = output.finished
+                        yield output
+        finally:
+            if not done and self.engine.output_processor.has_request(request_id):
+                self.engine.abort_request(request_id)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or several) and generate the replies."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+                   for conversation in conversations]
+        return self.generate([{"prompt": p, "prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False)}
+                              for p in prompts], sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,227 @@
+"""OutputProcessor: scheduler updates → RequestOutput deltas.
+
+Owns everything about text: incremental detokenization, stop strings (which
+end a request the scheduler could not see end, so they are reported back),
+logprob dicts with token text, trace token text, and fanning n / best_of
+candidates of one user request back into a single RequestOutput.
+
+Invariant: for every candidate, the concatenation of the streamed `delta_text`
+equals the final `text`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from tokenriver.outputs import (CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestMetrics,
+                                RequestOutput, TokenLogprobs)
+from tokenriver.params import SamplingParams
+from tokenriver.sched.output import RequestUpdate
+from tokenriver.tokenizer.detokenizer import IncrementalDetokenizer
+from tokenriver.tokenizer.stop_strings import StopStringChecker
+from tokenriver.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class _Candidate:
+    """Text state of one engine request (one of a user request's n / best_of candidates)."""
+
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopStringChecker
+    metrics: RequestMetrics
+
+
+@dataclass
+class _UserRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    candidates: dict[str, _Candidate]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Candidates whose output changed in the current batch of updates.
+    changed: set[str] = field(default_factory=set)
+
+
+class OutputProcessor:
+    """Builds user-facing outputs from the scheduler's per-step updates."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _UserRequest] = {}
+        # engine request id → user request id
+        self._parent_of: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    children: dict[str, RequestMetrics]) -> None:
+        """Track a user request whose candidates run as the engine requests in `children` (id → metrics)."""
+        candidates = {}
+        for index, (child_id, metrics) in enumerate(children.items()):
+            candidates[child_id] = _Candidate(
+                output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None,
+                                        trace=[] if params.trace else None),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                stop_checker=StopStringChecker(params.stop, params.include_stop_str_in_output),
+                metrics=metrics,
+            )
+            self._parent_of[child_id] = request_id
+        self._requests[request_id] = _UserRequest(
+            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
+            candidates=candidates,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+
+    def remove_request(self, request_id: str) -> list[str]:
+        """Forget a user request (aborted); returns its engine request ids."""
+        user = self._requests.pop(request_id, None)
+        if user is None:
+            return []
+        for child_id in user.candidates:
+            self._parent_of.pop(child_id, None)
+        return list(user.candidates)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        user = self._requests.get(request_id)
+        return [] if user is None else list(user.candidates)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """Apply one step's updates; return the outputs that changed and (engine id, stop string) pairs to finish."""
+        stopped: list[tuple[str, str]] = []
+        touched: dict[str, _UserRequest] = {}
+        for update in updates:
+            parent_id = self._parent_of.get(update.request_id)
+            if parent_id is None:
+                continue
+            user = self._requests[parent_id]
+            candidate = user.candidates[update.request_id]
+            if update.prompt_logprobs and user.prompt_logprobs is not None:
+                user.prompt_logprobs.extend(self._position_logprobs(entry) for entry in update.prompt_logprobs)
+            matched = self._apply(user.params, candidate, update)
+            if matched is not None:
+                stopped.append((update.request_id, matched))
+            user.changed.add(update.request_id)
+            touched[parent_id] = user
+        outputs = []
+        for user in touched.values():
+            output = self._request_output(user)
+            user.changed.clear()
+            if output is not None:
+                outputs.append(output)
+            if all(c.output.finished for c in user.candidates.values()):
+                self.remove_request(user.request_id)
+        return outputs, stopped
+
+    def _apply(self, params: SamplingParams, candidate: _Candidate, update: RequestUpdate) -> str | None:
+        """Append one update to a candidate; return the stop string if one matched now."""
+        output = candidate.output
+        candidate.metrics.num_cached_tokens = update.num_cached_tokens
+        output.delta_token_ids = list(update.new_token_ids)
+        output.delta_text = ""
+        if output.finished:
+            return None
+        output.token_ids.extend(update.new_token_ids)
+        for entry in update.new_logprobs:
+            output.cumulative_logprob += entry.logprob
+            if output.logprobs is not None:
+                output.logprobs.append(self._position_logprobs(entry, params.logprobs))
+        for trace in update.new_traces:
+            for candidate_token in trace.candidates:
+                candidate_token.text = self.tokenizer.token_text(candidate_token.token_id)
+            if output.trace is not None:
+                output.trace.append(trace)
+        new_text = candidate.detokenizer.add_tokens(update.new_token_ids) if update.new_token_ids else ""
+        matched = None
+        if len(output.token_ids) >= params.min_tokens:
+            emitted, matched = candidate.stop_checker.process(new_text)
+        else:
+            # Stop strings, like EOS, only count once min_tokens were generated.
+            emitted = new_text
+        finish_reason, stop_reason = update.finish_reason, update.stop_reason
+        if matched is not None:
+            finish_reason, stop_reason = FinishReason.STOP, matched
+        elif finish_reason is not None:
+            emitted += candidate.stop_checker.flush()
+        output.delta_text = emitted
+        output.text += emitted
+        if finish_reason is not None:
+            output.finish_reason = finish_reason
+            output.stop_reason = stop_reason
+            candidate.metrics.finished_time = candidate.metrics.finished_time or time.time()
+        return matched
+
+    def _position_logprobs(self, entry: TokenLogprobs, num_top: int | None = None) -> PositionLogprobs:
+        """{token id: Logprob} for one position: the token itself plus the top alternatives."""
+        top = entry.top if num_top is None else entry.top[:num_top]
+        result: PositionLogprobs = {
+            token_id: Logprob(logprob=logprob, rank=rank, decoded_token=self.tokenizer.token_text(token_id))
+            for rank, (token_id, logprob) in enumerate(top, start=1)
+        }
+        result[entry.token_id] = Logprob(logprob=entry.logprob, rank=entry.rank,
+                                         decoded_token=self.tokenizer.token_text(entry.token_id))
+        return result
+
+    def _request_output(self, user: _UserRequest) -> RequestOutput | None:
+        """The user-facing state of a request, or None while best_of candidates are still running."""
+        candidates = list(user.candidates.values())
+        finished = all(c.output.finished for c in candidates)
+        if user.params.num_generated > user.params.n:
+            if not finished:
+                return None
+            best = sorted(candidates, key=lambda c: c.output.cumulative_logprob, reverse=True)[:user.params.n]
+            outputs = [_snapshot(c.output, index=i, delta_text=c.output.text, delta_token_ids=list(c.output.token_ids))
+                       for i, c in enumerate(best)]
+        else:
+            outputs = [_snapshot(c.output) if key in user.changed else
+                       _snapshot(c.output, delta_text="", delta_token_ids=[])
+                       for key, c in user.candidates.items()]
+        return RequestOutput(
+            request_id=user.request_id,
+            prompt=user.prompt,
+            prompt_token_ids=user.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=_merge_metrics([c.metrics for c in candidates]),
+            prompt_logprobs=user.prompt_logprobs,
+        )
+
+
+def _snapshot(output: CompletionOutput, **changes: object) -> CompletionOutput:
+    """A copy the engine will not mutate later: outputs cross threads to the async consumers."""
+    return dataclasses.replace(
+        output,
+        token_ids=list(output.token_ids),
+        logprobs=None if output.logprobs is None else list(output.logprobs),
+        trace=None if output.trace is None else list(output.trace),
+        **changes,
+    )
+
+
+def _merge_metrics(metrics: list[RequestMetrics]) -> RequestMetrics:
+    """One request's timings from its candidates': earliest start and first token, latest finish."""
+    if len(metrics) == 1:
+        return copy.copy(metrics[0])
+
+    def earliest(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return min(present) if present else None
+
+    def latest(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return max(present) if present else None
+
+    return RequestMetrics(
+        arrival_time=min(m.arrival_time for m in metrics),
+        first_scheduled_time=earliest([m.first_scheduled_time for m in metrics]),
+        first_token_time=earliest([m.first_token_time for m in metrics]),
+        last_token_time=latest([m.last_token_time for m in metrics]),
+        finished_time=latest([m.finished_time for m in metrics]) if all(m.finished_time for m in metrics) else None,
+        num_cached_tokens=metrics[0].num_cached_tokens,
+        num_preemptions=sum(m.num_preemptions for m in metrics),
+    )

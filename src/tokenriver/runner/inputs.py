@@ -1,0 +1,87 @@
+"""SchedulerOutput → tensors: the only place where plain scheduling data becomes model input.
+
+The batch is ragged: the tokens of all scheduled requests are concatenated in
+batch order (no padding), each with its absolute position. `sample_rows` are
+the flat rows whose logits feed the sampler (the last token of each request
+that samples this step); `prompt_logprob_rows` are the rows whose logits score
+the next prompt token (only for requests that asked for prompt logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenriver.models.attention import AttentionMetadata
+from tokenriver.sched.output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class PromptLogprobRows:
+    """Rows of one request whose logits score prompt tokens this step."""
+
+    request_id: str
+    # Flat token rows whose logits predict the next prompt token.
+    rows: list[int]
+    # The prompt token each row predicts.
+    next_token_ids: list[int]
+    num_top: int
+
+
+@dataclass
+class ModelInputs:
+    """One forward pass worth of tensors plus where to read the logits."""
+
+    # [num_tokens] int64
+    input_ids: torch.Tensor
+    # [num_tokens] int64
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    # Requests that sample this step, in the order of `sample_rows`.
+    sampling_requests: list[ScheduledRequest]
+    # Flat rows of their last tokens.
+    sample_rows: list[int]
+    prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+
+
+def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.device | str) -> ModelInputs:
+    """Flatten the scheduled requests into one ragged batch."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    sampling_requests: list[ScheduledRequest] = []
+    sample_rows: list[int] = []
+    prompt_rows: list[PromptLogprobRows] = []
+    for request in output.scheduled:
+        first_row = len(input_ids)
+        num_tokens = len(request.token_ids)
+        input_ids.extend(request.token_ids)
+        positions.extend(range(request.start_position, request.start_position + num_tokens))
+        query_lens.append(num_tokens)
+        seq_lens.append(request.start_position + num_tokens)
+        block_tables.append(request.block_ids)
+        if request.sample:
+            sampling_requests.append(request)
+            sample_rows.append(first_row + num_tokens - 1)
+        num_top = request.sampling_params.prompt_logprobs
+        num_prompt = len(request.prompt_token_ids)
+        if num_top is not None and request.start_position < num_prompt - 1:
+            # Position p predicts prompt token p + 1; the last prompt position predicts a generated token.
+            last = min(request.start_position + num_tokens, num_prompt - 1)
+            prompt_rows.append(PromptLogprobRows(
+                request_id=request.request_id,
+                rows=[first_row + p - request.start_position for p in range(request.start_position, last)],
+                next_token_ids=request.prompt_token_ids[request.start_position + 1:last + 1],
+                num_top=num_top,
+            ))
+    return ModelInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        metadata=AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device),
+        sampling_requests=sampling_requests,
+        sample_rows=sample_rows,
+        prompt_logprob_rows=prompt_rows,
+    )

@@ -1,0 +1,36 @@
+"""Shared fixtures: the embedded model loaded once per test session, and the transformers reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from tokenriver.loader.load import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def loaded_float32(default_model_path):
+    """The embedded model in float32, shared by every engine test (engines take it via `loaded=`)."""
+    from tokenriver.loader.load import load_model
+
+    return load_model(default_model_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path):
+    """transformers' model and tokenizer on the same GGUF: the reference for correctness."""
+    transformers = pytest.importorskip("transformers")
+    directory, name = os.path.split(default_model_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return model, tokenizer
