@@ -137,6 +137,9 @@ class OutputProcessor:
             if output.trace is not None:
                 output.trace.append(trace)
         new_text = candidate.detokenizer.add_tokens(update.new_token_ids) if update.new_token_ids else ""
+        if update.finish_reason is not None:
+            # Generation ended: release text held back for an unfinished multi-byte character.
+            new_text += candidate.detokenizer.flush()
         matched = None
         if len(output.token_ids) >= params.min_tokens:
             emitted, matched = candidate.stop_checker.process(new_text)
