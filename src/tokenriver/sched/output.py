@@ -44,7 +44,12 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """Everything the runner needs for one forward pass."""
+    """Everything the runner needs for one forward pass.
+
+    Requests of one step may share blocks that this very step fills (a prefix-cache
+    hit on a prompt computed alongside): the runner must write the step's K/V of
+    each layer before any attention of that layer reads the cache.
+    """
 
     # The requests that run this step, in batch order.
     scheduled: list[ScheduledRequest]
