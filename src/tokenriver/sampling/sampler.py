@@ -1,0 +1,365 @@
+"""Sampler: one token per row of a batch of logits, each row the way its request asked.
+
+Owns the processing order, the random draw, the raw logprobs and the per-step
+trace. Receives logits and one `SamplingState` per row; returns plain Python
+results. It knows nothing about the KV cache, the scheduler or the tokenizer.
+
+Invariants:
+- The caller's logits are never modified.
+- A row's token depends only on its own logits, state and random stream: a
+  row with its own generator draws exactly one uniform from it per sampled
+  step, so a seeded request gives the same tokens alone, in any batch, at any
+  row index. Greedy rows draw nothing.
+- Stages no row uses are skipped, and each stage runs only on the rows that use
+  it; a batch of greedy rows without penalties costs an argmax and a logsumexp.
+- Logprobs and ranks are those of the raw distribution (log_softmax of the
+  unprocessed logits), as OpenAI and vLLM report them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tokenriver.outputs import TokenLogprobs
+from tokenriver.params import SamplingParams
+from tokenriver.sampling import processors
+from tokenriver.trace import STAGES, StepTrace, TraceCandidate
+
+# prompt_logprobs compares every row against the whole vocabulary: chunks bound the [rows, V] temporaries.
+PROMPT_LOGPROBS_CHUNK = 256
+
+
+@dataclass
+class SamplingState:
+    """One row of the batch: the request's controls and the history the penalties read."""
+
+    params: SamplingParams
+    # Shared references are fine: the sampler only reads them.
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # The request's own generator when it has a seed; None = the sampler's default generator.
+    generator: torch.Generator | None
+    # Ids blocked (with params.stop_token_ids) while len(output_token_ids) < params.min_tokens.
+    eos_token_ids: list[int]
+
+
+@dataclass
+class SampleResult:
+    """What the sampler chose for one row."""
+
+    token_id: int
+    # The chosen token's raw logprob and rank; `.top` holds params.logprobs best alternatives when logprobs is set.
+    logprob: TokenLogprobs
+    # Filled when params.trace is set.
+    trace: StepTrace | None
+
+
+class _Logits:
+    """The batch's logits on their way through the stages.
+
+    The caller's tensor is copied on the first update that touches only some rows; later updates write in place.
+    """
+
+    def __init__(self, raw: torch.Tensor) -> None:
+        self.tensor = raw
+        self._is_owned = False
+
+    def update(self, rows: list[int], process: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace `rows` by process(their logits); every other row stays bit-for-bit as it was."""
+        if len(rows) == self.tensor.shape[0]:
+            self.tensor = process(self.tensor)  # processors always return a new tensor
+            self._is_owned = True
+            return
+        if not self._is_owned:
+            self.tensor = self.tensor.clone()
+            self._is_owned = True
+        index = torch.tensor(rows, dtype=torch.int64)  # [n]
+        self.tensor[index] = process(self.tensor[index])
+
+
+class Sampler:
+    """Turns a step's logits into tokens, logprobs and traces."""
+
+    def __init__(self, default_generator: torch.Generator) -> None:
+        # Rows without a seed draw from this one stream, in batch order.
+        self.default_generator = default_generator
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleResult]:
+        """logits [N, V] float32, one row per state (the last position of each sampled request)."""
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits must be [len(states)={len(states)}, vocab_size], got {tuple(logits.shape)}")
+        num_rows = len(states)
+        if num_rows == 0:
+            return []
+        traced_rows = [i for i, state in enumerate(states) if state.params.trace]
+        tracer = _Tracer(logits, traced_rows, states) if traced_rows else None
+
+        processed, modified_rows = self._process(logits, states, tracer)
+
+        token_ids = torch.empty(num_rows, dtype=torch.int64)  # [N]
+        greedy_rows = [i for i, state in enumerate(states) if state.params.is_greedy]
+        sampled_rows = [i for i, state in enumerate(states) if not state.params.is_greedy]
+        if greedy_rows:
+            token_ids[greedy_rows] = _rows(processed, greedy_rows).argmax(dim=1)
+        if sampled_rows:
+            uniforms = self._uniforms([states[i] for i in sampled_rows])  # [n]
+            token_ids[sampled_rows] = _draw(_rows(processed, sampled_rows).softmax(dim=1), uniforms)
+
+        # Untouched greedy rows picked the raw argmax: nothing ranks above it, no need to count.
+        is_rank_one = [state.params.is_greedy and i not in modified_rows for i, state in enumerate(states)]
+        num_top = [state.params.logprobs or 0 for state in states]
+        logprobs = _raw_logprobs(logits, token_ids, num_top, is_rank_one)
+        traces = tracer.finish(processed, token_ids, states) if tracer else {}
+
+        chosen = token_ids.tolist()
+        return [SampleResult(chosen[i], logprobs[i], traces.get(i)) for i in range(num_rows)]
+
+    def prompt_logprobs(self, logits: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+        """Raw logprob/rank of each actual next prompt token, plus top num_top alternatives.
+
+        logits [T, V]: row t is the model's prediction after prompt position t, scored against next_token_ids[t].
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(next_token_ids):
+            raise ValueError(
+                f"logits must be [len(next_token_ids)={len(next_token_ids)}, vocab_size], got {tuple(logits.shape)}"
+            )
+        if num_top < 0:
+            raise ValueError(f"num_top={num_top} must be >= 0")
+        results: list[TokenLogprobs] = []
+        for start in range(0, len(next_token_ids), PROMPT_LOGPROBS_CHUNK):
+            chunk_ids = next_token_ids[start : start + PROMPT_LOGPROBS_CHUNK]
+            token_ids = torch.tensor(chunk_ids, dtype=torch.int64)  # [t]
+            chunk = logits[start : start + len(chunk_ids)]  # [t, V]
+            results += _raw_logprobs(chunk, token_ids, [num_top] * len(chunk_ids), [False] * len(chunk_ids))
+        return results
+
+    def _process(
+        self, logits: torch.Tensor, states: list[SamplingState], tracer: _Tracer | None
+    ) -> tuple[torch.Tensor, set[int]]:
+        """Run the stages; returns the logits to pick from and the rows penalties, bias or min_tokens changed."""
+        vocab_size = logits.shape[1]
+        work = _Logits(logits)
+        modified_rows: set[int] = set()
+
+        def run(stage: str, rows: list[int], process: Callable[[torch.Tensor], torch.Tensor]) -> None:
+            work.update(rows, process)
+            if tracer:
+                tracer.record(stage, work.tensor)
+
+        # The processing order (trace.STAGES):
+        #   penalties → logit bias → min_tokens blocking → temperature → top-k → top-p → min-p → draw.
+        # Greedy rows (temperature 0) skip temperature and the filters: they take the argmax after min_tokens.
+
+        rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+        if rows:
+            history = processors.pad_token_ids(
+                [states[i].prompt_token_ids + states[i].output_token_ids for i in rows], vocab_size
+            )  # [n, L]
+            penalty = torch.tensor([states[i].params.repetition_penalty for i in rows])  # [n]
+            run("penalty", rows, lambda x: processors.apply_repetition_penalty(x, history, penalty))
+            modified_rows.update(rows)
+
+        rows = [i for i, s in enumerate(states) if s.params.presence_penalty != 0 or s.params.frequency_penalty != 0]
+        if rows:
+            generated = processors.pad_token_ids([states[i].output_token_ids for i in rows], vocab_size)  # [n, L]
+            presence = torch.tensor([states[i].params.presence_penalty for i in rows])  # [n]
+            frequency = torch.tensor([states[i].params.frequency_penalty for i in rows])  # [n]
+            run("penalty", rows,
+                lambda x: processors.apply_presence_frequency_penalties(x, generated, presence, frequency))
+            modified_rows.update(rows)
+
+        rows = [i for i, s in enumerate(states) if s.params.logit_bias]
+        if rows:
+            biases = [states[i].params.logit_bias or {} for i in rows]
+            bias_ids = processors.pad_token_ids([list(b) for b in biases], vocab_size)  # [n, M]
+            width = bias_ids.shape[1]
+            bias_values = torch.tensor(
+                [list(b.values()) + [0.0] * (width - len(b)) for b in biases], dtype=logits.dtype
+            )  # [n, M], the padding adds 0 to the dropped column
+            run("bias", rows, lambda x: processors.apply_logit_bias(x, bias_ids, bias_values))
+            modified_rows.update(rows)
+
+        if tracer:
+            tracer.keep_processed(work.tensor)
+
+        rows = [
+            i for i, s in enumerate(states)
+            if len(s.output_token_ids) < s.params.min_tokens and (s.eos_token_ids or s.params.stop_token_ids)
+        ]
+        if rows:
+            blocked = processors.pad_token_ids(
+                [states[i].eos_token_ids + states[i].params.stop_token_ids for i in rows], vocab_size
+            )  # [n, M]
+            num_output = torch.tensor([len(states[i].output_token_ids) for i in rows])  # [n]
+            min_tokens = torch.tensor([states[i].params.min_tokens for i in rows])  # [n]
+            run("min_tokens", rows, lambda x: processors.apply_min_tokens(x, blocked, num_output, min_tokens))
+            modified_rows.update(rows)
+
+        sampled = [(i, s.params) for i, s in enumerate(states) if not s.params.is_greedy]
+
+        rows = [i for i, p in sampled if p.temperature != 1.0]
+        if rows:
+            temperature = torch.tensor([states[i].params.temperature for i in rows])  # [n]
+            run("temperature", rows, lambda x: processors.apply_temperature(x, temperature))
+
+        rows = [i for i, p in sampled if 0 < p.top_k < vocab_size]
+        if rows:
+            top_k = torch.tensor([states[i].params.top_k for i in rows])  # [n]
+            run("top_k", rows, lambda x: processors.apply_top_k(x, top_k))
+
+        rows = [i for i, p in sampled if p.top_p < 1.0]
+        if rows:
+            top_p = torch.tensor([states[i].params.top_p for i in rows])  # [n]
+            run("top_p", rows, lambda x: processors.apply_top_p(x, top_p))
+
+        rows = [i for i, p in sampled if p.min_p > 0.0]
+        if rows:
+            min_p = torch.tensor([states[i].params.min_p for i in rows])  # [n]
+            run("min_p", rows, lambda x: processors.apply_min_p(x, min_p))
+
+        return work.tensor, modified_rows
+
+    def _uniforms(self, states: list[SamplingState]) -> torch.Tensor:
+        """One uniform in [0, 1) per row: from the row's own generator if it has one, else the default stream."""
+        uniforms = torch.empty(len(states))  # [n]
+        default_rows = [j for j, state in enumerate(states) if state.generator is None]
+        if default_rows:
+            uniforms[default_rows] = torch.rand(len(default_rows), generator=self.default_generator)
+        for j, state in enumerate(states):
+            if state.generator is not None:
+                uniforms[j] = torch.rand(1, generator=state.generator)[0]
+        return uniforms
+
+
+def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """tensor[rows] without a copy when rows is every row in order."""
+    return tensor if len(rows) == tensor.shape[0] else tensor[torch.tensor(rows, dtype=torch.int64)]
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row, the first token whose cumulative probability exceeds u * total.
+
+    probs [n, V], uniforms [n] in [0, 1). One uniform per row keeps each row's draw a function of its own
+    random stream. A token of probability 0 adds nothing to the cumulative sum, so it can never be the first to
+    exceed the target; the target is kept strictly below the total so rounding cannot run past the last token.
+    """
+    cdf = probs.cumsum(dim=1)  # [n, V], accumulated in float64 by PyTorch's CPU kernel
+    total = cdf[:, -1:]  # [n, 1]
+    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))  # [n, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # [n]
+
+
+def _raw_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int], is_rank_one: list[bool]
+) -> list[TokenLogprobs]:
+    """Logprob and rank of token_ids[i] under log_softmax(logits[i]), plus the num_top[i] best alternatives.
+
+    rank = 1 + the number of tokens with a strictly larger logit (ties share a rank; the argmax is always 1).
+    Rows flagged in is_rank_one are known to hold an argmax, which saves a pass over their vocabulary.
+    """
+    num_rows = logits.shape[0]
+    log_normalizer = torch.logsumexp(logits, dim=1)  # [N]
+    chosen_logits = logits.gather(1, token_ids.unsqueeze(1))  # [N, 1]
+    chosen_logprobs = (chosen_logits.squeeze(1) - log_normalizer).tolist()
+    ranks = [1] * num_rows
+    rank_rows = [i for i in range(num_rows) if not is_rank_one[i]]
+    if rank_rows:
+        index = torch.tensor(rank_rows, dtype=torch.int64)  # [n]
+        num_above = (_rows(logits, rank_rows) > chosen_logits[index]).sum(dim=1, dtype=torch.int32)  # [n]
+        for i, count in zip(rank_rows, num_above.tolist()):
+            ranks[i] = count + 1
+    tops: list[list[tuple[int, float]]] = [[] for _ in range(num_rows)]
+    top_rows = [i for i in range(num_rows) if num_top[i] > 0]
+    if top_rows:
+        index = torch.tensor(top_rows, dtype=torch.int64)  # [n]
+        best = _rows(logits, top_rows).topk(min(max(num_top), logits.shape[1]), dim=1)  # [n, k] each
+        best_logprobs = (best.values - log_normalizer[index].unsqueeze(1)).tolist()
+        best_ids = best.indices.tolist()
+        for j, i in enumerate(top_rows):
+            tops[i] = list(zip(best_ids[j][: num_top[i]], best_logprobs[j][: num_top[i]]))
+    ids = token_ids.tolist()
+    return [TokenLogprobs(ids[i], chosen_logprobs[i], ranks[i], tops[i]) for i in range(num_rows)]
+
+
+class _Tracer:
+    """Follows the traced rows' most likely raw candidates through the stages and builds their StepTraces."""
+
+    def __init__(self, raw: torch.Tensor, rows: list[int], states: list[SamplingState]) -> None:
+        self.rows = rows
+        self.index = torch.tensor(rows, dtype=torch.int64)  # [T]
+        self.raw = _rows(raw, rows).clone()  # [T, V]
+        self.processed = self.raw  # [T, V], replaced after penalties and bias
+        num_candidates = min(max(states[i].params.trace_top for i in rows), raw.shape[1])
+        self.candidate_ids = self.raw.topk(num_candidates, dim=1).indices  # [T, C], most likely first
+        candidate_logits = self.raw.gather(1, self.candidate_ids)  # [T, C]
+        self.is_finite = torch.isfinite(candidate_logits)  # [T, C]
+        # Index into STAGES of the stage that first forced each candidate to -inf; -1 while it survives.
+        self.removed_by = torch.full_like(self.candidate_ids, -1)  # [T, C]
+
+    def record(self, stage: str, logits: torch.Tensor) -> None:
+        """Note which candidates this stage forced to -inf (a removed token stays -inf in later stages)."""
+        values = logits[self.index.unsqueeze(1), self.candidate_ids]  # [T, C]
+        is_removed_now = (values == float("-inf")) & self.is_finite & (self.removed_by < 0)
+        self.removed_by[is_removed_now] = STAGES.index(stage)
+
+    def keep_processed(self, logits: torch.Tensor) -> None:
+        """Remember the logits after penalties and bias (TraceCandidate.logit_processed)."""
+        self.processed = _rows(logits, self.rows).clone()  # [T, V]
+
+    def finish(self, final: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState]) -> dict[int, StepTrace]:
+        """Build one StepTrace per traced row, keyed by row. `final` is what each row picked from (greedy rows:
+        their logits after min_tokens blocking; sampled rows: after min-p)."""
+        final_rows = _rows(final, self.rows)  # [T, V]
+        prob_raw = self.raw.softmax(dim=1)  # [T, V]
+        prob_final = final_rows.softmax(dim=1)  # [T, V]
+        entropy_raw = torch.special.entr(prob_raw).sum(dim=1).tolist()
+        entropy_final = torch.special.entr(prob_final).sum(dim=1).tolist()
+        num_kept = torch.isfinite(final_rows).sum(dim=1).tolist()
+        chosen = token_ids[self.index]  # [T]
+        chosen_logits = self.raw.gather(1, chosen.unsqueeze(1))  # [T, 1]
+        chosen_ranks = ((self.raw > chosen_logits).sum(dim=1, dtype=torch.int32) + 1).tolist()
+        candidate_logits = self.raw.gather(1, self.candidate_ids)  # [T, C]
+        # Every token above a candidate is itself a candidate, so ranks can be counted within the candidates.
+        candidate_ranks = ((candidate_logits.unsqueeze(1) > candidate_logits.unsqueeze(2)).sum(dim=2) + 1).tolist()
+
+        traces: dict[int, StepTrace] = {}
+        for j, row in enumerate(self.rows):
+            params = states[row].params
+            chosen_id = int(chosen[j])
+            ids = self.candidate_ids[j, : params.trace_top].tolist()
+            ranks = candidate_ranks[j][: params.trace_top]
+            removed = [STAGES[k] if k >= 0 else None for k in self.removed_by[j, : params.trace_top].tolist()]
+            if chosen_id not in ids:
+                ids.append(chosen_id)
+                ranks.append(chosen_ranks[j])
+                removed.append(None)  # a chosen token has a non-zero final probability
+            candidates = [
+                TraceCandidate(
+                    token_id=token_id,
+                    text="",
+                    logit=float(self.raw[j, token_id]),
+                    prob_raw=float(prob_raw[j, token_id]),
+                    prob_final=float(prob_final[j, token_id]),
+                    rank=rank,
+                    removed_by=removed_by,
+                    logit_processed=float(self.processed[j, token_id]),
+                )
+                for token_id, rank, removed_by in zip(ids, ranks, removed)
+            ]
+            traces[row] = StepTrace(
+                index=len(states[row].output_token_ids),
+                candidates=candidates,
+                chosen_token_id=chosen_id,
+                chosen_rank=chosen_ranks[j],
+                chosen_prob_raw=float(prob_raw[j, chosen_id]),
+                chosen_prob_final=float(prob_final[j, chosen_id]),
+                entropy_raw=entropy_raw[j],
+                entropy_final=entropy_final[j],
+                num_candidates_kept=num_kept[j],
+                temperature=params.temperature,
+                method="greedy" if params.is_greedy else "sample",
+            )
+        return traces
