@@ -28,16 +28,18 @@ def llm(loaded_float32):
 
 def test_greedy_continuations_match_transformers(llm, hf_reference):
     model, hf_tokenizer = hf_reference
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    eos = set(llm.get_tokenizer().eos_token_ids)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
         ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
         assert output.prompt_token_ids == ids[0].tolist()
         with torch.inference_mode():
-            reference = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
-        expected = reference[0, ids.shape[1]:].tolist()
-        got = output.outputs[0].token_ids
-        assert got == expected, f"first difference at token {next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)} for {prompt!r}"
+            reference = model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+        # Both stop at the first end-of-sequence token (ours knows every EOS id the model declares).
+        end = next((i + 1 for i, token in enumerate(reference) if token in eos), len(reference))
+        expected, got = reference[:end], output.outputs[0].token_ids
+        first_difference = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        assert got == expected, f"{prompt!r}: first difference at generated token {first_difference}"
 
 
 def test_cached_and_uncached_decoding_agree(loaded_float32, llm):

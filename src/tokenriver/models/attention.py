@@ -112,9 +112,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rows = torch.tensor([starts[i] for i in metadata.decode_indices], dtype=torch.long, device=query.device)
         tables = metadata.decode_block_tables
         num_decodes, num_blocks = tables.shape
+        flat_tables = tables.flatten()
+        # index_select, not key_cache[tables]: advanced indexing on CPU walks the whole pool (ms instead of µs).
         # [num_decodes, num_blocks * block_size, num_kv_heads, head_dim] -> [num_decodes, num_kv_heads, S, head_dim]
-        keys = key_cache[tables].view(num_decodes, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-        values = value_cache[tables].view(num_decodes, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        keys = key_cache.index_select(0, flat_tables).view(
+            num_decodes, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        values = value_cache.index_select(0, flat_tables).view(
+            num_decodes, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
         # [num_decodes, num_heads, 1, head_dim]
         q = query.index_select(0, rows).unsqueeze(2).to(keys.dtype)
         mask = metadata.decode_mask[:, None, None, :]  # [num_decodes, 1, 1, S]
@@ -126,15 +130,19 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = metadata.block_tables[i, :num_blocks]
         # [num_kv_heads, seq_len, head_dim]
-        keys = key_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        values = value_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        q = query[starts[i]:starts[i] + query_len].transpose(0, 1).to(keys.dtype)  # [num_heads, query_len, head_dim]
+        keys = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        values = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        # [1, num_heads, query_len, head_dim]: with a batch dimension SDPA takes its flash kernel (3-D inputs fall
+        # back to the generic math path, ~10x slower on long prompts).
+        q = query[starts[i]:starts[i] + query_len].transpose(0, 1).unsqueeze(0).to(keys.dtype)
+        keys, values = keys.unsqueeze(0), values.unsqueeze(0)
         if query_len == seq_len:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # Query t sits at position seq_len - query_len + t and sees positions up to there.
             positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        output[starts[i]:starts[i] + query_len] = out.transpose(0, 1).to(output.dtype)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=scale,
+                                                 enable_gqa=True)
+        output[starts[i]:starts[i] + query_len] = out[0].transpose(0, 1).to(output.dtype)
     return output

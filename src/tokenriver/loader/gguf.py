@@ -1,0 +1,211 @@
+"""GGUF file → ModelConfig, Hugging Face-named weight tensors, raw tokenizer fields.
+
+The only module that knows llama.cpp's naming: metadata keys
+(`llama.attention.head_count`, ...) become ModelConfig fields, tensor names
+(`blk.3.attn_q.weight`, ...) become Hugging Face parameter names, and every
+tensor is dequantized by `gguf.quants.dequantize` to a plain torch tensor.
+The file is memory-mapped and parsed, never unpickled.
+
+One subtlety: for llama-architecture models llama.cpp's converter reorders
+the rows of attn_q/attn_k so each head's rotary pairs are interleaved
+(x0,x1),(x2,x3),... as its "normal" rope expects. Our model uses Hugging Face's
+rotate_half layout, pairing (x_i, x_{i+d/2}), so those rows are put back in
+their original order here (as transformers' GGUF loader does).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from tokenriver.errors import ModelLoadError
+from tokenriver.models.config import ModelConfig
+from tokenriver.models.registry import canonical_architecture
+
+Q = gguf.GGMLQuantizationType
+# Tensor types tokenriver dequantizes (all through gguf.quants.dequantize).
+SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({
+    Q.F32, Q.F16, Q.BF16,
+    Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
+})
+
+# GGUF architectures whose converter permuted attn_q/attn_k rows for interleaved rope.
+_PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+
+# llama.cpp tensor name → Hugging Face parameter name ("{i}" is the layer index).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclass
+class GGUFCheckpoint:
+    """Everything tokenriver takes from a GGUF file."""
+
+    config: ModelConfig
+    # Hugging Face parameter name → tensor in the requested dtype, on CPU.
+    weights: dict[str, torch.Tensor]
+    # Every "tokenizer.*" metadata key → plain Python value (str, int, float, bool or a list of them).
+    tokenizer_fields: dict[str, Any]
+
+
+def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
+    """Parse a GGUF file; raise ModelLoadError saying what is wrong with it otherwise."""
+    reader = _open(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    gguf_arch = fields.get("general.architecture")
+    if not isinstance(gguf_arch, str):
+        raise ModelLoadError(f"{path}: the GGUF metadata has no general.architecture; the file is incomplete, "
+                             f"convert the model again with llama.cpp's convert_hf_to_gguf.py", path=path)
+    architecture = canonical_architecture(gguf_arch, path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = _config(path, fields, gguf_arch, architecture, tensors)
+    weights = {}
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # Folded into config.rope_scaling.
+        weights[_hf_name(path, tensor.name)] = _dequantize(path, tensor, gguf_arch, config).to(dtype)
+    tokenizer_fields = {name: value for name, value in fields.items() if name.startswith("tokenizer.")}
+    return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=tokenizer_fields)
+
+
+def _open(path: str) -> gguf.GGUFReader:
+    """Memory-map the file, after checking it exists and starts with the GGUF magic."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: no such file; pass the path of a .gguf file or of a Hugging Face model folder",
+                             path=path)
+    with open(path, "rb") as file:
+        magic = file.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file starts with b'GGUF'); "
+                             f"pass a .gguf file, or a Hugging Face folder with config.json and *.safetensors",
+                             path=path)
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError, OSError) as error:
+        size = os.path.getsize(path)
+        raise ModelLoadError(f"{path}: the GGUF file is truncated or damaged ({size} bytes; reading it failed: "
+                             f"{error}); download or convert it again", path=path) from error
+
+
+def _config(path: str, fields: dict[str, Any], gguf_arch: str, architecture: str,
+            tensors: dict[str, Any]) -> ModelConfig:
+    """Translate `{arch}.*` metadata into a ModelConfig."""
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: the GGUF metadata lacks {gguf_arch}.{key}; convert the model again with "
+                                 f"a recent llama.cpp convert_hf_to_gguf.py", path=path)
+        return value
+
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: the GGUF file has no token_embd.weight tensor; it is not a complete model",
+                             path=path)
+    hidden_size = get("embedding_length")
+    num_heads = get("attention.head_count")
+    head_dim = get("attention.key_length", hidden_size // num_heads)
+    rope_dim = get("rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary embeddings (rope.dimension_count={rope_dim} < head_dim="
+                             f"{head_dim}) are not supported", path=path)
+    values = dict(
+        architecture=architecture,
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden_size,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=get("attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        rope_theta=get("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(path, fields, gguf_arch, tensors),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=get("context_length"),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_out_bias="blk.0.attn_output.bias" in tensors,
+        name=fields.get("general.name") or os.path.basename(path),
+    )
+    try:
+        return ModelConfig(**values)
+    except ModelLoadError as error:
+        raise ModelLoadError(f"{path}: {error.message}", path=path) from error
+
+
+def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: dict[str, Any]) -> dict | None:
+    """Rope scaling as ModelConfig expects it: from rope.scaling.* keys or llama.cpp's rope_freqs tensor."""
+    if "rope_freqs.weight" in tensors:
+        # Llama 3.x: the converter stores per-frequency divisors instead of the llama3 formula's parameters.
+        factors = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
+        return {"rope_type": "freq_factors", "factors": [float(f) for f in np.asarray(factors).reshape(-1)]}
+    scaling_type = fields.get(f"{gguf_arch}.rope.scaling.type", "none")
+    if scaling_type == "none":
+        return None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": fields[f"{gguf_arch}.rope.scaling.factor"]}
+    raise ModelLoadError(f"{path}: rope scaling type {scaling_type!r} is not supported (tokenriver supports linear "
+                         f"and Llama 3 scaling)", path=path)
+
+
+def _hf_name(path: str, name: str) -> str:
+    """llama.cpp tensor name → Hugging Face parameter name."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ModelLoadError(f"{path}: tensor {name!r} has no place in a Llama-family model; the file holds a "
+                             f"different architecture than its metadata says", path=path)
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _dequantize(path: str, tensor: Any, gguf_arch: str, config: ModelConfig) -> torch.Tensor:
+    """One GGUF tensor → float32 torch tensor in PyTorch's [out_features, in_features] order."""
+    if tensor.tensor_type not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise ModelLoadError(f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which tokenriver "
+                             f"cannot dequantize (supported: {supported}); re-quantize the model with llama.cpp's "
+                             f"llama-quantize, e.g. to Q8_0 or Q4_K_M", path=path)
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first.
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # A writable float32 copy only where needed (F32 tensors come back as read-only views of the mapped file).
+    weights = torch.from_numpy(np.require(values, dtype=np.float32, requirements=["C", "W"]).reshape(shape))
+    if gguf_arch in _PERMUTED_QK_ARCHITECTURES and ".attn_q." in tensor.name:
+        weights = _unpermute_rope_rows(weights, config.num_heads)
+    elif gguf_arch in _PERMUTED_QK_ARCHITECTURES and ".attn_k." in tensor.name:
+        weights = _unpermute_rope_rows(weights, config.num_kv_heads)
+    return weights
+
+
+def _unpermute_rope_rows(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, rows (0, d/2, 1, d/2+1, ...) back to (0, 1, ..., d-1).
+
+    The converter did w.reshape(heads, 2, d/2, ...).swapaxes(1, 2); this is its inverse.
+    """
+    rows_per_head = weights.shape[0] // num_heads
+    rest = weights.shape[1:]
+    # [num_heads, head_dim // 2, 2, ...] → [num_heads, 2, head_dim // 2, ...] → back to [out_features, ...]
+    return weights.reshape(num_heads, rows_per_head // 2, 2, *rest).transpose(1, 2).reshape(weights.shape).contiguous()

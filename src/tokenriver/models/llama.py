@@ -1,0 +1,118 @@
+"""Llama-family decoder: Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5.
+
+One page, top to bottom: embedding → N × (RMSNorm → attention → residual,
+RMSNorm → SwiGLU MLP → residual) → final RMSNorm; logits on request.
+Parameter names are Hugging Face's, so a checkpoint's state dict loads as is.
+The variants differ only in ModelConfig fields: grouped-query attention
+(num_kv_heads), QKV bias (Qwen2), rope scaling (Llama 3), tied output embedding.
+
+A step is a ragged batch: the tokens of many requests flattened into one
+[num_tokens] tensor, each with its own position; `AttentionMetadata` says which
+tokens belong to which request and where their keys/values live in the paged
+KV cache. No loader logic, no global context: everything comes in as arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenriver.kv.cache import KVCache
+from tokenriver.models.attention import AttentionMetadata, paged_attention
+from tokenriver.models.config import ModelConfig
+from tokenriver.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    """Multi-head (or grouped-query) self-attention with rotary positions over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size,
+                                bias=config.attention_out_bias)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """rope: cos, sin [T, 1, head_dim // 2]; hidden [T, hidden_size] → [T, hidden_size]."""
+        num_tokens = hidden.shape[0]
+        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
+        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
+        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
+        query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
+        out = paged_attention(query, key, value, kv_cache[self.layer_idx], metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Token embedding, the decoder stack and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          config.max_position_embeddings)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb(positions, hidden.dtype)  # cos, sin: [T, 1, head_dim // 2] each
+        for layer in self.layers:
+            hidden = layer(rope, hidden, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its output projection; the engine calls `forward`, then `compute_logits` on chosen rows."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Run one step over a ragged batch; writes this step's K/V into kv_cache.
+
+        input_ids, positions: [num_tokens] int64. Returns the final-norm hidden
+        states [num_tokens, hidden_size] in the parameters' dtype.
+        """
+        return self.model(input_ids, positions, kv_cache, metadata)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] → [num_rows, vocab_size] float32 logits.
+
+        Separate from forward so only the rows that get sampled (usually each
+        request's last token) pay for the vocabulary-sized matmul.
+        """
+        return self.lm_head(hidden).float()

@@ -1,0 +1,45 @@
+"""Which model class runs which architecture name.
+
+Keys are the names files use: GGUF `general.architecture` ("llama", "qwen2")
+and Hugging Face config.json `architectures` / `model_type`
+("LlamaForCausalLM", "mistral", ...). Loaders resolve a name once, here, and
+store the canonical key in ModelConfig.architecture. A new architecture is one
+more model file, a line in ARCHITECTURES and, for Hugging Face folders, its
+class name in _ALIASES.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tokenriver.errors import ModelLoadError
+from tokenriver.models.llama import LlamaForCausalLM
+
+# Canonical architecture key → model class.
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+# Names found in files → canonical key.
+_ALIASES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def canonical_architecture(name: str, path: str) -> str:
+    """Map a file's architecture name to a key of ARCHITECTURES, or explain that tokenriver cannot run it."""
+    key = _ALIASES.get(name, name)
+    if key not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES)) + " (Hugging Face: " + ", ".join(sorted(_ALIASES)) + ")"
+        raise ModelLoadError(f"{path}: architecture {name!r} is not supported; tokenriver runs {supported}",
+                             path=path)
+    return key
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The class for a canonical architecture key (as stored in ModelConfig.architecture)."""
+    return ARCHITECTURES[architecture]
