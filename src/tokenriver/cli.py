@@ -1,4 +1,4 @@
-"""tokenriver's command line: generate, chat (and serve, visualize once the server exists).
+"""tokenriver's command line: generate, chat, serve, visualize.
 
 Engine flags are generated from EngineConfig's fields and sampling flags from
 SamplingParams' fields, so a new option appears here without a second list
@@ -17,6 +17,7 @@ from tokenriver.config import EngineConfig
 from tokenriver.errors import TokenriverError
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import SamplingParams
+from tokenriver.server.cli_serve import add_serve_command
 from tokenriver.trace import StepTrace
 
 ENGINE_HELP = {
@@ -215,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="A readable LLM inference engine that shows how generation happens.",
         epilog="Examples:\n  tokenriver generate \"The capital of France is\" --max-tokens 32\n"
                "  tokenriver generate \"Once upon a time\" --temperature 0.8 --top-p 0.9 --seed 1 --trace\n"
-               "  tokenriver chat --model path/to/model.gguf",
+               "  tokenriver chat --model path/to/model.gguf\n"
+               "  tokenriver serve --port 8000      (OpenAI-compatible API; the visualizer at /)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -233,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
         _add_field_flags(sub, SamplingParams, SAMPLING_HELP, {}, SAMPLING_DEFAULTS, "sampling_")
     generate.set_defaults(handler=cmd_generate)
     chat.set_defaults(handler=cmd_chat)
+    add_serve_command(commands,
+                      add_engine_flags=lambda sub: _add_field_flags(sub, EngineConfig, ENGINE_HELP, ENGINE_FLAG_NAMES,
+                                                                    {}, "engine_"),
+                      engine_config_from=engine_config_from)
     return parser
 
 

@@ -15,6 +15,9 @@ from tokenriver.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
 DEFAULT_TRACE_TOP = 10
+# Temperatures below this act as greedy (as in vLLM): dividing float32 logits by less overflows.
+GREEDY_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 def _fail(name: str, value: object, rule: str) -> None:
@@ -37,7 +40,7 @@ class SamplingParams:
     n: int = 1
     # Candidates generated; the `n` with the highest cumulative log-probability are returned. None = n.
     best_of: int | None = None
-    # 0 means greedy (argmax); otherwise logits are divided by it.
+    # 0 means greedy (argmax), and so does anything below 1e-5; otherwise logits are divided by it.
     temperature: float = 1.0
     # Keep the k most likely tokens; 0 or -1 turns it off.
     top_k: int = 0
@@ -94,7 +97,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -103,7 +106,7 @@ class SamplingParams:
             _fail("best_of", self.best_of, f"must be an integer >= n ({self.n})")
         if not _is_number(self.temperature) or self.temperature < 0:
             _fail("temperature", self.temperature, "must be a number >= 0 (0 = greedy)")
-        if self.num_generated > 1 and self.temperature == 0.0:
+        if self.num_generated > 1 and self.is_greedy:
             _fail("temperature", self.temperature,
                   "greedy sampling gives the same candidate every time; use temperature > 0 with n or best_of > 1")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -112,8 +115,10 @@ class SamplingParams:
             _fail("top_p", self.top_p, "must be in (0, 1]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             _fail("min_p", self.min_p, "must be in [0, 1]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            _fail("repetition_penalty", self.repetition_penalty, "must be a number > 0 (1 = off)")
+        if (not _is_number(self.repetition_penalty)
+                or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            _fail("repetition_penalty", self.repetition_penalty,
+                  f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 = off, > 1 discourages repeats)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
@@ -124,8 +129,8 @@ class SamplingParams:
                     _fail("logit_bias", self.logit_bias, f"key {token_id!r} must be a token id (integer >= 0)")
                 if not _is_number(bias) or not -100 <= bias <= 100:
                     _fail("logit_bias", self.logit_bias, f"bias {bias!r} for token {token_id} must be in [-100, 100]")
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", self.seed, "must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            _fail("seed", self.seed, "must be a 64-bit integer (-2**63 .. 2**63-1) or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             _fail("max_tokens", self.max_tokens, "must be an integer >= 1, or None to run until EOS")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

@@ -152,7 +152,8 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         cumulative = sorted_probs.cumsum(dim=1)  # [n, size]
         mass_above = F.pad(cumulative[:, :-1], (1, 0))  # [n, size]: mass ranked strictly above each token
         row_top_p = top_p[pending].to(probs.dtype).unsqueeze(1)  # [n, 1]
-        num_kept = (mass_above < row_top_p).sum(dim=1, keepdim=True)  # [n, 1], >= 1 since top_p > 0
+        # [n, 1]; at least 1 even when top_p underflows to 0 in the logits' dtype.
+        num_kept = (mass_above < row_top_p).sum(dim=1, keepdim=True).clamp_(min=1)
         # Decided: the `size` most likely tokens already hold top_p (everything below is cut), or the row is sorted.
         is_decided = (cumulative[:, -1:] >= row_top_p).squeeze(1) | (size == vocab_size)  # [n]
         min_kept_prob[pending[is_decided]] = sorted_probs.gather(1, num_kept - 1)[is_decided]

@@ -1,0 +1,378 @@
+"""The wire format: pydantic models of OpenAI's requests and responses, plus tokenriver's extensions.
+
+Requests are parsed strictly (a string is not a number, `true` is not 1) and
+closed: a field this server does not know is rejected with 400 naming it,
+because silently dropping something that changes behaviour would return a
+plausible but wrong answer. Two exceptions, listed below, are accepted and
+dropped before validation: fields that never change the output
+(`IGNORED_FIELDS`), and unsupported OpenAI features sent with the value that
+turns them off (`NOOP_VALUES`, e.g. `"tools": []`). Range checks belong to
+SamplingParams, so this module checks only shapes and types (and that
+integers fit 64 bits, the one range every consumer shares).
+
+Extensions (vLLM's sampling fields, tokenriver's `trace`, `metrics`,
+`token_ids`) are left out of a response when they are None, so a plain
+OpenAI client sees OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from tokenriver.errors import InvalidParameterError
+
+# Fields OpenAI clients commonly send that have no effect here: accepted and ignored.
+IGNORED_FIELDS: tuple[str, ...] = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
+                                   "safety_identifier", "parallel_tool_calls")
+
+# Unsupported OpenAI features, accepted only with a value that turns them off.
+NOOP_VALUES: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+}
+
+# Message fields that OpenAI returns and clients echo back in the history: accepted when empty.
+MESSAGE_NOOP_VALUES: dict[str, tuple[Any, ...]] = {
+    "refusal": (None,),
+    "annotations": (None, []),
+    "audio": (None,),
+    "tool_calls": (None, []),
+    "function_call": (None,),
+}
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> Any:
+    """Bytes of a JSON body → a validated request model (pydantic.ValidationError or InvalidParameterError)."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidParameterError(f"the request body is not valid JSON ({error}); send a JSON object",
+                                    param=None) from None
+    if not isinstance(data, dict):
+        raise InvalidParameterError(f"the request body must be a JSON object, not {type(data).__name__}", param=None)
+    data = _drop_noop_fields(data, NOOP_VALUES, IGNORED_FIELDS, "")
+    if isinstance(data.get("messages"), list):
+        data["messages"] = [_drop_noop_fields(m, MESSAGE_NOOP_VALUES, (), f"messages[{i}].") if isinstance(m, dict)
+                            else m for i, m in enumerate(data["messages"])]
+    return model.model_validate(data)
+
+
+def _drop_noop_fields(data: dict[str, Any], noop_values: dict[str, tuple[Any, ...]], ignored: tuple[str, ...],
+                      prefix: str) -> dict[str, Any]:
+    kept = {}
+    for key, value in data.items():
+        if key in ignored:
+            continue
+        if key in noop_values:
+            if value not in noop_values[key]:
+                allowed = " or ".join(json.dumps(v) for v in noop_values[key])
+                raise InvalidParameterError(
+                    f"{prefix}{key} is not supported by tokenriver; remove it (accepted only as {allowed})",
+                    param=prefix + key)
+            continue
+        kept[key] = value
+    return kept
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+# Every integer a request carries must fit 64 bits: larger ones could not reach a tensor (or a seed) intact.
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+
+
+class Request(BaseModel):
+    """Strict and closed (see the module docstring); null always means "not given", so defaults live in serving."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Request):
+    # Send one more chunk before [DONE] with the request's usage (and no choices).
+    include_usage: bool | None = None
+
+
+class SamplingFields(Request):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's, then tokenriver's)."""
+
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: Int64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    max_tokens: Int64 | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # Token id (as a string, JSON keys are strings) → bias added to its logit.
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions.
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 | None = None
+    stop_token_ids: list[Int64] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # Lower runs first when the engine must choose (vLLM's meaning).
+    priority: Int64 | None = None
+    # tokenriver extensions: a StepTrace per generated token, keeping trace_top candidates.
+    trace: bool | None = None
+    trace_top: Int64 | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: object) -> object:
+        if value is None or isinstance(value, str) or (isinstance(value, list)
+                                                       and all(isinstance(s, str) for s in value)):
+            return value
+        raise PydanticCustomError("stop_type", "must be a string or a list of strings")
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    # A string, a list of token ids, or a batch: a list of strings or a list of token-id lists.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # Prepend the prompt to the returned text (and its logprobs when logprobs is set).
+    echo: bool | None = None
+    # Top alternatives per token, in the legacy completions format; 0 = only the chosen token's.
+    logprobs: Int64 | None = None
+    best_of: Int64 | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: object) -> object:
+        if isinstance(value, str) or _is_token_ids(value):
+            return value
+        if isinstance(value, list) and value and (all(isinstance(p, str) for p in value)
+                                                  or all(_is_token_ids(p) for p in value)):
+            return value
+        raise PydanticCustomError(
+            "prompt_type",
+            "must be a string, a list of token ids, or a non-empty list of strings or of token-id lists")
+
+
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: object) -> object:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            for part in value:
+                if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                    raise PydanticCustomError(
+                        "content_part", "content part type {kind!r} is not supported: send text parts only",
+                        {"kind": part.get("type")})
+            if all(isinstance(p, dict) and set(p) == {"type", "text"} and isinstance(p["text"], str) for p in value):
+                return value
+        raise PydanticCustomError("content_type",
+                                  'must be a string or a list of text parts ({"type": "text", "text": "..."})')
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI's newer name for max_tokens.
+    max_completion_tokens: Int64 | None = None
+    # Return the chosen token's logprob; top_logprobs adds that many alternatives.
+    logprobs: bool | None = None
+    top_logprobs: Int64 | None = None
+    # vLLM extensions: end the prompt with the assistant header; extra variables for the chat template.
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(Request):
+    """POST /tokenize: either a prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Messages only: end with the assistant header (default true).
+    add_generation_prompt: bool | None = None
+    # Prompt only: add BOS/EOS as the model asks (default true; the chat template writes its own).
+    add_special_tokens: bool | None = None
+
+
+class DetokenizeRequest(Request):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[Int64]
+
+
+# ----- responses ------------------------------------------------------------------------------------
+
+
+class Response(BaseModel):
+    """Response models: extension fields use `_omit_none` so OpenAI clients see OpenAI's shape."""
+
+
+def _omit_none(default: Any = None) -> Any:
+    return Field(default=default, exclude_if=lambda value: value is None)
+
+
+class PromptTokensDetails(Response):
+    cached_tokens: int = 0
+
+
+class Usage(Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class RequestMetricsInfo(Response):
+    """tokenriver extension: how the engine served a request (see the README)."""
+
+    time_to_first_token: float | None
+    time_per_output_token: float | None
+    queue_time: float | None
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_forward_passes: int
+    kv_blocks: int
+
+
+class CompletionLogprobs(Response):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    # vLLM extension: the stop string or stop token id that matched.
+    stop_reason: str | int | None = _omit_none()
+    # tokenriver extensions (chunks only: token_ids).
+    token_ids: list[int] | None = _omit_none()
+    trace: list[dict[str, Any]] | None = _omit_none()
+
+
+class CompletionResponse(Response):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = _omit_none()
+    metrics: RequestMetricsInfo | None = _omit_none()
+
+
+class TopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Response):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class ChatMessageOut(Response):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(Response):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+    stop_reason: str | int | None = _omit_none()
+    trace: list[dict[str, Any]] | None = _omit_none()
+
+
+class ChatCompletionResponse(Response):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    metrics: RequestMetricsInfo | None = _omit_none()
+
+
+class DeltaMessage(Response):
+    role: str | None = _omit_none()
+    content: str | None = _omit_none()
+
+
+class ChatChunkChoice(Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = _omit_none()
+    token_ids: list[int] | None = _omit_none()
+    trace: list[dict[str, Any]] | None = _omit_none()
+
+
+class ChatCompletionChunk(Response):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = _omit_none()
+    metrics: RequestMetricsInfo | None = _omit_none()
+
+
+class ErrorInfo(Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Response):
+    error: ErrorInfo

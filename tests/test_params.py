@@ -1,0 +1,87 @@
+"""SamplingParams and EngineConfig reject every invalid value with an error naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenriver.config import EngineConfig, parse_size
+from tokenriver.errors import InvalidParameterError
+from tokenriver.params import SamplingParams
+
+INVALID_SAMPLING = [
+    ("n", 0), ("n", 1.5), ("n", True),
+    ("best_of", 0),
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "1"),
+    ("top_k", -2), ("top_k", 1.0),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1),
+    ("min_p", -0.01), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", 1e-300),
+    ("repetition_penalty", 1e6),
+    ("presence_penalty", 2.5), ("presence_penalty", -2.01),
+    ("frequency_penalty", 3), ("frequency_penalty", -3),
+    ("logit_bias", {5: 101}), ("logit_bias", {5: -100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}),
+    ("seed", 1.5), ("seed", 2**64), ("seed", "7"),
+    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 2.0),
+    ("min_tokens", -1),
+    ("stop", [""]), ("stop", [3]),
+    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
+    ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 100),
+    ("ignore_eos", "yes"), ("skip_special_tokens", 1), ("include_stop_str_in_output", None), ("trace", "true"),
+    ("trace_top", 0), ("trace_top", 1000),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), INVALID_SAMPLING)
+def test_each_invalid_sampling_value_names_its_field(field, value):
+    with pytest.raises(InvalidParameterError) as caught:
+        SamplingParams(**{field: value})
+    assert caught.value.param == field
+    assert field in str(caught.value) and repr(value) in str(caught.value)
+
+
+def test_cross_field_rules():
+    with pytest.raises(InvalidParameterError, match="best_of") as caught:
+        SamplingParams(n=3, best_of=2, temperature=1.0)
+    assert caught.value.param == "best_of"
+    with pytest.raises(InvalidParameterError, match="greedy") as caught:
+        SamplingParams(n=2, temperature=0.0)
+    assert caught.value.param == "temperature"
+    with pytest.raises(InvalidParameterError, match="max_tokens") as caught:
+        SamplingParams(min_tokens=10, max_tokens=5)
+    assert caught.value.param == "min_tokens"
+
+
+def test_vocabulary_checks_need_the_model():
+    params = SamplingParams(logit_bias={100: 1.0}, stop_token_ids=[5])
+    params.validate_for_vocab(1000)
+    with pytest.raises(InvalidParameterError, match="outside the vocabulary") as caught:
+        SamplingParams(logit_bias={5000: 1.0}).validate_for_vocab(1000)
+    assert caught.value.param == "logit_bias"
+    with pytest.raises(InvalidParameterError) as caught:
+        SamplingParams(stop_token_ids=[1000]).validate_for_vocab(1000)
+    assert caught.value.param == "stop_token_ids"
+
+
+def test_valid_values_are_kept():
+    params = SamplingParams(n=2, best_of=3, temperature=0.7, top_k=-1, top_p=0.5, min_p=0.1, stop="END",
+                            logit_bias={3: -100}, seed=-5, max_tokens=None)
+    assert params.stop == ["END"] and params.num_generated == 3 and not params.is_greedy
+    assert SamplingParams(temperature=1e-9).is_greedy
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("dtype", "float16"), ("block_size", 0), ("max_num_seqs", 0), ("max_num_batched_tokens", 4),
+    ("max_model_len", 0), ("num_threads", -1), ("kv_cache_memory", "lots"), ("kv_cache_memory", "-1GiB"),
+])
+def test_each_invalid_engine_option_names_its_field(field, value):
+    with pytest.raises(InvalidParameterError) as caught:
+        EngineConfig(**{field: value})
+    assert caught.value.param == field
+
+
+def test_sizes_parse_with_units():
+    assert parse_size("2GiB") == 2 * 1024**3
+    assert parse_size("512MiB") == 512 * 1024**2
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size(4096) == 4096
+    assert EngineConfig(kv_cache_memory="1MiB").kv_cache_memory == 1024**2
