@@ -7,7 +7,7 @@ INSTALLED := $(VENV)/.installed
 TEST_INSTALLED := $(VENV)/.installed-test
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: run test test-slow lint bench clean
+.PHONY: run generate test test-slow lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,18 @@ $(TEST_INSTALLED): $(INSTALLED)
 	$(PIP) install --quiet -e '.[test]'
 	touch $@
 
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+# The main job: the OpenAI-compatible server on the embedded model, with the visualizer at /.
 run: $(INSTALLED)
+	@echo "tokenriver: starting the server; the visualizer will be at http://$(HOST):$(PORT)/"
+	@echo "try:  curl http://$(HOST):$(PORT)/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "        -d '{\"prompt\": \"The capital of France is\", \"max_tokens\": 16, \"temperature\": 0}'"
+	$(VENV)/bin/tokenriver serve --host $(HOST) --port $(PORT)
+
+# A streamed generation in the terminal, no server.
+generate: $(INSTALLED)
 	$(VENV)/bin/tokenriver generate "$(PROMPT)" --chat-template --max-tokens 96
 
 lint: $(TEST_INSTALLED)

@@ -56,7 +56,7 @@ def test_chat_applies_template_and_stops_at_end_of_turn(llm):
                          use_tqdm=False)
     completion = output.outputs[0]
     assert output.prompt_token_ids[-3:] == llm.get_tokenizer().encode("<|im_start|>assistant\n",
-                                                                       add_special_tokens=False)
+                                                                       add_special_tokens=False)[-3:]
     assert completion.text.strip()
     assert completion.finish_reason.value == "stop"
     assert "<|im_end|>" not in completion.text

@@ -1,0 +1,172 @@
+"""Offline throughput: 64 prompts x 128 generated tokens, tokenriver vs transformers' padded `generate`.
+
+Same weights, same dtype, same run, 2 threads. transformers runs at each batch size in --hf-batch-sizes and its
+best is the reference. Also: tokenriver's throughput vs the number of concurrent sequences (1, 4, 16, 64), and the
+time to first token of a request whose 1,000-token prefix is already in the prefix cache vs not.
+Writes benchmarks/results/throughput.md and throughput.png.
+
+    python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-prompts 64] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from common import RESULTS, machine_line, markdown_table, prompt_ids
+
+from tokenriver import LLM, SamplingParams
+from tokenriver.loader.load import default_model_path, load_model
+
+TOPICS = ["a lighthouse keeper", "the history of bread", "how rivers form", "a robot learning to paint",
+          "the rules of chess", "volcanoes", "a trip to Kyoto", "why the sky is blue"]
+
+
+def make_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Chat prompts of varied length, deterministic."""
+    rng = random.Random(0)
+    prompts = []
+    for index in range(count):
+        topic = TOPICS[index % len(TOPICS)]
+        detail = " Please be thorough." * rng.randint(0, 6)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": f"Write about {topic}.{detail}"}])
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def tokenriver_throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def transformers_throughput(model, tokenizer, prompts: list[list[int]], max_tokens: int, batch_size: int) -> float:
+    """Left-padded batches through `generate`, exactly max_tokens new tokens each."""
+    pad_id = tokenizer.eos_token_ids[0]
+    generated = 0
+    started = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start:start + batch_size]
+        width = max(len(p) for p in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
+        generated += (out.shape[1] - width) * len(batch)
+    return generated / (time.perf_counter() - started)
+
+
+def cached_prefix_ttft(loaded, num_prefix_tokens: int, repeats: int) -> tuple[float, float]:
+    """Median time to first token for a prompt whose long prefix is cached vs the same prompt cold."""
+    prefix = prompt_ids(loaded.tokenizer, num_prefix_tokens)
+    cold, warm = [], []
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for index in range(repeats):
+        llm = LLM.from_loaded(loaded, max_num_kv_tokens=8192)
+        question = loaded.tokenizer.encode(f" Question {index}: what comes next?")
+        (first,) = llm.generate([{"prompt_token_ids": prefix + question}], params, use_tqdm=False)
+        cold.append(first.metrics.time_to_first_token)
+        other = loaded.tokenizer.encode(f" Question {index + 100}: and after that?")
+        (second,) = llm.generate([{"prompt_token_ids": prefix + other}], params, use_tqdm=False)
+        assert second.num_cached_tokens >= num_prefix_tokens - 16
+        warm.append(second.metrics.time_to_first_token)
+    return statistics.median(cold), statistics.median(warm)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    loaded = load_model(path, dtype=args.dtype)
+    directory, name = os.path.split(path)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, args.dtype))
+    hf_model.eval()
+    prompts = make_prompts(loaded.tokenizer, args.num_prompts)
+
+    llm = LLM.from_loaded(loaded, num_threads=args.threads, max_num_seqs=args.num_prompts,
+                          kv_cache_memory="2GiB", enable_prefix_caching=False)
+    tokenriver_throughput(llm, prompts[:4], 8)
+    ours = tokenriver_throughput(llm, prompts, args.max_tokens)
+    hf = {size: transformers_throughput(hf_model, loaded.tokenizer, prompts, args.max_tokens, size)
+          for size in args.hf_batch_sizes}
+    best_size = max(hf, key=hf.get)
+
+    concurrency_rows, concurrency = [], [1, 4, 16, 64]
+    curve = []
+    for num_seqs in concurrency:
+        capped = LLM.from_loaded(loaded, num_threads=args.threads, max_num_seqs=num_seqs, kv_cache_memory="2GiB",
+                                 enable_prefix_caching=False)
+        count = max(num_seqs, min(args.num_prompts, 2 * num_seqs))
+        rate = tokenriver_throughput(capped, prompts[:count], args.max_tokens if num_seqs > 1 else 64)
+        curve.append(rate)
+        concurrency_rows.append([num_seqs, f"{rate:.1f}"])
+
+    cold, warm = cached_prefix_ttft(loaded, 1000, repeats=3)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot(concurrency, curve, marker="o", label="tokenriver")
+    axis.axhline(hf[best_size], color="gray", linestyle="--", label=f"transformers, batch {best_size}")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(concurrency, [str(c) for c in concurrency])
+    axis.set_xlabel("concurrent sequences (max_num_seqs)")
+    axis.set_ylabel("generated tokens/s")
+    axis.set_title(f"Offline throughput, SmolLM2-135M {args.dtype}, {args.threads} threads")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    RESULTS.mkdir(exist_ok=True)
+    figure.savefig(RESULTS / "throughput.png", dpi=120)
+
+    rows = [[f"tokenriver (continuous batching, {args.num_prompts} at once)", f"{ours:.1f}", f"{ours / hf[best_size]:.2f}x"]]
+    rows += [[f"transformers generate, batch {size} (padded)", f"{rate:.1f}", f"{rate / hf[best_size]:.2f}x"]
+             for size, rate in hf.items()]
+    report = [
+        "# Offline throughput: tokenriver vs transformers",
+        "",
+        f"{args.num_prompts} chat prompts x {args.max_tokens} generated tokens (greedy, ignore_eos), compute dtype "
+        f"{args.dtype}. Machine: {machine_line()}.",
+        f"Command: `python benchmarks/throughput.py --dtype {args.dtype}`",
+        "",
+        markdown_table(["engine", "generated tokens/s", "vs transformers' best"], rows),
+        "",
+        "## tokenriver throughput vs concurrent sequences",
+        "",
+        markdown_table(["max_num_seqs", "generated tokens/s"], concurrency_rows),
+        "",
+        "![throughput vs concurrency](throughput.png)",
+        "",
+        "## Time to first token with a cached 1,000-token prefix",
+        "",
+        markdown_table(["prefix", "time to first token (ms)"],
+                       [["not cached", f"{cold * 1000:.0f}"], ["cached (prefix cache hit)", f"{warm * 1000:.0f}"],
+                        ["speedup", f"{cold / warm:.1f}x"]]),
+        "",
+    ]
+    (RESULTS / "throughput.md").write_text("\n".join(report))
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()
