@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import codecs
 import importlib.metadata
 import io
-import this
 
 import pytest
 
 from tokenriver.tokenizer.tokenizer import Tokenizer
+
+# A few lines of ordinary prose so the trained vocabulary has common English merges.
+_PROSE = """A river carries water from the mountains to the sea.
+Every bend of the river is shaped by the stones it meets.
+Engineers measure its flow and write down what they see.
+Simple is better than complex, and readability counts.
+In the morning the valley is quiet; by noon the market is loud.
+She opened the window, read the letter twice, and smiled."""
 
 # GGUF token types, as sentencepiece reports them.
 _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE, _NORMAL = 2, 3, 4, 5, 6, 1
@@ -49,7 +55,7 @@ def spm_model():
         "A café in the city serves coffee and tea.",
         "Numbers like 12 and 345 appear too.",
         "   spaces   and\ttabs\n",
-    ] * 40 + codecs.decode(this.s, "rot13").splitlines() * 20
+    ] * 40 + _PROSE.splitlines() * 20
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus),
