@@ -1,0 +1,1 @@
+"""Native CPU kernels (C++ compiled at first use) behind the quantized layers of models/quant.py."""

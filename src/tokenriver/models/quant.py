@@ -1,0 +1,395 @@
+"""Quantized linear layers: weights stay 4- or 8-bit in memory and are decoded inside the matrix product.
+
+A decode step reads every weight once for a handful of activation rows, so its speed is the speed of streaming
+the weights. Keeping them quantized cuts the bytes read 4-8x against float32; what matters next is a kernel that
+reads them at memory speed (benchmarks/results/kernels.md measures the candidates on this machine).
+
+Formats (an [out_features N, in_features K] matrix, groups of `group_size` consecutive input columns):
+- `Int4Weight`: qweight [N, K / 2] uint8, scales and mins [N, K / group_size] float16,
+  w = scale * q + min with q in 0..15. Within each run of 32 columns, byte j holds column j in its low nibble and
+  column j + 16 in its high nibble: GGUF's Q4_0/Q4_1 order, so GGUF blocks repack without touching a nibble.
+- `Int8Weight`: qweight [N, K] int8, scales [N, K / group_size] float16, w = scale * q. group_size == K is one
+  scale per output channel; 32 is GGUF's Q8_0.
+Float16 scales are what GGUF stores, so repacking Q4_0, Q4_1 and Q8_0 is exact: the dequantized weights equal
+gguf's own dequantization bit for bit (Q4_0's min is -8 * scale, exact in float16).
+
+Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation, through one of three backends:
+- "native": models/kernels/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
+  `max_gemv_rows` activation rows); for more rows it writes a float32 copy of W once and calls F.linear, which is
+  compute-bound and where MKL's sgemm wins.
+- "aten": PyTorch's packed CPU kernels `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (int8 only with one
+  scale per output channel; int4 needs out_features % 16 == 0). Kept for measurement and machines where they are
+  fast; on AVX2-only CPUs they are slower than float32 F.linear.
+- "reference": dequantize with torch ops, then F.linear. Any device; the definition the others are tested against.
+"auto" picks "native" when the kernels build on this CPU and the tensors are on the CPU, else "reference".
+Outputs have the activations' dtype (float32 or bfloat16); the sums are float32 either way.
+
+`int8_activations=True` trades exactness for speed on decode-sized products (at most `max_gemv_rows` rows): the
+activations are rounded to int8 per 32 columns (scale max|x| / 127), as llama.cpp does on CPUs, and the native
+kernel multiplies integers (about 1.5x faster on AVX2). The int4 min term uses the rounded activations too: the
+error is then W · (x̂ - x) with W's centred values, not a shared offset from the 0..15 codes. The reference
+backend rounds the same way, so the two stay interchangeable; larger products are always exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenriver.errors import InvalidParameterError, ModelLoadError
+from tokenriver.models.kernels.native import NativeKernels, load_kernels
+
+Backend = Literal["auto", "native", "aten", "reference"]
+BACKENDS = ("auto", "native", "aten", "reference")
+# Above this many activation rows the native path dequantizes once and runs sgemm (benchmarks/kernels.py).
+DEFAULT_MAX_GEMV_ROWS = 16
+# GGUF block sizes in bytes for 32 weights.
+Q4_0_BLOCK_BYTES = 18  # f16 d, 16 bytes of nibbles: w = d * (q - 8)
+Q4_1_BLOCK_BYTES = 20  # f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
+Q8_0_BLOCK_BYTES = 34  # f16 d, 32 int8: w = d * q
+GGUF_BLOCK = 32
+FLOAT16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """4-bit group-wise weight, w = scale * q + min (format in the module docstring)."""
+
+    qweight: torch.Tensor  # [N, K // 2] uint8
+    scales: torch.Tensor  # [N, K // group_size] float16
+    mins: torch.Tensor  # [N, K // group_size] float16
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[0], self.qweight.shape[1] * 2
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K]."""
+        return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """8-bit group-wise weight, w = scale * q (group_size == in_features: one scale per output channel)."""
+
+    qweight: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K // group_size] float16
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[0], self.qweight.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K]."""
+        return dequantize_int8(self.qweight, self.scales, self.group_size)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """Nibbles [N, K // 2] uint8 → values [N, K] uint8 in column order (low nibbles first within each 32)."""
+    num_rows = qweight.shape[0]
+    runs = qweight.reshape(num_rows, -1, 16)  # [N, K // 32, 16]
+    return torch.cat((runs & 0x0F, runs >> 4), dim=-1).reshape(num_rows, -1)  # [N, K]
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """Values [N, K] in 0..15 → nibbles [N, K // 2] uint8; the inverse of unpack_int4."""
+    num_rows = values.shape[0]
+    runs = values.to(torch.uint8).reshape(num_rows, -1, 2, 16)  # [N, K // 32, (low, high), 16]
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(num_rows, -1)  # [N, K // 2]
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    """scale * q + min as float32 [N, K], with torch ops on any device."""
+    num_rows = qweight.shape[0]
+    values = unpack_int4(qweight).reshape(num_rows, -1, group_size).float()  # [N, K // G, G]
+    weight = values * scales.float()[:, :, None] + mins.float()[:, :, None]  # [N, K // G, G]
+    return weight.reshape(num_rows, -1)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """scale * q as float32 [N, K], with torch ops on any device."""
+    num_rows = qweight.shape[0]
+    values = qweight.reshape(num_rows, -1, group_size).float()  # [N, K // G, G]
+    return (values * scales.float()[:, :, None]).reshape(num_rows, -1)
+
+
+def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
+    """The values the int8-activation kernels compute with: round(x / s) * s, s = max|x| / 127 per 32 columns.
+
+    x [M, K] float32, K a multiple of 32 → [M, K] float32. Division and round-half-to-even as in gemv.cpp.
+    """
+    runs = x.reshape(x.shape[0], -1, GGUF_BLOCK)  # [M, K // 32, 32]
+    scale = runs.abs().amax(dim=-1, keepdim=True) / 127  # [M, K // 32, 1]
+    rounded = torch.where(scale > 0, torch.round(runs / torch.where(scale > 0, scale, 1.0)), 0.0)
+    return (rounded * scale).reshape(x.shape)
+
+
+def concatenate(weights: list[Int4Weight] | list[Int8Weight]) -> Int4Weight | Int8Weight:
+    """Stack weights along out_features, e.g. q/k/v or gate/up into one layer: one kernel call instead of several.
+
+    All must be of one kind, with the same in_features and group_size. The output of the stacked layer is the
+    outputs of the parts side by side, [..., sum of out_features].
+    """
+    first = weights[0]
+    if any(type(w) is not type(first) or w.shape[1] != first.shape[1] or w.group_size != first.group_size
+           for w in weights):
+        raise InvalidParameterError("concatenate needs weights of one kind with equal in_features and group_size",
+                                    param="weights")
+    qweight = torch.cat([w.qweight for w in weights])  # [sum N, K // 2] or [sum N, K]
+    scales = torch.cat([w.scales for w in weights])  # [sum N, K // G]
+    if isinstance(first, Int4Weight):
+        return Int4Weight(qweight, scales, torch.cat([w.mins for w in weights]), first.group_size)
+    return Int8Weight(qweight, scales, first.group_size)
+
+
+def _check_float_weight(weight: torch.Tensor, group_size: int) -> None:
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise InvalidParameterError(
+            f"weight must be a 2-D float tensor [out_features, in_features], got {weight.dim()}-D {weight.dtype}",
+            param="weight")
+    if group_size <= 0 or group_size % GGUF_BLOCK or weight.shape[1] % group_size:
+        raise InvalidParameterError(
+            f"group_size must be a positive multiple of 32 that divides in_features ({weight.shape[1]}), "
+            f"got {group_size}", param="group_size")
+    if not bool(torch.isfinite(weight).all()):
+        raise InvalidParameterError("weight has inf or nan values; quantize a finite weight", param="weight")
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8Weight:
+    """Symmetric int8 per group of input columns (default: one scale per output channel), q in -127..127.
+
+    The scale is rounded to float16 before q is computed, so dequantize() is the best int8 fit to the weight
+    under the scale that is actually stored.
+    """
+    group_size = weight.shape[-1] if group_size is None else group_size
+    _check_float_weight(weight, group_size)
+    num_rows = weight.shape[0]
+    groups = weight.detach().float().reshape(num_rows, -1, group_size)  # [N, K // G, G]
+    scales = (groups.abs().amax(dim=-1) / 127).to(torch.float16)  # [N, K // G]
+    safe = torch.where(scales > 0, scales.float(), 1.0)[:, :, None]  # [N, K // G, 1]
+    qweight = torch.round(groups / safe).clamp(-127, 127).to(torch.int8)  # [N, K // G, G]
+    return Int8Weight(qweight.reshape(num_rows, -1).contiguous(), scales.contiguous(), group_size)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
+    """Asymmetric 4-bit per group (GGUF Q4_1's rule): min and (max - min) / 15 per group, q in 0..15."""
+    _check_float_weight(weight, group_size)
+    num_rows = weight.shape[0]
+    groups = weight.detach().float().reshape(num_rows, -1, group_size)  # [N, K // G, G]
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K // G] each
+    mins = low.to(torch.float16)
+    scales = ((high - low) / 15).to(torch.float16)
+    safe = torch.where(scales > 0, scales.float(), 1.0)[:, :, None]  # [N, K // G, 1]
+    values = torch.round((groups - mins.float()[:, :, None]) / safe).clamp(0, 15)  # [N, K // G, G]
+    qweight = pack_int4(values.reshape(num_rows, -1))  # [N, K // 2]
+    return Int4Weight(qweight, scales.contiguous(), mins.contiguous(), group_size)
+
+
+def _gguf_blocks(blocks: torch.Tensor | np.ndarray, block_bytes: int, kind: str) -> torch.Tensor:
+    """GGUF tensor bytes [N, num_blocks * block_bytes] (as gguf.GGUFReader gives them) → [N, num_blocks, block_bytes]."""
+    data = torch.from_numpy(np.array(blocks, dtype=np.uint8)) if isinstance(blocks, np.ndarray) else blocks
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % block_bytes:
+        raise ModelLoadError(
+            f"{kind} data must be uint8 [out_features, blocks * {block_bytes} bytes], got {data.dtype} "
+            f"{tuple(data.shape)}; pass the tensor's raw bytes as gguf.GGUFReader returns them")
+    return data.reshape(data.shape[0], -1, block_bytes)  # [N, K // 32, block_bytes]
+
+
+def _float16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """Little-endian float16 at byte `start` of every block → [N, num_blocks] float16."""
+    return blocks[:, :, start:start + 2].contiguous().view(torch.float16).squeeze(-1)
+
+
+def repack_q4_0(blocks: torch.Tensor | np.ndarray) -> Int4Weight:
+    """GGUF Q4_0 (w = d * (q - 8)) → Int4Weight with scale d and min -8d; exact, nibbles copied as they are."""
+    data = _gguf_blocks(blocks, Q4_0_BLOCK_BYTES, "Q4_0")
+    scales = _float16_field(data, 0)  # [N, K // 32]
+    if bool((scales.float().abs() * 8 > FLOAT16_MAX).any()):
+        raise ModelLoadError("Q4_0 block scale too large: -8 * scale does not fit float16; the file is damaged")
+    qweight = data[:, :, 2:].reshape(data.shape[0], -1).contiguous()  # [N, K // 2]
+    return Int4Weight(qweight, scales.contiguous(), (-8 * scales).contiguous(), GGUF_BLOCK)
+
+
+def repack_q4_1(blocks: torch.Tensor | np.ndarray) -> Int4Weight:
+    """GGUF Q4_1 (w = d * q + m) → Int4Weight with scale d and min m; exact, a copy of the bytes."""
+    data = _gguf_blocks(blocks, Q4_1_BLOCK_BYTES, "Q4_1")
+    qweight = data[:, :, 4:].reshape(data.shape[0], -1).contiguous()  # [N, K // 2]
+    return Int4Weight(qweight, _float16_field(data, 0).contiguous(), _float16_field(data, 2).contiguous(), GGUF_BLOCK)
+
+
+def repack_q8_0(blocks: torch.Tensor | np.ndarray) -> Int8Weight:
+    """GGUF Q8_0 (w = d * q, one scale per 32) → Int8Weight with group_size 32; exact, a copy of the bytes.
+
+    PyTorch's `_weight_int8pack_mm` takes one scale per output channel, so a per-32 scale runs on the native
+    kernel or the reference path; folding it into one scale per row would add rounding error.
+    """
+    data = _gguf_blocks(blocks, Q8_0_BLOCK_BYTES, "Q8_0")
+    qweight = data[:, :, 2:].reshape(data.shape[0], -1).contiguous().view(torch.int8)  # [N, K]
+    return Int8Weight(qweight, _float16_field(data, 0).contiguous(), GGUF_BLOCK)
+
+
+class _QuantizedLinear(nn.Module):
+    """What Int4Linear and Int8Linear share: backend choice, bias, reshaping, output dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, backend: Backend,
+                 max_gemv_rows: int, int8_activations: bool) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise InvalidParameterError(f"backend must be one of {BACKENDS}, got {backend!r}", param="backend")
+        if int8_activations and backend == "aten":
+            raise InvalidParameterError("int8_activations runs on the 'native' or 'reference' backend, not 'aten'",
+                                        param="int8_activations")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.max_gemv_rows = max_gemv_rows
+        self.int8_activations = int8_activations
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.kernels: NativeKernels | None = load_kernels() if backend in ("auto", "native") else None
+        if backend == "native" and self.kernels is None:
+            raise InvalidParameterError(
+                "backend 'native' needs an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler; "
+                "use backend='auto' to fall back to 'reference'", param="backend")
+        self.backend: Backend = backend if backend != "auto" else ("native" if self.kernels else "reference")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] → [..., out_features] in x's dtype."""
+        gemv = self._native_gemv
+        # The decode hot path, ~200 calls per step: 2-D float32 rows on the CPU go straight to the kernel.
+        if (gemv is not None and x.dim() == 2 and x.shape[0] <= self.max_gemv_rows and x.dtype == torch.float32
+                and self.bias is None and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous()):
+            return gemv(x)
+        return self._forward_any(x)
+
+    def _forward_any(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise InvalidParameterError(
+                f"input has {x.shape[-1]} features, the layer expects {self.in_features}", param="x")
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, K]
+        is_gemv = rows.shape[0] <= self.max_gemv_rows
+        on_cpu = rows.is_cpu and self.scales.is_cpu
+        if self.backend == "native" and on_cpu:
+            rows32 = rows if rows.dtype == torch.float32 else rows.float()
+            rows32 = rows32 if rows32.is_contiguous() else rows32.contiguous()
+            y = self._native_gemv(rows32) if is_gemv else F.linear(rows32, self._native_dequantize())  # [M, N]
+        elif self.backend == "aten" and on_cpu:
+            y = self._aten_mm(rows.contiguous())  # [M, N]
+        else:
+            y = self._reference(rows.float(), round_activations=self.int8_activations and is_gemv)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _bind_native(self) -> None:
+        """Give the native kernel this layer's weight pointers once (they change only when the buffers move)."""
+        self._native_gemv = None
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        # .to(), .cpu(), .share_memory_()...: new buffer tensors, so the kernel must see the new pointers.
+        module = super()._apply(fn, recurse)
+        self._bind_native()
+        return module
+
+    def _reference(self, rows: torch.Tensor, round_activations: bool) -> torch.Tensor:
+        """Dequantize with torch ops and F.linear: any device, and the definition the kernels are tested against."""
+        return F.linear(round_activations_int8(rows) if round_activations else rows, self.dequantize())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"backend={self.backend}, int8_activations={self.int8_activations}, bias={self.bias is not None}")
+
+
+class Int4Linear(_QuantizedLinear):
+    """Linear layer over an Int4Weight; see the module docstring for backends."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, backend: Backend = "auto",
+                 max_gemv_rows: int = DEFAULT_MAX_GEMV_ROWS, int8_activations: bool = False) -> None:
+        out_features, in_features = weight.shape
+        super().__init__(in_features, out_features, bias, backend, max_gemv_rows, int8_activations)
+        self.group_size = weight.group_size
+        self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K // 2] uint8
+        self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
+        self.register_buffer("mins", weight.mins.contiguous())  # [N, K // G] float16
+        self._bind_native()
+        self._aten_scales_and_zeros: dict[torch.dtype, torch.Tensor] = {}
+        if self.backend == "aten":
+            if out_features % 16:
+                raise InvalidParameterError(
+                    f"backend 'aten' packs int4 weights in tiles of 16 output rows; out_features is {out_features}",
+                    param="backend")
+            values = unpack_int4(self.qweight).to(torch.int32)  # [N, K]
+            self.register_buffer("aten_qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K], with torch ops (any device)."""
+        return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
+
+    def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows [len(row_ids), K] of the weight: the lookup of a tied embedding, without the whole matrix."""
+        return dequantize_int4(self.qweight[row_ids], self.scales[row_ids], self.mins[row_ids], self.group_size)
+
+    def _bind_native(self) -> None:
+        super()._bind_native()
+        if self.backend == "native" and self.qweight.is_cpu:
+            self._native_gemv = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
+                                                       self.int8_activations)
+
+    def _native_dequantize(self) -> torch.Tensor:
+        return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
+
+    def _aten_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        # The packed kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale (float32, then x's dtype).
+        dtype = rows.dtype if rows.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        if dtype not in self._aten_scales_and_zeros:
+            scales = self.scales.float().t()  # [K // G, N]
+            zeros = self.mins.float().t() + 8 * scales  # [K // G, N]
+            self._aten_scales_and_zeros[dtype] = torch.stack((scales, zeros), dim=-1).to(dtype).contiguous()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows.to(dtype), self.aten_qweight, self.group_size, self._aten_scales_and_zeros[dtype]).float()
+
+
+class Int8Linear(_QuantizedLinear):
+    """Linear layer over an Int8Weight; see the module docstring for backends."""
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, backend: Backend = "auto",
+                 max_gemv_rows: int = DEFAULT_MAX_GEMV_ROWS, int8_activations: bool = False) -> None:
+        out_features, in_features = weight.shape
+        super().__init__(in_features, out_features, bias, backend, max_gemv_rows, int8_activations)
+        self.group_size = weight.group_size
+        self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K] int8
+        self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
+        self._bind_native()
+        if self.backend == "aten" and self.group_size != in_features:
+            raise InvalidParameterError(
+                f"backend 'aten' (_weight_int8pack_mm) takes one scale per output channel; this weight has "
+                f"groups of {self.group_size} columns. Use backend 'native' or 'reference'", param="backend")
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K], with torch ops (any device)."""
+        return dequantize_int8(self.qweight, self.scales, self.group_size)
+
+    def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows [len(row_ids), K] of the weight: the lookup of a tied embedding, without the whole matrix."""
+        return dequantize_int8(self.qweight[row_ids], self.scales[row_ids], self.group_size)
+
+    def _bind_native(self) -> None:
+        super()._bind_native()
+        if self.backend == "native" and self.qweight.is_cpu:
+            self._native_gemv = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
+                                                       self.int8_activations)
+
+    def _native_dequantize(self) -> torch.Tensor:
+        return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)
+
+    def _aten_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        dtype = rows.dtype if rows.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        scales = self.scales.reshape(-1).to(dtype)  # [N]
+        return torch.ops.aten._weight_int8pack_mm(rows.to(dtype), self.qweight, scales).float()

