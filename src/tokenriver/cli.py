@@ -34,6 +34,11 @@ ENGINE_HELP = {
     "use_kv_cache": "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
     "num_threads": "CPU threads (default: the cores available)",
     "seed": "seed for requests that have none",
+    "speculative_draft": "speculative decoding: ngram (drafts from the request's own earlier text), self:N (the "
+                         "model's first N layers), or a draft model path with the same tokenizer (default: off)",
+    "num_speculative_tokens": "draft tokens proposed per step and verified in one forward pass",
+    "ngram_max": "n-gram drafts: longest suffix looked up in the request's earlier tokens",
+    "ngram_min": "n-gram drafts: shortest suffix looked up",
 }
 ENGINE_FLAG_NAMES = {"num_threads": "threads", "seed": "engine-seed", "use_kv_cache": "kv-cache",
                      "enable_prefix_caching": "prefix-caching"}
@@ -61,6 +66,9 @@ SAMPLING_HELP = {
     "include_stop_str_in_output": "keep the matched stop string in the text",
     "trace": "print why each token was chosen: a compact table per step",
     "trace_top": "candidates shown per step with --trace",
+    "beam_width": "beam search with this many beams (transformers' num_beams); the n best beams are returned",
+    "length_penalty": "beam search: beams score sum(logprobs) / length ** length-penalty (>0 favours longer)",
+    "early_stopping": "beam search: true, false or never (transformers' meanings)",
 }
 SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
 

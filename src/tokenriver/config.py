@@ -65,6 +65,16 @@ class EngineConfig:
     num_threads: int | None = None
     # Seed of the engine's generator for requests without their own seed.
     seed: int = 0
+    # Speculative decoding's proposer; None = off. "ngram": drafts copied from earlier text of the same request
+    # (prompt lookup, no second model); "self:N": the model's own first N layers plus its output head;
+    # anything else: the path of a draft model that shares the model's tokenizer.
+    speculative_draft: str | None = None
+    # Draft tokens proposed per request and step, all verified in one forward pass of the model.
+    num_speculative_tokens: int = 4
+    # The n-gram proposer looks up the longest suffix of the request's tokens, from ngram_max tokens down to
+    # ngram_min, among its earlier tokens and proposes what followed it there.
+    ngram_max: int = 4
+    ngram_min: int = 2
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -82,7 +92,31 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1 or unset", param=name)
+        self._validate_speculative()
         if self.max_num_batched_tokens < self.block_size:
             raise InvalidParameterError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least block_size={self.block_size}",
                 param="max_num_batched_tokens")
+
+    def _validate_speculative(self) -> None:
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1", param=name)
+        if self.ngram_min > self.ngram_max:
+            raise InvalidParameterError(f"ngram_min={self.ngram_min} must be <= ngram_max={self.ngram_max}",
+                                        param="ngram_min")
+        draft = self.speculative_draft
+        if draft is None:
+            return
+        if not isinstance(draft, str) or not draft:
+            raise InvalidParameterError(f"speculative_draft={draft!r} must be 'ngram', 'self:N' or a model path",
+                                        param="speculative_draft")
+        if draft.startswith("self:") and not re.fullmatch(r"self:[1-9][0-9]*", draft):
+            raise InvalidParameterError(
+                f"speculative_draft={draft!r}: write self:N with N the number of the model's first layers "
+                f"the draft runs, e.g. self:4", param="speculative_draft")
+        if not self.use_kv_cache:
+            raise InvalidParameterError(
+                "speculative decoding verifies drafts against the KV cache: drop speculative_draft, or keep "
+                "use_kv_cache on", param="speculative_draft")

@@ -75,6 +75,9 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     # Per generated token, when SamplingParams.trace is set; else None.
     trace: list[StepTrace] | None = None
+    # Beam search only: the beam's score, cumulative_logprob / (len(token_ids) ** length_penalty)
+    # (transformers' sequences_scores); None for sampled or greedy candidates.
+    beam_score: float | None = None
     # Text added since the previous output of this request (streaming).
     delta_text: str = ""
     # Token ids added since the previous output of this request (streaming).
@@ -101,6 +104,28 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     # How many times the request lost its KV blocks and was recomputed.
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens proposed for this request and verified by the target model,
+    # and how many of them the target accepted (the rest were rejected and their K/V rolled back).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    # Verification passes that carried at least one draft token.
+    num_speculative_steps: int = 0
+
+    @property
+    def num_rejected_draft_tokens(self) -> int:
+        return self.num_draft_tokens - self.num_accepted_draft_tokens
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens; None without speculation."""
+        return None if self.num_draft_tokens == 0 else self.num_accepted_draft_tokens / self.num_draft_tokens
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens gained per verification pass, 1 + accepted / passes (vLLM's "mean acceptance length")."""
+        if self.num_speculative_steps == 0:
+            return None
+        return 1 + self.num_accepted_draft_tokens / self.num_speculative_steps
 
     @property
     def queue_time(self) -> float | None:

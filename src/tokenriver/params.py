@@ -18,6 +18,13 @@ DEFAULT_TRACE_TOP = 10
 # Temperatures below this act as greedy (as in vLLM): dividing float32 logits by less overflows.
 GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# early_stopping's values (transformers' meanings); the command line types the booleans as text.
+EARLY_STOPPING_VALUES: tuple[bool | str, ...] = (True, False, "never")
+_EARLY_STOPPING_TEXT = {"true": True, "false": False, "never": "never"}
+# Controls that reshape the distribution; beam search ranks beams by raw log-probabilities, so it refuses them.
+_NOT_WITH_BEAM_SEARCH = {"best_of": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+                         "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
+                         "prompt_logprobs": None, "trace": False}
 
 
 def _fail(name: str, value: object, rule: str) -> None:
@@ -80,8 +87,19 @@ class SamplingParams:
     trace: bool = False
     # How many candidates each StepTrace keeps.
     trace_top: int = DEFAULT_TRACE_TOP
+    # Beam search with this many beams (None = off): the n best finished beams are returned, ranked by
+    # cumulative log-probability / (generated length ** length_penalty), as transformers' generate(num_beams=...).
+    beam_width: int | None = None
+    # Beam search: exponent of the length normalization (> 0 favours longer beams, < 0 shorter, 0 = none).
+    length_penalty: float = 1.0
+    # Beam search: True stops once beam_width beams finished; False (transformers' default) also stops when
+    # the best running beam, scored at its current length, cannot beat the worst finished one; "never" stops
+    # only when no running beam can possibly do so.
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.early_stopping, str) and self.early_stopping.lower() in _EARLY_STOPPING_TEXT:
+            self.early_stopping = _EARLY_STOPPING_TEXT[self.early_stopping.lower()]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -99,6 +117,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width is not None
+
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             _fail("n", self.n, "must be an integer >= 1")
@@ -106,7 +128,7 @@ class SamplingParams:
             _fail("best_of", self.best_of, f"must be an integer >= n ({self.n})")
         if not _is_number(self.temperature) or self.temperature < 0:
             _fail("temperature", self.temperature, "must be a number >= 0 (0 = greedy)")
-        if self.num_generated > 1 and self.is_greedy:
+        if self.num_generated > 1 and self.is_greedy and not self.use_beam_search:
             _fail("temperature", self.temperature,
                   "greedy sampling gives the same candidate every time; use temperature > 0 with n or best_of > 1")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -152,6 +174,25 @@ class SamplingParams:
                 _fail(name, getattr(self, name), "must be true or false")
         if not _is_int(self.trace_top) or not 1 <= self.trace_top <= 100:
             _fail("trace_top", self.trace_top, "must be an integer in [1, 100]")
+        self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        if not _is_number(self.length_penalty):
+            _fail("length_penalty", self.length_penalty, "must be a finite number (1 = transformers' default)")
+        if not any(self.early_stopping is value for value in EARLY_STOPPING_VALUES):
+            _fail("early_stopping", self.early_stopping, 'must be true, false or "never"')
+        if self.beam_width is None:
+            return
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            _fail("beam_width", self.beam_width, "must be an integer >= 1, or None to turn beam search off")
+        if self.n > self.beam_width:
+            _fail("n", self.n, f"must be <= beam_width ({self.beam_width}): beam search returns its n best beams")
+        if self.temperature not in (0, 1):
+            _fail("temperature", self.temperature,
+                  "beam search ranks beams by raw log-probabilities: leave temperature at 0 or 1 with beam_width")
+        for name, off in _NOT_WITH_BEAM_SEARCH.items():
+            if getattr(self, name) != off:
+                _fail(name, getattr(self, name), f"is not supported with beam search (beam_width); leave it at {off}")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Token ids can only be checked once the model is known."""

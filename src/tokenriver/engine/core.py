@@ -1,11 +1,14 @@
 """EngineCore: the step loop. One thread, one step at a time, deterministic for fixed seeds.
 
-    schedule → execute → update → process outputs
+    propose drafts → schedule → execute → update → beam search → process outputs
 
 The core takes typed requests (prompt token ids + SamplingParams) and returns
 RequestOutput deltas; tokenizing prompts and formatting responses happen in
 the layers above. A user request with n or best_of > 1 runs as that many
-engine requests ("<id>#<i>") that share the prompt's cached blocks.
+engine requests ("<id>#<i>") that share the prompt's cached blocks; a beam
+search runs as one engine request per live beam ("<id>#beam<j>", see
+decoding/beam_groups.py). With speculative decoding on, a proposer drafts
+tokens for the decoding requests before each step (decoding/speculative.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from tokenriver.config import EngineConfig, default_num_threads
+from tokenriver.decoding.beam_groups import BeamGroups
+from tokenriver.decoding.speculative import Speculator, build_speculator
 from tokenriver.errors import ContextLengthError, InvalidParameterError, RequestNotFoundError
 from tokenriver.engine.output_processor import OutputProcessor
 from tokenriver.kv.block_manager import BlockManager
@@ -39,8 +44,10 @@ class StepStats:
     scheduler: SchedulerStats
     # Wall time of the step (schedule + forward + sample + detokenize), seconds.
     step_time: float
-    # Forward passes run since start.
+    # Forward passes of the model run since start.
     num_forward_passes: int
+    # Forward passes of the speculative draft model since start (0 without one).
+    num_draft_forward_passes: int = 0
 
 
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
@@ -88,7 +95,9 @@ class EngineCore:
                                    max_model_len=self.max_model_len,
                                    recompute_every_step=not config.use_kv_cache)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed)
+        self.speculator: Speculator | None = build_speculator(config, self.loaded, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
         self.last_step: StepStats | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -112,6 +121,15 @@ class EngineCore:
                 num_tokens=len(prompt_token_ids), max_tokens=self.max_model_len)
         arrival_time = time.time() if arrival_time is None else arrival_time
         eos_token_ids = list(self.tokenizer.eos_token_ids)
+        if params.use_beam_search:
+            if params.beam_width > self.config.max_num_seqs:
+                raise InvalidParameterError(
+                    f"beam_width={params.beam_width} needs that many running requests but max_num_seqs is "
+                    f"{self.config.max_num_seqs}; lower beam_width or raise max_num_seqs", param="beam_width")
+            self.beam_groups.add_request(request_id, list(prompt_token_ids), params, eos_token_ids, arrival_time,
+                                         priority)
+            self.output_processor.add_beam_request(request_id, prompt, list(prompt_token_ids), params)
+            return
         children = []
         for index in range(params.num_generated):
             child_params = params
@@ -134,6 +152,10 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free everything it holds."""
+        if self.beam_groups.has_request(request_id):
+            self.beam_groups.abort(request_id)
+            self.output_processor.remove_request(request_id)
+            return
         child_ids = self.output_processor.remove_request(request_id)
         if not child_ids:
             raise RequestNotFoundError(f"no running request has id {request_id!r}", param="request_id")
@@ -146,12 +168,21 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass for the current batch; return the outputs that changed."""
         started = time.perf_counter()
+        draft_probs = self.speculator.propose(self.scheduler) if self.speculator is not None else {}
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self.runner.execute(scheduler_output, draft_probs)
         updates = self.scheduler.update(scheduler_output, runner_output)
+        updates, beam_results = self.beam_groups.process(updates)
         outputs, stopped = self.output_processor.process(updates)
         for request_id, stop in stopped:
             self.scheduler.finish_request(request_id, FinishReason.STOP, stop)
+        outputs += [self.output_processor.beam_output(r.request_id, r.hypotheses, r.metrics) for r in beam_results]
+        if self.speculator is not None:
+            self.speculator.drop_finished(self.scheduler)
         self.last_step = StepStats(self.scheduler.stats(), time.perf_counter() - started,
-                                   self.runner.num_forward_passes)
+                                   self.runner.num_forward_passes, self._num_draft_forward_passes())
         return outputs
+
+    def _num_draft_forward_passes(self) -> int:
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        return getattr(proposer, "num_forward_passes", 0)

@@ -3,7 +3,9 @@
 Owns everything about text: incremental detokenization, stop strings (which
 end a request the scheduler could not see end, so they are reported back),
 logprob dicts with token text, trace token text, and fanning n / best_of
-candidates of one user request back into a single RequestOutput.
+candidates of one user request back into a single RequestOutput. A beam search
+has no stream of deltas (its beams change until the end): its one output is
+built from the finished hypotheses (`beam_output`).
 
 Invariant: for every candidate, the concatenation of the streamed `delta_text`
 equals the final `text`.
@@ -16,6 +18,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from tokenriver.decoding.beam import Hypothesis
 from tokenriver.outputs import (CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestMetrics,
                                 RequestOutput, TokenLogprobs)
 from tokenriver.params import SamplingParams
@@ -74,6 +77,39 @@ class OutputProcessor:
             candidates=candidates,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+
+    def add_beam_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                         params: SamplingParams) -> None:
+        """Track a beam search (its beams are the beam search's business, not candidates of this request)."""
+        self._requests[request_id] = _UserRequest(request_id=request_id, prompt=prompt,
+                                                  prompt_token_ids=prompt_token_ids, params=params, candidates={})
+
+    def beam_output(self, request_id: str, hypotheses: list[Hypothesis], metrics: RequestMetrics) -> RequestOutput:
+        """The final output of a beam search: one candidate per hypothesis, best first; forgets the request."""
+        user = self._requests.pop(request_id)
+        params = user.params
+        outputs = []
+        for index, hypothesis in enumerate(hypotheses):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, user.prompt_token_ids, params.skip_special_tokens)
+            text = detokenizer.add_tokens(hypothesis.token_ids) + detokenizer.flush()
+            finish_reason, stop_reason = hypothesis.finish_reason, hypothesis.stop_reason
+            if len(hypothesis.token_ids) >= params.min_tokens:
+                checker = StopStringChecker(params.stop, params.include_stop_str_in_output)
+                text, matched = checker.process(text)
+                if matched is None:
+                    text += checker.flush()
+                else:
+                    finish_reason, stop_reason = FinishReason.STOP, matched
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = [self._position_logprobs(entry, params.logprobs) for entry in hypothesis.logprobs]
+            outputs.append(CompletionOutput(
+                index=index, text=text, token_ids=list(hypothesis.token_ids),
+                cumulative_logprob=hypothesis.cumulative_logprob, logprobs=logprobs, finish_reason=finish_reason,
+                stop_reason=stop_reason, beam_score=hypothesis.score, delta_text=text,
+                delta_token_ids=list(hypothesis.token_ids)))
+        return RequestOutput(request_id=request_id, prompt=user.prompt, prompt_token_ids=user.prompt_token_ids,
+                             outputs=outputs, finished=True, metrics=metrics)
 
     def remove_request(self, request_id: str) -> list[str]:
         """Forget a user request (aborted); returns its engine request ids."""
@@ -227,4 +263,7 @@ def _merge_metrics(metrics: list[RequestMetrics]) -> RequestMetrics:
         finished_time=latest([m.finished_time for m in metrics]) if all(m.finished_time for m in metrics) else None,
         num_cached_tokens=metrics[0].num_cached_tokens,
         num_preemptions=sum(m.num_preemptions for m in metrics),
+        num_draft_tokens=sum(m.num_draft_tokens for m in metrics),
+        num_accepted_draft_tokens=sum(m.num_accepted_draft_tokens for m in metrics),
+        num_speculative_steps=sum(m.num_speculative_steps for m in metrics),
     )

@@ -8,6 +8,13 @@ here with lists of ids.
 
 Reference counts: a block held by k requests has ref_count k; at 0 it is free.
 
+Forking (beam search): a request that continues another's tokens can `share`
+its blocks (one more reference each) instead of recomputing them. A shared
+block must not be written: before a request writes into a block it shares, the
+scheduler gives it a fresh block and asks the runner to copy the old one first
+(copy-on-write, SchedulerOutput.block_copies). Only a request's last, partial
+block is ever written, so that is the only one that gets copied.
+
 Prefix caching: once a FULL block's K/V is computed it is registered under the
 chain hash of its tokens, hash(parent block's hash, its token ids). The parent's
 hash makes a block's identity include everything before it, so two requests whose
@@ -174,6 +181,13 @@ class BlockManager:
         for block_id in new_block_ids:
             self._ref_counts[block_id] = 1
         return new_block_ids
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on blocks someone already holds (a forked request reuses its parent's)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] <= 0:
+                raise RuntimeError(f"block {block_id} is shared while nobody holds it")
+            self._ref_counts[block_id] += 1
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block; blocks nobody holds become free (cached ones stay cached).

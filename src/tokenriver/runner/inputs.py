@@ -1,10 +1,16 @@
 """SchedulerOutput → tensors: the only place where plain scheduling data becomes model input.
 
 The batch is ragged: the tokens of all scheduled requests are concatenated in
-batch order (no padding), each with its absolute position. `sample_rows` are
-the flat rows whose logits feed the sampler (the last token of each request
-that samples this step); `prompt_logprob_rows` are the rows whose logits score
-the next prompt token (only for requests that asked for prompt logprobs).
+batch order (no padding), each with its absolute position; a request's draft
+tokens (speculative decoding) follow its known tokens. `sample_rows` are the
+flat rows whose logits feed the sampler (the last token of each request that
+samples this step); `draft_rows` hold, per request with drafts, the rows of its
+last known token and of every draft but the last: row j predicts the token after
+draft j, so the target scores all drafts (and one more token) in this one pass.
+`beam_rows` are the last-token rows of beam-search requests, which report their
+most likely next tokens instead of sampling. `prompt_logprob_rows` are the rows
+whose logits score the next prompt token (only for requests that asked for
+prompt logprobs).
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ class ModelInputs:
     # Flat rows of their last tokens.
     sample_rows: list[int]
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+    # Requests that verify draft tokens this step, in the order of `draft_rows`.
+    draft_requests: list[ScheduledRequest] = field(default_factory=list)
+    # Per draft request, 1 + len(draft_token_ids) consecutive flat rows: its last known token and its drafts.
+    draft_rows: list[list[int]] = field(default_factory=list)
+    # Beam-search requests that reached their last token, and the flat row of that token.
+    beam_requests: list[ScheduledRequest] = field(default_factory=list)
+    beam_rows: list[int] = field(default_factory=list)
 
 
 def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.device | str) -> ModelInputs:
@@ -55,15 +68,27 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
     sampling_requests: list[ScheduledRequest] = []
     sample_rows: list[int] = []
     prompt_rows: list[PromptLogprobRows] = []
+    draft_requests: list[ScheduledRequest] = []
+    draft_rows: list[list[int]] = []
+    beam_requests: list[ScheduledRequest] = []
+    beam_rows: list[int] = []
     for request in output.scheduled:
         first_row = len(input_ids)
         num_tokens = len(request.token_ids)
+        num_scheduled = request.num_scheduled_tokens
         input_ids.extend(request.token_ids)
-        positions.extend(range(request.start_position, request.start_position + num_tokens))
-        query_lens.append(num_tokens)
-        seq_lens.append(request.start_position + num_tokens)
+        input_ids.extend(request.draft_token_ids)
+        positions.extend(range(request.start_position, request.start_position + num_scheduled))
+        query_lens.append(num_scheduled)
+        seq_lens.append(request.start_position + num_scheduled)
         block_tables.append(request.block_ids)
-        if request.sample:
+        if request.sample and request.draft_token_ids:
+            draft_requests.append(request)
+            draft_rows.append(list(range(first_row + num_tokens - 1, first_row + num_scheduled)))
+        elif request.sample and request.num_beam_candidates:
+            beam_requests.append(request)
+            beam_rows.append(first_row + num_tokens - 1)
+        elif request.sample:
             sampling_requests.append(request)
             sample_rows.append(first_row + num_tokens - 1)
         num_top = request.sampling_params.prompt_logprobs
@@ -84,4 +109,8 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
         sampling_requests=sampling_requests,
         sample_rows=sample_rows,
         prompt_logprob_rows=prompt_rows,
+        draft_requests=draft_requests,
+        draft_rows=draft_rows,
+        beam_requests=beam_requests,
+        beam_rows=beam_rows,
     )

@@ -3,6 +3,12 @@
 Owns the KV tensors and the per-request random generators (a seeded request
 keeps its own stream across steps and preemptions; the generator is dropped
 when the scheduler reports the request gone). Knows nothing about text.
+
+A request with draft tokens (speculative decoding) gets the logits of its last
+known token and of its drafts from the same forward pass, and the sampler's
+`verify` decides which drafts stand. The draft distributions a draft model
+proposed from come in with the step (`draft_probs`); n-gram drafts have none.
+A beam-search request gets its most likely next tokens instead of a sample.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from torch import nn
 
 from tokenriver.kv.cache import KVCache
 from tokenriver.runner.inputs import ModelInputs, prepare_inputs
-from tokenriver.sampling.sampler import Sampler, SamplingState
+from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -41,9 +47,23 @@ class ModelRunner:
             self._generators[request.request_id] = generator
         return generator
 
+    def _state(self, request: ScheduledRequest) -> SamplingState:
+        return SamplingState(
+            params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            generator=self._generator_for(request),
+            eos_token_ids=request.eos_token_ids,
+        )
+
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Forward all scheduled tokens in one pass, sample the requests that reached their last token."""
+    def execute(self, scheduler_output: SchedulerOutput,
+                draft_probs: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
+        """Forward all scheduled tokens in one pass, sample the requests that reached their last token.
+
+        draft_probs: request id → [num_drafts, vocab] distributions its draft tokens were drawn from (draft
+        models only; a request without an entry has deterministic drafts).
+        """
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
         if scheduler_output.block_copies:
@@ -57,25 +77,32 @@ class ModelRunner:
         self.num_forward_passes += 1
         results: dict[str, RequestStepResult] = {}
         self._score_prompts(inputs, hidden, results)
-        if inputs.sample_rows:
-            rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_sampling, vocab] float32
-            states = [
-                SamplingState(
-                    params=request.sampling_params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    generator=self._generator_for(request),
-                    eos_token_ids=request.eos_token_ids,
-                )
-                for request in inputs.sampling_requests
-            ]
-            for request, sample in zip(inputs.sampling_requests, self.sampler.sample(logits, states)):
-                result = results.setdefault(request.request_id, RequestStepResult())
-                result.token_ids.append(sample.token_id)
-                result.logprobs.append(sample.logprob)
-                if sample.trace is not None:
-                    result.traces.append(sample.trace)
+        draft_rows = [row for rows in inputs.draft_rows for row in rows]
+        all_rows = inputs.sample_rows + draft_rows + inputs.beam_rows
+        if not all_rows:
+            return RunnerOutput(results=results)
+        rows = torch.tensor(all_rows, dtype=torch.long, device=self.device)
+        # [num_sample_rows + num_draft_rows + num_beam_rows, vocab] float32
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        num_sample_rows = len(inputs.sample_rows)
+        num_scored_rows = num_sample_rows + len(draft_rows)
+        if inputs.beam_requests:
+            tops = self.sampler.top_logprobs(logits[num_scored_rows:],
+                                             [request.num_beam_candidates for request in inputs.beam_requests])
+            for request, candidates in zip(inputs.beam_requests, tops):
+                results.setdefault(request.request_id, RequestStepResult()).beam_candidates = candidates
+        if inputs.sampling_requests:
+            states = [self._state(request) for request in inputs.sampling_requests]
+            samples = self.sampler.sample(logits[:num_sample_rows], states)
+            for request, sample in zip(inputs.sampling_requests, samples):
+                _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
+        if inputs.draft_requests:
+            draft_probs = draft_probs or {}
+            checks = [DraftCheck(self._state(request), request.draft_token_ids, draft_probs.get(request.request_id))
+                      for request in inputs.draft_requests]
+            verdicts = self.sampler.verify(logits[num_sample_rows:num_scored_rows], checks)
+            for request, verdict in zip(inputs.draft_requests, verdicts):
+                _append(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
         return RunnerOutput(results=results)
 
     def _score_prompts(self, inputs: ModelInputs, hidden: torch.Tensor, results: dict[str, RequestStepResult]) -> None:
@@ -85,3 +112,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_rows, vocab]
             scored = self.sampler.prompt_logprobs(logits, entry.next_token_ids, entry.num_top)
             results.setdefault(entry.request_id, RequestStepResult()).prompt_logprobs.extend(scored)
+
+
+def _append(result: RequestStepResult, samples: list[SampleResult]) -> None:
+    for sample in samples:
+        result.token_ids.append(sample.token_id)
+        result.logprobs.append(sample.logprob)
+        if sample.trace is not None:
+            result.traces.append(sample.trace)

@@ -14,6 +14,15 @@ Invariants:
   it; a batch of greedy rows without penalties costs an argmax and a logsumexp.
 - Logprobs and ranks are those of the raw distribution (log_softmax of the
   unprocessed logits), as OpenAI and vLLM report them.
+
+Speculative decoding (`verify`): the target scores k draft tokens in one pass,
+and the rejection-sampling rule below keeps every emitted token distributed
+exactly as `sample` would have drawn it. Each verified position is processed
+with the token history it would have had (the drafts before it count as
+generated), so penalties, min_tokens, logprobs and traces are those of a run
+without speculation. Only the random stream differs: verification draws its
+own uniforms, so a seeded request gives different (equally distributed)
+tokens with and without speculation; greedy rows give identical tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +56,18 @@ class SamplingState:
 
 
 @dataclass
+class DraftCheck:
+    """One request whose draft tokens the target model scores this step."""
+
+    state: SamplingState
+    draft_token_ids: list[int]
+    # [len(draft_token_ids), V]: the distribution q each draft token was drawn from (the draft model's processed
+    # distribution). None when the drafts are a deterministic function of the context (n-gram lookup): q is then
+    # a point mass on each draft token.
+    draft_probs: torch.Tensor | None = None
+
+
+@dataclass
 class SampleResult:
     """What the sampler chose for one row."""
 
@@ -55,6 +76,28 @@ class SampleResult:
     logprob: TokenLogprobs
     # Filled when params.trace is set.
     trace: StepTrace | None
+
+
+@dataclass
+class VerifyResult:
+    """What the target made of one request's drafts."""
+
+    # The accepted drafts, then one token of the target's own: the replacement of the first rejected draft, or a
+    # bonus token when every draft was accepted. One SampleResult per emitted token.
+    samples: list[SampleResult]
+    num_accepted: int
+
+
+def residual_distribution(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """Where to draw from after a rejection: max(0, p - q), normalized (target p, draft q: [V] each).
+
+    Accepting x with probability min(1, p(x)/q(x)) emits x with probability min(p(x), q(x)); drawing the
+    rejections from the normalized residual adds exactly the missing mass p(x) - min(p(x), q(x)). When p == q
+    nothing is ever rejected, except by rounding: then the residual is empty and p itself is right.
+    """
+    residual = (target - draft).clamp_(min=0)  # [V]
+    total = float(residual.sum())
+    return target if total <= 0 else residual / total
 
 
 class _Logits:
@@ -116,6 +159,116 @@ class Sampler:
 
         chosen = token_ids.tolist()
         return [SampleResult(chosen[i], logprobs[i], traces.get(i)) for i in range(num_rows)]
+
+    def verify(self, logits: torch.Tensor, checks: list[DraftCheck]) -> list[VerifyResult]:
+        """Accept or reject each request's draft tokens; logits [R, V] hold 1 + len(drafts) rows per check, in order.
+
+        Row j of a check is the target's prediction after its j-th draft (row 0: after the last known token).
+        """
+        row_states = [
+            SamplingState(check.state.params, check.state.prompt_token_ids,
+                          check.state.output_token_ids + check.draft_token_ids[:j], check.state.generator,
+                          check.state.eos_token_ids)
+            for check in checks for j in range(len(check.draft_token_ids) + 1)
+        ]
+        if logits.dim() != 2 or logits.shape[0] != len(row_states):
+            raise ValueError(f"logits must be [{len(row_states)} rows (1 + drafts per check), vocab_size], "
+                             f"got {tuple(logits.shape)}")
+        traced_rows = [i for i, state in enumerate(row_states) if state.params.trace]
+        tracer = _Tracer(logits, traced_rows, row_states) if traced_rows else None
+        processed, modified_rows = self._process(logits, row_states, tracer)
+
+        token_ids = processed.argmax(dim=1)  # [R]: greedy verdicts; rows past a rejection keep this placeholder
+        greedy_ids = token_ids.tolist()
+        # [R, V] target distributions, one softmax for the whole batch (greedy rows do not need it).
+        probs = processed.softmax(dim=1) if any(not state.params.is_greedy for state in row_states) else None
+        emitted: list[tuple[int, int]] = []  # (check index, row) of every emitted token
+        num_accepted: list[int] = []
+        first = 0
+        for index, check in enumerate(checks):
+            num_rows = len(check.draft_token_ids) + 1
+            if check.state.params.is_greedy:
+                chosen = _accept_greedy(greedy_ids[first:first + num_rows], check.draft_token_ids)
+            else:
+                chosen = self._accept_sampled(probs[first:first + num_rows], check)
+            token_ids[first:first + len(chosen)] = torch.tensor(chosen, dtype=torch.int64)
+            emitted += [(index, row) for row in range(first, first + len(chosen))]
+            num_accepted.append(len(chosen) - 1)
+            first += num_rows
+
+        rows = [row for _, row in emitted]
+        is_rank_one = [row_states[row].params.is_greedy and row not in modified_rows for row in rows]
+        num_top = [row_states[row].params.logprobs or 0 for row in rows]
+        index = torch.tensor(rows, dtype=torch.int64)  # [E]
+        logprobs = _raw_logprobs(logits[index], token_ids[index], num_top, is_rank_one)
+        traces = tracer.finish(processed, token_ids, row_states) if tracer else {}
+        results = [VerifyResult(samples=[], num_accepted=count) for count in num_accepted]
+        chosen_ids = token_ids.tolist()
+        row_of_first = 0
+        for (check_index, row), logprob in zip(emitted, logprobs):
+            check, result = checks[check_index], results[check_index]
+            if not result.samples:
+                row_of_first = row
+            trace = traces.get(row)
+            if trace is not None:
+                trace.extra["speculative"] = _verdict(check.draft_token_ids, row - row_of_first, result.num_accepted)
+            result.samples.append(SampleResult(chosen_ids[row], logprob, trace))
+        return results
+
+    def top_logprobs(self, logits: torch.Tensor, num_top: list[int]) -> list[list[TokenLogprobs]]:
+        """The num_top[i] most likely tokens of row i under log_softmax of the raw logits, best first (beam search).
+
+        logits [N, V]. Ranks are positions in that order (tied logits get consecutive ranks).
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(num_top):
+            raise ValueError(f"logits must be [len(num_top)={len(num_top)}, vocab_size], got {tuple(logits.shape)}")
+        if not num_top:
+            return []
+        best = logits.topk(min(max(num_top), logits.shape[1]), dim=1)  # [N, k] values and indices
+        logprobs = (best.values - torch.logsumexp(logits, dim=1, keepdim=True)).tolist()  # [N, k]
+        token_ids = best.indices.tolist()
+        return [[TokenLogprobs(token_ids[i][j], logprobs[i][j], j + 1) for j in range(min(count, logits.shape[1]))]
+                for i, count in enumerate(num_top)]
+
+    def draw(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], torch.Tensor]:
+        """One token per row, plus the processed distribution it was drawn from ([N, V], one-hot for greedy rows).
+
+        What a draft model proposes with: the distribution is the q of the acceptance rule in `verify`.
+        """
+        processed, _ = self._process(logits, states, None)
+        probs = processed.softmax(dim=1)  # [N, V]
+        token_ids = processed.argmax(dim=1)  # [N]
+        sampled_rows = [i for i, state in enumerate(states) if not state.params.is_greedy]
+        if sampled_rows:
+            index = torch.tensor(sampled_rows, dtype=torch.int64)  # [n]
+            token_ids[index] = _draw(probs[index], self._uniforms([states[i] for i in sampled_rows]))
+        greedy_rows = [i for i, state in enumerate(states) if state.params.is_greedy]
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, dtype=torch.int64)  # [g]
+            probs[index] = torch.nn.functional.one_hot(token_ids[index], probs.shape[1]).to(probs.dtype)
+        return token_ids.tolist(), probs
+
+    def _accept_sampled(self, probs: torch.Tensor, check: DraftCheck) -> list[int]:
+        """The rejection-sampling rule (Leviathan et al. 2023; Chen et al. 2023), probs [1 + k, V] of the target.
+
+        Draft x_j, drawn from q_j, is accepted with probability min(1, p_j(x_j) / q_j(x_j)); the first rejected
+        one is replaced by a draw from the residual max(0, p_j - q_j) (normalized) and the rest are dropped; when
+        all k are accepted, a bonus token is drawn from p_k. Every emitted token is then distributed exactly as p.
+        """
+        for j, token_id in enumerate(check.draft_token_ids):
+            target = probs[j]  # [V]
+            if check.draft_probs is None:
+                draft = torch.zeros_like(target)  # [V]: the point mass of a deterministic proposer
+                draft[token_id] = 1.0
+            else:
+                draft = check.draft_probs[j].to(target.dtype)  # [V]
+            uniform = float(self._uniforms([check.state])[0])
+            if uniform * float(draft[token_id]) < float(target[token_id]):
+                continue  # accepted: u < p(x) / q(x)
+            replacement = _draw(residual_distribution(target, draft).unsqueeze(0), self._uniforms([check.state]))
+            return check.draft_token_ids[:j] + [int(replacement[0])]
+        bonus = _draw(probs[-1:], self._uniforms([check.state]))
+        return list(check.draft_token_ids) + [int(bonus[0])]
 
     def prompt_logprobs(self, logits: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
         """Raw logprob/rank of each actual next prompt token, plus top num_top alternatives.
@@ -232,6 +385,30 @@ class Sampler:
             if state.generator is not None:
                 uniforms[j] = torch.rand(1, generator=state.generator)[0]
         return uniforms
+
+
+def _accept_greedy(target_ids: list[int], draft_token_ids: list[int]) -> list[int]:
+    """Greedy verification: drafts are accepted while each equals the target's argmax; the first mismatch is
+    replaced by the argmax (after k matches, the argmax of the last row is the bonus token)."""
+    num_accepted = 0
+    while num_accepted < len(draft_token_ids) and draft_token_ids[num_accepted] == target_ids[num_accepted]:
+        num_accepted += 1
+    return target_ids[:num_accepted + 1]
+
+
+def _verdict(draft_token_ids: list[int], position: int, num_accepted: int) -> dict[str, object]:
+    """StepTrace.extra["speculative"] of the token emitted at `position` of a verification."""
+    return {
+        # Every draft token of this verification, and how many of them the target accepted.
+        "draft_token_ids": list(draft_token_ids),
+        "num_accepted": num_accepted,
+        # Which of the emitted tokens this one is (0 = right after the last known token).
+        "position": position,
+        # The draft proposed for this position (None for the bonus token after k accepted drafts).
+        "draft_token_id": draft_token_ids[position] if position < len(draft_token_ids) else None,
+        # True when this token is that draft, accepted; False when the target replaced it (or added a bonus).
+        "accepted": position < num_accepted,
+    }
 
 
 def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:

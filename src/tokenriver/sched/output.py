@@ -36,10 +36,21 @@ class ScheduledRequest:
     output_token_ids: list[int]
     # Extra ids treated as end-of-sequence for min_tokens blocking (model EOS ids, unless ignore_eos).
     eos_token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: draft tokens computed after token_ids (positions start_position + len(token_ids) ..),
+    # whose logits, with the last known token's, verify them. Only with sample; empty otherwise.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # Beam search: report this many most likely next tokens instead of sampling (0 = sample).
+    num_beam_candidates: int = 0
 
     @property
     def num_tokens(self) -> int:
+        """Known tokens computed this step (draft tokens not included)."""
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Every token of the forward pass: known plus draft."""
+        return len(self.token_ids) + len(self.draft_token_ids)
 
 
 @dataclass
@@ -60,7 +71,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.scheduled)
+        return sum(r.num_scheduled_tokens for r in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -71,7 +82,9 @@ class SchedulerOutput:
 class RequestStepResult:
     """What one request got out of a step."""
 
-    # Newly sampled tokens (one per step without speculation; empty for a prompt chunk that does not sample).
+    # Newly sampled tokens: one per step without speculation; with draft tokens, the accepted drafts followed
+    # by one token the target chose itself (so len - 1 drafts were accepted); empty for a prompt chunk that
+    # does not sample.
     token_ids: list[int] = field(default_factory=list)
     # One entry per sampled token: its raw logprob and rank always, `top` only when logprobs were asked.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -79,6 +92,8 @@ class RequestStepResult:
     traces: list = field(default_factory=list)
     # Prompt logprobs for the prompt positions computed this step (when prompt_logprobs is set).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Beam search: the most likely next tokens and their raw logprobs, best first (token_ids stays empty).
+    beam_candidates: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -109,6 +124,8 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     # The request's timings (shared reference: final once finished).
     metrics: RequestMetrics | None = None
+    # Beam search: the beam's most likely next tokens, best first (new_token_ids stays empty).
+    beam_candidates: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -141,3 +158,24 @@ class SchedulerStats:
     num_decode_tokens_total: int
     # Non-empty steps scheduled since the start.
     num_steps: int
+    # Speculative decoding since the start: draft tokens verified, accepted by the target (rejected = the
+    # difference), and verification passes (one per request and step that carried drafts).
+    num_draft_tokens_total: int = 0
+    num_accepted_draft_tokens_total: int = 0
+    num_speculative_steps_total: int = 0
+
+    @property
+    def num_rejected_draft_tokens_total(self) -> int:
+        return self.num_draft_tokens_total - self.num_accepted_draft_tokens_total
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens (0 before any)."""
+        return self.num_accepted_draft_tokens_total / self.num_draft_tokens_total if self.num_draft_tokens_total else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verification pass: 1 + accepted / passes (0 before any)."""
+        if not self.num_speculative_steps_total:
+            return 0.0
+        return 1 + self.num_accepted_draft_tokens_total / self.num_speculative_steps_total

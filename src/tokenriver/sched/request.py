@@ -20,6 +20,7 @@ request its block ids).
 
 from __future__ import annotations
 
+import dataclasses
 from enum import Enum
 
 from tokenriver.outputs import FinishReason, RequestMetrics
@@ -91,6 +92,13 @@ class Request:
         self.num_committed_blocks = 0
         # Prompt logprobs already reported (a recompute after preemption does not report them twice).
         self.num_prompt_logprobs = 0
+        # Speculative decoding: tokens a proposer guessed to follow all_token_ids, verified by the next step
+        # (scheduled after the last known token, in the same forward pass); consumed when scheduled.
+        self.draft_token_ids: list[int] = []
+        # Beam search: this request is one beam, and a step that reaches its last token reports this many most
+        # likely next tokens (RequestStepResult.beam_candidates) instead of sampling one; 0 = sample as usual.
+        # The beam search decides which tokens beams continue with (`Scheduler.fork_request`).
+        self.num_beam_candidates = 0
         self.finish_reason: FinishReason | None = None
         # The stop token id or stop string that ended the request (None for EOS, length, abort).
         self.stop_reason: int | str | None = None
@@ -132,6 +140,30 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def is_beam(self) -> bool:
+        return self.num_beam_candidates > 0
+
+    @property
+    def is_awaiting_fork(self) -> bool:
+        """A beam whose next-token candidates are computed: nothing to do until the beam search forks it."""
+        return self.is_beam and self.num_computed_tokens == self.num_tokens
+
+    def fork(self, request_id: str, token_id: int) -> "Request":
+        """A new waiting request whose tokens are this one's plus token_id (a beam's continuation).
+
+        It holds no blocks: the scheduler shares the parent's with it, or lets it recompute them.
+        """
+        child = Request(request_id, self.prompt_token_ids, self.sampling_params, self.eos_token_ids,
+                        self.arrival_time, self.priority)
+        child.output_token_ids = self.output_token_ids + [token_id]
+        child.all_token_ids = self.all_token_ids + [token_id]
+        child.block_hashes = list(self.block_hashes)
+        child.num_prompt_logprobs = self.num_prompt_logprobs
+        child.num_beam_candidates = self.num_beam_candidates
+        child.metrics = dataclasses.replace(self.metrics)
+        return child
+
     # ---- transitions ----
 
     def start_running(self, now: float) -> None:
@@ -147,6 +179,7 @@ class Request:
         self._move(RequestStatus.PREEMPTED)
         self.num_computed_tokens = 0
         self.num_committed_blocks = 0
+        self.draft_token_ids = []
         self.metrics.num_preemptions += 1
 
     def append_output_token(self, token_id: int, now: float) -> None:
@@ -162,6 +195,7 @@ class Request:
     def finish(self, reason: FinishReason, stop_reason: int | str | None, now: float) -> None:
         """Ends the request for good (the scheduler frees its blocks)."""
         self._move(_STATUS_OF_REASON[reason])
+        self.draft_token_ids = []
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.metrics.finished_time = now

@@ -16,7 +16,23 @@ tokens behind, and
   num_computed_tokens = 0, keeping its output tokens, which are recomputed with the
   prompt (its full blocks stay in the prefix cache, so this is often cheap);
 - recompute_every_step (use_kv_cache=False): after each sampled token the blocks
-  are dropped, so every step computes the whole sequence again.
+  are dropped, so every step computes the whole sequence again;
+- speculative decoding: a request one token behind may carry draft tokens
+  (`Request.draft_token_ids`, set by a proposer through `set_draft_tokens`); they
+  are scheduled after its last token, and the runner returns the drafts the model
+  accepted plus one token of its own. The accepted drafts' K/V stays (num_computed
+  grows by 1 + accepted), the rejected ones' is rolled back: num_computed_tokens
+  does not cover them and blocks holding nothing but them are freed;
+- beam search: a beam is a request that reports its most likely next tokens
+  instead of sampling one, then waits ("awaiting fork", nothing to compute)
+  until the beam search has every beam's candidates and calls `fork_request`
+  for each surviving (beam, token): the child shares all its parent's blocks,
+  and the first time it writes into a block it still shares (the parent's last,
+  partial block) it gets its own copy (copy-on-write, SchedulerOutput.block_copies).
+  A beam search's first request is admitted only with room for all its beams
+  under max_num_seqs. Should every running request await a fork while a beam
+  they wait for cannot be admitted, they are preempted to make room (their
+  candidates are already known), so beams never deadlock.
 
 Order: requests are ranked by (priority, arrival time, order added), lower first.
 Running requests are served first, best rank first; then waiting requests are
@@ -96,6 +112,11 @@ class Scheduler:
         self._num_decode_tokens_last_step = 0
         self._num_prefill_tokens_total = 0
         self._num_decode_tokens_total = 0
+        self._num_draft_tokens_total = 0
+        self._num_accepted_draft_tokens_total = 0
+        self._num_speculative_steps_total = 0
+        # Copy-on-write block copies of the step being scheduled (source id, destination id).
+        self._block_copies: list[tuple[int, int]] = []
 
     # ---- requests in and out ----
 
@@ -155,6 +176,50 @@ class Scheduler:
         """Requests queued, preempted ones included."""
         return len(self._waiting)
 
+    @property
+    def max_num_tokens(self) -> int:
+        """The longest a sequence may grow (prompt + output) before it is stopped with LENGTH."""
+        return self._max_num_tokens
+
+    # ---- speculative decoding ----
+
+    def decoding_requests(self) -> list[Request]:
+        """Running requests whose next step computes just their last token: those a proposer may draft for."""
+        return [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1 and not r.is_beam]
+
+    def set_draft_tokens(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Give requests draft tokens to verify in the next step (request id → drafts; unknown ids are skipped)."""
+        for request_id, token_ids in draft_token_ids.items():
+            request = self._requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.draft_token_ids = list(token_ids)
+
+    # ---- beam search ----
+
+    def fork_request(self, parent_id: str, child_id: str, token_id: int) -> Request:
+        """Start child_id as parent_id's tokens plus token_id, sharing every block the parent holds.
+
+        A running parent's child runs at once, with the parent's computed tokens; a
+        parent that lost its blocks (preempted) leaves its child to wait and recompute.
+        The child keeps the parent's rank. The caller finishes the parent when done forking.
+        """
+        parent = self._requests[parent_id]
+        if child_id in self._requests:
+            raise RuntimeError(f"fork to request id {child_id!r}, which is already in use")
+        child = parent.fork(child_id, token_id)
+        self._requests[child_id] = child
+        self._ranks[child_id] = self._ranks[parent_id]
+        if parent.status is RequestStatus.RUNNING and parent.block_ids:
+            self.block_manager.share(parent.block_ids)
+            child.block_ids = list(parent.block_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_committed_blocks = parent.num_committed_blocks
+            child.start_running(self._clock())
+            bisect.insort(self._running, child, key=self._rank)
+        else:
+            bisect.insort(self._waiting, child, key=self._rank)
+        return child
+
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
@@ -165,30 +230,50 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         num_preemptions_before = self._num_preemptions
+        self._block_copies = []
 
         index = 0
         while index < len(self._running) and budget > 0:
             request = self._running[index]
+            if request.is_awaiting_fork:
+                index += 1
+                continue
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._grow(request, num_new_tokens):
+            draft_token_ids = request.draft_token_ids[:self._num_drafts(request, budget)]
+            request.draft_token_ids = []
+            if not self._grow(request, num_new_tokens + len(draft_token_ids)):
                 break
-            scheduled.append(self._scheduled_request(request, num_new_tokens))
-            budget -= num_new_tokens
+            scheduled.append(self._scheduled_request(request, num_new_tokens, draft_token_ids))
+            budget -= num_new_tokens + len(draft_token_ids)
             index += 1
 
         # No admissions in a step that preempted: the room is what the preempted requests need back.
         if self._num_preemptions == num_preemptions_before:
-            while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
-                num_new_tokens = self._admit(self._waiting[0], budget, now)
-                if num_new_tokens == 0:
-                    break
-                request = self._waiting.pop(0)
-                bisect.insort(self._running, request, key=self._rank)
-                scheduled.append(self._scheduled_request(request, num_new_tokens))
-                budget -= num_new_tokens
+            budget = self._admit_waiting(scheduled, budget, now)
+        awaiting = [r for r in self._running if r.is_awaiting_fork]
+        if not scheduled and self._waiting and len(awaiting) == len(self._running):
+            # Every running beam awaits beams that cannot be admitted: make room for them.
+            for request in reversed(awaiting):
+                self._running.remove(request)
+                self._preempt(request)
+            budget = self._admit_waiting(scheduled, budget, now)
 
         self._count_step(scheduled)
-        return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished_ids)
+        return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished_ids,
+                               block_copies=self._block_copies)
+
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, now: float) -> int:
+        """Admit waiting requests best rank first while tokens, seats and blocks last; returns the budget left."""
+        while self._waiting and budget > 0 and len(self._running) + self._num_seats(self._waiting[0]) <= \
+                self.max_num_seqs:
+            num_new_tokens = self._admit(self._waiting[0], budget, now)
+            if num_new_tokens == 0:
+                break
+            request = self._waiting.pop(0)
+            bisect.insort(self._running, request, key=self._rank)
+            scheduled.append(self._scheduled_request(request, num_new_tokens))
+            budget -= num_new_tokens
+        return budget
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
         """Apply a step's results: advance the computed tokens, append sampled ones, stop, free, report."""
@@ -204,6 +289,8 @@ class Scheduler:
             prompt_logprobs = self._new_prompt_logprobs(request, scheduled, result.prompt_logprobs)
             # A chunk that does not reach the last known token has nothing to sample.
             sampled_token_ids = result.token_ids if scheduled.sample else []
+            if scheduled.draft_token_ids and sampled_token_ids:
+                self._count_verification(request, len(scheduled.draft_token_ids), len(sampled_token_ids) - 1)
             new_token_ids: list[int] = []
             stop = None
             for token_id in sampled_token_ids:
@@ -217,7 +304,10 @@ class Scheduler:
                 self._finish(request, stop.reason, stop.stop_reason)
             elif self.recompute_every_step and new_token_ids:
                 self._free_blocks(request)
-            if new_token_ids or prompt_logprobs or request.is_finished:
+            elif scheduled.draft_token_ids:
+                self._free_blocks_past_end(request)
+            beam_candidates = result.beam_candidates if scheduled.sample else []
+            if new_token_ids or prompt_logprobs or request.is_finished or beam_candidates:
                 num_new = len(new_token_ids)
                 updates.append(RequestUpdate(
                     request_id=request.request_id,
@@ -229,6 +319,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     metrics=request.metrics,
+                    beam_candidates=beam_candidates,
                 ))
         return updates
 
@@ -250,6 +341,9 @@ class Scheduler:
             num_prefill_tokens_total=self._num_prefill_tokens_total,
             num_decode_tokens_total=self._num_decode_tokens_total,
             num_steps=self._num_steps,
+            num_draft_tokens_total=self._num_draft_tokens_total,
+            num_accepted_draft_tokens_total=self._num_accepted_draft_tokens_total,
+            num_speculative_steps_total=self._num_speculative_steps_total,
         )
 
     # ---- helpers ----
@@ -266,13 +360,24 @@ class Scheduler:
         """
         manager = self.block_manager
         num_new_blocks = manager.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
-        while not manager.can_allocate(num_new_blocks):
+        while not manager.can_allocate(num_new_blocks + self._needs_copy(request)):
             victim = self._running.pop()
             self._preempt(victim)
             if victim is request:
                 return False
+        if self._needs_copy(request):
+            index = request.num_computed_tokens // manager.block_size
+            shared_block_id = request.block_ids[index]
+            (request.block_ids[index],) = manager.allocate(1)
+            self._block_copies.append((shared_block_id, request.block_ids[index]))
+            manager.free([shared_block_id])
         request.block_ids.extend(manager.allocate(num_new_blocks))
         return True
+
+    def _needs_copy(self, request: Request) -> bool:
+        """Whether the block this step writes first is shared with another request (copy-on-write)."""
+        index = request.num_computed_tokens // self.block_manager.block_size
+        return index < len(request.block_ids) and self.block_manager.ref_count(request.block_ids[index]) > 1
 
     def _admit(self, request: Request, budget: int, now: float) -> int:
         """Start a waiting request: reuse its cached prefix, take blocks for its first chunk.
@@ -295,6 +400,12 @@ class Scheduler:
             manager.record_prefix_query(request.num_tokens, num_cached_tokens)
         request.start_running(now)
         return num_new_tokens
+
+    def _num_seats(self, request: Request) -> int:
+        """Sequence slots an admission takes: a beam search's first request holds the room for all its beams."""
+        if request.is_beam and request.num_output_tokens == 0:
+            return request.sampling_params.beam_width or 1
+        return 1
 
     def _may_reuse_prefix(self, request: Request) -> bool:
         # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
@@ -338,7 +449,41 @@ class Scheduler:
         request.num_prompt_logprobs += len(new)
         return new
 
-    def _scheduled_request(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """How many of the request's draft tokens fit this step.
+
+        Only a request one token behind verifies drafts. They must fit the budget
+        after its own token, and the tokens they can add (drafts + 1) must not run
+        past max_tokens or the longest allowed sequence.
+        """
+        if not request.draft_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        limit = min(len(request.draft_token_ids), budget - 1, self._max_num_tokens - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        return max(limit, 0)
+
+    def _count_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The target accepted num_accepted of num_drafts drafts: their K/V stays, and the counts grow."""
+        request.num_computed_tokens += num_accepted
+        metrics = request.metrics
+        metrics.num_draft_tokens += num_drafts
+        metrics.num_accepted_draft_tokens += num_accepted
+        metrics.num_speculative_steps += 1
+        self._num_draft_tokens_total += num_drafts
+        self._num_accepted_draft_tokens_total += num_accepted
+        self._num_speculative_steps_total += 1
+
+    def _free_blocks_past_end(self, request: Request) -> None:
+        """Give back the blocks past the request's known tokens: they hold only rejected drafts' K/V."""
+        num_kept = self.block_manager.num_blocks_for(request.num_tokens)
+        if len(request.block_ids) > num_kept:
+            self.block_manager.free(request.block_ids[num_kept:])
+            del request.block_ids[num_kept:]
+
+    def _scheduled_request(self, request: Request, num_new_tokens: int,
+                           draft_token_ids: list[int] | None = None) -> ScheduledRequest:
         self._commit_full_blocks(request, num_new_tokens)
         start = request.num_computed_tokens
         params = request.sampling_params
@@ -352,11 +497,15 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=[] if params.ignore_eos else request.eos_token_ids,
+            draft_token_ids=draft_token_ids or [],
+            num_beam_candidates=request.num_beam_candidates,
         )
 
     def _count_step(self, scheduled: list[ScheduledRequest]) -> None:
-        num_decode = sum(1 for s in scheduled if s.num_tokens == 1 and s.start_position >= len(s.prompt_token_ids))
-        num_prefill = sum(s.num_tokens for s in scheduled) - num_decode
+        # A decode computes one known token, plus the drafts it verifies.
+        num_decode = sum(s.num_scheduled_tokens for s in scheduled
+                         if s.num_tokens == 1 and s.start_position >= len(s.prompt_token_ids))
+        num_prefill = sum(s.num_scheduled_tokens for s in scheduled) - num_decode
         self._num_prefill_tokens_last_step = num_prefill
         self._num_decode_tokens_last_step = num_decode
         self._num_prefill_tokens_total += num_prefill

@@ -57,6 +57,14 @@ class _EngineCollector(Collector):
             ("tokenriver_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
              stats.prefix_cache_hit_tokens),
             ("tokenriver_engine_steps", "Non-empty engine steps.", stats.num_steps),
+            ("tokenriver_spec_decode_num_draft_tokens", "Speculative draft tokens verified by the model.",
+             stats.num_draft_tokens_total),
+            ("tokenriver_spec_decode_num_accepted_tokens", "Speculative draft tokens the model accepted.",
+             stats.num_accepted_draft_tokens_total),
+            ("tokenriver_spec_decode_num_rejected_tokens", "Speculative draft tokens the model rejected.",
+             stats.num_rejected_draft_tokens_total),
+            ("tokenriver_spec_decode_num_verifications", "Verification passes that carried draft tokens.",
+             stats.num_speculative_steps_total),
         )
         for name, documentation, value in counters:
             yield CounterMetricFamily(name, documentation, value=value)

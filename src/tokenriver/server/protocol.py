@@ -11,7 +11,8 @@ SamplingParams, so this module checks only shapes and types (and that
 integers fit 64 bits, the one range every consumer shares).
 
 Extensions (vLLM's sampling fields, tokenriver's `trace`, `metrics`,
-`token_ids`) are left out of a response when they are None, so a plain
+`token_ids`, beam search's `beam_width` / `length_penalty` / `early_stopping`
+and `beam_score`) are left out of a response when they are None, so a plain
 OpenAI client sees OpenAI's shape.
 """
 
@@ -134,6 +135,12 @@ class SamplingFields(Request):
     # tokenriver extensions: a StepTrace per generated token, keeping trace_top candidates.
     trace: bool | None = None
     trace_top: Int64 | None = None
+    # tokenriver extensions: beam search with beam_width beams (transformers' num_beams); the n best finished
+    # beams come back as the choices, ranked by sum of logprobs / (length ** length_penalty). early_stopping:
+    # true, false or "never", with transformers' meanings. No streaming deltas: one chunk when it ends.
+    beam_width: Int64 | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -267,6 +274,10 @@ class RequestMetricsInfo(Response):
     num_generated_tokens: int
     num_forward_passes: int
     kv_blocks: int
+    # Speculative decoding (when the server runs with a draft): draft tokens verified, accepted, and the rate.
+    num_draft_tokens: int | None = _omit_none()
+    num_accepted_draft_tokens: int | None = _omit_none()
+    draft_acceptance_rate: float | None = _omit_none()
 
 
 class CompletionLogprobs(Response):
@@ -288,6 +299,8 @@ class CompletionChoice(Response):
     # tokenriver extensions (chunks only: token_ids).
     token_ids: list[int] | None = _omit_none()
     trace: list[dict[str, Any]] | None = _omit_none()
+    # Beam search: the beam's length-normalized score (transformers' sequences_scores).
+    beam_score: float | None = _omit_none()
 
 
 class CompletionResponse(Response):
@@ -330,6 +343,8 @@ class ChatChoice(Response):
     finish_reason: str | None
     stop_reason: str | int | None = _omit_none()
     trace: list[dict[str, Any]] | None = _omit_none()
+    # Beam search: the beam's length-normalized score (transformers' sequences_scores).
+    beam_score: float | None = _omit_none()
 
 
 class ChatCompletionResponse(Response):

@@ -213,6 +213,11 @@ class OpenAIServing:
     def _check_engine_limits(self, params: SamplingParams) -> None:
         """What only this engine can judge: token ids against its vocabulary, candidates against its batch."""
         params.validate_for_vocab(self.vocab_size)
+        if params.beam_width is not None and params.beam_width > self.max_num_seqs:
+            raise InvalidParameterError(
+                f"beam_width={params.beam_width} needs that many requests running at once, more than this server "
+                f"runs (max_num_seqs={self.max_num_seqs}); lower it, or start the server with a larger "
+                f"--max-num-seqs", param="beam_width")
         if params.num_generated > self.max_num_seqs:
             name = "best_of" if params.best_of is not None else "n"
             raise InvalidParameterError(
@@ -307,7 +312,7 @@ class OpenAIServing:
                     index=prompt_index * plan.params.n + candidate.index, text=prompt_text + candidate.text,
                     logprobs=logprobs, finish_reason=_finish_reason(candidate), stop_reason=candidate.stop_reason,
                     token_ids=list(candidate.token_ids) if plan.params.trace else None,
-                    trace=_trace(candidate, 0) if plan.params.trace else None))
+                    trace=_trace(candidate, 0) if plan.params.trace else None, beam_score=candidate.beam_score))
         return CompletionResponse(id=plan.response_id, created=plan.created, model=self.model_name, choices=choices,
                                   usage=usage(finals), metrics=self._combined_metrics(finals))
 
@@ -322,7 +327,7 @@ class OpenAIServing:
             choices.append(ChatChoice(
                 index=candidate.index, message=ChatMessageOut(content=candidate.text), logprobs=logprobs,
                 finish_reason=_finish_reason(candidate), stop_reason=candidate.stop_reason,
-                trace=_trace(candidate, 0) if plan.params.trace else None))
+                trace=_trace(candidate, 0) if plan.params.trace else None, beam_score=candidate.beam_score))
         return ChatCompletionResponse(id=plan.response_id, created=plan.created, model=self.model_name,
                                       choices=choices, usage=usage(finals), metrics=self.request_metrics(output))
 
@@ -441,6 +446,7 @@ class OpenAIServing:
             num_generated_tokens=sum(len(c.token_ids) for c in output.outputs),
             num_forward_passes=max(num_prefill_passes + longest - 1, 0),
             kv_blocks=math.ceil((num_prompt + longest) / self.block_size),
+            **_speculative_metrics(output),
         )
 
     def _combined_metrics(self, finals: list[RequestOutput]) -> RequestMetricsInfo:
@@ -453,13 +459,18 @@ class OpenAIServing:
             values = [getattr(p, name) for p in parts if getattr(p, name) is not None]
             return max(values) if values else None
 
+        num_drafts = sum(p.num_draft_tokens or 0 for p in parts)
+        num_accepted = sum(p.num_accepted_draft_tokens or 0 for p in parts)
+        speculative = {"num_draft_tokens": num_drafts, "num_accepted_draft_tokens": num_accepted,
+                       "draft_acceptance_rate": num_accepted / num_drafts} if num_drafts else {}
         return RequestMetricsInfo(
             time_to_first_token=slowest("time_to_first_token"),
             time_per_output_token=slowest("time_per_output_token"),
             queue_time=slowest("queue_time"),
             **{name: sum(getattr(p, name) for p in parts)
                for name in ("num_cached_tokens", "num_prompt_tokens", "num_generated_tokens", "num_forward_passes",
-                            "kv_blocks")})
+                            "kv_blocks")},
+            **speculative)
 
     # ----- tokenizer and engine endpoints -------------------------------------------------------------
 
@@ -482,11 +493,12 @@ class OpenAIServing:
         return {"prompt": self.tokenizer.decode(request.tokens, skip_special_tokens=False)}
 
     def engine_info(self) -> dict[str, Any]:
-        """GET /v1/engine: the KV pool and the scheduler right now (live, not the last step's snapshot)."""
+        """GET /v1/engine: the KV pool and the scheduler right now (live, not the last step's snapshot), plus the
+        speculative-decoding counts when the engine runs a draft."""
         core = self.engine.core
         stats = core.scheduler.stats()
         last_step = self.engine.stats()
-        return {
+        info: dict[str, Any] = {
             "model": self.model_name,
             "dtype": core.config.dtype,
             "block_size": core.kv_cache.block_size,
@@ -503,6 +515,14 @@ class OpenAIServing:
             "max_num_batched_tokens": core.config.max_num_batched_tokens,
             "max_num_seqs": core.config.max_num_seqs,
         }
+        if core.config.speculative_draft is not None:
+            info.update(speculative_draft=core.config.speculative_draft,
+                        num_speculative_tokens=core.config.num_speculative_tokens,
+                        num_draft_tokens=stats.num_draft_tokens_total,
+                        num_accepted_draft_tokens=stats.num_accepted_draft_tokens_total,
+                        draft_acceptance_rate=stats.draft_acceptance_rate,
+                        mean_accepted_length=stats.mean_accepted_length)
+        return info
 
 
 # ----- pure mapping functions -------------------------------------------------------------------------
@@ -521,6 +541,8 @@ def sampling_params(request: SamplingFields, *, max_tokens: int | None, max_toke
         "skip_special_tokens": request.skip_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output, "trace": request.trace,
         "trace_top": request.trace_top, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+        "beam_width": request.beam_width, "length_penalty": request.length_penalty,
+        "early_stopping": request.early_stopping,
     }
     given = {name: value for name, value in fields.items() if value is not None}
     renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param, "prompt_logprobs": logprobs_param}
@@ -532,6 +554,16 @@ def sampling_params(request: SamplingFields, *, max_tokens: int | None, max_toke
             raise
         message = name + error.message[len(error.param):] if error.message.startswith(error.param) else error.message
         raise InvalidParameterError(message, param=name) from None
+
+
+def _speculative_metrics(output: RequestOutput) -> dict[str, Any]:
+    """The request's speculative-decoding counts, when it had drafts (RequestMetricsInfo's optional fields)."""
+    metrics = output.metrics
+    if not metrics.num_draft_tokens:
+        return {}
+    return {"num_draft_tokens": metrics.num_draft_tokens,
+            "num_accepted_draft_tokens": metrics.num_accepted_draft_tokens,
+            "draft_acceptance_rate": metrics.draft_acceptance_rate}
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
