@@ -19,10 +19,10 @@ def default_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def loaded_float32(default_model_path):
-    """The embedded model in float32, shared by every engine test (engines take it via `loaded=`)."""
+    """The embedded model dequantized to float32 (the transformers reference's numbers), shared by engine tests."""
     from tokenriver.loader.load import load_model
 
-    return load_model(default_model_path, dtype="float32")
+    return load_model(default_model_path, dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="session")

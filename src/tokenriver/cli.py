@@ -31,6 +31,8 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "most tokens computed in one step (prompt chunks + decode tokens)",
     "max_model_len": "longest sequence, prompt + output (default: the model's context length)",
     "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
+    "quantization": "weights: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 packed, none dequantizes to --dtype, "
+                    "int8/int4 quantize float weights at load",
     "use_kv_cache": "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
     "num_threads": "CPU threads (default: the cores available)",
     "seed": "seed for requests that have none",

@@ -43,6 +43,9 @@ class EngineConfig:
     model: str | None = None
     # Compute dtype: "float32" or "bfloat16".
     dtype: str = "float32"
+    # Weight format: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed (4/8-bit kernels) and float weights float;
+    # "none" dequantizes everything to dtype; "int8" / "int4" also quantize float weights at load.
+    quantization: str = "auto"
     # torch device string ("cpu", "cuda", ...).
     device: str = "cpu"
     # Bytes for the paged KV pool; None = sized from max_num_kv_tokens.
@@ -77,6 +80,9 @@ class EngineConfig:
     ngram_min: int = 2
 
     def __post_init__(self) -> None:
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise InvalidParameterError(f"quantization={self.quantization!r} is not supported: use auto, none, "
+                                        f"int8 or int4", param="quantization")
         if self.dtype not in ("float32", "bfloat16"):
             raise InvalidParameterError(f"dtype={self.dtype!r} is not supported: use 'float32' or 'bfloat16'",
                                         param="dtype")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tokenriver.kv.cache import KVCache
-from tokenriver.loader.load import build_model
+from tokenriver.loader.assemble import build_model
 from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.models.attention import AttentionMetadata
 

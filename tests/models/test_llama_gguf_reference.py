@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenriver.kv.cache import KVCache
-from tokenriver.loader.load import build_model
+from tokenriver.loader.assemble import build_model
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.llama import LlamaForCausalLM
 
@@ -126,7 +126,7 @@ def test_batch_of_two_prompts_equals_each_alone(ours, prompts):
 
 def test_bfloat16_greedy_agrees_with_float32_reference(ours, prompts, reference_logits):
     weights = {name: tensor.to(torch.bfloat16) for name, tensor in ours.state_dict().items()}
-    model = build_model(ours.config, weights, "cpu")
+    model = build_model(ours.config, weights, "cpu", dtype=torch.bfloat16)
     assert next(model.parameters()).dtype == torch.bfloat16
     agree = total = 0
     for name, ids in prompts.items():

@@ -8,7 +8,7 @@ import torch
 from tokenriver.errors import ModelLoadError
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, rope_inv_freq
-from tokenriver.models.llama import LlamaForCausalLM
+from tokenriver.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from tokenriver.models.registry import canonical_architecture, model_class
 
 transformers = pytest.importorskip("transformers")
@@ -69,19 +69,29 @@ def test_rms_norm_and_mlp_equal_transformers(dtype):
     assert torch.equal(norm(x), ref_norm(x))
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96)
     mlp, ref_mlp = SwiGLUMLP(64, 96).to(dtype), modeling_llama.LlamaMLP(config).to(dtype)
-    ref_mlp.load_state_dict(mlp.state_dict())
+    gate, up = mlp.gate_up_proj.weight.chunk(2)  # the fused weight stacks gate_proj over up_proj
+    ref_mlp.load_state_dict({"gate_proj.weight": gate, "up_proj.weight": up,
+                             "down_proj.weight": mlp.down_proj.weight})
     with torch.no_grad():
         assert torch.equal(mlp(x), ref_mlp(x))
 
 
-def test_parameter_names_are_hugging_faces():
+def test_parameter_names_are_hugging_faces_with_fused_projections():
     config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True)
     reference = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2))
     ours = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).state_dict().items()}
-    assert ours == {name: tuple(p.shape) for name, p in reference.state_dict().items()}
+    expected: dict[str, tuple[int, ...]] = {}
+    for name, tensor in reference.state_dict().items():
+        for fused, parts in FUSED_PROJECTIONS.items():
+            for part in parts:
+                name = name.replace(f".{part}.", f".{fused}.")
+        # A fused projection's rows are its parts' rows stacked.
+        rows = expected.get(name, (0,))[0] + tensor.shape[0]
+        expected[name] = (rows, *tensor.shape[1:])
+    assert ours == expected
 
 
 def test_model_config_rejects_inconsistent_shapes():

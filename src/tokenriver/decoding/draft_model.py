@@ -112,7 +112,7 @@ class DraftModelProposer:
             raise InvalidParameterError(
                 f"speculative_draft={path!r} is neither 'ngram', 'self:N' nor an existing model file or folder",
                 param="speculative_draft")
-        draft = load_model(path, config.dtype, config.device)
+        draft = load_model(path, config.dtype, config.device, config.quantization)
         check_same_vocabulary(draft, target)
         return cls(draft.model, draft.config.num_layers, draft.config.num_kv_heads, draft.config.head_dim, config,
                    num_kv_blocks)

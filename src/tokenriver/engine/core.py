@@ -77,7 +77,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.num_threads or default_num_threads())
-        self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
+        self.loaded = loaded if loaded is not None else load_model(
+            config.model, config.dtype, config.device, config.quantization)
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings

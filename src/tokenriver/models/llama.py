@@ -2,9 +2,12 @@
 
 One page, top to bottom: embedding → N × (RMSNorm → attention → residual,
 RMSNorm → SwiGLU MLP → residual) → final RMSNorm; logits on request.
-Parameter names are Hugging Face's, so a checkpoint's state dict loads as is.
-The variants differ only in ModelConfig fields: grouped-query attention
-(num_kv_heads), QKV bias (Qwen2), rope scaling (Llama 3), tied output embedding.
+Parameter names are Hugging Face's, except that q/k/v and gate/up run as one
+fused projection each (`qkv_proj`, `gate_up_proj`: fewer, larger matrix
+products per step); `FUSED_PROJECTIONS` tells the loader which checkpoint
+tensors to stack. The variants differ only in ModelConfig fields: grouped-query
+attention (num_kv_heads), QKV bias (Qwen2), rope scaling (Llama 3), tied output
+embedding.
 
 A step is a ragged batch: the tokens of many requests flattened into one
 [num_tokens] tensor, each with its own position; `AttentionMetadata` says which
@@ -22,6 +25,12 @@ from tokenriver.models.attention import AttentionMetadata, paged_attention
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 
+# Fused module → the Hugging Face modules whose weights (and biases) it stacks, in output order.
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
 
 class LlamaAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention with rotary positions over the paged KV cache."""
@@ -33,9 +42,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.attention_bias)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        # q_proj, k_proj and v_proj stacked: one product for all three.
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size,
                                 bias=config.attention_out_bias)
 
@@ -43,9 +53,10 @@ class LlamaAttention(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """rope: cos, sin [T, 1, head_dim // 2]; hidden [T, hidden_size] → [T, hidden_size]."""
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
-        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
+        query, key, value = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        query = query.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
+        key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
+        value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
         out = paged_attention(query, key, value, kv_cache[self.layer_idx], metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # [T, hidden]
@@ -89,6 +100,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder plus its output projection; the engine calls `forward`, then `compute_logits` on chosen rows."""
+
+    fused_projections = FUSED_PROJECTIONS
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -334,7 +334,9 @@ class Int4Linear(_QuantizedLinear):
 
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows [len(row_ids), K] of the weight: the lookup of a tied embedding, without the whole matrix."""
-        return dequantize_int4(self.qweight[row_ids], self.scales[row_ids], self.mins[row_ids], self.group_size)
+        # index_select, not advanced indexing: on the CPU the latter is far slower for row gathers.
+        return dequantize_int4(self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids),
+                               self.mins.index_select(0, row_ids), self.group_size)
 
     def _bind_native(self) -> None:
         super()._bind_native()
@@ -354,6 +356,22 @@ class Int4Linear(_QuantizedLinear):
             self._aten_scales_and_zeros[dtype] = torch.stack((scales, zeros), dim=-1).to(dtype).contiguous()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows.to(dtype), self.aten_qweight, self.group_size, self._aten_scales_and_zeros[dtype]).float()
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding looked up in a quantized matrix: only the rows of this step's tokens are dequantized.
+
+    With a tied output embedding `table` is the output projection itself, so one copy of the matrix serves both.
+    """
+
+    def __init__(self, table: "Int4Linear | Int8Linear", dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64 → [num_tokens, embedding width] in the compute dtype."""
+        return self.table.dequantize_rows(token_ids).to(self.dtype)
 
 
 class Int8Linear(_QuantizedLinear):
@@ -378,7 +396,8 @@ class Int8Linear(_QuantizedLinear):
 
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows [len(row_ids), K] of the weight: the lookup of a tied embedding, without the whole matrix."""
-        return dequantize_int8(self.qweight[row_ids], self.scales[row_ids], self.group_size)
+        return dequantize_int8(self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids),
+                               self.group_size)
 
     def _bind_native(self) -> None:
         super()._bind_native()

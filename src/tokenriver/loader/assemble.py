@@ -1,0 +1,146 @@
+"""Checkpoint tensors (Hugging Face names) → a model instance: fusing, quantizing, placing the weights.
+
+Readers hand over plain float tensors, or GGUF Q4_0/Q4_1/Q8_0 weights already repacked into
+models/quant.py's formats. Here they become the model the engine runs:
+- projections the model fuses (q/k/v, gate/up: the class's `fused_projections`) are stacked into one weight;
+- with quantization "int8" or "int4", every matrix is brought to that format now; the output projection goes to int8 in
+  both modes (it is the largest matrix of a small model and the most sensitive one, as in llama.cpp's
+  Q4_K_M files, which keep it at 6 bits);
+- each quantized weight replaces its nn.Linear with an Int4Linear/Int8Linear, and a quantized token embedding
+  becomes a QuantizedEmbedding reading the same matrix (no float copy of the vocabulary table);
+- the remaining float tensors are assigned in place of the meta-device parameters, after checking that every
+  one the model needs is there with the right shape.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenriver.errors import InvalidParameterError, ModelLoadError
+from tokenriver.models.config import ModelConfig
+from tokenriver.models.quant import (Int4Linear, Int4Weight, Int8Linear, Int8Weight, QuantizedEmbedding,
+                                     concatenate, quantize_int4, quantize_int8)
+from tokenriver.models.registry import model_class
+
+QuantWeight = Int4Weight | Int8Weight
+Weight = torch.Tensor | QuantWeight
+# "auto": keep what the file stores (GGUF Q4_0/Q4_1/Q8_0 stay packed, float stays float); "none": everything float
+# (the reference the tests compare with transformers); "int8"/"int4": also quantize float matrices at load.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+INT4_GROUP_SIZE = 32
+_EMBEDDING = "model.embed_tokens.weight"
+_OUTPUT = "lm_head.weight"
+
+
+def check_quantization(quantization: str) -> None:
+    """Refuse an unknown quantization mode, naming the ones there are."""
+    if quantization not in QUANTIZATIONS:
+        raise InvalidParameterError(f"quantization={quantization!r} is not supported: use one of "
+                                    f"{', '.join(QUANTIZATIONS)}", param="quantization")
+
+
+def build_model(config: ModelConfig, weights: dict[str, Weight], device: str | torch.device, path: str = "",
+                quantization: str = "auto", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Instantiate config.architecture's class without a random init and give it `weights` (HF names)."""
+    check_quantization(quantization)
+    cls = model_class(config.architecture)
+    weights = dict(weights)
+    if config.tie_word_embeddings and _EMBEDDING in weights:
+        weights[_OUTPUT] = weights[_EMBEDDING]
+    weights = _fuse(weights, getattr(cls, "fused_projections", {}), dtype)
+    if quantization in ("int8", "int4"):
+        weights = _quantize_all(weights, quantization)
+    with torch.device("meta"):
+        model = cls(config)
+    _install_quantized(model, weights, device, dtype)
+    floats = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()
+              if isinstance(tensor, torch.Tensor)}
+    if config.tie_word_embeddings and _EMBEDDING in floats:
+        floats[_OUTPUT] = floats[_EMBEDDING]  # One storage for both names.
+    _check_fit(model, floats, config, path)
+    model.load_state_dict(floats, assign=True, strict=False)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]], dtype: torch.dtype) -> dict[str, Weight]:
+    """Stack each fused module's parts (weights and biases) in every layer that has them all."""
+    for target, parts in fused.items():
+        suffix = f".{parts[0]}.weight"
+        for name in [n for n in weights if n.endswith(suffix)]:
+            prefix = name[:-len(suffix)]
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}.{part}.{kind}" for part in parts]
+                if all(n in weights for n in names):
+                    weights[f"{prefix}.{target}.{kind}"] = _stack([weights.pop(n) for n in names], dtype)
+    return weights
+
+
+def _stack(parts: list[Weight], dtype: torch.dtype) -> Weight:
+    """Concatenate along out_features; parts stored in different formats meet as float."""
+    first = parts[0]
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(type(p) is type(first) and p.group_size == first.group_size for p in parts):
+        return concatenate(parts)
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts])
+
+
+def _quantize_all(weights: dict[str, Weight], quantization: str) -> dict[str, Weight]:
+    """Bring every linear matrix to the requested format: float ones are quantized, packed ones of the other
+    format dequantized and quantized again; the output projection (and a tied embedding with it) goes to int8."""
+    out = dict(weights)
+    for name, weight in weights.items():
+        if name == _EMBEDDING or (isinstance(weight, torch.Tensor) and weight.dim() != 2):
+            continue
+        target = Int8Weight if name == _OUTPUT or quantization == "int8" else Int4Weight
+        if isinstance(weight, target) or weight.shape[1] % INT4_GROUP_SIZE:
+            continue
+        matrix = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+        out[name] = quantize_int8(matrix) if target is Int8Weight else quantize_int4(matrix, INT4_GROUP_SIZE)
+    if weights.get(_EMBEDDING) is weights.get(_OUTPUT):
+        out[_EMBEDDING] = out[_OUTPUT]
+    return out
+
+
+def _install_quantized(model: nn.Module, weights: dict[str, Weight], device: str | torch.device,
+                       dtype: torch.dtype) -> None:
+    """Swap in an Int4Linear/Int8Linear for each nn.Linear whose weight is quantized, popping the weight (and
+    its bias) from `weights`; a quantized embedding reads its rows from the output layer when the two are tied."""
+    embedding = weights.get(_EMBEDDING)
+    installed: dict[int, Int4Linear | Int8Linear] = {}  # id(weight) → its layer
+    for name in [n for n, w in weights.items() if not isinstance(w, torch.Tensor) and n != _EMBEDDING]:
+        module_name = name.removesuffix(".weight")
+        weight = weights.pop(name)
+        layer = _quantized_linear(weight, weights.pop(f"{module_name}.bias", None), device)
+        installed[id(weight)] = layer
+        model.set_submodule(module_name, layer)
+    if embedding is not None and not isinstance(embedding, torch.Tensor):
+        del weights[_EMBEDDING]
+        table = installed.get(id(embedding)) or _quantized_linear(embedding, None, device)
+        model.set_submodule("model.embed_tokens", QuantizedEmbedding(table, dtype))
+
+
+def _quantized_linear(weight: QuantWeight, bias: torch.Tensor | None,
+                      device: str | torch.device) -> Int4Linear | Int8Linear:
+    bias = None if bias is None else bias.to(device)
+    if isinstance(weight, Int4Weight):
+        return Int4Linear(Int4Weight(weight.qweight.to(device), weight.scales.to(device), weight.mins.to(device),
+                                     weight.group_size), bias)
+    return Int8Linear(Int8Weight(weight.qweight.to(device), weight.scales.to(device), weight.group_size), bias)
+
+
+def _check_fit(model: nn.Module, floats: dict[str, torch.Tensor], config: ModelConfig, path: str) -> None:
+    """Every parameter still on the meta device must come from the checkpoint, with its shape; nothing else may."""
+    expected = {name: tensor for name, tensor in model.state_dict().items() if tensor.is_meta}
+    missing = sorted(set(expected) - set(floats))
+    unexpected = sorted(set(floats) - set(expected))
+    mismatched = [f"{name} {tuple(floats[name].shape)} (expected {tuple(expected[name].shape)})"
+                  for name in sorted(set(expected) & set(floats)) if floats[name].shape != expected[name].shape]
+    if missing or unexpected or mismatched:
+        problems = [f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                    for label, names in (("missing", missing), ("unexpected", unexpected),
+                                         ("wrong shape", mismatched)) if names]
+        raise ModelLoadError(f"{path}: the weights do not fit a {config.architecture} model with this config "
+                             f"({'; '.join(problems)}); the file is incomplete or mislabeled", path=path)
