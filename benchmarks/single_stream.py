@@ -55,13 +55,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="tokenriver's weights: auto keeps the file's Q4_1 packed, none dequantizes to --dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    loaded = load_model(path, dtype=args.dtype)
+    loaded = load_model(path, dtype=args.dtype, quantization=args.quantization)
     llm = LLM.from_loaded(loaded, num_threads=args.threads, max_num_kv_tokens=4096)
     directory, name = os.path.split(path)
     hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, args.dtype))
@@ -118,9 +120,10 @@ def main() -> None:
     report = [
         "# Single-stream speed: tokenriver vs transformers",
         "",
-        f"Embedded SmolLM2-135M-Instruct (Q4_1 GGUF dequantized), compute dtype {args.dtype}. "
+        f"Embedded SmolLM2-135M-Instruct (Q4_1 GGUF), compute dtype {args.dtype}; tokenriver weights: quantization "
+        f"{args.quantization} (auto = Q4_1 kept packed), transformers: dequantized to {args.dtype}. "
         f"Median of {args.repeats} alternating runs. Machine: {machine_line()}.",
-        "Command: `python benchmarks/single_stream.py --dtype " + args.dtype + "`",
+        f"Command: `python benchmarks/single_stream.py --dtype {args.dtype} --quantization {args.quantization}`",
         "",
         markdown_table(["measure", "tokenriver", "transformers", "ratio"], rows),
         "",

@@ -88,13 +88,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="tokenriver's weights: auto keeps the file's Q4_1 packed, none dequantizes to --dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    loaded = load_model(path, dtype=args.dtype)
+    loaded = load_model(path, dtype=args.dtype, quantization=args.quantization)
     directory, name = os.path.split(path)
     hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, args.dtype))
     hf_model.eval()
@@ -147,7 +149,9 @@ def main() -> None:
         "",
         f"{args.num_prompts} chat prompts x {args.max_tokens} generated tokens (greedy, ignore_eos), compute dtype "
         f"{args.dtype}. Machine: {machine_line()}.",
-        f"Command: `python benchmarks/throughput.py --dtype {args.dtype}`",
+        f"tokenriver weights: quantization {args.quantization} (auto = the file's Q4_1 kept packed); transformers: "
+        f"the same GGUF dequantized to {args.dtype}.",
+        f"Command: `python benchmarks/throughput.py --dtype {args.dtype} --quantization {args.quantization}`",
         "",
         markdown_table(["engine", "generated tokens/s", "vs transformers' best"], rows),
         "",

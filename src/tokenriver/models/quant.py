@@ -277,7 +277,7 @@ class _QuantizedLinear(nn.Module):
         if self.backend == "native" and on_cpu:
             rows32 = rows if rows.dtype == torch.float32 else rows.float()
             rows32 = rows32 if rows32.is_contiguous() else rows32.contiguous()
-            y = self._native_gemv(rows32) if is_gemv else F.linear(rows32, self._native_dequantize())  # [M, N]
+            y = self._native_gemv(rows32) if is_gemv else F.linear(rows32, self._dense_weight())  # [M, N]
         elif self.backend == "aten" and on_cpu:
             y = self._aten_mm(rows.contiguous())  # [M, N]
         else:
@@ -291,6 +291,19 @@ class _QuantizedLinear(nn.Module):
     def _bind_native(self) -> None:
         """Give the native kernel this layer's weight pointers once (they change only when the buffers move)."""
         self._native_gemv = None
+        self._dense: torch.Tensor | None = None
+
+    def _dense_weight(self) -> torch.Tensor:
+        """The float32 weight for products of many rows, decoded on first use and kept.
+
+        Batched decode runs this every step: decoding 4-bit weights again each time (and faulting in a fresh
+        buffer for them) cost more than the product itself at 64 rows. The price is memory: a float32 copy
+        of each layer that ever sees more than max_gemv_rows rows, i.e. of the whole model once a prompt is
+        prefilled; single-stream decode alone never builds it.
+        """
+        if self._dense is None:
+            self._dense = self._native_dequantize()
+        return self._dense
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         # .to(), .cpu(), .share_memory_()...: new buffer tensors, so the kernel must see the new pointers.
