@@ -64,7 +64,8 @@ def main() -> None:
 
     path = default_model_path()
     loaded = load_model(path, dtype=args.dtype, quantization=args.quantization)
-    llm = LLM.from_loaded(loaded, num_threads=args.threads, max_num_kv_tokens=4096)
+    # No prefix caching: every repeat must prefill its prompt for real.
+    llm = LLM.from_loaded(loaded, num_threads=args.threads, max_num_kv_tokens=4096, enable_prefix_caching=False)
     directory, name = os.path.split(path)
     hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, args.dtype))
     hf_model.eval()
@@ -89,7 +90,8 @@ def main() -> None:
         ours, theirs = statistics.median(tokenriver_runs[key]), statistics.median(hf_runs[key])
         rows.append([label, f"{ours:.1f} {unit}", f"{theirs:.1f} {unit}", f"{ours / theirs:.2f}x"])
 
-    uncached = LLM.from_loaded(loaded, num_threads=args.threads, max_num_kv_tokens=4096, use_kv_cache=False)
+    uncached = LLM.from_loaded(loaded, num_threads=args.threads, max_num_kv_tokens=4096, use_kv_cache=False,
+                               enable_prefix_caching=False)
     cache_rows, cached_ms, uncached_ms = [], [], []
     for context in CONTEXTS:
         ids = prompt_ids(loaded.tokenizer, context - 16)
