@@ -9,6 +9,7 @@ so a request never waits on an allocation inside the step loop.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -28,8 +29,7 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # One (key, value) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
+            (_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)
         ]
 
     def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,3 +51,15 @@ class KVCache:
         for key, value in self.layers:
             key.index_copy_(0, dst, key.index_select(0, src))
             value.index_copy_(0, dst, value.index_select(0, src))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled pool tensor. On the CPU it comes from calloc (numpy), whose pages the OS hands out
+    already zeroed and only when first touched: a 2 GiB pool costs nothing at start-up, where torch.zeros
+    writes every byte (seconds on this machine). Zeros, not garbage: a slot never written is still read
+    (masked) by attention, and NaN garbage times a zero weight would poison the sum."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros((*shape[:-1], shape[-1] * element_size), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype)

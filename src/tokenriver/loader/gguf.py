@@ -12,6 +12,11 @@ the rows of attn_q/attn_k so each head's rotary pairs are interleaved
 (x0,x1),(x2,x3),... as its "normal" rope expects. Our model uses Hugging Face's
 rotate_half layout, pairing (x_i, x_{i+d/2}), so those rows are put back in
 their original order here (as transformers' GGUF loader does).
+
+The header (metadata and tensor table) is parsed by gguf.GGUFReader the first
+time a file is seen and indexed in a small JSON cache (loader/gguf_cache.py);
+later loads take the index from there and slice the tensors out of a memory
+map. Both ways hand the same arrays to the same repack/dequantize code below.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
 import torch
 
 from tokenriver.errors import ModelLoadError
+from tokenriver.loader import gguf_cache
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q4_0, repack_q4_1, repack_q8_0
 from tokenriver.models.registry import canonical_architecture
@@ -76,22 +82,34 @@ class GGUFCheckpoint:
     tokenizer_fields: dict[str, Any]
 
 
-def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> GGUFCheckpoint:
+class _Tensor(NamedTuple):
+    """One tensor of the file, with the attributes of gguf's ReaderTensor that this module reads."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    # GGUF order: innermost dimension first.
+    shape: tuple[int, ...]
+    # A read-only view of the mapped file, as GGUFReader gives it (typed for float types, bytes for quantized).
+    data: np.ndarray
+
+
+def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+              cache_dir: str | None = None) -> GGUFCheckpoint:
     """Parse a GGUF file; raise ModelLoadError saying what is wrong with it otherwise.
 
     keep_quantized: Q4_0/Q4_1/Q8_0 matrices come back packed instead of dequantized.
+    cache_dir: where the header index is cached (None: $XDG_CACHE_HOME/tokenriver or ~/.cache/tokenriver).
     """
-    reader = _open(path)
-    fields = {name: field.contents() for name, field in reader.fields.items()}
+    fields, tensor_list = _read_header(path, cache_dir)
     gguf_arch = fields.get("general.architecture")
     if not isinstance(gguf_arch, str):
         raise ModelLoadError(f"{path}: the GGUF metadata has no general.architecture; the file is incomplete, "
                              f"convert the model again with llama.cpp's convert_hf_to_gguf.py", path=path)
     architecture = canonical_architecture(gguf_arch, path)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors = {tensor.name: tensor for tensor in tensor_list}
     config = _config(path, fields, gguf_arch, architecture, tensors)
     weights = {}
-    for tensor in reader.tensors:
+    for tensor in tensor_list:
         if tensor.name == "rope_freqs.weight":
             continue  # Folded into config.rope_scaling.
         name = _hf_name(path, tensor.name)
@@ -103,8 +121,32 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=tokenizer_fields)
 
 
-def _open(path: str) -> gguf.GGUFReader:
-    """Memory-map the file, after checking it exists and starts with the GGUF magic."""
+def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list[_Tensor]]:
+    """Metadata fields and tensors: from the cached index when it matches the file, else from GGUFReader
+    (then cached for the next load)."""
+    _check_file(path)
+    index = gguf_cache.load_index(path, cache_dir)
+    if index is not None:
+        mapped = np.memmap(path, mode="r")  # [file_size] uint8, read-only
+        return index.fields, [_Tensor(t.name, t.tensor_type, t.shape, gguf_cache.tensor_array(mapped, t))
+                              for t in index.tensors]
+    stat = os.stat(path)
+    reader = _open(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = [_Tensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data) for t in reader.tensors]
+    if reader.byte_order == "I":  # A byte-swapped (big-endian) file is rare: it is parsed every time.
+        index = gguf_cache.GGUFIndex(
+            fields=fields,
+            tensors=[gguf_cache.TensorEntry(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset,
+                                            t.n_bytes) for t in reader.tensors],
+            header_length=reader.data_offset,
+        )
+        gguf_cache.store_index(path, index, reader.data[:reader.data_offset].tobytes(), stat, cache_dir)
+    return fields, tensors
+
+
+def _check_file(path: str) -> None:
+    """The file exists and starts with the GGUF magic."""
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such file; pass the path of a .gguf file or of a Hugging Face model folder",
                              path=path)
@@ -114,6 +156,10 @@ def _open(path: str) -> gguf.GGUFReader:
         raise ModelLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file starts with b'GGUF'); "
                              f"pass a .gguf file, or a Hugging Face folder with config.json and *.safetensors",
                              path=path)
+
+
+def _open(path: str) -> gguf.GGUFReader:
+    """Memory-map and parse the file with gguf's reader."""
     try:
         return gguf.GGUFReader(path, "r")
     except (ValueError, IndexError, KeyError, OSError) as error:
@@ -123,7 +169,7 @@ def _open(path: str) -> gguf.GGUFReader:
 
 
 def _config(path: str, fields: dict[str, Any], gguf_arch: str, architecture: str,
-            tensors: dict[str, Any]) -> ModelConfig:
+            tensors: dict[str, _Tensor]) -> ModelConfig:
     """Translate `{arch}.*` metadata into a ModelConfig."""
 
     def get(key: str, default: Any = None) -> Any:
@@ -167,7 +213,7 @@ def _config(path: str, fields: dict[str, Any], gguf_arch: str, architecture: str
         raise ModelLoadError(f"{path}: {error.message}", path=path) from error
 
 
-def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: dict[str, Any]) -> dict | None:
+def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: dict[str, _Tensor]) -> dict | None:
     """Rope scaling as ModelConfig expects it: from rope.scaling.* keys or llama.cpp's rope_freqs tensor."""
     if "rope_freqs.weight" in tensors:
         # Llama 3.x: the converter stores per-frequency divisors instead of the llama3 formula's parameters.
@@ -194,7 +240,7 @@ def _hf_name(path: str, name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
-def _dequantize(path: str, tensor: Any, gguf_arch: str, config: ModelConfig) -> torch.Tensor:
+def _dequantize(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig) -> torch.Tensor:
     """One GGUF tensor → float32 torch tensor in PyTorch's [out_features, in_features] order."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
@@ -209,7 +255,7 @@ def _dequantize(path: str, tensor: Any, gguf_arch: str, config: ModelConfig) -> 
     return weights if heads is None else _unpermute_rope_rows(weights, heads)
 
 
-def _repack(path: str, tensor: Any, gguf_arch: str, config: ModelConfig) -> Int4Weight | Int8Weight:
+def _repack(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig) -> Int4Weight | Int8Weight:
     """One Q4_0/Q4_1/Q8_0 matrix → packed weight, rows in PyTorch's order (groups run along a row, so moving
     whole rows, as the q/k un-permutation does, leaves every block intact)."""
     try:

