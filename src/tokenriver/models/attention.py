@@ -5,19 +5,36 @@ chunk, or one decode token) and attends to `seq_lens[i]` tokens in all: its
 cached prefix plus itself. Token t of request i sits at position
 `seq_lens[i] - query_lens[i] + t` and may see positions 0..that position.
 
-Kernel choice (CPU): `scaled_dot_product_attention`, which dispatches to
-PyTorch's flash-attention CPU kernel. Decode tokens (query length 1) of all
-requests go through one batched call over their block tables gathered into a
-padded [B, max_len] view with a length mask; prompt chunks go one request at a
-time (they are few per step and large, so the call overhead does not matter).
+Kernel choice (CPU):
+- Short queries (at most `MAX_KERNEL_QUERY_LEN` tokens: every decode, speculative
+  verification, short prompt chunks) with a float32 cache: the native paged
+  kernel (models/kernels/attention.cpp), which reads each request's keys and
+  values straight from its blocks, one query token at a time, with online
+  softmax in float32. No gathered copy of the context is made
+  (benchmarks/results/attention.md measures it against the torch path).
+- Longer prompt chunks: `scaled_dot_product_attention`, PyTorch's flash-attention
+  CPU kernel, one request at a time over its gathered blocks (they are few per
+  step and large, so the gather and the call overhead do not matter).
+- Without the native kernels (bfloat16 cache, other devices, no compiler, autograd
+  on), decode
+  tokens of all requests go through one batched SDPA call over their block tables
+  gathered into a padded [B, max_len] view with a length mask, and every other
+  request through SDPA as above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from tokenriver.models.kernels.native import NativeKernels, is_f32_rows, load_kernels
+
+# Requests with at most this many new tokens attend through the native kernel (when it runs); see
+# benchmarks/results/attention.md for where it stops beating gather + SDPA.
+MAX_KERNEL_QUERY_LEN = 8
 
 
 @dataclass
@@ -37,49 +54,71 @@ class AttentionMetadata:
     decode_indices: list[int]
     # Indices of the other requests (prompt chunks, speculative verification).
     prefill_indices: list[int]
-    # [len(decode_indices), max_decode_len] bool: which gathered slots are real; None if no decodes.
-    decode_mask: torch.Tensor | None
-    # [len(decode_indices), max_decode_blocks] block ids of the decode requests; None if no decodes.
-    decode_block_tables: torch.Tensor | None
+    # One row per token of the requests with at most MAX_KERNEL_QUERY_LEN new tokens, for the native kernel:
+    # (its flat token row, its request's index, the context length it sees) [num_kernel_tokens, 3] int64; None if
+    # there are no such requests.
+    kernel_queries: torch.Tensor | None
+    # Indices of the requests with more new tokens than that (SDPA when the native kernel runs).
+    long_indices: list[int]
 
-    @property
+    @cached_property
     def query_start_loc(self) -> list[int]:
+        """Flat row of each request's first token, plus num_tokens at the end."""
         starts = [0]
         for length in self.query_lens:
             starts.append(starts[-1] + length)
         return starts
 
+    @cached_property
+    def decode_block_tables(self) -> torch.Tensor:
+        """[len(decode_indices), max_decode_blocks] block ids of the decode requests (torch path only)."""
+        max_len = max(self.seq_lens[i] for i in self.decode_indices)
+        num_blocks = (max_len + self.block_size - 1) // self.block_size
+        rows = torch.tensor(self.decode_indices, dtype=torch.long, device=self.block_tables.device)
+        return self.block_tables.index_select(0, rows)[:, :num_blocks]
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[len(decode_indices), max_decode_blocks * block_size] bool: which gathered slots are real tokens."""
+        device = self.block_tables.device
+        lengths = torch.tensor([self.seq_lens[i] for i in self.decode_indices], device=device)
+        num_slots = self.decode_block_tables.shape[1] * self.block_size
+        return torch.arange(num_slots, device=device)[None, :] < lengths[:, None]
+
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """Derive slots, padding and the decode/prefill split from per-request lengths and block tables."""
+              device: torch.device | str = "cpu",
+              max_kernel_query_len: int = MAX_KERNEL_QUERY_LEN) -> "AttentionMetadata":
+        """Derive slots, padding and the per-kernel split from per-request lengths and block tables.
+
+        max_kernel_query_len: requests with at most this many new tokens go to the native kernel (benchmarks
+        move it; the engine keeps the default).
+        """
         slots: list[int] = []
-        for query_len, seq_len, blocks in zip(query_lens, seq_lens, block_tables):
+        kernel_queries: list[tuple[int, int, int]] = []
+        long_indices: list[int] = []
+        row = 0
+        for i, (query_len, seq_len, blocks) in enumerate(zip(query_lens, seq_lens, block_tables)):
             for position in range(seq_len - query_len, seq_len):
                 slots.append(blocks[position // block_size] * block_size + position % block_size)
+            if query_len <= max_kernel_query_len:
+                # The token at `position` sees positions 0..position: position + 1 tokens.
+                kernel_queries.extend((row + t, i, seq_len - query_len + t + 1) for t in range(query_len))
+            else:
+                long_indices.append(i)
+            row += query_len
         max_blocks = max((len(b) for b in block_tables), default=0)
         padded = [b + [0] * (max_blocks - len(b)) for b in block_tables]
-        decode_indices = [i for i, q in enumerate(query_lens) if q == 1]
-        prefill_indices = [i for i, q in enumerate(query_lens) if q != 1]
-        decode_mask = decode_tables = None
-        if decode_indices:
-            max_len = max(seq_lens[i] for i in decode_indices)
-            num_blocks = (max_len + block_size - 1) // block_size
-            lengths = torch.tensor([seq_lens[i] for i in decode_indices], device=device)
-            # [num_decodes, num_blocks * block_size]: True where a slot holds a real token.
-            decode_mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lengths[:, None]
-            decode_tables = torch.tensor([padded[i][:num_blocks] for i in decode_indices], dtype=torch.long,
-                                         device=device)
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             query_lens=list(query_lens),
             seq_lens=list(seq_lens),
             block_tables=torch.tensor(padded, dtype=torch.long, device=device),
             block_size=block_size,
-            decode_indices=decode_indices,
-            prefill_indices=prefill_indices,
-            decode_mask=decode_mask,
-            decode_block_tables=decode_tables,
+            decode_indices=[i for i, q in enumerate(query_lens) if q == 1],
+            prefill_indices=[i for i, q in enumerate(query_lens) if q != 1],
+            kernel_queries=torch.tensor(kernel_queries, dtype=torch.long, device=device) if kernel_queries else None,
+            long_indices=long_indices,
         )
 
 
@@ -93,22 +132,54 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tenso
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
+def _native_kernels_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor]) -> NativeKernels | None:
+    """The native kernels if they can run this call as laid out, else None."""
+    kernels = load_kernels()
+    key_cache, value_cache = kv_cache
+    if (kernels is None or torch.is_grad_enabled() or key_cache.dtype != torch.float32
+            or value_cache.dtype != torch.float32
+            or not (key_cache.is_cpu and key_cache.is_contiguous() and value_cache.is_contiguous())
+            or not (is_f32_rows(query) and is_f32_rows(key) and is_f32_rows(value))):
+        return None
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    if (head_dim not in kernels.attention_head_dims or query.shape[2] != head_dim
+            or key.shape[1:] != (num_kv_heads, head_dim) or value.shape[1:] != (num_kv_heads, head_dim)):
+        return None
+    return kernels
+
+
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole context.
 
-    query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim].
-    Returns [num_tokens, num_heads, head_dim].
+    query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim] (each may be a view
+    into a wider row, such as the fused qkv projection). Returns [num_tokens, num_heads, head_dim].
     """
+    kernels = _native_kernels_for(query, key, value, kv_cache)
+    if kernels is None:
+        return paged_attention_torch(query, key, value, kv_cache, metadata, scale)
+    key_cache, value_cache = kv_cache
+    output = torch.empty(query.shape, dtype=query.dtype)  # [num_tokens, num_heads, head_dim]
+    # Writes every token's K/V, then attends for the short requests' tokens.
+    kernels.paged_attention(query, key, value, metadata.slot_mapping, key_cache, value_cache, metadata.block_tables,
+                            metadata.kernel_queries, scale, output)
+    for i in metadata.long_indices:
+        _attend_prompt(query, kv_cache, metadata, i, scale, output)
+    return output
+
+
+def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
+                          scale: float) -> torch.Tensor:
+    """`paged_attention` in PyTorch ops: any dtype and device (see the module docstring)."""
     write_kv(key, value, kv_cache, metadata.slot_mapping)
     key_cache, value_cache = kv_cache
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    block_size = metadata.block_size
-    output = torch.empty_like(query)
-    starts = metadata.query_start_loc
-
+    output = torch.empty_like(query, memory_format=torch.contiguous_format)  # [num_tokens, num_heads, head_dim]
     if metadata.decode_indices:
+        starts = metadata.query_start_loc
         rows = torch.tensor([starts[i] for i in metadata.decode_indices], dtype=torch.long, device=query.device)
         tables = metadata.decode_block_tables
         num_decodes, num_blocks = tables.shape
@@ -116,33 +187,41 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # index_select, not key_cache[tables]: advanced indexing on CPU walks the whole pool (ms instead of µs).
         # [num_decodes, num_blocks * block_size, num_kv_heads, head_dim] -> [num_decodes, num_kv_heads, S, head_dim]
         keys = key_cache.index_select(0, flat_tables).view(
-            num_decodes, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            num_decodes, num_blocks * metadata.block_size, num_kv_heads, head_dim).transpose(1, 2)
         values = value_cache.index_select(0, flat_tables).view(
-            num_decodes, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            num_decodes, num_blocks * metadata.block_size, num_kv_heads, head_dim).transpose(1, 2)
         # [num_decodes, num_heads, 1, head_dim]
         q = query.index_select(0, rows).unsqueeze(2).to(keys.dtype)
         mask = metadata.decode_mask[:, None, None, :]  # [num_decodes, 1, 1, S]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         output.index_copy_(0, rows, out.squeeze(2).to(output.dtype))
-
     for i in metadata.prefill_indices:
-        query_len, seq_len = metadata.query_lens[i], metadata.seq_lens[i]
-        num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = metadata.block_tables[i, :num_blocks]
-        # [num_kv_heads, seq_len, head_dim]
-        keys = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        values = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        # [1, num_heads, query_len, head_dim]: with a batch dimension SDPA takes its flash kernel (3-D inputs fall
-        # back to the generic math path, ~10x slower on long prompts).
-        q = query[starts[i]:starts[i] + query_len].transpose(0, 1).unsqueeze(0).to(keys.dtype)
-        keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-        if query_len == seq_len:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # Query t sits at position seq_len - query_len + t and sees positions up to there.
-            positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=scale,
-                                                 enable_gqa=True)
-        output[starts[i]:starts[i] + query_len] = out[0].transpose(0, 1).to(output.dtype)
+        _attend_prompt(query, kv_cache, metadata, i, scale, output)
     return output
+
+
+def _attend_prompt(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
+                   i: int, scale: float, output: torch.Tensor) -> None:
+    """SDPA (flash) of request i's new tokens over its gathered blocks, written into its rows of output."""
+    key_cache, value_cache = kv_cache
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    start = metadata.query_start_loc[i]
+    query_len, seq_len = metadata.query_lens[i], metadata.seq_lens[i]
+    num_blocks = (seq_len + metadata.block_size - 1) // metadata.block_size
+    blocks = metadata.block_tables[i, :num_blocks]
+    # [num_kv_heads, seq_len, head_dim]
+    keys = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    values = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    # [1, num_heads, query_len, head_dim]: with a batch dimension SDPA takes its flash kernel (3-D inputs fall
+    # back to the generic math path, ~10x slower on long prompts).
+    q = query[start:start + query_len].transpose(0, 1).unsqueeze(0).to(keys.dtype)
+    keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+    if query_len == seq_len:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query t sits at position seq_len - query_len + t and sees positions up to there.
+        positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=scale,
+                                             enable_gqa=True)
+    output[start:start + query_len] = out[0].transpose(0, 1).to(output.dtype)

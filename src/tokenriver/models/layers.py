@@ -1,9 +1,19 @@
 """Building blocks shared by Llama-family decoders: RMSNorm, rotary embedding, SwiGLU MLP.
 
-Pure torch, no file formats, no global state. Each block reproduces the
-arithmetic of its Hugging Face transformers counterpart (`LlamaRMSNorm`,
-`LlamaRotaryEmbedding` + `apply_rotary_pos_emb`, `LlamaMLP`) operation for
-operation, so float32 results match the reference to rounding.
+No file formats, no global state. Each block reproduces the arithmetic of its
+Hugging Face transformers counterpart (`LlamaRMSNorm`, `LlamaRotaryEmbedding` +
+`apply_rotary_pos_emb`, `LlamaMLP`) operation for operation: the `*_torch`
+functions are those definitions in PyTorch ops.
+
+On a decode step these ops see one row per request, so in PyTorch their cost is
+dispatch (a dozen small ops per layer), not arithmetic. Where the native kernels
+are built (models/kernels, x86-64 with AVX2) and the tensors are float32 on the
+CPU, `rms_norm`, `apply_rotary_` and `silu_and_mul` run as one native call each,
+computing the same arithmetic (equal to the torch definitions within ~1e-6
+relative: sums are added in another order and exp is a polynomial). Anything
+else (bfloat16, other devices, no compiler) takes the torch definitions, and so
+does any call with autograd on (`torch.is_grad_enabled()`): the kernels record
+no gradients.
 """
 
 from __future__ import annotations
@@ -15,6 +25,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenriver.models.kernels.native import is_contiguous_f32, is_f32_rows, load_kernels
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition of `rms_norm` in PyTorch ops (HF's LlamaRMSNorm after an optional residual add)."""
+    if residual is not None:
+        x = residual.add_(x)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * x / sqrt(mean(x²) + eps), computed in float32 whatever the input dtype; x [num_tokens, hidden].
+
+    With `residual`: residual += x in place first, and the norm is of that sum (the residual add that ends one
+    block, fused into the norm that starts the next).
+    """
+    kernels = load_kernels()
+    if (kernels is not None and not torch.is_grad_enabled() and x.dim() == 2 and is_contiguous_f32(x)
+            and is_contiguous_f32(weight) and weight.shape == x.shape[1:]
+            and (residual is None or (is_contiguous_f32(residual) and residual.shape == x.shape))):
+        return kernels.rms_norm(x, weight, eps, residual)
+    return rms_norm_torch(x, weight, eps, residual)
+
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) * weight, computed in float32 whatever the input dtype."""
@@ -25,9 +62,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add x into the residual stream, then normalize the stream: (norm(residual + x), residual + x).
+
+        The sum is written into `residual` in place. With residual None, x starts the stream: (norm(x), x).
+        """
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps), x
+        return rms_norm(x, self.weight, self.eps, residual), residual
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -99,14 +143,48 @@ class RotaryEmbedding(nn.Module):
         max_position = int(positions.max()) if positions.numel() else 0
         cos_table, sin_table = self._cos_sin(max_position, positions.device)
         # index_select rather than table[positions]: advanced indexing is far slower on CPU.
-        cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
-        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)  # [T, head_dim // 2]
+        if dtype != cos.dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos[:, None, :], sin[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, with the halves written out; x [num_tokens, num_heads, head_dim]."""
     x1, x2 = x.chunk(2, dim=-1)  # [num_tokens, num_heads, head_dim // 2] each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`apply_rotary` on query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim], in place.
+
+    cos, sin: [T, 1, head_dim // 2] from RotaryEmbedding. query and key may be views into one qkv tensor.
+    """
+    kernels = load_kernels()
+    if (kernels is not None and not torch.is_grad_enabled() and is_f32_rows(query) and is_f32_rows(key)
+            and is_contiguous_f32(cos) and is_contiguous_f32(sin)):
+        num_tokens, _, head_dim = query.shape
+        if (cos.shape == sin.shape and cos.shape[0] == num_tokens and 2 * cos.shape[-1] == head_dim
+                and key.shape[0] == num_tokens and key.shape[2] == head_dim):
+            kernels.rotary_(query, key, cos, sin)
+            return
+    query.copy_(apply_rotary(query, cos, sin))
+    key.copy_(apply_rotary(key, cos, sin))
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """The definition of `silu_and_mul` in PyTorch ops."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [..., intermediate] each
+    return F.silu(gate) * up
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where gate_up [num_tokens, 2 * intermediate] is gate_proj's output, then up_proj's."""
+    kernels = load_kernels()
+    if (kernels is not None and not torch.is_grad_enabled() and gate_up.dim() == 2
+            and is_contiguous_f32(gate_up)):
+        return kernels.silu_mul(gate_up)
+    return silu_and_mul_torch(gate_up)
 
 
 class SwiGLUMLP(nn.Module):
@@ -118,5 +196,4 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -1,7 +1,10 @@
 """Llama-family decoder: Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5.
 
 One page, top to bottom: embedding → N × (RMSNorm → attention → residual,
-RMSNorm → SwiGLU MLP → residual) → final RMSNorm; logits on request.
+RMSNorm → SwiGLU MLP → residual) → final RMSNorm; logits on request. Each
+residual add is done by the norm that follows it (`add_and_norm`: one pass, one
+native call on the CPU), so a layer takes the previous block's output and the
+residual stream separately and hands both on.
 Parameter names are Hugging Face's, except that q/k/v and gate/up run as one
 fused projection each (`qkv_proj`, `gate_up_proj`: fewer, larger matrix
 products per step); `FUSED_PROJECTIONS` tells the loader which checkpoint
@@ -23,7 +26,7 @@ from torch import nn
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata, paged_attention
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from tokenriver.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_
 
 # Fused module → the Hugging Face modules whose weights (and biases) it stacks, in output order.
 FUSED_PROJECTIONS = {
@@ -43,9 +46,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
         # q_proj, k_proj and v_proj stacked: one product for all three.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size,
                                 bias=config.attention_out_bias)
 
@@ -53,17 +56,20 @@ class LlamaAttention(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """rope: cos, sin [T, 1, head_dim // 2]; hidden [T, hidden_size] → [T, hidden_size]."""
         num_tokens = hidden.shape[0]
-        query, key, value = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        query = query.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
-        key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
-        value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
-        query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, num_heads + 2 * num_kv_heads, head_dim]
+        # Views into qkv, no copies: [T, num_heads, head_dim], [T, num_kv_heads, head_dim] twice.
+        query, key, value = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
+        apply_rotary_(query, key, *rope)  # rotates both in place
         out = paged_attention(query, key, value, kv_cache[self.layer_idx], metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # [T, hidden]
+        return self.o_proj(out.view(num_tokens, self.q_size))  # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    Written in the residual-stream form: `residual` is x so far and `hidden` the previous block's output not yet
+    added to it; each norm first adds (residual += hidden), then normalizes the sum.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -72,10 +78,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden_size]; residual [T, hidden_size], or None before the first layer.
+
+        Returns (this layer's MLP output, the residual stream before it is added).
+        """
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -93,9 +105,11 @@ class LlamaModel(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb(positions, hidden.dtype)  # cos, sin: [T, 1, head_dim // 2] each
+        residual = None
         for layer in self.layers:
-            hidden = layer(rope, hidden, kv_cache, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,14 +1,18 @@
-"""Build and call the native quantized GEMV kernels in gemv.cpp.
+"""Build and call the native CPU kernels: quantized GEMV (gemv.cpp), the small ops of a layer (ops.cpp) and paged
+decode attention (attention.cpp).
 
 PyTorch's own packed-weight CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) stream the weights
 of a one-row product far below memory speed on this class of machine (see benchmarks/results/kernels.md), so the
-decode-shaped products run here instead. The source is compiled once per machine with the system C++ compiler
-(`-O3 -march=native -fopenmp`) into a cache folder keyed by the source, the compiler and the CPU flags, and called
-through ctypes: no PyTorch headers, so a build takes about a second, not a minute.
+decode-shaped products run here instead. On a decode step the rest of a layer (norms, rotary, silu, attention over
+a few hundred cached tokens) is a few microseconds of arithmetic behind ~40 PyTorch op dispatches, so those run
+here too, one call each. The sources are compiled once per machine with the system C++ compiler
+(`-O3 -march=native -fopenmp`) into one library in a cache folder keyed by the sources, the compiler and the CPU
+flags, and called through ctypes: no PyTorch headers, so a build takes seconds, not minutes.
 
 Contract: `load_kernels()` returns `NativeKernels`, or None when the CPU lacks AVX2/FMA/F16C or no compiler
-works; callers then use the pure-PyTorch path, which computes the same sums (models/quant.py). Nothing here knows
-about files or models: tensors in, tensors out, CPU only.
+works; callers then use the pure-PyTorch path, which computes the same thing (models/quant.py, layers.py,
+attention.py). Nothing here knows about files or models: tensors in, tensors out, CPU only; the wrappers do not
+check dtypes or layouts, their callers do (see each method's docstring).
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("gemv.cpp")
+KERNELS_DIR = Path(__file__).parent
+SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "ops.cpp", "attention.cpp"))
+HEADERS = (KERNELS_DIR / "vec.h",)
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
 
 def _cpu_flags() -> set[str]:
@@ -50,22 +57,40 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str, flags: set[str]) -> Path:
-    """Compile gemv.cpp unless a build of this exact source for this CPU and compiler is cached."""
-    source = SOURCE.read_bytes()
+    """Compile the sources unless a build of these exact sources for this CPU and compiler is cached."""
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(source + version.encode() + " ".join(COMPILE_FLAGS).encode()
                          + " ".join(sorted(flags)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"gemv-{key}.so"
+    target = _cache_dir() / f"tokenriver-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build next to the target and rename: two processes building at once each publish a whole file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / "gemv.so"
-        subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
-                       check=True)
+        built = Path(scratch) / "tokenriver.so"
+        subprocess.run([compiler, *COMPILE_FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
+                       text=True, check=True)
         os.replace(built, target)
     return target
+
+
+def is_contiguous_f32(tensor: torch.Tensor) -> bool:
+    """A float32 CPU tensor the kernels can read as one packed array."""
+    return tensor.dtype == torch.float32 and tensor.is_cpu and tensor.is_contiguous()
+
+
+def is_f32_rows(tensor: torch.Tensor) -> bool:
+    """[T, heads, head_dim] float32 on the CPU, heads packed inside each row; rows may be views into wider rows
+    (q, k and v as slices of the fused qkv projection)."""
+    if tensor.dtype != torch.float32 or not tensor.is_cpu or tensor.dim() != 3:
+        return False
+    strides = tensor.stride()
+    return strides[2] == 1 and strides[1] == tensor.shape[2]
+
+
+def _is_int64_array(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.int64 and tensor.is_cpu and tensor.is_contiguous()
 
 
 class NativeKernels:
@@ -76,18 +101,35 @@ class NativeKernels:
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         int4_args = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]
         int8_args = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]
+        signatures = {
+            "int4_linear_f32": (int4_args, None), "int4_linear_int8x": (int4_args, None),
+            "int8_linear_f32": (int8_args, None), "int8_linear_int8x": (int8_args, None),
+            "int4_dequantize": ([ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
+            "int8_dequantize": ([ptr, ptr, i64, i64, i64, ptr, c_int], None),
+            "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
+            "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, c_int], None),
+            "silu_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
+            "paged_attention_supports": ([i64], c_int),
+            "paged_attention_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr,
+                                     i64, i64, ptr, i64, c_float, ptr, i64, c_int], c_int),
+        }
         self._functions = {}
-        for name, argtypes in (("int4_linear_f32", int4_args), ("int4_linear_int8x", int4_args),
-                               ("int8_linear_f32", int8_args), ("int8_linear_int8x", int8_args),
-                               ("int4_dequantize", [ptr, ptr, ptr, i64, i64, i64, ptr, c_int]),
-                               ("int8_dequantize", [ptr, ptr, i64, i64, i64, ptr, c_int])):
+        for name, (argtypes, restype) in signatures.items():
             function = getattr(library, name)
             function.argtypes = argtypes
-            function.restype = None
+            function.restype = restype
             self._functions[name] = function
+        # Looked up once: these run ~10 times per layer per step.
+        self._rms_norm = self._functions["rms_norm_f32"]
+        self._rotary = self._functions["rotary_f32"]
+        self._silu_mul = self._functions["silu_mul_f32"]
+        self._paged_attention = self._functions["paged_attention_f32"]
+        # Head sizes paged_attention is compiled for.
+        supports = self._functions["paged_attention_supports"]
+        self.attention_head_dims = frozenset(size for size in range(8, 1025, 8) if supports(size))
 
     def bind_int4(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
                   int8_activations: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -152,6 +194,69 @@ class NativeKernels:
                                            group_size, out.data_ptr(), torch.get_num_threads())
         return out
 
+    # The small ops of a layer (ops.cpp). Float32 CPU tensors; "rows" may be views with a row stride, but the
+    # values inside a row (heads and head dimensions) must be contiguous.
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """weight * x / sqrt(mean(x²) + eps) per row; x [M, K] and weight [K] contiguous.
+
+        With residual (contiguous, like x): residual += x in place first, and the norm is of that sum.
+        """
+        out = torch.empty_like(x)  # [M, K]
+        self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                       x.shape[0], x.shape[1], eps, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def rotary_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim] in place (rotate_half layout).
+
+        cos, sin: [T, head_dim // 2] values, contiguous (a [T, 1, head_dim // 2] view is fine).
+        """
+        self._rotary(query.data_ptr(), query.stride(0), query.shape[1], key.data_ptr(), key.stride(0), key.shape[1],
+                     cos.data_ptr(), sin.data_ptr(), query.shape[0], query.shape[2], torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] contiguous (gate, then up) → silu(gate) * up, [M, I]."""
+        num_rows, width = gate_up.shape
+        out = torch.empty(num_rows, width // 2, dtype=torch.float32)  # [M, I]
+        self._silu_mul(gate_up.data_ptr(), num_rows, width // 2, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, queries: torch.Tensor | None, scale: float,
+                        out: torch.Tensor) -> None:
+        """Write this step's keys/values into their slots, then attend for the listed query tokens into out.
+
+        query, out [T, num_heads, head_dim] and key, value [T, num_kv_heads, head_dim] are float32 rows (views into
+        wider rows are fine); slot_mapping [T] int64; caches [num_blocks, block_size, num_kv_heads, head_dim]
+        contiguous; block_tables [num_requests, max_blocks] int64 contiguous; queries [n, 3] int64 contiguous, one
+        row per query token: (its row in query/out, its request's row in block_tables, how many tokens it sees),
+        or None to only write. Out's other rows are left untouched.
+        """
+        num_tokens = query.shape[0]
+        if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0] == num_tokens):
+            raise ValueError(f"paged attention: {num_tokens} query rows but {key.shape[0]} key, {value.shape[0]} "
+                             f"value rows and {slot_mapping.shape[0]} slots")
+        if not (_is_int64_array(slot_mapping) and _is_int64_array(block_tables)
+                and (queries is None or _is_int64_array(queries))):
+            raise ValueError("paged attention: slot_mapping, block_tables and queries must be contiguous int64 CPU "
+                             "tensors")
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        status = self._paged_attention(
+            query.data_ptr(), query.stride(0), num_tokens, key.data_ptr(), key.stride(0), value.data_ptr(),
+            value.stride(0), slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
+            block_size, query.shape[1], num_kv_heads, head_dim, block_tables.data_ptr(), block_tables.shape[0],
+            block_tables.shape[1], None if queries is None else queries.data_ptr(),
+            0 if queries is None else queries.shape[0], scale, out.data_ptr(), out.stride(0),
+            torch.get_num_threads())
+        if status == 1:
+            raise IndexError("paged attention: a slot, query row, request index, context length or block id is out "
+                             "of range for the given tensors")
+        if status == 2:
+            raise ValueError(f"paged attention: head_dim {head_dim} is not compiled in (see attention_head_dims)")
+
 
 @functools.cache
 def load_kernels() -> NativeKernels | None:
@@ -159,16 +264,16 @@ def load_kernels() -> NativeKernels | None:
     flags = _cpu_flags()
     missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
     if platform.machine() not in ("x86_64", "AMD64") or missing:
-        logger.info("native quantized kernels off: CPU %s lacks %s", platform.machine(), missing or "x86-64")
+        logger.info("native kernels off: CPU %s lacks %s", platform.machine(), missing or "x86-64")
         return None
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
-        logger.info("native quantized kernels off: no C++ compiler (c++ or g++) on PATH")
+        logger.info("native kernels off: no C++ compiler (c++ or g++) on PATH")
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler, flags)))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
-        logger.warning("native quantized kernels off: build failed: %s", detail.strip()[:2000])
+        logger.warning("native kernels off: build failed: %s", detail.strip()[:2000])
         return None
     return NativeKernels(library)

@@ -1,0 +1,136 @@
+// The small per-layer operations of a decoder step, each one pass over its rows: RMSNorm with the residual add
+// fused in, rotary positions applied in place, and silu(gate) * up.
+//
+// On a decode step these run on one to a few rows of a few hundred floats, so their cost in PyTorch is op
+// dispatch (about 40 small ops per layer), not arithmetic; here each is one call. They reproduce the arithmetic
+// of the PyTorch definitions in models/layers.py and models/attention.py operation for operation; sums of squares
+// are added in a different order and exp is a polynomial (vec.h), so float32 results agree to ~1e-6 relative.
+// The library is built with -ffp-contract=off so that a * b - c * d rounds both products, as PyTorch does.
+//
+// Layouts: float32, row-major; a row stride (in floats) lets q and k be views into the fused qkv projection.
+// Rows are split across OpenMP threads only when there is enough work to pay for waking them.
+
+#include <math.h>
+#include <stdint.h>
+
+#include "vec.h"
+
+namespace {
+
+using tokenriver::exp256;
+using tokenriver::horizontal_sum;
+
+// Below this many floats per call a single thread finishes before a team of threads could start.
+constexpr int64_t kParallelFloats = 1 << 15;
+
+// body(row) for every row in [0, num_rows): on OpenMP threads when the call moves at least kParallelFloats
+// floats, else on the calling thread without entering OpenMP at all (a one-thread team still costs ~1 us).
+template <typename Body>
+void for_rows(int64_t num_rows, int64_t num_floats, int num_threads, const Body& body) {
+  if (num_threads > 1 && num_rows > 1 && num_floats >= kParallelFloats) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t row = 0; row < num_rows; ++row) body(row);
+  } else {
+    for (int64_t row = 0; row < num_rows; ++row) body(row);
+  }
+}
+
+// out = weight * (row * 1 / sqrt(mean(row^2) + eps)), PyTorch's order of roundings for the float32 case.
+void normalize_row(const float* row, const float* weight, int64_t K, float eps, float* out) {
+  __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32)
+    for (int i = 0; i < 4; ++i) {
+      const __m256 v = _mm256_loadu_ps(row + k + 8 * i);
+      sums[i] = _mm256_fmadd_ps(v, v, sums[i]);
+    }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(row + k);
+    sums[0] = _mm256_fmadd_ps(v, v, sums[0]);
+  }
+  float sum = horizontal_sum(_mm256_add_ps(_mm256_add_ps(sums[0], sums[1]), _mm256_add_ps(sums[2], sums[3])));
+  for (; k < K; ++k) sum += row[k] * row[k];
+  const float inv_rms = 1.0f / sqrtf(sum / static_cast<float>(K) + eps);
+  const __m256 scale = _mm256_set1_ps(inv_rms);
+  k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 normalized = _mm256_mul_ps(_mm256_loadu_ps(row + k), scale);
+    _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), normalized));
+  }
+  for (; k < K; ++k) out[k] = weight[k] * (row[k] * inv_rms);
+}
+
+// x1 * cos - x2 * sin, x2 * cos + x1 * sin on the two halves of each head of one token, in place.
+void rotate_heads(float* x, int64_t num_heads, int64_t head_dim, const float* cos, const float* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* x1 = x + h * head_dim;
+    float* x2 = x1 + half;
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+      const __m256 a = _mm256_loadu_ps(x1 + i), b = _mm256_loadu_ps(x2 + i);
+      const __m256 c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
+      _mm256_storeu_ps(x1 + i, _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s)));
+      _mm256_storeu_ps(x2 + i, _mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, s)));
+    }
+    for (; i < half; ++i) {
+      const float a = x1[i], b = x2[i];
+      x1[i] = a * cos[i] - b * sin[i];
+      x2[i] = b * cos[i] + a * sin[i];
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x, out [M, K]; weight [K]. With residual [M, K] (may be null): residual += x first, and the norm is of the sum
+// (the residual add that ends one block fused into the norm that starts the next).
+void rms_norm_f32(const float* x, float* residual, const float* weight, int64_t M, int64_t K, float eps, float* out,
+                  int num_threads) {
+  for_rows(M, M * K, num_threads, [&](int64_t m) {
+    const float* row = x + m * K;
+    if (residual != nullptr) {
+      float* sum = residual + m * K;
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        _mm256_storeu_ps(sum + k, _mm256_add_ps(_mm256_loadu_ps(sum + k), _mm256_loadu_ps(row + k)));
+      for (; k < K; ++k) sum[k] += row[k];
+      row = sum;
+    }
+    normalize_row(row, weight, K, eps, out + m * K);
+  });
+}
+
+// Rotary positions on query [T, num_q_heads, head_dim] and key [T, num_k_heads, head_dim] in place (rows
+// q_row_stride / k_row_stride floats apart, heads contiguous); cos, sin [T, head_dim / 2] per token.
+void rotary_f32(float* query, int64_t q_row_stride, int64_t num_q_heads, float* key, int64_t k_row_stride,
+                int64_t num_k_heads, const float* cos, const float* sin, int64_t T, int64_t head_dim, int num_threads) {
+  const int64_t half = head_dim / 2;
+  for_rows(T, T * (num_q_heads + num_k_heads) * head_dim, num_threads, [&](int64_t t) {
+    rotate_heads(query + t * q_row_stride, num_q_heads, head_dim, cos + t * half, sin + t * half);
+    rotate_heads(key + t * k_row_stride, num_k_heads, head_dim, cos + t * half, sin + t * half);
+  });
+}
+
+// out [M, I] = silu(gate) * up, where gate_up [M, 2I] holds gate in its first I columns and up in the rest.
+// silu(g) = g / (1 + e^-g), as PyTorch computes it.
+void silu_mul_f32(const float* gate_up, int64_t M, int64_t I, float* out, int num_threads) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for_rows(M, M * I, num_threads, [&](int64_t m) {
+    const float* gate = gate_up + m * 2 * I;
+    const float* up = gate + I;
+    float* row = out + m * I;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_xor_ps(g, sign_bit))));
+      _mm256_storeu_ps(row + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < I; ++i) row[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,47 @@
+// AVX2 helpers shared by ops.cpp and attention.cpp: a horizontal sum and a vectorized exp.
+#pragma once
+
+#include <immintrin.h>
+
+namespace tokenriver {
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for 8 floats, within ~2 ulp of expf (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
+// polynomial, times 2^n built in the exponent bits). Inputs are clamped to [-87.3, 88]: e^x at or below the
+// lower clamp is under the smallest normal float and returns as 0, above the upper one it stays at e^88.
+inline __m256 exp256(__m256 x) {
+  const __m256 lower = _mm256_set1_ps(-87.33654f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lower), _mm256_set1_ps(88.0f));
+  // n = round(x / ln2); r = x - n ln2, with ln2 split in two so that n * ln2_hi is exact.
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n: n + 127 in the exponent field. At the lower clamp n = -126 at most, so the field stays >= 1;
+  // results under the smallest normal float are flushed to 0 by the mask.
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+  return _mm256_and_ps(result, _mm256_cmp_ps(x, lower, _CMP_GT_OQ));
+}
+
+}  // namespace tokenriver

@@ -1,0 +1,140 @@
+"""The native paged attention kernel (models/kernels/attention.cpp) against the PyTorch path of attention.py.
+
+`paged_attention` (native for float32 CPU caches) must equal `paged_attention_torch` (gather + SDPA) within float32
+rounding on ragged batches: decodes, short chunks (the per-token kernel), long chunks (SDPA in both), contexts
+ending exactly on block boundaries, contexts long enough to be split across threads, grouped-query heads, shuffled
+block tables, and q/k/v as views into one projection. Both must write the same cache. A request's result must not
+depend on its batch or on the number of threads; bad slots must raise instead of writing out of bounds; bfloat16
+caches take the torch path.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenriver.models.attention import (MAX_KERNEL_QUERY_LEN, AttentionMetadata, _native_kernels_for, paged_attention,
+                                         paged_attention_torch)
+from tokenriver.models.kernels.native import load_kernels
+
+pytestmark = pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
+
+
+@pytest.fixture(autouse=True)
+def no_autograd():
+    """The kernel runs only with autograd off, as in the model's forward (inference mode)."""
+    with torch.inference_mode():
+        yield
+
+BLOCK_SIZE = 16
+
+
+class Batch:
+    """Random caches, shuffled block tables and fresh q/k/v for requests of the given (query_len, seq_len)."""
+
+    def __init__(self, requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+                 seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        rng = random.Random(seed)
+        generator = torch.Generator().manual_seed(seed)
+        blocks_per_request = [-(-seq_len // BLOCK_SIZE) for _, seq_len in requests]
+        num_blocks = sum(blocks_per_request) + 3
+        pool = list(range(num_blocks))
+        rng.shuffle(pool)
+        self.tables, start = [], 0
+        for count in blocks_per_request:
+            self.tables.append(pool[start:start + count])
+            start += count
+        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+        self.key_cache = torch.randn(shape, generator=generator).to(dtype)
+        self.value_cache = torch.randn(shape, generator=generator).to(dtype)
+        self.query_lens = [query_len for query_len, _ in requests]
+        self.seq_lens = [seq_len for _, seq_len in requests]
+        num_tokens = sum(self.query_lens)
+        # [T, heads + 2 kv heads, head_dim]: q, k, v are views with a row stride wider than their own rows.
+        self.qkv = (torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator) * 2).to(dtype)
+        self.split = (num_heads, num_kv_heads, num_kv_heads)
+        self.scale = head_dim ** -0.5
+
+    def run(self, function, tables: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output, key cache, value cache) after one call on fresh copies of the caches."""
+        metadata = AttentionMetadata.build(self.query_lens, self.seq_lens, tables or self.tables, BLOCK_SIZE)
+        kv_cache = (self.key_cache.clone(), self.value_cache.clone())
+        query, key, value = self.qkv.split(self.split, dim=1)
+        if function is paged_attention:
+            assert (_native_kernels_for(query, key, value, kv_cache) is not None) == (self.qkv.dtype == torch.float32)
+        return function(query, key, value, kv_cache, metadata, self.scale), *kv_cache
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
+    error = (got.double() - want.double()).abs().max().item()
+    assert error <= rtol * want.abs().max().item(), f"max error {error:.3e}, max |want| {want.abs().max():.3e}"
+
+
+RAGGED = [
+    (1, 37),  # decode
+    (1, 16),  # context ends on a block boundary
+    (1, 1),  # first token
+    (3, 20),  # short chunk straddling blocks: per-token kernel
+    (MAX_KERNEL_QUERY_LEN, 32),  # the longest chunk the kernel takes, ending on a boundary
+    (MAX_KERNEL_QUERY_LEN + 1, 50),  # the shortest one SDPA takes
+    (24, 24),  # a whole prompt: causal SDPA
+    (1, 1100),  # longer than one split (512 tokens): partial results merged
+    (2, 513),  # one token past a split
+]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80)])
+def test_native_equals_torch_on_a_ragged_batch(num_heads, num_kv_heads, head_dim):
+    batch = Batch(RAGGED, num_heads, num_kv_heads, head_dim)
+    got, got_keys, got_values = batch.run(paged_attention)
+    want, want_keys, want_values = batch.run(paged_attention_torch)
+    assert got.shape == want.shape == (batch.qkv.shape[0], num_heads, head_dim)
+    assert_close(got, want)
+    assert torch.equal(got_keys, want_keys) and torch.equal(got_values, want_values)
+
+
+def test_many_decodes_take_the_threaded_path():
+    batch = Batch([(1, 100 + 37 * i) for i in range(24)], 9, 3, 64, seed=3)
+    got, *_ = batch.run(paged_attention)
+    want, *_ = batch.run(paged_attention_torch)
+    assert_close(got, want)
+
+
+def test_a_request_does_not_depend_on_its_batch_or_the_thread_count():
+    alone = Batch([(1, 700)], 9, 3, 64, seed=5)
+    mixed = Batch([(1, 40), (1, 700), (4, 90), (1, 2000)], 9, 3, 64, seed=6)
+    # The same request (context, cache contents, query) inside the mixed batch: copy its blocks and its query.
+    mixed.key_cache[mixed.tables[1]] = alone.key_cache[alone.tables[0]]
+    mixed.value_cache[mixed.tables[1]] = alone.value_cache[alone.tables[0]]
+    mixed.qkv[1] = alone.qkv[0]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single_thread, *_ = alone.run(paged_attention)
+        torch.set_num_threads(2)
+        two_threads, *_ = alone.run(paged_attention)
+        in_batch, *_ = mixed.run(paged_attention)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single_thread[0], two_threads[0])
+    assert torch.equal(in_batch[1], two_threads[0])
+
+
+def test_out_of_range_slot_raises_without_writing():
+    batch = Batch([(1, 20)], 9, 3, 64)
+    metadata = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.tables, BLOCK_SIZE)
+    metadata.slot_mapping = torch.tensor([batch.key_cache.shape[0] * BLOCK_SIZE])  # one past the pool
+    kv_cache = (batch.key_cache.clone(), batch.value_cache.clone())
+    query, key, value = batch.qkv.split(batch.split, dim=1)
+    with pytest.raises(IndexError, match="out of range"):
+        paged_attention(query, key, value, kv_cache, metadata, batch.scale)
+    assert torch.equal(kv_cache[0], batch.key_cache) and torch.equal(kv_cache[1], batch.value_cache)
+
+
+def test_bfloat16_cache_takes_the_torch_path():
+    batch = Batch(RAGGED[:6], 9, 3, 64, dtype=torch.bfloat16)
+    got, got_keys, _ = batch.run(paged_attention)
+    want, want_keys, _ = batch.run(paged_attention_torch)
+    assert torch.equal(got, want) and torch.equal(got_keys, want_keys)
