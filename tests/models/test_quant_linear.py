@@ -149,7 +149,7 @@ def test_linear_matches_dequantized_reference(backend: str, kind: str, dtype: to
     if backend == "aten" and kind == "q8_0":
         pytest.skip("_weight_int8pack_mm has one scale per output channel (covered by the error test)")
     layer = make_layer(kind, 192, 576, backend)
-    for num_rows in (1, 2, 3, 4, 5, 8, 17, 64):
+    for num_rows in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 17, 64):
         assert_matches_reference(layer, torch.randn(num_rows, 576).to(dtype))
 
 
@@ -171,7 +171,7 @@ def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
     native = make_layer(kind, 76, 576, "native", bias=True, max_gemv_rows=8, int8_activations=True)
     reference = make_layer(kind, 76, 576, "reference", bias=True, max_gemv_rows=8, int8_activations=True)
     exact = make_layer(kind, 76, 576, "reference", bias=True)
-    for num_rows in (1, 2, 3, 5, 8, 9):
+    for num_rows in (1, 2, 3, 5, 7, 8, 9, 16):
         x = torch.randn(num_rows, 576)
         expected = reference(x)
         scale = expected.abs().max().item()

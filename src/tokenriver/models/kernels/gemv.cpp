@@ -96,7 +96,7 @@ inline float min_term(const uint16_t* row_mins, const float* row_xsum, int64_t n
   return total;
 }
 
-// RT output rows × MT activation rows, RT * MT <= 4. Per 32 columns each (row, activation row) pair takes two
+// RT output rows × MT activation rows (RT * MT <= 8). Per 32 columns each (row, activation row) pair takes two
 // short partial sums (four products), scales them by the block's group scale and adds them into its accumulator:
 // a flat loop with every accumulator in a register, which measured 1.7x faster than accumulating per group
 // first (that version kept its per-group sums on the stack). The min term sum_g min_g * xsum_g is a short dot
@@ -255,17 +255,34 @@ inline void run_tile(const Activations& a, const uint8_t* qweight, const uint16_
     tile<IS_INT4, RT, MT>(a.x, a.K, a.xsum, qweight, scales, mins, G, n0, m0, y, N);
 }
 
-// Four output rows starting at n0 against every activation row: tiles of 4 activation rows × 1 output row,
-// then 2 × 2, then 1 × 4.
+// Four output rows of one activation-row count MT: each decoded weight vector feeds all MT activation rows.
+template <bool IS_INT4, bool INT8_X, int MT>
+inline void four_rows_of(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
+                         int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
+  for (int r = 0; r < 4; ++r) run_tile<IS_INT4, INT8_X, 1, MT>(a, qweight, scales, mins, G, n0 + r, m0, y, N);
+}
+
+// Four output rows starting at n0 against every activation row. Eight activation rows at a time, then the rest in
+// one tile, so every weight is decoded once per eight rows: speculative verification (1 + k rows) then costs
+// little more than one row. A single activation row takes 4 output rows per tile instead (its activations are
+// loaded once for all four), two take 2 × 2.
 template <bool IS_INT4, bool INT8_X>
 void four_rows(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
                int64_t G, int64_t n0, float* y, int64_t N) {
   int64_t m0 = 0;
-  for (; m0 + 4 <= a.M; m0 += 4)
-    for (int r = 0; r < 4; ++r) run_tile<IS_INT4, INT8_X, 1, 4>(a, qweight, scales, mins, G, n0 + r, m0, y, N);
-  for (; m0 + 2 <= a.M; m0 += 2)
-    for (int r = 0; r < 4; r += 2) run_tile<IS_INT4, INT8_X, 2, 2>(a, qweight, scales, mins, G, n0 + r, m0, y, N);
-  for (; m0 < a.M; ++m0) run_tile<IS_INT4, INT8_X, 4, 1>(a, qweight, scales, mins, G, n0, m0, y, N);
+  for (; m0 + 8 <= a.M; m0 += 8) four_rows_of<IS_INT4, INT8_X, 8>(a, qweight, scales, mins, G, n0, m0, y, N);
+  switch (a.M - m0) {
+    case 1: run_tile<IS_INT4, INT8_X, 4, 1>(a, qweight, scales, mins, G, n0, m0, y, N); break;
+    case 2:
+      for (int r = 0; r < 4; r += 2) run_tile<IS_INT4, INT8_X, 2, 2>(a, qweight, scales, mins, G, n0 + r, m0, y, N);
+      break;
+    case 3: four_rows_of<IS_INT4, INT8_X, 3>(a, qweight, scales, mins, G, n0, m0, y, N); break;
+    case 4: four_rows_of<IS_INT4, INT8_X, 4>(a, qweight, scales, mins, G, n0, m0, y, N); break;
+    case 5: four_rows_of<IS_INT4, INT8_X, 5>(a, qweight, scales, mins, G, n0, m0, y, N); break;
+    case 6: four_rows_of<IS_INT4, INT8_X, 6>(a, qweight, scales, mins, G, n0, m0, y, N); break;
+    case 7: four_rows_of<IS_INT4, INT8_X, 7>(a, qweight, scales, mins, G, n0, m0, y, N); break;
+    default: break;
+  }
 }
 
 template <bool IS_INT4, bool INT8_X>
