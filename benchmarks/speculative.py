@@ -9,7 +9,12 @@ decoding (checked). Configurations alternate prompt by prompt to cancel machine 
 tokens over the time from first to last token (prefill excluded), summed over the prompts of a task. Writes
 benchmarks/results/speculative.md.
 
-    python benchmarks/speculative.py [--repeats 2] [--threads 1] [--max-tokens 160] [--note "machine was shared"]
+    python benchmarks/speculative.py [--quantization auto|none] [--repeats 2] [--threads 2] [--max-tokens 160]
+
+--quantization is the target's weights: auto keeps the GGUF's Q4_1 packed (decode is compute-bound in the 4-bit
+kernel, so verifying k drafts costs more than one token), none runs it in float32 (memory-bound: verifying k drafts
+costs about one token). The `q4` configuration drafts with the same GGUF file kept packed: a 4-bit copy of the
+target.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ OPEN_CHAT = [
     "Give me five tips for learning a new programming language.",
     "What are the pros and cons of living in a big city?",
 ]
+WEIGHTS = {"auto": "the file's Q4_1 kept packed (4-bit kernels)", "none": "dequantized to float32"}
+RESULT_FILES = {"auto": "speculative.md", "none": "speculative_float32.md"}
 TASKS = {"input-grounded (copy / edit a given text or code)": GROUNDED, "open chat": OPEN_CHAT}
 
 
@@ -74,15 +81,17 @@ def run(llm: LLM, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                        help="the target's weights: auto = the GGUF's Q4_1 kept packed, none = float32")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--configs", default="none,ngram:4,ngram:8,self:8:3",
-                        help="comma-separated: none, ngram:K, self:N:K")
+                        help="comma-separated: none, ngram:K, self:N:K, q4:K (the GGUF file itself, packed)")
     parser.add_argument("--note", default="", help="a line about the machine, written into the results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    loaded = load_model(None)
+    loaded = load_model(None, quantization=args.quantization)
     tokenizer = loaded.tokenizer
     engines: dict[str, LLM] = {}
     for name in args.configs.split(","):
@@ -92,7 +101,10 @@ def main() -> None:
         elif name.startswith("self:"):
             _, layers, k = name.split(":")
             options = {"speculative_draft": f"self:{layers}", "num_speculative_tokens": int(k)}
-        engines[name] = LLM.from_loaded(loaded, num_threads=args.threads, max_num_kv_tokens=8192, **options)
+        elif name.startswith("q4:"):
+            options = {"speculative_draft": loaded.path, "num_speculative_tokens": int(name.split(":")[1])}
+        engines[name] = LLM.from_loaded(loaded, num_threads=args.threads, max_num_kv_tokens=8192,
+                                        quantization=args.quantization, **options)
     prompts = {task: [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                                        add_special_tokens=False) for p in texts]
                for task, texts in TASKS.items()}
@@ -138,19 +150,22 @@ def main() -> None:
     report = [
         "# Speculative decoding: decode speed with and without drafts",
         "",
-        "Embedded SmolLM2-135M-Instruct (Q4_1 GGUF, float32 compute), one request at a time, greedy, "
+        f"Embedded SmolLM2-135M-Instruct (Q4_1 GGUF), target weights: {WEIGHTS[args.quantization]}, float32 "
+        "compute, one request at a time, greedy, "
         f"max {args.max_tokens} tokens, {len(GROUNDED)} prompts per task, median of {args.repeats} repeats "
         f"(configurations alternate prompt by prompt). Machine: {machine_line()}.",
     ]
     if args.note:
         report.append(f"Note: {args.note}")
     report += [
-        f"Command: `python benchmarks/speculative.py --repeats {args.repeats} --threads {args.threads} "
+        f"Command: `python benchmarks/speculative.py --quantization {args.quantization} --repeats {args.repeats} "
+        f"--threads {args.threads} "
         f"--max-tokens {args.max_tokens} --configs {args.configs}` ({elapsed / 60:.0f} min).",
         "",
         "Configurations: `none` = plain decoding; `ngram:K` = prompt-lookup drafts (suffix n-grams of 2..4 tokens "
         "looked up in the request's own tokens), up to K per step; `self:N:K` = the model's first N of 30 layers "
-        "as a draft model, K drafts per step. Decode tokens/s = generated tokens / (last token time - first token "
+        "as a draft model, K drafts per step; `q4:K` = the GGUF file itself as the draft model, its Q4_1 weights "
+        "kept packed (a 4-bit copy of the target), K drafts per step. Decode tokens/s = generated tokens / (last token time - first token "
         "time), summed over the task's prompts. Acceptance = accepted / proposed draft tokens (first repeat). "
         "`same tokens` = greedy output identical to plain decoding for every prompt.",
         "",
@@ -161,7 +176,7 @@ def main() -> None:
     if not all_identical:
         report.append("**Warning: some configuration changed the greedy output.**")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "speculative.md").write_text("\n".join(report))
+    (RESULTS / RESULT_FILES[args.quantization]).write_text("\n".join(report))
     print("\n".join(report))
 
 

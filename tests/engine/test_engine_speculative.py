@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tokenriver.decoding import draft_model
+from tokenriver.config import EngineConfig
 from tokenriver.engine.llm import LLM
 from tokenriver.params import SamplingParams
 
@@ -123,3 +125,18 @@ def test_a_draft_model_from_a_path_that_is_the_model_itself_is_always_right(load
     assert output.outputs[0].token_ids == expected[0].outputs[0].token_ids[:16]
     assert output.metrics.num_draft_tokens > 0
     assert output.metrics.num_accepted_draft_tokens == output.metrics.num_draft_tokens
+
+
+@pytest.mark.parametrize(("target", "draft"), [("none", "auto"), ("auto", "auto"), ("int8", "int8"), ("int4", "int4")])
+def test_a_draft_model_is_kept_quantized_when_the_target_is_float(monkeypatch, loaded_float32, target, draft):
+    """A float target (quantization "none") gets its draft with "auto": a GGUF draft stays packed, and fast."""
+    seen = []
+
+    def fake_load(path, dtype, device, quantization):
+        seen.append(quantization)
+        return loaded_float32
+
+    monkeypatch.setattr(draft_model, "load_model", fake_load)
+    config = EngineConfig(quantization=target)
+    draft_model.DraftModelProposer.from_path(loaded_float32.path, loaded_float32, config, num_kv_blocks=8)
+    assert seen == [draft]

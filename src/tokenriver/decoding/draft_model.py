@@ -107,12 +107,18 @@ class DraftModelProposer:
     @classmethod
     def from_path(cls, path: str, target: LoadedModel, config: EngineConfig,
                   num_kv_blocks: int) -> "DraftModelProposer":
-        """A separate draft model; its tokenizer must be the target's."""
+        """A separate draft model; its tokenizer must be the target's.
+
+        A draft exists to be fast, so a target kept in float (quantization "none") does not make its draft float:
+        the draft is loaded with "auto", which keeps a GGUF's 4- and 8-bit weights packed (a Q4 copy of a float
+        target is the classic cheap draft). With "int8"/"int4" the draft is quantized the same way as the target.
+        """
         if not os.path.exists(path):
             raise InvalidParameterError(
                 f"speculative_draft={path!r} is neither 'ngram', 'self:N' nor an existing model file or folder",
                 param="speculative_draft")
-        draft = load_model(path, config.dtype, config.device, config.quantization)
+        quantization = "auto" if config.quantization == "none" else config.quantization
+        draft = load_model(path, config.dtype, config.device, quantization)
         check_same_vocabulary(draft, target)
         return cls(draft.model, draft.config.num_layers, draft.config.num_kv_heads, draft.config.head_dim, config,
                    num_kv_blocks)
