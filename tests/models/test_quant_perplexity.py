@@ -72,14 +72,8 @@ def test_text_is_long_enough(text_ids):
 def test_quantized_perplexity_within_one_percent(default_model_path, text_ids, float32_logits, quantization,
                                                  min_agreement):
     loaded = load_model(default_model_path, quantization=quantization)
-    logits = _logits(loaded, text_ids, torch.float32)
-    reference, got = _perplexity(float32_logits, text_ids), _perplexity(logits, text_ids)
-    agreement = _agreement(logits, float32_logits)
-    summary = (f"quantization={quantization!r}: perplexity {got:.4f} vs float32 {reference:.4f} "
-               f"(ratio {got / reference:.4f}), top-1 agreement with float32 {agreement:.1%}")
-    print(summary)
-    assert got <= MAX_PERPLEXITY_RATIO * reference, summary
-    assert agreement >= min_agreement, summary
+    _assert_close_to_float32(f"quantization={quantization!r}", _logits(loaded, text_ids, torch.float32),
+                             float32_logits, text_ids, min_agreement)
 
 
 def test_bfloat16_perplexity_within_one_percent(default_model_path, text_ids, float32_logits):
@@ -87,11 +81,16 @@ def test_bfloat16_perplexity_within_one_percent(default_model_path, text_ids, fl
     loaded = load_model(default_model_path, dtype="bfloat16", quantization="none")
     logits = _logits(loaded, ids, torch.bfloat16)
     # A causal model's logits over a prefix do not depend on what follows: float32's come from the full pass.
-    reference_logits = float32_logits[:BF16_TOKENS]
+    _assert_close_to_float32(f"bfloat16 over {len(ids)} tokens", logits, float32_logits[:BF16_TOKENS], ids, 0.9)
+
+
+def _assert_close_to_float32(label: str, logits: torch.Tensor, reference_logits: torch.Tensor, ids: list[int],
+                             min_agreement: float) -> None:
+    """Perplexity within MAX_PERPLEXITY_RATIO of float32's and top-1 agreement of at least min_agreement."""
     reference, got = _perplexity(reference_logits, ids), _perplexity(logits, ids)
     agreement = _agreement(logits, reference_logits)
-    summary = (f"bfloat16 over {len(ids)} tokens: perplexity {got:.4f} vs float32 {reference:.4f} "
+    summary = (f"{label}: perplexity {got:.4f} vs float32 {reference:.4f} "
                f"(ratio {got / reference:.4f}), top-1 agreement with float32 {agreement:.1%}")
     print(summary)
     assert got <= MAX_PERPLEXITY_RATIO * reference, summary
-    assert agreement >= 0.9, summary
+    assert agreement >= min_agreement, summary
