@@ -116,7 +116,11 @@ def make_candidates(out_features: int, in_features: int, num_rows: int) -> list[
                     w.qweight.clone(), w.scales.clone(), w.group_size, a))
             add(name, size, bind, lambda linear: linear(x32))
         if num_rows >= 8:
-            # What Int4Linear does above max_gemv_rows: decode the weight to float32 once, then sgemm.
+            # What Int4Linear does above max_gemv_rows (gemm.cpp), and the float32 sgemm it replaced.
+            add("native int4 GEMM (Q4_1)", int4_bytes,
+                lambda: kernels.bind_int4(int4.qweight.clone(), int4.scales.clone(), int4.mins.clone(), 32,
+                                          many_rows=True),
+                lambda gemm: gemm(x32))
             add("native int4 dequantize + F.linear fp32", int4_bytes, lambda: int4.qweight.clone(),
                 lambda w: F.linear(x32, kernels.int4_dequantize(w, int4.scales, int4.mins, 32)))
     return candidates

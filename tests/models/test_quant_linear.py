@@ -4,6 +4,7 @@
   gguf.quants.quantize, random bytes with valid float16 scales, and the embedded model's real tensors).
 - Every layer and backend matches F.linear over the dequantized float32 weight, for several row counts and
   float32 / bfloat16 activations; the native kernel and the pure-PyTorch fallback agree.
+- The native many-row product (gemm.cpp) gives each row the same bits whatever batch it is computed in.
 """
 
 from __future__ import annotations
@@ -180,6 +181,21 @@ def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
         # Rounding x to 8 bits moves the result by well under 1% of its range; above max_gemv_rows it is exact.
         tolerance = 1e-2 if num_rows <= 8 else 2e-5
         assert (native(x) - exact(x)).abs().max().item() <= tolerance * scale
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
+def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str) -> None:
+    # 40 outputs: six-row weight tiles plus a remainder of 4. K = 1536: 80 activation rows per pass, so 300 rows
+    # take four passes. Batches of 9 to 300 put the same rows in half panels, full panels and later passes.
+    layer = make_layer(kind, 40, 1536, "native")
+    gemm = layer._native_gemm
+    rows = torch.randn(300, 1536)
+    alone = torch.cat([gemm(rows[i:i + 9]) for i in range(0, 297, 9)] + [gemm(rows[297:].repeat(3, 1))[:3]])
+    for batch in (rows, rows[:17], rows[5:21], rows[100:181]):
+        start = int((batch.data_ptr() - rows.data_ptr()) // (4 * 1536))
+        assert torch.equal(gemm(batch), alone[start:start + batch.shape[0]])
+    assert_matches_reference(layer, rows)
 
 
 def test_int8_activations_rounding_matches_its_definition() -> None:

@@ -15,8 +15,9 @@ gguf's own dequantization bit for bit (Q4_0's min is -8 * scale, exact in float1
 
 Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation, through one of three backends:
 - "native": models/kernels/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
-  `max_gemv_rows` activation rows); for more rows it writes a float32 copy of W once and calls F.linear, which is
-  compute-bound and where MKL's sgemm wins.
+  `max_gemv_rows` activation rows); for more rows models/kernels/gemm.cpp, which decodes a few weight rows at a
+  time into a small buffer and multiplies them with every activation row there (compute-bound; 1.7x MKL's sgemm
+  on a float32 copy at 64 rows, and no such copy is kept).
 - "aten": PyTorch's packed CPU kernels `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (int8 only with one
   scale per output channel; int4 needs out_features % 16 == 0). Kept for measurement and machines where they are
   fast; on AVX2-only CPUs they are slower than float32 F.linear.
@@ -46,8 +47,9 @@ from tokenriver.models.kernels.native import NativeKernels, load_kernels
 
 Backend = Literal["auto", "native", "aten", "reference"]
 BACKENDS = ("auto", "native", "aten", "reference")
-# Above this many activation rows the native path dequantizes once and runs sgemm (benchmarks/kernels.py).
-DEFAULT_MAX_GEMV_ROWS = 16
+# Above this many activation rows the native path runs the GEMM: all layers of the embedded model took the same
+# time either way at 8 and 10 rows, and 0.75x the GEMV's at 12 (benchmarks/kernels.py measures both).
+DEFAULT_MAX_GEMV_ROWS = 10
 # GGUF block sizes in bytes for 32 weights.
 Q4_0_BLOCK_BYTES = 18  # f16 d, 16 bytes of nibbles: w = d * (q - 8)
 Q4_1_BLOCK_BYTES = 20  # f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
@@ -262,9 +264,9 @@ class _QuantizedLinear(nn.Module):
         """x [..., in_features] → [..., out_features] in x's dtype."""
         gemv = self._native_gemv
         # The decode hot path, ~200 calls per step: 2-D float32 rows on the CPU go straight to the kernel.
-        if (gemv is not None and x.dim() == 2 and x.shape[0] <= self.max_gemv_rows and x.dtype == torch.float32
-                and self.bias is None and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous()):
-            return gemv(x)
+        if (gemv is not None and x.dim() == 2 and x.dtype == torch.float32 and self.bias is None
+                and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous()):
+            return gemv(x) if x.shape[0] <= self.max_gemv_rows else self._native_gemm(x)
         return self._forward_any(x)
 
     def _forward_any(self, x: torch.Tensor) -> torch.Tensor:
@@ -277,7 +279,7 @@ class _QuantizedLinear(nn.Module):
         if self.backend == "native" and on_cpu:
             rows32 = rows if rows.dtype == torch.float32 else rows.float()
             rows32 = rows32 if rows32.is_contiguous() else rows32.contiguous()
-            y = self._native_gemv(rows32) if is_gemv else F.linear(rows32, self._dense_weight())  # [M, N]
+            y = self._native_gemv(rows32) if is_gemv else self._native_gemm(rows32)  # [M, N]
         elif self.backend == "aten" and on_cpu:
             y = self._aten_mm(rows.contiguous())  # [M, N]
         else:
@@ -289,21 +291,9 @@ class _QuantizedLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _bind_native(self) -> None:
-        """Give the native kernel this layer's weight pointers once (they change only when the buffers move)."""
+        """Give the native kernels this layer's weight pointers once (they change only when the buffers move)."""
         self._native_gemv = None
-        self._dense: torch.Tensor | None = None
-
-    def _dense_weight(self) -> torch.Tensor:
-        """The float32 weight for products of many rows, decoded on first use and kept.
-
-        Batched decode runs this every step: decoding 4-bit weights again each time (and faulting in a fresh
-        buffer for them) cost more than the product itself at 64 rows. The price is memory: a float32 copy
-        of each layer that ever sees more than max_gemv_rows rows, i.e. of the whole model once a prompt is
-        prefilled; single-stream decode alone never builds it.
-        """
-        if self._dense is None:
-            self._dense = self._native_dequantize()
-        return self._dense
+        self._native_gemm = None
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         # .to(), .cpu(), .share_memory_()...: new buffer tensors, so the kernel must see the new pointers.
@@ -356,6 +346,8 @@ class Int4Linear(_QuantizedLinear):
         if self.backend == "native" and self.qweight.is_cpu:
             self._native_gemv = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
                                                        self.int8_activations)
+            self._native_gemm = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
+                                                       many_rows=True)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
@@ -417,6 +409,7 @@ class Int8Linear(_QuantizedLinear):
         if self.backend == "native" and self.qweight.is_cpu:
             self._native_gemv = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
                                                        self.int8_activations)
+            self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size, many_rows=True)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)

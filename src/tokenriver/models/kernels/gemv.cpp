@@ -24,36 +24,14 @@
 
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// 32 int4 columns (16 bytes) → four vectors of 8 floats: columns 0-7, 8-15, 16-23, 24-31.
-// Bytes 0-7 widened to 32-bit lanes hold columns 0-7 in their low nibbles and 16-23 in their high nibbles.
-inline void decode_int4(const uint8_t* bytes, __m256 w[4]) {
-  const __m256i mask = _mm256_set1_epi32(0x0F);
-  __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-  __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
-  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, mask));
-  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, mask));
-  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
-  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
-}
-
-// 32 int8 columns → four vectors of 8 floats.
-inline void decode_int8(const int8_t* bytes, __m256 w[4]) {
-  for (int i = 0; i < 4; ++i) {
-    __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * i));
-    w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-  }
-}
+using tokenriver::decode_int4;
+using tokenriver::decode_int8;
+using tokenriver::half_to_float;
+using tokenriver::horizontal_sum;
 
 // Per-group sums of x: xsum [M, K/G].
 std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
@@ -337,35 +315,6 @@ void int8_linear_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N,
                        const float* x, int64_t M, float* y, int num_threads) {
   linear<false, true>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y,
                       num_threads);
-}
-
-// Float32 copy of the weights, [N, K]: for many activation rows (prefill) a float matmul beats decoding per row.
-void int4_dequantize(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
-                     int64_t group_size, float* out, int num_threads) {
-  const int64_t num_groups = K / group_size;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; k += 32) {
-      const int64_t at = n * num_groups + k / group_size;
-      const __m256 scale = _mm256_set1_ps(half_to_float(scales[at]));
-      const __m256 min = _mm256_set1_ps(half_to_float(mins[at]));
-      __m256 w[4];
-      decode_int4(qweight + n * (K / 2) + k / 2, w);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + n * K + k + 8 * i, _mm256_fmadd_ps(scale, w[i], min));
-    }
-}
-
-void int8_dequantize(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
-                     float* out, int num_threads) {
-  const int64_t num_groups = K / group_size;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m256 scale = _mm256_set1_ps(half_to_float(scales[n * num_groups + k / group_size]));
-      __m256 w[4];
-      decode_int8(qweight + n * K + k, w);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + n * K + k + 8 * i, _mm256_mul_ps(scale, w[i]));
-    }
 }
 
 }  // extern "C"

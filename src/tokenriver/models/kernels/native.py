@@ -1,5 +1,5 @@
-"""Build and call the native CPU kernels: quantized GEMV (gemv.cpp), the small ops of a layer (ops.cpp) and paged
-decode attention (attention.cpp).
+"""Build and call the native CPU kernels: quantized GEMV (gemv.cpp) and GEMM (gemm.cpp), the small ops of a layer
+(ops.cpp) and paged decode attention (attention.cpp).
 
 PyTorch's own packed-weight CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) stream the weights
 of a one-row product far below memory speed on this class of machine (see benchmarks/results/kernels.md), so the
@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent
-SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "ops.cpp", "attention.cpp"))
+SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp"))
 HEADERS = (KERNELS_DIR / "vec.h",)
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
@@ -107,6 +107,7 @@ class NativeKernels:
         signatures = {
             "int4_linear_f32": (int4_args, None), "int4_linear_int8x": (int4_args, None),
             "int8_linear_f32": (int8_args, None), "int8_linear_int8x": (int8_args, None),
+            "int4_gemm_f32": (int4_args, None), "int8_gemm_f32": (int8_args, None),
             "int4_dequantize": ([ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
             "int8_dequantize": ([ptr, ptr, i64, i64, i64, ptr, c_int], None),
             "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
@@ -131,15 +132,23 @@ class NativeKernels:
         supports = self._functions["paged_attention_supports"]
         self.attention_head_dims = frozenset(size for size in range(8, 1025, 8) if supports(size))
 
+    def _product(self, kind: str, int8_activations: bool, many_rows: bool) -> Callable[..., None]:
+        if many_rows and int8_activations:
+            raise ValueError("the many-row product (gemm.cpp) takes float32 activations only")
+        return self._functions[f"{kind}_gemm_f32" if many_rows
+                               else f"{kind}_linear_int8x" if int8_activations else f"{kind}_linear_f32"]
+
     def bind_int4(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                  int8_activations: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+                  int8_activations: bool = False, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [M, K] float32 ↦ x @ dequantized int4 weight [N, K]ᵀ, [M, N] float32.
 
         int8_activations rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact.
+        many_rows picks the GEMM (gemm.cpp) over the GEMV: for more rows than a decode step has, where the
+        product is bound by arithmetic rather than by reading the weights.
         The function keeps the tensors alive; rebind after moving or replacing them.
         """
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
-        function = self._functions["int4_linear_int8x" if int8_activations else "int4_linear_f32"]
+        function = self._product("int4", int8_activations, many_rows)
         weight = (qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out_features, in_features, group_size)
         tensors = (qweight, scales, mins)
 
@@ -152,10 +161,10 @@ class NativeKernels:
         return linear
 
     def bind_int8(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                  int8_activations: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x [M, K] float32 ↦ x @ dequantized int8 weight [N, K]ᵀ, [M, N] float32 (int8_activations as above)."""
+                  int8_activations: bool = False, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x [M, K] float32 ↦ x @ dequantized int8 weight [N, K]ᵀ, [M, N] float32 (options as in bind_int4)."""
         out_features, in_features = qweight.shape
-        function = self._functions["int8_linear_int8x" if int8_activations else "int8_linear_f32"]
+        function = self._product("int8", int8_activations, many_rows)
         weight = (qweight.data_ptr(), scales.data_ptr(), out_features, in_features, group_size)
         tensors = (qweight, scales)
 
@@ -179,7 +188,7 @@ class NativeKernels:
 
     def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                         group_size: int) -> torch.Tensor:
-        """The float32 weight [N, K]: for many activation rows (prefill) one sgemm beats decoding per row."""
+        """The float32 weight [N, K], decoded as the products decode it."""
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
         out = torch.empty(out_features, in_features, dtype=torch.float32)  # [N, K]
         self._functions["int4_dequantize"](qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out_features,

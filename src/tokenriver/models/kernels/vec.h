@@ -1,7 +1,8 @@
-// AVX2 helpers shared by ops.cpp and attention.cpp: a horizontal sum and a vectorized exp.
+// AVX2 helpers shared by the kernels: horizontal sums, a vectorized exp, and decoding quantized weights to floats.
 #pragma once
 
 #include <immintrin.h>
+#include <stdint.h>
 
 namespace tokenriver {
 
@@ -42,6 +43,28 @@ inline __m256 exp256(__m256 x) {
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
   return _mm256_and_ps(result, _mm256_cmp_ps(x, lower, _CMP_GT_OQ));
+}
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// 32 int4 columns (16 bytes) → four vectors of 8 floats: columns 0-7, 8-15, 16-23, 24-31.
+// Bytes 0-7 widened to 32-bit lanes hold columns 0-7 in their low nibbles and 16-23 in their high nibbles.
+inline void decode_int4(const uint8_t* bytes, __m256 w[4]) {
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
+  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, mask));
+  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, mask));
+  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
+  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
+}
+
+// 32 int8 columns → four vectors of 8 floats.
+inline void decode_int8(const int8_t* bytes, __m256 w[4]) {
+  for (int i = 0; i < 4; ++i) {
+    __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * i));
+    w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  }
 }
 
 }  // namespace tokenriver
