@@ -157,7 +157,7 @@ def test_linear_matches_dequantized_reference(backend: str, kind: str, dtype: to
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0"])
 def test_native_handles_odd_shapes_bias_and_leading_dims(kind: str) -> None:
-    # 37 outputs: tiles of 4 rows plus a remainder; 3-D input; bias; the sgemm path above max_gemv_rows.
+    # 37 outputs: tiles of 4 (GEMV) or 6 (GEMM) rows plus a remainder; 3-D input; bias; the GEMM above max_gemv_rows.
     layer = make_layer(kind, 37, 96, "native", bias=True, max_gemv_rows=4)
     reference = make_layer(kind, 37, 96, "reference", bias=True)
     for shape in ((1, 96), (2, 3, 96), (9, 96)):

@@ -16,7 +16,7 @@ gguf's own dequantization bit for bit (Q4_0's min is -8 * scale, exact in float1
 Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation, through one of three backends:
 - "native": models/kernels/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
   `max_gemv_rows` activation rows); for more rows models/kernels/gemm.cpp, which decodes a few weight rows at a
-  time into a small buffer and multiplies them with every activation row there (compute-bound; 1.7x MKL's sgemm
+  time into a small buffer and multiplies them with every activation row there (compute-bound; 1.65x MKL's sgemm
   on a float32 copy at 64 rows, and no such copy is kept).
 - "aten": PyTorch's packed CPU kernels `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (int8 only with one
   scale per output channel; int4 needs out_features % 16 == 0). Kept for measurement and machines where they are
