@@ -1,5 +1,5 @@
 """Build and call the native CPU kernels: quantized GEMV (gemv.cpp) and GEMM (gemm.cpp), the small ops of a layer
-(ops.cpp) and paged decode attention (attention.cpp).
+(ops.cpp), paged decode attention (attention.cpp), and a whole Llama decoder stack made of them (decoder.cpp).
 
 PyTorch's own packed-weight CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) stream the weights
 of a one-row product far below memory speed on this class of machine (see benchmarks/results/kernels.md), so the
@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent
-SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp"))
+SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp"))
 HEADERS = (KERNELS_DIR / "vec.h",)
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
@@ -93,6 +93,42 @@ def _is_int64_array(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.int64 and tensor.is_cpu and tensor.is_contiguous()
 
 
+# decoder.cpp's structs, field for field. Pointers are raw addresses: whoever fills one keeps its tensors alive.
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class LinearSpec(ctypes.Structure):
+    """A quantized linear layer: weight pointers, sizes, and which product runs it (decoder.cpp's Linear)."""
+
+    _fields_ = [("qweight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr), ("out_features", _i64),
+                ("in_features", _i64), ("group_size", _i64), ("max_gemv_rows", _i64), ("is_int4", ctypes.c_int32),
+                ("int8_activations", ctypes.c_int32)]
+
+
+class LayerSpec(ctypes.Structure):
+    """One decoder layer's norm weights and projections (decoder.cpp's Layer)."""
+
+    _fields_ = [("input_norm", _ptr), ("post_attention_norm", _ptr), ("qkv", LinearSpec), ("o", LinearSpec),
+                ("gate_up", LinearSpec), ("down", LinearSpec)]
+
+
+class DecoderSpec(ctypes.Structure):
+    """The stack: its layers and shapes (decoder.cpp's Decoder)."""
+
+    _fields_ = [("layers", ctypes.POINTER(LayerSpec)), ("num_layers", _i64), ("hidden_size", _i64),
+                ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate_size", _i64),
+                ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class StepSpec(ctypes.Structure):
+    """One step's activations, positions, cache and attention metadata (decoder.cpp's Step)."""
+
+    _fields_ = [("hidden", _ptr), ("out", _ptr), ("residual", _ptr), ("num_tokens", _i64), ("cos", _ptr),
+                ("sin", _ptr), ("slots", _ptr), ("block_tables", _ptr), ("num_requests", _i64),
+                ("max_blocks", _i64), ("queries", _ptr), ("num_queries", _i64), ("key_caches", _ptr),
+                ("value_caches", _ptr), ("num_blocks", _i64), ("block_size", _i64), ("num_threads", ctypes.c_int32)]
+
+
 class NativeKernels:
     """Typed wrappers around the compiled functions; every tensor argument must be contiguous and on the CPU.
 
@@ -114,6 +150,7 @@ class NativeKernels:
             "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, c_int], None),
             "silu_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
             "paged_attention_supports": ([i64], c_int),
+            "llama_decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
             "paged_attention_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr,
                                      i64, i64, ptr, i64, c_float, ptr, i64, c_int], c_int),
         }
@@ -128,6 +165,7 @@ class NativeKernels:
         self._rotary = self._functions["rotary_f32"]
         self._silu_mul = self._functions["silu_mul_f32"]
         self._paged_attention = self._functions["paged_attention_f32"]
+        self._llama_decoder = self._functions["llama_decoder_f32"]
         # Head sizes paged_attention is compiled for.
         supports = self._functions["paged_attention_supports"]
         self.attention_head_dims = frozenset(size for size in range(8, 1025, 8) if supports(size))
@@ -260,11 +298,25 @@ class NativeKernels:
             block_tables.shape[1], None if queries is None else queries.data_ptr(),
             0 if queries is None else queries.shape[0], scale, out.data_ptr(), out.stride(0),
             torch.get_num_threads())
-        if status == 1:
-            raise IndexError("paged attention: a slot, query row, request index, context length or block id is out "
-                             "of range for the given tensors")
-        if status == 2:
-            raise ValueError(f"paged attention: head_dim {head_dim} is not compiled in (see attention_head_dims)")
+        _raise_for_attention_status(status, head_dim)
+
+    def llama_decoder(self, decoder: DecoderSpec, step: StepSpec) -> None:
+        """Run every layer of the stack on one step (decoder.cpp): step.out and step.residual get the last layer's
+        MLP output and the residual stream before it, as LlamaDecoderLayer returns them.
+
+        The caller has checked every pointer and shape (models/native_decoder.py); errors found by the attention
+        kernel's own range checks are raised as paged_attention raises them.
+        """
+        _raise_for_attention_status(self._llama_decoder(ctypes.byref(decoder), ctypes.byref(step)), decoder.head_dim)
+
+
+def _raise_for_attention_status(status: int, head_dim: int) -> None:
+    """paged_attention_f32's status codes as exceptions (0 is success)."""
+    if status == 1:
+        raise IndexError("paged attention: a slot, query row, request index, context length or block id is out "
+                         "of range for the given tensors")
+    if status == 2:
+        raise ValueError(f"paged attention: head_dim {head_dim} is not compiled in (see attention_head_dims)")
 
 
 @functools.cache

@@ -1,0 +1,140 @@
+// A whole Llama-family decoder stack for one step in one call: every layer's norms, quantized products, rotary
+// positions, paged attention and SwiGLU, in the order models/llama.py runs them.
+//
+// A single-stream decode step is ~240 small operations (8 per layer, 30 layers), each a few microseconds of
+// arithmetic. Run from Python, each also pays module dispatch, argument checks, a tensor allocation and a ctypes
+// call, which together took about as long as the arithmetic. Here the Python side makes one call per step.
+//
+// Nothing new is computed: each operation is the extern "C" function the module path calls (gemv.cpp, gemm.cpp,
+// ops.cpp, attention.cpp), with the same arguments, so the results equal the module path's bit for bit.
+
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+extern "C" {
+void int4_linear_f32(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
+                     int64_t, float*, int);
+void int4_linear_int8x(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
+                       int64_t, float*, int);
+void int4_gemm_f32(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
+                   int64_t, float*, int);
+void int8_linear_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
+void int8_linear_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
+                       int);
+void int8_gemm_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
+void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
+void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
+                int);
+void silu_mul_f32(const float*, int64_t, int64_t, float*, int);
+int paged_attention_f32(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t,
+                        const int64_t*, float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+                        int64_t, int64_t, const int64_t*, int64_t, float, float*, int64_t, int);
+}
+
+namespace {
+
+// A quantized linear layer (models/quant.py): the weight in gemv.cpp's format and how the layer runs it.
+// Mirrored field for field by native.py's LinearSpec.
+struct Linear {
+  const uint8_t* qweight;   // int4 [N, K/2] or int8 [N, K]
+  const uint16_t* scales;   // [N, K/G] float16
+  const uint16_t* mins;     // [N, K/G] float16, int4 only
+  const float* bias;        // [N] or null
+  int64_t out_features, in_features, group_size;
+  int64_t max_gemv_rows;    // up to this many rows take the GEMV, more take the GEMM
+  int32_t is_int4;
+  int32_t int8_activations; // the GEMV rounds activations to int8 (the GEMM never does)
+};
+
+// One decoder layer's weights (native.py's LayerSpec).
+struct Layer {
+  const float* input_norm;            // [H]
+  const float* post_attention_norm;   // [H]
+  Linear qkv, o, gate_up, down;
+};
+
+// The stack's shapes and weights (native.py's DecoderSpec).
+struct Decoder {
+  const Layer* layers;
+  int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
+  float rms_norm_eps, scale;
+};
+
+// This step's tensors (native.py's StepSpec); the int64 arrays are AttentionMetadata's.
+struct Step {
+  const float* hidden;      // [T, H] the embeddings, read only
+  float* out;               // [T, H] the last layer's MLP output
+  float* residual;          // [T, H] the residual stream before that output is added
+  int64_t num_tokens;
+  const float* cos;         // [T, head_dim / 2]
+  const float* sin;         // [T, head_dim / 2]
+  const int64_t* slots;     // [T]
+  const int64_t* block_tables;  // [num_requests, max_blocks]
+  int64_t num_requests, max_blocks;
+  const int64_t* queries;   // [num_queries, 3]
+  int64_t num_queries;
+  float* const* key_caches;    // per layer, [num_blocks, block_size, num_kv_heads, head_dim]
+  float* const* value_caches;
+  int64_t num_blocks, block_size;
+  int32_t num_threads;
+};
+
+void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
+  const int64_t N = l.out_features, K = l.in_features, G = l.group_size;
+  const bool gemm = M > l.max_gemv_rows;
+  if (l.is_int4) {
+    auto product = gemm ? int4_gemm_f32 : l.int8_activations ? int4_linear_int8x : int4_linear_f32;
+    product(l.qweight, l.scales, l.mins, N, K, G, x, M, y, threads);
+  } else {
+    auto product = gemm ? int8_gemm_f32 : l.int8_activations ? int8_linear_int8x : int8_linear_f32;
+    product(reinterpret_cast<const int8_t*>(l.qweight), l.scales, N, K, G, x, M, y, threads);
+  }
+  if (l.bias != nullptr)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] += l.bias[n];
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs every layer; returns 0, or paged_attention_f32's error status (1: an index out of range, 2: head_dim not
+// compiled in). Every layer sees the same step, so the first layer's attention finds any such error, before
+// the cache is written; out and residual are then partly written.
+int llama_decoder_f32(const Decoder* d, const Step* s) {
+  const int64_t T = s->num_tokens, H = d->hidden_size, hd = d->head_dim;
+  const int64_t q_width = d->num_heads * hd, kv_width = d->num_kv_heads * hd;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+  const int threads = s->num_threads;
+  std::vector<float> normed(T * H), qkv(T * qkv_width), attention(T * q_width), gate_up(T * 2 * d->intermediate_size),
+      activation(T * d->intermediate_size);
+  memcpy(s->residual, s->hidden, T * H * sizeof(float));
+  for (int64_t i = 0; i < d->num_layers; ++i) {
+    const Layer& layer = d->layers[i];
+    // The first layer's residual stream is the embeddings; later ones add the previous MLP output first.
+    if (i == 0)
+      rms_norm_f32(s->residual, nullptr, layer.input_norm, T, H, d->rms_norm_eps, normed.data(), threads);
+    else
+      rms_norm_f32(s->out, s->residual, layer.input_norm, T, H, d->rms_norm_eps, normed.data(), threads);
+    linear(layer.qkv, normed.data(), T, qkv.data(), threads);
+    float* query = qkv.data();
+    float* key = query + q_width;
+    float* value = key + kv_width;
+    rotary_f32(query, qkv_width, d->num_heads, key, qkv_width, d->num_kv_heads, s->cos, s->sin, T, hd, threads);
+    const int status = paged_attention_f32(
+        query, qkv_width, T, key, qkv_width, value, qkv_width, s->slots, s->key_caches[i], s->value_caches[i],
+        s->num_blocks, s->block_size, d->num_heads, d->num_kv_heads, hd, s->block_tables, s->num_requests,
+        s->max_blocks, s->queries, s->num_queries, d->scale, attention.data(), q_width, threads);
+    if (status != 0) return status;
+    linear(layer.o, attention.data(), T, s->out, threads);
+    rms_norm_f32(s->out, s->residual, layer.post_attention_norm, T, H, d->rms_norm_eps, normed.data(), threads);
+    linear(layer.gate_up, normed.data(), T, gate_up.data(), threads);
+    silu_mul_f32(gate_up.data(), T, d->intermediate_size, activation.data(), threads);
+    linear(layer.down, activation.data(), T, s->out, threads);
+  }
+  return 0;
+}
+
+}  // extern "C"

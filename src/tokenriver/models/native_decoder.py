@@ -1,0 +1,120 @@
+"""A Llama decoder stack's step in one native call (models/kernels/decoder.cpp), for steps of short queries.
+
+A single-stream decode step is ~240 small operations; run layer by layer from Python, each pays module dispatch,
+argument checks, an output allocation and a ctypes call, which together cost about as much as the arithmetic.
+This runs the same operations, through the same kernels in the same order, from one call: the results equal
+the module path's bit for bit.
+
+Contract: `NativeDecoder.build(layers)` returns None unless every layer can run natively (every projection a
+quantized linear on the native backend, float32 norm weights, one eps, a head size the attention kernel is
+compiled for). `supports(...)` says whether one step can: float32 activations and cache on the CPU, autograd off,
+and every request of the step with few enough new tokens for the native attention kernel (decode, speculative
+verification, short chunks; longer prompt chunks take SDPA, on the module path). The caller runs the modules
+otherwise. The weights' pointers are taken at build time: the owner drops this object when its buffers move.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from tokenriver.kv.cache import KVCache
+from tokenriver.models.attention import AttentionMetadata
+from tokenriver.models.kernels.native import (DecoderSpec, LayerSpec, LinearSpec, NativeKernels, StepSpec,
+                                              is_contiguous_f32, load_kernels)
+from tokenriver.models.quant import Int4Linear, Int8Linear
+
+
+def _linear_spec(linear: nn.Module) -> LinearSpec | None:
+    """The layer as decoder.cpp runs it, or None if it has no native kernel."""
+    if not isinstance(linear, (Int4Linear, Int8Linear)) or linear.backend != "native" or not linear.qweight.is_cpu:
+        return None
+    is_int4 = isinstance(linear, Int4Linear)
+    return LinearSpec(linear.qweight.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr() if is_int4 else None,
+                      None if linear.bias is None else linear.bias.data_ptr(), linear.out_features,
+                      linear.in_features, linear.group_size, linear.max_gemv_rows, int(is_int4),
+                      int(linear.int8_activations))
+
+
+class NativeDecoder:
+    """The layers' weights bound once; each call runs one step of all of them."""
+
+    def __init__(self, kernels: NativeKernels, layers: nn.ModuleList, specs: list[LayerSpec]) -> None:
+        self._kernels = kernels
+        self._layers = layers  # holds the weight tensors the specs point into
+        self._specs = (LayerSpec * len(specs))(*specs)
+        first = layers[0]
+        attention = first.self_attn
+        self._decoder = DecoderSpec(self._specs, len(specs), attention.o_proj.out_features, attention.num_heads,
+                                    attention.num_kv_heads, attention.head_dim,
+                                    first.mlp.down_proj.in_features, first.input_layernorm.eps, attention.scale)
+        self._step = StepSpec()
+        self._cache: KVCache | None = None
+        self._cache_pointers: tuple[ctypes.Array, ctypes.Array] | None = None
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList) -> NativeDecoder | None:
+        """Bind a LlamaModel's layers, or None if one of them has a part without a native kernel."""
+        kernels = load_kernels()
+        if kernels is None or len(layers) == 0:
+            return None
+        eps = layers[0].input_layernorm.eps
+        specs = []
+        for layer in layers:
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(not is_contiguous_f32(norm.weight) or norm.eps != eps for norm in norms):
+                return None
+            if layer.self_attn.head_dim not in kernels.attention_head_dims:
+                return None
+            projections = [_linear_spec(module) for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            if any(spec is None for spec in projections):
+                return None
+            specs.append(LayerSpec(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), *projections))
+        return cls(kernels, layers, specs)
+
+    def supports(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                 metadata: AttentionMetadata) -> bool:
+        """Whether this step can run natively (see the module docstring)."""
+        cos, sin = rope
+        key_cache, value_cache = kv_cache[0]
+        index_arrays = (metadata.slot_mapping, metadata.block_tables, metadata.kernel_queries)
+        return (not torch.is_grad_enabled() and not metadata.long_indices and metadata.kernel_queries is not None
+                and hidden.dim() == 2 and is_contiguous_f32(hidden) and is_contiguous_f32(cos)
+                and is_contiguous_f32(sin) and metadata.slot_mapping.shape[0] == hidden.shape[0]
+                and all(a.dtype == torch.int64 and a.is_cpu and a.is_contiguous() for a in index_arrays)
+                and len(kv_cache) == len(self._specs) and is_contiguous_f32(key_cache)
+                and is_contiguous_f32(value_cache)
+                and key_cache.shape[2:] == (self._decoder.num_kv_heads, self._decoder.head_dim))
+
+    def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden_size] (the embeddings) → (last layer's MLP output, residual stream before it)."""
+        out = torch.empty_like(hidden)  # [T, hidden]
+        residual = torch.empty_like(hidden)  # [T, hidden]
+        keys, values = self._pointers(kv_cache)
+        cos, sin = rope
+        tables, queries = metadata.block_tables, metadata.kernel_queries
+        step = self._step
+        step.hidden, step.out, step.residual = hidden.data_ptr(), out.data_ptr(), residual.data_ptr()
+        step.num_tokens = hidden.shape[0]
+        step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
+        step.slots = metadata.slot_mapping.data_ptr()
+        step.block_tables, step.num_requests, step.max_blocks = tables.data_ptr(), tables.shape[0], tables.shape[1]
+        step.queries, step.num_queries = queries.data_ptr(), queries.shape[0]
+        step.key_caches, step.value_caches = ctypes.addressof(keys), ctypes.addressof(values)
+        step.num_blocks, step.block_size = kv_cache.num_blocks, kv_cache.block_size
+        step.num_threads = torch.get_num_threads()
+        self._kernels.llama_decoder(self._decoder, step)
+        return out, residual
+
+    def _pointers(self, kv_cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
+        """Each layer's key and value pool addresses (a KVCache allocates its pools once, contiguous)."""
+        if self._cache is not kv_cache:
+            pointers = ctypes.c_void_p * len(kv_cache)
+            self._cache_pointers = (pointers(*(key.data_ptr() for key, _ in kv_cache.layers)),
+                                    pointers(*(value.data_ptr() for _, value in kv_cache.layers)))
+            self._cache = kv_cache
+        return self._cache_pointers

@@ -1,0 +1,168 @@
+"""The decoder stack in one native call (models/native_decoder.py) against the same layers run one module at a time.
+
+Both paths call the same kernels in the same order, so every step's hidden states must be equal bit for bit:
+decode steps, short multi-token steps (speculative verification), batches above the GEMV/GEMM switch, int4 and
+int8 weights, biased projections. Steps it cannot run (long prompt chunks, a float model) take the modules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenriver.kv.cache import KVCache
+from tokenriver.models.attention import AttentionMetadata
+from tokenriver.models.config import ModelConfig
+from tokenriver.models.kernels.native import load_kernels
+from tokenriver.models.llama import LlamaForCausalLM
+from tokenriver.models.native_decoder import NativeDecoder
+from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(load_kernels() is None,
+                                reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler")
+BLOCK_SIZE = 16
+
+
+def quantized_tiny_model(attention_bias: bool, int8_activations: bool = False) -> LlamaForCausalLM:
+    """Three layers with random weights; projections alternate int4 and int8 (per-channel and group-32 scales)."""
+    torch.manual_seed(0)
+    config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=attention_bias)
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.05)
+        for norm in (m for m in model.modules() if type(m).__name__ == "RMSNorm"):
+            norm.weight.add_(1.0)
+    options = dict(int8_activations=int8_activations)
+    for i, layer in enumerate(model.model.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        for owner, name in ((attention, "qkv_proj"), (attention, "o_proj"), (mlp, "gate_up_proj"),
+                            (mlp, "down_proj")):
+            linear = getattr(owner, name)
+            if (i + len(name)) % 2:
+                quantized = Int4Linear(quantize_int4(linear.weight), linear.bias, **options)
+            else:
+                group_size = 32 if i == 1 else None
+                quantized = Int8Linear(quantize_int8(linear.weight, group_size), linear.bias, **options)
+            setattr(owner, name, quantized)
+    return model.eval()
+
+
+def run_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[list[int]],
+              native: bool) -> list[torch.Tensor]:
+    """Each step feeds steps[s][r] more tokens of request r; returns every step's final hidden states."""
+    config = model.config
+    num_blocks = [-(-len(ids) // BLOCK_SIZE) for ids in requests]
+    tables = [list(range(sum(num_blocks[:r]), sum(num_blocks[:r + 1]))) for r in range(len(requests))]
+    cache = KVCache(config.num_layers, sum(num_blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim,
+                    torch.float32)
+    decoder = model.model
+    decoder._native_decoder = NativeDecoder.build(decoder.layers) if native else None
+    decoder._is_native_decoder_built = True
+    done = [0] * len(requests)
+    hidden_states = []
+    for step in steps:
+        active = [r for r, n in enumerate(step) if n]
+        ids = [t for r in active for t in requests[r][done[r]:done[r] + step[r]]]
+        positions = [p for r in active for p in range(done[r], done[r] + step[r])]
+        metadata = AttentionMetadata.build([step[r] for r in active], [done[r] + step[r] for r in active],
+                                           [tables[r] for r in active], BLOCK_SIZE)
+        hidden_states.append(model(torch.tensor(ids), torch.tensor(positions), cache, metadata))
+        for r in active:
+            done[r] += step[r]
+    return hidden_states
+
+
+def count_native_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[list[int]]) -> int:
+    calls = []
+    run = NativeDecoder.__call__
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return run(self, *args)
+
+    NativeDecoder.__call__ = counting
+    try:
+        run_steps(model, requests, steps, native=True)
+    finally:
+        NativeDecoder.__call__ = run
+    return len(calls)
+
+
+# Prompts of 20 / 30 / 40 tokens (long chunks: module path), then decode steps of 1-3 requests, and steps of a few
+# tokens per request like speculative verification.
+REQUESTS = [[(7 * i + r) % 96 for i in range(80)] for r in range(3)]
+STEPS = [[20, 0, 0], [20, 30, 0], [1, 8, 40]] + [[1, 1, 1]] * 4 + [[5, 3, 1], [0, 1, 1], [1, 0, 0], [4, 4, 4]]
+
+
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["no-bias", "qkv-bias"])
+def test_native_decoder_equals_the_module_path_bit_for_bit(attention_bias):
+    model = quantized_tiny_model(attention_bias)
+    native = run_steps(model, REQUESTS, STEPS, native=True)
+    modules = run_steps(model, REQUESTS, STEPS, native=False)
+    for step, (ours, reference) in enumerate(zip(native, modules)):
+        assert torch.equal(ours, reference), f"step {step}: max difference {(ours - reference).abs().max().item()}"
+    # The three prompt steps contain chunks longer than the attention kernel takes; the others run natively.
+    assert count_native_steps(model, REQUESTS, STEPS) == len(STEPS) - 3
+
+
+def test_native_decoder_with_int8_activations_equals_the_module_path():
+    model = quantized_tiny_model(attention_bias=False, int8_activations=True)
+    for ours, reference in zip(run_steps(model, REQUESTS, STEPS, native=True),
+                               run_steps(model, REQUESTS, STEPS, native=False)):
+        assert torch.equal(ours, reference)
+
+
+def test_native_decoder_runs_gemm_sized_batches():
+    """16 requests decoding at once: every projection takes the GEMM (more than max_gemv_rows rows)."""
+    model = quantized_tiny_model(attention_bias=True)
+    requests = [[(5 * i + 3 * r) % 96 for i in range(12)] for r in range(16)]
+    steps = [[8] * 16, [1] * 16, [1] * 16, [2] * 16]
+    for ours, reference in zip(run_steps(model, requests, steps, native=True),
+                               run_steps(model, requests, steps, native=False)):
+        assert torch.equal(ours, reference)
+
+
+def test_float_layers_stay_on_the_module_path():
+    model = quantized_tiny_model(attention_bias=False)
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(256, 128, bias=False)
+    assert NativeDecoder.build(model.model.layers) is None
+
+
+def test_moving_the_model_rebinds_the_weights():
+    model = quantized_tiny_model(attention_bias=False)
+    run_steps(model, REQUESTS, STEPS[:4], native=True)
+    model.to(torch.float32)
+    assert not model.model._is_native_decoder_built
+
+
+def test_out_of_range_block_ids_raise_through_the_native_call():
+    model = quantized_tiny_model(attention_bias=False)
+    config = model.config
+    cache = KVCache(config.num_layers, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.float32)
+    metadata = AttentionMetadata.build([1], [1], [[5]], BLOCK_SIZE)  # block 5 of a 2-block pool
+    decoder = model.model
+    decoder._native_decoder, decoder._is_native_decoder_built = NativeDecoder.build(decoder.layers), True
+    with pytest.raises(IndexError, match="out of range"):
+        model(torch.tensor([3]), torch.tensor([0]), cache, metadata)
+
+
+@pytest.fixture(scope="module")
+def loaded_packed(default_model_path):
+    """The default model as the engine loads it: Q4_1 / Q8_0 weights kept quantized."""
+    from tokenriver.loader.load import load_model
+
+    return load_model(default_model_path, quantization="auto")
+
+
+def test_the_embedded_model_decodes_natively_with_equal_results(loaded_packed):
+    model = loaded_packed.model
+    requests = [loaded_packed.tokenizer.encode(text) for text in
+                ("The river carries every token downstream, one at a time, toward the sea.",
+                 "Paged attention keeps each request's keys and values in blocks of sixteen tokens.")]
+    steps = [[6, 6]] + [[1, 1]] * 3 + [[3, 0]]  # each text is over 12 tokens
+    native = run_steps(model, requests, steps, native=True)
+    assert model.model._native_decoder is not None
+    for ours, reference in zip(native, run_steps(model, requests, steps, native=False)):
+        assert torch.equal(ours, reference)
