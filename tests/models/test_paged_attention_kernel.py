@@ -80,8 +80,9 @@ RAGGED = [
     (MAX_KERNEL_QUERY_LEN, 32),  # the longest chunk the kernel takes, ending on a boundary
     (MAX_KERNEL_QUERY_LEN + 1, 50),  # the shortest one SDPA takes
     (24, 24),  # a whole prompt: causal SDPA
-    (1, 1100),  # longer than one split (512 tokens): partial results merged
-    (2, 513),  # one token past a split
+    (1, 1100),  # many splits (128 tokens each): partial results merged
+    (2, 129),  # one token past a split
+    (1, 128),  # exactly one split
 ]
 
 
