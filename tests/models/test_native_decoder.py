@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenriver.decoding.draft_model import first_layers
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
@@ -58,8 +59,7 @@ def run_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[li
     cache = KVCache(config.num_layers, sum(num_blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim,
                     torch.float32)
     decoder = model.model
-    decoder._native_decoder = NativeDecoder.build(decoder.layers) if native else None
-    decoder._is_native_decoder_built = True
+    decoder._native_binding = (decoder.layers, NativeDecoder.build(decoder.layers) if native else None)
     done = [0] * len(requests)
     hidden_states = []
     for step in steps:
@@ -134,7 +134,20 @@ def test_moving_the_model_rebinds_the_weights():
     model = quantized_tiny_model(attention_bias=False)
     run_steps(model, REQUESTS, STEPS[:4], native=True)
     model.to(torch.float32)
-    assert not model.model._is_native_decoder_built
+    assert model.model._native_binding is None
+
+
+def test_a_self_draft_binds_its_own_shorter_layer_list():
+    """first_layers copies a model that has already run: the copy must not run the target's 3 layers."""
+    model = quantized_tiny_model(attention_bias=False)
+    model(torch.tensor([1, 2]), torch.tensor([0, 1]), KVCache(3, 1, BLOCK_SIZE, 2, 32, torch.float32),
+          AttentionMetadata.build([2], [2], [[0]], BLOCK_SIZE))
+    draft = first_layers(model, 2)
+    cache = KVCache(2, 1, BLOCK_SIZE, 2, 32, torch.float32)
+    draft(torch.tensor([1, 2]), torch.tensor([0, 1]), cache, AttentionMetadata.build([2], [2], [[0]], BLOCK_SIZE))
+    layers, native = draft.model._native_binding
+    assert layers is draft.model.layers and len(layers) == 2 and native is not None
+    assert model.model._native_binding[0] is model.model.layers and len(model.model.layers) == 3
 
 
 def test_out_of_range_block_ids_raise_through_the_native_call():
@@ -143,7 +156,7 @@ def test_out_of_range_block_ids_raise_through_the_native_call():
     cache = KVCache(config.num_layers, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.float32)
     metadata = AttentionMetadata.build([1], [1], [[5]], BLOCK_SIZE)  # block 5 of a 2-block pool
     decoder = model.model
-    decoder._native_decoder, decoder._is_native_decoder_built = NativeDecoder.build(decoder.layers), True
+    decoder._native_binding = (decoder.layers, NativeDecoder.build(decoder.layers))
     with pytest.raises(IndexError, match="out of range"):
         model(torch.tensor([3]), torch.tensor([0]), cache, metadata)
 
@@ -163,6 +176,6 @@ def test_the_embedded_model_decodes_natively_with_equal_results(loaded_packed):
                  "Paged attention keeps each request's keys and values in blocks of sixteen tokens.")]
     steps = [[6, 6]] + [[1, 1]] * 3 + [[3, 0]]  # each text is over 12 tokens
     native = run_steps(model, requests, steps, native=True)
-    assert model.model._native_decoder is not None
+    assert model.model._native_binding[1] is not None
     for ours, reference in zip(native, run_steps(model, requests, steps, native=False)):
         assert torch.equal(ours, reference)

@@ -101,21 +101,21 @@ class LlamaModel(nn.Module):
                                           config.max_position_embeddings)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # The layers bound to the native kernels (models/native_decoder.py): built at the first step, once the
-        # loader has put the weights in; None when some part has no native kernel.
-        self._native_decoder: NativeDecoder | None = None
-        self._is_native_decoder_built = False
+        # (the layer list, its NativeDecoder or None when some part has no native kernel): bound at the first step,
+        # once the loader has put the weights in, and again if the list is replaced (a self-speculative draft is a
+        # shallow copy of this module with a shorter one). A tuple, so nn.Module does not register the list twice.
+        self._native_binding: tuple[nn.ModuleList, NativeDecoder | None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb(positions, hidden.dtype)  # cos, sin: [T, 1, head_dim // 2] each
-        if not self._is_native_decoder_built:
-            self._native_decoder = NativeDecoder.build(self.layers)
-            self._is_native_decoder_built = True
-        if self._native_decoder is not None and self._native_decoder.supports(hidden, rope, kv_cache, metadata):
+        if self._native_binding is None or self._native_binding[0] is not self.layers:
+            self._native_binding = (self.layers, NativeDecoder.build(self.layers))
+        native = self._native_binding[1]
+        if native is not None and native.supports(hidden, rope, kv_cache, metadata):
             # The same layers in one native call: equal results, without ~240 Python-level calls per step.
-            hidden, residual = self._native_decoder(hidden, rope, kv_cache, metadata)
+            hidden, residual = native(hidden, rope, kv_cache, metadata)
         else:
             residual = None
             for layer in self.layers:
@@ -125,7 +125,7 @@ class LlamaModel(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         # .to(), .float(), .share_memory_()...: new weight tensors, so bind them again at the next step.
-        self._native_decoder, self._is_native_decoder_built = None, False
+        self._native_binding = None
         return super()._apply(fn, recurse)
 
 
