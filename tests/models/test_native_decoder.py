@@ -7,6 +7,9 @@ int8 weights, biased projections. Steps it cannot run (long prompt chunks, a flo
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -135,6 +138,17 @@ def test_moving_the_model_rebinds_the_weights():
     run_steps(model, REQUESTS, STEPS[:4], native=True)
     model.to(torch.float32)
     assert model.model._native_binding is None
+
+
+def test_the_binding_does_not_keep_a_dropped_kv_cache_alive():
+    model = quantized_tiny_model(attention_bias=False)
+    cache = KVCache(3, 1, BLOCK_SIZE, 2, 32, torch.float32)
+    model(torch.tensor([1]), torch.tensor([0]), cache, AttentionMetadata.build([1], [1], [[0]], BLOCK_SIZE))
+    assert model.model._native_binding[1] is not None
+    dropped = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert dropped() is None
 
 
 def test_a_self_draft_binds_its_own_shorter_layer_list():

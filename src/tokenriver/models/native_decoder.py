@@ -16,6 +16,7 @@ otherwise. The weights' pointers are taken at build time: the owner drops this o
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 from torch import nn
@@ -51,7 +52,8 @@ class NativeDecoder:
                                     attention.num_kv_heads, attention.head_dim,
                                     first.mlp.down_proj.in_features, first.input_layernorm.eps, attention.scale)
         self._step = StepSpec()
-        self._cache: KVCache | None = None
+        # The cache the pointers below belong to, held weakly: binding a model must not keep an engine's pool alive.
+        self._cache: weakref.ref[KVCache] | None = None
         self._cache_pointers: tuple[ctypes.Array, ctypes.Array] | None = None
 
     @classmethod
@@ -112,9 +114,9 @@ class NativeDecoder:
 
     def _pointers(self, kv_cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
         """Each layer's key and value pool addresses (a KVCache allocates its pools once, contiguous)."""
-        if self._cache is not kv_cache:
+        if self._cache is None or self._cache() is not kv_cache:
             pointers = ctypes.c_void_p * len(kv_cache)
             self._cache_pointers = (pointers(*(key.data_ptr() for key, _ in kv_cache.layers)),
                                     pointers(*(value.data_ptr() for _, value in kv_cache.layers)))
-            self._cache = kv_cache
+            self._cache = weakref.ref(kv_cache)
         return self._cache_pointers
