@@ -48,6 +48,32 @@ PROMPT = "What are the three primary colors?"
 # The main page applies the chat template: the templated prompt is long enough to fill whole KV blocks, so a
 # branch finds them in the prefix cache.
 CHAT_REQUEST = {"messages": [{"role": "user", "content": PROMPT}], "add_generation_prompt": True}
+# Wraps the page's fetch so a server-sent-event stream reaches the page one event at a time, `ms` apart.
+PACE_EVENT_STREAMS = """ms => { const realFetch = window.fetch;
+  window.fetch = async (...args) => {
+    const response = await realFetch(...args);
+    if (!(response.headers.get('content-type') || '').startsWith('text/event-stream')) return response;
+    const reader = response.body.getReader(), decoder = new TextDecoder(), encoder = new TextEncoder();
+    let buffer = '';
+    const body = new ReadableStream({ async pull(controller) {
+      for (;;) {
+        const match = /\\r?\\n\\r?\\n/.exec(buffer);
+        if (match) {
+          const event = buffer.slice(0, match.index + match[0].length);
+          buffer = buffer.slice(event.length);
+          await new Promise(resolve => setTimeout(resolve, ms));
+          controller.enqueue(encoder.encode(event));
+          return;
+        }
+        const { value, done } = await reader.read();
+        if (done) { if (buffer) controller.enqueue(encoder.encode(buffer)); controller.close(); return; }
+        buffer += decoder.decode(value, { stream: true });
+      }
+    } });
+    return new Response(body, { status: response.status, statusText: response.statusText,
+                                headers: response.headers });
+  }; }"""
+PACE_MS = 60
 # Chromium logs every non-2xx fetch as a console error; expected only where a test provokes an API error.
 HTTP_ERROR_LOG = "Failed to load resource"
 
@@ -183,6 +209,9 @@ def generated(browser: object, base_url: str) -> Iterator[tuple[object, ConsoleW
     page.check("#chat-template")
     _set_controls(page, **{"max-tokens": str(MAX_TOKENS), "seed": str(SEED), "trace-top": str(TRACE_TOP)})
     page.fill("#temperature", str(TEMPERATURE))
+    # The engine can write all MAX_TOKENS tokens before the page reads the first network chunk, so the stream is
+    # paced to one event per PACE_MS: whether partial paths show up then depends on the page, not on speed.
+    page.evaluate(PACE_EVENT_STREAMS, PACE_MS)
     # Record every token count the page shows while the stream comes in.
     page.evaluate("""() => { window.seenTokenCounts = [];
         new MutationObserver(() => window.seenTokenCounts.push(
