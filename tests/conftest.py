@@ -26,6 +26,14 @@ def loaded_float32(default_model_path):
 
 
 @pytest.fixture(scope="session")
+def loaded_packed(default_model_path):
+    """The embedded model as the engine loads it by default: Q4_1 / Q8_0 weights kept packed (native kernels)."""
+    from tokenriver.loader.load import load_model
+
+    return load_model(default_model_path, quantization="auto")
+
+
+@pytest.fixture(scope="session")
 def hf_reference(default_model_path):
     """transformers' model and tokenizer on the same GGUF: the reference for correctness."""
     transformers = pytest.importorskip("transformers")

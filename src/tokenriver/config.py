@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from tokenriver.errors import InvalidParameterError
 
+# What the KV pool may store: "auto" is the compute dtype; float16 under a float32 model halves the pool's bytes
+# per token (twice the tokens in the same memory, half the bytes read per attention step) for one rounding of
+# each key and value, as llama.cpp's default f16 cache does.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
                "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
@@ -48,6 +52,8 @@ class EngineConfig:
     quantization: str = "auto"
     # torch device string ("cpu", "cuda", ...).
     device: str = "cpu"
+    # Dtype the KV pool stores keys and values in (KV_CACHE_DTYPES); "auto" = dtype.
+    kv_cache_dtype: str = "auto"
     # Bytes for the paged KV pool; None = sized from max_num_kv_tokens.
     kv_cache_memory: int | None = None
     # KV pool size in tokens when kv_cache_memory is not given; None = max_num_seqs full contexts, capped at 256Ki tokens.
@@ -86,6 +92,9 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise InvalidParameterError(f"dtype={self.dtype!r} is not supported: use 'float32' or 'bfloat16'",
                                         param="dtype")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidParameterError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: use "
+                                        f"{', '.join(KV_CACHE_DTYPES)}", param="kv_cache_dtype")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
             if self.kv_cache_memory <= 0:
@@ -103,6 +112,11 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least block_size={self.block_size}",
                 param="max_num_batched_tokens")
+
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        """The dtype name the KV pool is allocated in ("auto" resolved)."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def _validate_speculative(self) -> None:
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):

@@ -2,7 +2,7 @@
 
 Both paths call the same kernels in the same order, so every step's hidden states must be equal bit for bit:
 decode steps, short multi-token steps (speculative verification), batches above the GEMV/GEMM switch, int4 and
-int8 weights, biased projections. Steps it cannot run (long prompt chunks, a float model) take the modules.
+int8 weights, biased projections, float32 and float16 KV pools. Steps it cannot run (long prompt chunks, a float model) take the modules.
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ def quantized_tiny_model(attention_bias: bool, int8_activations: bool = False) -
 
 
 def run_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[list[int]],
-              native: bool) -> list[torch.Tensor]:
+              native: bool, cache_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Each step feeds steps[s][r] more tokens of request r; returns every step's final hidden states."""
     config = model.config
     num_blocks = [-(-len(ids) // BLOCK_SIZE) for ids in requests]
     tables = [list(range(sum(num_blocks[:r]), sum(num_blocks[:r + 1]))) for r in range(len(requests))]
     cache = KVCache(config.num_layers, sum(num_blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim,
-                    torch.float32)
+                    cache_dtype)
     decoder = model.model
     decoder._native_binding = (decoder.layers, NativeDecoder.build(decoder.layers) if native else None)
     done = [0] * len(requests)
@@ -77,7 +77,8 @@ def run_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[li
     return hidden_states
 
 
-def count_native_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[list[int]]) -> int:
+def count_native_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[list[int]],
+                       cache_dtype: torch.dtype = torch.float32) -> int:
     calls = []
     run = NativeDecoder.__call__
 
@@ -87,7 +88,7 @@ def count_native_steps(model: LlamaForCausalLM, requests: list[list[int]], steps
 
     NativeDecoder.__call__ = counting
     try:
-        run_steps(model, requests, steps, native=True)
+        run_steps(model, requests, steps, native=True, cache_dtype=cache_dtype)
     finally:
         NativeDecoder.__call__ = run
     return len(calls)
@@ -108,6 +109,17 @@ def test_native_decoder_equals_the_module_path_bit_for_bit(attention_bias):
         assert torch.equal(ours, reference), f"step {step}: max difference {(ours - reference).abs().max().item()}"
     # The three prompt steps contain chunks longer than the attention kernel takes; the others run natively.
     assert count_native_steps(model, REQUESTS, STEPS) == len(STEPS) - 3
+
+
+def test_native_decoder_over_a_float16_kv_pool_equals_the_module_path():
+    model = quantized_tiny_model(attention_bias=True)
+    native = run_steps(model, REQUESTS, STEPS, native=True, cache_dtype=torch.float16)
+    modules = run_steps(model, REQUESTS, STEPS, native=False, cache_dtype=torch.float16)
+    for ours, reference in zip(native, modules):
+        assert torch.equal(ours, reference)
+    wide = run_steps(model, REQUESTS, STEPS, native=True)
+    assert 0 < max((a - b).abs().max().item() for a, b in zip(native, wide)) < 1e-2
+    assert count_native_steps(model, REQUESTS, STEPS, cache_dtype=torch.float16) == len(STEPS) - 3
 
 
 def test_native_decoder_with_int8_activations_equals_the_module_path():
@@ -173,14 +185,6 @@ def test_out_of_range_block_ids_raise_through_the_native_call():
     decoder._native_binding = (decoder.layers, NativeDecoder.build(decoder.layers))
     with pytest.raises(IndexError, match="out of range"):
         model(torch.tensor([3]), torch.tensor([0]), cache, metadata)
-
-
-@pytest.fixture(scope="module")
-def loaded_packed(default_model_path):
-    """The default model as the engine loads it: Q4_1 / Q8_0 weights kept quantized."""
-    from tokenriver.loader.load import load_model
-
-    return load_model(default_model_path, quantization="auto")
 
 
 def test_the_embedded_model_decodes_natively_with_equal_results(loaded_packed):

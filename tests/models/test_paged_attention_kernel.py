@@ -1,11 +1,12 @@
 """The native paged attention kernel (models/kernels/attention.cpp) against the PyTorch path of attention.py.
 
-`paged_attention` (native for float32 CPU caches) must equal `paged_attention_torch` (gather + SDPA) within float32
+`paged_attention` (native for float32 and float16 CPU caches) must equal `paged_attention_torch` (gather + SDPA) within float32
 rounding on ragged batches: decodes, short chunks (the per-token kernel), long chunks (SDPA in both), contexts
 ending exactly on block boundaries, contexts long enough to be split across threads, grouped-query heads, shuffled
 block tables, and q/k/v as views into one projection. Both must write the same cache. A request's result must not
 depend on its batch or on the number of threads; bad slots must raise instead of writing out of bounds; bfloat16
-caches take the torch path.
+caches take the torch path. A float16 cache stores keys and values rounded as torch rounds them and stays within
+float16 rounding of the float32 cache's result.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Batch:
     """Random caches, shuffled block tables and fresh q/k/v for requests of the given (query_len, seq_len)."""
 
     def __init__(self, requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-                 seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+                 seed: int = 0, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None) -> None:
         rng = random.Random(seed)
         generator = torch.Generator().manual_seed(seed)
         blocks_per_request = [-(-seq_len // BLOCK_SIZE) for _, seq_len in requests]
@@ -47,8 +48,8 @@ class Batch:
             self.tables.append(pool[start:start + count])
             start += count
         shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-        self.key_cache = torch.randn(shape, generator=generator).to(dtype)
-        self.value_cache = torch.randn(shape, generator=generator).to(dtype)
+        self.key_cache = torch.randn(shape, generator=generator).to(cache_dtype or dtype)
+        self.value_cache = torch.randn(shape, generator=generator).to(cache_dtype or dtype)
         self.query_lens = [query_len for query_len, _ in requests]
         self.seq_lens = [seq_len for _, seq_len in requests]
         num_tokens = sum(self.query_lens)
@@ -63,7 +64,8 @@ class Batch:
         kv_cache = (self.key_cache.clone(), self.value_cache.clone())
         query, key, value = self.qkv.split(self.split, dim=1)
         if function is paged_attention:
-            assert (_native_kernels_for(query, key, value, kv_cache) is not None) == (self.qkv.dtype == torch.float32)
+            native = self.qkv.dtype == torch.float32 and self.key_cache.dtype in (torch.float32, torch.float16)
+            assert (_native_kernels_for(query, key, value, kv_cache) is not None) == native
         return function(query, key, value, kv_cache, metadata, self.scale), *kv_cache
 
 
@@ -139,3 +141,32 @@ def test_bfloat16_cache_takes_the_torch_path():
     got, got_keys, _ = batch.run(paged_attention)
     want, want_keys, _ = batch.run(paged_attention_torch)
     assert torch.equal(got, want) and torch.equal(got_keys, want_keys)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
+def test_float16_cache_native_equals_torch(num_heads, num_kv_heads, head_dim):
+    batch = Batch(RAGGED, num_heads, num_kv_heads, head_dim, seed=7, cache_dtype=torch.float16)
+    got, got_keys, got_values = batch.run(paged_attention)
+    want, want_keys, want_values = batch.run(paged_attention_torch)
+    assert got.dtype == torch.float32 and got_keys.dtype == torch.float16
+    assert_close(got, want)
+    # Stored as torch's .to(float16) rounds: to nearest, ties to even.
+    assert torch.equal(got_keys, want_keys) and torch.equal(got_values, want_values)
+    query_len_total = batch.qkv.shape[0]
+    _, key, value = batch.qkv.split(batch.split, dim=1)
+    slots = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.tables, BLOCK_SIZE).slot_mapping
+    assert slots.shape[0] == query_len_total
+    assert torch.equal(got_keys.view(-1, num_kv_heads, head_dim)[slots], key.to(torch.float16))
+    assert torch.equal(got_values.view(-1, num_kv_heads, head_dim)[slots], value.to(torch.float16))
+
+
+def test_float16_cache_is_within_its_rounding_of_the_float32_cache():
+    wide = Batch(RAGGED, 9, 3, 64, seed=8)
+    narrow = Batch(RAGGED, 9, 3, 64, seed=8, cache_dtype=torch.float16)
+    assert torch.equal(narrow.key_cache, wide.key_cache.to(torch.float16))
+    got, *_ = narrow.run(paged_attention)
+    want, *_ = wide.run(paged_attention)
+    error = (got - want).abs().max().item()
+    # Keys and values each carry a relative error of at most 2^-11. Scores here reach |q| |k| / sqrt(d) ~ 16, so a
+    # score moves by up to ~16 * 2^-11 ~ 0.008, and the output (a weighted mean of O(1) values) by about as much.
+    assert 0 < error < 2e-2, error

@@ -107,7 +107,8 @@ def test_tokenize_and_detokenize():
 def test_engine_info_and_metrics_read_the_live_scheduler_stats():
     client = _client()
     info = client.get("/v1/engine").json()
-    assert info == {"model": "tiny-model", "dtype": "float32", "block_size": 16, "num_blocks": 64,
+    assert info == {"model": "tiny-model", "dtype": "float32", "kv_cache_dtype": "float32", "block_size": 16,
+                    "num_blocks": 64,
                     "num_blocks_used": 16, "num_blocks_free": 48, "kv_usage": 0.25, "num_running": 3,
                     "num_waiting": 2, "num_preemptions": 5, "prefix_cache_hit_rate": 0.4, "num_forward_passes": 77,
                     "max_model_len": 64, "max_num_batched_tokens": 256, "max_num_seqs": 64}

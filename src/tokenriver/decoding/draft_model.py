@@ -87,7 +87,7 @@ class DraftModelProposer:
         self.model = model
         self.device = torch.device(config.device)
         self.kv_cache = KVCache(num_layers, num_kv_blocks, config.block_size, num_kv_heads, head_dim,
-                                getattr(torch, config.dtype), config.device)
+                                getattr(torch, config.resolved_kv_cache_dtype), config.device)
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, enable_prefix_caching=False)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed + 1)

@@ -53,7 +53,7 @@ class StepStats:
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
     """Blocks in the KV pool: from kv_cache_memory, or max_num_kv_tokens, or the 2 GiB default."""
     model_config = loaded.config
-    dtype = getattr(torch, config.dtype)
+    dtype = getattr(torch, config.resolved_kv_cache_dtype)
     per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
                                 model_config.head_dim, dtype)
     if config.max_num_kv_tokens is not None:
@@ -88,7 +88,7 @@ class EngineCore:
                 f"({model_config.max_position_embeddings}); lower it", param="max_model_len")
         num_blocks = kv_pool_blocks(config, self.loaded, self.max_model_len)
         self.kv_cache = KVCache(model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads,
-                                model_config.head_dim, getattr(torch, config.dtype), config.device)
+                                model_config.head_dim, getattr(torch, config.resolved_kv_cache_dtype), config.device)
         use_prefix_cache = config.enable_prefix_caching and config.use_kv_cache
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=use_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,

@@ -7,7 +7,7 @@ cached prefix plus itself. Token t of request i sits at position
 
 Kernel choice (CPU):
 - Short queries (at most `MAX_KERNEL_QUERY_LEN` tokens: every decode, speculative
-  verification, short prompt chunks) with a float32 cache: the native paged
+  verification, short prompt chunks) with a float32 or float16 cache: the native paged
   kernel (models/kernels/attention.cpp), which reads each request's keys and
   values straight from its blocks, one query token at a time, with online
   softmax in float32. No gathered copy of the context is made
@@ -16,10 +16,13 @@ Kernel choice (CPU):
   CPU kernel, one request at a time over its gathered blocks (they are few per
   step and large, so the gather and the call overhead do not matter).
 - Without the native kernels (bfloat16 cache, other devices, no compiler, autograd
-  on), decode
-  tokens of all requests go through one batched SDPA call over their block tables
+  on), decode tokens of all requests go through one batched SDPA call over their block tables
   gathered into a padded [B, max_len] view with a length mask, and every other
   request through SDPA as above.
+
+The cache may be stored in a narrower dtype than the model computes in (a float16 pool under a float32 model,
+`kv_cache_dtype`): keys and values are rounded once, when stored, and widened back to the compute dtype when read,
+so every path computes in the query's dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from tokenriver.models.kernels.native import NativeKernels, is_f32_rows, load_kernels
+from tokenriver.models.kernels.native import KV_CACHE_DTYPES, NativeKernels, is_f32_rows, load_kernels
 
 # Requests with at most this many new tokens attend through the native kernel (when it runs); see
 # benchmarks/results/attention.md for where it stops beating gather + SDPA.
@@ -137,8 +140,8 @@ def _native_kernels_for(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """The native kernels if they can run this call as laid out, else None."""
     kernels = load_kernels()
     key_cache, value_cache = kv_cache
-    if (kernels is None or torch.is_grad_enabled() or key_cache.dtype != torch.float32
-            or value_cache.dtype != torch.float32
+    if (kernels is None or torch.is_grad_enabled() or key_cache.dtype not in KV_CACHE_DTYPES
+            or value_cache.dtype != key_cache.dtype
             or not (key_cache.is_cpu and key_cache.is_contiguous() and value_cache.is_contiguous())
             or not (is_f32_rows(query) and is_f32_rows(key) and is_f32_rows(value))):
         return None
@@ -190,11 +193,11 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
             num_decodes, num_blocks * metadata.block_size, num_kv_heads, head_dim).transpose(1, 2)
         values = value_cache.index_select(0, flat_tables).view(
             num_decodes, num_blocks * metadata.block_size, num_kv_heads, head_dim).transpose(1, 2)
-        # [num_decodes, num_heads, 1, head_dim]
-        q = query.index_select(0, rows).unsqueeze(2).to(keys.dtype)
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+        q = query.index_select(0, rows).unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
         mask = metadata.decode_mask[:, None, None, :]  # [num_decodes, 1, 1, S]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        output.index_copy_(0, rows, out.squeeze(2).to(output.dtype))
+        output.index_copy_(0, rows, out.squeeze(2))
     for i in metadata.prefill_indices:
         _attend_prompt(query, kv_cache, metadata, i, scale, output)
     return output
@@ -212,9 +215,10 @@ def _attend_prompt(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
     # [num_kv_heads, seq_len, head_dim]
     keys = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
     values = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
     # [1, num_heads, query_len, head_dim]: with a batch dimension SDPA takes its flash kernel (3-D inputs fall
     # back to the generic math path, ~10x slower on long prompts).
-    q = query[start:start + query_len].transpose(0, 1).unsqueeze(0).to(keys.dtype)
+    q = query[start:start + query_len].transpose(0, 1).unsqueeze(0)
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     if query_len == seq_len:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
@@ -224,4 +228,4 @@ def _attend_prompt(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
         mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=scale,
                                              enable_gqa=True)
-    output[start:start + query_len] = out[0].transpose(0, 1).to(output.dtype)
+    output[start:start + query_len] = out[0].transpose(0, 1)

@@ -7,7 +7,8 @@ the module path's bit for bit.
 
 Contract: `NativeDecoder.build(layers)` returns None unless every layer can run natively (every projection a
 quantized linear on the native backend, float32 norm weights, one eps, a head size the attention kernel is
-compiled for). `supports(...)` says whether one step can: float32 activations and cache on the CPU, autograd off,
+compiled for). `supports(...)` says whether one step can: float32 activations, a float32 or float16 cache, all on
+the CPU, autograd off,
 and every request of the step with few enough new tokens for the native attention kernel (decode, speculative
 verification, short chunks; longer prompt chunks take SDPA, on the module path). The caller runs the modules
 otherwise. The weights' pointers are taken at build time: the owner drops this object when its buffers move.
@@ -23,8 +24,8 @@ from torch import nn
 
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.kernels.native import (DecoderSpec, LayerSpec, LinearSpec, NativeKernels, StepSpec,
-                                              is_contiguous_f32, load_kernels)
+from tokenriver.models.kernels.native import (KV_CACHE_DTYPES, DecoderSpec, LayerSpec, LinearSpec, NativeKernels,
+                                              StepSpec, is_contiguous_f32, load_kernels)
 from tokenriver.models.quant import Int4Linear, Int8Linear
 
 
@@ -87,8 +88,9 @@ class NativeDecoder:
                 and hidden.dim() == 2 and is_contiguous_f32(hidden) and is_contiguous_f32(cos)
                 and is_contiguous_f32(sin) and metadata.slot_mapping.shape[0] == hidden.shape[0]
                 and all(a.dtype == torch.int64 and a.is_cpu and a.is_contiguous() for a in index_arrays)
-                and len(kv_cache) == len(self._specs) and is_contiguous_f32(key_cache)
-                and is_contiguous_f32(value_cache)
+                and len(kv_cache) == len(self._specs) and key_cache.dtype in KV_CACHE_DTYPES
+                and value_cache.dtype == key_cache.dtype and key_cache.is_cpu and key_cache.is_contiguous()
+                and value_cache.is_contiguous()
                 and key_cache.shape[2:] == (self._decoder.num_kv_heads, self._decoder.head_dim))
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
@@ -109,6 +111,7 @@ class NativeDecoder:
         step.key_caches, step.value_caches = ctypes.addressof(keys), ctypes.addressof(values)
         step.num_blocks, step.block_size = kv_cache.num_blocks, kv_cache.block_size
         step.num_threads = torch.get_num_threads()
+        step.kv_cache_f16 = int(kv_cache[0][0].dtype == torch.float16)
         self._kernels.llama_decoder(self._decoder, step)
         return out, residual
 

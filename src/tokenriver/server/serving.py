@@ -501,6 +501,7 @@ class OpenAIServing:
         info: dict[str, Any] = {
             "model": self.model_name,
             "dtype": core.config.dtype,
+            "kv_cache_dtype": core.config.resolved_kv_cache_dtype,
             "block_size": core.kv_cache.block_size,
             "num_blocks": stats.num_blocks_total,
             "num_blocks_used": stats.num_blocks_used,

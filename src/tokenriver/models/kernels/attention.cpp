@@ -16,6 +16,11 @@
 // (m, l, acc) are merged at the end (flash-decoding), so one long request still keeps every thread busy. The
 // splits depend only on the request's own context length, never on the batch, so a request's numbers do not
 // change with what it is batched with.
+//
+// The pool holds float32 or float16 (a 16-bit KV cache halves the bytes each step reads and doubles the tokens a
+// pool of given memory holds). Float16 entries are widened to float32 on load (F16C) and everything after is
+// float32; this step's keys and values are rounded to float16 (to nearest, ties to even) when stored, exactly as
+// PyTorch's .to(torch.float16) rounds them.
 
 #include <math.h>
 #include <omp.h>
@@ -32,6 +37,18 @@ using tokenriver::exp256;
 using tokenriver::horizontal_max;
 using tokenriver::horizontal_sum;
 
+// Eight cache entries as floats.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// n floats (a multiple of 8) into cache entries.
+inline void store_row(const float* in, int64_t n, float* out) { memcpy(out, in, n * sizeof(float)); }
+inline void store_row(const float* in, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // Context tokens per split. Small enough that a single decoding request spreads over the threads: one query over
 // 717 tokens of the embedded model, 30 layers, 2 threads, took 2.7-3.2 ms in splits of 128 against 3.8-4.9 ms in
 // splits of 512 (one split of 512 and one of 205); 64 requests at once took the same time either way, within ±8 %.
@@ -42,13 +59,14 @@ constexpr int64_t kTile = 32;
 // for 9 heads: shorter ones finish before a second thread would have started).
 constexpr int64_t kParallelWork = 1 << 11;
 
+template <typename Cache>
 struct Problem {
   const float* query;  // row r, head j at query + r * q_row_stride + j * head_dim
   int64_t q_row_stride;
   float* out;  // same layout with out_row_stride
   int64_t out_row_stride;
-  const float* key_cache;
-  const float* value_cache;
+  const Cache* key_cache;
+  const Cache* value_cache;
   int64_t num_heads, num_kv_heads, block_size;
   const int64_t* block_tables;  // [num_requests, max_blocks]
   int64_t max_blocks;
@@ -69,11 +87,12 @@ inline __m256 sum_each(const __m256 v[8]) {
 // Partial attention of every head of query token `query` over context tokens [t0, t1). Writes m[num_heads],
 // l[num_heads] and acc[num_heads][ND * 8] (not normalized). A tile's tokens are visited once per kv head while
 // their rows (all kv heads of a token side by side) are still in L1, so memory is read in order, once.
-template <int ND>
-void attend(const Problem& p, int64_t query, int64_t t0, int64_t t1, float* m, float* l, float* acc) {
+template <int ND, typename Cache>
+void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, float* m, float* l, float* acc) {
   constexpr int64_t D = ND * 8;
   const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t token_stride = p.num_kv_heads * D;  // floats between consecutive tokens of a block
+  const int64_t token_stride = p.num_kv_heads * D;  // entries between consecutive tokens of a block
+  constexpr int64_t kLine = 64 / sizeof(Cache);      // entries per cache line
   const int64_t* row = p.queries + 3 * query;
   const int64_t* blocks = p.block_tables + row[1] * p.max_blocks;
   const float* q_row = p.query + row[0] * p.q_row_stride;
@@ -83,8 +102,8 @@ void attend(const Problem& p, int64_t query, int64_t t0, int64_t t1, float* m, f
     for (int64_t d = 0; d < D; ++d) acc[h * D + d] = 0.0f;
   }
   const __m256 scale = _mm256_set1_ps(p.scale);
-  const float* key_rows[kTile];
-  const float* value_rows[kTile];
+  const Cache* key_rows[kTile];
+  const Cache* value_rows[kTile];
   alignas(32) float scores[kTile];
   for (int64_t tile = t0; tile < t1; tile += kTile) {
     const int64_t n = t1 - tile < kTile ? t1 - tile : kTile;
@@ -99,7 +118,7 @@ void attend(const Problem& p, int64_t query, int64_t t0, int64_t t1, float* m, f
     const int64_t next_end = tile + kTile + kTile < t1 ? tile + kTile + kTile : t1;
     for (int64_t t = tile + kTile; t < next_end; ++t) {
       const int64_t offset = (blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride;
-      for (int64_t f = 0; f < token_stride; f += 16) {
+      for (int64_t f = 0; f < token_stride; f += kLine) {
         _mm_prefetch(reinterpret_cast<const char*>(p.key_cache + offset + f), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(p.value_cache + offset + f), _MM_HINT_T1);
       }
@@ -115,14 +134,14 @@ void attend(const Problem& p, int64_t query, int64_t t0, int64_t t1, float* m, f
         for (int i = 0; i < ND; ++i) {
           const __m256 qv = _mm256_loadu_ps(q + 8 * i);
           for (int k = 0; k < 8; ++k)
-            sums[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key_rows[j + k] + kv_offset + 8 * i), sums[k]);
+            sums[k] = _mm256_fmadd_ps(qv, load8(key_rows[j + k] + kv_offset + 8 * i), sums[k]);
         }
         _mm256_store_ps(scores + j, _mm256_mul_ps(sum_each(sums), scale));
       }
       for (; j < n; ++j) {
         __m256 sum = _mm256_setzero_ps();
         for (int i = 0; i < ND; ++i)
-          sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), _mm256_loadu_ps(key_rows[j] + kv_offset + 8 * i), sum);
+          sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), load8(key_rows[j] + kv_offset + 8 * i), sum);
         scores[j] = horizontal_sum(sum) * p.scale;
       }
       // Padding lanes of the last vector of scores: -inf, so they add e^-inf = 0 and never raise the max.
@@ -146,7 +165,7 @@ void attend(const Problem& p, int64_t query, int64_t t0, int64_t t1, float* m, f
       for (int64_t j = 0; j < n; ++j) {
         const __m256 weight = _mm256_set1_ps(scores[j]);
         for (int i = 0; i < ND; ++i)
-          sum[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value_rows[j] + kv_offset + 8 * i), sum[i]);
+          sum[i] = _mm256_fmadd_ps(weight, load8(value_rows[j] + kv_offset + 8 * i), sum[i]);
       }
       for (int i = 0; i < ND; ++i) _mm256_storeu_ps(acc + h * D + 8 * i, sum[i]);
     }
@@ -160,12 +179,12 @@ struct Item {
 };
 
 // Contexts of at most kSplitTokens: one item per query token, accumulating straight into its output row.
-template <int ND>
-void run_unsplit(const Problem& p, int64_t num_queries, int threads) {
+template <int ND, typename Cache>
+void run_unsplit(const Problem<Cache>& p, int64_t num_queries, int threads) {
   constexpr int64_t D = ND * 8;
   auto body = [&](int64_t query, float* m, float* l) {
     float* out = p.out + p.queries[3 * query] * p.out_row_stride;
-    attend<ND>(p, query, 0, p.queries[3 * query + 2], m, l, out);
+    attend<ND, Cache>(p, query, 0, p.queries[3 * query + 2], m, l, out);
     for (int64_t h = 0; h < p.num_heads; ++h)
       for (int64_t d = 0; d < D; ++d) out[h * D + d] /= l[h];
   };
@@ -184,8 +203,8 @@ void run_unsplit(const Problem& p, int64_t num_queries, int threads) {
 
 // Some context is longer than kSplitTokens: items of (query, split); split ones leave partial results in a
 // scratch buffer, merged once all are done.
-template <int ND>
-void run_split(const Problem& p, int64_t num_queries, int threads) {
+template <int ND, typename Cache>
+void run_split(const Problem<Cache>& p, int64_t num_queries, int threads) {
   constexpr int64_t D = ND * 8;
   const int64_t H = p.num_heads;
   const int64_t partial_floats = H * (D + 2);  // m[H], l[H], acc[H][D]
@@ -210,13 +229,13 @@ void run_split(const Problem& p, int64_t num_queries, int threads) {
       const int64_t t1 = t0 + kSplitTokens < context ? t0 + kSplitTokens : context;
       float* out = p.out + p.queries[3 * item.query] * p.out_row_stride;
       if (item.scratch < 0) {
-        attend<ND>(p, item.query, t0, t1, ml.data(), ml.data() + H, out);
+        attend<ND, Cache>(p, item.query, t0, t1, ml.data(), ml.data() + H, out);
         for (int64_t h = 0; h < H; ++h)
           for (int64_t d = 0; d < D; ++d) out[h * D + d] /= ml[H + h];
         continue;
       }
       float* part = partials.data() + (item.scratch + item.split) * partial_floats;
-      attend<ND>(p, item.query, t0, t1, part, part + H, part + 2 * H);
+      attend<ND, Cache>(p, item.query, t0, t1, part, part + H, part + 2 * H);
     }
     // Merge the splits: weights e^(m_s - max m) bring every partial to the same reference max.
 #pragma omp for schedule(static)
@@ -242,8 +261,8 @@ void run_split(const Problem& p, int64_t num_queries, int threads) {
   }
 }
 
-template <int ND>
-void run(const Problem& p, int64_t num_queries, int num_threads) {
+template <int ND, typename Cache>
+void run(const Problem<Cache>& p, int64_t num_queries, int num_threads) {
   int64_t work = 0;
   bool is_split = false;
   for (int64_t qi = 0; qi < num_queries; ++qi) {
@@ -252,38 +271,28 @@ void run(const Problem& p, int64_t num_queries, int num_threads) {
   }
   const int threads = work >= kParallelWork ? num_threads : 1;
   if (is_split)
-    run_split<ND>(p, num_queries, threads);
+    run_split<ND, Cache>(p, num_queries, threads);
   else
-    run_unsplit<ND>(p, num_queries, threads);
+    run_unsplit<ND, Cache>(p, num_queries, threads);
 }
 
-}  // namespace
-
-extern "C" {
-
-// Head sizes the kernel is compiled for (head_dim = 8 * ND).
-int paged_attention_supports(int64_t head_dim) {
+// Head sizes run() is compiled for (head_dim = 8 * ND).
+bool supported_head_dim(int64_t head_dim) {
   switch (head_dim) {
-    case 32: case 64: case 80: case 96: case 128: case 256: return 1;
-    default: return 0;
+    case 32: case 64: case 80: case 96: case 128: case 256: return true;
+    default: return false;
   }
 }
 
-// First stores this step's keys and values in their cache slots, then attends.
-//   query [num_rows rows of num_heads * head_dim, q_row_stride floats apart]; out likewise (out_row_stride).
-//   key, value [num_rows rows of num_kv_heads * head_dim]; slots [num_rows] int64: each row's cache slot.
-//   key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_requests,
-//   max_blocks] int64; queries [num_queries, 3] int64: (token row in query/out, request index into block_tables,
-//   context length).
-// Returns 0, or 1 if a slot, row, request, context length or block id is out of range (nothing is written or
-// computed then), or 2 if head_dim is not supported.
-int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key,
-                        int64_t k_row_stride, const float* value, int64_t v_row_stride, const int64_t* slots,
-                        float* key_cache, float* value_cache, int64_t num_blocks, int64_t block_size,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables,
-                        int64_t num_requests, int64_t max_blocks, const int64_t* queries, int64_t num_queries,
-                        float scale, float* out, int64_t out_row_stride, int num_threads) {
-  if (!paged_attention_supports(head_dim)) return 2;
+// paged_attention_f32 for either pool type.
+template <typename Cache>
+int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key, int64_t k_row_stride,
+                    const float* value, int64_t v_row_stride, const int64_t* slots, Cache* key_cache,
+                    Cache* value_cache, int64_t num_blocks, int64_t block_size, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables, int64_t num_requests,
+                    int64_t max_blocks, const int64_t* queries, int64_t num_queries, float scale, float* out,
+                    int64_t out_row_stride, int num_threads) {
+  if (!supported_head_dim(head_dim)) return 2;
   if (num_heads % num_kv_heads != 0) return 1;
   for (int64_t t = 0; t < num_rows; ++t)
     if (slots[t] < 0 || slots[t] >= num_blocks * block_size) return 1;
@@ -297,20 +306,52 @@ int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_ro
   }
   const int64_t width = num_kv_heads * head_dim;
   for (int64_t t = 0; t < num_rows; ++t) {
-    memcpy(key_cache + slots[t] * width, key + t * k_row_stride, width * sizeof(float));
-    memcpy(value_cache + slots[t] * width, value + t * v_row_stride, width * sizeof(float));
+    store_row(key + t * k_row_stride, width, key_cache + slots[t] * width);
+    store_row(value + t * v_row_stride, width, value_cache + slots[t] * width);
   }
-  const Problem p{query, q_row_stride, out, out_row_stride, key_cache, value_cache, num_heads, num_kv_heads,
-                  block_size, block_tables, max_blocks, queries, scale};
+  const Problem<Cache> p{query,     q_row_stride, out,          out_row_stride, key_cache, value_cache, num_heads,
+                         num_kv_heads, block_size, block_tables, max_blocks,   queries,   scale};
   switch (head_dim) {
-    case 32: run<4>(p, num_queries, num_threads); break;
-    case 64: run<8>(p, num_queries, num_threads); break;
-    case 80: run<10>(p, num_queries, num_threads); break;
-    case 96: run<12>(p, num_queries, num_threads); break;
-    case 128: run<16>(p, num_queries, num_threads); break;
-    case 256: run<32>(p, num_queries, num_threads); break;
+    case 32: run<4, Cache>(p, num_queries, num_threads); break;
+    case 64: run<8, Cache>(p, num_queries, num_threads); break;
+    case 80: run<10, Cache>(p, num_queries, num_threads); break;
+    case 96: run<12, Cache>(p, num_queries, num_threads); break;
+    case 128: run<16, Cache>(p, num_queries, num_threads); break;
+    case 256: run<32, Cache>(p, num_queries, num_threads); break;
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Head sizes the kernel is compiled for (head_dim = 8 * ND).
+int paged_attention_supports(int64_t head_dim) { return supported_head_dim(head_dim); }
+
+// First stores this step's keys and values in their cache slots, then attends.
+//   query [num_rows rows of num_heads * head_dim, q_row_stride floats apart]; out likewise (out_row_stride).
+//   key, value [num_rows rows of num_kv_heads * head_dim]; slots [num_rows] int64: each row's cache slot.
+//   key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim], float32, or float16 (as uint16 bits)
+//   if kv_cache_f16; block_tables [num_requests, max_blocks] int64; queries [num_queries, 3] int64: (token row in
+//   query/out, request index into block_tables, context length).
+// Returns 0, or 1 if a slot, row, request, context length or block id is out of range (nothing is written or
+// computed then), or 2 if head_dim is not supported.
+int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key,
+                        int64_t k_row_stride, const float* value, int64_t v_row_stride, const int64_t* slots,
+                        void* key_cache, void* value_cache, int64_t num_blocks, int64_t block_size,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables,
+                        int64_t num_requests, int64_t max_blocks, const int64_t* queries, int64_t num_queries,
+                        float scale, float* out, int64_t out_row_stride, int num_threads, int kv_cache_f16) {
+  if (kv_cache_f16)
+    return paged_attention(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots,
+                           static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache), num_blocks,
+                           block_size, num_heads, num_kv_heads, head_dim, block_tables, num_requests, max_blocks,
+                           queries, num_queries, scale, out, out_row_stride, num_threads);
+  return paged_attention(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots,
+                         static_cast<float*>(key_cache), static_cast<float*>(value_cache), num_blocks, block_size,
+                         num_heads, num_kv_heads, head_dim, block_tables, num_requests, max_blocks, queries,
+                         num_queries, scale, out, out_row_stride, num_threads);
 }
 
 }  // extern "C"

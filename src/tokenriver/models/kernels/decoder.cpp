@@ -29,8 +29,8 @@ void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*
                 int);
 void silu_mul_f32(const float*, int64_t, int64_t, float*, int);
 int paged_attention_f32(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t,
-                        const int64_t*, float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
-                        int64_t, int64_t, const int64_t*, int64_t, float, float*, int64_t, int);
+                        const int64_t*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+                        int64_t, int64_t, const int64_t*, int64_t, float, float*, int64_t, int, int);
 }
 
 namespace {
@@ -75,10 +75,11 @@ struct Step {
   int64_t num_requests, max_blocks;
   const int64_t* queries;   // [num_queries, 3]
   int64_t num_queries;
-  float* const* key_caches;    // per layer, [num_blocks, block_size, num_kv_heads, head_dim]
-  float* const* value_caches;
+  void* const* key_caches;    // per layer, [num_blocks, block_size, num_kv_heads, head_dim]
+  void* const* value_caches;
   int64_t num_blocks, block_size;
   int32_t num_threads;
+  int32_t kv_cache_f16;        // the pools hold float16 (else float32)
 };
 
 void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
@@ -100,7 +101,7 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
 
 extern "C" {
 
-// Runs every layer; returns 0, or paged_attention_f32's error status (1: an index out of range, 2: head_dim not
+// Runs every layer; returns 0, or paged attention's error status (1: an index out of range, 2: head_dim not
 // compiled in). Every layer sees the same step, so the first layer's attention finds any such error, before
 // the cache is written; out and residual are then partly written.
 int llama_decoder_f32(const Decoder* d, const Step* s) {
@@ -126,7 +127,7 @@ int llama_decoder_f32(const Decoder* d, const Step* s) {
     const int status = paged_attention_f32(
         query, qkv_width, T, key, qkv_width, value, qkv_width, s->slots, s->key_caches[i], s->value_caches[i],
         s->num_blocks, s->block_size, d->num_heads, d->num_kv_heads, hd, s->block_tables, s->num_requests,
-        s->max_blocks, s->queries, s->num_queries, d->scale, attention.data(), q_width, threads);
+        s->max_blocks, s->queries, s->num_queries, d->scale, attention.data(), q_width, threads, s->kv_cache_f16);
     if (status != 0) return status;
     linear(layer.o, attention.data(), T, s->out, threads);
     rms_norm_f32(s->out, s->residual, layer.post_attention_norm, T, H, d->rms_norm_eps, normed.data(), threads);

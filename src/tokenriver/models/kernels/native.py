@@ -37,6 +37,8 @@ KERNELS_DIR = Path(__file__).parent
 SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp"))
 HEADERS = (KERNELS_DIR / "vec.h",)
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+# KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way).
+KV_CACHE_DTYPES = (torch.float32, torch.float16)
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
@@ -126,7 +128,8 @@ class StepSpec(ctypes.Structure):
     _fields_ = [("hidden", _ptr), ("out", _ptr), ("residual", _ptr), ("num_tokens", _i64), ("cos", _ptr),
                 ("sin", _ptr), ("slots", _ptr), ("block_tables", _ptr), ("num_requests", _i64),
                 ("max_blocks", _i64), ("queries", _ptr), ("num_queries", _i64), ("key_caches", _ptr),
-                ("value_caches", _ptr), ("num_blocks", _i64), ("block_size", _i64), ("num_threads", ctypes.c_int32)]
+                ("value_caches", _ptr), ("num_blocks", _i64), ("block_size", _i64), ("num_threads", ctypes.c_int32),
+                ("kv_cache_f16", ctypes.c_int32)]
 
 
 class NativeKernels:
@@ -152,7 +155,7 @@ class NativeKernels:
             "paged_attention_supports": ([i64], c_int),
             "llama_decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
             "paged_attention_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr,
-                                     i64, i64, ptr, i64, c_float, ptr, i64, c_int], c_int),
+                                     i64, i64, ptr, i64, c_float, ptr, i64, c_int, c_int], c_int),
         }
         self._functions = {}
         for name, (argtypes, restype) in signatures.items():
@@ -278,7 +281,7 @@ class NativeKernels:
 
         query, out [T, num_heads, head_dim] and key, value [T, num_kv_heads, head_dim] are float32 rows (views into
         wider rows are fine); slot_mapping [T] int64; caches [num_blocks, block_size, num_kv_heads, head_dim]
-        contiguous; block_tables [num_requests, max_blocks] int64 contiguous; queries [n, 3] int64 contiguous, one
+        contiguous, both float32 or both float16 (see KV_CACHE_DTYPES); block_tables [num_requests, max_blocks] int64 contiguous; queries [n, 3] int64 contiguous, one
         row per query token: (its row in query/out, its request's row in block_tables, how many tokens it sees),
         or None to only write. Out's other rows are left untouched.
         """
@@ -290,6 +293,9 @@ class NativeKernels:
                 and (queries is None or _is_int64_array(queries))):
             raise ValueError("paged attention: slot_mapping, block_tables and queries must be contiguous int64 CPU "
                              "tensors")
+        if key_cache.dtype not in KV_CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
+            raise ValueError(f"paged attention: the pools must both be float32 or both float16, got "
+                             f"{key_cache.dtype} and {value_cache.dtype}")
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         status = self._paged_attention(
             query.data_ptr(), query.stride(0), num_tokens, key.data_ptr(), key.stride(0), value.data_ptr(),
@@ -297,7 +303,7 @@ class NativeKernels:
             block_size, query.shape[1], num_kv_heads, head_dim, block_tables.data_ptr(), block_tables.shape[0],
             block_tables.shape[1], None if queries is None else queries.data_ptr(),
             0 if queries is None else queries.shape[0], scale, out.data_ptr(), out.stride(0),
-            torch.get_num_threads())
+            torch.get_num_threads(), int(key_cache.dtype == torch.float16))
         _raise_for_attention_status(status, head_dim)
 
     def llama_decoder(self, decoder: DecoderSpec, step: StepSpec) -> None:
@@ -311,7 +317,7 @@ class NativeKernels:
 
 
 def _raise_for_attention_status(status: int, head_dim: int) -> None:
-    """paged_attention_f32's status codes as exceptions (0 is success)."""
+    """paged attention's status codes as exceptions (0 is success)."""
     if status == 1:
         raise IndexError("paged attention: a slot, query row, request index, context length or block id is out "
                          "of range for the given tensors")

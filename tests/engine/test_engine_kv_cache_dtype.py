@@ -1,0 +1,47 @@
+"""A float16 KV pool under the float32 model (kv_cache_dtype="float16"): twice the tokens in the same memory,
+batch invariance kept, and the same tokens as the float32 pool up to float16 rounding of keys and values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_engine_batching import greedy_tokens, make_prompts
+
+from tokenriver.engine.llm import LLM
+from tokenriver.params import SamplingParams
+
+
+def test_a_float16_pool_holds_twice_the_tokens(loaded_packed):
+    wide = LLM.from_loaded(loaded_packed, kv_cache_memory="48MiB")
+    narrow = LLM.from_loaded(loaded_packed, kv_cache_memory="48MiB", kv_cache_dtype="float16")
+    assert narrow.engine.kv_cache.num_blocks == 2 * wide.engine.kv_cache.num_blocks
+    assert narrow.engine.kv_cache.num_bytes == wide.engine.kv_cache.num_bytes
+    assert narrow.engine.kv_cache.layers[0][0].dtype == torch.float16
+
+
+def test_float16_pool_keeps_batch_invariance(loaded_packed):
+    prompts = make_prompts(loaded_packed.tokenizer, 12, 10, 150, seed=4)
+    max_tokens = [6 + 3 * (i % 5) for i in range(len(prompts))]
+    alone = LLM.from_loaded(loaded_packed, kv_cache_dtype="float16", max_num_seqs=1, max_num_kv_tokens=256,
+                            enable_prefix_caching=False)
+    batched = LLM.from_loaded(loaded_packed, kv_cache_dtype="float16", max_num_seqs=64,
+                              max_num_batched_tokens=256, max_num_kv_tokens=1 << 14)
+    assert greedy_tokens(batched, prompts, max_tokens) == greedy_tokens(alone, prompts, max_tokens)
+
+
+def test_float16_pool_follows_the_float32_pool(loaded_packed):
+    """Greedy continuations agree; where they do, each token's log-probability is within float16 rounding."""
+    prompts = ["The capital of France is", "Write a haiku about rivers:", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
+    wide = LLM.from_loaded(loaded_packed).generate(prompts, params, use_tqdm=False)
+    narrow = LLM.from_loaded(loaded_packed, kv_cache_dtype="float16").generate(prompts, params, use_tqdm=False)
+    agreeing = 0
+    for a, b in zip(wide, narrow):
+        for step, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)):
+            if x != y:
+                break
+            want, got = a.outputs[0].logprobs[step][x].logprob, b.outputs[0].logprobs[step][y].logprob
+            assert got == pytest.approx(want, abs=0.05), (step, want, got)
+            agreeing += 1
+    assert agreeing >= 3 * 12
