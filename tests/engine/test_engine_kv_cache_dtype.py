@@ -45,3 +45,17 @@ def test_float16_pool_follows_the_float32_pool(loaded_packed):
             assert got == pytest.approx(want, abs=0.05), (step, want, got)
             agreeing += 1
     assert agreeing >= 3 * 12
+
+
+def test_a_bfloat16_pool_runs_on_the_torch_attention_path(loaded_packed):
+    """No native kernel reads bfloat16 pools: the modules and SDPA run them, widening keys and values to float32."""
+    prompt = "The capital of France is"
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+    (wide,) = LLM.from_loaded(loaded_packed).generate([prompt], params, use_tqdm=False)
+    bf16 = LLM.from_loaded(loaded_packed, kv_cache_dtype="bfloat16")
+    assert bf16.engine.kv_cache.layers[0][0].dtype == torch.bfloat16
+    (narrow,) = bf16.generate([prompt], params, use_tqdm=False)
+    first = wide.outputs[0].token_ids[0]
+    assert narrow.outputs[0].token_ids[0] == first
+    assert narrow.outputs[0].logprobs[0][first].logprob == pytest.approx(wide.outputs[0].logprobs[0][first].logprob,
+                                                                         abs=0.1)
