@@ -2,7 +2,8 @@
 
 Both paths call the same kernels in the same order, so every step's hidden states must be equal bit for bit:
 decode steps, short multi-token steps (speculative verification), batches above the GEMV/GEMM switch, int4 and
-int8 weights, biased projections, float32 and float16 KV pools. Steps it cannot run (long prompt chunks, a float model) take the modules.
+int8 weights, biased projections, float32 and float16 KV pools. Steps it cannot run (long prompt chunks, a float
+model) take the modules.
 """
 
 from __future__ import annotations

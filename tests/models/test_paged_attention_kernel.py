@@ -1,12 +1,12 @@
 """The native paged attention kernel (models/kernels/attention.cpp) against the PyTorch path of attention.py.
 
-`paged_attention` (native for float32 and float16 CPU caches) must equal `paged_attention_torch` (gather + SDPA) within float32
-rounding on ragged batches: decodes, short chunks (the per-token kernel), long chunks (SDPA in both), contexts
-ending exactly on block boundaries, contexts long enough to be split across threads, grouped-query heads, shuffled
-block tables, and q/k/v as views into one projection. Both must write the same cache. A request's result must not
-depend on its batch or on the number of threads; bad slots must raise instead of writing out of bounds; bfloat16
-caches take the torch path. A float16 cache stores keys and values rounded as torch rounds them and stays within
-float16 rounding of the float32 cache's result.
+`paged_attention` (native for float32 and float16 CPU caches) must equal `paged_attention_torch` (gather + SDPA)
+within float32 rounding on ragged batches: decodes, short chunks (the per-token kernel), long chunks (SDPA in both),
+contexts ending exactly on block boundaries, contexts long enough to be split across threads, grouped-query heads,
+shuffled block tables, and q/k/v as views into one projection. Both must write the same cache. A request's result
+must not depend on its batch or on the number of threads; bad slots must raise instead of writing out of bounds;
+bfloat16 caches take the torch path. A float16 cache stores keys and values rounded as torch rounds them and stays
+within float16 rounding of the float32 cache's result.
 """
 
 from __future__ import annotations

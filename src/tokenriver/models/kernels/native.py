@@ -38,7 +38,7 @@ SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp
 HEADERS = (KERNELS_DIR / "vec.h",)
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way).
-KV_CACHE_DTYPES = (torch.float32, torch.float16)
+NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16)
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
@@ -281,9 +281,9 @@ class NativeKernels:
 
         query, out [T, num_heads, head_dim] and key, value [T, num_kv_heads, head_dim] are float32 rows (views into
         wider rows are fine); slot_mapping [T] int64; caches [num_blocks, block_size, num_kv_heads, head_dim]
-        contiguous, both float32 or both float16 (see KV_CACHE_DTYPES); block_tables [num_requests, max_blocks] int64 contiguous; queries [n, 3] int64 contiguous, one
-        row per query token: (its row in query/out, its request's row in block_tables, how many tokens it sees),
-        or None to only write. Out's other rows are left untouched.
+        contiguous, both float32 or both float16; block_tables [num_requests, max_blocks] int64 contiguous;
+        queries [n, 3] int64 contiguous, one row per query token: (its row in query/out, its request's row in
+        block_tables, how many tokens it sees), or None to only write. Out's other rows are left untouched.
         """
         num_tokens = query.shape[0]
         if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0] == num_tokens):
@@ -293,7 +293,7 @@ class NativeKernels:
                 and (queries is None or _is_int64_array(queries))):
             raise ValueError("paged attention: slot_mapping, block_tables and queries must be contiguous int64 CPU "
                              "tensors")
-        if key_cache.dtype not in KV_CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
+        if key_cache.dtype not in NATIVE_KV_CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
             raise ValueError(f"paged attention: the pools must both be float32 or both float16, got "
                              f"{key_cache.dtype} and {value_cache.dtype}")
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
