@@ -33,7 +33,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from tokenriver.models.kernels.native import NATIVE_KV_CACHE_DTYPES, NativeKernels, is_f32_rows, load_kernels
+from tokenriver.models.kernels.native import NativeKernels, is_f32_rows, is_native_kv_pool, load_kernels
 
 # Requests with at most this many new tokens attend through the native kernel (when it runs); see
 # benchmarks/results/attention.md for where it stops beating gather + SDPA.
@@ -140,9 +140,7 @@ def _native_kernels_for(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """The native kernels if they can run this call as laid out, else None."""
     kernels = load_kernels()
     key_cache, value_cache = kv_cache
-    if (kernels is None or torch.is_grad_enabled() or key_cache.dtype not in NATIVE_KV_CACHE_DTYPES
-            or value_cache.dtype != key_cache.dtype
-            or not (key_cache.is_cpu and key_cache.is_contiguous() and value_cache.is_contiguous())
+    if (kernels is None or torch.is_grad_enabled() or not is_native_kv_pool(key_cache, value_cache)
             or not (is_f32_rows(query) and is_f32_rows(key) and is_f32_rows(value))):
         return None
     _, _, num_kv_heads, head_dim = key_cache.shape

@@ -24,8 +24,8 @@ from torch import nn
 
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.kernels.native import (NATIVE_KV_CACHE_DTYPES, DecoderSpec, LayerSpec, LinearSpec,
-                                              NativeKernels, StepSpec, is_contiguous_f32, load_kernels)
+from tokenriver.models.kernels.native import (DecoderSpec, LayerSpec, LinearSpec, NativeKernels, StepSpec,
+                                              is_contiguous_f32, is_native_kv_pool, load_kernels)
 from tokenriver.models.quant import Int4Linear, Int8Linear
 
 
@@ -88,9 +88,7 @@ class NativeDecoder:
                 and hidden.dim() == 2 and is_contiguous_f32(hidden) and is_contiguous_f32(cos)
                 and is_contiguous_f32(sin) and metadata.slot_mapping.shape[0] == hidden.shape[0]
                 and all(a.dtype == torch.int64 and a.is_cpu and a.is_contiguous() for a in index_arrays)
-                and len(kv_cache) == len(self._specs) and key_cache.dtype in NATIVE_KV_CACHE_DTYPES
-                and value_cache.dtype == key_cache.dtype and key_cache.is_cpu and key_cache.is_contiguous()
-                and value_cache.is_contiguous()
+                and len(kv_cache) == len(self._specs) and is_native_kv_pool(key_cache, value_cache)
                 and key_cache.shape[2:] == (self._decoder.num_kv_heads, self._decoder.head_dim))
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,

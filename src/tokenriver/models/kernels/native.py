@@ -91,6 +91,13 @@ def is_f32_rows(tensor: torch.Tensor) -> bool:
     return strides[2] == 1 and strides[1] == tensor.shape[2]
 
 
+def is_native_kv_pool(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """A layer's key and value pools as the native attention reads them: contiguous CPU tensors, both float32 or
+    both float16."""
+    return (key_cache.dtype in NATIVE_KV_CACHE_DTYPES and value_cache.dtype == key_cache.dtype and key_cache.is_cpu
+            and value_cache.is_cpu and key_cache.is_contiguous() and value_cache.is_contiguous())
+
+
 def _is_int64_array(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.int64 and tensor.is_cpu and tensor.is_contiguous()
 
@@ -293,9 +300,9 @@ class NativeKernels:
                 and (queries is None or _is_int64_array(queries))):
             raise ValueError("paged attention: slot_mapping, block_tables and queries must be contiguous int64 CPU "
                              "tensors")
-        if key_cache.dtype not in NATIVE_KV_CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
-            raise ValueError(f"paged attention: the pools must both be float32 or both float16, got "
-                             f"{key_cache.dtype} and {value_cache.dtype}")
+        if not is_native_kv_pool(key_cache, value_cache):
+            raise ValueError(f"paged attention: the pools must be contiguous CPU tensors, both float32 or both "
+                             f"float16, got {key_cache.dtype} and {value_cache.dtype}")
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         status = self._paged_attention(
             query.data_ptr(), query.stride(0), num_tokens, key.data_ptr(), key.stride(0), value.data_ptr(),
