@@ -10,10 +10,10 @@ the model does per layer: write this step's keys and values into their slots, th
   a padded batch (index_select), one masked SDPA call; prompt chunks one SDPA (flash) call per request.
 
 Two measurements: decode steps (batch 1, 16, 64; contexts 128 to 2048) and one request's prompt chunk of 1 to 64
-new tokens at the end of a longer context (native per-token kernel vs SDPA on the gathered context), which sets
-`MAX_KERNEL_QUERY_LEN`. Candidates are timed in interleaved rounds, so a load spike from another process hits
-both alike; the best round ranks them (noise only adds time) and the median is shown beside it. Caches are warm
-(the same pool every call), which flatters small contexts for both paths alike.
+new tokens at the end of a longer context (the native kernel token by token, its chunk path, and SDPA on the
+gathered context), which sets `MAX_KERNEL_QUERY_LEN`. Candidates are timed in interleaved rounds, so a load spike
+from another process hits all alike; the best round ranks them (noise only adds time) and the median is shown
+beside it. Caches are warm (the same pool every call), which flatters small contexts for every path alike.
 
     python benchmarks/attention.py [--repeats 7] [--threads 2] [--quick]
 
@@ -102,13 +102,15 @@ def measure_decode(batches: tuple[int, ...], contexts: tuple[int, ...], repeats:
 
 def measure_chunks(chunk_lens: tuple[int, ...], contexts: tuple[int, ...], repeats: int,
                    rng: random.Random) -> dict[tuple[int, int], dict[str, tuple[float, float]]]:
-    """One request: chunk_len new tokens ending a context; native per-token kernel vs SDPA (both write natively)."""
+    """One request: chunk_len new tokens ending a context; the native kernel token by token, its chunk path, and
+    gather + SDPA."""
     results = {}
     for context in contexts:
         for chunk_len in chunk_lens:
-            kernel, _ = make_call([chunk_len], [context], chunk_len, rng)
-            sdpa, _ = make_call([chunk_len], [context], 0, rng)
-            results[(chunk_len, context)] = measure({"native kernel": kernel, "SDPA": sdpa}, repeats)
+            per_token, _ = make_call([chunk_len], [context], chunk_len, rng)
+            chunk, sdpa = make_call([chunk_len], [context], 0, rng)
+            results[(chunk_len, context)] = measure(
+                {"per token": per_token, "chunk": chunk, "SDPA": sdpa}, repeats)
             print(f"chunk {chunk_len} context {context}: " + ", ".join(
                 f"{name} {best * 1e6:.1f} us" for name, (best, _) in results[(chunk_len, context)].items()),
                 flush=True)
@@ -134,7 +136,7 @@ def plot(decode: dict, chunks: dict, path: Path) -> None:
     left.legend(fontsize=8)
     for index, context in enumerate(sorted({c for _, c in chunks})):
         lengths = sorted(q for q, c in chunks if c == context)
-        for name, style in (("native kernel", "-"), ("SDPA", "--")):
+        for name, style in (("per token", ":"), ("chunk", "-"), ("SDPA", "--")):
             right.plot(lengths, [chunks[(q, context)][name][0] * 1e6 for q in lengths], style, marker="o",
                        color=colors(index), label=f"context {context}, {name}")
     right.axvline(MAX_KERNEL_QUERY_LEN, color="gray", linestyle=":", label="MAX_KERNEL_QUERY_LEN")
@@ -142,7 +144,7 @@ def plot(decode: dict, chunks: dict, path: Path) -> None:
     right.set_yscale("log")
     right.set_xlabel("new tokens in the chunk (one request)")
     right.set_ylabel("µs per layer call (best round)")
-    right.set_title("Prompt chunk: per-token native kernel vs SDPA")
+    right.set_title("Prompt chunk: native per token (dotted), native chunk (solid), SDPA (dashed)")
     right.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -171,9 +173,9 @@ def main() -> None:
                     f"{r['torch'][0] * 1e6:.1f}", f"{r['torch'][1] * 1e6:.1f}",
                     f"{r['torch'][0] / r['native'][0]:.1f}x"]
                    for (batch, context), r in decode.items()]
-    chunk_rows = [[context, chunk_len, f"{r['native kernel'][0] * 1e6:.1f}", f"{r['native kernel'][1] * 1e6:.1f}",
-                   f"{r['SDPA'][0] * 1e6:.1f}", f"{r['SDPA'][1] * 1e6:.1f}",
-                   f"{r['SDPA'][0] / r['native kernel'][0]:.2f}x"]
+    chunk_rows = [[context, chunk_len, f"{r['per token'][0] * 1e6:.1f}", f"{r['chunk'][0] * 1e6:.1f}",
+                   f"{r['chunk'][1] * 1e6:.1f}", f"{r['SDPA'][0] * 1e6:.1f}", f"{r['SDPA'][1] * 1e6:.1f}",
+                   f"{r['SDPA'][0] / r['chunk'][0]:.2f}x"]
                   for (chunk_len, context), r in sorted(chunks.items(), key=lambda item: (item[0][1], item[0][0]))]
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -192,11 +194,13 @@ def main() -> None:
         + markdown_table(["batch", "context", "native µs (best)", "native µs (median)", "torch µs (best)",
                           "torch µs (median)", "torch / native"], decode_rows),
         "## One request's prompt chunk\n\n"
-        f"The chunk's tokens end a context of the given length. native kernel = one query token at a time over "
-        f"the blocks; SDPA = gather the context, one flash SDPA call with a causal mask (both write K/V natively). "
-        f"Requests with at most MAX_KERNEL_QUERY_LEN = {MAX_KERNEL_QUERY_LEN} new tokens take the native kernel.\n\n"
-        + markdown_table(["context", "new tokens", "native kernel µs (best)", "native kernel µs (median)",
-                          "SDPA µs (best)", "SDPA µs (median)", "SDPA / native"], chunk_rows),
+        f"The chunk's tokens end a context of the given length. per token = the native kernel one query token at "
+        f"a time over the blocks; chunk = its prompt-chunk path (a block of query tokens per pass over each tile of "
+        f"keys, causal); SDPA = the path without native kernels: gather the context, one flash SDPA call with a "
+        f"causal mask. Requests with at most MAX_KERNEL_QUERY_LEN = {MAX_KERNEL_QUERY_LEN} new tokens go token by "
+        f"token, longer ones as chunks.\n\n"
+        + markdown_table(["context", "new tokens", "per token µs (best)", "chunk µs (best)", "chunk µs (median)",
+                          "SDPA µs (best)", "SDPA µs (median)", "SDPA / chunk"], chunk_rows),
     ]) + "\n")
     print(f"wrote {output}")
 

@@ -1,8 +1,9 @@
 """The native paged attention kernel (models/kernels/attention.cpp) against the PyTorch path of attention.py.
 
 `paged_attention` (native for float32 and float16 CPU caches) must equal `paged_attention_torch` (gather + SDPA)
-within float32 rounding on ragged batches: decodes, short chunks (the per-token kernel), long chunks (SDPA in both),
-contexts ending exactly on block boundaries, contexts long enough to be split across threads, grouped-query heads,
+within float32 rounding on ragged batches: decodes and the shortest chunks (the per-token kernel), longer chunks
+(the kernel's chunk path: whole prompts, chunks after a cached prefix, several blocks of query tokens), contexts
+ending exactly on block boundaries, contexts long enough to be split across threads, grouped-query heads,
 shuffled block tables, and q/k/v as views into one projection. Both must write the same cache. A request's result
 must not depend on its batch or on the number of threads; bad slots must raise instead of writing out of bounds;
 bfloat16 caches take the torch path. A float16 cache stores keys and values rounded as torch rounds them and stays
@@ -78,10 +79,12 @@ RAGGED = [
     (1, 37),  # decode
     (1, 16),  # context ends on a block boundary
     (1, 1),  # first token
-    (3, 20),  # short chunk straddling blocks: per-token kernel
-    (MAX_KERNEL_QUERY_LEN, 32),  # the longest chunk the kernel takes, ending on a boundary
-    (MAX_KERNEL_QUERY_LEN + 1, 50),  # the shortest one SDPA takes
-    (24, 24),  # a whole prompt: causal SDPA
+    (MAX_KERNEL_QUERY_LEN, 32),  # the longest chunk taken token by token, ending on a boundary
+    (MAX_KERNEL_QUERY_LEN + 1, 50),  # the shortest one the chunk path takes
+    (5, 20),  # short chunk straddling blocks
+    (24, 24),  # a whole prompt
+    (70, 70),  # a prompt of three blocks of query tokens, the last one partial
+    (45, 300),  # a chunk after a cached prefix, its last tile partial
     (1, 1100),  # many splits (128 tokens each): partial results merged
     (2, 129),  # one token past a split
     (1, 128),  # exactly one split
@@ -170,3 +173,28 @@ def test_float16_cache_is_within_its_rounding_of_the_float32_cache():
     # Keys and values each carry a relative error of at most 2^-11. Scores here reach |q| |k| / sqrt(d) ~ 16, so a
     # score moves by up to ~16 * 2^-11 ~ 0.008, and the output (a weighted mean of O(1) values) by about as much.
     assert 0 < error < 2e-2, error
+
+
+def test_a_prompt_token_does_not_depend_on_how_its_prompt_is_chunked():
+    """100 prompt tokens in one chunk vs the last 40 as a later chunk (batched with another request): equal."""
+    whole = Batch([(100, 100)], 9, 3, 64, seed=9)
+    got_whole, key_cache, value_cache = whole.run(paged_attention)
+    query, key, value = whole.qkv.split(whole.split, dim=1)
+    other = torch.randn(7, *whole.qkv.shape[1:])  # a 7-token prompt of another request, in the same call
+    other_query, other_key, other_value = other.split(whole.split, dim=1)
+    spare = next(b for b in range(key_cache.shape[0]) if b not in whole.tables[0])  # the other request's block
+    tables = [whole.tables[0], [spare]]
+    metadata = AttentionMetadata.build([40, 7], [100, 7], tables, BLOCK_SIZE)
+    later = paged_attention(torch.cat([query[60:], other_query]), torch.cat([key[60:], other_key]),
+                            torch.cat([value[60:], other_value]), (key_cache, value_cache), metadata, whole.scale)
+    assert torch.equal(later[:40], got_whole[60:])
+
+
+def test_an_out_of_range_chunk_raises():
+    batch = Batch([(20, 40)], 9, 3, 64)
+    metadata = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.tables, BLOCK_SIZE)
+    metadata.kernel_chunks = torch.tensor([[0, 0, 20, 40 + BLOCK_SIZE * 8]])  # more context than its blocks hold
+    query, key, value = batch.qkv.split(batch.split, dim=1)
+    with pytest.raises(IndexError, match="out of range"):
+        paged_attention(query, key, value, (batch.key_cache.clone(), batch.value_cache.clone()), metadata,
+                        batch.scale)

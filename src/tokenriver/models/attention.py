@@ -5,20 +5,22 @@ chunk, or one decode token) and attends to `seq_lens[i]` tokens in all: its
 cached prefix plus itself. Token t of request i sits at position
 `seq_lens[i] - query_lens[i] + t` and may see positions 0..that position.
 
-Kernel choice (CPU):
-- Short queries (at most `MAX_KERNEL_QUERY_LEN` tokens: every decode, speculative
-  verification, short prompt chunks) with a float32 or float16 cache: the native paged
-  kernel (models/kernels/attention.cpp), which reads each request's keys and
-  values straight from its blocks, one query token at a time, with online
-  softmax in float32. No gathered copy of the context is made
-  (benchmarks/results/attention.md measures it against the torch path).
-- Longer prompt chunks: `scaled_dot_product_attention`, PyTorch's flash-attention
-  CPU kernel, one request at a time over its gathered blocks (they are few per
-  step and large, so the gather and the call overhead do not matter).
+Kernel choice (CPU), with a float32 or float16 cache (models/kernels/attention.cpp; measured against the torch
+path in benchmarks/results/attention.md):
+- Requests with at most `MAX_KERNEL_QUERY_LEN` new tokens (decode, short speculative
+  verification): the native paged kernel one query token at a time, reading the request's keys
+  and values straight from its blocks, with online softmax in float32; a long context is split
+  across threads and merged. No gathered copy of the context is made.
+- Longer ones (prompt chunks, longer verification): the same kernel's chunk path, a
+  flash-attention loop over the blocks that serves a block of query tokens (and the query heads
+  of each kv head) from every tile of keys it reads, with the causal mask applied per token.
+  Both paths visit context tiles from position 0 in fixed steps, so a token's result depends only
+  on which of the two computes it, not on the rest of its chunk or what it was batched with.
 - Without the native kernels (bfloat16 cache, other devices, no compiler, autograd
   on), decode tokens of all requests go through one batched SDPA call over their block tables
   gathered into a padded [B, max_len] view with a length mask, and every other
-  request through SDPA as above.
+  request through `scaled_dot_product_attention` (PyTorch's flash-attention CPU kernel) over its
+  gathered blocks.
 
 The cache may be stored in a narrower dtype than the model computes in (a float16 pool under a float32 model,
 `kv_cache_dtype`): keys and values are rounded once, when stored, and widened back to the compute dtype when read,
@@ -35,9 +37,9 @@ import torch.nn.functional as F
 
 from tokenriver.models.kernels.native import NativeKernels, is_f32_rows, is_native_kv_pool, load_kernels
 
-# Requests with at most this many new tokens attend through the native kernel (when it runs); see
-# benchmarks/results/attention.md for where it stops beating gather + SDPA.
-MAX_KERNEL_QUERY_LEN = 8
+# Requests with at most this many new tokens attend token by token in the native kernel, longer ones through its
+# chunk path: from three tokens on, the chunk path is faster (benchmarks/results/attention.md).
+MAX_KERNEL_QUERY_LEN = 2
 
 
 @dataclass
@@ -61,8 +63,10 @@ class AttentionMetadata:
     # (its flat token row, its request's index, the context length it sees) [num_kernel_tokens, 3] int64; None if
     # there are no such requests.
     kernel_queries: torch.Tensor | None
-    # Indices of the requests with more new tokens than that (SDPA when the native kernel runs).
-    long_indices: list[int]
+    # One row per request with more new tokens than that (a prompt chunk), for the native kernel's chunk path:
+    # (its first flat token row, its index, its number of new tokens, its context length after them)
+    # [num_chunks, 4] int64; None if there are none.
+    kernel_chunks: torch.Tensor | None
 
     @cached_property
     def query_start_loc(self) -> list[int]:
@@ -94,12 +98,12 @@ class AttentionMetadata:
               max_kernel_query_len: int = MAX_KERNEL_QUERY_LEN) -> "AttentionMetadata":
         """Derive slots, padding and the per-kernel split from per-request lengths and block tables.
 
-        max_kernel_query_len: requests with at most this many new tokens go to the native kernel (benchmarks
-        move it; the engine keeps the default).
+        max_kernel_query_len: requests with at most this many new tokens go to the native kernel token by token,
+        longer ones to its chunk path (benchmarks move it; the engine keeps the default).
         """
         slots: list[int] = []
         kernel_queries: list[tuple[int, int, int]] = []
-        long_indices: list[int] = []
+        kernel_chunks: list[tuple[int, int, int, int]] = []
         row = 0
         for i, (query_len, seq_len, blocks) in enumerate(zip(query_lens, seq_lens, block_tables)):
             for position in range(seq_len - query_len, seq_len):
@@ -108,7 +112,7 @@ class AttentionMetadata:
                 # The token at `position` sees positions 0..position: position + 1 tokens.
                 kernel_queries.extend((row + t, i, seq_len - query_len + t + 1) for t in range(query_len))
             else:
-                long_indices.append(i)
+                kernel_chunks.append((row, i, query_len, seq_len))
             row += query_len
         max_blocks = max((len(b) for b in block_tables), default=0)
         padded = [b + [0] * (max_blocks - len(b)) for b in block_tables]
@@ -121,7 +125,7 @@ class AttentionMetadata:
             decode_indices=[i for i, q in enumerate(query_lens) if q == 1],
             prefill_indices=[i for i, q in enumerate(query_lens) if q != 1],
             kernel_queries=torch.tensor(kernel_queries, dtype=torch.long, device=device) if kernel_queries else None,
-            long_indices=long_indices,
+            kernel_chunks=torch.tensor(kernel_chunks, dtype=torch.long, device=device) if kernel_chunks else None,
         )
 
 
@@ -163,11 +167,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return paged_attention_torch(query, key, value, kv_cache, metadata, scale)
     key_cache, value_cache = kv_cache
     output = torch.empty(query.shape, dtype=query.dtype)  # [num_tokens, num_heads, head_dim]
-    # Writes every token's K/V, then attends for the short requests' tokens.
+    # Writes every token's K/V, then attends: the short requests token by token, the prompt chunks causally.
     kernels.paged_attention(query, key, value, metadata.slot_mapping, key_cache, value_cache, metadata.block_tables,
-                            metadata.kernel_queries, scale, output)
-    for i in metadata.long_indices:
-        _attend_prompt(query, kv_cache, metadata, i, scale, output)
+                            metadata.kernel_queries, metadata.kernel_chunks, scale, output)
     return output
 
 

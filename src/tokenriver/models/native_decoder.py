@@ -1,4 +1,4 @@
-"""A Llama decoder stack's step in one native call (models/kernels/decoder.cpp), for steps of short queries.
+"""A Llama decoder stack's step in one native call (models/kernels/decoder.cpp).
 
 A single-stream decode step is ~240 small operations; run layer by layer from Python, each pays module dispatch,
 argument checks, an output allocation and a ctypes call, which together cost about as much as the arithmetic.
@@ -8,10 +8,9 @@ the module path's bit for bit.
 Contract: `NativeDecoder.build(layers)` returns None unless every layer can run natively (every projection a
 quantized linear on the native backend, float32 norm weights, one eps, a head size the attention kernel is
 compiled for). `supports(...)` says whether one step can: float32 activations, a float32 or float16 cache, all on
-the CPU, autograd off,
-and every request of the step with few enough new tokens for the native attention kernel (decode, speculative
-verification, short chunks; longer prompt chunks take SDPA, on the module path). The caller runs the modules
-otherwise. The weights' pointers are taken at build time: the owner drops this object when its buffers move.
+the CPU, autograd off (decodes, verification and prompt chunks alike: the attention kernel takes them all). The
+caller runs the modules otherwise. The weights' pointers are taken at build time: the owner drops this object
+when its buffers move.
 """
 
 from __future__ import annotations
@@ -83,8 +82,9 @@ class NativeDecoder:
         """Whether this step can run natively (see the module docstring)."""
         cos, sin = rope
         key_cache, value_cache = kv_cache[0]
-        index_arrays = (metadata.slot_mapping, metadata.block_tables, metadata.kernel_queries)
-        return (not torch.is_grad_enabled() and not metadata.long_indices and metadata.kernel_queries is not None
+        index_arrays = [metadata.slot_mapping, metadata.block_tables]
+        index_arrays += [a for a in (metadata.kernel_queries, metadata.kernel_chunks) if a is not None]
+        return (not torch.is_grad_enabled()
                 and hidden.dim() == 2 and is_contiguous_f32(hidden) and is_contiguous_f32(cos)
                 and is_contiguous_f32(sin) and metadata.slot_mapping.shape[0] == hidden.shape[0]
                 and all(a.dtype == torch.int64 and a.is_cpu and a.is_contiguous() for a in index_arrays)
@@ -98,14 +98,15 @@ class NativeDecoder:
         residual = torch.empty_like(hidden)  # [T, hidden]
         keys, values = self._pointers(kv_cache)
         cos, sin = rope
-        tables, queries = metadata.block_tables, metadata.kernel_queries
+        tables, queries, chunks = metadata.block_tables, metadata.kernel_queries, metadata.kernel_chunks
         step = self._step
         step.hidden, step.out, step.residual = hidden.data_ptr(), out.data_ptr(), residual.data_ptr()
         step.num_tokens = hidden.shape[0]
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         step.slots = metadata.slot_mapping.data_ptr()
         step.block_tables, step.num_requests, step.max_blocks = tables.data_ptr(), tables.shape[0], tables.shape[1]
-        step.queries, step.num_queries = queries.data_ptr(), queries.shape[0]
+        step.queries, step.num_queries = (None, 0) if queries is None else (queries.data_ptr(), queries.shape[0])
+        step.chunks, step.num_chunks = (None, 0) if chunks is None else (chunks.data_ptr(), chunks.shape[0])
         step.key_caches, step.value_caches = ctypes.addressof(keys), ctypes.addressof(values)
         step.num_blocks, step.block_size = kv_cache.num_blocks, kv_cache.block_size
         step.num_threads = torch.get_num_threads()

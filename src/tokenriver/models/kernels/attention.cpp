@@ -261,8 +261,181 @@ void run_split(const Problem<Cache>& p, int64_t num_queries, int threads) {
   }
 }
 
+// Prompt chunks: many query tokens of one request against the same keys, so the work is arranged like a matrix
+// product. Per work item (a chunk, one kv head, kQueryBlock consecutive query tokens) and per tile of kTile context
+// tokens, the tile's keys of that kv head are transposed once into [head_dim, kTile], and every (query token,
+// query head) row of the item takes its kTile scores as four vectors, a broadcast query element times a row of
+// the transposed keys per FMA, up to three heads at a time (twelve accumulators): no horizontal sums, and each
+// key vector loaded serves three heads. Values are read as in attend, three heads per vector loaded. Causal: the
+// token at position pos sees positions 0..pos, so a tile is skipped by the tokens it lies wholly after and masked
+// (-inf scores) where it straddles them.
+constexpr int64_t kQueryBlock = 32;
+
+// scores[hh * kTile + j] = q_hh . k_j * scale for the HC query rows q (head_dim apart) and the tile's keys,
+// transposed: keys_t[d * kTile + j].
+template <int ND, int HC>
+inline void chunk_scores(const float* q, const float* keys_t, float scale, float* scores) {
+  constexpr int64_t D = ND * 8;
+  constexpr int kVectors = kTile / 8;
+  __m256 sums[HC][kVectors];
+  for (int hh = 0; hh < HC; ++hh)
+    for (int v = 0; v < kVectors; ++v) sums[hh][v] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 keys[kVectors];
+    for (int v = 0; v < kVectors; ++v) keys[v] = _mm256_loadu_ps(keys_t + d * kTile + 8 * v);
+    for (int hh = 0; hh < HC; ++hh) {
+      const __m256 element = _mm256_broadcast_ss(q + hh * D + d);
+      for (int v = 0; v < kVectors; ++v) sums[hh][v] = _mm256_fmadd_ps(element, keys[v], sums[hh][v]);
+    }
+  }
+  const __m256 factor = _mm256_set1_ps(scale);
+  for (int hh = 0; hh < HC; ++hh)
+    for (int v = 0; v < kVectors; ++v) _mm256_store_ps(scores + hh * kTile + 8 * v, _mm256_mul_ps(sums[hh][v], factor));
+}
+
+// acc[hh] = acc[hh] * rescale[hh] + sum over the n tokens of weights[hh * kTile + j] * value row j, for head
+// dimensions [8 * c0, 8 * (c0 + CW)): HC × CW accumulators.
+template <int ND, int HC, int CW, typename Cache>
+inline void chunk_values(const Cache* const* value_rows, int64_t n, const float* weights, const float* rescale,
+                         int c0, float* acc) {
+  constexpr int64_t D = ND * 8;
+  __m256 sum[HC][CW];
+  for (int hh = 0; hh < HC; ++hh)
+    for (int c = 0; c < CW; ++c)
+      sum[hh][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + hh * D + 8 * (c0 + c)), _mm256_set1_ps(rescale[hh]));
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 values[CW];
+    for (int c = 0; c < CW; ++c) values[c] = load8(value_rows[j] + 8 * (c0 + c));
+    for (int hh = 0; hh < HC; ++hh) {
+      const __m256 weight = _mm256_broadcast_ss(weights + hh * kTile + j);
+      for (int c = 0; c < CW; ++c) sum[hh][c] = _mm256_fmadd_ps(weight, values[c], sum[hh][c]);
+    }
+  }
+  for (int hh = 0; hh < HC; ++hh)
+    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + hh * D + 8 * (c0 + c), sum[hh][c]);
+}
+
+// One tile for HC query heads of one token that sees `visible` of the tile's n tokens (the rest are after it):
+// scores, the online-softmax update of m, l and acc ([HC][D], not normalized).
+template <int ND, int HC, typename Cache>
+void chunk_heads(const float* q, const float* keys_t, const Cache* const* value_rows, int64_t visible, float scale,
+                 float* m, float* l, float* acc) {
+  constexpr int64_t D = ND * 8;
+  alignas(32) float scores[HC * kTile];
+  float rescale[HC];
+  chunk_scores<ND, HC>(q, keys_t, scale, scores);
+  for (int hh = 0; hh < HC; ++hh) {
+    float* s = scores + hh * kTile;
+    for (int64_t j = visible; j < kTile; ++j) s[j] = -INFINITY;
+    __m256 max_vector = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < kTile; j += 8) max_vector = _mm256_max_ps(max_vector, _mm256_load_ps(s + j));
+    // visible >= 1, so the max is finite.
+    const float new_max = fmaxf(m[hh], horizontal_max(max_vector));
+    rescale[hh] = m[hh] == -INFINITY ? 0.0f : expf(m[hh] - new_max);
+    const __m256 shift = _mm256_set1_ps(new_max);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kTile; j += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + j), shift));
+      _mm256_store_ps(s + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    m[hh] = new_max;
+    l[hh] = l[hh] * rescale[hh] + horizontal_sum(total);
+  }
+  int c0 = 0;
+  for (; c0 + 4 <= ND; c0 += 4) chunk_values<ND, HC, 4, Cache>(value_rows, visible, scores, rescale, c0, acc);
+  for (; c0 < ND; c0 += 2) chunk_values<ND, HC, 2, Cache>(value_rows, visible, scores, rescale, c0, acc);
+}
+
+// Query tokens [i0, i1) of prompt chunk `chunk` (rows: first row, request index, number of new tokens, context
+// length), the query heads of kv head kv; writes their output rows.
 template <int ND, typename Cache>
-void run(const Problem<Cache>& p, int64_t num_queries, int num_threads) {
+void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int64_t i0, int64_t i1) {
+  constexpr int64_t D = ND * 8;
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t token_stride = p.num_kv_heads * D;
+  const int64_t first_row = chunk[0], query_len = chunk[2], context = chunk[3];
+  const int64_t* blocks = p.block_tables + chunk[1] * p.max_blocks;
+  const int64_t first_position = context - query_len;  // position of the chunk's token 0
+  const int64_t num_rows = (i1 - i0) * G;
+  std::vector<float> state(num_rows * (D + 2));  // per (token, head of kv): acc[D], then m and l
+  float* acc = state.data();
+  float* m = acc + num_rows * D;
+  float* l = m + num_rows;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  alignas(32) float keys_t[D * kTile];
+  const Cache* value_rows[kTile];
+  const int64_t last_position = first_position + i1 - 1;
+  for (int64_t tile = 0; tile <= last_position; tile += kTile) {
+    const int64_t n = last_position + 1 - tile < kTile ? last_position + 1 - tile : kTile;
+    for (int64_t j = 0; j < kTile; ++j) {
+      if (j >= n) {
+        for (int64_t d = 0; d < D; ++d) keys_t[d * kTile + j] = 0.0f;
+        continue;
+      }
+      const int64_t t = tile + j;
+      const int64_t offset = (blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride + kv * D;
+      value_rows[j] = p.value_cache + offset;
+      const Cache* key = p.key_cache + offset;
+      for (int64_t d = 0; d < D; d += 8) {
+        alignas(32) float k8[8];
+        _mm256_store_ps(k8, load8(key + d));
+        for (int e = 0; e < 8; ++e) keys_t[(d + e) * kTile + j] = k8[e];
+      }
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t position = first_position + i;
+      if (position < tile) continue;
+      const int64_t visible = position + 1 - tile < n ? position + 1 - tile : n;
+      const float* q_row = p.query + (first_row + i) * p.q_row_stride;
+      const int64_t r0 = (i - i0) * G;
+      for (int64_t h = 0; h < G; h += 3) {
+        const float* q = q_row + (kv * G + h) * D;
+        float* a = acc + (r0 + h) * D;
+        switch (G - h) {
+          case 1: chunk_heads<ND, 1, Cache>(q, keys_t, value_rows, visible, p.scale, m + r0 + h, l + r0 + h, a); break;
+          case 2: chunk_heads<ND, 2, Cache>(q, keys_t, value_rows, visible, p.scale, m + r0 + h, l + r0 + h, a); break;
+          default: chunk_heads<ND, 3, Cache>(q, keys_t, value_rows, visible, p.scale, m + r0 + h, l + r0 + h, a); break;
+        }
+      }
+    }
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    float* out = p.out + (first_row + i) * p.out_row_stride + kv * G * D;
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t r = (i - i0) * G + h;
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] = acc[r * D + d] / l[r];
+    }
+  }
+}
+
+// Every prompt chunk: work items of (chunk, kv head, block of kQueryBlock query tokens), the later blocks (which
+// see more context) first, handed out dynamically.
+template <int ND, typename Cache>
+void run_chunks(const Problem<Cache>& p, const int64_t* chunks, int64_t num_chunks, int threads) {
+  struct ChunkItem {
+    int64_t chunk, kv, i0, i1;
+  };
+  std::vector<ChunkItem> items;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t query_len = chunks[4 * c + 2];
+    for (int64_t i0 = (query_len - 1) / kQueryBlock * kQueryBlock; i0 >= 0; i0 -= kQueryBlock)
+      for (int64_t kv = 0; kv < p.num_kv_heads; ++kv)
+        items.push_back({c, kv, i0, i0 + kQueryBlock < query_len ? i0 + kQueryBlock : query_len});
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+  for (int64_t i = 0; i < num_items; ++i)
+    attend_chunk<ND, Cache>(p, chunks + 4 * items[i].chunk, items[i].kv, items[i].i0, items[i].i1);
+}
+
+template <int ND, typename Cache>
+void run(const Problem<Cache>& p, int64_t num_queries, const int64_t* chunks, int64_t num_chunks, int num_threads) {
+  if (num_chunks > 0) run_chunks<ND, Cache>(p, chunks, num_chunks, num_threads);
+  if (num_queries == 0) return;
   int64_t work = 0;
   bool is_split = false;
   for (int64_t qi = 0; qi < num_queries; ++qi) {
@@ -290,8 +463,8 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
                     const float* value, int64_t v_row_stride, const int64_t* slots, Cache* key_cache,
                     Cache* value_cache, int64_t num_blocks, int64_t block_size, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables, int64_t num_requests,
-                    int64_t max_blocks, const int64_t* queries, int64_t num_queries, float scale, float* out,
-                    int64_t out_row_stride, int num_threads) {
+                    int64_t max_blocks, const int64_t* queries, int64_t num_queries, const int64_t* chunks,
+                    int64_t num_chunks, float scale, float* out, int64_t out_row_stride, int num_threads) {
   if (!supported_head_dim(head_dim)) return 2;
   if (num_heads % num_kv_heads != 0) return 1;
   for (int64_t t = 0; t < num_rows; ++t)
@@ -304,6 +477,15 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
     for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b)
       if (blocks[b] < 0 || blocks[b] >= num_blocks) return 1;
   }
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t row = chunks[4 * c], request = chunks[4 * c + 1], length = chunks[4 * c + 2];
+    const int64_t context = chunks[4 * c + 3];
+    if (row < 0 || length < 1 || row + length > num_rows || request < 0 || request >= num_requests) return 1;
+    if (context < length || context > max_blocks * block_size) return 1;
+    const int64_t* blocks = block_tables + request * max_blocks;
+    for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b)
+      if (blocks[b] < 0 || blocks[b] >= num_blocks) return 1;
+  }
   const int64_t width = num_kv_heads * head_dim;
   for (int64_t t = 0; t < num_rows; ++t) {
     store_row(key + t * k_row_stride, width, key_cache + slots[t] * width);
@@ -312,12 +494,12 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
   const Problem<Cache> p{query,     q_row_stride, out,          out_row_stride, key_cache, value_cache, num_heads,
                          num_kv_heads, block_size, block_tables, max_blocks,   queries,   scale};
   switch (head_dim) {
-    case 32: run<4, Cache>(p, num_queries, num_threads); break;
-    case 64: run<8, Cache>(p, num_queries, num_threads); break;
-    case 80: run<10, Cache>(p, num_queries, num_threads); break;
-    case 96: run<12, Cache>(p, num_queries, num_threads); break;
-    case 128: run<16, Cache>(p, num_queries, num_threads); break;
-    case 256: run<32, Cache>(p, num_queries, num_threads); break;
+    case 32: run<4, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
+    case 64: run<8, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
+    case 80: run<10, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
+    case 96: run<12, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
+    case 128: run<16, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
+    case 256: run<32, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
   }
   return 0;
 }
@@ -333,8 +515,10 @@ int paged_attention_supports(int64_t head_dim) { return supported_head_dim(head_
 //   query [num_rows rows of num_heads * head_dim, q_row_stride floats apart]; out likewise (out_row_stride).
 //   key, value [num_rows rows of num_kv_heads * head_dim]; slots [num_rows] int64: each row's cache slot.
 //   key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim], float32, or float16 (as uint16 bits)
-//   if kv_cache_f16; block_tables [num_requests, max_blocks] int64; queries [num_queries, 3] int64: (token row in
-//   query/out, request index into block_tables, context length).
+//   if kv_cache_f16; block_tables [num_requests, max_blocks] int64; queries [num_queries, 3] int64: single query
+//   tokens (token row in query/out, request index into block_tables, context length); chunks [num_chunks, 4]
+//   int64: prompt chunks (first token row, request index, number of tokens, context length after them), whose
+//   tokens attend causally.
 // Returns 0, or 1 if a slot, row, request, context length or block id is out of range (nothing is written or
 // computed then), or 2 if head_dim is not supported.
 int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key,
@@ -342,16 +526,17 @@ int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_ro
                         void* key_cache, void* value_cache, int64_t num_blocks, int64_t block_size,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables,
                         int64_t num_requests, int64_t max_blocks, const int64_t* queries, int64_t num_queries,
-                        float scale, float* out, int64_t out_row_stride, int num_threads, int kv_cache_f16) {
+                        const int64_t* chunks, int64_t num_chunks, float scale, float* out, int64_t out_row_stride,
+                        int num_threads, int kv_cache_f16) {
   if (kv_cache_f16)
     return paged_attention(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots,
                            static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache), num_blocks,
                            block_size, num_heads, num_kv_heads, head_dim, block_tables, num_requests, max_blocks,
-                           queries, num_queries, scale, out, out_row_stride, num_threads);
+                           queries, num_queries, chunks, num_chunks, scale, out, out_row_stride, num_threads);
   return paged_attention(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots,
                          static_cast<float*>(key_cache), static_cast<float*>(value_cache), num_blocks, block_size,
                          num_heads, num_kv_heads, head_dim, block_tables, num_requests, max_blocks, queries,
-                         num_queries, scale, out, out_row_stride, num_threads);
+                         num_queries, chunks, num_chunks, scale, out, out_row_stride, num_threads);
 }
 
 }  // extern "C"

@@ -30,7 +30,8 @@ void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*
 void silu_mul_f32(const float*, int64_t, int64_t, float*, int);
 int paged_attention_f32(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t,
                         const int64_t*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
-                        int64_t, int64_t, const int64_t*, int64_t, float, float*, int64_t, int, int);
+                        int64_t, int64_t, const int64_t*, int64_t, const int64_t*, int64_t, float, float*, int64_t,
+                        int, int);
 }
 
 namespace {
@@ -73,8 +74,10 @@ struct Step {
   const int64_t* slots;     // [T]
   const int64_t* block_tables;  // [num_requests, max_blocks]
   int64_t num_requests, max_blocks;
-  const int64_t* queries;   // [num_queries, 3]
+  const int64_t* queries;   // [num_queries, 3] single query tokens, or null
   int64_t num_queries;
+  const int64_t* chunks;    // [num_chunks, 4] prompt chunks, or null
+  int64_t num_chunks;
   void* const* key_caches;    // per layer, [num_blocks, block_size, num_kv_heads, head_dim]
   void* const* value_caches;
   int64_t num_blocks, block_size;
@@ -127,7 +130,8 @@ int llama_decoder_f32(const Decoder* d, const Step* s) {
     const int status = paged_attention_f32(
         query, qkv_width, T, key, qkv_width, value, qkv_width, s->slots, s->key_caches[i], s->value_caches[i],
         s->num_blocks, s->block_size, d->num_heads, d->num_kv_heads, hd, s->block_tables, s->num_requests,
-        s->max_blocks, s->queries, s->num_queries, d->scale, attention.data(), q_width, threads, s->kv_cache_f16);
+        s->max_blocks, s->queries, s->num_queries, s->chunks, s->num_chunks, d->scale, attention.data(), q_width,
+        threads, s->kv_cache_f16);
     if (status != 0) return status;
     linear(layer.o, attention.data(), T, s->out, threads);
     rms_norm_f32(s->out, s->residual, layer.post_attention_norm, T, H, d->rms_norm_eps, normed.data(), threads);

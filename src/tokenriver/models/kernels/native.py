@@ -134,7 +134,8 @@ class StepSpec(ctypes.Structure):
 
     _fields_ = [("hidden", _ptr), ("out", _ptr), ("residual", _ptr), ("num_tokens", _i64), ("cos", _ptr),
                 ("sin", _ptr), ("slots", _ptr), ("block_tables", _ptr), ("num_requests", _i64),
-                ("max_blocks", _i64), ("queries", _ptr), ("num_queries", _i64), ("key_caches", _ptr),
+                ("max_blocks", _i64), ("queries", _ptr), ("num_queries", _i64), ("chunks", _ptr),
+                ("num_chunks", _i64), ("key_caches", _ptr),
                 ("value_caches", _ptr), ("num_blocks", _i64), ("block_size", _i64), ("num_threads", ctypes.c_int32),
                 ("kv_cache_f16", ctypes.c_int32)]
 
@@ -162,7 +163,7 @@ class NativeKernels:
             "paged_attention_supports": ([i64], c_int),
             "llama_decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
             "paged_attention_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr,
-                                     i64, i64, ptr, i64, c_float, ptr, i64, c_int, c_int], c_int),
+                                     i64, i64, ptr, i64, ptr, i64, c_float, ptr, i64, c_int, c_int], c_int),
         }
         self._functions = {}
         for name, (argtypes, restype) in signatures.items():
@@ -282,24 +283,26 @@ class NativeKernels:
 
     def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_tables: torch.Tensor, queries: torch.Tensor | None, scale: float,
-                        out: torch.Tensor) -> None:
+                        block_tables: torch.Tensor, queries: torch.Tensor | None, chunks: torch.Tensor | None,
+                        scale: float, out: torch.Tensor) -> None:
         """Write this step's keys/values into their slots, then attend for the listed query tokens into out.
 
         query, out [T, num_heads, head_dim] and key, value [T, num_kv_heads, head_dim] are float32 rows (views into
         wider rows are fine); slot_mapping [T] int64; caches [num_blocks, block_size, num_kv_heads, head_dim]
-        contiguous, both float32 or both float16; block_tables [num_requests, max_blocks] int64 contiguous;
-        queries [n, 3] int64 contiguous, one row per query token: (its row in query/out, its request's row in
-        block_tables, how many tokens it sees), or None to only write. Out's other rows are left untouched.
+        contiguous, both float32 or both float16; block_tables [num_requests, max_blocks] int64 contiguous.
+        queries [n, 3] int64 contiguous, one row per single query token: (its row in query/out, its request's row
+        in block_tables, how many tokens it sees); chunks [c, 4] int64 contiguous, one row per prompt chunk whose
+        tokens attend causally: (its first row, its request's row, its number of tokens, the request's context
+        length after it). Either may be None. Out's other rows are left untouched.
         """
         num_tokens = query.shape[0]
         if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0] == num_tokens):
             raise ValueError(f"paged attention: {num_tokens} query rows but {key.shape[0]} key, {value.shape[0]} "
                              f"value rows and {slot_mapping.shape[0]} slots")
         if not (_is_int64_array(slot_mapping) and _is_int64_array(block_tables)
-                and (queries is None or _is_int64_array(queries))):
-            raise ValueError("paged attention: slot_mapping, block_tables and queries must be contiguous int64 CPU "
-                             "tensors")
+                and (queries is None or _is_int64_array(queries)) and (chunks is None or _is_int64_array(chunks))):
+            raise ValueError("paged attention: slot_mapping, block_tables, queries and chunks must be contiguous "
+                             "int64 CPU tensors")
         if not is_native_kv_pool(key_cache, value_cache):
             raise ValueError(f"paged attention: the pools must be contiguous CPU tensors, both float32 or both "
                              f"float16, got {key_cache.dtype} and {value_cache.dtype}")
@@ -309,7 +312,8 @@ class NativeKernels:
             value.stride(0), slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
             block_size, query.shape[1], num_kv_heads, head_dim, block_tables.data_ptr(), block_tables.shape[0],
             block_tables.shape[1], None if queries is None else queries.data_ptr(),
-            0 if queries is None else queries.shape[0], scale, out.data_ptr(), out.stride(0),
+            0 if queries is None else queries.shape[0], None if chunks is None else chunks.data_ptr(),
+            0 if chunks is None else chunks.shape[0], scale, out.data_ptr(), out.stride(0),
             torch.get_num_threads(), int(key_cache.dtype == torch.float16))
         _raise_for_attention_status(status, head_dim)
 
