@@ -84,6 +84,26 @@ inline __m256 sum_each(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(quads0, quads1, 0x20), _mm256_permute2f128_ps(quads0, quads1, 0x31));
 }
 
+// One head's online-softmax update over a tile's scores (count of them, a multiple of 8; padding lanes -inf):
+// raises the running max m to the tile's, turns the scores into e^(s - m), rescales the running sum l and adds
+// theirs, and returns e^(m_old - m_new), the factor the head's accumulator must be rescaled by.
+inline float online_softmax(float* scores, int64_t count, float& m, float& l) {
+  __m256 max_vector = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < count; j += 8) max_vector = _mm256_max_ps(max_vector, _mm256_load_ps(scores + j));
+  const float new_max = fmaxf(m, horizontal_max(max_vector));
+  const float rescale = m == -INFINITY ? 0.0f : expf(m - new_max);
+  const __m256 shift = _mm256_set1_ps(new_max);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(scores + j), shift));
+    _mm256_store_ps(scores + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  m = new_max;
+  l = l * rescale + horizontal_sum(total);
+  return rescale;
+}
+
 // Partial attention of every head of query token `query` over context tokens [t0, t1). Writes m[num_heads],
 // l[num_heads] and acc[num_heads][ND * 8] (not normalized). A tile's tokens are visited once per kv head while
 // their rows (all kv heads of a token side by side) are still in L1, so memory is read in order, once.
@@ -146,19 +166,7 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
       }
       // Padding lanes of the last vector of scores: -inf, so they add e^-inf = 0 and never raise the max.
       for (int64_t j = n; j < (n + 7) / 8 * 8; ++j) scores[j] = -INFINITY;
-      __m256 max_vector = _mm256_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < n; j += 8) max_vector = _mm256_max_ps(max_vector, _mm256_load_ps(scores + j));
-      const float new_max = fmaxf(m[h], horizontal_max(max_vector));
-      const float rescale = m[h] == -INFINITY ? 0.0f : expf(m[h] - new_max);
-      const __m256 shift = _mm256_set1_ps(new_max);
-      __m256 total = _mm256_setzero_ps();
-      for (int64_t j = 0; j < n; j += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(scores + j), shift));
-        _mm256_store_ps(scores + j, e);
-        total = _mm256_add_ps(total, e);
-      }
-      m[h] = new_max;
-      l[h] = l[h] * rescale + horizontal_sum(total);
+      const float rescale = online_softmax(scores, (n + 7) / 8 * 8, m[h], l[h]);
       __m256 sum[ND];
       const __m256 factor = _mm256_set1_ps(rescale);
       for (int i = 0; i < ND; ++i) sum[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + 8 * i), factor);
@@ -327,20 +335,8 @@ void chunk_heads(const float* q, const float* keys_t, const Cache* const* value_
   for (int hh = 0; hh < HC; ++hh) {
     float* s = scores + hh * kTile;
     for (int64_t j = visible; j < kTile; ++j) s[j] = -INFINITY;
-    __m256 max_vector = _mm256_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < kTile; j += 8) max_vector = _mm256_max_ps(max_vector, _mm256_load_ps(s + j));
     // visible >= 1, so the max is finite.
-    const float new_max = fmaxf(m[hh], horizontal_max(max_vector));
-    rescale[hh] = m[hh] == -INFINITY ? 0.0f : expf(m[hh] - new_max);
-    const __m256 shift = _mm256_set1_ps(new_max);
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; j < kTile; j += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + j), shift));
-      _mm256_store_ps(s + j, e);
-      total = _mm256_add_ps(total, e);
-    }
-    m[hh] = new_max;
-    l[hh] = l[hh] * rescale[hh] + horizontal_sum(total);
+    rescale[hh] = online_softmax(s, kTile, m[hh], l[hh]);
   }
   int c0 = 0;
   for (; c0 + 4 <= ND; c0 += 4) chunk_values<ND, HC, 4, Cache>(value_rows, visible, scores, rescale, c0, acc);
