@@ -273,8 +273,8 @@ void run_split(const Problem<Cache>& p, int64_t num_queries, int threads) {
 // product. Per work item (a chunk, one kv head, kQueryBlock consecutive query tokens) and per tile of kTile context
 // tokens, the tile's keys of that kv head are transposed once into [head_dim, kTile], and every (query token,
 // query head) row of the item takes its kTile scores as four vectors, a broadcast query element times a row of
-// the transposed keys per FMA, up to three heads at a time (twelve accumulators): no horizontal sums, and each
-// key vector loaded serves three heads. Values are read as in attend, three heads per vector loaded. Causal: the
+// the transposed keys per FMA, up to three heads at a time (twelve accumulators, the keys taken from L1 as FMA
+// operands): no horizontal sums. Each value vector loaded serves the three heads. Causal: the
 // token at position pos sees positions 0..pos, so a tile is skipped by the tokens it lies wholly after and masked
 // (-inf scores) where it straddles them.
 constexpr int64_t kQueryBlock = 32;
