@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from tokenriver.models.kernels.native import NativeKernels, is_f32_rows, is_native_kv_pool, load_kernels
 
 # Requests with at most this many new tokens attend token by token in the native kernel, longer ones through its
-# chunk path: from three tokens on, the chunk path is faster (benchmarks/results/attention.md).
+# chunk path: at one token the former is faster, at two they are even (benchmarks/results/attention.md).
 MAX_KERNEL_QUERY_LEN = 2
 
 
