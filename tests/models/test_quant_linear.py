@@ -127,6 +127,8 @@ def make_layer(kind: str, out_features: int, in_features: int, backend: str, bia
         return Int4Linear(quantize_int4(weight, 32), **options)
     if kind == "int4-g64":
         return Int4Linear(quantize_int4(weight, 64), **options)
+    if kind == "int4-g128":
+        return Int4Linear(quantize_int4(weight, 128), **options)
     if kind == "int8-channel":
         return Int8Linear(quantize_int8(weight), **options)
     blocks = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)  # [N, K // 32 * 34]
@@ -181,6 +183,36 @@ def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
         # Rounding x to 8 bits moves the result by well under 1% of its range; above max_gemv_rows it is exact.
         tolerance = 1e-2 if num_rows <= 8 else 2e-5
         assert (native(x) - exact(x)).abs().max().item() <= tolerance * scale
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("kind, in_features", [
+    ("int4-g32", 32),     # one block: a lone odd block
+    ("int4-g32", 96),     # a pair and an odd block, no full run of 8
+    ("int4-g32", 288),    # 8 blocks, then an odd one
+    ("int4-g32", 1536),   # 48 blocks, runs of 8 only
+    ("int4-g64", 448),    # 14 blocks: group scales shared by pairs, a tail of 6
+    ("int4-g128", 1024),  # a group spans a whole pair and more
+])
+def test_int8_activations_int4_pairs_match_reference_rounding(kind: str, in_features: int) -> None:
+    """The paired int4 kernel against the reference backend's identical rounding, across every block layout."""
+    native = make_layer(kind, 37, in_features, "native", max_gemv_rows=8, int8_activations=True)
+    reference = make_layer(kind, 37, in_features, "reference", max_gemv_rows=8, int8_activations=True)
+    x = torch.randn(8, in_features)
+    expected = reference(x)
+    assert (native(x) - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+def test_int8_activations_int4_rows_do_not_depend_on_the_batch() -> None:
+    """Each row's bits are the same alone, in any tile of a small batch, and through the bound kernel at 300 rows."""
+    layer = make_layer("int4-g32", 38, 576, "native", max_gemv_rows=8, int8_activations=True)
+    product = layer._native_gemv  # the int8-activation kernel, called here past max_gemv_rows too
+    rows = torch.randn(300, 576)
+    alone = torch.cat([product(rows[i:i + 1]) for i in range(300)])
+    for batch in (rows, rows[:2], rows[3:10], rows[100:181]):
+        start = int((batch.data_ptr() - rows.data_ptr()) // (4 * 576))
+        assert torch.equal(product(batch), alone[start:start + batch.shape[0]])
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")

@@ -78,7 +78,12 @@ class EngineCore:
         self.config = config
         torch.set_num_threads(config.num_threads or default_num_threads())
         self.loaded = loaded if loaded is not None else load_model(
-            config.model, config.dtype, config.device, config.quantization)
+            config.model, config.dtype, config.device, config.quantization, int8_activations=config.int8_activations)
+        if self.loaded.int8_activations != config.int8_activations:
+            raise InvalidParameterError(
+                f"int8_activations={config.int8_activations} but the given model was loaded with "
+                f"int8_activations={self.loaded.int8_activations}: load it with the setting the engine should use",
+                param="int8_activations")
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings

@@ -45,7 +45,8 @@ class LLM:
     def from_loaded(cls, loaded: LoadedModel, **engine_options: Any) -> "LLM":
         """An LLM over an already loaded model: several engines (tests, benchmarks) can share one copy of weights."""
         llm = cls.__new__(cls)
-        options = {"dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."), **engine_options}
+        options = {"dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+                   "int8_activations": loaded.int8_activations, **engine_options}
         llm._start(EngineCore(_engine_config(loaded.path, options), loaded=loaded))
         return llm
 

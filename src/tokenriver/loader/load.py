@@ -17,6 +17,7 @@ import contextlib
 import importlib.metadata
 import os
 from collections.abc import Iterator
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from tokenriver.loader.assemble import build_model, check_quantization
 from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.quant import Int4Linear
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,6 +51,8 @@ class LoadedModel:
     num_parameters: int
     # Bytes those weights take in memory (packed, for quantized layers).
     num_bytes: int
+    # Whether the 4-bit layers round decode activations to int8 (load_model's option).
+    int8_activations: bool = False
 
 
 def default_model_path() -> str:
@@ -67,11 +71,14 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
-               quantization: str = "auto", cache_dir: str | None = None) -> LoadedModel:
+               quantization: str = "auto", cache_dir: str | None = None,
+               int8_activations: bool = False) -> LoadedModel:
     """Load weights, config and tokenizer from a .gguf file or a Hugging Face folder (None = the default model).
 
     quantization (loader/assemble.py): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed and float weights float;
     "none" dequantizes everything; "int8"/"int4" also quantize float weights at load.
+    int8_activations: the 4-bit layers round decode-sized activations to int8 (models/quant.py); a model with no
+    4-bit weight is refused rather than loaded without the setting taking effect.
     cache_dir: where a GGUF file's header index is cached (loader/gguf_cache.py; None: $XDG_CACHE_HOME/tokenriver
     or ~/.cache/tokenriver).
     """
@@ -80,7 +87,16 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     check_quantization(quantization)
     path = default_model_path() if path is None else os.fspath(path)
     with _one_thread():
-        return _load(path, _DTYPES[dtype], device, quantization, cache_dir)
+        loaded = _load(path, _DTYPES[dtype], device, quantization, cache_dir)
+    if int8_activations:
+        layers = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]
+        if not layers:
+            raise InvalidParameterError(f"int8_activations applies to 4-bit weights and {path} has none with "
+                                        f"quantization={quantization!r}: use quantization='int4' to quantize it",
+                                        param="int8_activations")
+        for layer in layers:
+            layer.set_int8_activations(True)
+    return dataclasses.replace(loaded, int8_activations=int8_activations)
 
 
 def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, cache_dir: str | None) -> LoadedModel:
