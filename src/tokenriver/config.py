@@ -51,7 +51,8 @@ class EngineConfig:
     # "none" dequantizes everything to dtype; "int8" / "int4" also quantize float weights at load.
     quantization: str = "auto"
     # 4-bit weights multiply activations rounded to int8 per 32 columns in decode-sized products, as llama.cpp does
-    # (models/quant.py): ~1.3x faster single-stream decode here, logits no longer exactly the float reference's.
+    # (models/quant.py): faster single-stream decode (with a float16 KV cache, 112 vs 79 tokens/s for the exact
+    # engine in benchmarks/results/vs_llamacpp.md), logits no longer exactly the float reference's.
     int8_activations: bool = False
     # torch device string ("cpu", "cuda", ...).
     device: str = "cpu"

@@ -14,10 +14,10 @@ Two things keep start-up short: loading runs on one PyTorch thread
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import os
 from collections.abc import Iterator
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
