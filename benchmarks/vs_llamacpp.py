@@ -37,6 +37,8 @@ Writes benchmarks/results/vs_llamacpp.md and vs_llamacpp.png.
 from __future__ import annotations
 
 import argparse
+import compileall
+import importlib.util
 import json
 import math
 import os
@@ -459,6 +461,8 @@ def measure_throughput(workers: list[Worker], prompts: dict, settings: Settings,
 def measure_cold_starts(setups: list[Setup], prompts: dict, settings: Settings, results: Results) -> None:
     """Fresh processes, alternating engines; then `tokenriver generate` to its first byte of output."""
     num_threads = setups[0].num_threads
+    # What an install leaves behind: the package's modules byte-compiled, so no start compiles them from source.
+    compileall.compile_dir(os.path.dirname(importlib.util.find_spec("tokenriver").origin), quiet=1)
     cli = [sys.executable, "-m", "tokenriver.cli", "generate", "Once upon a time", "--max-tokens", "8",
            "--temperature", "0", "--threads", str(num_threads)]
     for _ in range(settings.cold_starts):

@@ -196,36 +196,41 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
     return Int4Weight(qweight, scales.contiguous(), mins.contiguous(), group_size)
 
 
-def _gguf_blocks(blocks: torch.Tensor | np.ndarray, block_bytes: int, kind: str) -> torch.Tensor:
-    """GGUF tensor bytes [N, num_blocks * block_bytes] (as gguf.GGUFReader gives them) → [N, num_blocks, block_bytes]."""
-    data = torch.from_numpy(np.array(blocks, dtype=np.uint8)) if isinstance(blocks, np.ndarray) else blocks
-    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % block_bytes:
+def _gguf_words(blocks: torch.Tensor | np.ndarray, block_bytes: int, kind: str) -> np.ndarray:
+    """GGUF tensor bytes [N, num_blocks * block_bytes] (as gguf.GGUFReader gives them) → [N, num_blocks,
+    block_bytes // 2] uint16.
+
+    Every block type here is a whole number of 16-bit words (an f16 header, then the quants), so the fields are
+    cut out as words: half the elements of a byte-wise copy, about twice as fast for the ~100 MB a model holds.
+    """
+    data = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % block_bytes:
         raise ModelLoadError(
             f"{kind} data must be uint8 [out_features, blocks * {block_bytes} bytes], got {data.dtype} "
             f"{tuple(data.shape)}; pass the tensor's raw bytes as gguf.GGUFReader returns them")
-    return data.reshape(data.shape[0], -1, block_bytes)  # [N, K // 32, block_bytes]
+    return np.ascontiguousarray(data).view(np.uint16).reshape(data.shape[0], -1, block_bytes // 2)
 
 
-def _float16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """Little-endian float16 at byte `start` of every block → [N, num_blocks] float16."""
-    return blocks[:, :, start:start + 2].contiguous().view(torch.float16).squeeze(-1)
+def _words_field(words: np.ndarray, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Words [start, stop) of every block, rows kept: [N, num_blocks * (stop - start)] reinterpreted as `dtype`."""
+    field = np.ascontiguousarray(words[:, :, start:stop]).reshape(words.shape[0], -1)
+    return torch.from_numpy(field).view(dtype)
 
 
 def repack_q4_0(blocks: torch.Tensor | np.ndarray) -> Int4Weight:
     """GGUF Q4_0 (w = d * (q - 8)) → Int4Weight with scale d and min -8d; exact, nibbles copied as they are."""
-    data = _gguf_blocks(blocks, Q4_0_BLOCK_BYTES, "Q4_0")
-    scales = _float16_field(data, 0)  # [N, K // 32]
+    words = _gguf_words(blocks, Q4_0_BLOCK_BYTES, "Q4_0")
+    scales = _words_field(words, 0, 1, torch.float16)  # [N, K // 32]
     if bool((scales.float().abs() * 8 > FLOAT16_MAX).any()):
         raise ModelLoadError("Q4_0 block scale too large: -8 * scale does not fit float16; the file is damaged")
-    qweight = data[:, :, 2:].reshape(data.shape[0], -1).contiguous()  # [N, K // 2]
-    return Int4Weight(qweight, scales.contiguous(), (-8 * scales).contiguous(), GGUF_BLOCK)
+    return Int4Weight(_words_field(words, 1, 9, torch.uint8), scales, (-8 * scales).contiguous(), GGUF_BLOCK)
 
 
 def repack_q4_1(blocks: torch.Tensor | np.ndarray) -> Int4Weight:
     """GGUF Q4_1 (w = d * q + m) → Int4Weight with scale d and min m; exact, a copy of the bytes."""
-    data = _gguf_blocks(blocks, Q4_1_BLOCK_BYTES, "Q4_1")
-    qweight = data[:, :, 4:].reshape(data.shape[0], -1).contiguous()  # [N, K // 2]
-    return Int4Weight(qweight, _float16_field(data, 0).contiguous(), _float16_field(data, 2).contiguous(), GGUF_BLOCK)
+    words = _gguf_words(blocks, Q4_1_BLOCK_BYTES, "Q4_1")
+    return Int4Weight(_words_field(words, 2, 10, torch.uint8), _words_field(words, 0, 1, torch.float16),
+                      _words_field(words, 1, 2, torch.float16), GGUF_BLOCK)
 
 
 def repack_q8_0(blocks: torch.Tensor | np.ndarray) -> Int8Weight:
@@ -234,9 +239,8 @@ def repack_q8_0(blocks: torch.Tensor | np.ndarray) -> Int8Weight:
     PyTorch's `_weight_int8pack_mm` takes one scale per output channel, so a per-32 scale runs on the native
     kernel or the reference path; folding it into one scale per row would add rounding error.
     """
-    data = _gguf_blocks(blocks, Q8_0_BLOCK_BYTES, "Q8_0")
-    qweight = data[:, :, 2:].reshape(data.shape[0], -1).contiguous().view(torch.int8)  # [N, K]
-    return Int8Weight(qweight, _float16_field(data, 0).contiguous(), GGUF_BLOCK)
+    words = _gguf_words(blocks, Q8_0_BLOCK_BYTES, "Q8_0")
+    return Int8Weight(_words_field(words, 1, 17, torch.int8), _words_field(words, 0, 1, torch.float16), GGUF_BLOCK)
 
 
 class _QuantizedLinear(nn.Module):
