@@ -182,3 +182,26 @@ def test_model_equals_itself_without_native_kernels(dtype, monkeypatch):
     else:
         # bfloat16 takes the torch definitions everywhere: the same ops, the same bits.
         assert torch.equal(native, torch_only)
+
+
+@pytest.mark.parametrize("num_rows, vocab_size", [(1, 49152), (64, 49152), (3, 7), (5, 100), (2, 8), (4, 33)])
+def test_argmax_logsumexp_equals_torch(num_rows, vocab_size):
+    kernels = load_kernels()
+    logits = torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(vocab_size)) * 4
+    # Ties: the first of equal maxima wins, in the vector part, across lanes and in the scalar tail.
+    logits[0, vocab_size // 2] = logits[0, vocab_size - 1] = 100.0
+    if num_rows > 1:
+        logits[1, 3] = logits[1, 1] = 100.0
+    argmax, lse = kernels.argmax_logsumexp(logits)
+    assert torch.equal(argmax, logits.argmax(dim=1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits.double(), dim=1).float(), rtol=1e-6, atol=1e-5)
+
+
+def test_argmax_logsumexp_declines_rows_without_a_finite_normalizer():
+    kernels = load_kernels()
+    assert kernels.argmax_logsumexp(torch.full((2, 20), float("-inf"))) is None
+    with_nan = torch.randn(3, 50)
+    with_nan[1, 17] = float("nan")
+    assert kernels.argmax_logsumexp(with_nan) is None
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels.argmax_logsumexp(torch.randn(4, 10).t())

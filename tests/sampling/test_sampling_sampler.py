@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sampling_helpers import make_state, random_logits
+from tokenriver.models.kernels.native import load_kernels
 from tokenriver.params import SamplingParams
 from tokenriver.sampling import processors
 from tokenriver.sampling.sampler import Sampler, SamplingState
@@ -155,6 +156,29 @@ def test_chosen_logprob_and_top_alternatives_come_from_the_raw_distribution(sett
             assert logprob == pytest.approx(float(expected.values[j]), abs=1e-5)
         logprobs = [lp for _, lp in result.logprob.top]
         assert logprobs == sorted(logprobs, reverse=True)
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
+def test_native_row_reductions_give_the_same_tokens_and_logprobs():
+    """The runner's one-pass argmax + logsumexp: same tokens and ranks, logprobs within float rounding."""
+    logits = random_logits(7, 4099, scale=3.0, seed=11)
+    logits[0, 5] = logits[0, 4000] = 40.0  # a tie: the first index wins either way
+    settings = [dict(temperature=0.0), dict(temperature=0.0, logprobs=3), dict(temperature=1.0, seed=5),
+                dict(temperature=0.0, repetition_penalty=5.0), dict(temperature=0.0, logit_bias={9: 50.0}),
+                dict(temperature=0.7, top_k=5, seed=6, logprobs=2), dict(temperature=0.0)]
+    states = [make_state(SamplingParams(**options), prompt=[int(logits[i].argmax())]) for i, options in
+              enumerate(settings)]
+    plain = Sampler(torch.Generator().manual_seed(0)).sample(logits, states)
+    states = [make_state(SamplingParams(**options), prompt=[int(logits[i].argmax())]) for i, options in
+              enumerate(settings)]
+    native = Sampler(torch.Generator().manual_seed(0), load_kernels().argmax_logsumexp).sample(logits, states)
+    assert [r.token_id for r in native] == [r.token_id for r in plain]
+    assert native[0].token_id == 5
+    for ours, theirs in zip(native, plain):
+        assert ours.logprob.rank == theirs.logprob.rank
+        assert ours.logprob.logprob == pytest.approx(theirs.logprob.logprob, abs=1e-5)
+        assert [t for t, _ in ours.logprob.top] == [t for t, _ in theirs.logprob.top]
+        assert [lp for _, lp in ours.logprob.top] == pytest.approx([lp for _, lp in theirs.logprob.top], abs=1e-5)
 
 
 def test_prompt_logprobs_match_log_softmax():

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tokenriver.kv.cache import KVCache
+from tokenriver.models.kernels.native import load_kernels
 from tokenriver.runner.inputs import ModelInputs, prepare_inputs
 from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -31,7 +32,8 @@ class ModelRunner:
         self.device = torch.device(device)
         default_generator = torch.Generator(device=self.device)
         default_generator.manual_seed(seed)
-        self.sampler = Sampler(default_generator)
+        kernels = load_kernels() if self.device.type == "cpu" else None
+        self.sampler = Sampler(default_generator, kernels.argmax_logsumexp if kernels is not None else None)
         self._generators: dict[str, torch.Generator] = {}
         # Forward passes run so far (the visualizer's "one pass per token").
         self.num_forward_passes = 0

@@ -11,7 +11,8 @@ Invariants:
   step, so a seeded request gives the same tokens alone, in any batch, at any
   row index. Greedy rows draw nothing.
 - Stages no row uses are skipped, and each stage runs only on the rows that use
-  it; a batch of greedy rows without penalties costs an argmax and a logsumexp.
+  it; a batch of greedy rows without penalties costs an argmax and a logsumexp
+  (one native pass per row when the runner hands the sampler its kernels).
 - Logprobs and ranks are those of the raw distribution (log_softmax of the
   unprocessed logits), as OpenAI and vLLM report them.
 
@@ -123,12 +124,19 @@ class _Logits:
         self.tensor[index] = process(self.tensor[index])
 
 
+# logits [N, V] → (argmax [N], logsumexp [N]) in one pass, or None to take PyTorch's reductions instead.
+RowReductions = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
 class Sampler:
     """Turns a step's logits into tokens, logprobs and traces."""
 
-    def __init__(self, default_generator: torch.Generator) -> None:
+    def __init__(self, default_generator: torch.Generator, row_reductions: RowReductions | None = None) -> None:
         # Rows without a seed draw from this one stream, in batch order.
         self.default_generator = default_generator
+        # A faster argmax + logsumexp of raw logits rows (the native kernels'), same argmax, logsumexp within
+        # float rounding; the runner passes it where the kernels are built.
+        self.row_reductions = row_reductions
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleResult]:
         """logits [N, V] float32, one row per state (the last position of each sampled request)."""
@@ -141,12 +149,19 @@ class Sampler:
         tracer = _Tracer(logits, traced_rows, states) if traced_rows else None
 
         processed, modified_rows = self._process(logits, states, tracer)
+        reduced = self.row_reductions(logits) if self.row_reductions is not None else None
+        raw_argmax, log_normalizer = reduced if reduced is not None else (None, None)
 
         token_ids = torch.empty(num_rows, dtype=torch.int64)  # [N]
         greedy_rows = [i for i, state in enumerate(states) if state.params.is_greedy]
         sampled_rows = [i for i, state in enumerate(states) if not state.params.is_greedy]
-        if greedy_rows:
-            token_ids[greedy_rows] = _rows(processed, greedy_rows).argmax(dim=1)
+        # A greedy row no stage changed takes the raw argmax when the reductions gave it.
+        known = [i for i in greedy_rows if i not in modified_rows] if raw_argmax is not None else []
+        if known:
+            token_ids[known] = raw_argmax[known]
+        argmax_rows = [i for i in greedy_rows if i not in known] if known else greedy_rows
+        if argmax_rows:
+            token_ids[argmax_rows] = _rows(processed, argmax_rows).argmax(dim=1)
         if sampled_rows:
             uniforms = self._uniforms([states[i] for i in sampled_rows])  # [n]
             token_ids[sampled_rows] = _draw(_rows(processed, sampled_rows).softmax(dim=1), uniforms)
@@ -154,7 +169,7 @@ class Sampler:
         # Untouched greedy rows picked the raw argmax: nothing ranks above it, no need to count.
         is_rank_one = [state.params.is_greedy and i not in modified_rows for i, state in enumerate(states)]
         num_top = [state.params.logprobs or 0 for state in states]
-        logprobs = _raw_logprobs(logits, token_ids, num_top, is_rank_one)
+        logprobs = _raw_logprobs(logits, token_ids, num_top, is_rank_one, log_normalizer)
         traces = tracer.finish(processed, token_ids, states) if tracer else {}
 
         chosen = token_ids.tolist()
@@ -430,15 +445,18 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _raw_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int], is_rank_one: list[bool]
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int], is_rank_one: list[bool],
+    log_normalizer: torch.Tensor | None = None,
 ) -> list[TokenLogprobs]:
     """Logprob and rank of token_ids[i] under log_softmax(logits[i]), plus the num_top[i] best alternatives.
 
     rank = 1 + the number of tokens with a strictly larger logit (ties share a rank; the argmax is always 1).
     Rows flagged in is_rank_one are known to hold an argmax, which saves a pass over their vocabulary.
+    log_normalizer: logsumexp of each row when the caller has it already.
     """
     num_rows = logits.shape[0]
-    log_normalizer = torch.logsumexp(logits, dim=1)  # [N]
+    if log_normalizer is None:
+        log_normalizer = torch.logsumexp(logits, dim=1)  # [N]
     chosen_logits = logits.gather(1, token_ids.unsqueeze(1))  # [N, 1]
     chosen_logprobs = (chosen_logits.squeeze(1) - log_normalizer).tolist()
     ranks = [1] * num_rows

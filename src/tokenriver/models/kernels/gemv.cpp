@@ -412,9 +412,15 @@ struct PairedActivations {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; ++m) {
       quantize_activations(x + m * K, 1, K, xq.data() + m * K, xscale.data() + m * K / 32);
+      // Per group: each block's exact integer sum times its scale, one multiply per 32 values.
       for (int64_t g = 0; g < K / G; ++g) {
         float sum = 0.0f;
-        for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xscale[(m * K + k) / 32] * xq[m * K + k];
+        for (int64_t b = g * G / 32; b < (g + 1) * G / 32; ++b) {
+          const int8_t* block = xq.data() + m * K + 32 * b;
+          int32_t block_sum = 0;
+          for (int i = 0; i < 32; ++i) block_sum += block[i];
+          sum += xscale[m * (K / 32) + b] * static_cast<float>(block_sum);
+        }
         xsum[m * (K / G) + g] = sum;
       }
       pair_activations(xq.data() + m * K, K, lo.data() + m * pair_bytes, hi.data() + m * pair_bytes);

@@ -160,6 +160,7 @@ class NativeKernels:
             "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
             "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, c_int], None),
             "silu_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
+            "argmax_logsumexp_f32": ([ptr, i64, i64, ptr, ptr, c_int], None),
             "paged_attention_supports": ([i64], c_int),
             "llama_decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
             "paged_attention_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr,
@@ -175,6 +176,7 @@ class NativeKernels:
         self._rms_norm = self._functions["rms_norm_f32"]
         self._rotary = self._functions["rotary_f32"]
         self._silu_mul = self._functions["silu_mul_f32"]
+        self._argmax_logsumexp = self._functions["argmax_logsumexp_f32"]
         self._paged_attention = self._functions["paged_attention_f32"]
         self._llama_decoder = self._functions["llama_decoder_f32"]
         # Head sizes paged_attention is compiled for.
@@ -280,6 +282,22 @@ class NativeKernels:
         out = torch.empty(num_rows, width // 2, dtype=torch.float32)  # [M, I]
         self._silu_mul(gate_up.data_ptr(), num_rows, width // 2, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per row of float32 logits [N, V]: the argmax (first of equal maxima, as torch.argmax) and
+        log(sum(exp(row))), in one call instead of two PyTorch reductions (measured here on 64 rows of SmolLM2's
+        49,152 logits: 5.9 ms for torch.logsumexp and 2.3 ms for argmax). None when a row holds NaN or no finite
+        value, so that the caller takes PyTorch's path, which defines those cases.
+        """
+        if not is_contiguous_f32(logits) or logits.dim() != 2:
+            raise ValueError(f"logits must be contiguous float32 [N, V] on the CPU, got {logits.dtype} "
+                             f"{tuple(logits.shape)} on {logits.device}")
+        num_rows, vocab_size = logits.shape
+        argmax = torch.empty(num_rows, dtype=torch.int64)  # [N]
+        lse = torch.empty(num_rows, dtype=torch.float32)  # [N]
+        self._argmax_logsumexp(logits.data_ptr(), num_rows, vocab_size, argmax.data_ptr(), lse.data_ptr(),
+                               torch.get_num_threads())
+        return (argmax, lse) if bool(torch.isfinite(lse).all()) else None
 
     def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -1,5 +1,6 @@
 // The small per-layer operations of a decoder step, each one pass over its rows: RMSNorm with the residual add
-// fused in, rotary positions applied in place, and silu(gate) * up.
+// fused in, rotary positions applied in place, and silu(gate) * up; and the two reductions the sampler needs of
+// every logits row, its argmax and its log-sum-exp.
 //
 // On a decode step these run on one to a few rows of a few hundred floats, so their cost in PyTorch is op
 // dispatch (about 40 small ops per layer), not arithmetic; here each is one call. They reproduce the arithmetic
@@ -18,6 +19,7 @@
 namespace {
 
 using tokenriver::exp256;
+using tokenriver::horizontal_max;
 using tokenriver::horizontal_sum;
 
 // Below this many floats per call a single thread finishes before a team of threads could start.
@@ -81,6 +83,54 @@ void rotate_heads(float* x, int64_t num_heads, int64_t head_dim, const float* co
   }
 }
 
+// Argmax (the first index of the largest value, as torch.argmax) and log(sum(exp(row))) of one row, in two
+// passes: the max with its index, then the sum of e^(x - max) over four accumulators. A row holding NaN gets a
+// NaN log-sum-exp, which the caller checks for (and then uses PyTorch, which defines that case).
+void argmax_logsumexp_row(const float* row, int64_t V, int64_t* argmax, float* lse) {
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  __m256i best_index = _mm256_set1_epi32(0);
+  __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  __m256 unordered = _mm256_setzero_ps();
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 x = _mm256_loadu_ps(row + v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256 greater = _mm256_cmp_ps(x, best, _CMP_GT_OQ);  // strictly: a lane keeps its first maximum
+    best = _mm256_blendv_ps(best, x, greater);
+    best_index = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(best_index), _mm256_castsi256_ps(index), greater));
+    index = _mm256_add_epi32(index, step);
+  }
+  float max_value = horizontal_max(best);
+  alignas(32) float lane_values[8];
+  alignas(32) int32_t lane_indices[8];
+  _mm256_store_ps(lane_values, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_indices), best_index);
+  int64_t max_index = V;
+  for (int lane = 0; lane < 8; ++lane)
+    if (v > 0 && lane_values[lane] == max_value && lane_indices[lane] < max_index) max_index = lane_indices[lane];
+  bool has_nan = _mm256_movemask_ps(unordered) != 0;
+  for (; v < V; ++v) {
+    has_nan = has_nan || isnan(row[v]);
+    if (row[v] > max_value || max_index == V) {
+      max_value = row[v];
+      max_index = v;
+    }
+  }
+  const __m256 shift = _mm256_set1_ps(max_value);
+  __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  v = 0;
+  for (; v + 32 <= V; v += 32)
+    for (int i = 0; i < 4; ++i)
+      sums[i] = _mm256_add_ps(sums[i], exp256(_mm256_sub_ps(_mm256_loadu_ps(row + v + 8 * i), shift)));
+  for (; v + 8 <= V; v += 8) sums[0] = _mm256_add_ps(sums[0], exp256(_mm256_sub_ps(_mm256_loadu_ps(row + v), shift)));
+  float total = horizontal_sum(_mm256_add_ps(_mm256_add_ps(sums[0], sums[1]), _mm256_add_ps(sums[2], sums[3])));
+  for (; v < V; ++v) total += expf(row[v] - max_value);
+  *argmax = max_index;
+  *lse = has_nan ? NAN : max_value + logf(total);
+}
+
 }  // namespace
 
 extern "C" {
@@ -131,6 +181,12 @@ void silu_mul_f32(const float* gate_up, int64_t M, int64_t I, float* out, int nu
     }
     for (; i < I; ++i) row[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
   });
+}
+
+// Per row of logits [N, V]: argmax[n] and lse[n] (see argmax_logsumexp_row); rows split across threads.
+void argmax_logsumexp_f32(const float* logits, int64_t N, int64_t V, int64_t* argmax, float* lse, int num_threads) {
+  for_rows(N, N * V, num_threads,
+           [&](int64_t n) { argmax_logsumexp_row(logits + n * V, V, argmax + n, lse + n); });
 }
 
 }  // extern "C"
