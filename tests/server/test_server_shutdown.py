@@ -11,7 +11,9 @@ import pytest
 
 from server_harness import start_server, stop_server
 
-NUM_TOKENS = 24
+# Long enough (~3 s here) that SIGTERM always lands while the request is still generating: with 24 tokens it
+# sometimes finished first, and then there was no connection for the server to wait for.
+NUM_TOKENS = 256
 
 
 @pytest.fixture(scope="module")

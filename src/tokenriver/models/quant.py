@@ -201,7 +201,7 @@ def _gguf_words(blocks: torch.Tensor | np.ndarray, block_bytes: int, kind: str) 
     block_bytes // 2] uint16.
 
     Every block type here is a whole number of 16-bit words (an f16 header, then the quants), so the fields are
-    cut out as words: half the elements of a byte-wise copy, about twice as fast for the ~100 MB a model holds.
+    cut out as words: half the elements of a byte-wise copy (SmolLM2's 210 Q4_1 matrices: 35-43 ms against 50-60).
     """
     data = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % block_bytes:
