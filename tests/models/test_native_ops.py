@@ -197,11 +197,11 @@ def test_argmax_logsumexp_equals_torch(num_rows, vocab_size):
     torch.testing.assert_close(lse, torch.logsumexp(logits.double(), dim=1).float(), rtol=1e-6, atol=1e-5)
 
 
-def test_argmax_logsumexp_declines_rows_without_a_finite_normalizer():
+def test_argmax_logsumexp_declines_what_it_cannot_compute():
     kernels = load_kernels()
     assert kernels.argmax_logsumexp(torch.full((2, 20), float("-inf"))) is None
     with_nan = torch.randn(3, 50)
     with_nan[1, 17] = float("nan")
     assert kernels.argmax_logsumexp(with_nan) is None
-    with pytest.raises(ValueError, match="contiguous float32"):
-        kernels.argmax_logsumexp(torch.randn(4, 10).t())
+    assert kernels.argmax_logsumexp(torch.randn(4, 10).t()) is None  # not contiguous
+    assert kernels.argmax_logsumexp(torch.randn(4, 10, dtype=torch.bfloat16)) is None
