@@ -155,11 +155,13 @@ class Sampler:
         token_ids = torch.empty(num_rows, dtype=torch.int64)  # [N]
         greedy_rows = [i for i, state in enumerate(states) if state.params.is_greedy]
         sampled_rows = [i for i, state in enumerate(states) if not state.params.is_greedy]
-        # A greedy row no stage changed takes the raw argmax when the reductions gave it.
-        known = [i for i in greedy_rows if i not in modified_rows] if raw_argmax is not None else []
-        if known:
-            token_ids[known] = raw_argmax[known]
-        argmax_rows = [i for i in greedy_rows if i not in known] if known else greedy_rows
+        # A greedy row no stage changed takes the raw argmax when the reductions gave it; the rest take processed's.
+        argmax_rows = greedy_rows
+        if raw_argmax is not None:
+            known = [i for i in greedy_rows if i not in modified_rows]
+            argmax_rows = [i for i in greedy_rows if i in modified_rows]
+            if known:
+                token_ids[known] = raw_argmax[known]
         if argmax_rows:
             token_ids[argmax_rows] = _rows(processed, argmax_rows).argmax(dim=1)
         if sampled_rows:
