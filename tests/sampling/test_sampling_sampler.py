@@ -171,7 +171,14 @@ def test_native_row_reductions_give_the_same_tokens_and_logprobs():
     plain = Sampler(torch.Generator().manual_seed(0)).sample(logits, states)
     states = [make_state(SamplingParams(**options), prompt=[int(logits[i].argmax())]) for i, options in
               enumerate(settings)]
-    native = Sampler(torch.Generator().manual_seed(0), load_kernels().argmax_logsumexp).sample(logits, states)
+    calls = []
+
+    def reductions(rows: torch.Tensor):
+        calls.append(rows.shape[0])
+        return load_kernels().argmax_logsumexp(rows)
+
+    native = Sampler(torch.Generator().manual_seed(0), reductions).sample(logits, states)
+    assert calls == [7]  # one pass over the step's rows, not PyTorch's reductions
     assert [r.token_id for r in native] == [r.token_id for r in plain]
     assert native[0].token_id == 5
     for ours, theirs in zip(native, plain):
