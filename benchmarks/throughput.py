@@ -1,11 +1,13 @@
 """Offline throughput: 64 prompts x 128 generated tokens, tokenriver vs transformers' padded `generate`.
 
 Same weights, same dtype, same run, 2 threads. transformers runs at each batch size in --hf-batch-sizes and its
-best is the reference. Also: tokenriver's throughput vs the number of concurrent sequences (1, 4, 16, 64), and the
-time to first token of a request whose 1,000-token prefix is already in the prefix cache vs not.
+best is the reference. Every configuration runs --rounds times, the engines alternating within each round, and the
+table reports medians with each round's figure: on a shared machine one run can be 20 % off the next.
+Also: tokenriver's throughput vs the number of concurrent sequences (1, 4, 16, 64), and the time to first token of
+a request whose 1,000-token prefix is already in the prefix cache vs not.
 Writes benchmarks/results/throughput.md and throughput.png.
 
-    python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-prompts 64] [--max-tokens 128]
+    python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-prompts 64] [--max-tokens 128] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ def tokenriver_throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - started
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def tokenriver_run(loaded, prompts: list[list[int]], args: argparse.Namespace, caching: bool) -> float:
+    """One fresh engine with every prompt admitted at once, after a warm-up sharing no prefix with the prompts."""
+    llm = LLM.from_loaded(loaded, num_threads=args.threads, max_num_seqs=args.num_prompts, kv_cache_memory="2GiB",
+                          enable_prefix_caching=caching)
+    tokenriver_throughput(llm, [list(range(1000, 1040))], 8)
+    return tokenriver_throughput(llm, prompts, args.max_tokens)
 
 
 def transformers_throughput(model, tokenizer, prompts: list[list[int]], max_tokens: int, batch_size: int) -> float:
@@ -88,9 +98,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every configuration, engines alternating")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                         help="tokenriver's weights: auto keeps the file's Q4_1 packed, none dequantizes to --dtype")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
@@ -104,14 +117,22 @@ def main() -> None:
 
     # The engine's defaults, prefix caching on: the prompts' shared chat-template prefix is computed once, as a
     # serving engine does (vLLM's too); and with it off, every prompt token computed, as transformers does.
-    ours = {}
-    for caching in (True, False):
-        llm = LLM.from_loaded(loaded, num_threads=args.threads, max_num_seqs=args.num_prompts,
-                              kv_cache_memory="2GiB", enable_prefix_caching=caching)
-        tokenriver_throughput(llm, [list(range(1000, 1040))], 8)  # warm-up that shares no prefix with the prompts
-        ours[caching] = tokenriver_throughput(llm, prompts, args.max_tokens)
-    hf = {size: transformers_throughput(hf_model, loaded.tokenizer, prompts, args.max_tokens, size)
-          for size in args.hf_batch_sizes}
+    ours_rounds: dict[bool, list[float]] = {True: [], False: []}
+    hf_rounds: dict[int, list[float]] = {size: [] for size in args.hf_batch_sizes}
+    for round_index in range(args.rounds):
+        # Alternate which engine goes first, so drift over the run does not favour either.
+        for engine in (("tokenriver", "transformers") if round_index % 2 == 0 else ("transformers", "tokenriver")):
+            if engine == "tokenriver":
+                for caching in (True, False):
+                    ours_rounds[caching].append(tokenriver_run(loaded, prompts, args, caching))
+            else:
+                for size in args.hf_batch_sizes:
+                    hf_rounds[size].append(
+                        transformers_throughput(hf_model, loaded.tokenizer, prompts, args.max_tokens, size))
+        print(f"round {round_index + 1}: tokenriver {[round(r[-1], 1) for r in ours_rounds.values()]}, "
+              f"transformers {[round(r[-1], 1) for r in hf_rounds.values()]}", flush=True)
+    ours = {caching: statistics.median(rates) for caching, rates in ours_rounds.items()}
+    hf = {size: statistics.median(rates) for size, rates in hf_rounds.items()}
     best_size = max(hf, key=hf.get)
 
     concurrency_rows, concurrency = [], [1, 4, 16, 64]
@@ -145,10 +166,15 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     figure.savefig(RESULTS / "throughput.png", dpi=120)
 
+    def each(rates: list[float]) -> str:
+        return ", ".join(f"{rate:.1f}" for rate in rates)
+
     rows = [[f"tokenriver (continuous batching, {args.num_prompts} at once, prefix caching "
-             f"{'on: the default' if caching else 'off'})", f"{rate:.1f}", f"{rate / hf[best_size]:.2f}x"]
+             f"{'on: the default' if caching else 'off'})", f"{rate:.1f}", each(ours_rounds[caching]),
+             f"{rate / hf[best_size]:.2f}x"]
             for caching, rate in ours.items()]
-    rows += [[f"transformers generate, batch {size} (padded)", f"{rate:.1f}", f"{rate / hf[best_size]:.2f}x"]
+    rows += [[f"transformers generate, batch {size} (padded)", f"{rate:.1f}", each(hf_rounds[size]),
+              f"{rate / hf[best_size]:.2f}x"]
              for size, rate in hf.items()]
     report = [
         "# Offline throughput: tokenriver vs transformers",
@@ -157,9 +183,11 @@ def main() -> None:
         f"{args.dtype}. Machine: {machine_line()}.",
         f"tokenriver weights: quantization {args.quantization} (auto = the file's Q4_1 kept packed); transformers: "
         f"the same GGUF dequantized to {args.dtype}.",
-        f"Command: `python benchmarks/throughput.py --dtype {args.dtype} --quantization {args.quantization}`",
+        f"Command: `python benchmarks/throughput.py --dtype {args.dtype} --quantization {args.quantization} "
+        f"--rounds {args.rounds}`",
         "",
-        markdown_table(["engine", "generated tokens/s", "vs transformers' best"], rows),
+        markdown_table(["engine", f"generated tokens/s (median of {args.rounds})", "each round",
+                        "vs transformers' best"], rows),
         "",
         "## tokenriver throughput vs concurrent sequences",
         "",
