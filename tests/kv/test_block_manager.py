@@ -95,6 +95,17 @@ def test_uncached_free_blocks_are_used_before_evicting_cached_ones():
     assert manager.num_cached_blocks == 2
 
 
+def test_recently_freed_uncached_blocks_are_reused_before_untouched_ones():
+    """A warm engine keeps writing into pool pages it has touched; untouched blocks are taken only when needed."""
+    manager = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    assert manager.allocate(3) == [0, 1, 2]
+    first = manager.allocate(4)
+    manager.free(first)
+    assert manager.allocate(4) == first  # in the same order: a request's blocks stay in ascending pool order
+    manager.free(first[:2])
+    assert manager.allocate(3) == [first[0], first[1], 7]
+
+
 def test_lru_eviction_order_least_recently_freed_first_tail_before_head():
     manager = BlockManager(num_blocks=4, block_size=2)
     a_tokens, b_tokens = [1, 2, 3, 4], [5, 6, 7, 8]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from tokenriver.errors import InvalidParameterError
@@ -64,8 +64,12 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         # The hash a block is registered under in the prefix cache, or None.
         self._block_hashes: list[bytes | None] = [None] * num_blocks
-        # Free blocks that cache nothing: handed out first.
-        self._free_uncached: deque[int] = deque(range(num_blocks))
+        # Free blocks that cache nothing, handed out first: a stack, the most recently freed on top (block 0 on top
+        # at the start). A block used before has its pool pages resident; a block never written costs page
+        # faults on its first write, the OS zeroing its memory. Handed out oldest first, every prefill went to
+        # untouched blocks until the whole pool had been used once: a 512-token prefill ran ~10% faster this way
+        # (median of 30 alternating runs).
+        self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
         # Free blocks that still cache a prefix, least recently freed first: evicted in this order.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         # The prefix cache: block hash → block id.
@@ -207,7 +211,7 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         if self._free_uncached:
-            return self._free_uncached.popleft()
+            return self._free_uncached.pop()
         block_id, _ = self._evictable.popitem(last=False)
         del self._cached[self._block_hashes[block_id]]
         self._block_hashes[block_id] = None
