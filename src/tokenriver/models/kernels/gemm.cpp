@@ -194,7 +194,7 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const ui
       std::vector<float> w(kRows * K);
       // Handed out a few tiles at a time, not split in halves up front: the two cores of a shared machine often
       // run at different speeds, and with fixed halves the faster one waited at the barrier. A 512-token prefill
-      // ran ~6% faster this way (median of 30 alternating runs). Which thread computes a tile does not change
+      // ran ~5% faster this way (median of 30 alternating runs). Which thread computes a tile does not change
       // its result.
 #pragma omp for schedule(dynamic, 8)
       for (int64_t t = 0; t < num_tiles; ++t) {
