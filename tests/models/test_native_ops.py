@@ -192,8 +192,9 @@ def test_argmax_logsumexp_equals_torch(num_rows, vocab_size):
     logits[0, vocab_size // 2] = logits[0, vocab_size - 1] = 100.0
     if num_rows > 1:
         logits[1, 3] = logits[1, 1] = 100.0
-    argmax, lse = kernels.argmax_logsumexp(logits)
+    argmax, max_logits, lse = kernels.argmax_logsumexp(logits)
     assert torch.equal(argmax, logits.argmax(dim=1))
+    assert torch.equal(max_logits, logits.max(dim=1).values)
     torch.testing.assert_close(lse, torch.logsumexp(logits.double(), dim=1).float(), rtol=1e-6, atol=1e-5)
 
 

@@ -246,8 +246,10 @@ def test_native_dequantize_equals_torch_dequantize(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
-def test_dequantize_rows_is_a_row_lookup(kind: str) -> None:
-    layer = make_layer(kind, 64, 128, "reference")
+@pytest.mark.parametrize("backend", ["reference", pytest.param(
+    "native", marks=pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable"))])
+def test_dequantize_rows_is_a_row_lookup(kind: str, backend: str) -> None:
+    layer = make_layer(kind, 64, 128, backend)
     ids = torch.tensor([5, 0, 63, 5])
     assert torch.equal(layer.dequantize_rows(ids), layer.dequantize()[ids])
 

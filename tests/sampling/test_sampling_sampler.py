@@ -188,6 +188,24 @@ def test_native_row_reductions_give_the_same_tokens_and_logprobs():
         assert [lp for _, lp in ours.logprob.top] == pytest.approx([lp for _, lp in theirs.logprob.top], abs=1e-5)
 
 
+@pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
+def test_all_greedy_rows_take_the_native_shortcut_with_the_same_results():
+    """A batch of plain greedy rows is answered from the one native pass: tokens, ranks and logprobs as PyTorch's."""
+    logits = random_logits(5, 4099, scale=3.0, seed=12)
+    logits[2, 7] = logits[2, 3000] = 40.0  # a tie: the first index wins either way
+    states = [make_state(SamplingParams(temperature=0.0)) for _ in range(5)]
+    plain = Sampler(torch.Generator().manual_seed(0)).sample(logits, states)
+    native = Sampler(torch.Generator().manual_seed(0), load_kernels().argmax_logsumexp).sample(logits, states)
+    assert [r.token_id for r in native] == logits.argmax(dim=1).tolist() == [r.token_id for r in plain]
+    assert native[2].token_id == 7
+    reference = logits.double().log_softmax(dim=1)
+    for row, (ours, theirs) in enumerate(zip(native, plain)):
+        assert (ours.logprob.token_id, ours.logprob.rank, ours.logprob.top) == (ours.token_id, 1, [])
+        assert ours.logprob.logprob == pytest.approx(theirs.logprob.logprob, abs=1e-5)
+        assert ours.logprob.logprob == pytest.approx(float(reference[row, ours.token_id]), abs=1e-5)
+        assert ours.trace is None
+
+
 def test_prompt_logprobs_match_log_softmax():
     num_positions = 300  # more than one chunk
     logits = random_logits(num_positions, VOCAB_SIZE, scale=2.0, seed=8)

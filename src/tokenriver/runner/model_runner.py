@@ -83,9 +83,10 @@ class ModelRunner:
         all_rows = inputs.sample_rows + draft_rows + inputs.beam_rows
         if not all_rows:
             return RunnerOutput(results=results)
-        rows = torch.tensor(all_rows, dtype=torch.long, device=self.device)
+        if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
+            hidden = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
         # [num_sample_rows + num_draft_rows + num_beam_rows, vocab] float32
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden)
         num_sample_rows = len(inputs.sample_rows)
         num_scored_rows = num_sample_rows + len(draft_rows)
         if inputs.beam_requests:

@@ -124,8 +124,8 @@ class _Logits:
         self.tensor[index] = process(self.tensor[index])
 
 
-# logits [N, V] → (argmax [N], logsumexp [N]) in one pass, or None to take PyTorch's reductions instead.
-RowReductions = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
+# logits [N, V] → (argmax [N], max [N], logsumexp [N]) in one pass, or None to take PyTorch's reductions instead.
+RowReductions = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
 
 
 class Sampler:
@@ -150,7 +150,16 @@ class Sampler:
 
         processed, modified_rows = self._process(logits, states, tracer)
         reduced = self.row_reductions(logits) if self.row_reductions is not None else None
-        raw_argmax, log_normalizer = reduced if reduced is not None else (None, None)
+        raw_argmax, raw_max, log_normalizer = reduced if reduced is not None else (None, None, None)
+        if (reduced is not None and tracer is None and not modified_rows
+                and all(state.params.is_greedy and not state.params.logprobs for state in states)):
+            # The common decode step: every row takes its raw argmax, whose logprob is the row's max minus its
+            # log-normalizer. Skipping the general path's dozen small tensor ops measured 141.5 against 135.9
+            # tokens/s on single-stream decode here (medians of 24 alternations, 15 faster).
+            chosen = raw_argmax.tolist()
+            chosen_logprobs = (raw_max - log_normalizer).tolist()
+            return [SampleResult(token_id, TokenLogprobs(token_id, logprob, 1), None)
+                    for token_id, logprob in zip(chosen, chosen_logprobs)]
 
         token_ids = torch.empty(num_rows, dtype=torch.int64)  # [N]
         greedy_rows = [i for i, state in enumerate(states) if state.params.is_greedy]

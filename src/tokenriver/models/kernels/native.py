@@ -160,7 +160,7 @@ class NativeKernels:
             "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
             "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, c_int], None),
             "silu_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
-            "argmax_logsumexp_f32": ([ptr, i64, i64, ptr, ptr, c_int], None),
+            "argmax_logsumexp_f32": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
             "paged_attention_supports": ([i64], c_int),
             "llama_decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
             "paged_attention_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr,
@@ -283,21 +283,23 @@ class NativeKernels:
         self._silu_mul(gate_up.data_ptr(), num_rows, width // 2, out.data_ptr(), torch.get_num_threads())
         return out
 
-    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Per row of float32 logits [N, V]: the argmax (first of equal maxima, as torch.argmax) and
-        log(sum(exp(row))), in one call instead of two PyTorch reductions (measured here on 64 rows of SmolLM2's
-        49,152 logits: 5.9 ms for torch.logsumexp and 2.3 ms for argmax). None, so that the caller takes
-        PyTorch's path, for logits the kernel cannot read (not a contiguous float32 [N, V] CPU tensor) and when a
-        row holds NaN or no finite value (cases PyTorch defines).
+    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Per row of float32 logits [N, V]: the argmax (first of equal maxima, as torch.argmax), the largest logit
+        and log(sum(exp(row))), in one call instead of PyTorch reductions (measured here on 64 rows of SmolLM2's
+        49,152 logits: 5.9 ms for torch.logsumexp and 2.3 ms for argmax). The largest logit minus the log-sum-exp
+        is the argmax's logprob, so a greedy row needs nothing else. None, so that the caller takes PyTorch's path,
+        for logits the kernel cannot read (not a contiguous float32 [N, V] CPU tensor) and when a row holds NaN or
+        no finite value (cases PyTorch defines).
         """
         if not is_contiguous_f32(logits) or logits.dim() != 2:
             return None
         num_rows, vocab_size = logits.shape
         argmax = torch.empty(num_rows, dtype=torch.int64)  # [N]
+        max_logits = torch.empty(num_rows, dtype=torch.float32)  # [N]
         lse = torch.empty(num_rows, dtype=torch.float32)  # [N]
-        self._argmax_logsumexp(logits.data_ptr(), num_rows, vocab_size, argmax.data_ptr(), lse.data_ptr(),
-                               torch.get_num_threads())
-        return (argmax, lse) if bool(torch.isfinite(lse).all()) else None
+        num_not_finite = self._argmax_logsumexp(logits.data_ptr(), num_rows, vocab_size, argmax.data_ptr(),
+                                                max_logits.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+        return (argmax, max_logits, lse) if num_not_finite == 0 else None
 
     def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

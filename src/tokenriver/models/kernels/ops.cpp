@@ -83,10 +83,10 @@ void rotate_heads(float* x, int64_t num_heads, int64_t head_dim, const float* co
   }
 }
 
-// Argmax (the first index of the largest value, as torch.argmax) and log(sum(exp(row))) of one row, in two
-// passes: the max with its index, then the sum of e^(x - max) over four accumulators. A row holding NaN gets a
-// NaN log-sum-exp, which the caller checks for (and then uses PyTorch, which defines that case).
-void argmax_logsumexp_row(const float* row, int64_t V, int64_t* argmax, float* lse) {
+// Argmax (the first index of the largest value, as torch.argmax), that largest value and log(sum(exp(row))) of one
+// row, in two passes: the max with its index, then the sum of e^(x - max) over four accumulators. A row holding
+// NaN gets a NaN log-sum-exp, which the caller checks for (and then uses PyTorch, which defines that case).
+void argmax_logsumexp_row(const float* row, int64_t V, int64_t* argmax, float* max, float* lse) {
   __m256 best = _mm256_set1_ps(-INFINITY);
   __m256i best_index = _mm256_set1_epi32(0);
   __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -128,6 +128,7 @@ void argmax_logsumexp_row(const float* row, int64_t V, int64_t* argmax, float* l
   float total = horizontal_sum(_mm256_add_ps(_mm256_add_ps(sums[0], sums[1]), _mm256_add_ps(sums[2], sums[3])));
   for (; v < V; ++v) total += expf(row[v] - max_value);
   *argmax = max_index;
+  *max = max_value;
   *lse = has_nan ? NAN : max_value + logf(total);
 }
 
@@ -183,10 +184,16 @@ void silu_mul_f32(const float* gate_up, int64_t M, int64_t I, float* out, int nu
   });
 }
 
-// Per row of logits [N, V]: argmax[n] and lse[n] (see argmax_logsumexp_row); rows split across threads.
-void argmax_logsumexp_f32(const float* logits, int64_t N, int64_t V, int64_t* argmax, float* lse, int num_threads) {
+// Per row of logits [N, V]: argmax[n], max[n] and lse[n] (see argmax_logsumexp_row); rows split across threads.
+// Returns how many rows have no finite log-sum-exp (NaN, or no finite value), so the caller needs no second pass
+// to find out.
+int argmax_logsumexp_f32(const float* logits, int64_t N, int64_t V, int64_t* argmax, float* max, float* lse,
+                         int num_threads) {
   for_rows(N, N * V, num_threads,
-           [&](int64_t n) { argmax_logsumexp_row(logits + n * V, V, argmax + n, lse + n); });
+           [&](int64_t n) { argmax_logsumexp_row(logits + n * V, V, argmax + n, max + n, lse + n); });
+  int num_not_finite = 0;
+  for (int64_t n = 0; n < N; ++n) num_not_finite += !isfinite(lse[n]);
+  return num_not_finite;
 }
 
 }  // extern "C"
