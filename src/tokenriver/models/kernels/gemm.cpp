@@ -165,6 +165,44 @@ void weight_rows(const float* w, const float* panels, int64_t K, int64_t rows, f
   }
 }
 
+// Transposes 8 rows of 8 floats (r[i] = row i) into 8 columns: r[j] = column j.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// One panel: rows [0, valid) of x (row-major, K columns) transposed into panel [K, 16]; rows past valid read
+// `zeros`. Eight columns of eight rows at a time through registers, not one strided store per element: a 512-token
+// prefill ran ~5% faster than with the scalar copy (medians of 20 alternating runs, faster in 18).
+inline void pack_panel(const float* x, int64_t valid, int64_t K, const float* zeros, float* panel) {
+  const float* rows[kPanel];
+  for (int64_t i = 0; i < kPanel; ++i) rows[i] = i < valid ? x + i * K : zeros;
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes)
+    for (int half = 0; half < 2; ++half) {
+      __m256 r[kLanes];
+      for (int i = 0; i < kLanes; ++i) r[i] = _mm256_loadu_ps(rows[half * kLanes + i] + k);
+      transpose8(r);
+      for (int j = 0; j < kLanes; ++j) _mm256_storeu_ps(panel + (k + j) * kPanel + half * kLanes, r[j]);
+    }
+  for (; k < K; ++k)
+    for (int64_t i = 0; i < kPanel; ++i) panel[k * kPanel + i] = rows[i][k];
+}
+
 template <bool IS_INT4>
 void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
           const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
@@ -173,21 +211,15 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const ui
   const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
   // Not zero-filled: packing writes every element, zeros included.
   const std::unique_ptr<float[]> panels(new float[num_panels * K * kPanel]);
+  const std::vector<float> zeros(K);  // the rows of a last partial panel past the batch
   const int64_t num_tiles = (N + kRows - 1) / kRows;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
     // Pack the chunk's rows 16 at a time into panels [K, 16], zero past the last row.
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p) {
-      float* panel = panels.get() + p * K * kPanel;
-      for (int64_t i = 0; i < kPanel; ++i) {
-        const int64_t row = p * kPanel + i;
-        if (row < rows)
-          for (int64_t k = 0; k < K; ++k) panel[k * kPanel + i] = x[(m0 + row) * K + k];
-        else
-          for (int64_t k = 0; k < K; ++k) panel[k * kPanel + i] = 0.0f;
-      }
-    }
+    for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p)
+      pack_panel(x + (m0 + p * kPanel) * K, std::min<int64_t>(kPanel, rows - p * kPanel), K, zeros.data(),
+                 panels.get() + p * K * kPanel);
     float* y_chunk = y + m0 * N;
 #pragma omp parallel num_threads(num_threads)
     {
