@@ -31,7 +31,10 @@ kernel multiplies integers: for int4 weights about a third of the vector operati
 step's 4-bit products from 5.8 to 3.0 ms (1.9x) in a C harness on this machine; int8 weights already stream at memory
 speed either way. The engine sets it with `load_model(..., int8_activations=True)`. The int4 min term uses the
 rounded activations too: the error is then W · (x̂ - x) with W's centred values, not a shared offset from the 0..15
-codes. The reference backend rounds the same way, so the two stay interchangeable; larger products are always exact.
+codes. Larger products (prefill, batched decode) are bound by arithmetic, not by reading weights: with the same
+setting, where the CPU has AVX512-BF16, they round the decoded weights and the activations to bfloat16 and sum in
+float32 (gemm.cpp's dot-product instructions, twice the arithmetic of float32 FMAs), else they stay exact. The
+reference backend rounds exactly as the native one would on the same machine, so the two stay interchangeable.
 """
 
 from __future__ import annotations
@@ -243,6 +246,14 @@ def repack_q8_0(blocks: torch.Tensor | np.ndarray) -> Int8Weight:
     return Int8Weight(_words_field(words, 1, 17, torch.int8), _words_field(words, 0, 1, torch.float16), GGUF_BLOCK)
 
 
+def _bf16_gemm(rounded_arithmetic: bool) -> bool:
+    """Whether many-row products round to bfloat16: asked for, and this CPU's kernels have the instructions."""
+    if not rounded_arithmetic:
+        return False
+    kernels = load_kernels()
+    return kernels is not None and kernels.gemm_bf16
+
+
 class _QuantizedLinear(nn.Module):
     """What Int4Linear and Int8Linear share: backend choice, bias, reshaping, output dtype."""
 
@@ -258,6 +269,7 @@ class _QuantizedLinear(nn.Module):
         self.out_features = out_features
         self.max_gemv_rows = max_gemv_rows
         self.int8_activations = int8_activations
+        self.bf16_gemm = _bf16_gemm(int8_activations)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.kernels: NativeKernels | None = load_kernels() if backend in ("auto", "native") else None
         if backend == "native" and self.kernels is None:
@@ -289,7 +301,8 @@ class _QuantizedLinear(nn.Module):
         elif self.backend == "aten" and on_cpu:
             y = self._aten_mm(rows.contiguous())  # [M, N]
         else:
-            y = self._reference(rows.float(), round_activations=self.int8_activations and is_gemv)  # [M, N]
+            y = self._reference(rows.float(), round_activations=self.int8_activations and is_gemv,
+                                round_bf16=self.bf16_gemm and not is_gemv)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         if y.dtype != x.dtype:
@@ -297,11 +310,13 @@ class _QuantizedLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def set_int8_activations(self, enabled: bool) -> None:
-        """Switch decode-sized products to int8-rounded activations (or back to exact float32 ones)."""
+        """Switch to the rounded arithmetic of the module docstring: int8 activations in decode-sized products,
+        bfloat16 in larger ones where the CPU has it (or back to exact float32)."""
         if enabled and self.backend == "aten":
             raise InvalidParameterError("int8_activations runs on the 'native' or 'reference' backend, not 'aten'",
                                         param="int8_activations")
         self.int8_activations = enabled
+        self.bf16_gemm = _bf16_gemm(enabled)
         self._bind_native()
 
     def _bind_native(self) -> None:
@@ -315,13 +330,17 @@ class _QuantizedLinear(nn.Module):
         self._bind_native()
         return module
 
-    def _reference(self, rows: torch.Tensor, round_activations: bool) -> torch.Tensor:
+    def _reference(self, rows: torch.Tensor, round_activations: bool, round_bf16: bool = False) -> torch.Tensor:
         """Dequantize with torch ops and F.linear: any device, and the definition the kernels are tested against."""
-        return F.linear(round_activations_int8(rows) if round_activations else rows, self.dequantize())
+        weight = self.dequantize()
+        if round_bf16:
+            rows, weight = rows.bfloat16().float(), weight.bfloat16().float()
+        return F.linear(round_activations_int8(rows) if round_activations else rows, weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"backend={self.backend}, int8_activations={self.int8_activations}, bias={self.bias is not None}")
+                f"backend={self.backend}, int8_activations={self.int8_activations}, bf16_gemm={self.bf16_gemm}, "
+                f"bias={self.bias is not None}")
 
 
 class Int4Linear(_QuantizedLinear):
@@ -365,7 +384,7 @@ class Int4Linear(_QuantizedLinear):
             self._native_gemv = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
                                                        self.int8_activations)
             self._native_gemm = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
-                                                       many_rows=True)
+                                                       many_rows=True, bfloat16=self.bf16_gemm)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
@@ -429,7 +448,8 @@ class Int8Linear(_QuantizedLinear):
         if self.backend == "native" and self.qweight.is_cpu:
             self._native_gemv = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
                                                        self.int8_activations)
-            self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size, many_rows=True)
+            self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size, many_rows=True,
+                                                       bfloat16=self.bf16_gemm)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)
