@@ -316,6 +316,10 @@ class _QuantizedLinear(nn.Module):
             raise InvalidParameterError("int8_activations runs on the 'native' or 'reference' backend, not 'aten'",
                                         param="int8_activations")
         self.int8_activations = enabled
+        self.set_bf16_gemm(enabled)
+
+    def set_bf16_gemm(self, enabled: bool) -> None:
+        """Round many-row products to bfloat16 where the CPU has the instructions (or back to exact float32)."""
         self.bf16_gemm = _bf16_gemm(enabled)
         self._bind_native()
 
