@@ -8,6 +8,11 @@ a request whose 1,000-token prefix is already in the prefix cache vs not.
 Writes benchmarks/results/throughput.md and throughput.png.
 
     python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-prompts 64] [--max-tokens 128] [--rounds 2]
+        [--int8-activations] [--kv-cache-dtype float16] [--hf-dtypes float32 bfloat16]
+
+--int8-activations runs tokenriver's rounded arithmetic (int8 activations in decode-sized products, bfloat16 in
+larger ones where the CPU has AVX512-BF16); --hf-dtypes then lets transformers run in bfloat16 too, in the same run,
+so that its best configuration in either dtype is the reference.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -49,10 +55,15 @@ def tokenriver_throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    return {"num_threads": args.threads, "kv_cache_memory": "2GiB",
+            **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {})}
+
+
 def tokenriver_run(loaded, prompts: list[list[int]], args: argparse.Namespace, caching: bool) -> float:
     """One fresh engine with every prompt admitted at once, after a warm-up sharing no prefix with the prompts."""
-    llm = LLM.from_loaded(loaded, num_threads=args.threads, max_num_seqs=args.num_prompts, kv_cache_memory="2GiB",
-                          enable_prefix_caching=caching)
+    llm = LLM.from_loaded(loaded, max_num_seqs=args.num_prompts, enable_prefix_caching=caching,
+                          **engine_options(args))
     tokenriver_throughput(llm, [list(range(1000, 1040))], 8)
     return tokenriver_throughput(llm, prompts, args.max_tokens)
 
@@ -74,13 +85,14 @@ def transformers_throughput(model, tokenizer, prompts: list[list[int]], max_toke
     return generated / (time.perf_counter() - started)
 
 
-def cached_prefix_ttft(loaded, num_prefix_tokens: int, repeats: int) -> tuple[float, float]:
+def cached_prefix_ttft(loaded, num_prefix_tokens: int, repeats: int,
+                       options: dict[str, object]) -> tuple[float, float]:
     """Median time to first token for a prompt whose long prefix is cached vs the same prompt cold."""
     prefix = prompt_ids(loaded.tokenizer, num_prefix_tokens)
     cold, warm = [], []
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for index in range(repeats):
-        llm = LLM.from_loaded(loaded, max_num_kv_tokens=8192)
+        llm = LLM.from_loaded(loaded, **{**options, "kv_cache_memory": None, "max_num_kv_tokens": 8192})
         question = loaded.tokenizer.encode(f" Question {index}: what comes next?")
         (first,) = llm.generate([{"prompt_token_ids": prefix + question}], params, use_tqdm=False)
         cold.append(first.metrics.time_to_first_token)
@@ -97,6 +109,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--hf-dtypes", nargs="+", choices=["float32", "bfloat16"], default=None,
+                        help="transformers' dtypes, each at every batch size (default: --dtype)")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="tokenriver's rounded arithmetic (4-bit weights; see models/quant.py)")
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default=None,
+                        help="tokenriver's KV pool dtype (default: the engine's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="runs of every configuration, engines alternating")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
@@ -109,16 +127,21 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    loaded = load_model(path, dtype=args.dtype, quantization=args.quantization)
+    loaded = load_model(path, dtype=args.dtype, quantization=args.quantization,
+                        int8_activations=args.int8_activations)
     directory, name = os.path.split(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, args.dtype))
-    hf_model.eval()
+    hf_dtypes = args.hf_dtypes or [args.dtype]
+    hf_models = {dtype: AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, dtype))
+                 for dtype in hf_dtypes}
+    for model in hf_models.values():
+        model.eval()
     prompts = make_prompts(loaded.tokenizer, args.num_prompts)
 
     # The engine's defaults, prefix caching on: the prompts' shared chat-template prefix is computed once, as a
     # serving engine does (vLLM's too); and with it off, every prompt token computed, as transformers does.
     ours_rounds: dict[bool, list[float]] = {True: [], False: []}
-    hf_rounds: dict[int, list[float]] = {size: [] for size in args.hf_batch_sizes}
+    hf_rounds: dict[tuple[str, int], list[float]] = {
+        (dtype, size): [] for dtype in hf_dtypes for size in args.hf_batch_sizes}
     for round_index in range(args.rounds):
         # Alternate which engine goes first, so drift over the run does not favour either.
         for engine in (("tokenriver", "transformers") if round_index % 2 == 0 else ("transformers", "tokenriver")):
@@ -126,26 +149,25 @@ def main() -> None:
                 for caching in (True, False):
                     ours_rounds[caching].append(tokenriver_run(loaded, prompts, args, caching))
             else:
-                for size in args.hf_batch_sizes:
-                    hf_rounds[size].append(
-                        transformers_throughput(hf_model, loaded.tokenizer, prompts, args.max_tokens, size))
+                for dtype, size in hf_rounds:
+                    hf_rounds[dtype, size].append(
+                        transformers_throughput(hf_models[dtype], loaded.tokenizer, prompts, args.max_tokens, size))
         print(f"round {round_index + 1}: tokenriver {[round(r[-1], 1) for r in ours_rounds.values()]}, "
               f"transformers {[round(r[-1], 1) for r in hf_rounds.values()]}", flush=True)
     ours = {caching: statistics.median(rates) for caching, rates in ours_rounds.items()}
-    hf = {size: statistics.median(rates) for size, rates in hf_rounds.items()}
-    best_size = max(hf, key=hf.get)
+    hf = {key: statistics.median(rates) for key, rates in hf_rounds.items()}
+    best = max(hf, key=hf.get)
 
     concurrency_rows, concurrency = [], [1, 4, 16, 64]
     curve = []
     for num_seqs in concurrency:
-        capped = LLM.from_loaded(loaded, num_threads=args.threads, max_num_seqs=num_seqs, kv_cache_memory="2GiB",
-                                 enable_prefix_caching=False)
+        capped = LLM.from_loaded(loaded, max_num_seqs=num_seqs, enable_prefix_caching=False, **engine_options(args))
         count = max(num_seqs, min(args.num_prompts, 2 * num_seqs))
         rate = tokenriver_throughput(capped, prompts[:count], args.max_tokens if num_seqs > 1 else 64)
         curve.append(rate)
         concurrency_rows.append([num_seqs, f"{rate:.1f}"])
 
-    cold, warm = cached_prefix_ttft(loaded, 1000, repeats=3)
+    cold, warm = cached_prefix_ttft(loaded, 1000, repeats=3, options=engine_options(args))
 
     import matplotlib
 
@@ -154,7 +176,7 @@ def main() -> None:
 
     figure, axis = plt.subplots(figsize=(6, 4))
     axis.plot(concurrency, curve, marker="o", label="tokenriver")
-    axis.axhline(hf[best_size], color="gray", linestyle="--", label=f"transformers, batch {best_size}")
+    axis.axhline(hf[best], color="gray", linestyle="--", label=f"transformers {best[0]}, batch {best[1]}")
     axis.set_xscale("log", base=2)
     axis.set_xticks(concurrency, [str(c) for c in concurrency])
     axis.set_xlabel("concurrent sequences (max_num_seqs)")
@@ -171,20 +193,22 @@ def main() -> None:
 
     rows = [[f"tokenriver (continuous batching, {args.num_prompts} at once, prefix caching "
              f"{'on: the default' if caching else 'off'})", f"{rate:.1f}", each(ours_rounds[caching]),
-             f"{rate / hf[best_size]:.2f}x"]
+             f"{rate / hf[best]:.2f}x"]
             for caching, rate in ours.items()]
-    rows += [[f"transformers generate, batch {size} (padded)", f"{rate:.1f}", each(hf_rounds[size]),
-              f"{rate / hf[best_size]:.2f}x"]
-             for size, rate in hf.items()]
+    rows += [[f"transformers generate {dtype}, batch {size} (padded)", f"{rate:.1f}", each(hf_rounds[dtype, size]),
+              f"{rate / hf[best]:.2f}x"]
+             for (dtype, size), rate in hf.items()]
+    arithmetic = ("int8 activations in decode-sized products and bfloat16 products in larger ones (--int8-activations)"
+                  if args.int8_activations else "exact")
     report = [
         "# Offline throughput: tokenriver vs transformers",
         "",
-        f"{args.num_prompts} chat prompts x {args.max_tokens} generated tokens (greedy, ignore_eos), compute dtype "
+        f"{args.num_prompts} chat prompts x {args.max_tokens} generated tokens (greedy, ignore_eos), activations "
         f"{args.dtype}. Machine: {machine_line()}.",
-        f"tokenriver weights: quantization {args.quantization} (auto = the file's Q4_1 kept packed); transformers: "
-        f"the same GGUF dequantized to {args.dtype}.",
-        f"Command: `python benchmarks/throughput.py --dtype {args.dtype} --quantization {args.quantization} "
-        f"--rounds {args.rounds}`",
+        f"tokenriver weights: quantization {args.quantization} (auto = the file's Q4_1 kept packed), arithmetic "
+        f"{arithmetic}, KV cache {args.kv_cache_dtype or 'the default dtype'}; transformers: the same GGUF "
+        f"dequantized to {' and '.join(hf_dtypes)}.",
+        f"Command: `{' '.join(['python benchmarks/throughput.py'] + sys.argv[1:])}`",
         "",
         markdown_table(["engine", f"generated tokens/s (median of {args.rounds})", "each round",
                         "vs transformers' best"], rows),
