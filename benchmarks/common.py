@@ -22,12 +22,17 @@ def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
     return tokenizer.encode(text)[:num_tokens]
 
 
+# The instruction sets that pick a kernel path: results from machines that differ in them are not comparable.
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16")
+
+
 def machine_line() -> str:
     cpu = platform.processor() or platform.machine()
     try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
-        cpu = model
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
+        cpu += f" ({' '.join(flag for flag in VECTOR_FLAGS if flag in flags) or 'no AVX2'})"
     except (OSError, StopIteration):
         pass
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
