@@ -182,7 +182,7 @@ def main() -> None:
     axis.set_xlabel("concurrent sequences (max_num_seqs)")
     axis.set_ylabel("generated tokens/s")
     rounded = ", int8/bf16 products" if args.int8_activations else ""
-    axis.set_title(f"Offline throughput, SmolLM2-135M {args.dtype}{rounded}, {args.threads} threads")
+    axis.set_title(f"Offline throughput, SmolLM2-135M {args.dtype}{rounded}, {args.threads} threads", fontsize=9)
     axis.legend()
     axis.grid(alpha=0.3)
     figure.tight_layout()
