@@ -301,6 +301,9 @@ def test_errors_name_the_parameter() -> None:
     with pytest.raises(InvalidParameterError) as info:
         Int4Linear(quantize_int4(weight), backend="aten", int8_activations=True)
     assert info.value.param == "int8_activations"
+    with pytest.raises(InvalidParameterError) as info:
+        Int8Linear(quantize_int8(weight), backend="aten").set_bf16_gemm(True)
+    assert info.value.param == "bf16_gemm"
 
 
 def test_auto_backend_picks_native_when_available() -> None:

@@ -320,6 +320,9 @@ class _QuantizedLinear(nn.Module):
 
     def set_bf16_gemm(self, enabled: bool) -> None:
         """Round many-row products to bfloat16 where the CPU has the instructions (or back to exact float32)."""
+        if enabled and self.backend == "aten":
+            raise InvalidParameterError("bfloat16 products run on the 'native' or 'reference' backend, not 'aten'",
+                                        param="bf16_gemm")
         self.bf16_gemm = _bf16_gemm(enabled)
         self._bind_native()
 
