@@ -134,17 +134,21 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
       value_rows[j] = p.value_cache + offset;
     }
     // Ask for the next tile's rows (into L2: this tile fills L1) while this one computes: blocks are scattered,
-    // so the hardware prefetcher stops at each block boundary. About 15 % faster on batches that stream from DRAM.
-    const int64_t next_end = tile + kTile + kTile < t1 ? tile + kTile + kTile : t1;
-    for (int64_t t = tile + kTile; t < next_end; ++t) {
-      const int64_t offset = (blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride;
-      for (int64_t f = 0; f < token_stride; f += kLine) {
-        _mm_prefetch(reinterpret_cast<const char*>(p.key_cache + offset + f), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(p.value_cache + offset + f), _MM_HINT_T1);
-      }
-    }
+    // so the hardware prefetcher stops at each block boundary. Spread over the heads, a share before each: all at
+    // once, the requests queued up behind each other. 64 decoding sequences of 115 tokens (cold float16 pools,
+    // 30 layers) took 13.4 ms spread against 16.8 ms all at once, 16 of 300 tokens 8.8 against 10.4 ms.
+    const int64_t next_begin = tile + kTile, next_end = tile + kTile + kTile < t1 ? tile + kTile + kTile : t1;
     for (int64_t h = 0; h < p.num_heads; ++h) {
       const int64_t kv_offset = h / G * D;  // query head h reads kv head h / G
+      const int64_t share_begin = next_begin + (next_end - next_begin) * h / p.num_heads;
+      const int64_t share_end = next_begin + (next_end - next_begin) * (h + 1) / p.num_heads;
+      for (int64_t t = share_begin; t < share_end; ++t) {
+        const int64_t offset = (blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride;
+        for (int64_t f = 0; f < token_stride; f += kLine) {
+          _mm_prefetch(reinterpret_cast<const char*>(p.key_cache + offset + f), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(p.value_cache + offset + f), _MM_HINT_T1);
+        }
+      }
       const float* q = q_row + h * D;
       int64_t j = 0;
       // Eight keys at a time: eight independent FMA chains, then one transpose-and-add for the eight sums.
