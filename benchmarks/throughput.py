@@ -10,8 +10,8 @@ Writes benchmarks/results/throughput.md and throughput.png.
     python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-prompts 64] [--max-tokens 128] [--rounds 2]
         [--int8-activations] [--kv-cache-dtype float16] [--hf-dtypes float32 bfloat16]
 
---int8-activations runs tokenriver's rounded arithmetic (int8 activations in decode-sized products, bfloat16 in
-larger ones where the CPU has AVX512-BF16); --hf-dtypes then lets transformers run in bfloat16 too, in the same run,
+--int8-activations runs tokenriver's rounded arithmetic (int8 activations in decode-sized products, and in larger
+ones where the CPU has AVX512-VNNI); --hf-dtypes then lets transformers run in bfloat16 too, in the same run,
 so that its best configuration in either dtype is the reference.
 """
 

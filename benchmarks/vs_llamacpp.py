@@ -19,8 +19,8 @@ Measured, all greedy, on the same prompt token ids for every engine:
 
 Engines: tokenriver's `LLM` on the GGUF (int4 = the file's own Q4_1 weights kept packed, `quantization="auto"`;
 int4 with int8 activations and f16 KV = the same with `int8_activations=True, kv_cache_dtype="float16"`, llama.cpp's
-own arithmetic for Q4_1 weights and its default KV cache type (and, where the CPU has AVX512-BF16, products of more
-than 10 rows in bfloat16);
+own arithmetic for Q4_1 weights and its default KV cache type (where the CPU has AVX512-VNNI, in products of more
+than 10 rows too);
 int8 = `quantization="int8"`; bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`,
 the dequantized reference), prefix caching off; llama.cpp through llama-cpp-python on the same file (Q4_1);
 transformers' `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32 and bfloat16.

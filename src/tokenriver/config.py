@@ -52,8 +52,8 @@ class EngineConfig:
     quantization: str = "auto"
     # 4-bit weights multiply activations rounded to int8 per 32 columns in decode-sized products, as llama.cpp does
     # (models/quant.py): faster single-stream decode (with a float16 KV cache, 112 vs 79 tokens/s for the exact
-    # engine in benchmarks/results/vs_llamacpp.md). Larger products of those layers (prefill, big batches) round
-    # weights and activations to bfloat16 where the CPU has AVX512-BF16. Logits no longer exactly the reference's.
+    # engine in benchmarks/results/vs_llamacpp.md). Larger products (prefill, big batches) round their activations
+    # the same way where the CPU has AVX512-VNNI. Logits no longer exactly the reference's.
     int8_activations: bool = False
     # torch device string ("cpu", "cuda", ...).
     device: str = "cpu"

@@ -1,5 +1,5 @@
-"""int8_activations: the 4-bit layers round decode activations to int8, as llama.cpp does (and larger products to
-bfloat16 where the CPU has it).
+"""int8_activations: the 4-bit layers round decode activations to int8, as llama.cpp does (and every quantized layer
+those of larger products where the CPU has the instructions).
 
 The setting is chosen at load time and must reach every 4-bit layer and the one-call native decoder; the greedy
 continuation follows the exact engine's for a while, its log-probabilities close to the exact ones; a setting
@@ -37,7 +37,7 @@ def test_every_4bit_layer_rounds_and_the_int8_output_layer_only_in_large_product
     assert int4 and all(m.int8_activations for m in int4)
     assert int8 and all(not m.int8_activations for m in int8)
     kernels = load_kernels()
-    assert all(m.bf16_gemm == bool(kernels and kernels.gemm_bf16) for m in int4 + int8)
+    assert all(m.int8_gemm == bool(kernels and kernels.gemm_int8) for m in int4 + int8)
     assert loaded_int8_activations.int8_activations
 
 
@@ -60,16 +60,17 @@ def test_greedy_follows_the_exact_engine(loaded_packed, loaded_int8_activations)
 
 
 def test_a_long_prompt_scores_like_the_exact_engine(loaded_packed, loaded_int8_activations):
-    """400 prompt tokens: products of that many rows take the GEMM, in bfloat16 where the CPU has it."""
+    """400 prompt tokens: products of that many rows take the GEMM, with int8 activations where the CPU has it."""
     ids = loaded_packed.tokenizer.encode(TEXT.read_text())[:400]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     scores = []
     for loaded in (loaded_packed, loaded_int8_activations):
         (output,) = LLM.from_loaded(loaded).generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         scores.append([position[token].logprob for position, token in zip(output.prompt_logprobs[1:], ids[1:])])
-    # Measured at the time of writing (bfloat16 GEMM): 0.011 on average, 0.093 at most, perplexity 0.03% apart.
+    # Measured at the time of writing (int8 activations in the GEMM, as in decode steps): 0.067 on average, 0.39 at
+    # most, perplexity 0.15% apart (0.23% over 1,024 tokens). Rounding to bfloat16 instead had given 0.013 / 0.10.
     deviations = [abs(a - b) for a, b in zip(*scores)]
-    assert max(deviations) <= 0.3 and sum(deviations) / len(deviations) <= 0.03
+    assert max(deviations) <= 0.6 and sum(deviations) / len(deviations) <= 0.1
     exact, rounded = (math.exp(-sum(s) / len(s)) for s in scores)
     assert abs(rounded / exact - 1) <= 0.01
 

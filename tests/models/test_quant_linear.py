@@ -42,9 +42,9 @@ REPACKERS = {
     GGMLQuantizationType.Q8_0: (repack_q8_0, 34),
 }
 HAS_NATIVE = load_kernels() is not None
-HAS_BF16_GEMM = HAS_NATIVE and load_kernels().gemm_bf16
-BF16_GEMM = pytest.param(True, id="bf16", marks=pytest.mark.skipif(
-    not HAS_BF16_GEMM, reason="the CPU lacks AVX512-BF16"))
+HAS_INT8_GEMM = HAS_NATIVE and load_kernels().gemm_int8
+INT8_GEMM = pytest.param(True, id="int8", marks=pytest.mark.skipif(
+    not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI"))
 BACKENDS = ["reference", "aten", pytest.param("native", marks=pytest.mark.skipif(
     not HAS_NATIVE, reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler"))]
 
@@ -183,9 +183,9 @@ def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
         scale = expected.abs().max().item()
         # Same integer arithmetic, only the float summation order differs.
         assert (native(x) - expected).abs().max().item() <= 2e-5 * scale
-        # Rounding x to 8 bits moves the result by well under 1% of its range; above max_gemv_rows it is exact,
-        # or rounded to bfloat16 (8 bits too) where the CPU has AVX512-BF16.
-        tolerance = 1e-2 if num_rows <= 8 or native.bf16_gemm else 2e-5
+        # Rounding x to 8 bits moves the result by well under 1% of its range; above max_gemv_rows it is exact
+        # unless the CPU has AVX512-VNNI.
+        tolerance = 1e-2 if num_rows <= 8 or native.int8_gemm else 2e-5
         assert (native(x) - exact(x)).abs().max().item() <= tolerance * scale
 
 
@@ -220,14 +220,14 @@ def test_int8_activations_int4_rows_do_not_depend_on_the_batch() -> None:
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("rounded", [pytest.param(False, id="f32"), BF16_GEMM])
+@pytest.mark.parametrize("rounded", [pytest.param(False, id="f32"), INT8_GEMM])
 @pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
 def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounded: bool) -> None:
-    # 40 outputs: six-row weight tiles plus a remainder of 4. K = 1536: 80 float32 activation rows per pass (160
-    # in bfloat16), so 300 rows take two to four passes. Batches of 9 to 300 put the same rows in half panels, full
+    # 40 outputs: six-row weight tiles plus a remainder of 4. K = 1536: 80 float32 activation rows per pass (336
+    # in int8), so 300 rows take one to four passes. Batches of 9 to 300 put the same rows in half panels, full
     # panels and later passes.
     layer = make_layer(kind, 40, 1536, "native", int8_activations=rounded)
-    assert layer.bf16_gemm == rounded
+    assert layer.int8_gemm == rounded
     gemm = layer._native_gemm
     rows = torch.randn(300, 1536)
     alone = torch.cat([gemm(rows[i:i + 9]) for i in range(0, 297, 9)] + [gemm(rows[297:].repeat(3, 1))[:3]])
@@ -238,23 +238,34 @@ def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounded: bool) -
         assert_matches_reference(layer, rows)
 
 
-@pytest.mark.skipif(not HAS_BF16_GEMM, reason="the CPU lacks AVX512-BF16")
+@pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI")
 @pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0"])
 @pytest.mark.parametrize("in_features", [576, 1536, 128])
-def test_bf16_gemm_matches_the_reference_rounding(kind: str, in_features: int) -> None:
-    """Weights and activations rounded to bfloat16, products exact in float32: only the summation order differs."""
+def test_int8_gemm_matches_the_reference_rounding(kind: str, in_features: int) -> None:
+    """Activations rounded to int8 per 32 columns, integer sums exact: only the float summation order differs."""
     native = make_layer(kind, 45, in_features, "native", bias=True, max_gemv_rows=8, int8_activations=True)
     reference = make_layer(kind, 45, in_features, "reference", bias=True, max_gemv_rows=8, int8_activations=True)
     exact = make_layer(kind, 45, in_features, "reference", bias=True)
-    assert native.bf16_gemm and reference.bf16_gemm
+    assert native.int8_gemm and reference.int8_gemm
     for num_rows in (9, 16, 17, 64, 200):
         x = torch.randn(num_rows, in_features)
         expected = reference(x)
         scale = expected.abs().max().item()
         assert (native(x) - expected).abs().max().item() <= 2e-5 * scale
-        # bfloat16 keeps 8 significant bits: the result moves by well under 1% of its range, but it does move.
+        # 8-bit activations: the result moves by well under 1% of its range, but it does move.
         error = (native(x) - exact(x)).abs().max().item()
         assert 1e-5 * scale < error <= 1e-2 * scale
+
+
+@pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI")
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
+def test_int8_gemm_and_gemv_round_a_row_alike(kind: str) -> None:
+    """A row decoded alone (GEMV) and in a batch (GEMM) gets the same integer sums: results agree to float order."""
+    layer = make_layer(kind, 40, 576, "native", max_gemv_rows=8, int8_activations=True)
+    rows = torch.randn(64, 576)
+    alone = torch.cat([layer._native_gemv(rows[i:i + 1]) for i in range(64)])
+    batched = layer(rows)
+    assert (batched - alone).abs().max().item() <= 2e-5 * alone.abs().max().item()
 
 
 def test_int8_activations_rounding_matches_its_definition() -> None:
@@ -302,8 +313,8 @@ def test_errors_name_the_parameter() -> None:
         Int4Linear(quantize_int4(weight), backend="aten", int8_activations=True)
     assert info.value.param == "int8_activations"
     with pytest.raises(InvalidParameterError) as info:
-        Int8Linear(quantize_int8(weight), backend="aten").set_bf16_gemm(True)
-    assert info.value.param == "bf16_gemm"
+        Int8Linear(quantize_int8(weight), backend="aten").set_int8_gemm(True)
+    assert info.value.param == "int8_gemm"
 
 
 def test_auto_backend_picks_native_when_available() -> None:

@@ -78,7 +78,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     quantization (loader/assemble.py): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed and float weights float;
     "none" dequantizes everything; "int8"/"int4" also quantize float weights at load.
     int8_activations: the 4-bit layers round decode-sized activations to int8 and every quantized layer rounds
-    larger products to bfloat16 where the CPU has it (models/quant.py); a model with no 4-bit weight is refused
+    those of larger products too where the CPU has it (models/quant.py); a model with no 4-bit weight is refused
     rather than loaded without the setting taking effect.
     cache_dir: where a GGUF file's header index is cached (loader/gguf_cache.py; None: $XDG_CACHE_HOME/tokenriver
     or ~/.cache/tokenriver).
@@ -101,7 +101,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         # float32 activations there; its many-row products, a fifth of a 64-sequence step's arithmetic, round too.
         for layer in loaded.model.modules():
             if isinstance(layer, Int8Linear):
-                layer.set_bf16_gemm(True)
+                layer.set_int8_gemm(True)
     return dataclasses.replace(loaded, int8_activations=int8_activations)
 
 

@@ -36,7 +36,7 @@ def _linear_spec(linear: nn.Module) -> LinearSpec | None:
     return LinearSpec(linear.qweight.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr() if is_int4 else None,
                       None if linear.bias is None else linear.bias.data_ptr(), linear.out_features,
                       linear.in_features, linear.group_size, linear.max_gemv_rows, int(is_int4),
-                      int(linear.int8_activations), int(linear.bf16_gemm))
+                      int(linear.int8_activations), int(linear.int8_gemm))
 
 
 class NativeDecoder:

@@ -32,9 +32,10 @@ step's 4-bit products from 5.8 to 3.0 ms (1.9x) in a C harness on this machine; 
 speed either way. The engine sets it with `load_model(..., int8_activations=True)`. The int4 min term uses the
 rounded activations too: the error is then W · (x̂ - x) with W's centred values, not a shared offset from the 0..15
 codes. Larger products (prefill, batched decode) are bound by arithmetic, not by reading weights: with the same
-setting, where the CPU has AVX512-BF16, they round the decoded weights and the activations to bfloat16 and sum in
-float32 (gemm.cpp's dot-product instructions, twice the arithmetic of float32 FMAs), else they stay exact. The
-reference backend rounds exactly as the native one would on the same machine, so the two stay interchangeable.
+setting, where the CPU has AVX512-VNNI, they round the activations to int8 the same way and multiply integers too
+(gemm.cpp's dot-product instructions, four times the products of a float32 FMA), else they stay exact. A row then
+rounds alike alone or in a batch. The reference backend rounds exactly as the native one would on the same
+machine, so the two stay interchangeable.
 """
 
 from __future__ import annotations
@@ -246,12 +247,13 @@ def repack_q8_0(blocks: torch.Tensor | np.ndarray) -> Int8Weight:
     return Int8Weight(_words_field(words, 1, 17, torch.int8), _words_field(words, 0, 1, torch.float16), GGUF_BLOCK)
 
 
-def _bf16_gemm(rounded_arithmetic: bool) -> bool:
-    """Whether many-row products round to bfloat16: asked for, and this CPU's kernels have the instructions."""
-    if not rounded_arithmetic:
+def _int8_gemm(rounded_arithmetic: bool, in_features: int) -> bool:
+    """Whether many-row products round activations to int8: asked for, this CPU's kernels have the instructions,
+    and the rows split into runs of 32 (group sizes are multiples of 32 already)."""
+    if not rounded_arithmetic or in_features % GGUF_BLOCK:
         return False
     kernels = load_kernels()
-    return kernels is not None and kernels.gemm_bf16
+    return kernels is not None and kernels.gemm_int8
 
 
 class _QuantizedLinear(nn.Module):
@@ -269,7 +271,7 @@ class _QuantizedLinear(nn.Module):
         self.out_features = out_features
         self.max_gemv_rows = max_gemv_rows
         self.int8_activations = int8_activations
-        self.bf16_gemm = _bf16_gemm(int8_activations)
+        self.int8_gemm = _int8_gemm(int8_activations, in_features)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.kernels: NativeKernels | None = load_kernels() if backend in ("auto", "native") else None
         if backend == "native" and self.kernels is None:
@@ -301,8 +303,8 @@ class _QuantizedLinear(nn.Module):
         elif self.backend == "aten" and on_cpu:
             y = self._aten_mm(rows.contiguous())  # [M, N]
         else:
-            y = self._reference(rows.float(), round_activations=self.int8_activations and is_gemv,
-                                round_bf16=self.bf16_gemm and not is_gemv)  # [M, N]
+            rounded = self.int8_activations if is_gemv else self.int8_gemm
+            y = self._reference(rows.float(), round_activations=rounded)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         if y.dtype != x.dtype:
@@ -311,19 +313,20 @@ class _QuantizedLinear(nn.Module):
 
     def set_int8_activations(self, enabled: bool) -> None:
         """Switch to the rounded arithmetic of the module docstring: int8 activations in decode-sized products,
-        bfloat16 in larger ones where the CPU has it (or back to exact float32)."""
+        and in larger ones where the CPU has the instructions (or back to exact float32)."""
         if enabled and self.backend == "aten":
             raise InvalidParameterError("int8_activations runs on the 'native' or 'reference' backend, not 'aten'",
                                         param="int8_activations")
         self.int8_activations = enabled
-        self.set_bf16_gemm(enabled)
+        self.set_int8_gemm(enabled)
 
-    def set_bf16_gemm(self, enabled: bool) -> None:
-        """Round many-row products to bfloat16 where the CPU has the instructions (or back to exact float32)."""
+    def set_int8_gemm(self, enabled: bool) -> None:
+        """Round the activations of many-row products to int8 where the CPU has the instructions (or back to exact
+        float32), whatever decode-sized products do."""
         if enabled and self.backend == "aten":
-            raise InvalidParameterError("bfloat16 products run on the 'native' or 'reference' backend, not 'aten'",
-                                        param="bf16_gemm")
-        self.bf16_gemm = _bf16_gemm(enabled)
+            raise InvalidParameterError("int8 products run on the 'native' or 'reference' backend, not 'aten'",
+                                        param="int8_gemm")
+        self.int8_gemm = _int8_gemm(enabled, self.in_features)
         self._bind_native()
 
     def _bind_native(self) -> None:
@@ -337,16 +340,13 @@ class _QuantizedLinear(nn.Module):
         self._bind_native()
         return module
 
-    def _reference(self, rows: torch.Tensor, round_activations: bool, round_bf16: bool = False) -> torch.Tensor:
+    def _reference(self, rows: torch.Tensor, round_activations: bool) -> torch.Tensor:
         """Dequantize with torch ops and F.linear: any device, and the definition the kernels are tested against."""
-        weight = self.dequantize()
-        if round_bf16:
-            rows, weight = rows.bfloat16().float(), weight.bfloat16().float()
-        return F.linear(round_activations_int8(rows) if round_activations else rows, weight)
+        return F.linear(round_activations_int8(rows) if round_activations else rows, self.dequantize())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"backend={self.backend}, int8_activations={self.int8_activations}, bf16_gemm={self.bf16_gemm}, "
+                f"backend={self.backend}, int8_activations={self.int8_activations}, int8_gemm={self.int8_gemm}, "
                 f"bias={self.bias is not None}")
 
 
@@ -391,7 +391,7 @@ class Int4Linear(_QuantizedLinear):
             self._native_gemv = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
                                                        self.int8_activations)
             self._native_gemm = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
-                                                       many_rows=True, bfloat16=self.bf16_gemm)
+                                                       self.int8_gemm, many_rows=True)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
@@ -455,8 +455,8 @@ class Int8Linear(_QuantizedLinear):
         if self.backend == "native" and self.qweight.is_cpu:
             self._native_gemv = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
                                                        self.int8_activations)
-            self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size, many_rows=True,
-                                                       bfloat16=self.bf16_gemm)
+            self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size, self.int8_gemm,
+                                                       many_rows=True)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)

@@ -24,10 +24,10 @@ void int8_linear_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, 
 void int8_linear_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                        int);
 void int8_gemm_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-void int4_gemm_bf16(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
-                    int64_t, float*, int);
-void int8_gemm_bf16(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+void int4_gemm_int8x(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
+                     int64_t, float*, int);
+void int8_gemm_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
 #endif
 void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
 void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
@@ -52,7 +52,7 @@ struct Linear {
   int64_t max_gemv_rows;    // up to this many rows take the GEMV, more take the GEMM
   int32_t is_int4;
   int32_t int8_activations; // the GEMV rounds activations to int8
-  int32_t bf16_gemm;        // the GEMM rounds weights and activations to bfloat16 (set only where it exists)
+  int32_t int8_gemm;        // the GEMM rounds activations to int8 (set only where it exists)
 };
 
 // One decoder layer's weights (native.py's LayerSpec).
@@ -96,10 +96,10 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
   const bool gemm = M > l.max_gemv_rows;
   auto int4_gemm = int4_gemm_f32;
   auto int8_gemm = int8_gemm_f32;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-  if (l.bf16_gemm) {
-    int4_gemm = int4_gemm_bf16;
-    int8_gemm = int8_gemm_bf16;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (l.int8_gemm) {
+    int4_gemm = int4_gemm_int8x;
+    int8_gemm = int8_gemm_int8x;
   }
 #endif
   if (l.is_int4) {

@@ -11,11 +11,11 @@
 // own accumulator lane: the result for a row does not depend on how many other rows are in the batch or where
 // it sits in it, so batching never changes a sequence's logits.
 //
-// Where the CPU has AVX512-BF16 a second arithmetic is compiled in (Bf16Pairs below), for models/quant.py's
-// rounded mode: the decoded weights and the activations are rounded to bfloat16 and multiplied by dot-product
-// instructions that sum pairs of products into float32, twice an FMA's arithmetic per instruction. Same tiles,
-// same per-row independence; on this machine a 512-token prefill ran 1.58x faster (1,301 vs 824 tokens/s, medians
-// of 10 alternating runs, faster in all 10) and 64 sequences x 128 tokens 1.36x (639 vs 471, 4 of 4).
+// Where the CPU has AVX512-VNNI a second product is compiled in for models/quant.py's rounded mode: the activations
+// are rounded to int8 per 32 columns exactly as gemv.cpp's int8 path rounds them, and multiplied as integers (see
+// "Int8 activations" below), four times an FMA's products per instruction. Against the bfloat16 dot products this
+// replaced, one int4 product of 1536×576 took 264 against 322 µs at 64 rows and 1676 against 2437 µs at 512
+// (576×1536), alternating runs; and a decode step and a prefill of the same row now round alike.
 //
 // Weight formats are gemv.cpp's (int4 with scales and mins per group, int8 with scales per group); the decoded
 // weights equal the reference dequantization bit for bit (scale * q is exact in float32, one rounding for + min).
@@ -36,6 +36,7 @@ namespace {
 using tokenriver::decode_int4;
 using tokenriver::decode_int8;
 using tokenriver::half_to_float;
+using tokenriver::quantize_activations;
 
 // Weight rows per tile, activation rows per vector, and activation rows per packed panel (two vectors).
 constexpr int kRows = 6;
@@ -47,37 +48,10 @@ constexpr int kPanel = 2 * kLanes;
 // chunk's arithmetic: ~20 instructions per 32 weights against 2 FMAs per weight per 16 rows).
 constexpr int64_t kChunkBytes = 512 * 1024;
 
-// How a tile multiplies: float32 FMAs on float32 values, or (Bf16Pairs) AVX512-BF16 dot products on bfloat16
-// pairs. A Bf16Pairs element is two bfloat16 values of consecutive columns in one 32-bit word; one dot product
-// instruction multiplies 8 such pairs by a broadcast weight pair and adds both products to 8 float32 sums, twice
-// the arithmetic of an FMA in the same time. The tiles below are written once for both: K counts elements.
-struct F32 {
-  using T = float;
-  using V = __m256;
-  static V load(const T* p) { return _mm256_loadu_ps(p); }
-  static V splat(const T* p) { return _mm256_broadcast_ss(p); }
-  static __m256 madd(V w, V x, __m256 acc) { return _mm256_fmadd_ps(w, x, acc); }
-};
-
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-struct Bf16Pairs {
-  using T = uint32_t;
-  using V = __m256i;
-  static V load(const T* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static V splat(const T* p) { return _mm256_set1_epi32(static_cast<int>(*p)); }
-  static __m256 madd(V w, V x, __m256 acc) { return _mm256_dpbf16_ps(acc, (__m256bh)w, (__m256bh)x); }
-};
-
-// 16 floats → 8 bfloat16 pairs (round to nearest even), as one vector of 32-bit words.
-inline __m256i to_pairs(const float* p) {
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p));
-}
-#endif
-
-// Weight row n, columns [0, K), decoded to float32 (F32) or to bfloat16 pairs (Bf16Pairs: K / 2 words).
-template <bool IS_INT4, typename A>
+// Weight row n, columns [0, K), decoded to float32.
+template <bool IS_INT4>
 inline void decode_row(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G,
-                       int64_t n, typename A::T* out) {
+                       int64_t n, float* out) {
   const int64_t num_groups = K / G;
   for (int64_t k = 0; k < K; k += 32) {
     const int64_t at = n * num_groups + k / G;
@@ -86,20 +60,10 @@ inline void decode_row(const uint8_t* qweight, const uint16_t* scales, const uin
     if (IS_INT4) {
       decode_int4(qweight + n * (K / 2) + k / 2, w);
       const __m256 min = _mm256_set1_ps(half_to_float(mins[at]));
-      for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(scale, w[i], min);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + k + 8 * i, _mm256_fmadd_ps(scale, w[i], min));
     } else {
       decode_int8(reinterpret_cast<const int8_t*>(qweight) + n * K + k, w);
-      for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(scale, w[i]);
-    }
-    if constexpr (std::is_same_v<A, F32>) {
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + k + 8 * i, w[i]);
-    } else {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-      for (int i = 0; i < 2; ++i)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k / 2 + 8 * i),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_insertf32x8(_mm512_castps256_ps512(w[2 * i]),
-                                                                           w[2 * i + 1], 1)));
-#endif
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + k + 8 * i, _mm256_mul_ps(scale, w[i]));
     }
   }
 }
@@ -117,32 +81,31 @@ inline void store_tile(const float (&out)[RT][VT * kLanes], int valid, float* y,
 // the first `valid` of them real):
 // written out with named accumulators because GCC keeps an array of twelve vectors on the stack, storing it
 // every column.
-template <typename A>
-void tile_6x16(const typename A::T* w, const typename A::T* panel, int64_t K, int64_t m0, int valid, float* y,
-               int64_t N, int64_t n0) {
+void tile_6x16(const float* w, const float* panel, int64_t K, int64_t m0, int valid, float* y, int64_t N,
+               int64_t n0) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
          a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-  const typename A::T* column = panel;
+  const float* column = panel;
   for (int64_t k = 0; k < K; ++k, column += kPanel) {
-    const typename A::V x0 = A::load(column), x1 = A::load(column + kLanes);
-    typename A::V b = A::splat(w + k);
-    a00 = A::madd(b, x0, a00);
-    a01 = A::madd(b, x1, a01);
-    b = A::splat(w + K + k);
-    a10 = A::madd(b, x0, a10);
-    a11 = A::madd(b, x1, a11);
-    b = A::splat(w + 2 * K + k);
-    a20 = A::madd(b, x0, a20);
-    a21 = A::madd(b, x1, a21);
-    b = A::splat(w + 3 * K + k);
-    a30 = A::madd(b, x0, a30);
-    a31 = A::madd(b, x1, a31);
-    b = A::splat(w + 4 * K + k);
-    a40 = A::madd(b, x0, a40);
-    a41 = A::madd(b, x1, a41);
-    b = A::splat(w + 5 * K + k);
-    a50 = A::madd(b, x0, a50);
-    a51 = A::madd(b, x1, a51);
+    const __m256 x0 = _mm256_loadu_ps(column), x1 = _mm256_loadu_ps(column + kLanes);
+    __m256 b = _mm256_broadcast_ss(w + k);
+    a00 = _mm256_fmadd_ps(b, x0, a00);
+    a01 = _mm256_fmadd_ps(b, x1, a01);
+    b = _mm256_broadcast_ss(w + K + k);
+    a10 = _mm256_fmadd_ps(b, x0, a10);
+    a11 = _mm256_fmadd_ps(b, x1, a11);
+    b = _mm256_broadcast_ss(w + 2 * K + k);
+    a20 = _mm256_fmadd_ps(b, x0, a20);
+    a21 = _mm256_fmadd_ps(b, x1, a21);
+    b = _mm256_broadcast_ss(w + 3 * K + k);
+    a30 = _mm256_fmadd_ps(b, x0, a30);
+    a31 = _mm256_fmadd_ps(b, x1, a31);
+    b = _mm256_broadcast_ss(w + 4 * K + k);
+    a40 = _mm256_fmadd_ps(b, x0, a40);
+    a41 = _mm256_fmadd_ps(b, x1, a41);
+    b = _mm256_broadcast_ss(w + 5 * K + k);
+    a50 = _mm256_fmadd_ps(b, x0, a50);
+    a51 = _mm256_fmadd_ps(b, x1, a51);
   }
   alignas(32) float out[kRows][2 * kLanes];
   const __m256 sums[kRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
@@ -152,19 +115,18 @@ void tile_6x16(const typename A::T* w, const typename A::T* panel, int64_t K, in
 }
 
 // Half a panel: 6 weight rows × the first 8 activation rows of a panel (a batch's last few rows).
-template <typename A>
-void tile_6x8(const typename A::T* w, const typename A::T* panel, int64_t K, int64_t m0, int valid, float* y,
-              int64_t N, int64_t n0) {
+void tile_6x8(const float* w, const float* panel, int64_t K, int64_t m0, int valid, float* y, int64_t N,
+              int64_t n0) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-  const typename A::T* column = panel;
+  const float* column = panel;
   for (int64_t k = 0; k < K; ++k, column += kPanel) {
-    const typename A::V x = A::load(column);
-    a0 = A::madd(A::splat(w + k), x, a0);
-    a1 = A::madd(A::splat(w + K + k), x, a1);
-    a2 = A::madd(A::splat(w + 2 * K + k), x, a2);
-    a3 = A::madd(A::splat(w + 3 * K + k), x, a3);
-    a4 = A::madd(A::splat(w + 4 * K + k), x, a4);
-    a5 = A::madd(A::splat(w + 5 * K + k), x, a5);
+    const __m256 x = _mm256_loadu_ps(column);
+    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + k), x, a0);
+    a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + K + k), x, a1);
+    a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + 2 * K + k), x, a2);
+    a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + 3 * K + k), x, a3);
+    a4 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + 4 * K + k), x, a4);
+    a5 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + 5 * K + k), x, a5);
   }
   alignas(32) float out[kRows][kLanes];
   const __m256 sums[kRows] = {a0, a1, a2, a3, a4, a5};
@@ -174,19 +136,18 @@ void tile_6x8(const typename A::T* w, const typename A::T* panel, int64_t K, int
 
 // Any smaller tile (the last weight rows of a matrix, the last 8 activation rows of a batch): the same sums in the
 // same order, so a row's result does not depend on which tile computed it.
-template <typename A, int RT, int VT>
-void tile(const typename A::T* w, const typename A::T* panel, int64_t K, int64_t m0, int valid, float* y, int64_t N,
-          int64_t n0) {
+template <int RT, int VT>
+void tile(const float* w, const float* panel, int64_t K, int64_t m0, int valid, float* y, int64_t N, int64_t n0) {
   __m256 acc[RT][VT];
   for (int r = 0; r < RT; ++r)
     for (int v = 0; v < VT; ++v) acc[r][v] = _mm256_setzero_ps();
-  const typename A::T* column = panel;
+  const float* column = panel;
   for (int64_t k = 0; k < K; ++k, column += kPanel) {
-    typename A::V x[VT];
-    for (int v = 0; v < VT; ++v) x[v] = A::load(column + kLanes * v);
+    __m256 x[VT];
+    for (int v = 0; v < VT; ++v) x[v] = _mm256_loadu_ps(column + kLanes * v);
     for (int r = 0; r < RT; ++r) {
-      const typename A::V weight = A::splat(w + r * K + k);
-      for (int v = 0; v < VT; ++v) acc[r][v] = A::madd(weight, x[v], acc[r][v]);
+      const __m256 weight = _mm256_broadcast_ss(w + r * K + k);
+      for (int v = 0; v < VT; ++v) acc[r][v] = _mm256_fmadd_ps(weight, x[v], acc[r][v]);
     }
   }
   alignas(32) float out[RT][VT * kLanes];
@@ -196,24 +157,23 @@ void tile(const typename A::T* w, const typename A::T* panel, int64_t K, int64_t
 }
 
 // RT weight rows against the activation rows [0, rows) of the packed chunk, one panel at a time.
-template <typename A, int RT>
-void weight_rows(const typename A::T* w, const typename A::T* panels, int64_t K, int64_t rows, float* y, int64_t N,
-                 int64_t n0) {
+template <int RT>
+void weight_rows(const float* w, const float* panels, int64_t K, int64_t rows, float* y, int64_t N, int64_t n0) {
   for (int64_t m = 0; m < rows; m += kPanel) {
-    const typename A::T* panel = panels + m * K;
+    const float* panel = panels + m * K;
     const int valid = static_cast<int>(std::min<int64_t>(kPanel, rows - m));
     if (valid > kLanes && RT == kRows)
-      tile_6x16<A>(w, panel, K, m, valid, y, N, n0);
+      tile_6x16(w, panel, K, m, valid, y, N, n0);
     else if (valid > kLanes)
-      tile<A, RT, 2>(w, panel, K, m, valid, y, N, n0);
+      tile<RT, 2>(w, panel, K, m, valid, y, N, n0);
     else if (RT == kRows)
-      tile_6x8<A>(w, panel, K, m, valid, y, N, n0);
+      tile_6x8(w, panel, K, m, valid, y, N, n0);
     else
-      tile<A, RT, 1>(w, panel, K, m, valid, y, N, n0);
+      tile<RT, 1>(w, panel, K, m, valid, y, N, n0);
   }
 }
 
-// Transposes 8 rows of 8 32-bit elements (r[i] = row i) into 8 columns: r[j] = column j.
+// Transposes 8 rows of 8 floats (r[i] = row i) into 8 columns: r[j] = column j.
 inline void transpose8(__m256 r[8]) {
   __m256 t[8];
   for (int i = 0; i < 8; i += 2) {
@@ -233,61 +193,45 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
-// One panel: rows [0, valid) of x (row-major, K float columns) transposed into panel [K', 16] of A's elements
-// (K' = K floats, or K / 2 bfloat16 pairs); rows past valid read `zeros`. Eight elements of eight rows at a time
-// through registers, not one strided store per element: a 512-token prefill ran ~5% faster than with the scalar
-// copy (medians of 20 alternating runs, faster in 18).
-template <typename A>
-inline void pack_panel(const float* x, int64_t valid, int64_t K, const float* zeros, typename A::T* panel) {
+// One panel: rows [0, valid) of x (row-major, K columns) transposed into panel [K, 16]; rows past valid read
+// `zeros`. Eight columns of eight rows at a time through registers, not one strided store per element: a 512-token
+// prefill ran ~5% faster than with the scalar copy (medians of 20 alternating runs, faster in 18).
+inline void pack_panel(const float* x, int64_t valid, int64_t K, const float* zeros, float* panel) {
   const float* rows[kPanel];
   for (int64_t i = 0; i < kPanel; ++i) rows[i] = i < valid ? x + i * K : zeros;
-  constexpr int64_t kFloats = std::is_same_v<A, F32> ? kLanes : 2 * kLanes;  // floats per 8 elements
-  const int64_t stride = std::is_same_v<A, F32> ? 1 : 2;
   int64_t k = 0;
-  for (; k + kFloats <= K; k += kFloats)
+  for (; k + kLanes <= K; k += kLanes)
     for (int half = 0; half < 2; ++half) {
       __m256 r[kLanes];
-      for (int i = 0; i < kLanes; ++i) {
-        if constexpr (std::is_same_v<A, F32>) {
-          r[i] = _mm256_loadu_ps(rows[half * kLanes + i] + k);
-        } else {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-          r[i] = _mm256_castsi256_ps(to_pairs(rows[half * kLanes + i] + k));
-#endif
-        }
-      }
+      for (int i = 0; i < kLanes; ++i) r[i] = _mm256_loadu_ps(rows[half * kLanes + i] + k);
       transpose8(r);
-      for (int j = 0; j < kLanes; ++j)
-        _mm256_storeu_ps(reinterpret_cast<float*>(panel + (k / stride + j) * kPanel + half * kLanes), r[j]);
+      for (int j = 0; j < kLanes; ++j) _mm256_storeu_ps(panel + (k + j) * kPanel + half * kLanes, r[j]);
     }
-  if constexpr (std::is_same_v<A, F32>)
-    for (; k < K; ++k)
-      for (int64_t i = 0; i < kPanel; ++i) panel[k * kPanel + i] = rows[i][k];
+  for (; k < K; ++k)
+    for (int64_t i = 0; i < kPanel; ++i) panel[k * kPanel + i] = rows[i][k];
 }
 
-template <bool IS_INT4, typename A>
+template <bool IS_INT4>
 void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
           const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
-  using T = typename A::T;
-  const int64_t elements = std::is_same_v<A, F32> ? K : K / 2;  // per row
-  const int64_t fit = kChunkBytes / (elements * static_cast<int64_t>(sizeof(T)));
+  const int64_t fit = kChunkBytes / (K * static_cast<int64_t>(sizeof(float)));
   const int64_t chunk = std::max<int64_t>(kPanel, fit / kPanel * kPanel);
   const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
   // Not zero-filled: packing writes every element, zeros included.
-  const std::unique_ptr<T[]> panels(new T[num_panels * elements * kPanel]);
+  const std::unique_ptr<float[]> panels(new float[num_panels * K * kPanel]);
   const std::vector<float> zeros(K);  // the rows of a last partial panel past the batch
   const int64_t num_tiles = (N + kRows - 1) / kRows;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    // Pack the chunk's rows 16 at a time into panels [K', 16], zero past the last row.
+    // Pack the chunk's rows 16 at a time into panels [K, 16], zero past the last row.
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p)
-      pack_panel<A>(x + (m0 + p * kPanel) * K, std::min<int64_t>(kPanel, rows - p * kPanel), K, zeros.data(),
-                    panels.get() + p * elements * kPanel);
+      pack_panel(x + (m0 + p * kPanel) * K, std::min<int64_t>(kPanel, rows - p * kPanel), K, zeros.data(),
+                 panels.get() + p * K * kPanel);
     float* y_chunk = y + m0 * N;
 #pragma omp parallel num_threads(num_threads)
     {
-      std::vector<T> w(kRows * elements);
+      std::vector<float> w(kRows * K);
       // Handed out a few tiles at a time, not split in halves up front: the two cores of a shared machine often
       // run at different speeds, and with fixed halves the faster one waited at the barrier. A 512-token prefill
       // ran ~5% faster this way (median of 30 alternating runs). Which thread computes a tile does not change
@@ -297,26 +241,196 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const ui
         const int64_t n0 = t * kRows;
         const int64_t count = std::min<int64_t>(kRows, N - n0);
         for (int64_t r = 0; r < count; ++r)
-          decode_row<IS_INT4, A>(qweight, scales, mins, K, G, n0 + r, w.data() + r * elements);
-        const T* rows_w = w.data();
+          decode_row<IS_INT4>(qweight, scales, mins, K, G, n0 + r, w.data() + r * K);
         switch (count) {
-          case 6: weight_rows<A, 6>(rows_w, panels.get(), elements, rows, y_chunk, N, n0); break;
-          case 5: weight_rows<A, 5>(rows_w, panels.get(), elements, rows, y_chunk, N, n0); break;
-          case 4: weight_rows<A, 4>(rows_w, panels.get(), elements, rows, y_chunk, N, n0); break;
-          case 3: weight_rows<A, 3>(rows_w, panels.get(), elements, rows, y_chunk, N, n0); break;
-          case 2: weight_rows<A, 2>(rows_w, panels.get(), elements, rows, y_chunk, N, n0); break;
-          default: weight_rows<A, 1>(rows_w, panels.get(), elements, rows, y_chunk, N, n0); break;
+          case 6: weight_rows<6>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
+          case 5: weight_rows<5>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
+          case 4: weight_rows<4>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
+          case 3: weight_rows<3>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
+          case 2: weight_rows<2>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
+          default: weight_rows<1>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
         }
       }
     }
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Int8 activations. A panel holds 16 activation rows rounded to int8, as 32-bit words of four consecutive columns,
+// transposed ([K/4, 16]: one 512-bit vector per four columns), with each row's scale and sum of rounded values per
+// block of 32 columns ([K/32, 16] floats each). Per four columns, dpbusd multiplies one weight word (four 8-bit
+// columns, broadcast) by the panel's vector and adds each row's four products into its int32 lane. Per block the
+// integer sums are exact; times the block's weight scale and the row's activation scale they are added to the
+// row's float32 sum, block after block in order, so a row's result does not depend on the batch.
+//   int4 weights (w = s u + min, u in 0..15) are the unsigned operand and the activations the signed one; the min
+//   term adds min times the row's block sum of rounded activations.
+//   int8 weights (w = s q) must be the signed operand, so the activations go in unsigned, offset by 128; the integer
+//   sum then carries 128 times the block's weight sum, which is subtracted exactly (all values below 2^24).
+
+// Activation rows [0, valid) of x (K columns) rounded and packed into one panel; rows past valid are zero.
+// xq [16, K] and xscale [16, K/32] are scratch.
+template <bool IS_INT4>
+void pack_int8_panel(const float* x, int64_t valid, int64_t K, int8_t* xq, float* xscale, uint32_t* quads,
+                     float* scales, float* sums) {
+  const int64_t num_blocks = K / 32;
+  for (int64_t i = 0; i < kPanel; ++i) {
+    int8_t* row = xq + i * K;
+    float* row_scales = xscale + i * num_blocks;
+    if (i < valid) {
+      quantize_activations(x + i * K, 1, K, row, row_scales);
+    } else {
+      memset(row, 0, K);
+      for (int64_t b = 0; b < num_blocks; ++b) row_scales[b] = 0.0f;
+    }
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      int32_t total = 0;
+      for (int j = 0; j < 32; ++j) total += row[32 * b + j];
+      scales[b * kPanel + i] = row_scales[b];
+      sums[b * kPanel + i] = row_scales[b] * static_cast<float>(total);
+    }
+    if (!IS_INT4) {
+      const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));  // + 128 as an unsigned byte
+      for (int64_t k = 0; k < K; k += 32) {
+        __m256i* bytes = reinterpret_cast<__m256i*>(row + k);
+        _mm256_storeu_si256(bytes, _mm256_xor_si256(_mm256_loadu_si256(bytes), offset));
+      }
+    }
+  }
+  // Eight words (32 columns) of eight rows at a time, transposed through registers.
+  for (int64_t k = 0; k < K / 4; k += 8)
+    for (int half = 0; half < 2; ++half) {
+      __m256 r[kLanes];
+      for (int i = 0; i < kLanes; ++i)
+        r[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(xq + (half * kLanes + i) * K + 4 * k));
+      transpose8(r);
+      for (int j = 0; j < kLanes; ++j)
+        _mm256_storeu_ps(reinterpret_cast<float*>(quads + (k + j) * kPanel + half * kLanes), r[j]);
+    }
+}
+
+// Weight row n as the int8 tile reads it: its K columns as bytes in order (int4: the 0..15 codes; int8: q), and per
+// block of 32 columns the scale and the extra term (int4: the min; int8: 128 times the block's sum of q).
+template <bool IS_INT4>
+void decode_int8_row(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G,
+                     int64_t n, uint8_t* out, float* out_scales, float* out_extras) {
+  const int64_t num_groups = K / G;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const int64_t at = n * num_groups + b * 32 / G;
+    out_scales[b] = half_to_float(scales[at]);
+    if (IS_INT4) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qweight + n * (K / 2) + 16 * b));
+      const __m128i nibble = _mm_set1_epi8(0x0F);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * b), _mm_and_si128(raw, nibble));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+      out_extras[b] = half_to_float(mins[at]);
+    } else {
+      const int8_t* q = reinterpret_cast<const int8_t*>(qweight) + n * K + 32 * b;
+      memcpy(out + 32 * b, q, 32);
+      int32_t total = 0;
+      for (int j = 0; j < 32; ++j) total += q[j];
+      out_extras[b] = static_cast<float>(128 * total);
+    }
+  }
+}
+
+// RT weight rows (w: rows of K bytes; scales and extras [RT, K/32]) × one panel's 16 activation rows, the first
+// `valid` of them real, into y[m0 + i, n0 + r].
+template <bool IS_INT4, int RT>
+void int8_tile(const uint8_t* w, const float* w_scales, const float* w_extras, int64_t K, const uint32_t* quads,
+               const float* x_scales, const float* x_sums, int valid, float* y, int64_t N, int64_t m0, int64_t n0) {
+  const int64_t num_blocks = K / 32, words = K / 4;
+  const uint32_t* w_words = reinterpret_cast<const uint32_t*>(w);
+  __m512 acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m512i sums[RT];
+    for (int r = 0; r < RT; ++r) sums[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t k = 8 * b; k < 8 * b + 8; ++k) {
+      const __m512i x = _mm512_loadu_si512(quads + k * kPanel);
+      for (int r = 0; r < RT; ++r) {
+        const __m512i weights = _mm512_set1_epi32(static_cast<int>(w_words[r * words + k]));
+        sums[r] = IS_INT4 ? _mm512_dpbusd_epi32(sums[r], weights, x) : _mm512_dpbusd_epi32(sums[r], x, weights);
+      }
+    }
+    const __m512 x_scale = _mm512_loadu_ps(x_scales + b * kPanel);
+    const __m512 x_sum = _mm512_loadu_ps(x_sums + b * kPanel);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 extra = _mm512_set1_ps(w_extras[r * num_blocks + b]);
+      __m512 exact = _mm512_cvtepi32_ps(sums[r]);
+      if (!IS_INT4) exact = _mm512_sub_ps(exact, extra);
+      acc[r] = _mm512_fmadd_ps(exact, _mm512_mul_ps(_mm512_set1_ps(w_scales[r * num_blocks + b]), x_scale), acc[r]);
+      if (IS_INT4) acc[r] = _mm512_fmadd_ps(extra, x_sum, acc[r]);
+    }
+  }
+  alignas(64) float out[RT][kPanel];
+  for (int r = 0; r < RT; ++r) _mm512_store_ps(out[r], acc[r]);
+  for (int i = 0; i < valid; ++i)
+    for (int r = 0; r < RT; ++r) y[(m0 + i) * N + n0 + r] = out[r][i];
+}
+
+template <bool IS_INT4>
+void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
+               const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
+  const int64_t num_blocks = K / 32, panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
+  const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
+  const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
+  const std::unique_ptr<uint32_t[]> quads(new uint32_t[num_panels * panel_words]);
+  const std::unique_ptr<float[]> x_scales(new float[num_panels * panel_blocks]);
+  const std::unique_ptr<float[]> x_sums(new float[num_panels * panel_blocks]);
+  const int64_t num_tiles = (N + kRows - 1) / kRows;
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+#pragma omp parallel num_threads(num_threads)
+    {
+      std::vector<int8_t> xq(kPanel * K);
+      std::vector<float> xscale(kPanel * num_blocks);
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p)
+        pack_int8_panel<IS_INT4>(x + (m0 + p * kPanel) * K, std::min<int64_t>(kPanel, rows - p * kPanel), K,
+                                 xq.data(), xscale.data(), quads.get() + p * panel_words,
+                                 x_scales.get() + p * panel_blocks, x_sums.get() + p * panel_blocks);
+    }
+    float* y_chunk = y + m0 * N;
+#pragma omp parallel num_threads(num_threads)
+    {
+      std::vector<uint8_t> w(kRows * K);
+      std::vector<float> w_scales(kRows * num_blocks), w_extras(kRows * num_blocks);
+#pragma omp for schedule(dynamic, 8)
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t n0 = t * kRows;
+        const int64_t count = std::min<int64_t>(kRows, N - n0);
+        for (int64_t r = 0; r < count; ++r)
+          decode_int8_row<IS_INT4>(qweight, scales, mins, K, G, n0 + r, w.data() + r * K,
+                                   w_scales.data() + r * num_blocks, w_extras.data() + r * num_blocks);
+        const auto run = [&](auto rows_per_tile) {
+          constexpr int RT = decltype(rows_per_tile)::value;
+          for (int64_t m = 0; m < rows; m += kPanel) {
+            const int64_t p = m / kPanel;
+            int8_tile<IS_INT4, RT>(w.data(), w_scales.data(), w_extras.data(), K, quads.get() + p * panel_words,
+                                   x_scales.get() + p * panel_blocks, x_sums.get() + p * panel_blocks,
+                                   static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m, n0);
+          }
+        };
+        switch (count) {
+          case 6: run(std::integral_constant<int, 6>{}); break;
+          case 5: run(std::integral_constant<int, 5>{}); break;
+          case 4: run(std::integral_constant<int, 4>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          default: run(std::integral_constant<int, 1>{}); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <bool IS_INT4>
 void dequantize(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
                 int64_t G, float* out, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t n = 0; n < N; ++n) decode_row<IS_INT4, F32>(qweight, scales, mins, K, G, n, out + n * K);
+  for (int64_t n = 0; n < N; ++n) decode_row<IS_INT4>(qweight, scales, mins, K, G, n, out + n * K);
 }
 
 }  // namespace
@@ -326,12 +440,12 @@ extern "C" {
 // y [M, N] = x [M, K] @ dequantized weight [N, K]ᵀ; arguments in the order of gemv.cpp's int4_linear_f32.
 void int4_gemm_f32(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
                    int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm<true, F32>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
+  gemm<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
 }
 
 void int8_gemm_f32(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                    const float* x, int64_t M, float* y, int num_threads) {
-  gemm<false, F32>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y, num_threads);
+  gemm<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y, num_threads);
 }
 
 // Float32 copy of the weights, [N, K], decoded exactly as the products decode them.
@@ -346,23 +460,23 @@ void int8_dequantize(const int8_t* qweight, const uint16_t* scales, int64_t N, i
                     num_threads);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// The same products with the weights and activations rounded to bfloat16 (sums in float32): where the CPU has
-// AVX512-BF16, twice the arithmetic per instruction. Present only then; gemm_bf16_supported says which.
-void int4_gemm_bf16(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
-                    int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm<true, Bf16Pairs>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The same products with the activations rounded to int8 per 32 columns (models/quant.py's rounded mode), where the
+// CPU has AVX512-VNNI; K a multiple of 32, groups a multiple of 32. Present only then: gemm_int8x_supported says.
+void int4_gemm_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+                     int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
+  gemm_int8<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
 }
 
-void int8_gemm_bf16(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
-                    const float* x, int64_t M, float* y, int num_threads) {
-  gemm<false, Bf16Pairs>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y,
-                         num_threads);
+void int8_gemm_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
+                     const float* x, int64_t M, float* y, int num_threads) {
+  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y,
+                   num_threads);
 }
 
-int gemm_bf16_supported() { return 1; }
+int gemm_int8x_supported() { return 1; }
 #else
-int gemm_bf16_supported() { return 0; }
+int gemm_int8x_supported() { return 0; }
 #endif
 
 }  // extern "C"

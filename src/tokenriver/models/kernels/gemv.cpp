@@ -57,6 +57,7 @@ using tokenriver::decode_int4;
 using tokenriver::decode_int8;
 using tokenriver::half_to_float;
 using tokenriver::horizontal_sum;
+using tokenriver::quantize_activations;
 
 // Per-group sums of x: xsum [M, K/G].
 std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
@@ -149,35 +150,6 @@ void tile(const float* x, int64_t K, const float* xsum, const uint8_t* qweight, 
       if (IS_INT4) total += min_term(mins + (n0 + r) * num_groups, xsum + (m0 + m) * num_groups, num_groups);
       y[(m0 + m) * N + n0 + r] = total;
     }
-}
-
-// Activations quantized to int8 per run of 32 columns, as llama.cpp does on CPUs: x ≈ xscale * xq with
-// xscale = max|x| / 127 over the run and xq = round(x / xscale). Integer products then cost one instruction per
-// 32 weights (maddubs) instead of four conversions and four FMAs; the error is that of rounding x to 8 bits.
-void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* xscale) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  // packs works within 128-bit lanes; this puts the 8 groups of 4 bytes back in column order.
-  const __m256i lane_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t run = 0; run < M * K / 32; ++run) {
-    const float* in = x + 32 * run;
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(in + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float scale = _mm_cvtss_f32(m4) / 127.0f;
-    xscale[run] = scale;
-    // Round half to even (the default MXCSR mode), as torch.round does; |q| <= 127, so packing never saturates.
-    const __m256 divisor = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
-    __m256i q[4];
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], divisor));
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * run), _mm256_permutevar8x32_epi32(bytes, lane_order));
-  }
 }
 
 // Integer dot of 32 int8 weights with 32 int8 activations → 8 int32 partial sums as floats. maddubs multiplies

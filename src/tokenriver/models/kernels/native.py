@@ -111,7 +111,7 @@ class LinearSpec(ctypes.Structure):
 
     _fields_ = [("qweight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr), ("out_features", _i64),
                 ("in_features", _i64), ("group_size", _i64), ("max_gemv_rows", _i64), ("is_int4", ctypes.c_int32),
-                ("int8_activations", ctypes.c_int32), ("bf16_gemm", ctypes.c_int32)]
+                ("int8_activations", ctypes.c_int32), ("int8_gemm", ctypes.c_int32)]
 
 
 class LayerSpec(ctypes.Structure):
@@ -172,11 +172,11 @@ class NativeKernels:
             function.argtypes = argtypes
             function.restype = restype
             self._functions[name] = function
-        # The bfloat16 GEMMs exist only where the compiler targeted AVX512-BF16 (gemm.cpp).
-        library.gemm_bf16_supported.restype = c_int
-        self.gemm_bf16 = bool(library.gemm_bf16_supported())
-        if self.gemm_bf16:
-            for name, argtypes in (("int4_gemm_bf16", int4_args), ("int8_gemm_bf16", int8_args)):
+        # The int8-activation GEMMs exist only where the compiler targeted AVX512-VNNI (gemm.cpp).
+        library.gemm_int8x_supported.restype = c_int
+        self.gemm_int8 = bool(library.gemm_int8x_supported())
+        if self.gemm_int8:
+            for name, argtypes in (("int4_gemm_int8x", int4_args), ("int8_gemm_int8x", int8_args)):
                 function = getattr(library, name)
                 function.argtypes = argtypes
                 self._functions[name] = function
@@ -191,29 +191,25 @@ class NativeKernels:
         supports = self._functions["paged_attention_supports"]
         self.attention_head_dims = frozenset(size for size in range(8, 1025, 8) if supports(size))
 
-    def _product(self, kind: str, int8_activations: bool, many_rows: bool, bfloat16: bool) -> Callable[..., None]:
-        if many_rows and int8_activations:
-            raise ValueError("the many-row product (gemm.cpp) rounds to bfloat16 (bfloat16=True), not to int8")
-        if bfloat16 and not (many_rows and self.gemm_bf16):
-            raise ValueError("bfloat16 rounding is a many-row product (many_rows=True) on CPUs with AVX512-BF16; "
-                             "check gemm_bf16 first")
-        if many_rows:
-            return self._functions[f"{kind}_gemm_bf16" if bfloat16 else f"{kind}_gemm_f32"]
-        return self._functions[f"{kind}_linear_int8x" if int8_activations else f"{kind}_linear_f32"]
+    def _product(self, kind: str, int8_activations: bool, many_rows: bool) -> Callable[..., None]:
+        if many_rows and int8_activations and not self.gemm_int8:
+            raise ValueError("the many-row product rounds activations to int8 only on CPUs with AVX512-VNNI; "
+                             "check gemm_int8 first")
+        suffix = "int8x" if int8_activations else "f32"
+        return self._functions[f"{kind}_gemm_{suffix}" if many_rows else f"{kind}_linear_{suffix}"]
 
     def bind_int4(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                  int8_activations: bool = False, many_rows: bool = False,
-                  bfloat16: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+                  int8_activations: bool = False, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [M, K] float32 ↦ x @ dequantized int4 weight [N, K]ᵀ, [M, N] float32.
 
-        int8_activations rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact.
-        many_rows picks the GEMM (gemm.cpp) over the GEMV: for more rows than a decode step has, where the
-        product is bound by arithmetic rather than by reading the weights. bfloat16 makes that GEMM round the
-        decoded weights and x to bfloat16 (float32 sums): twice the arithmetic rate, where gemm_bf16 is True.
-        The function keeps the tensors alive; rebind after moving or replacing them.
+        int8_activations rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact; K and
+        the group size multiples of 32. many_rows picks the GEMM (gemm.cpp) over the GEMV: for more rows than a
+        decode step has, where the product is bound by arithmetic rather than by reading the weights; with
+        int8_activations only where gemm_int8 is True. The function keeps the tensors alive; rebind after moving
+        or replacing them.
         """
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
-        function = self._product("int4", int8_activations, many_rows, bfloat16)
+        function = self._product("int4", int8_activations, many_rows)
         weight = (qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out_features, in_features, group_size)
         tensors = (qweight, scales, mins)
 
@@ -226,11 +222,10 @@ class NativeKernels:
         return linear
 
     def bind_int8(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                  int8_activations: bool = False, many_rows: bool = False,
-                  bfloat16: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+                  int8_activations: bool = False, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [M, K] float32 ↦ x @ dequantized int8 weight [N, K]ᵀ, [M, N] float32 (options as in bind_int4)."""
         out_features, in_features = qweight.shape
-        function = self._product("int8", int8_activations, many_rows, bfloat16)
+        function = self._product("int8", int8_activations, many_rows)
         weight = (qweight.data_ptr(), scales.data_ptr(), out_features, in_features, group_size)
         tensors = (qweight, scales)
 
