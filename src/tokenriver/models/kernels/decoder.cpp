@@ -24,7 +24,7 @@ void int8_linear_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, 
 void int8_linear_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                        int);
 void int8_gemm_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 void int4_gemm_int8x(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
                      int64_t, float*, int);
 void int8_gemm_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
@@ -96,7 +96,7 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
   const bool gemm = M > l.max_gemv_rows;
   auto int4_gemm = int4_gemm_f32;
   auto int8_gemm = int8_gemm_f32;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if (l.int8_gemm) {
     int4_gemm = int4_gemm_int8x;
     int8_gemm = int8_gemm_int8x;
