@@ -105,3 +105,22 @@ def test_random_aborts_leave_the_pool_free(loaded_float32):
     engine.step()
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.stats().num_blocks_used == 0
+
+
+def test_final_only_request_is_reported_once_finished(loaded_float32):
+    llm = LLM.from_loaded(loaded_float32, max_num_kv_tokens=4096)
+    engine = llm.engine
+    ids = llm.get_tokenizer().encode("Name three rivers.")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("streamed", ids, params)
+    engine.add_request("final", ids, params, final_only=True)
+    reports: dict[str, list] = {"streamed": [], "final": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            reports[output.request_id].append(output)
+    assert len(reports["streamed"]) == 12
+    (final,) = reports["final"]
+    assert final.finished
+    assert final.outputs[0].token_ids == reports["streamed"][-1].outputs[0].token_ids
+    assert final.outputs[0].text == reports["streamed"][-1].outputs[0].text
+    assert not engine.output_processor.has_request("final")

@@ -107,8 +107,10 @@ class EngineCore:
         self.last_step: StepStats | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request; raises a clear error if it can never run."""
+                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
+                    final_only: bool = False) -> None:
+        """Queue a request; raises a clear error if it can never run. With final_only, step() reports it once,
+        finished, instead of after every step that changed it."""
         if self.output_processor.has_request(request_id):
             raise InvalidParameterError(f"request id {request_id!r} is already running; use a unique id",
                                         param="request_id")
@@ -154,7 +156,7 @@ class EngineCore:
                 self.scheduler.abort_request(child.request_id)
             raise
         self.output_processor.add_request(request_id, prompt, list(prompt_token_ids), params,
-                                          {child.request_id: child.metrics for child in children})
+                                          {child.request_id: child.metrics for child in children}, final_only)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free everything it holds."""

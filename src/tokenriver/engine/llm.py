@@ -9,6 +9,7 @@ go through one EngineCore together, so they are batched continuously.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -71,7 +72,8 @@ class LLM:
             f"prompts[{index}] must be a string or a dict with 'prompt_token_ids', not {type(prompt).__name__}",
             param="prompts")
 
-    def _add(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]) -> list[str]:
+    def _add(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams],
+             final_only: bool = False) -> list[str]:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -84,7 +86,7 @@ class LLM:
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, ids = self._prompt_ids(prompt, index)
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, ids, params, prompt=text)
+            self.engine.add_request(request_id, ids, params, prompt=text, final_only=final_only)
             request_ids.append(request_id)
         return request_ids
 
@@ -93,8 +95,14 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        request_ids = self._add(list(prompts), sampling_params or SamplingParams())
+        request_ids = self._add(list(prompts), sampling_params or SamplingParams(), final_only=True)
         finished: dict[str, RequestOutput] = {}
+        # Everything alive before the run (the model, the tokenizer) outlives it: frozen, the collector does not
+        # walk it again on every full collection (64 requests x 128 tokens: 115 ms of collections, 28 ms frozen).
+        # A caller's own freeze is left alone.
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
         try:
             with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as progress:
                 while self.engine.has_unfinished_requests():
@@ -103,6 +111,8 @@ class LLM:
                             finished[output.request_id] = output
                             progress.update(1)
         finally:
+            if freeze:
+                gc.unfreeze()
             for request_id in request_ids:
                 if request_id not in finished and self.engine.output_processor.has_request(request_id):
                     self.engine.abort_request(request_id)

@@ -48,6 +48,8 @@ class _UserRequest:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     # Candidates whose output changed in the current batch of updates.
     changed: set[str] = field(default_factory=set)
+    # Only the finished output is wanted (LLM.generate): no per-step copies of the growing outputs.
+    final_only: bool = False
 
 
 class OutputProcessor:
@@ -60,7 +62,7 @@ class OutputProcessor:
         self._parent_of: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    children: dict[str, RequestMetrics]) -> None:
+                    children: dict[str, RequestMetrics], final_only: bool = False) -> None:
         """Track a user request whose candidates run as the engine requests in `children` (id → metrics)."""
         candidates = {}
         for index, (child_id, metrics) in enumerate(children.items()):
@@ -76,6 +78,7 @@ class OutputProcessor:
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
             candidates=candidates,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            final_only=final_only,
         )
 
     def add_beam_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -146,11 +149,12 @@ class OutputProcessor:
             touched[parent_id] = user
         outputs = []
         for user in touched.values():
-            output = self._request_output(user)
+            finished = all(c.output.finished for c in user.candidates.values())
+            output = self._request_output(user) if finished or not user.final_only else None
             user.changed.clear()
             if output is not None:
                 outputs.append(output)
-            if all(c.output.finished for c in user.candidates.values()):
+            if finished:
                 self.remove_request(user.request_id)
         return outputs, stopped
 
