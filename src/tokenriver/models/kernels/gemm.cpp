@@ -438,6 +438,19 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t n0 = t * kRows;
         const int64_t count = std::min<int64_t>(kRows, N - n0);
+        // The next tile's weights, into L2 while this one computes: the products of a decode step read them from
+        // memory, and this took the step's 64-row products from 36.8 to 35.5 ms (output layer 8.3 to 7.9).
+        if (n0 + kRows < N) {
+          const int64_t next_rows = std::min<int64_t>(kRows, N - n0 - kRows), num_groups = K / G;
+          const int64_t row_bytes = IS_INT4 ? K / 2 : K;
+          const char* next = reinterpret_cast<const char*>(qweight + (n0 + kRows) * row_bytes);
+          for (int64_t o = 0; o < next_rows * row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+          for (int64_t o = 0; o < next_rows * num_groups * 2; o += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(scales + (n0 + kRows) * num_groups) + o, _MM_HINT_T1);
+            if (IS_INT4)
+              _mm_prefetch(reinterpret_cast<const char*>(mins + (n0 + kRows) * num_groups) + o, _MM_HINT_T1);
+          }
+        }
         block_terms<IS_INT4>(qweight, scales, mins, K, G, n0, count, w_scales.data(), w_extras.data());
         for (int64_t r = 0; r < count; ++r) tile_row<IS_INT4>(qweight, K, n0 + r, w.data() + 32 * r);
         const auto run = [&](auto rows_per_tile) {
