@@ -417,6 +417,10 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
   const std::unique_ptr<float[]> x_scales(new float[num_panels * panel_blocks]);
   const std::unique_ptr<float[]> x_sums(new float[num_panels * panel_blocks]);
   const int64_t num_tiles = (N + kRows - 1) / kRows;
+  // Tiles are handed out a run at a time, about 32 runs per product but at least 8 tiles each: a thread's next
+  // tile is then mostly the one after (what the weight prefetch below assumes), and the output layer's 8192 tiles
+  // took 7.6 against 8.2 ms at 64 rows in runs of 256 instead of 8.
+  const int64_t tile_run = std::max<int64_t>(8, num_tiles / 32);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
 #pragma omp parallel num_threads(num_threads)
@@ -434,7 +438,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
     {
       std::vector<uint8_t> w(kRows * K);
       std::vector<float> w_scales(kRows * num_blocks), w_extras(kRows * num_blocks);
-#pragma omp for schedule(dynamic, 8)
+#pragma omp for schedule(dynamic, tile_run)
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t n0 = t * kRows;
         const int64_t count = std::min<int64_t>(kRows, N - n0);
