@@ -8,7 +8,7 @@ a request whose 1,000-token prefix is already in the prefix cache vs not.
 Writes benchmarks/results/throughput.md and throughput.png.
 
     python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-prompts 64] [--max-tokens 128] [--rounds 2]
-        [--int8-activations] [--kv-cache-dtype float16] [--hf-dtypes float32 bfloat16]
+        [--int8-activations] [--kv-cache-dtype float16|int8] [--hf-dtypes float32 bfloat16]
 
 --int8-activations runs tokenriver's rounded arithmetic (int8 activations in decode-sized products, and in larger
 ones where the CPU has AVX512-VNNI); --hf-dtypes then lets transformers run in bfloat16 too, in the same run,
@@ -114,7 +114,7 @@ def main() -> None:
                         help="transformers' dtypes, each at every batch size (default: --dtype)")
     parser.add_argument("--int8-activations", action="store_true",
                         help="tokenriver's rounded arithmetic (4-bit weights; see models/quant.py)")
-    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default=None,
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16", "int8"], default=None,
                         help="tokenriver's KV pool dtype (default: the engine's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="runs of every configuration, engines alternating")

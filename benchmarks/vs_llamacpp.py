@@ -20,7 +20,7 @@ Measured, all greedy, on the same prompt token ids for every engine:
 Engines: tokenriver's `LLM` on the GGUF (int4 = the file's own Q4_1 weights kept packed, `quantization="auto"`;
 int4 with int8 activations and f16 KV = the same with `int8_activations=True, kv_cache_dtype="float16"`, llama.cpp's
 own arithmetic for Q4_1 weights and its default KV cache type (where the CPU has AVX512-VNNI, in products of more
-than 10 rows too);
+than 10 rows too); the same with an int8 KV cache = `kv_cache_dtype="int8"` (about llama.cpp's q8_0 cache type);
 int8 = `quantization="int8"`; bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`,
 the dequantized reference), prefix caching off; llama.cpp through llama-cpp-python on the same file (Q4_1);
 transformers' `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32 and bfloat16.
@@ -65,6 +65,7 @@ REFERENCE = "tokenriver float32"
 LLAMA = "llama.cpp Q4_1"
 INT4 = "tokenriver int4 (Q4_1)"
 INT4_X8 = "tokenriver int4, int8 activations, f16 KV"
+INT4_X8_KV8 = "tokenriver int4, int8 activations, int8 KV"
 CLI = "tokenriver generate (CLI, int4)"
 
 
@@ -367,6 +368,7 @@ class Worker:
 def engine_specs(hf_dtypes: list[str]) -> list[EngineSpec]:
     specs = [EngineSpec(INT4, "tokenriver", "float32", "auto"),
              EngineSpec(INT4_X8, "tokenriver", "float32", "auto", int8_activations=True, kv_cache_dtype="float16"),
+             EngineSpec(INT4_X8_KV8, "tokenriver", "float32", "auto", int8_activations=True, kv_cache_dtype="int8"),
              EngineSpec("tokenriver int8", "tokenriver", "float32", "int8"),
              EngineSpec("tokenriver bf16", "tokenriver", "bfloat16", "none"),
              EngineSpec(REFERENCE, "tokenriver", "float32", "none"),

@@ -72,7 +72,7 @@ def test_valid_values_are_kept():
 @pytest.mark.parametrize(("field", "value"), [
     ("dtype", "float16"), ("block_size", 0), ("max_num_seqs", 0), ("max_num_batched_tokens", 4),
     ("max_model_len", 0), ("num_threads", -1), ("kv_cache_memory", "lots"), ("kv_cache_memory", "-1GiB"),
-    ("kv_cache_dtype", "int8"), ("kv_cache_dtype", "fp16"),
+    ("kv_cache_dtype", "int4"), ("kv_cache_dtype", "fp16"),
 ])
 def test_each_invalid_engine_option_names_its_field(field, value):
     with pytest.raises(InvalidParameterError) as caught:

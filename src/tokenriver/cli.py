@@ -26,8 +26,9 @@ ENGINE_HELP = {
     "device": "torch device, e.g. cpu or cuda",
     "kv_cache_memory": "KV pool size, e.g. 2GiB or 512MiB (default 2GiB, capped at what max-num-seqs contexts need)",
     "max_num_kv_tokens": "KV pool size in tokens (instead of --kv-cache-memory)",
-    "kv_cache_dtype": "what the KV pool stores: auto (= --dtype), float32, bfloat16 or float16 (half the memory "
-                      "per token of float32; keys and values rounded once when stored)",
+    "kv_cache_dtype": "what the KV pool stores: auto (= --dtype), float32, bfloat16, float16 (half the memory "
+                      "per token of float32) or int8 (about a quarter: one scale per token and kv head); keys and "
+                      "values rounded once when stored",
     "block_size": "tokens per KV block",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "most tokens computed in one step (prompt chunks + decode tokens)",

@@ -1,5 +1,6 @@
-"""A float16 KV pool under the float32 model (kv_cache_dtype="float16"): twice the tokens in the same memory,
-batch invariance kept, and the same tokens as the float32 pool up to float16 rounding of keys and values."""
+"""A float16 or int8 KV pool under the float32 model (kv_cache_dtype): twice (float16) or nearly four times (int8)
+the tokens in the same memory, batch invariance kept, and the same tokens as the float32 pool up to the rounding of
+keys and values."""
 
 from __future__ import annotations
 
@@ -20,30 +21,47 @@ def test_a_float16_pool_holds_twice_the_tokens(loaded_packed):
     assert narrow.engine.kv_cache.layers[0][0].dtype == torch.float16
 
 
-def test_float16_pool_keeps_batch_invariance(loaded_packed):
+def test_an_int8_pool_holds_nearly_four_times_the_tokens(loaded_packed):
+    wide = LLM.from_loaded(loaded_packed, kv_cache_memory="48MiB")
+    narrow = LLM.from_loaded(loaded_packed, kv_cache_memory="48MiB", kv_cache_dtype="int8")
+    # A token's vector for one kv head: 64 float32 values (256 bytes) against 64 int8 values and a float32 scale.
+    cache = narrow.engine.kv_cache
+    per_block = cache.num_bytes // cache.num_blocks
+    assert per_block * 256 == wide.engine.kv_cache.num_bytes // wide.engine.kv_cache.num_blocks * 68
+    assert cache.num_bytes <= 48 << 20 < cache.num_bytes + per_block
+    assert narrow.engine.kv_cache.layers[0][0].dtype == torch.int8
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8"])
+def test_a_narrow_pool_keeps_batch_invariance(loaded_packed, kv_cache_dtype):
     prompts = make_prompts(loaded_packed.tokenizer, 12, 10, 150, seed=4)
     max_tokens = [6 + 3 * (i % 5) for i in range(len(prompts))]
-    alone = LLM.from_loaded(loaded_packed, kv_cache_dtype="float16", max_num_seqs=1, max_num_kv_tokens=256,
+    alone = LLM.from_loaded(loaded_packed, kv_cache_dtype=kv_cache_dtype, max_num_seqs=1, max_num_kv_tokens=256,
                             enable_prefix_caching=False)
-    batched = LLM.from_loaded(loaded_packed, kv_cache_dtype="float16", max_num_seqs=64,
+    batched = LLM.from_loaded(loaded_packed, kv_cache_dtype=kv_cache_dtype, max_num_seqs=64,
                               max_num_batched_tokens=256, max_num_kv_tokens=1 << 14)
     assert greedy_tokens(batched, prompts, max_tokens) == greedy_tokens(alone, prompts, max_tokens)
 
 
-def test_float16_pool_follows_the_float32_pool(loaded_packed):
-    """Greedy continuations agree; where they do, each token's log-probability is within float16 rounding."""
+# Largest change in a greedy token's log-probability against the float32 pool, while the continuations agree.
+# Measured at the time of writing over these prompts: float16 at most 0.002, int8 at most 0.12.
+@pytest.mark.parametrize("kv_cache_dtype, tolerance", [("float16", 0.05), ("int8", 0.25)])
+def test_a_narrow_pool_follows_the_float32_pool(loaded_packed, kv_cache_dtype, tolerance):
+    """Greedy continuations agree; where they do, each token's log-probability is within the pool's rounding."""
     prompts = ["The capital of France is", "Write a haiku about rivers:", "def fibonacci(n):"]
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
     wide = LLM.from_loaded(loaded_packed).generate(prompts, params, use_tqdm=False)
-    narrow = LLM.from_loaded(loaded_packed, kv_cache_dtype="float16").generate(prompts, params, use_tqdm=False)
-    agreeing = 0
+    narrow = LLM.from_loaded(loaded_packed, kv_cache_dtype=kv_cache_dtype).generate(prompts, params, use_tqdm=False)
+    agreeing, largest = 0, 0.0
     for a, b in zip(wide, narrow):
         for step, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)):
             if x != y:
                 break
             want, got = a.outputs[0].logprobs[step][x].logprob, b.outputs[0].logprobs[step][y].logprob
-            assert got == pytest.approx(want, abs=0.05), (step, want, got)
+            largest = max(largest, abs(got - want))
             agreeing += 1
+    print(f"{kv_cache_dtype}: {agreeing} agreeing tokens, largest log-probability change {largest:.4f}")
+    assert largest <= tolerance
     assert agreeing >= 3 * 12
 
 

@@ -7,7 +7,8 @@ ending exactly on block boundaries, contexts long enough to be split across thre
 shuffled block tables, and q/k/v as views into one projection. Both must write the same cache. A request's result
 must not depend on its batch or on the number of threads; bad slots must raise instead of writing out of bounds;
 bfloat16 caches take the torch path. A float16 cache stores keys and values rounded as torch rounds them and stays
-within float16 rounding of the float32 cache's result.
+within float16 rounding of the float32 cache's result; an int8 cache stores the bytes kv/cache.py's encode_int8
+makes and stays within int8 rounding of it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import random
 import pytest
 import torch
 
+from tokenriver.kv.cache import decode_entries, encode_int8
 from tokenriver.models.attention import (MAX_KERNEL_QUERY_LEN, AttentionMetadata, _native_kernels_for, paged_attention,
                                          paged_attention_torch)
 from tokenriver.models.kernels.native import load_kernels
@@ -49,8 +51,9 @@ class Batch:
             self.tables.append(pool[start:start + count])
             start += count
         shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-        self.key_cache = torch.randn(shape, generator=generator).to(cache_dtype or dtype)
-        self.value_cache = torch.randn(shape, generator=generator).to(cache_dtype or dtype)
+        encode = encode_int8 if cache_dtype == torch.int8 else (lambda x: x.to(cache_dtype or dtype))
+        self.key_cache = encode(torch.randn(shape, generator=generator))
+        self.value_cache = encode(torch.randn(shape, generator=generator))
         self.query_lens = [query_len for query_len, _ in requests]
         self.seq_lens = [seq_len for _, seq_len in requests]
         num_tokens = sum(self.query_lens)
@@ -65,7 +68,7 @@ class Batch:
         kv_cache = (self.key_cache.clone(), self.value_cache.clone())
         query, key, value = self.qkv.split(self.split, dim=1)
         if function is paged_attention:
-            native = self.qkv.dtype == torch.float32 and self.key_cache.dtype in (torch.float32, torch.float16)
+            native = self.qkv.dtype == torch.float32 and self.key_cache.dtype != torch.bfloat16
             assert (_native_kernels_for(query, key, value, kv_cache) is not None) == native
         return function(query, key, value, kv_cache, metadata, self.scale), *kv_cache
 
@@ -173,6 +176,41 @@ def test_float16_cache_is_within_its_rounding_of_the_float32_cache():
     # Keys and values each carry a relative error of at most 2^-11. Scores here reach |q| |k| / sqrt(d) ~ 16, so a
     # score moves by up to ~16 * 2^-11 ~ 0.008, and the output (a weighted mean of O(1) values) by about as much.
     assert 0 < error < 2e-2, error
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 1, 80)])
+def test_int8_cache_native_equals_torch(num_heads, num_kv_heads, head_dim):
+    batch = Batch(RAGGED, num_heads, num_kv_heads, head_dim, seed=10, cache_dtype=torch.int8)
+    got, got_keys, got_values = batch.run(paged_attention)
+    want, want_keys, want_values = batch.run(paged_attention_torch)
+    assert got.dtype == torch.float32 and got_keys.shape[-1] == head_dim + 4
+    assert_close(got, want)
+    # The kernel stores the bytes encode_int8 makes: the same scale, the same rounding of every value.
+    assert torch.equal(got_keys, want_keys) and torch.equal(got_values, want_values)
+    _, key, _ = batch.qkv.split(batch.split, dim=1)
+    slots = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.tables, BLOCK_SIZE).slot_mapping
+    assert torch.equal(got_keys.view(-1, num_kv_heads, head_dim + 4)[slots], encode_int8(key))
+
+
+def test_int8_entries_round_each_value_to_within_half_a_step():
+    vectors = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
+    vectors[0, 0] = 0.0  # an all-zero vector: scale 0, values 0
+    decoded = decode_entries(encode_int8(vectors), torch.float32)
+    step = vectors.abs().amax(dim=-1, keepdim=True) / 127
+    assert bool(((decoded - vectors).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all())
+    assert torch.equal(decoded[0, 0], torch.zeros(64))
+
+
+def test_int8_cache_is_within_its_rounding_of_the_float32_cache():
+    wide = Batch(RAGGED, 9, 3, 64, seed=11)
+    narrow = Batch(RAGGED, 9, 3, 64, seed=11, cache_dtype=torch.int8)
+    got, *_ = narrow.run(paged_attention)
+    want, *_ = wide.run(paged_attention)
+    error = (got - want).abs().max().item()
+    # Each stored value moves by at most half a step, max|x| / 254: ~0.013 for these unit normal vectors (largest
+    # value ~3.4 of 64), ~27 times float16's rounding of such a value (2^-11 relative), whose test above allows 2e-2.
+    # Measured at the time of writing: 0.14.
+    assert 0 < error < 0.3, error
 
 
 def test_a_prompt_token_does_not_depend_on_how_its_prompt_is_chunked():

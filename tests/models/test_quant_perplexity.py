@@ -8,7 +8,8 @@ numbers do not drift when the README changes). Each format also reports its top-
 of positions where its most likely next token is float32's.
 
 Measured at the time of writing (1,361 tokens): float32 78.58; auto 78.58 (top-1 agreement 100 %); int8 78.44
-(96.5 %); bf16 over the first 512 tokens 80.81 vs float32's 80.78 there (96.9 %). bf16 is scored on a prefix because
+(96.5 %); bf16 over the first 512 tokens 80.81 vs float32's 80.78 there (96.9 %). The fastest settings, 4-bit with
+int8 activations and an int8 KV pool, 78.45 (ratio 0.998). bf16 is scored on a prefix because
 its prefill is ~10x slower than float32's on CPUs without native bf16 (AVX2 only).
 """
 
@@ -31,11 +32,14 @@ BF16_TOKENS = 512
 MAX_PERPLEXITY_RATIO = 1.01
 
 
-def _logits(loaded: LoadedModel, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """One prefill over ids through the paged model → float32 logits [len(ids), vocab]."""
+def _logits(loaded: LoadedModel, ids: list[int], dtype: torch.dtype,
+            kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One prefill over ids through the paged model (KV pool in kv_dtype, default dtype) → float32 logits
+    [len(ids), vocab]."""
     config = loaded.config
     num_blocks = (len(ids) + BLOCK_SIZE - 1) // BLOCK_SIZE
-    cache = KVCache(config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, dtype)
+    cache = KVCache(config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
+                    kv_dtype or dtype)
     metadata = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(num_blocks))], BLOCK_SIZE)
     with torch.inference_mode():
         hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, metadata)  # [len(ids), hidden]
@@ -74,6 +78,14 @@ def test_quantized_perplexity_within_one_percent(default_model_path, text_ids, f
     loaded = load_model(default_model_path, quantization=quantization)
     _assert_close_to_float32(f"quantization={quantization!r}", _logits(loaded, text_ids, torch.float32),
                              float32_logits, text_ids, min_agreement)
+
+
+def test_fastest_settings_perplexity_within_one_percent(default_model_path, text_ids, float32_logits):
+    """The benchmarks' fastest engine: the file's 4-bit weights, int8 activations, an int8 KV pool."""
+    loaded = load_model(default_model_path, int8_activations=True)
+    _assert_close_to_float32("4-bit, int8 activations, int8 KV pool", _logits(loaded, text_ids, torch.float32,
+                                                                             torch.int8),
+                             float32_logits, text_ids, 0.9)
 
 
 def test_bfloat16_perplexity_within_one_percent(default_model_path, text_ids, float32_logits):

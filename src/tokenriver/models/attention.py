@@ -5,7 +5,7 @@ chunk, or one decode token) and attends to `seq_lens[i]` tokens in all: its
 cached prefix plus itself. Token t of request i sits at position
 `seq_lens[i] - query_lens[i] + t` and may see positions 0..that position.
 
-Kernel choice (CPU), with a float32 or float16 cache (models/kernels/attention.cpp; measured against the torch
+Kernel choice (CPU), with a float32, float16 or int8 cache (models/kernels/attention.cpp; measured against the torch
 path in benchmarks/results/attention.md):
 - Requests with at most `MAX_KERNEL_QUERY_LEN` new tokens (decode, short speculative
   verification): the native paged kernel one query token at a time, reading the request's keys
@@ -22,9 +22,9 @@ path in benchmarks/results/attention.md):
   request through `scaled_dot_product_attention` (PyTorch's flash-attention CPU kernel) over its
   gathered blocks.
 
-The cache may be stored in a narrower dtype than the model computes in (a float16 pool under a float32 model,
-`kv_cache_dtype`): keys and values are rounded once, when stored, and widened back to the compute dtype when read,
-so every path computes in the query's dtype.
+The cache may be stored in a narrower dtype than the model computes in (a float16 or int8 pool under a float32
+model, `kv_cache_dtype`; kv/cache.py has the int8 format): keys and values are rounded once, when stored, and widened
+back to the compute dtype when read, so every path computes in the query's dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from tokenriver.kv.cache import decode_entries, encode_int8, head_dim_of
 from tokenriver.models.kernels.native import NativeKernels, is_f32_rows, is_native_kv_pool, load_kernels
 
 # Requests with at most this many new tokens attend token by token in the native kernel, longer ones through its
@@ -133,10 +134,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tenso
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values in their slots."""
     key_cache, value_cache = kv_cache
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    # [num_blocks * block_size, num_kv_heads, head_dim] views of the pools.
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    num_kv_heads, entry = key_cache.shape[2], key_cache.shape[3]
+    encode = encode_int8 if key_cache.dtype == torch.int8 else (lambda x: x.to(key_cache.dtype))
+    # [num_blocks * block_size, num_kv_heads, entry] views of the pools.
+    key_cache.view(-1, num_kv_heads, entry).index_copy_(0, slot_mapping, encode(key))
+    value_cache.view(-1, num_kv_heads, entry).index_copy_(0, slot_mapping, encode(value))
 
 
 def _native_kernels_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -147,7 +149,7 @@ def _native_kernels_for(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if (kernels is None or torch.is_grad_enabled() or not is_native_kv_pool(key_cache, value_cache)
             or not (is_f32_rows(query) and is_f32_rows(key) and is_f32_rows(value))):
         return None
-    _, _, num_kv_heads, head_dim = key_cache.shape
+    num_kv_heads, head_dim = key_cache.shape[2], head_dim_of(key_cache)
     if (head_dim not in kernels.attention_head_dims or query.shape[2] != head_dim
             or key.shape[1:] != (num_kv_heads, head_dim) or value.shape[1:] != (num_kv_heads, head_dim)):
         return None
@@ -179,7 +181,7 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """`paged_attention` in PyTorch ops: any dtype and device (see the module docstring)."""
     write_kv(key, value, kv_cache, metadata.slot_mapping)
     key_cache, value_cache = kv_cache
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_kv_heads, entry = key_cache.shape[2], key_cache.shape[3]
     output = torch.empty_like(query, memory_format=torch.contiguous_format)  # [num_tokens, num_heads, head_dim]
     if metadata.decode_indices:
         starts = metadata.query_start_loc
@@ -188,12 +190,11 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
         num_decodes, num_blocks = tables.shape
         flat_tables = tables.flatten()
         # index_select, not key_cache[tables]: advanced indexing on CPU walks the whole pool (ms instead of µs).
-        # [num_decodes, num_blocks * block_size, num_kv_heads, head_dim] -> [num_decodes, num_kv_heads, S, head_dim]
-        keys = key_cache.index_select(0, flat_tables).view(
-            num_decodes, num_blocks * metadata.block_size, num_kv_heads, head_dim).transpose(1, 2)
-        values = value_cache.index_select(0, flat_tables).view(
-            num_decodes, num_blocks * metadata.block_size, num_kv_heads, head_dim).transpose(1, 2)
-        keys, values = keys.to(query.dtype), values.to(query.dtype)
+        # [num_decodes, num_blocks * block_size, num_kv_heads, entry] -> [num_decodes, num_kv_heads, S, head_dim]
+        keys = decode_entries(key_cache.index_select(0, flat_tables).view(
+            num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), query.dtype).transpose(1, 2)
+        values = decode_entries(value_cache.index_select(0, flat_tables).view(
+            num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), query.dtype).transpose(1, 2)
         q = query.index_select(0, rows).unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
         mask = metadata.decode_mask[:, None, None, :]  # [num_decodes, 1, 1, S]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -207,15 +208,15 @@ def _attend_prompt(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
                    i: int, scale: float, output: torch.Tensor) -> None:
     """SDPA (flash) of request i's new tokens over its gathered blocks, written into its rows of output."""
     key_cache, value_cache = kv_cache
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_kv_heads, entry = key_cache.shape[2], key_cache.shape[3]
     start = metadata.query_start_loc[i]
     query_len, seq_len = metadata.query_lens[i], metadata.seq_lens[i]
     num_blocks = (seq_len + metadata.block_size - 1) // metadata.block_size
     blocks = metadata.block_tables[i, :num_blocks]
     # [num_kv_heads, seq_len, head_dim]
-    keys = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-    values = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-    keys, values = keys.to(query.dtype), values.to(query.dtype)
+    keys = decode_entries(key_cache.index_select(0, blocks).view(-1, num_kv_heads, entry)[:seq_len], query.dtype)
+    values = decode_entries(value_cache.index_select(0, blocks).view(-1, num_kv_heads, entry)[:seq_len], query.dtype)
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)
     # [1, num_heads, query_len, head_dim]: with a batch dimension SDPA takes its flash kernel (3-D inputs fall
     # back to the generic math path, ~10x slower on long prompts).
     q = query[start:start + query_len].transpose(0, 1).unsqueeze(0)

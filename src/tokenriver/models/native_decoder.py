@@ -7,7 +7,7 @@ the module path's bit for bit.
 
 Contract: `NativeDecoder.build(layers)` returns None unless every layer can run natively (every projection a
 quantized linear on the native backend, float32 norm weights, one eps, a head size the attention kernel is
-compiled for). `supports(...)` says whether one step can: float32 activations, a float32 or float16 cache, all on
+compiled for). `supports(...)` says whether one step can: float32 activations, a float32, float16 or int8 cache, all on
 the CPU, autograd off (decodes, verification and prompt chunks alike: the attention kernel takes them all). The
 caller runs the modules otherwise. The weights' pointers are taken at build time: the owner drops this object
 when its buffers move.
@@ -21,10 +21,10 @@ import weakref
 import torch
 from torch import nn
 
-from tokenriver.kv.cache import KVCache
+from tokenriver.kv.cache import KVCache, head_dim_of
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.kernels.native import (DecoderSpec, LayerSpec, LinearSpec, NativeKernels, StepSpec,
-                                              is_contiguous_f32, is_native_kv_pool, load_kernels)
+                                              is_contiguous_f32, is_native_kv_pool, kv_cache_format, load_kernels)
 from tokenriver.models.quant import Int4Linear, Int8Linear
 
 
@@ -89,7 +89,8 @@ class NativeDecoder:
                 and is_contiguous_f32(sin) and metadata.slot_mapping.shape[0] == hidden.shape[0]
                 and all(a.dtype == torch.int64 and a.is_cpu and a.is_contiguous() for a in index_arrays)
                 and len(kv_cache) == len(self._specs) and is_native_kv_pool(key_cache, value_cache)
-                and key_cache.shape[2:] == (self._decoder.num_kv_heads, self._decoder.head_dim))
+                and key_cache.shape[2] == self._decoder.num_kv_heads
+                and head_dim_of(key_cache) == self._decoder.head_dim)
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                  metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +111,7 @@ class NativeDecoder:
         step.key_caches, step.value_caches = ctypes.addressof(keys), ctypes.addressof(values)
         step.num_blocks, step.block_size = kv_cache.num_blocks, kv_cache.block_size
         step.num_threads = torch.get_num_threads()
-        step.kv_cache_f16 = int(kv_cache[0][0].dtype == torch.float16)
+        step.kv_cache_format = kv_cache_format(kv_cache[0][0])
         self._kernels.llama_decoder(self._decoder, step)
         return out, residual
 

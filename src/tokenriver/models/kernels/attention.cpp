@@ -18,16 +18,20 @@
 // change with what it is batched with. Each thread takes a contiguous run of these items of about equal work
 // and fetches the next item's first tile while it finishes the current one (equal_work_run).
 //
-// The pool holds float32 or float16 (a 16-bit KV cache halves the bytes each step reads and doubles the tokens a
-// pool of given memory holds). Float16 entries are widened to float32 on load (F16C) and everything after is
-// float32; this step's keys and values are rounded to float16 (to nearest, ties to even) when stored, exactly as
-// PyTorch's .to(torch.float16) rounds them.
+// The pool holds float32, float16 or int8 (a 16-bit KV cache halves the bytes each step reads and doubles the
+// tokens a pool of given memory holds; int8 takes a bit more than half of that again). Float16 entries are widened
+// to float32 on load (F16C) and everything after is float32; this step's keys and values are rounded to float16
+// (to nearest, ties to even) when stored, exactly as PyTorch's .to(torch.float16) rounds them. An int8 entry (one
+// token's vector for one kv head) is head_dim values q and then its float32 scale s, 4 bytes: the vector is s * q,
+// with s = max|x| / 127 and q = x / s rounded to nearest, ties to even (kv/cache.py's encode_int8, the same
+// operations in the same order). Scores are q . k_q * s_k, values enter as weight * s_v * v_q.
 
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -41,13 +45,49 @@ using tokenriver::horizontal_sum;
 // Eight cache entries as floats.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Entries after an entry's head_dim values: an int8 entry's scale.
+template <typename Cache>
+constexpr int64_t kEntryExtra = std::is_same<Cache, int8_t>::value ? 4 : 0;
+
+// The scale of the entry whose values start at p (head_dim D): stored with int8 entries, 1 for float ones.
+inline float entry_scale(const float*, int64_t) { return 1.0f; }
+inline float entry_scale(const uint16_t*, int64_t) { return 1.0f; }
+inline float entry_scale(const int8_t* p, int64_t D) {
+  float scale;
+  memcpy(&scale, p + D, sizeof(scale));
+  return scale;
+}
 
 // n floats (a multiple of 8) into cache entries.
-inline void store_row(const float* in, int64_t n, float* out) { memcpy(out, in, n * sizeof(float)); }
-inline void store_row(const float* in, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i < n; i += 8)
+// One token's vectors for its kv heads (heads × D floats, D a multiple of 8) into its cache entries.
+inline void store_entries(const float* in, int64_t heads, int64_t D, float* out) {
+  memcpy(out, in, heads * D * sizeof(float));
+}
+inline void store_entries(const float* in, int64_t heads, int64_t D, uint16_t* out) {
+  for (int64_t i = 0; i < heads * D; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
                      _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store_entries(const float* in, int64_t heads, int64_t D, int8_t* out) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t h = 0; h < heads; ++h, in += D, out += D + 4) {
+    __m256 largest = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8)
+      largest = _mm256_max_ps(largest, _mm256_and_ps(_mm256_loadu_ps(in + i), magnitude));
+    const float scale = horizontal_max(largest) / 127.0f;
+    const __m256 divisor = _mm256_set1_ps(scale > 0.0f ? scale : 1.0f);
+    for (int64_t i = 0; i < D; i += 8) {
+      // Round to nearest even (the default rounding mode), then narrow: |q| <= 127, so the packs never saturate.
+      const __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(in + i), divisor));
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packs_epi16(words, words));
+    }
+    memcpy(out + D, &scale, sizeof(scale));
+  }
 }
 
 // Context tokens per split. Small enough that a single decoding request spreads over the threads: one query over
@@ -105,6 +145,103 @@ inline float online_softmax(float* scores, int64_t count, float& m, float& l) {
   return rescale;
 }
 
+// acc[hh] = acc[hh] * rescale[hh] + sum over the n tokens of weights[hh * kTile + j] * value row j, for head
+// dimensions [8 * c0, 8 * (c0 + CW)): HC × CW accumulators, each value vector loaded serving HC heads.
+template <int ND, int HC, int CW, typename Cache>
+inline void chunk_values(const Cache* const* value_rows, int64_t n, const float* weights, const float* rescale,
+                         int c0, float* acc) {
+  constexpr int64_t D = ND * 8;
+  __m256 sum[HC][CW];
+  for (int hh = 0; hh < HC; ++hh)
+    for (int c = 0; c < CW; ++c)
+      sum[hh][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + hh * D + 8 * (c0 + c)), _mm256_set1_ps(rescale[hh]));
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 values[CW];
+    for (int c = 0; c < CW; ++c) values[c] = load8(value_rows[j] + 8 * (c0 + c));
+    for (int hh = 0; hh < HC; ++hh) {
+      const __m256 weight = _mm256_broadcast_ss(weights + hh * kTile + j);
+      for (int c = 0; c < CW; ++c) sum[hh][c] = _mm256_fmadd_ps(weight, values[c], sum[hh][c]);
+    }
+  }
+  for (int hh = 0; hh < HC; ++hh)
+    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + hh * D + 8 * (c0 + c), sum[hh][c]);
+}
+
+// The scales of a tile's n entries (entries[j]: values of head size D) into scales[kTile], padded with ones to a
+// multiple of 8. Int8 entries only.
+template <typename Cache>
+inline void gather_scales(const Cache* const* entries, int64_t n, int64_t D, float* scales) {
+  for (int64_t j = 0; j < n; ++j) scales[j] = entry_scale(entries[j], D);
+  for (int64_t j = n; j < (n + 7) / 8 * 8; ++j) scales[j] = 1.0f;
+}
+
+// Int8 entries: the softmax weights of the n tokens (weights[hh * kTile + j], after the running sum took them)
+// times each value entry's scale, so that the value pass multiplies the stored integers. Float entries: nothing.
+template <int HC, typename Cache>
+inline void scale_by_values(const float* value_scales, int64_t n, float* weights) {
+  if (kEntryExtra<Cache> == 0) return;
+  for (int hh = 0; hh < HC; ++hh)
+    for (int64_t j = 0; j < n; j += 8)
+      _mm256_store_ps(weights + hh * kTile + j,
+                      _mm256_mul_ps(_mm256_load_ps(weights + hh * kTile + j), _mm256_load_ps(value_scales + j)));
+}
+
+// One tile of n context tokens for HC query heads that share a kv head (keys, values: rows of that kv head): the
+// heads' scores, then the online-softmax update of their m, l and acc ([HC][D], not normalized). Each key and value
+// vector is loaded and widened once for all HC heads instead of once per head; per head the arithmetic and its
+// order are those of a head alone, so grouping changes no bit. 64 decoding sequences of 115 tokens (float16, 30
+// layers, 2 threads) took 5.0 against 6.1 ms with one head at a time when the pool was in cache; read from memory
+// both took ~8.5 ms, so the prefetches are spread over the three phases of each call (in one burst per call
+// the queued requests stalled it: 11.5 ms).
+template <int ND, int HC, typename Cache, typename Prefetch>
+void tile_heads(const float* q, const Cache* const* keys, const Cache* const* values, const float* key_scales,
+                const float* value_scales, int64_t n, float scale, float* m, float* l, float* acc,
+                Prefetch& prefetch) {
+  constexpr int64_t D = ND * 8;
+  alignas(32) float scores[HC * kTile];
+  const __m256 factor = _mm256_set1_ps(scale);
+  prefetch();
+  int64_t j = 0;
+  // Eight keys at a time: per head eight independent FMA chains, then one transpose-and-add for the eight sums.
+  for (; j + 8 <= n; j += 8) {
+    __m256 sums[HC][8];
+    for (int hh = 0; hh < HC; ++hh)
+      for (int k = 0; k < 8; ++k) sums[hh][k] = _mm256_setzero_ps();
+    for (int i = 0; i < ND; ++i) {
+      __m256 query[HC];
+      for (int hh = 0; hh < HC; ++hh) query[hh] = _mm256_loadu_ps(q + hh * D + 8 * i);
+      for (int k = 0; k < 8; ++k) {
+        const __m256 key = load8(keys[j + k] + 8 * i);
+        for (int hh = 0; hh < HC; ++hh) sums[hh][k] = _mm256_fmadd_ps(query[hh], key, sums[hh][k]);
+      }
+    }
+    const __m256 key_factor = kEntryExtra<Cache> > 0 ? _mm256_mul_ps(factor, _mm256_load_ps(key_scales + j)) : factor;
+    for (int hh = 0; hh < HC; ++hh)
+      _mm256_store_ps(scores + hh * kTile + j, _mm256_mul_ps(sum_each(sums[hh]), key_factor));
+  }
+  for (; j < n; ++j)
+    for (int hh = 0; hh < HC; ++hh) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int i = 0; i < ND; ++i)
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + hh * D + 8 * i), load8(keys[j] + 8 * i), sum);
+      scores[hh * kTile + j] = horizontal_sum(sum) * (kEntryExtra<Cache> > 0 ? scale * key_scales[j] : scale);
+    }
+  prefetch();
+  float rescale[HC];
+  for (int hh = 0; hh < HC; ++hh) {
+    // Padding lanes of the last vector of scores: -inf, so they add e^-inf = 0 and never raise the max.
+    float* s = scores + hh * kTile;
+    for (int64_t k = n; k < (n + 7) / 8 * 8; ++k) s[k] = -INFINITY;
+    rescale[hh] = online_softmax(s, (n + 7) / 8 * 8, m[hh], l[hh]);
+  }
+  prefetch();
+  scale_by_values<HC, Cache>(value_scales, n, scores);
+  int c0 = 0;
+  for (; c0 + 3 <= ND; c0 += 3) chunk_values<ND, HC, 3, Cache>(values, n, scores, rescale, c0, acc);
+  if (ND - c0 == 2) chunk_values<ND, HC, 2, Cache>(values, n, scores, rescale, c0, acc);
+  if (ND - c0 == 1) chunk_values<ND, HC, 1, Cache>(values, n, scores, rescale, c0, acc);
+}
+
 // Partial attention of every head of query token `query` over context tokens [t0, t1). Writes m[num_heads],
 // l[num_heads] and acc[num_heads][ND * 8] (not normalized). A tile's tokens are visited once per kv head while
 // their rows (all kv heads of a token side by side) are still in L1, so memory is read in order, once. During
@@ -114,8 +251,9 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
             int64_t next_query = -1, int64_t next_t0 = 0, int64_t next_t1 = 0) {
   constexpr int64_t D = ND * 8;
   const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t token_stride = p.num_kv_heads * D;  // entries between consecutive tokens of a block
-  constexpr int64_t kLine = 64 / sizeof(Cache);      // entries per cache line
+  const int64_t entry = D + kEntryExtra<Cache>;
+  const int64_t token_stride = p.num_kv_heads * entry;  // cache elements between consecutive tokens of a block
+  constexpr int64_t kLine = 64 / sizeof(Cache);        // cache elements per cache line
   const int64_t* row = p.queries + 3 * query;
   const int64_t* blocks = p.block_tables + row[1] * p.max_blocks;
   const float* q_row = p.query + row[0] * p.q_row_stride;
@@ -124,10 +262,11 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
     l[h] = 0.0f;
     for (int64_t d = 0; d < D; ++d) acc[h * D + d] = 0.0f;
   }
-  const __m256 scale = _mm256_set1_ps(p.scale);
   const Cache* key_rows[kTile];
   const Cache* value_rows[kTile];
-  alignas(32) float scores[kTile];
+  const Cache* kv_keys[kTile];  // key_rows and value_rows at the current kv head
+  const Cache* kv_values[kTile];
+  alignas(32) float key_scales[kTile], value_scales[kTile];  // their scales (int8 entries)
   for (int64_t tile = t0; tile < t1; tile += kTile) {
     const int64_t n = t1 - tile < kTile ? t1 - tile : kTile;
     for (int64_t j = 0; j < n; ++j) {
@@ -137,7 +276,7 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
       value_rows[j] = p.value_cache + offset;
     }
     // Ask for the next tile's rows (into L2: this tile fills L1) while this one computes: blocks are scattered,
-    // so the hardware prefetcher stops at each block boundary. Spread over the heads, a share before each: all at
+    // so the hardware prefetcher stops at each block boundary. Spread over the work in shares: all at
     // once, the requests queued up behind each other. 64 decoding sequences of 115 tokens (cold float16 pools,
     // 30 layers) took 13.4 ms spread against 16.8 ms all at once, 16 of 300 tokens 8.8 against 10.4 ms.
     int64_t next_begin = tile + kTile, next_end = tile + kTile + kTile < t1 ? tile + kTile + kTile : t1;
@@ -147,10 +286,14 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
       next_begin = next_t0;
       next_end = next_t0 + kTile < next_t1 ? next_t0 + kTile : next_t1;
     }
-    for (int64_t h = 0; h < p.num_heads; ++h) {
-      const int64_t kv_offset = h / G * D;  // query head h reads kv head h / G
-      const int64_t share_begin = next_begin + (next_end - next_begin) * h / p.num_heads;
-      const int64_t share_end = next_begin + (next_end - next_begin) * (h + 1) / p.num_heads;
+    // Query heads kv * G .. (kv + 1) * G - 1 read kv head kv, three at a time; each call of tile_heads issues
+    // three shares of the prefetches.
+    const int64_t num_shares = p.num_kv_heads * ((G + 2) / 3) * 3;
+    int64_t share = 0;
+    const auto prefetch = [&]() {
+      const int64_t share_begin = next_begin + (next_end - next_begin) * share / num_shares;
+      const int64_t share_end = next_begin + (next_end - next_begin) * (share + 1) / num_shares;
+      ++share;
       for (int64_t t = share_begin; t < share_end; ++t) {
         const int64_t offset = (next_blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride;
         for (int64_t f = 0; f < token_stride; f += kLine) {
@@ -158,37 +301,33 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
           _mm_prefetch(reinterpret_cast<const char*>(p.value_cache + offset + f), _MM_HINT_T1);
         }
       }
-      const float* q = q_row + h * D;
-      int64_t j = 0;
-      // Eight keys at a time: eight independent FMA chains, then one transpose-and-add for the eight sums.
-      for (; j + 8 <= n; j += 8) {
-        __m256 sums[8];
-        for (int k = 0; k < 8; ++k) sums[k] = _mm256_setzero_ps();
-        for (int i = 0; i < ND; ++i) {
-          const __m256 qv = _mm256_loadu_ps(q + 8 * i);
-          for (int k = 0; k < 8; ++k)
-            sums[k] = _mm256_fmadd_ps(qv, load8(key_rows[j + k] + kv_offset + 8 * i), sums[k]);
-        }
-        _mm256_store_ps(scores + j, _mm256_mul_ps(sum_each(sums), scale));
-      }
-      for (; j < n; ++j) {
-        __m256 sum = _mm256_setzero_ps();
-        for (int i = 0; i < ND; ++i)
-          sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), load8(key_rows[j] + kv_offset + 8 * i), sum);
-        scores[j] = horizontal_sum(sum) * p.scale;
-      }
-      // Padding lanes of the last vector of scores: -inf, so they add e^-inf = 0 and never raise the max.
-      for (int64_t j = n; j < (n + 7) / 8 * 8; ++j) scores[j] = -INFINITY;
-      const float rescale = online_softmax(scores, (n + 7) / 8 * 8, m[h], l[h]);
-      __m256 sum[ND];
-      const __m256 factor = _mm256_set1_ps(rescale);
-      for (int i = 0; i < ND; ++i) sum[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + 8 * i), factor);
+    };
+    for (int64_t kv = 0; kv < p.num_kv_heads; ++kv) {
       for (int64_t j = 0; j < n; ++j) {
-        const __m256 weight = _mm256_set1_ps(scores[j]);
-        for (int i = 0; i < ND; ++i)
-          sum[i] = _mm256_fmadd_ps(weight, load8(value_rows[j] + kv_offset + 8 * i), sum[i]);
+        kv_keys[j] = key_rows[j] + kv * entry;
+        kv_values[j] = value_rows[j] + kv * entry;
       }
-      for (int i = 0; i < ND; ++i) _mm256_storeu_ps(acc + h * D + 8 * i, sum[i]);
+      if (kEntryExtra<Cache> > 0) {
+        gather_scales(kv_keys, n, D, key_scales);
+        gather_scales(kv_values, n, D, value_scales);
+      }
+      for (int64_t h = kv * G; h < (kv + 1) * G; h += 3) {
+        const float* q = q_row + h * D;
+        float* head_acc = acc + h * D;
+        switch ((kv + 1) * G - h) {
+          case 1:
+            tile_heads<ND, 1>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, m + h, l + h, head_acc,
+                              prefetch);
+            break;
+          case 2:
+            tile_heads<ND, 2>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, m + h, l + h, head_acc,
+                              prefetch);
+            break;
+          default:
+            tile_heads<ND, 3>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, m + h, l + h, head_acc,
+                              prefetch);
+        }
+      }
     }
   }
 }
@@ -360,34 +499,12 @@ inline void chunk_scores(const float* q, const float* keys_t, float scale, float
     for (int v = 0; v < kVectors; ++v) _mm256_store_ps(scores + hh * kTile + 8 * v, _mm256_mul_ps(sums[hh][v], factor));
 }
 
-// acc[hh] = acc[hh] * rescale[hh] + sum over the n tokens of weights[hh * kTile + j] * value row j, for head
-// dimensions [8 * c0, 8 * (c0 + CW)): HC × CW accumulators, each value vector loaded serving HC heads.
-template <int ND, int HC, int CW, typename Cache>
-inline void chunk_values(const Cache* const* value_rows, int64_t n, const float* weights, const float* rescale,
-                         int c0, float* acc) {
-  constexpr int64_t D = ND * 8;
-  __m256 sum[HC][CW];
-  for (int hh = 0; hh < HC; ++hh)
-    for (int c = 0; c < CW; ++c)
-      sum[hh][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + hh * D + 8 * (c0 + c)), _mm256_set1_ps(rescale[hh]));
-  for (int64_t j = 0; j < n; ++j) {
-    __m256 values[CW];
-    for (int c = 0; c < CW; ++c) values[c] = load8(value_rows[j] + 8 * (c0 + c));
-    for (int hh = 0; hh < HC; ++hh) {
-      const __m256 weight = _mm256_broadcast_ss(weights + hh * kTile + j);
-      for (int c = 0; c < CW; ++c) sum[hh][c] = _mm256_fmadd_ps(weight, values[c], sum[hh][c]);
-    }
-  }
-  for (int hh = 0; hh < HC; ++hh)
-    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + hh * D + 8 * (c0 + c), sum[hh][c]);
-}
-
 // One tile for HC query heads of one token that sees `visible` of the tile's n tokens (the rest are after it):
 // scores, the online-softmax update of m, l and acc ([HC][D], not normalized).
 template <int ND, int HC, typename Cache>
-void chunk_heads(const float* q, const float* keys_t, const Cache* const* value_rows, int64_t visible, float scale,
-                 float* m, float* l, float* acc) {
-  constexpr int64_t D = ND * 8;
+void chunk_heads(const float* q, const float* keys_t, const Cache* const* value_rows, const float* value_scales,
+                 int64_t visible, float scale, float* m, float* l, float* acc) {
+  // Keys are widened with their scales into keys_t; values keep theirs (scale_by_values).
   alignas(32) float scores[HC * kTile];
   float rescale[HC];
   chunk_scores<ND, HC>(q, keys_t, scale, scores);
@@ -397,6 +514,7 @@ void chunk_heads(const float* q, const float* keys_t, const Cache* const* value_
     // visible >= 1, so the max is finite.
     rescale[hh] = online_softmax(s, kTile, m[hh], l[hh]);
   }
+  scale_by_values<HC, Cache>(value_scales, visible, scores);
   // Three vectors of head dimensions per pass: 3 heads × 3 accumulators, 3 value vectors and a weight fit the 16
   // registers (four per pass spilled an accumulator to the stack, 1.25x slower).
   int c0 = 0;
@@ -411,7 +529,8 @@ template <int ND, typename Cache>
 void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int64_t i0, int64_t i1) {
   constexpr int64_t D = ND * 8;
   const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t token_stride = p.num_kv_heads * D;
+  const int64_t entry = D + kEntryExtra<Cache>;
+  const int64_t token_stride = p.num_kv_heads * entry;
   const int64_t first_row = chunk[0], query_len = chunk[2], context = chunk[3];
   const int64_t* blocks = p.block_tables + chunk[1] * p.max_blocks;
   const int64_t first_position = context - query_len;  // position of the chunk's token 0
@@ -426,6 +545,7 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
   }
   alignas(32) float keys_t[D * kTile];
   const Cache* value_rows[kTile];
+  alignas(32) float value_scales[kTile];  // int8 entries' scales
   const int64_t last_position = first_position + i1 - 1;
   for (int64_t tile = 0; tile <= last_position; tile += kTile) {
     const int64_t n = last_position + 1 - tile < kTile ? last_position + 1 - tile : kTile;
@@ -435,15 +555,17 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
         continue;
       }
       const int64_t t = tile + j;
-      const int64_t offset = (blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride + kv * D;
+      const int64_t offset = (blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride + kv * entry;
       value_rows[j] = p.value_cache + offset;
       const Cache* key = p.key_cache + offset;
+      const __m256 key_scale = _mm256_set1_ps(entry_scale(key, D));
       for (int64_t d = 0; d < D; d += 8) {
         alignas(32) float k8[8];
-        _mm256_store_ps(k8, load8(key + d));
+        _mm256_store_ps(k8, kEntryExtra<Cache> > 0 ? _mm256_mul_ps(load8(key + d), key_scale) : load8(key + d));
         for (int e = 0; e < 8; ++e) keys_t[(d + e) * kTile + j] = k8[e];
       }
     }
+    if (kEntryExtra<Cache> > 0) gather_scales(value_rows, n, D, value_scales);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t position = first_position + i;
       if (position < tile) continue;
@@ -454,9 +576,14 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
         const float* q = q_row + (kv * G + h) * D;
         float* a = acc + (r0 + h) * D;
         switch (G - h) {
-          case 1: chunk_heads<ND, 1, Cache>(q, keys_t, value_rows, visible, p.scale, m + r0 + h, l + r0 + h, a); break;
-          case 2: chunk_heads<ND, 2, Cache>(q, keys_t, value_rows, visible, p.scale, m + r0 + h, l + r0 + h, a); break;
-          default: chunk_heads<ND, 3, Cache>(q, keys_t, value_rows, visible, p.scale, m + r0 + h, l + r0 + h, a); break;
+          case 1:
+            chunk_heads<ND, 1, Cache>(q, keys_t, value_rows, value_scales, visible, p.scale, m + r0 + h, l + r0 + h, a);
+            break;
+          case 2:
+            chunk_heads<ND, 2, Cache>(q, keys_t, value_rows, value_scales, visible, p.scale, m + r0 + h, l + r0 + h, a);
+            break;
+          default:
+            chunk_heads<ND, 3, Cache>(q, keys_t, value_rows, value_scales, visible, p.scale, m + r0 + h, l + r0 + h, a);
         }
       }
     }
@@ -544,13 +671,13 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
     for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b)
       if (blocks[b] < 0 || blocks[b] >= num_blocks) return 1;
   }
-  const int64_t width = num_kv_heads * head_dim;
+  const int64_t width = num_kv_heads * (head_dim + kEntryExtra<Cache>);  // cache elements per token
   // In parallel for a prompt's many rows: the first write to a pool page also takes the page fault that maps it,
   // and a fresh pool's first batch of 64 decoding requests spent ~3% of its time there, with one thread.
 #pragma omp parallel for num_threads(num_threads) if (num_rows >= 2 * num_threads && num_threads > 1)
   for (int64_t t = 0; t < num_rows; ++t) {
-    store_row(key + t * k_row_stride, width, key_cache + slots[t] * width);
-    store_row(value + t * v_row_stride, width, value_cache + slots[t] * width);
+    store_entries(key + t * k_row_stride, num_kv_heads, head_dim, key_cache + slots[t] * width);
+    store_entries(value + t * v_row_stride, num_kv_heads, head_dim, value_cache + slots[t] * width);
   }
   const Problem<Cache> p{query,     q_row_stride, out,          out_row_stride, key_cache, value_cache, num_heads,
                          num_kv_heads, block_size, block_tables, max_blocks,   queries,   scale};
@@ -575,9 +702,10 @@ int paged_attention_supports(int64_t head_dim) { return supported_head_dim(head_
 // First stores this step's keys and values in their cache slots, then attends.
 //   query [num_rows rows of num_heads * head_dim, q_row_stride floats apart]; out likewise (out_row_stride).
 //   key, value [num_rows rows of num_kv_heads * head_dim]; slots [num_rows] int64: each row's cache slot.
-//   key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim], float32, or float16 (as uint16 bits)
-//   if kv_cache_f16; block_tables [num_requests, max_blocks] int64; queries [num_queries, 3] int64: single query
-//   tokens (token row in query/out, request index into block_tables, context length); chunks [num_chunks, 4]
+//   key_cache, value_cache [num_blocks, block_size, num_kv_heads, entry]: kv_cache_format 0: float32, entry =
+//   head_dim; 1: float16 (as uint16 bits), entry = head_dim; 2: int8, entry = head_dim + 4 (the values, then the
+//   float32 scale's bytes). block_tables [num_requests, max_blocks] int64; queries [num_queries, 3] int64: single
+//   query tokens (token row in query/out, request index into block_tables, context length); chunks [num_chunks, 4]
 //   int64: prompt chunks (first token row, request index, number of tokens, context length after them), whose
 //   tokens attend causally.
 // Returns 0, or 1 if a slot, row, request, context length or block id is out of range (nothing is written or
@@ -588,16 +716,19 @@ int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_ro
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables,
                         int64_t num_requests, int64_t max_blocks, const int64_t* queries, int64_t num_queries,
                         const int64_t* chunks, int64_t num_chunks, float scale, float* out, int64_t out_row_stride,
-                        int num_threads, int kv_cache_f16) {
-  if (kv_cache_f16)
-    return paged_attention(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots,
-                           static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache), num_blocks,
-                           block_size, num_heads, num_kv_heads, head_dim, block_tables, num_requests, max_blocks,
-                           queries, num_queries, chunks, num_chunks, scale, out, out_row_stride, num_threads);
-  return paged_attention(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots,
-                         static_cast<float*>(key_cache), static_cast<float*>(value_cache), num_blocks, block_size,
-                         num_heads, num_kv_heads, head_dim, block_tables, num_requests, max_blocks, queries,
-                         num_queries, chunks, num_chunks, scale, out, out_row_stride, num_threads);
+                        int num_threads, int kv_cache_format) {
+  const auto attend_in = [&](auto* key_pool, auto* value_pool) {
+    return paged_attention(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots, key_pool,
+                           value_pool, num_blocks, block_size, num_heads, num_kv_heads, head_dim, block_tables,
+                           num_requests, max_blocks, queries, num_queries, chunks, num_chunks, scale, out,
+                           out_row_stride, num_threads);
+  };
+  switch (kv_cache_format) {
+    case 0: return attend_in(static_cast<float*>(key_cache), static_cast<float*>(value_cache));
+    case 1: return attend_in(static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache));
+    case 2: return attend_in(static_cast<int8_t*>(key_cache), static_cast<int8_t*>(value_cache));
+    default: return 1;
+  }
 }
 
 }  // extern "C"

@@ -88,7 +88,7 @@ struct Step {
   void* const* value_caches;
   int64_t num_blocks, block_size;
   int32_t num_threads;
-  int32_t kv_cache_f16;        // the pools hold float16 (else float32)
+  int32_t kv_cache_format;     // the pools hold 0: float32, 1: float16, 2: int8 (attention.cpp)
 };
 
 void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
@@ -145,7 +145,7 @@ int llama_decoder_f32(const Decoder* d, const Step* s) {
         query, qkv_width, T, key, qkv_width, value, qkv_width, s->slots, s->key_caches[i], s->value_caches[i],
         s->num_blocks, s->block_size, d->num_heads, d->num_kv_heads, hd, s->block_tables, s->num_requests,
         s->max_blocks, s->queries, s->num_queries, s->chunks, s->num_chunks, d->scale, attention.data(), q_width,
-        threads, s->kv_cache_f16);
+        threads, s->kv_cache_format);
     if (status != 0) return status;
     linear(layer.o, attention.data(), T, s->out, threads);
     rms_norm_f32(s->out, s->residual, layer.post_attention_norm, T, H, d->rms_norm_eps, normed.data(), threads);

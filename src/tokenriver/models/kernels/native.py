@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from tokenriver.kv.cache import head_dim_of
+
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent
@@ -38,7 +40,8 @@ SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp
 HEADERS = (KERNELS_DIR / "vec.h",)
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way).
-NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16)
+# Pool dtypes the attention kernel reads, in the order of its kv_cache_format codes (0, 1, 2).
+NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
@@ -91,9 +94,14 @@ def is_f32_rows(tensor: torch.Tensor) -> bool:
     return strides[2] == 1 and strides[1] == tensor.shape[2]
 
 
+def kv_cache_format(pool: torch.Tensor) -> int:
+    """The attention kernel's code for a native pool's dtype (NATIVE_KV_CACHE_DTYPES)."""
+    return NATIVE_KV_CACHE_DTYPES.index(pool.dtype)
+
+
 def is_native_kv_pool(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """A layer's key and value pools as the native attention reads them: contiguous CPU tensors, both float32 or
-    both float16."""
+    """A layer's key and value pools as the native attention reads them: contiguous CPU tensors of the same dtype,
+    float32, float16 or int8 (kv/cache.py's formats)."""
     return (key_cache.dtype in NATIVE_KV_CACHE_DTYPES and value_cache.dtype == key_cache.dtype and key_cache.is_cpu
             and value_cache.is_cpu and key_cache.is_contiguous() and value_cache.is_contiguous())
 
@@ -137,7 +145,7 @@ class StepSpec(ctypes.Structure):
                 ("max_blocks", _i64), ("queries", _ptr), ("num_queries", _i64), ("chunks", _ptr),
                 ("num_chunks", _i64), ("key_caches", _ptr),
                 ("value_caches", _ptr), ("num_blocks", _i64), ("block_size", _i64), ("num_threads", ctypes.c_int32),
-                ("kv_cache_f16", ctypes.c_int32)]
+                ("kv_cache_format", ctypes.c_int32)]
 
 
 class NativeKernels:
@@ -318,9 +326,9 @@ class NativeKernels:
         """Write this step's keys/values into their slots, then attend for the listed query tokens into out.
 
         query, out [T, num_heads, head_dim] and key, value [T, num_kv_heads, head_dim] are float32 rows (views into
-        wider rows are fine); slot_mapping [T] int64; caches [num_blocks, block_size, num_kv_heads, head_dim]
-        contiguous, both float32 or both float16; block_tables [num_requests, max_blocks] int64 contiguous.
-        queries [n, 3] int64 contiguous, one row per single query token: (its row in query/out, its request's row
+        wider rows are fine); slot_mapping [T] int64; caches [num_blocks, block_size, num_kv_heads, entry_size]
+        contiguous, both float32, float16 or int8 (kv/cache.py's formats); block_tables [num_requests, max_blocks]
+        int64 contiguous. queries [n, 3] int64 contiguous, one row per single query token: (its row in query/out, its request's row
         in block_tables, how many tokens it sees); chunks [c, 4] int64 contiguous, one row per prompt chunk whose
         tokens attend causally: (its first row, its request's row, its number of tokens, the request's context
         length after it). Either may be None. Out's other rows are left untouched.
@@ -334,9 +342,10 @@ class NativeKernels:
             raise ValueError("paged attention: slot_mapping, block_tables, queries and chunks must be contiguous "
                              "int64 CPU tensors")
         if not is_native_kv_pool(key_cache, value_cache):
-            raise ValueError(f"paged attention: the pools must be contiguous CPU tensors, both float32 or both "
-                             f"float16, got {key_cache.dtype} and {value_cache.dtype}")
-        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+            raise ValueError(f"paged attention: the pools must be contiguous CPU tensors, both float32, float16 or "
+                             f"int8, got {key_cache.dtype} and {value_cache.dtype}")
+        num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+        head_dim = head_dim_of(key_cache)
         status = self._paged_attention(
             query.data_ptr(), query.stride(0), num_tokens, key.data_ptr(), key.stride(0), value.data_ptr(),
             value.stride(0), slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
@@ -344,7 +353,7 @@ class NativeKernels:
             block_tables.shape[1], None if queries is None else queries.data_ptr(),
             0 if queries is None else queries.shape[0], None if chunks is None else chunks.data_ptr(),
             0 if chunks is None else chunks.shape[0], scale, out.data_ptr(), out.stride(0),
-            torch.get_num_threads(), int(key_cache.dtype == torch.float16))
+            torch.get_num_threads(), kv_cache_format(key_cache))
         _raise_for_attention_status(status, head_dim)
 
     def llama_decoder(self, decoder: DecoderSpec, step: StepSpec) -> None:
