@@ -64,7 +64,6 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.head_dim = head_dim
         shape = (num_blocks, block_size, num_kv_heads, entry_size(head_dim, dtype))
         # One (key, value) pair per layer, each [num_blocks, block_size, num_kv_heads, entry_size].
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [

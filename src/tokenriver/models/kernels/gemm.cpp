@@ -310,8 +310,8 @@ void pack_int8_panel(const float* x, int64_t valid, int64_t K, int8_t* xq, float
 // Per block of 32 columns of weight rows [n0, n0 + count), the scale and (int4) the min, as floats [count, K/32].
 // With groups of 32 the half-precision scales and mins of a row are contiguous and convert 16 at a time.
 template <bool IS_INT4>
-void block_terms(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G,
-                 int64_t n0, int64_t count, float* out_scales, float* out_mins) {
+void block_terms(const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G, int64_t n0, int64_t count,
+                 float* out_scales, float* out_mins) {
   const int64_t num_blocks = K / 32, num_groups = K / G;
   for (int64_t r = 0; r < count; ++r) {
     const int64_t n = n0 + r;
@@ -458,7 +458,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
               _mm_prefetch(reinterpret_cast<const char*>(mins + (n0 + kRows) * num_groups) + o, _MM_HINT_T1);
           }
         }
-        block_terms<IS_INT4>(qweight, scales, mins, K, G, n0, count, w_scales.data(), w_mins.data());
+        block_terms<IS_INT4>(scales, mins, K, G, n0, count, w_scales.data(), w_mins.data());
         for (int64_t r = 0; r < count; ++r) tile_row<IS_INT4>(qweight, K, n0 + r, w.data() + 32 * r);
         const auto run = [&](auto rows_per_tile) {
           constexpr int RT = decltype(rows_per_tile)::value;

@@ -39,8 +39,8 @@ KERNELS_DIR = Path(__file__).parent
 SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp"))
 HEADERS = (KERNELS_DIR / "vec.h",)
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-# KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way).
-# Pool dtypes the attention kernel reads, in the order of its kv_cache_format codes (0, 1, 2).
+# KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
+# order of its kv_cache_format codes (0, 1, 2).
 NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
