@@ -110,10 +110,10 @@ def make_candidates(out_features: int, in_features: int, num_rows: int) -> list[
             size = weight_q.qweight.numel() + (4 if is_int4 else 2) * weight_q.scales.numel()
             if is_int4:
                 bind = (lambda w=weight_q, a=activations_int8: kernels.bind_int4(
-                    w.qweight.clone(), w.scales.clone(), w.mins.clone(), w.group_size, a))
+                    w.qweight.clone(), w.scales.clone(), w.mins.clone(), w.group_size, "int8" if a else None))
             else:
                 bind = (lambda w=weight_q, a=activations_int8: kernels.bind_int8(
-                    w.qweight.clone(), w.scales.clone(), w.group_size, a))
+                    w.qweight.clone(), w.scales.clone(), w.group_size, "int8" if a else None))
             add(name, size, bind, lambda linear: linear(x32))
         if num_rows >= 8:
             # What Int4Linear does above max_gemv_rows (gemm.cpp), and the float32 sgemm it replaced.

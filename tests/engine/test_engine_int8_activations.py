@@ -37,7 +37,8 @@ def test_every_4bit_layer_rounds_and_the_int8_output_layer_only_in_large_product
     assert int4 and all(m.int8_activations for m in int4)
     assert int8 and all(not m.int8_activations for m in int8)
     kernels = load_kernels()
-    assert all(m.int8_gemm == bool(kernels and kernels.gemm_int8) for m in int4 + int8)
+    expected = None if kernels is None else "bfloat16" if kernels.gemm_amx else "int8" if kernels.gemm_int8 else None
+    assert all(m.gemm_rounding == expected for m in int4 + int8)
     assert loaded_int8_activations.int8_activations
 
 

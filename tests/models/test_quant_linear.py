@@ -4,7 +4,9 @@
   gguf.quants.quantize, random bytes with valid float16 scales, and the embedded model's real tensors).
 - Every layer and backend matches F.linear over the dequantized float32 weight, for several row counts and
   float32 / bfloat16 activations; the native kernel and the pure-PyTorch fallback agree.
-- The native many-row product (gemm.cpp) gives each row the same bits whatever batch it is computed in.
+- The native many-row products (gemm.cpp, and gemm_amx.cpp on CPUs with AMX tiles) give each row the same bits
+  whatever batch it is computed in; their rounded variants (int8 activations, bfloat16 tiles) match the reference
+  backend's identical rounding up to the float summation order.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tokenriver.models.quant import (
     repack_q4_1,
     repack_q8_0,
     round_activations_int8,
+    round_bfloat16,
     unpack_int4,
 )
 
@@ -43,8 +46,10 @@ REPACKERS = {
 }
 HAS_NATIVE = load_kernels() is not None
 HAS_INT8_GEMM = HAS_NATIVE and load_kernels().gemm_int8
-INT8_GEMM = pytest.param(True, id="int8", marks=pytest.mark.skipif(
-    not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI"))
+HAS_AMX_GEMM = HAS_NATIVE and load_kernels().gemm_amx
+INT8_GEMM = pytest.param("int8", marks=pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI"))
+BF16_GEMM = pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not HAS_AMX_GEMM, reason="the CPU lacks AMX tiles (or the OS does not grant them)"))
 BACKENDS = ["reference", "aten", pytest.param("native", marks=pytest.mark.skipif(
     not HAS_NATIVE, reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler"))]
 
@@ -184,8 +189,8 @@ def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
         # Same integer arithmetic, only the float summation order differs.
         assert (native(x) - expected).abs().max().item() <= 2e-5 * scale
         # Rounding x to 8 bits moves the result by well under 1% of its range; above max_gemv_rows it is exact
-        # unless the CPU has AVX512-VNNI.
-        tolerance = 1e-2 if num_rows <= 8 or native.int8_gemm else 2e-5
+        # unless the CPU has AVX512-VNNI or AMX.
+        tolerance = 1e-2 if num_rows <= 8 or native.gemm_rounding else 2e-5
         assert (native(x) - exact(x)).abs().max().item() <= tolerance * scale
 
 
@@ -219,42 +224,84 @@ def test_int8_activations_int4_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(product(batch), alone[start:start + batch.shape[0]])
 
 
+def bind_gemm(layer: Int4Linear | Int8Linear, rounding: str | None):
+    """The layer's many-row native product with the given rounding, whichever one the layer itself would pick."""
+    kernels = load_kernels()
+    if isinstance(layer, Int4Linear):
+        return kernels.bind_int4(layer.qweight, layer.scales, layer.mins, layer.group_size, rounding, many_rows=True)
+    return kernels.bind_int8(layer.qweight, layer.scales, layer.group_size, rounding, many_rows=True)
+
+
+def rounded_reference(layer: Int4Linear | Int8Linear, x: torch.Tensor, rounding: str | None) -> torch.Tensor:
+    """F.linear over the dequantized weight with the inputs rounded as `rounding` says (no bias)."""
+    if rounding == "int8":
+        return F.linear(round_activations_int8(x), layer.dequantize())
+    if rounding == "bfloat16":
+        return F.linear(round_bfloat16(x), round_bfloat16(layer.dequantize()))
+    return F.linear(x, layer.dequantize())
+
+
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("rounded", [pytest.param(False, id="f32"), INT8_GEMM])
+def test_rounded_layers_pick_the_fastest_rounding_of_this_cpu() -> None:
+    layer = make_layer("int4-g32", 40, 576, "native", int8_activations=True)
+    assert layer.gemm_rounding == ("bfloat16" if HAS_AMX_GEMM else "int8" if HAS_INT8_GEMM else None)
+    assert make_layer("int4-g32", 40, 576, "native").gemm_rounding is None
+    reference = make_layer("int4-g32", 40, 576, "reference", int8_activations=True)
+    assert reference.gemm_rounding == layer.gemm_rounding  # so that the two backends stay interchangeable
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("rounding", [pytest.param(None, id="f32"), INT8_GEMM, BF16_GEMM])
 @pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
-def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounded: bool) -> None:
-    # 40 outputs: six-row weight tiles plus a remainder of 4. K = 1536: 80 float32 activation rows per pass (336
-    # in int8), so 300 rows take one to four passes. Batches of 9 to 300 put the same rows in half panels, full
-    # panels and later passes.
-    layer = make_layer(kind, 40, 1536, "native", int8_activations=rounded)
-    assert layer.int8_gemm == rounded
-    gemm = layer._native_gemm
-    rows = torch.randn(300, 1536)
-    alone = torch.cat([gemm(rows[i:i + 9]) for i in range(0, 297, 9)] + [gemm(rows[297:].repeat(3, 1))[:3]])
-    for batch in (rows, rows[:17], rows[5:21], rows[100:181]):
+def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | None) -> None:
+    # 40 outputs: six-row weight tiles plus a remainder of 4 (float32, int8), or 16-row tiles plus 8 (bfloat16).
+    # K = 1536: 80 float32 activation rows per pass, 336 in int8, 336 in bfloat16, so 1000 rows take one to
+    # thirteen passes. Batches of 9 to 1000 put the same rows in half panels, full panels, partial tiles and
+    # later passes.
+    layer = make_layer(kind, 40, 1536, "native")
+    gemm = bind_gemm(layer, rounding)
+    rows = torch.randn(1000, 1536)
+    alone = torch.cat([gemm(rows[i:i + 9]) for i in range(0, 999, 9)] + [gemm(rows[999:].repeat(9, 1))[:1]])
+    for batch in (rows, rows[:17], rows[5:21], rows[100:181], rows[333:1000]):
         start = int((batch.data_ptr() - rows.data_ptr()) // (4 * 1536))
         assert torch.equal(gemm(batch), alone[start:start + batch.shape[0]])
-    if not rounded:
-        assert_matches_reference(layer, rows)
+    expected = rounded_reference(layer, rows, rounding)
+    assert (alone - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
 
 
-@pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI")
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("rounding", [INT8_GEMM, BF16_GEMM])
 @pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0"])
-@pytest.mark.parametrize("in_features", [576, 1536, 128])
-def test_int8_gemm_matches_the_reference_rounding(kind: str, in_features: int) -> None:
-    """Activations rounded to int8 per 32 columns, integer sums exact: only the float summation order differs."""
-    native = make_layer(kind, 45, in_features, "native", bias=True, max_gemv_rows=8, int8_activations=True)
-    reference = make_layer(kind, 45, in_features, "reference", bias=True, max_gemv_rows=8, int8_activations=True)
-    exact = make_layer(kind, 45, in_features, "reference", bias=True)
-    assert native.int8_gemm and reference.int8_gemm
-    for num_rows in (9, 16, 17, 64, 200):
+@pytest.mark.parametrize("out_features, in_features", [(45, 576), (45, 1536), (45, 128), (16, 32), (77, 96)])
+def test_rounded_gemm_matches_the_reference_rounding(kind: str, out_features: int, in_features: int,
+                                                      rounding: str) -> None:
+    """int8: activations rounded per 32 columns, integer sums exact. bfloat16: both inputs rounded, products exact
+    in float32. Either way only the float summation order differs from the reference."""
+    if kind == "int4-g64" and in_features % 64:
+        pytest.skip("groups of 64 need in_features a multiple of 64")
+    layer = make_layer(kind, out_features, in_features, "native")
+    gemm = bind_gemm(layer, rounding)
+    for num_rows in (9, 16, 17, 31, 64, 200):
         x = torch.randn(num_rows, in_features)
-        expected = reference(x)
+        expected = rounded_reference(layer, x, rounding)
         scale = expected.abs().max().item()
-        assert (native(x) - expected).abs().max().item() <= 2e-5 * scale
-        # 8-bit activations: the result moves by well under 1% of its range, but it does move.
-        error = (native(x) - exact(x)).abs().max().item()
-        assert 1e-5 * scale < error <= 1e-2 * scale
+        got = gemm(x)
+        assert (got - expected).abs().max().item() <= 2e-5 * scale
+        # Rounded inputs: the result moves by well under 1% of its range, but it does move.
+        error = (got - rounded_reference(layer, x, None)).abs().max().item()
+        assert 1e-6 * scale < error <= 1e-2 * scale
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0"])
+def test_rounded_layer_matches_the_reference_backend(kind: str) -> None:
+    """A layer with int8_activations: the GEMV rounds to int8, the GEMM as this CPU does; bias included."""
+    native = make_layer(kind, 45, 576, "native", bias=True, max_gemv_rows=8, int8_activations=True)
+    reference = make_layer(kind, 45, 576, "reference", bias=True, max_gemv_rows=8, int8_activations=True)
+    for num_rows in (1, 8, 9, 64):
+        x = torch.randn(num_rows, 576)
+        expected = reference(x)
+        assert (native(x) - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
 
 
 @pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI")
@@ -264,7 +311,7 @@ def test_int8_gemm_and_gemv_round_a_row_alike(kind: str) -> None:
     layer = make_layer(kind, 40, 576, "native", max_gemv_rows=8, int8_activations=True)
     rows = torch.randn(64, 576)
     alone = torch.cat([layer._native_gemv(rows[i:i + 1]) for i in range(64)])
-    batched = layer(rows)
+    batched = bind_gemm(layer, "int8")(rows)
     assert (batched - alone).abs().max().item() <= 2e-5 * alone.abs().max().item()
 
 
@@ -313,8 +360,8 @@ def test_errors_name_the_parameter() -> None:
         Int4Linear(quantize_int4(weight), backend="aten", int8_activations=True)
     assert info.value.param == "int8_activations"
     with pytest.raises(InvalidParameterError) as info:
-        Int8Linear(quantize_int8(weight), backend="aten").set_int8_gemm(True)
-    assert info.value.param == "int8_gemm"
+        Int8Linear(quantize_int8(weight), backend="aten").set_rounded_gemm(True)
+    assert info.value.param == "rounded_gemm"
 
 
 def test_auto_backend_picks_native_when_available() -> None:

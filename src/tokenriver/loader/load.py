@@ -101,7 +101,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         # float32 activations there; its many-row products, a fifth of a 64-sequence step's arithmetic, round too.
         for layer in loaded.model.modules():
             if isinstance(layer, Int8Linear):
-                layer.set_int8_gemm(True)
+                layer.set_rounded_gemm(True)
     return dataclasses.replace(loaded, int8_activations=int8_activations)
 
 

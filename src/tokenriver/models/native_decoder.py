@@ -23,8 +23,9 @@ from torch import nn
 
 from tokenriver.kv.cache import KVCache, head_dim_of
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.kernels.native import (DecoderSpec, LayerSpec, LinearSpec, NativeKernels, StepSpec,
-                                              is_contiguous_f32, is_native_kv_pool, kv_cache_format, load_kernels)
+from tokenriver.models.kernels.native import (ROUNDINGS, DecoderSpec, LayerSpec, LinearSpec, NativeKernels,
+                                              StepSpec, is_contiguous_f32, is_native_kv_pool, kv_cache_format,
+                                              load_kernels)
 from tokenriver.models.quant import Int4Linear, Int8Linear
 
 
@@ -36,7 +37,7 @@ def _linear_spec(linear: nn.Module) -> LinearSpec | None:
     return LinearSpec(linear.qweight.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr() if is_int4 else None,
                       None if linear.bias is None else linear.bias.data_ptr(), linear.out_features,
                       linear.in_features, linear.group_size, linear.max_gemv_rows, int(is_int4),
-                      int(linear.int8_activations), int(linear.int8_gemm))
+                      int(linear.int8_activations), ROUNDINGS.index(linear.gemm_rounding))
 
 
 class NativeDecoder:

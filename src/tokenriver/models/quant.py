@@ -31,11 +31,14 @@ kernel multiplies integers: for int4 weights about a third of the vector operati
 step's 4-bit products from 5.8 to 3.0 ms (1.9x) in a C harness on this machine; int8 weights already stream at memory
 speed either way. The engine sets it with `load_model(..., int8_activations=True)`. The int4 min term uses the
 rounded activations too: the error is then W · (x̂ - x) with W's centred values, not a shared offset from the 0..15
-codes. Larger products (prefill, batched decode) are bound by arithmetic, not by reading weights: with the same
-setting, where the CPU has AVX512-VNNI, they round the activations to int8 the same way and multiply integers too
-(gemm.cpp's dot-product instructions, four times the products of a float32 FMA), else they stay exact. A row then
-rounds alike alone or in a batch. The reference backend rounds exactly as the native one would on the same
-machine, so the two stay interchangeable.
+codes. Larger products (prefill, batched decode) are bound by arithmetic, not by reading weights, and with the same
+setting they round too, by what the CPU does fastest (`gemm_rounding`):
+- "bfloat16" where it has AMX tiles (gemm_amx.cpp): the activations and the decoded weights rounded to bfloat16,
+  float32 sums; one tile instruction adds 8,192 products, and no per-block scaling follows it.
+- "int8" where it has AVX512-VNNI (gemm.cpp): the activations rounded to int8 per 32 columns as in decode steps, so
+  a row rounds alike alone or in a batch, and multiplied as integers.
+- None (exact float32) elsewhere.
+The reference backend rounds exactly as the native one would on the same machine, so the two stay interchangeable.
 """
 
 from __future__ import annotations
@@ -247,13 +250,21 @@ def repack_q8_0(blocks: torch.Tensor | np.ndarray) -> Int8Weight:
     return Int8Weight(_words_field(words, 1, 17, torch.int8), _words_field(words, 0, 1, torch.float16), GGUF_BLOCK)
 
 
-def _int8_gemm(rounded_arithmetic: bool, in_features: int) -> bool:
-    """Whether many-row products round activations to int8: asked for, this CPU's kernels have the instructions,
-    and the rows split into runs of 32 (group sizes are multiples of 32 already)."""
-    if not rounded_arithmetic or in_features % GGUF_BLOCK:
-        return False
+def gemm_rounding(rounded_arithmetic: bool, in_features: int) -> str | None:
+    """How many-row products round (module docstring): None unless asked for; else "bfloat16" where this CPU's
+    kernels have AMX tiles, "int8" where they have AVX512-VNNI, else None. Both kernels take the columns in runs
+    of 32 (group sizes are multiples of 32 already)."""
     kernels = load_kernels()
-    return kernels is not None and kernels.gemm_int8
+    if not rounded_arithmetic or kernels is None or in_features % GGUF_BLOCK:
+        return None
+    if kernels.gemm_amx:
+        return "bfloat16"
+    return "int8" if kernels.gemm_int8 else None
+
+
+def round_bfloat16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest bfloat16 (ties to even), back in float32: what the bfloat16 tiles compute with."""
+    return x.to(torch.bfloat16).float()
 
 
 class _QuantizedLinear(nn.Module):
@@ -271,7 +282,7 @@ class _QuantizedLinear(nn.Module):
         self.out_features = out_features
         self.max_gemv_rows = max_gemv_rows
         self.int8_activations = int8_activations
-        self.int8_gemm = _int8_gemm(int8_activations, in_features)
+        self.gemm_rounding = gemm_rounding(int8_activations, in_features)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.kernels: NativeKernels | None = load_kernels() if backend in ("auto", "native") else None
         if backend == "native" and self.kernels is None:
@@ -303,8 +314,8 @@ class _QuantizedLinear(nn.Module):
         elif self.backend == "aten" and on_cpu:
             y = self._aten_mm(rows.contiguous())  # [M, N]
         else:
-            rounded = self.int8_activations if is_gemv else self.int8_gemm
-            y = self._reference(rows.float(), round_activations=rounded)  # [M, N]
+            rounding = ("int8" if self.int8_activations else None) if is_gemv else self.gemm_rounding
+            y = self._reference(rows.float(), rounding)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         if y.dtype != x.dtype:
@@ -318,15 +329,15 @@ class _QuantizedLinear(nn.Module):
             raise InvalidParameterError("int8_activations runs on the 'native' or 'reference' backend, not 'aten'",
                                         param="int8_activations")
         self.int8_activations = enabled
-        self.set_int8_gemm(enabled)
+        self.set_rounded_gemm(enabled)
 
-    def set_int8_gemm(self, enabled: bool) -> None:
-        """Round the activations of many-row products to int8 where the CPU has the instructions (or back to exact
-        float32), whatever decode-sized products do."""
+    def set_rounded_gemm(self, enabled: bool) -> None:
+        """Round the inputs of many-row products as this CPU does fastest (module docstring), or back to exact
+        float32, whatever decode-sized products do."""
         if enabled and self.backend == "aten":
-            raise InvalidParameterError("int8 products run on the 'native' or 'reference' backend, not 'aten'",
-                                        param="int8_gemm")
-        self.int8_gemm = _int8_gemm(enabled, self.in_features)
+            raise InvalidParameterError("rounded products run on the 'native' or 'reference' backend, not 'aten'",
+                                        param="rounded_gemm")
+        self.gemm_rounding = gemm_rounding(enabled, self.in_features)
         self._bind_native()
 
     def _bind_native(self) -> None:
@@ -340,13 +351,18 @@ class _QuantizedLinear(nn.Module):
         self._bind_native()
         return module
 
-    def _reference(self, rows: torch.Tensor, round_activations: bool) -> torch.Tensor:
-        """Dequantize with torch ops and F.linear: any device, and the definition the kernels are tested against."""
-        return F.linear(round_activations_int8(rows) if round_activations else rows, self.dequantize())
+    def _reference(self, rows: torch.Tensor, rounding: str | None) -> torch.Tensor:
+        """Dequantize with torch ops and F.linear, rounding as the native product would: any device, and the
+        definition the kernels are tested against."""
+        if rounding == "int8":
+            return F.linear(round_activations_int8(rows), self.dequantize())
+        if rounding == "bfloat16":
+            return F.linear(round_bfloat16(rows), round_bfloat16(self.dequantize()))
+        return F.linear(rows, self.dequantize())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"backend={self.backend}, int8_activations={self.int8_activations}, int8_gemm={self.int8_gemm}, "
+                f"backend={self.backend}, int8_activations={self.int8_activations}, gemm_rounding={self.gemm_rounding}, "
                 f"bias={self.bias is not None}")
 
 
@@ -389,9 +405,9 @@ class Int4Linear(_QuantizedLinear):
         super()._bind_native()
         if self.backend == "native" and self.qweight.is_cpu:
             self._native_gemv = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
-                                                       self.int8_activations)
+                                                       "int8" if self.int8_activations else None)
             self._native_gemm = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
-                                                       self.int8_gemm, many_rows=True)
+                                                       self.gemm_rounding, many_rows=True)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
@@ -454,9 +470,9 @@ class Int8Linear(_QuantizedLinear):
         super()._bind_native()
         if self.backend == "native" and self.qweight.is_cpu:
             self._native_gemv = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
-                                                       self.int8_activations)
-            self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size, self.int8_gemm,
-                                                       many_rows=True)
+                                                       "int8" if self.int8_activations else None)
+            self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
+                                                       self.gemm_rounding, many_rows=True)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)

@@ -13,6 +13,8 @@
 
 #include <vector>
 
+#include "gemm_amx.h"
+
 extern "C" {
 void int4_linear_f32(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
                      int64_t, float*, int);
@@ -52,7 +54,7 @@ struct Linear {
   int64_t max_gemv_rows;    // up to this many rows take the GEMV, more take the GEMM
   int32_t is_int4;
   int32_t int8_activations; // the GEMV rounds activations to int8
-  int32_t int8_gemm;        // the GEMM rounds activations to int8 (set only where it exists)
+  int32_t gemm_rounding;    // the GEMM: 0 exact, 1 activations to int8, 2 bfloat16 tiles (set only where it exists)
 };
 
 // One decoder layer's weights (native.py's LayerSpec).
@@ -97,9 +99,15 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
   auto int4_gemm = int4_gemm_f32;
   auto int8_gemm = int8_gemm_f32;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  if (l.int8_gemm) {
+  if (l.gemm_rounding == 1) {
     int4_gemm = int4_gemm_int8x;
     int8_gemm = int8_gemm_int8x;
+  }
+#endif
+#ifdef TOKENRIVER_GEMM_AMX
+  if (l.gemm_rounding == 2) {
+    int4_gemm = int4_gemm_bf16_amx;
+    int8_gemm = int8_gemm_bf16_amx;
   }
 #endif
   if (l.is_int4) {

@@ -1,5 +1,6 @@
-"""Build and call the native CPU kernels: quantized GEMV (gemv.cpp) and GEMM (gemm.cpp), the small ops of a layer
-(ops.cpp), paged decode attention (attention.cpp), and a whole Llama decoder stack made of them (decoder.cpp).
+"""Build and call the native CPU kernels: quantized GEMV (gemv.cpp) and GEMM (gemm.cpp, and gemm_amx.cpp on CPUs with
+AMX tiles), the small ops of a layer (ops.cpp), paged decode attention (attention.cpp), and a whole Llama decoder
+stack made of them (decoder.cpp).
 
 PyTorch's own packed-weight CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) stream the weights
 of a one-row product far below memory speed on this class of machine (see benchmarks/results/kernels.md), so the
@@ -36,12 +37,15 @@ from tokenriver.kv.cache import head_dim_of
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent
-SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp"))
-HEADERS = (KERNELS_DIR / "vec.h",)
+SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "gemm_amx.cpp", "ops.cpp", "attention.cpp", "decoder.cpp"))
+HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "gemm_amx.h")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
 # order of its kv_cache_format codes (0, 1, 2).
 NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
+# How a product rounds its inputs (models/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1, 2):
+# exact float32, activations to int8 per 32 columns, or activations and weights to bfloat16.
+ROUNDINGS = (None, "int8", "bfloat16")
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
@@ -119,7 +123,7 @@ class LinearSpec(ctypes.Structure):
 
     _fields_ = [("qweight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr), ("out_features", _i64),
                 ("in_features", _i64), ("group_size", _i64), ("max_gemv_rows", _i64), ("is_int4", ctypes.c_int32),
-                ("int8_activations", ctypes.c_int32), ("int8_gemm", ctypes.c_int32)]
+                ("int8_activations", ctypes.c_int32), ("gemm_rounding", ctypes.c_int32)]
 
 
 class LayerSpec(ctypes.Structure):
@@ -180,14 +184,20 @@ class NativeKernels:
             function.argtypes = argtypes
             function.restype = restype
             self._functions[name] = function
-        # The int8-activation GEMMs exist only where the compiler targeted AVX512-VNNI (gemm.cpp).
+        # The rounded GEMMs exist only where the compiler targeted their instructions: int8 activations on
+        # AVX512-VNNI (gemm.cpp), bfloat16 tiles on AMX, where the OS also lets this process use the tiles
+        # (gemm_amx.cpp).
         library.gemm_int8x_supported.restype = c_int
+        library.gemm_bf16_amx_supported.restype = c_int
         self.gemm_int8 = bool(library.gemm_int8x_supported())
-        if self.gemm_int8:
-            for name, argtypes in (("int4_gemm_int8x", int4_args), ("int8_gemm_int8x", int8_args)):
-                function = getattr(library, name)
-                function.argtypes = argtypes
-                self._functions[name] = function
+        self.gemm_amx = bool(library.gemm_bf16_amx_supported())
+        rounded = [("int4_gemm_int8x", int4_args), ("int8_gemm_int8x", int8_args)] if self.gemm_int8 else []
+        if self.gemm_amx:
+            rounded += [("int4_gemm_bf16_amx", int4_args), ("int8_gemm_bf16_amx", int8_args)]
+        for name, argtypes in rounded:
+            function = getattr(library, name)
+            function.argtypes = argtypes
+            self._functions[name] = function
         # Looked up once: these run ~10 times per layer per step.
         self._rms_norm = self._functions["rms_norm_f32"]
         self._rotary = self._functions["rotary_f32"]
@@ -199,25 +209,32 @@ class NativeKernels:
         supports = self._functions["paged_attention_supports"]
         self.attention_head_dims = frozenset(size for size in range(8, 1025, 8) if supports(size))
 
-    def _product(self, kind: str, int8_activations: bool, many_rows: bool) -> Callable[..., None]:
-        if many_rows and int8_activations and not self.gemm_int8:
+    def _product(self, kind: str, rounding: str | None, many_rows: bool) -> Callable[..., None]:
+        if rounding not in ROUNDINGS or (rounding == "bfloat16" and not many_rows):
+            raise ValueError(f"rounding must be one of {ROUNDINGS} (bfloat16 only with many_rows), got {rounding!r}")
+        if many_rows and rounding == "int8" and not self.gemm_int8:
             raise ValueError("the many-row product rounds activations to int8 only on CPUs with AVX512-VNNI; "
                              "check gemm_int8 first")
-        suffix = "int8x" if int8_activations else "f32"
-        return self._functions[f"{kind}_gemm_{suffix}" if many_rows else f"{kind}_linear_{suffix}"]
+        if rounding == "bfloat16" and not self.gemm_amx:
+            raise ValueError("the bfloat16 many-row product runs only on CPUs with AMX tiles; check gemm_amx first")
+        if many_rows:
+            suffix = {None: "f32", "int8": "int8x", "bfloat16": "bf16_amx"}[rounding]
+            return self._functions[f"{kind}_gemm_{suffix}"]
+        return self._functions[f"{kind}_linear_{'int8x' if rounding else 'f32'}"]
 
     def bind_int4(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                  int8_activations: bool = False, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+                  rounding: str | None = None, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [M, K] float32 ↦ x @ dequantized int4 weight [N, K]ᵀ, [M, N] float32.
 
-        int8_activations rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact; K and
+        rounding "int8" rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact; K and
         the group size multiples of 32. many_rows picks the GEMM (gemm.cpp) over the GEMV: for more rows than a
-        decode step has, where the product is bound by arithmetic rather than by reading the weights; with
-        int8_activations only where gemm_int8 is True. The function keeps the tensors alive; rebind after moving
-        or replacing them.
+        decode step has, where the product is bound by arithmetic rather than by reading the weights; with "int8"
+        only where gemm_int8 is True, and "bfloat16" (x and the decoded weights rounded to bfloat16, float32 sums:
+        gemm_amx.cpp) only there and only where gemm_amx is True. The function keeps the tensors alive; rebind after
+        moving or replacing them.
         """
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
-        function = self._product("int4", int8_activations, many_rows)
+        function = self._product("int4", rounding, many_rows)
         weight = (qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out_features, in_features, group_size)
         tensors = (qweight, scales, mins)
 
@@ -230,10 +247,10 @@ class NativeKernels:
         return linear
 
     def bind_int8(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                  int8_activations: bool = False, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+                  rounding: str | None = None, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [M, K] float32 ↦ x @ dequantized int8 weight [N, K]ᵀ, [M, N] float32 (options as in bind_int4)."""
         out_features, in_features = qweight.shape
-        function = self._product("int8", int8_activations, many_rows)
+        function = self._product("int8", rounding, many_rows)
         weight = (qweight.data_ptr(), scales.data_ptr(), out_features, in_features, group_size)
         tensors = (qweight, scales)
 
@@ -247,13 +264,13 @@ class NativeKernels:
 
     def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                     group_size: int, int8_activations: bool = False) -> torch.Tensor:
-        """One-off bind_int4(...)(x)."""
-        return self.bind_int4(qweight, scales, mins, group_size, int8_activations)(x)
+        """One-off GEMV: bind_int4(...)(x), rounding x to int8 if asked."""
+        return self.bind_int4(qweight, scales, mins, group_size, "int8" if int8_activations else None)(x)
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
                     int8_activations: bool = False) -> torch.Tensor:
-        """One-off bind_int8(...)(x)."""
-        return self.bind_int8(qweight, scales, group_size, int8_activations)(x)
+        """One-off GEMV: bind_int8(...)(x), rounding x to int8 if asked."""
+        return self.bind_int8(qweight, scales, group_size, "int8" if int8_activations else None)(x)
 
     def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                         group_size: int) -> torch.Tensor:

@@ -1,0 +1,305 @@
+// The rounded mode's many-row quantized products on Intel AMX tiles (Sapphire Rapids and later): bfloat16 inputs,
+// float32 sums.
+//
+// gemm.cpp's int8 product spends most of its time on float work per block of 32 columns: each integer block sum is
+// converted, scaled by the weight's and the activation's block scales and added, four vector operations per 16
+// outputs per block. An AMX tile instruction adds 16 × 16 × 32 products in ~16 cycles, but the same per-block float
+// work after it costs twice that, and on this CPU it does not overlap with the tile unit (measured: tile
+// instructions and AVX-512 arithmetic in one loop took the sum of their separate times). Integer tiles with per-block
+// scales came out only 1.2-1.5x faster than the VNNI kernel.
+//
+// Bfloat16 tiles need no per-block work: the weights are decoded to float32 (scale * q + min, gemm.cpp's decoding,
+// bit for bit) and rounded to bfloat16, the activations rounded to bfloat16, and the tile instruction sums every
+// product in float32 over all K. Decoding costs ~9 vector operations per 32 weights, once per weight per call, shared
+// by every activation row; the tile instruction then runs back to back. A 64-row product ran ~4x gemm.cpp's int8
+// VNNI kernel, a 512-row one ~8x (benchmarks/gemm.py). The rounding is bfloat16's (8 significant bits) on both
+// operands, finer than int8 activations per 32 columns; decode steps of up to max_gemv_rows rows keep the int8 GEMV.
+//
+// The product is computed transposed, yᵀ = W xᵀ, so that the weights are the tile instruction's row operand: a weight
+// tile is 16 weight rows of 32 bfloat16 columns, each row decoded in place from its own bytes (no shuffling), and
+// the activations take the pair-interleaved layout of the column operand (16 rows of 16 activation rows × 2
+// columns), a 16 × 16 transpose of 32-bit pairs done once per call. Each 16 × 16 float32 result tile is transposed
+// back on its way to y. Every output is one fixed sequence of tile instructions over K, whatever the batch, so a
+// row's result does not depend on the other rows in it.
+//
+// Linux hands out the tile registers only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM);
+// gemm_bf16_amx_supported() asks once, and callers check it before any product. Each thread loads the tile configuration at the start of a product and releases the tiles after it.
+
+#include "gemm_amx.h"
+
+#ifdef TOKENRIVER_GEMM_AMX
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int kTile = 16;                     // rows of every tile; weight rows and activation rows per tile
+constexpr int kTileBytes = kTile * 64;        // one tile: 16 rows of 64 bytes (32 bfloat16 or 16 float32)
+constexpr int64_t kChunkBytes = 1024 * 1024;  // activation rows per pass, as bfloat16 tiles, kept in L2
+constexpr long kReqXcompPerm = 0x1023;        // arch_prctl: ARCH_REQ_XCOMP_PERM
+constexpr long kXfeatureTileData = 18;        // XFEATURE_XTILEDATA
+
+// Tiles 0-3: float32 sums of two weight tiles against two activation tiles; 4 and 5: weight tiles; 6 and 7:
+// activation tiles.
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+void configure_tiles() {
+  TileConfig config{};
+  config.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTile;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Transposes 16 vectors of 16 32-bit words (r[i] = row i) in place: r[j] = column j.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // r[4g + c], 128-bit lane l: rows 4g..4g+3, column 4l + c.
+  for (int g = 0; g < 16; g += 4) {
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  // Column 4l + c gathers lane l of r[c], r[4 + c], r[8 + c], r[12 + c]: a 4 × 4 transpose of 128-bit lanes.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    t[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Weight rows [n0, n0 + 16) (zero past N) decoded to bfloat16 as tiles, one per block of 32 columns:
+// tiles + b * kTileBytes, row r at + 64 r. The float32 values are gemm.cpp's decode_row's (scale * q + min with one
+// rounding, or scale * q), then rounded to nearest even bfloat16.
+template <bool IS_INT4>
+void weight_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+                  int64_t G, int64_t n0, uint8_t* tiles) {
+  const int64_t num_blocks = K / 32, num_groups = K / G, blocks_per_group = G / 32;
+  const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
+  for (int r = 0; r < kTile; ++r) {
+    uint8_t* out = tiles + 64 * r;
+    if (r >= valid) {
+      for (int64_t b = 0; b < num_blocks; ++b) _mm512_store_si512(out + b * kTileBytes, _mm512_setzero_si512());
+      continue;
+    }
+    const int64_t n = n0 + r;
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const __m512 scale = _mm512_set1_ps(_cvtsh_ss(scales[n * num_groups + g]));
+      const __m512 min = IS_INT4 ? _mm512_set1_ps(_cvtsh_ss(mins[n * num_groups + g])) : _mm512_setzero_ps();
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        __m512 low, high;  // columns 0-15 and 16-31 of the block
+        if (IS_INT4) {
+          const __m512i bytes = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(qweight + n * (K / 2) + 16 * b)));
+          low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))), scale, min);
+          high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, min);
+        } else {
+          const __m128i* q = reinterpret_cast<const __m128i*>(qweight + n * K + 32 * b);
+          low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), scale);
+          high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), scale);
+        }
+        // cvtne2ps puts its second operand's 16 values first: columns 0-31 in order.
+        _mm512_store_si512(out + b * kTileBytes, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+      }
+    }
+  }
+}
+
+// Activation rows [0, valid) of x (zero past valid) rounded to bfloat16 as column-operand tiles, one per block of 32
+// columns: tiles + b * kTileBytes, whose row p holds, for each activation row i, its columns 2p and 2p + 1.
+void activation_tiles(const float* x, int64_t valid, int64_t K, uint8_t* tiles) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m512i pairs[kTile];  // pairs[i]: activation row i's 16 column pairs of the block
+    for (int i = 0; i < kTile; ++i) {
+      if (i >= valid) {
+        pairs[i] = _mm512_setzero_si512();
+        continue;
+      }
+      const float* row = x + i * K + 32 * b;
+      pairs[i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row)));
+    }
+    transpose16(pairs);
+    for (int p = 0; p < kTile; ++p) _mm512_store_si512(tiles + b * kTileBytes + 64 * p, pairs[p]);
+  }
+}
+
+template <int S>
+__attribute__((always_inline)) inline void store_sums(float* out) {
+  if constexpr (S == 0)
+    _tile_stored(0, out, 64);
+  else if constexpr (S == 1)
+    _tile_stored(1, out, 64);
+  else if constexpr (S == 2)
+    _tile_stored(2, out, 64);
+  else
+    _tile_stored(3, out, 64);
+}
+
+// WT weight tiles (`weights`, then `weights + weight_stride`) × AT activation tiles (`activations`, then
+// `activations + activation_stride`), WT and AT 1 or 2, each num_blocks tiles long: sums tile 2w + a is weight
+// tile w against activation tile a. Two by two, each tile loaded feeds two tile instructions, and every tile of a
+// block has its own register, so a load never waits for the instruction that read the register before (AMX tiles
+// are not renamed): 8.5 ns per instruction with the activations in L2 against 11-13.5 with one weight tile against
+// four activation tiles (C harness).
+template <int WT, int AT>
+void multiply_tiles(const uint8_t* weights, int64_t weight_stride, const uint8_t* activations,
+                    int64_t activation_stride, int64_t num_blocks, float* sums) {
+  _tile_zero(0);
+  if constexpr (AT > 1) _tile_zero(1);
+  if constexpr (WT > 1) _tile_zero(2);
+  if constexpr (WT > 1 && AT > 1) _tile_zero(3);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t at = b * kTileBytes;
+    _tile_loadd(4, weights + at, 64);
+    if constexpr (WT > 1) _tile_loadd(5, weights + weight_stride + at, 64);
+    _tile_loadd(6, activations + at, 64);
+    if constexpr (AT > 1) _tile_loadd(7, activations + activation_stride + at, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (AT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (WT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (WT > 1 && AT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  store_sums<0>(sums);
+  if constexpr (AT > 1) store_sums<1>(sums + kTile * kTile);
+  if constexpr (WT > 1) store_sums<2>(sums + 2 * kTile * kTile);
+  if constexpr (WT > 1 && AT > 1) store_sums<3>(sums + 3 * kTile * kTile);
+}
+
+// Sums tile [16 weight rows, 16 activation rows] → y[m0 + i, n0 + r] for i < `valid`, r < `columns`.
+inline void store_transposed(const float* sums, int64_t valid, int columns, float* y, int64_t N, int64_t m0,
+                             int64_t n0) {
+  __m512i rows[kTile];
+  for (int r = 0; r < kTile; ++r) rows[r] = _mm512_load_si512(sums + r * kTile);
+  transpose16(rows);
+  const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1);
+  for (int i = 0; i < kTile && i < valid; ++i)
+    _mm512_mask_storeu_ps(y + (m0 + i) * N + n0, mask, reinterpret_cast<__m512>(rows[i]));
+}
+
+template <bool IS_INT4>
+void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
+              const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
+  const int64_t num_blocks = K / 32, tile_row_bytes = num_blocks * kTileBytes;
+  const int64_t chunk = std::max<int64_t>(kTile, kChunkBytes / (2 * K) / kTile * kTile);
+  const int64_t chunk_tiles = (std::min(chunk, M) + kTile - 1) / kTile;
+  // The activation tiles live in scratch of the calling thread, kept between calls (gemm.cpp's reason).
+  thread_local std::vector<uint8_t> scratch;
+  const size_t scratch_bytes = chunk_tiles * tile_row_bytes + 64;
+  if (scratch.size() < scratch_bytes) scratch.resize(scratch_bytes);
+  uint8_t* const activations =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  const int64_t num_weight_tiles = (N + kTile - 1) / kTile;
+  const int64_t row_bytes = IS_INT4 ? K / 2 : K;
+#pragma omp parallel num_threads(num_threads)
+  {
+    configure_tiles();
+    std::vector<uint8_t> weight_scratch(2 * tile_row_bytes + 64);
+    uint8_t* const weights =
+        reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(weight_scratch.data()) + 63) & ~uintptr_t{63});
+    alignas(64) float sums[4 * kTile * kTile];
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t rows = std::min(chunk, M - m0);
+      const int64_t row_tiles = (rows + kTile - 1) / kTile;
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < row_tiles; ++t)
+        activation_tiles(x + (m0 + t * kTile) * K, std::min<int64_t>(kTile, rows - t * kTile), K,
+                         activations + t * tile_row_bytes);
+      // Pairs of weight tiles handed out a few at a time (gemm.cpp's reason: cores of a shared machine run at
+      // different speeds); each thread mostly takes the pair after its last, as the prefetch assumes.
+#pragma omp for schedule(guided, 1)
+      for (int64_t t = 0; t < num_weight_tiles; t += 2) {
+        const int64_t n0 = t * kTile;
+        const int weight_tiles_here = t + 1 < num_weight_tiles ? 2 : 1;
+        const int64_t pair_rows = std::min<int64_t>(2 * kTile, N - n0);
+        // The next pair's bytes into L2 while this one computes (gemm.cpp's prefetch).
+        if (n0 + pair_rows < N) {
+          const int64_t next_rows = std::min<int64_t>(2 * kTile, N - n0 - pair_rows), num_groups = K / G;
+          const int64_t next_n = n0 + pair_rows;
+          const char* next = reinterpret_cast<const char*>(qweight + next_n * row_bytes);
+          for (int64_t o = 0; o < next_rows * row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+          for (int64_t o = 0; o < next_rows * num_groups * 2; o += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(scales + next_n * num_groups) + o, _MM_HINT_T1);
+            if (IS_INT4) _mm_prefetch(reinterpret_cast<const char*>(mins + next_n * num_groups) + o, _MM_HINT_T1);
+          }
+        }
+        for (int w = 0; w < weight_tiles_here; ++w)
+          weight_tiles<IS_INT4>(qweight, scales, mins, N, K, G, n0 + w * kTile, weights + w * tile_row_bytes);
+        float* y_chunk = y + m0 * N;
+        for (int64_t r = 0; r < row_tiles; r += 2) {
+          const int activation_tiles_here = r + 1 < row_tiles ? 2 : 1;
+          const uint8_t* group = activations + r * tile_row_bytes;
+          const int code = 2 * weight_tiles_here + activation_tiles_here;
+          if (code == 6)
+            multiply_tiles<2, 2>(weights, tile_row_bytes, group, tile_row_bytes, num_blocks, sums);
+          else if (code == 5)
+            multiply_tiles<2, 1>(weights, tile_row_bytes, group, tile_row_bytes, num_blocks, sums);
+          else if (code == 4)
+            multiply_tiles<1, 2>(weights, tile_row_bytes, group, tile_row_bytes, num_blocks, sums);
+          else
+            multiply_tiles<1, 1>(weights, tile_row_bytes, group, tile_row_bytes, num_blocks, sums);
+          for (int w = 0; w < weight_tiles_here; ++w)
+            for (int a = 0; a < activation_tiles_here; ++a)
+              store_transposed(sums + (2 * w + a) * kTile * kTile, rows - (r + a) * kTile,
+                               static_cast<int>(std::min<int64_t>(kTile, N - n0 - w * kTile)), y_chunk, N,
+                               (r + a) * kTile, n0 + w * kTile);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int gemm_bf16_amx_supported() {
+  static const bool ready = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  return ready ? 1 : 0;
+}
+
+void int4_gemm_bf16_amx(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+                        int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
+  gemm_amx<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
+}
+
+void int8_gemm_bf16_amx(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
+                        const float* x, int64_t M, float* y, int num_threads) {
+  gemm_amx<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y,
+                  num_threads);
+}
+
+}  // extern "C"
+
+#else
+
+extern "C" int gemm_bf16_amx_supported() { return 0; }
+
+#endif
