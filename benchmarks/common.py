@@ -23,7 +23,7 @@ def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
 
 
 # The instruction sets that pick a kernel path: results from machines that differ in them are not comparable.
-VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16")
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 
 
 def machine_line() -> str:
@@ -39,6 +39,19 @@ def machine_line() -> str:
                             cwd=Path(__file__).parent).stdout.strip()
     return (f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
             f"{os.cpu_count()} cores visible, commit {commit or 'unknown'}")
+
+
+def rounded_products() -> str:
+    """How this machine's kernels run the rounded mode's (`int8_activations=True`) products of more than
+    max_gemv_rows rows (models/quant.py): the words the benchmark reports use."""
+    from tokenriver.models.kernels.native import load_kernels
+
+    kernels = load_kernels()
+    if kernels is not None and kernels.gemm_amx:
+        return "bfloat16 tiles (this CPU has AMX)"
+    if kernels is not None and kernels.gemm_int8:
+        return "int8 activations (this CPU has AVX512-VNNI)"
+    return "exact (this CPU has neither AMX nor AVX512-VNNI)"
 
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:

@@ -1,11 +1,15 @@
-"""Many-row matrix products (batched decode, prefill): the native GEMM against MKL's sgemm on a float32 copy.
+"""Many-row matrix products (batched decode, prefill): the native GEMMs against PyTorch's on a float copy.
 
 With 12 or more activation rows a product is bound by arithmetic, not by reading the weights. Before gemm.cpp,
 Int4Linear / Int8Linear kept a float32 copy of each weight for such products and called F.linear (MKL's sgemm);
-gemm.cpp decodes a few weight rows at a time into a small buffer instead, with no copy kept. This times both on
-one whole SmolLM2-135M step's products (30 layers of fused qkv 960×576, o 576×576, fused gate/up 3072×576, down
-576×1536, then the tied 49152×576 lm_head; Q4_1 and Q8_0 weights as in the GGUF file, random values) for each
-number of rows, in interleaved rounds so that drift hits both alike; the best round counts (noise only adds time).
+gemm.cpp decodes a few weight rows at a time into a small buffer instead, with no copy kept. This times, on one
+whole SmolLM2-135M step's products (30 layers of fused qkv 960×576, o 576×576, fused gate/up 3072×576, down
+576×1536, then the tied 49152×576 lm_head; Q4_1 and Q8_0 weights as in the GGUF file, random values):
+- exact float32: the native GEMM against MKL's sgemm on a float32 copy;
+- the rounded mode (models/quant.py, `int8_activations=True`), as this CPU runs it: int8 activations where it has
+  AVX512-VNNI (gemm.cpp), bfloat16 tiles where it has AMX (gemm_amx.cpp), each where present; against F.linear on a
+  bfloat16 copy (oneDNN, AMX where the CPU has it: what transformers runs in bfloat16).
+Every kind runs in interleaved rounds so that drift hits all alike; the best round counts (noise only adds time).
 The 1-10-row GEMV is measured in kernels.py; the engine switches from it to the GEMM above max_gemv_rows.
 
     python benchmarks/gemm.py [--rows 12 16 32 64 128 512] [--repeats 5] [--threads 2]
@@ -33,30 +37,44 @@ NUM_LAYERS = 30
 LM_HEAD = (49152, 576)
 
 
-def step_products(kernels) -> tuple[list, list]:
-    """(native GEMM functions, float32 weights) for every product of one step, the same weights in both."""
+def step_products(kernels) -> tuple[dict[str, list], list]:
+    """({kind: native product functions}, float32 weights) for every product of one step, the same weights in
+    all; kinds: "exact", and "int8" / "bfloat16" where this CPU's kernels have them."""
     shapes = [shape for _ in range(NUM_LAYERS) for shape in LAYER] + [LM_HEAD]
-    native, dense = [], []
+    roundings = [None] + (["int8"] if kernels.gemm_int8 else []) + (["bfloat16"] if kernels.gemm_amx else [])
+    native: dict[str | None, list] = {rounding: [] for rounding in roundings}
+    dense = []
     for index, (out_features, in_features) in enumerate(shapes):
         weight = torch.randn(out_features, in_features) * 0.05
         if index == len(shapes) - 1:
             q8 = quantize_int8(weight, 32)
-            native.append(kernels.bind_int8(q8.qweight, q8.scales, 32, many_rows=True))
+            for rounding in roundings:
+                native[rounding].append(kernels.bind_int8(q8.qweight, q8.scales, 32, rounding, many_rows=True))
             dense.append(kernels.int8_dequantize(q8.qweight, q8.scales, 32))
         else:
             q4 = quantize_int4(weight, 32)
-            native.append(kernels.bind_int4(q4.qweight, q4.scales, q4.mins, 32, many_rows=True))
+            for rounding in roundings:
+                native[rounding].append(kernels.bind_int4(q4.qweight, q4.scales, q4.mins, 32, rounding,
+                                                          many_rows=True))
             dense.append(kernels.int4_dequantize(q4.qweight, q4.scales, q4.mins, 32))
     return native, dense
 
 
-def measure(num_rows: int, native: list, dense: list, repeats: int) -> dict[str, float]:
+NAMES = {None: "native GEMM, exact (gemm.cpp)", "int8": "native, int8 activations (gemm.cpp, VNNI)",
+         "bfloat16": "native, bfloat16 tiles (gemm_amx.cpp, AMX)"}
+MKL = "MKL sgemm on a float32 copy"
+ONEDNN = "F.linear on a bfloat16 copy (oneDNN)"
+
+
+def measure(num_rows: int, native: dict, dense: list, dense_bf16: list, repeats: int) -> dict[str, float]:
     """Best seconds per step of each kind over interleaved rounds (the first round warms up)."""
     inputs = {576: torch.randn(num_rows, 576), 1536: torch.randn(num_rows, 1536)}
-    kinds = {
-        "native GEMM (gemm.cpp)": lambda: [gemm(inputs[w.shape[1]]) for gemm, w in zip(native, dense)],
-        "MKL sgemm on a float32 copy": lambda: [F.linear(inputs[w.shape[1]], w) for w in dense],
-    }
+    inputs_bf16 = {size: x.bfloat16() for size, x in inputs.items()}
+    kinds = {NAMES[rounding]: (lambda products=products: [gemm(inputs[w.shape[1]]) for gemm, w in
+                                                           zip(products, dense)])
+             for rounding, products in native.items()}
+    kinds[MKL] = lambda: [F.linear(inputs[w.shape[1]], w) for w in dense]
+    kinds[ONEDNN] = lambda: [F.linear(inputs_bf16[w.shape[1]], w) for w in dense_bf16]
     best = {kind: float("inf") for kind in kinds}
     for round_index in range(repeats + 1):
         for kind, run in kinds.items():
@@ -104,28 +122,39 @@ def main() -> None:
     torch.manual_seed(0)
     load_start = os.getloadavg()[0]
     native, dense = step_products(kernels)
+    dense_bf16 = [w.bfloat16() for w in dense]
     flops_per_row = 2 * sum(w.numel() for w in dense)
+    rounded = NAMES["bfloat16"] if kernels.gemm_amx else NAMES["int8"] if kernels.gemm_int8 else None
     results = {}
     table = []
     for num_rows in args.rows:
-        best = measure(num_rows, native, dense, args.repeats)
+        best = measure(num_rows, native, dense, dense_bf16, args.repeats)
         results[num_rows] = best
-        ours, mkl = best["native GEMM (gemm.cpp)"], best["MKL sgemm on a float32 copy"]
-        table.append([num_rows, f"{ours * 1e3:.1f}", f"{mkl * 1e3:.1f}", f"{flops_per_row * num_rows / ours / 1e9:.0f}",
-                      f"{flops_per_row * num_rows / mkl / 1e9:.0f}", f"{mkl / ours:.2f}x"])
-        print(table[-1], flush=True)
+        ours, mkl = best[NAMES[None]], best[MKL]
+        row = [num_rows, f"{ours * 1e3:.1f}", f"{mkl * 1e3:.1f}", f"{mkl / ours:.2f}x"]
+        if rounded:
+            row += [f"{best[rounded] * 1e3:.1f}", f"{best[ONEDNN] * 1e3:.1f}", f"{best[ONEDNN] / best[rounded]:.2f}x",
+                    f"{flops_per_row * num_rows / best[rounded] / 1e9:.0f}"]
+        table.append(row)
+        print(row, flush=True)
     output = RESULTS / "gemm.png"
     plot(results, flops_per_row, output)
     weight_mb = sum(w.numel() for w in dense) * 4 / 1e6
+    headers = ["rows", "native exact ms / step", "MKL sgemm ms / step", "exact: MKL / native"]
+    if rounded:
+        headers += [f"{rounded} ms / step", "oneDNN bf16 ms / step", "rounded: oneDNN / native",
+                    "rounded native GFLOP/s"]
     text = "\n".join([
-        "# Many-row products: native GEMM vs MKL sgemm", "", machine_line(), "",
+        "# Many-row products: native GEMMs vs PyTorch on a float copy", "", machine_line(), "",
         f"Command: `python benchmarks/gemm.py --repeats {args.repeats}`. One SmolLM2-135M step's products "
         f"({flops_per_row / 1e6:.0f} MFLOP per row), best of {args.repeats} interleaved rounds. Load average "
         f"(1 min) {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. The MKL column needs a "
-        f"float32 copy of the weights ({weight_mb:.0f} MB); the native GEMM reads the packed Q4_1 / Q8_0 bytes.", "",
+        f"float32 copy of the weights ({weight_mb:.0f} MB), the oneDNN one a bfloat16 copy ({weight_mb / 2:.0f} MB); "
+        "the native products read the packed Q4_1 / Q8_0 bytes. Exact: float32 sums of the float32 activations. "
+        f"Rounded: the engine's `int8_activations=True` products on this CPU ({rounded or 'none: exact'}), against "
+        "F.linear in bfloat16 (activations and weights rounded to bfloat16, float32 sums).", "",
         f"![gemm]({output.name})", "",
-        markdown_table(["rows", "native GEMM ms / step", "MKL sgemm ms / step", "native GFLOP/s", "MKL GFLOP/s",
-                        "speedup"], table), ""])
+        markdown_table(headers, table), ""])
     open(args.output, "w").write(text)
     print(f"wrote {args.output}")
 

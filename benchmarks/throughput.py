@@ -10,9 +10,9 @@ Writes benchmarks/results/throughput.md and throughput.png.
     python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-prompts 64] [--max-tokens 128] [--rounds 2]
         [--int8-activations] [--kv-cache-dtype float16|int8] [--hf-dtypes float32 bfloat16]
 
---int8-activations runs tokenriver's rounded arithmetic (int8 activations in decode-sized products, and in larger
-ones where the CPU has AVX512-VNNI); --hf-dtypes then lets transformers run in bfloat16 too, in the same run,
-so that its best configuration in either dtype is the reference.
+--int8-activations runs tokenriver's rounded arithmetic (int8 activations in decode-sized products; larger ones on
+bfloat16 tiles where the CPU has AMX, with int8 activations where it has AVX512-VNNI); --hf-dtypes then lets
+transformers run in bfloat16 too, in the same run, so that its best configuration in either dtype is the reference.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import time
 
 import torch
 
-from common import RESULTS, machine_line, markdown_table, prompt_ids
+from common import RESULTS, machine_line, markdown_table, prompt_ids, rounded_products
 
 from tokenriver import LLM, SamplingParams
 from tokenriver.loader.load import default_model_path, load_model
-from tokenriver.models.kernels.native import load_kernels
 
 TOPICS = ["a lighthouse keeper", "the history of bread", "how rivers form", "a robot learning to paint",
           "the rules of chess", "volcanoes", "a trip to Kyoto", "why the sky is blue"]
@@ -200,10 +199,7 @@ def main() -> None:
     rows += [[f"transformers generate {dtype}, batch {size} (padded)", f"{rate:.1f}", each(hf_rounds[dtype, size]),
               f"{rate / hf[best]:.2f}x"]
              for (dtype, size), rate in hf.items()]
-    kernels = load_kernels()
-    larger = ("and in larger ones (this CPU has AVX512-VNNI)" if kernels is not None and kernels.gemm_int8
-              else "exact in larger ones (this CPU lacks AVX512-VNNI)")
-    arithmetic = (f"int8 activations in decode-sized products {larger} (--int8-activations)"
+    arithmetic = (f"int8 activations in decode-sized products, larger ones {rounded_products()} (--int8-activations)"
                   if args.int8_activations else "exact")
     report = [
         "# Offline throughput: tokenriver vs transformers",

@@ -19,8 +19,9 @@ Measured, all greedy, on the same prompt token ids for every engine:
 
 Engines: tokenriver's `LLM` on the GGUF (int4 = the file's own Q4_1 weights kept packed, `quantization="auto"`;
 int4 with int8 activations and f16 KV = the same with `int8_activations=True, kv_cache_dtype="float16"`, llama.cpp's
-own arithmetic for Q4_1 weights and its default KV cache type (where the CPU has AVX512-VNNI, in products of more
-than 10 rows too); the same with an int8 KV cache = `kv_cache_dtype="int8"` (about llama.cpp's q8_0 cache type);
+own arithmetic for Q4_1 weights and its default KV cache type in decode-sized products, and in products of more
+than 10 rows the rounded mode's fastest on this CPU: bfloat16 tiles where it has AMX, int8 activations where it
+has AVX512-VNNI, else exact; the same with an int8 KV cache = `kv_cache_dtype="int8"` (about llama.cpp's q8_0 cache type);
 int8 = `quantization="int8"`; bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`,
 the dequantized reference), prefix caching off; llama.cpp through llama-cpp-python on the same file (Q4_1);
 transformers' `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32 and bfloat16.
@@ -581,7 +582,7 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
            command: str) -> str:
     import llama_cpp
     import transformers
-    from common import machine_line, markdown_table
+    from common import machine_line, markdown_table, rounded_products
 
     labels = [s.label for s in specs]
     hf_labels = [s.label for s in specs if s.kind == "transformers"]
@@ -635,7 +636,8 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
         "",
         f"Embedded SmolLM2-135M-Instruct (Q4_1 GGUF), {args.threads} threads for every engine, greedy. "
         f"Machine: {machine_line()}; llama-cpp-python {llama_cpp.__version__}, transformers "
-        f"{transformers.__version__}.",
+        f"{transformers.__version__}. With int8 activations, products of more than 10 rows run as "
+        f"{rounded_products()}.",
         f"Command: `{command}`",
         "",
         f"Each engine configuration runs in its own process; measurements alternate between them (A, B, C, A, B, "

@@ -271,14 +271,15 @@ def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("rounding", [INT8_GEMM, BF16_GEMM])
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int4-g128", "int8-channel", "q8_0"])
 @pytest.mark.parametrize("out_features, in_features", [(45, 576), (45, 1536), (45, 128), (16, 32), (77, 96)])
 def test_rounded_gemm_matches_the_reference_rounding(kind: str, out_features: int, in_features: int,
                                                       rounding: str) -> None:
     """int8: activations rounded per 32 columns, integer sums exact. bfloat16: both inputs rounded, products exact
     in float32. Either way only the float summation order differs from the reference."""
-    if kind == "int4-g64" and in_features % 64:
-        pytest.skip("groups of 64 need in_features a multiple of 64")
+    group_size = {"int4-g64": 64, "int4-g128": 128}.get(kind, 32)
+    if in_features % group_size:
+        pytest.skip(f"groups of {group_size} need in_features a multiple of {group_size}")
     layer = make_layer(kind, out_features, in_features, "native")
     gemm = bind_gemm(layer, rounding)
     for num_rows in (9, 16, 17, 31, 64, 200):
