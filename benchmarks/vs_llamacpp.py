@@ -21,13 +21,23 @@ Engines: tokenriver's `LLM` on the GGUF (int4 = the file's own Q4_1 weights kept
 int4 with int8 activations and f16 KV = the same with `int8_activations=True, kv_cache_dtype="float16"`, llama.cpp's
 own arithmetic for Q4_1 weights and its default KV cache type in decode-sized products, and in products of more
 than 10 rows the rounded mode's fastest on this CPU: bfloat16 tiles where it has AMX, int8 activations where it
-has AVX512-VNNI, else exact; the same with an int8 KV cache = `kv_cache_dtype="int8"` (about llama.cpp's q8_0 cache type);
+has AVX512-VNNI, else exact; the same with an int8 KV cache = `kv_cache_dtype="int8"` (about llama.cpp's q8_0 cache
+type);
 int8 = `quantization="int8"`; bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`,
 the dequantized reference), prefix caching off; llama.cpp through llama-cpp-python on the same file (Q4_1);
 transformers' `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32 and bfloat16.
 
 Needs the `bench` extra (`pip install -e '.[bench]'`; llama-cpp-python compiles llama.cpp from source, which needs a
-C++ compiler and cmake). A full run takes about 20-25 minutes on 2 quiet cores (3 single-stream repeats, 1 throughput
+C++ compiler and cmake). On CPUs with AMX tiles, llama-cpp-python 0.3.36 built for the native CPU crashed in its AMX
+matrix product (a general protection fault loading its tile configuration; llama.cpp issue 20824 reports the same
+function crashing); build it without AMX, keeping every other instruction set of the CPU (the comparison is then
+against llama.cpp's AVX-512 and VNNI kernels, not its AMX ones):
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+    -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+    pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
+
+A full run takes about 20-25 minutes on 2 quiet cores (3 single-stream repeats, 1 throughput
 repeat, 3 cold starts per engine; each extra --throughput-repeats adds ~10 minutes). --quick (16 tokens, 1 repeat,
 4 and 8 prompts, 1 cold start: a few minutes) is a smoke test and writes to a temporary folder.
 
@@ -58,7 +68,8 @@ BENCHMARKS = Path(__file__).resolve().parent
 PERPLEXITY_TEXT = BENCHMARKS.parent / "tests" / "data" / "perplexity_text.md"
 CHAT_MESSAGE = "Write a short story about a river that carries words to the sea."
 LONG_PROMPT_TOKENS = 512
-# Tokens/s at batch 32 of vLLM's CPU build (bf16) on this machine, measured in issue 8: the throughput target's base.
+# Tokens/s at batch 32 of vLLM's CPU build (bf16), measured in issue 8 on a 2-core AMD EPYC (Zen 4): the throughput
+# target's base.
 VLLM_CPU_BATCH32 = 520.0
 # Pause before each measurement: a worker that just finished leaves its OpenMP threads spinning for a moment.
 SETTLE_SECONDS = 0.3
@@ -670,7 +681,8 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
         f"tokenriver: all prompts submitted at once (continuous batching, max_num_seqs=64). transformers: "
         f"left-padded `generate` batches, best of batch sizes {list(settings.hf_batch_sizes)} (in brackets). "
         "llama.cpp: not measured (llama-cpp-python runs one sequence at a time). vLLM's figure is its CPU build at "
-        "batch 32 in bf16, measured on this machine in issue 8, not in this run.",
+        "batch 32 in bf16, measured in issue 8 on a 2-core AMD EPYC (Zen 4), not in this run nor necessarily on "
+        "this machine.",
         "",
         "## Memory and start-up",
         "",

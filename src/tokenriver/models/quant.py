@@ -362,7 +362,8 @@ class _QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"backend={self.backend}, int8_activations={self.int8_activations}, gemm_rounding={self.gemm_rounding}, "
+                f"backend={self.backend}, int8_activations={self.int8_activations}, "
+                f"gemm_rounding={self.gemm_rounding}, "
                 f"bias={self.bias is not None}")
 
 

@@ -4,26 +4,30 @@
 // gemm.cpp's int8 product spends most of its time on float work per block of 32 columns: each integer block sum is
 // converted, scaled by the weight's and the activation's block scales and added, four vector operations per 16
 // outputs per block. An AMX tile instruction adds 16 × 16 × 32 products in ~16 cycles, but the same per-block float
-// work after it costs twice that, and on this CPU it does not overlap with the tile unit (measured: tile
-// instructions and AVX-512 arithmetic in one loop took the sum of their separate times). Integer tiles with per-block
-// scales came out only 1.2-1.5x faster than the VNNI kernel.
+// work after it costs twice that, and on this CPU it does not overlap with the tile unit: tile instructions and
+// AVX-512 arithmetic in one loop took more than the sum of their separate times (C harness). Integer tiles followed
+// by the per-block scaling ran only 1.1-1.2x the VNNI kernel, bit for bit equal to it.
 //
 // Bfloat16 tiles need no per-block work: the weights are decoded to float32 (scale * q + min, gemm.cpp's decoding,
 // bit for bit) and rounded to bfloat16, the activations rounded to bfloat16, and the tile instruction sums every
-// product in float32 over all K. Decoding costs ~9 vector operations per 32 weights, once per weight per call, shared
-// by every activation row; the tile instruction then runs back to back. A 64-row product ran ~4x gemm.cpp's int8
-// VNNI kernel, a 512-row one ~8x (benchmarks/gemm.py). The rounding is bfloat16's (8 significant bits) on both
-// operands, finer than int8 activations per 32 columns; decode steps of up to max_gemv_rows rows keep the int8 GEMV.
+// product in float32 over all K. Each weight is decoded once per call and serves every activation row. The rounding
+// is bfloat16's (8 significant bits) on both operands, finer than int8 activations per 32 columns; decode steps of up
+// to max_gemv_rows rows keep gemv.cpp's int8 products. One step's products of the embedded model took 20.5 ms at 64
+// rows against 30.2 ms for the VNNI kernel and 31.2 ms for F.linear on a bfloat16 copy (oneDNN), 32.5 against 69.4 and
+// 42.0 ms at 128 (benchmarks/results/gemm.md); at 512 rows oneDNN's is faster (86 against 142 ms), where writing the
+// transposed outputs costs more than decoding.
 //
-// The product is computed transposed, yᵀ = W xᵀ, so that the weights are the tile instruction's row operand: a weight
-// tile is 16 weight rows of 32 bfloat16 columns, each row decoded in place from its own bytes (no shuffling), and
-// the activations take the pair-interleaved layout of the column operand (16 rows of 16 activation rows × 2
+// The product is computed transposed, yᵀ = W xᵀ, so that the weights are the tile instruction's row operand: a
+// weight tile is 16 weight rows of 32 bfloat16 columns, each row decoded in place from its own bytes (no shuffling),
+// and the activations take the pair-interleaved layout of the column operand (16 rows of 16 activation rows × 2
 // columns), a 16 × 16 transpose of 32-bit pairs done once per call. Each 16 × 16 float32 result tile is transposed
-// back on its way to y. Every output is one fixed sequence of tile instructions over K, whatever the batch, so a
-// row's result does not depend on the other rows in it.
+// back on its way to y. (The other way round, weights as the column operand, costs that transpose per weight block
+// instead: at 64 rows one step's products took 22 against 19 ms, C harness.) Every output is one fixed sequence of
+// tile instructions over K, whatever the batch, so a row's result does not depend on the other rows in it.
 //
-// Linux hands out the tile registers only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM);
-// gemm_bf16_amx_supported() asks once, and callers check it before any product. Each thread loads the tile configuration at the start of a product and releases the tiles after it.
+// Linux hands out the tile registers only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM):
+// gemm_bf16_amx_supported() asks once, and callers check it before any product. Each thread loads the tile
+// configuration at the start of a product and releases the tiles after it.
 
 #include "gemm_amx.h"
 
@@ -99,18 +103,19 @@ inline void transpose16(__m512i r[16]) {
 inline void groups_to_float(const uint16_t* values, int64_t num_groups, int64_t n, float* out) {
   for (int64_t g = 0; g < num_groups; g += 16) {
     const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, num_groups - g)) - 1);
-    _mm512_mask_storeu_ps(out + g, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, values + n * num_groups + g)));
+    const __m256i halves = _mm256_maskz_loadu_epi16(mask, values + n * num_groups + g);
+    _mm512_mask_storeu_ps(out + g, mask, _mm512_cvtph_ps(halves));
   }
 }
 
 // Weight rows [n0, n0 + 16) (zero past N) decoded to bfloat16 as tiles, one per block of 32 columns:
 // tiles + b * kTileBytes, row r at + 64 r. Every value is gemm.cpp's decode_row's float32 (scale * q + min with one
-// rounding, or scale * q), rounded to nearest even bfloat16. `groups` is scratch for two rows' group scales.
+// rounding, or scale * q), rounded to nearest even bfloat16. `groups`: scratch for a row's group scales and mins.
 //
-// An int4 block takes its values from a table: the 16 possible codes' values, computed and rounded once per block,
+// An int4 block takes its values from a table: the 16 possible codes' values, computed and rounded once per group,
 // looked up by one word permute for all 32 columns (vpermw takes the low 5 bits of each index, and the table holds
 // its 16 values twice, so the bits above a nibble do not matter). About 7 vector operations per 32 weights against
-// 11 for converting and multiplying each weight: a decode step's products took ~x ms less.
+// 11 for converting and multiplying each weight: 1.9 against 2.7 ns per 32 weights, one thread, weights in cache.
 template <bool IS_INT4>
 void weight_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
                   int64_t G, int64_t n0, uint8_t* tiles, float* groups) {

@@ -37,7 +37,8 @@ from tokenriver.kv.cache import head_dim_of
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent
-SOURCES = tuple(KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "gemm_amx.cpp", "ops.cpp", "attention.cpp", "decoder.cpp"))
+SOURCES = tuple(KERNELS_DIR / name
+                for name in ("gemv.cpp", "gemm.cpp", "gemm_amx.cpp", "ops.cpp", "attention.cpp", "decoder.cpp"))
 HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "gemm_amx.h")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
