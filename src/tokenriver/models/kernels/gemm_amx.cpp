@@ -33,6 +33,7 @@
 
 #ifdef TOKENRIVER_GEMM_AMX
 
+#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -40,9 +41,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
-
-#include "vec.h"
 
 namespace {
 
@@ -290,15 +290,16 @@ void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, cons
         for (int64_t r = 0; r < row_tiles; r += 2) {
           const int activation_tiles_here = r + 1 < row_tiles ? 2 : 1;
           const uint8_t* group = activations + r * tile_row_bytes;
-          const int code = 2 * weight_tiles_here + activation_tiles_here;
-          if (code == 6)
-            multiply_tiles<2, 2>(weights, tile_row_bytes, group, tile_row_bytes, num_blocks, sums);
-          else if (code == 5)
-            multiply_tiles<2, 1>(weights, tile_row_bytes, group, tile_row_bytes, num_blocks, sums);
-          else if (code == 4)
-            multiply_tiles<1, 2>(weights, tile_row_bytes, group, tile_row_bytes, num_blocks, sums);
+          const auto multiply = [&](auto wt, auto at) {
+            multiply_tiles<decltype(wt)::value, decltype(at)::value>(weights, tile_row_bytes, group, tile_row_bytes,
+                                                                     num_blocks, sums);
+          };
+          using One = std::integral_constant<int, 1>;
+          using Two = std::integral_constant<int, 2>;
+          if (weight_tiles_here == 2)
+            activation_tiles_here == 2 ? multiply(Two{}, Two{}) : multiply(Two{}, One{});
           else
-            multiply_tiles<1, 1>(weights, tile_row_bytes, group, tile_row_bytes, num_blocks, sums);
+            activation_tiles_here == 2 ? multiply(One{}, Two{}) : multiply(One{}, One{});
           for (int w = 0; w < weight_tiles_here; ++w)
             for (int a = 0; a < activation_tiles_here; ++a)
               store_transposed(sums + (2 * w + a) * kTile * kTile, rows - (r + a) * kTile,
