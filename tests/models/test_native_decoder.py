@@ -140,6 +140,20 @@ def test_native_decoder_runs_gemm_sized_batches():
         assert torch.equal(ours, reference)
 
 
+def test_native_decoder_slices_long_steps_without_changing_a_bit():
+    """Steps of more than 256 rows run the stack over 256-row slices (decoder.cpp): prompt chunks cut at a slice
+    edge, decode tokens in either slice, int8 activations on the bfloat16/int8 GEMM where the CPU has one."""
+    requests = [[(7 * i + 3 * r) % 96 for i in range(701)] for r in range(4)]
+    steps = [[300, 250, 0, 0], [1, 1, 400, 200], [1, 449, 1, 1], [1, 0, 299, 499], [1, 1, 0, 0]]
+    for int8_activations in (False, True):
+        model = quantized_tiny_model(attention_bias=True, int8_activations=int8_activations)
+        native = run_steps(model, requests, steps, native=True)
+        modules = run_steps(model, requests, steps, native=False)
+        for step, (ours, reference) in enumerate(zip(native, modules)):
+            assert torch.equal(ours, reference), f"step {step}: max difference {(ours - reference).abs().max()}"
+        assert count_native_steps(model, requests, steps) == len(steps)
+
+
 def test_float_layers_stay_on_the_module_path():
     model = quantized_tiny_model(attention_bias=False)
     model.model.layers[1].mlp.down_proj = torch.nn.Linear(256, 128, bias=False)

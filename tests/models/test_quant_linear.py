@@ -255,9 +255,10 @@ def test_rounded_layers_pick_the_fastest_rounding_of_this_cpu() -> None:
 @pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
 def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | None) -> None:
     # 40 outputs: six-row weight tiles plus a remainder of 4 (float32, int8), or 16-row tiles plus 8 (bfloat16).
-    # K = 1536: 80 float32 activation rows per pass, 336 in int8, 336 in bfloat16, so 1000 rows take one to
+    # K = 1536: 80 float32 activation rows per pass, 336 in int8, 320 in bfloat16, so 1000 rows take one to
     # thirteen passes. Batches of 9 to 1000 put the same rows in half panels, full panels, partial tiles and
-    # later passes.
+    # later passes; in bfloat16, batches of 128 rows or more take the activations as the row operand, smaller
+    # ones the transposed form (gemm_amx.cpp), and both must give the same bits.
     layer = make_layer(kind, 40, 1536, "native")
     gemm = bind_gemm(layer, rounding)
     rows = torch.randn(1000, 1536)

@@ -181,52 +181,75 @@ void activation_tiles(const float* x, int64_t valid, int64_t K, uint8_t* tiles) 
 }
 
 template <int S>
-__attribute__((always_inline)) inline void store_sums(float* out) {
+__attribute__((always_inline)) inline void store_sums(float* out, int64_t stride) {
   if constexpr (S == 0)
-    _tile_stored(0, out, 64);
+    _tile_stored(0, out, stride);
   else if constexpr (S == 1)
-    _tile_stored(1, out, 64);
+    _tile_stored(1, out, stride);
   else if constexpr (S == 2)
-    _tile_stored(2, out, 64);
+    _tile_stored(2, out, stride);
   else
-    _tile_stored(3, out, 64);
+    _tile_stored(3, out, stride);
 }
 
-// WT weight tiles (`weights`, then `weights + weight_stride`) × AT activation tiles (`activations`, then
-// `activations + activation_stride`), WT and AT 1 or 2, each num_blocks tiles long: sums tile 2w + a is weight
-// tile w against activation tile a. Two by two, each tile loaded feeds two tile instructions, and every tile of a
-// block has its own register, so a load never waits for the instruction that read the register before (AMX tiles
-// are not renamed): 8.5 ns per instruction with the activations in L2 against 11-13.5 with one weight tile against
-// four activation tiles (C harness).
-template <int WT, int AT>
-void multiply_tiles(const uint8_t* weights, int64_t weight_stride, const uint8_t* activations,
-                    int64_t activation_stride, int64_t num_blocks, float* sums) {
+// The row operand of a product: tile r (0 or 1) of block b starts at base + r * tile_step + b * block_step, its rows
+// row_stride bytes apart. Weight tiles are stored block after block (rows 64 bytes apart); activation rows in
+// order (a block is 64 bytes of a row).
+struct RowTiles {
+  const uint8_t* base;
+  int64_t row_stride, block_step, tile_step;
+};
+
+// RT row-operand tiles × CT column-operand tiles (`columns`, then `columns + column_step`; block b at + b *
+// kTileBytes, rows 64 bytes apart), RT and CT 1 or 2, over num_blocks blocks of 32 columns: sums tile (r, c) = row
+// tile r against column tile c, stored at sums + 16 r * ld + 16 c (rows ld floats apart). Two by two, each tile
+// loaded feeds two tile instructions, and every tile of a block has its own register, so a load never waits for
+// the instruction that read the register before (AMX tiles are not renamed): 8.5 ns per instruction with the
+// activations in L2 against 11-13.5 with one weight tile against four activation tiles (C harness).
+template <int RT, int CT>
+void multiply_tiles(const RowTiles& rows, const uint8_t* columns, int64_t column_step, int64_t num_blocks,
+                    float* sums, int64_t ld) {
   _tile_zero(0);
-  if constexpr (AT > 1) _tile_zero(1);
-  if constexpr (WT > 1) _tile_zero(2);
-  if constexpr (WT > 1 && AT > 1) _tile_zero(3);
+  if constexpr (CT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && CT > 1) _tile_zero(3);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t at = b * kTileBytes;
-    _tile_loadd(4, weights + at, 64);
-    if constexpr (WT > 1) _tile_loadd(5, weights + weight_stride + at, 64);
-    _tile_loadd(6, activations + at, 64);
-    if constexpr (AT > 1) _tile_loadd(7, activations + activation_stride + at, 64);
+    const uint8_t* row_tile = rows.base + b * rows.block_step;
+    _tile_loadd(4, row_tile, rows.row_stride);
+    if constexpr (RT > 1) _tile_loadd(5, row_tile + rows.tile_step, rows.row_stride);
+    _tile_loadd(6, columns + b * kTileBytes, 64);
+    if constexpr (CT > 1) _tile_loadd(7, columns + column_step + b * kTileBytes, 64);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (AT > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (WT > 1) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (WT > 1 && AT > 1) _tile_dpbf16ps(3, 5, 7);
+    if constexpr (CT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RT > 1 && CT > 1) _tile_dpbf16ps(3, 5, 7);
   }
-  store_sums<0>(sums);
-  if constexpr (AT > 1) store_sums<1>(sums + kTile * kTile);
-  if constexpr (WT > 1) store_sums<2>(sums + 2 * kTile * kTile);
-  if constexpr (WT > 1 && AT > 1) store_sums<3>(sums + 3 * kTile * kTile);
+  const int64_t stride = ld * static_cast<int64_t>(sizeof(float));
+  store_sums<0>(sums, stride);
+  if constexpr (CT > 1) store_sums<1>(sums + kTile, stride);
+  if constexpr (RT > 1) store_sums<2>(sums + kTile * ld, stride);
+  if constexpr (RT > 1 && CT > 1) store_sums<3>(sums + kTile * ld + kTile, stride);
 }
 
-// Sums tile [16 weight rows, 16 activation rows] → y[m0 + i, n0 + r] for i < `valid`, r < `columns`.
-inline void store_transposed(const float* sums, int64_t valid, int columns, float* y, int64_t N, int64_t m0,
-                             int64_t n0) {
+// multiply_tiles with the tile counts chosen at run time.
+inline void multiply_tiles(int row_tiles, int column_tiles, const RowTiles& rows, const uint8_t* columns,
+                           int64_t column_step, int64_t num_blocks, float* sums, int64_t ld) {
+  if (row_tiles == 2 && column_tiles == 2)
+    multiply_tiles<2, 2>(rows, columns, column_step, num_blocks, sums, ld);
+  else if (row_tiles == 2)
+    multiply_tiles<2, 1>(rows, columns, column_step, num_blocks, sums, ld);
+  else if (column_tiles == 2)
+    multiply_tiles<1, 2>(rows, columns, column_step, num_blocks, sums, ld);
+  else
+    multiply_tiles<1, 1>(rows, columns, column_step, num_blocks, sums, ld);
+}
+
+// Sums tile [16 weight rows, 16 activation rows] (rows ld floats apart) → y[m0 + i, n0 + r] for i < `valid`,
+// r < `columns`.
+inline void store_transposed(const float* sums, int64_t ld, int64_t valid, int columns, float* y, int64_t N,
+                             int64_t m0, int64_t n0) {
   __m512i rows[kTile];
-  for (int r = 0; r < kTile; ++r) rows[r] = _mm512_load_si512(sums + r * kTile);
+  for (int r = 0; r < kTile; ++r) rows[r] = _mm512_load_si512(sums + r * ld);
   transpose16(rows);
   const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1);
   for (int i = 0; i < kTile && i < valid; ++i)
@@ -240,16 +263,70 @@ inline uint8_t* aligned_scratch(std::vector<uint8_t>& scratch, size_t bytes) {
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
 }
 
+// Weight rows [n0, n0 + 16) as column-operand tiles: weight_tiles' row-operand tiles, each transposed as 16 × 16
+// pairs of columns, so that row p holds every weight row's columns 2p and 2p + 1.
 template <bool IS_INT4>
+void weight_column_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+                         int64_t G, int64_t n0, uint8_t* tiles, float* groups) {
+  weight_tiles<IS_INT4>(qweight, scales, mins, N, K, G, n0, tiles, groups);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m512i pairs[kTile];
+    for (int r = 0; r < kTile; ++r) pairs[r] = _mm512_load_si512(tiles + b * kTileBytes + 64 * r);
+    transpose16(pairs);
+    for (int p = 0; p < kTile; ++p) _mm512_store_si512(tiles + b * kTileBytes + 64 * p, pairs[p]);
+  }
+}
+
+// Activation rows [0, valid) of x rounded to bfloat16, row after row (K values each), and rows [valid, padded) zero:
+// row-operand tiles read straight from it.
+void activation_rows(const float* x, int64_t valid, int64_t padded, int64_t K, uint8_t* rows) {
+  for (int64_t i = 0; i < padded; ++i) {
+    uint8_t* out = rows + i * 2 * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512i values = i < valid ? reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                             _mm512_loadu_ps(x + i * K + k + 16), _mm512_loadu_ps(x + i * K + k)))
+                                       : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * k, values);
+    }
+  }
+}
+
+// The bytes of weight rows [n, n + rows) into L2.
+template <bool IS_INT4>
+void prefetch_weight_rows(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G,
+                          int64_t n, int64_t rows) {
+  const int64_t row_bytes = IS_INT4 ? K / 2 : K, num_groups = K / G;
+  const char* bytes = reinterpret_cast<const char*>(qweight + n * row_bytes);
+  for (int64_t o = 0; o < rows * row_bytes; o += 64) _mm_prefetch(bytes + o, _MM_HINT_T1);
+  for (int64_t o = 0; o < rows * num_groups * 2; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(scales + n * num_groups) + o, _MM_HINT_T1);
+    if (IS_INT4) _mm_prefetch(reinterpret_cast<const char*>(mins + n * num_groups) + o, _MM_HINT_T1);
+  }
+}
+
+// Products of at least this many rows take the activations as the row operand and the weights as the column
+// operand: the sums tiles then have y's layout and are stored into it directly, at the cost of transposing each
+// decoded weight tile, which is shared by every row. Below it the transposed form is faster (it writes each
+// output tile through a transpose, but decodes weights in place). One step's products of the embedded model, output
+// projection included (C harness, 2 threads, alternating runs): 128 rows 27.0-29.0 against 27.5-29.5 ms, 256 rows
+// 48.6-49.1 against 51.5-52.4, 512 rows 107-108 against 112-113, 1024 rows 226-232 against 236-246; at 2048 rows
+// both took 429-444 ms, bound by writing and reading the float32 outputs (a 2048-row step writes 1.3 GB of them).
+constexpr int64_t kRowOperandRows = 128;
+
+// The product, both ways round. ROWS_ARE_ACTIVATIONS false: yᵀ = W xᵀ, weight tiles against activation tiles
+// transposed as column operands; true: y = x Wᵀ, activation rows against transposed weight tiles. Either way each
+// output sums the same 16 × 16 × 32 tile instructions over the same blocks in the same order, so the two give the
+// same bits (tests/models/test_quant_linear.py checks).
+template <bool IS_INT4, bool ROWS_ARE_ACTIVATIONS>
 void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
               const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
   const int64_t num_blocks = K / 32, tile_row_bytes = num_blocks * kTileBytes;
-  const int64_t chunk = std::max<int64_t>(kTile, kChunkBytes / (2 * K) / kTile * kTile);
+  // Activation rows per pass, a whole number of tile pairs, as bfloat16 kept in L2.
+  const int64_t chunk = std::max<int64_t>(2 * kTile, kChunkBytes / (2 * K) / (2 * kTile) * (2 * kTile));
   const int64_t chunk_tiles = (std::min(chunk, M) + kTile - 1) / kTile;
   thread_local std::vector<uint8_t> activation_scratch;
   uint8_t* const activations = aligned_scratch(activation_scratch, chunk_tiles * tile_row_bytes);
   const int64_t num_weight_tiles = (N + kTile - 1) / kTile;
-  const int64_t row_bytes = IS_INT4 ? K / 2 : K;
 #pragma omp parallel num_threads(num_threads)
   {
     configure_tiles();
@@ -257,14 +334,18 @@ void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, cons
     uint8_t* const weights = aligned_scratch(weight_scratch, 2 * tile_row_bytes);
     thread_local std::vector<float> groups;
     if (groups.size() < static_cast<size_t>(2 * K / G)) groups.resize(2 * K / G);
-    alignas(64) float sums[4 * kTile * kTile];
+    alignas(64) float sums[4 * kTile * kTile];  // [32, 32]: sums tile (r, c) at 16 r * 32 + 16 c
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
       const int64_t row_tiles = (rows + kTile - 1) / kTile;
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < row_tiles; ++t)
-        activation_tiles(x + (m0 + t * kTile) * K, std::min<int64_t>(kTile, rows - t * kTile), K,
-                         activations + t * tile_row_bytes);
+      for (int64_t t = 0; t < row_tiles; ++t) {
+        const int64_t valid = std::min<int64_t>(kTile, rows - t * kTile);
+        if (ROWS_ARE_ACTIVATIONS)
+          activation_rows(x + (m0 + t * kTile) * K, valid, kTile, K, activations + t * tile_row_bytes);
+        else
+          activation_tiles(x + (m0 + t * kTile) * K, valid, K, activations + t * tile_row_bytes);
+      }
       // Pairs of weight tiles handed out a few at a time (gemm.cpp's reason: cores of a shared machine run at
       // different speeds); each thread mostly takes the pair after its last, as the prefetch assumes.
 #pragma omp for schedule(guided, 1)
@@ -273,43 +354,53 @@ void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, cons
         const int weight_tiles_here = t + 1 < num_weight_tiles ? 2 : 1;
         const int64_t pair_rows = std::min<int64_t>(2 * kTile, N - n0);
         // The next pair's bytes into L2 while this one computes (gemm.cpp's prefetch).
-        if (n0 + pair_rows < N) {
-          const int64_t next_rows = std::min<int64_t>(2 * kTile, N - n0 - pair_rows), num_groups = K / G;
-          const int64_t next_n = n0 + pair_rows;
-          const char* next = reinterpret_cast<const char*>(qweight + next_n * row_bytes);
-          for (int64_t o = 0; o < next_rows * row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
-          for (int64_t o = 0; o < next_rows * num_groups * 2; o += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(scales + next_n * num_groups) + o, _MM_HINT_T1);
-            if (IS_INT4) _mm_prefetch(reinterpret_cast<const char*>(mins + next_n * num_groups) + o, _MM_HINT_T1);
-          }
+        if (n0 + pair_rows < N)
+          prefetch_weight_rows<IS_INT4>(qweight, scales, mins, K, G, n0 + pair_rows,
+                                        std::min<int64_t>(2 * kTile, N - n0 - pair_rows));
+        for (int w = 0; w < weight_tiles_here; ++w) {
+          uint8_t* tiles = weights + w * tile_row_bytes;
+          if (ROWS_ARE_ACTIVATIONS)
+            weight_column_tiles<IS_INT4>(qweight, scales, mins, N, K, G, n0 + w * kTile, tiles, groups.data());
+          else
+            weight_tiles<IS_INT4>(qweight, scales, mins, N, K, G, n0 + w * kTile, tiles, groups.data());
         }
-        for (int w = 0; w < weight_tiles_here; ++w)
-          weight_tiles<IS_INT4>(qweight, scales, mins, N, K, G, n0 + w * kTile, weights + w * tile_row_bytes,
-                                groups.data());
         float* y_chunk = y + m0 * N;
         for (int64_t r = 0; r < row_tiles; r += 2) {
           const int activation_tiles_here = r + 1 < row_tiles ? 2 : 1;
           const uint8_t* group = activations + r * tile_row_bytes;
-          const auto multiply = [&](auto wt, auto at) {
-            multiply_tiles<decltype(wt)::value, decltype(at)::value>(weights, tile_row_bytes, group, tile_row_bytes,
-                                                                     num_blocks, sums);
-          };
-          using One = std::integral_constant<int, 1>;
-          using Two = std::integral_constant<int, 2>;
-          if (weight_tiles_here == 2)
-            activation_tiles_here == 2 ? multiply(Two{}, Two{}) : multiply(Two{}, One{});
-          else
-            activation_tiles_here == 2 ? multiply(One{}, Two{}) : multiply(One{}, One{});
-          for (int w = 0; w < weight_tiles_here; ++w)
-            for (int a = 0; a < activation_tiles_here; ++a)
-              store_transposed(sums + (2 * w + a) * kTile * kTile, rows - (r + a) * kTile,
-                               static_cast<int>(std::min<int64_t>(kTile, N - n0 - w * kTile)), y_chunk, N,
-                               (r + a) * kTile, n0 + w * kTile);
+          if (ROWS_ARE_ACTIVATIONS) {
+            // Whole tiles go straight into y; a tile past the last row or column through `sums`.
+            const RowTiles activation_rows_here{group, 2 * K, 64, kTile * 2 * K};
+            const bool whole = (r + activation_tiles_here) * kTile <= rows && n0 + weight_tiles_here * kTile <= N;
+            float* out = whole ? y_chunk + r * kTile * N + n0 : sums;
+            multiply_tiles(activation_tiles_here, weight_tiles_here, activation_rows_here, weights, tile_row_bytes,
+                           num_blocks, out, whole ? N : 2 * kTile);
+            if (!whole)
+              for (int64_t i = 0; i < activation_tiles_here * kTile && r * kTile + i < rows; ++i)
+                memcpy(y_chunk + (r * kTile + i) * N + n0, sums + i * 2 * kTile, pair_rows * sizeof(float));
+          } else {
+            multiply_tiles(weight_tiles_here, activation_tiles_here, {weights, 64, kTileBytes, tile_row_bytes},
+                           group, tile_row_bytes, num_blocks, sums, 2 * kTile);
+            for (int w = 0; w < weight_tiles_here; ++w)
+              for (int a = 0; a < activation_tiles_here; ++a)
+                store_transposed(sums + w * kTile * 2 * kTile + a * kTile, 2 * kTile, rows - (r + a) * kTile,
+                                 static_cast<int>(std::min<int64_t>(kTile, N - n0 - w * kTile)), y_chunk, N,
+                                 (r + a) * kTile, n0 + w * kTile);
+          }
         }
       }
     }
     _tile_release();
   }
+}
+
+template <bool IS_INT4>
+void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
+              const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
+  if (M >= kRowOperandRows)
+    gemm_amx<IS_INT4, true>(x, M, K, qweight, scales, mins, N, G, y, num_threads);
+  else
+    gemm_amx<IS_INT4, false>(x, M, K, qweight, scales, mins, N, G, y, num_threads);
 }
 
 }  // namespace
