@@ -206,6 +206,37 @@ def test_all_greedy_rows_take_the_native_shortcut_with_the_same_results():
         assert ours.trace is None
 
 
+def test_takes_raw_argmax_only_when_no_stage_or_report_needs_the_logits():
+    plain = make_state(SamplingParams(temperature=0.0), eos=[2])
+    assert Sampler.takes_raw_argmax([plain, plain])
+    needs_logits = [
+        make_state(SamplingParams(temperature=0.7)),
+        make_state(SamplingParams(temperature=0.0, logprobs=1)),
+        make_state(SamplingParams(temperature=0.0, trace=True)),
+        make_state(SamplingParams(temperature=0.0, repetition_penalty=1.2)),
+        make_state(SamplingParams(temperature=0.0, presence_penalty=0.5)),
+        make_state(SamplingParams(temperature=0.0, frequency_penalty=0.5)),
+        make_state(SamplingParams(temperature=0.0, logit_bias={5: 1.0})),
+        make_state(SamplingParams(temperature=0.0, min_tokens=3), output=[7], eos=[2]),
+    ]
+    for state in needs_logits:
+        assert not Sampler.takes_raw_argmax([plain, state]), state.params
+    # min_tokens reached, or nothing to block: the logits are untouched again.
+    assert Sampler.takes_raw_argmax([make_state(SamplingParams(temperature=0.0, min_tokens=1), output=[7], eos=[2]),
+                                     make_state(SamplingParams(temperature=0.0, min_tokens=3))])
+
+
+def test_sample_reduced_answers_like_sample():
+    """What the runner does when the model hands over per-row reductions instead of logits."""
+    logits = random_logits(4, 999, seed=13)
+    states = [make_state(SamplingParams(temperature=0.0)) for _ in range(4)]
+    reduced = (logits.argmax(dim=1), logits.amax(dim=1), torch.logsumexp(logits, dim=1))
+    from_logits = Sampler(torch.Generator().manual_seed(0)).sample(logits, states)
+    assert Sampler.sample_reduced(reduced, states) == from_logits
+    with pytest.raises(ValueError, match="len\\(states\\)=3"):
+        Sampler.sample_reduced(reduced, states[:3])
+
+
 def test_prompt_logprobs_match_log_softmax():
     num_positions = 300  # more than one chunk
     logits = random_logits(num_positions, VOCAB_SIZE, scale=2.0, seed=8)

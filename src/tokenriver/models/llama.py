@@ -26,6 +26,7 @@ from torch import nn
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata, paged_attention
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.kernels.native import Reductions
 from tokenriver.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_
 from tokenriver.models.native_decoder import NativeDecoder
 
@@ -160,3 +161,11 @@ class LlamaForCausalLM(nn.Module):
         request's last token) pay for the vocabulary-sized matmul.
         """
         return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def greedy_reductions(self, hidden: torch.Tensor) -> Reductions | None:
+        """Per row of compute_logits(hidden): (argmax, largest logit, log-sum-exp), without writing the logits,
+        where the output projection can (quantized, rounded mode, AMX: models/quant.py); else None. A greedy step
+        that reports nothing but the chosen tokens' logprobs needs only these."""
+        reductions = getattr(self.lm_head, "argmax_logsumexp", None)
+        return reductions(hidden) if reductions is not None else None

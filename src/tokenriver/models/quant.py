@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
-from tokenriver.models.kernels.native import NativeKernels, load_kernels
+from tokenriver.models.kernels.native import NativeKernels, Reductions, load_kernels
 
 Backend = Literal["auto", "native", "aten", "reference"]
 BACKENDS = ("auto", "native", "aten", "reference")
@@ -322,6 +322,17 @@ class _QuantizedLinear(nn.Module):
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
+    def argmax_logsumexp(self, x: torch.Tensor) -> Reductions | None:
+        """Per row of forward(x): (argmax, largest value, log-sum-exp) without writing the [M, N] output, where this
+        layer has such a product: the AMX bfloat16 one (rounded mode), for 2-D float32 rows more than a GEMV's and
+        no bias. None otherwise, or when an output is NaN or infinite: the caller then takes forward's output.
+        The argmax and largest value are those of forward(x) bit for bit."""
+        argmax = self._native_argmax
+        if (argmax is None or x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous()
+                or x.shape[0] <= self.max_gemv_rows or x.shape[1] != self.in_features or self.bias is not None):
+            return None
+        return argmax(x)
+
     def set_int8_activations(self, enabled: bool) -> None:
         """Switch to the rounded arithmetic of the module docstring: int8 activations in decode-sized products,
         and in larger ones where the CPU has the instructions (or back to exact float32)."""
@@ -344,6 +355,7 @@ class _QuantizedLinear(nn.Module):
         """Give the native kernels this layer's weight pointers once (they change only when the buffers move)."""
         self._native_gemv = None
         self._native_gemm = None
+        self._native_argmax = None
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         # .to(), .cpu(), .share_memory_()...: new buffer tensors, so the kernel must see the new pointers.
@@ -409,6 +421,9 @@ class Int4Linear(_QuantizedLinear):
                                                        "int8" if self.int8_activations else None)
             self._native_gemm = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
                                                        self.gemm_rounding, many_rows=True)
+            if self.gemm_rounding == "bfloat16":
+                self._native_argmax = self.kernels.bind_argmax("int4", self.qweight, self.scales, self.mins,
+                                                               self.group_size)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
@@ -474,6 +489,8 @@ class Int8Linear(_QuantizedLinear):
                                                        "int8" if self.int8_activations else None)
             self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
                                                        self.gemm_rounding, many_rows=True)
+            if self.gemm_rounding == "bfloat16":
+                self._native_argmax = self.kernels.bind_argmax("int8", self.qweight, self.scales, self.group_size)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)

@@ -85,6 +85,8 @@ class ModelRunner:
             return RunnerOutput(results=results)
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
             hidden = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
+        if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, hidden, results):
+            return RunnerOutput(results=results)
         # [num_sample_rows + num_draft_rows + num_beam_rows, vocab] float32
         logits = self.model.compute_logits(hidden)
         num_sample_rows = len(inputs.sample_rows)
@@ -107,6 +109,25 @@ class ModelRunner:
             for request, verdict in zip(inputs.draft_requests, verdicts):
                 _append(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
         return RunnerOutput(results=results)
+
+    def _sample_greedy(self, inputs: ModelInputs, hidden: torch.Tensor, results: dict[str, RequestStepResult]) -> bool:
+        """A batch of plain greedy rows (Sampler.takes_raw_argmax) from the model's per-row reductions, without
+        logits, where the model computes them (LlamaForCausalLM.greedy_reductions): the same tokens as from the
+        logits, the logprobs within float rounding. 64 rows of the embedded model's output projection took
+        3.6-3.7 ms against 4.2-4.3 ms for logits and their reductions (AMX, 2 threads, alternating runs).
+        False if it did not apply."""
+        greedy_reductions = getattr(self.model, "greedy_reductions", None)
+        if greedy_reductions is None:
+            return False
+        states = [self._state(request) for request in inputs.sampling_requests]
+        if not self.sampler.takes_raw_argmax(states):
+            return False
+        reduced = greedy_reductions(hidden)
+        if reduced is None:
+            return False
+        for request, sample in zip(inputs.sampling_requests, self.sampler.sample_reduced(reduced, states)):
+            _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
+        return True
 
     def _score_prompts(self, inputs: ModelInputs, hidden: torch.Tensor, results: dict[str, RequestStepResult]) -> None:
         """Log-probabilities of the actual prompt tokens, for requests that asked for prompt_logprobs."""

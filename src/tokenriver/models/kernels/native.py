@@ -47,6 +47,8 @@ NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 # How a product rounds its inputs (models/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1, 2):
 # exact float32, activations to int8 per 32 columns, or activations and weights to bfloat16.
 ROUNDINGS = (None, "int8", "bfloat16")
+# Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
+Reductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
@@ -192,12 +194,18 @@ class NativeKernels:
         library.gemm_bf16_amx_supported.restype = c_int
         self.gemm_int8 = bool(library.gemm_int8x_supported())
         self.gemm_amx = bool(library.gemm_bf16_amx_supported())
-        rounded = [("int4_gemm_int8x", int4_args), ("int8_gemm_int8x", int8_args)] if self.gemm_int8 else []
+        rounded = [("int4_gemm_int8x", int4_args, None), ("int8_gemm_int8x", int8_args, None)] if self.gemm_int8 else []
         if self.gemm_amx:
-            rounded += [("int4_gemm_bf16_amx", int4_args), ("int8_gemm_bf16_amx", int8_args)]
-        for name, argtypes in rounded:
+            # The argmax products take argmax, max and lse pointers where the products take y.
+            int4_argmax_args = int4_args[:-2] + [ptr, ptr, ptr, c_int]
+            int8_argmax_args = int8_args[:-2] + [ptr, ptr, ptr, c_int]
+            rounded += [("int4_gemm_bf16_amx", int4_args, None), ("int8_gemm_bf16_amx", int8_args, None),
+                        ("int4_argmax_bf16_amx", int4_argmax_args, i64),
+                        ("int8_argmax_bf16_amx", int8_argmax_args, i64)]
+        for name, argtypes, restype in rounded:
             function = getattr(library, name)
             function.argtypes = argtypes
+            function.restype = restype
             self._functions[name] = function
         # Looked up once: these run ~10 times per layer per step.
         self._rms_norm = self._functions["rms_norm_f32"]
@@ -263,6 +271,35 @@ class NativeKernels:
         linear.tensors = tensors  # the closure holds raw pointers: keep the tensors they point into alive
         return linear
 
+    def bind_argmax(self, kind: str, *weight: torch.Tensor | int) -> Callable[[torch.Tensor], Reductions | None]:
+        """x [M, K] float32 ↦ per row of y = x @ Wᵀ, computed as bind_int4 / bind_int8 with rounding "bfloat16" and
+        many_rows compute it (the same values): its argmax (first of equal maxima, as torch.argmax), largest value
+        and log(sum(exp(row))), without writing y (gemm_amx.cpp). Or None when some value of y is NaN or infinite,
+        cases the caller leaves to PyTorch. kind "int4" with (qweight, scales, mins, group_size), "int8" with
+        (qweight, scales, group_size); only where gemm_amx is True.
+        """
+        if not self.gemm_amx:
+            raise ValueError("the argmax product runs only on CPUs with AMX tiles; check gemm_amx first")
+        if kind not in ("int4", "int8"):
+            raise ValueError(f"kind must be 'int4' or 'int8', got {kind!r}")
+        *tensors, group_size = weight
+        qweight = tensors[0]
+        out_features, in_features = qweight.shape[0], qweight.shape[1] * (2 if kind == "int4" else 1)
+        function = self._functions[f"{kind}_argmax_bf16_amx"]
+        arguments = (*(t.data_ptr() for t in tensors), out_features, in_features, group_size)
+
+        def reductions(x: torch.Tensor) -> Reductions | None:
+            num_rows = x.shape[0]
+            argmax = torch.empty(num_rows, dtype=torch.int64)  # [M]
+            max_values = torch.empty(num_rows, dtype=torch.float32)  # [M]
+            lse = torch.empty(num_rows, dtype=torch.float32)  # [M]
+            not_finite = function(*arguments, x.data_ptr(), num_rows, argmax.data_ptr(), max_values.data_ptr(),
+                                  lse.data_ptr(), torch.get_num_threads())
+            return (argmax, max_values, lse) if not_finite == 0 else None
+
+        reductions.tensors = tuple(tensors)  # the closure holds raw pointers: keep the tensors alive
+        return reductions
+
     def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                     group_size: int, int8_activations: bool = False) -> torch.Tensor:
         """One-off GEMV: bind_int4(...)(x), rounding x to int8 if asked."""
@@ -319,7 +356,7 @@ class NativeKernels:
         self._silu_mul(gate_up.data_ptr(), num_rows, width // 2, out.data_ptr(), torch.get_num_threads())
         return out
 
-    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def argmax_logsumexp(self, logits: torch.Tensor) -> Reductions | None:
         """Per row of float32 logits [N, V]: the argmax (first of equal maxima, as torch.argmax), the largest logit
         and log(sum(exp(row))), in one call instead of PyTorch reductions (measured here on 64 rows of SmolLM2's
         49,152 logits: 5.9 ms for torch.logsumexp and 2.3 ms for argmax). The largest logit minus the log-sum-exp
