@@ -14,8 +14,8 @@
 // is bfloat16's (8 significant bits) on both operands, finer than int8 activations per 32 columns; decode steps of up
 // to max_gemv_rows rows keep gemv.cpp's int8 products. One step's products of the embedded model took 20.5 ms at 64
 // rows against 30.2 ms for the VNNI kernel and 31.2 ms for F.linear on a bfloat16 copy (oneDNN), 32.5 against 69.4 and
-// 42.0 ms at 128 (benchmarks/results/gemm.md); at 512 rows oneDNN's is faster (86 against 142 ms), where writing the
-// transposed outputs costs more than decoding.
+// 42.0 ms at 128 (benchmarks/results/gemm.md); at 512 rows oneDNN's is faster (86 against 138 ms), where writing and
+// reading back the float32 outputs costs more than decoding (kRowOperandRows below).
 //
 // The product is computed transposed, yᵀ = W xᵀ, so that the weights are the tile instruction's row operand: a
 // weight tile is 16 weight rows of 32 bfloat16 columns, each row decoded in place from its own bytes (no shuffling),
