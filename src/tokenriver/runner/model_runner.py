@@ -9,6 +9,9 @@ known token and of its drafts from the same forward pass, and the sampler's
 `verify` decides which drafts stand. The draft distributions a draft model
 proposed from come in with the step (`draft_probs`); n-gram drafts have none.
 A beam-search request gets its most likely next tokens instead of a sample.
+A step whose rows are all plain greedy (Sampler.takes_raw_argmax) asks the model
+for each row's argmax, largest logit and log-sum-exp instead of its logits, where
+the model computes those without writing the logits (greedy_reductions).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ Invariants:
   row index. Greedy rows draw nothing.
 - Stages no row uses are skipped, and each stage runs only on the rows that use
   it; a batch of greedy rows without penalties costs an argmax and a logsumexp
-  (one native pass per row when the runner hands the sampler its kernels).
+  (one native pass per row when the runner hands the sampler its kernels), and
+  such a batch (`takes_raw_argmax`) can be answered from those three numbers per
+  row without logits at all (`sample_reduced`; the runner asks the model for them).
 - Logprobs and ranks are those of the raw distribution (log_softmax of the
   unprocessed logits), as OpenAI and vLLM report them.
 
