@@ -88,7 +88,8 @@ class ModelRunner:
             return RunnerOutput(results=results)
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
             hidden = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
-        if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, hidden, results):
+        states = [self._state(request) for request in inputs.sampling_requests]
+        if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, states, hidden, results):
             return RunnerOutput(results=results)
         # [num_sample_rows + num_draft_rows + num_beam_rows, vocab] float32
         logits = self.model.compute_logits(hidden)
@@ -100,7 +101,6 @@ class ModelRunner:
             for request, candidates in zip(inputs.beam_requests, tops):
                 results.setdefault(request.request_id, RequestStepResult()).beam_candidates = candidates
         if inputs.sampling_requests:
-            states = [self._state(request) for request in inputs.sampling_requests]
             samples = self.sampler.sample(logits[:num_sample_rows], states)
             for request, sample in zip(inputs.sampling_requests, samples):
                 _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
@@ -113,7 +113,8 @@ class ModelRunner:
                 _append(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
         return RunnerOutput(results=results)
 
-    def _sample_greedy(self, inputs: ModelInputs, hidden: torch.Tensor, results: dict[str, RequestStepResult]) -> bool:
+    def _sample_greedy(self, inputs: ModelInputs, states: list[SamplingState], hidden: torch.Tensor,
+                       results: dict[str, RequestStepResult]) -> bool:
         """A batch of plain greedy rows (Sampler.takes_raw_argmax) from the model's per-row reductions, without
         logits, where the model computes them (LlamaForCausalLM.greedy_reductions): the same tokens as from the
         logits, the logprobs within float rounding. 64 rows of the embedded model's output projection took
@@ -122,7 +123,6 @@ class ModelRunner:
         greedy_reductions = getattr(self.model, "greedy_reductions", None)
         if greedy_reductions is None:
             return False
-        states = [self._state(request) for request in inputs.sampling_requests]
         if not self.sampler.takes_raw_argmax(states):
             return False
         reduced = greedy_reductions(hidden)
