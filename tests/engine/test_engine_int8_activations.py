@@ -86,7 +86,8 @@ def test_a_setting_without_effect_is_refused(default_model_path, loaded_packed):
         LLM.from_loaded(loaded_packed, int8_activations=True)
 
 
-@pytest.mark.skipif(load_kernels() is None or not load_kernels().gemm_amx, reason="the argmax product runs on AMX")
+@pytest.mark.skipif(load_kernels() is None or not (load_kernels().gemm_amx or load_kernels().gemm_int8),
+                    reason="the argmax product needs AVX512-VNNI or AMX tiles")
 def test_greedy_batches_skip_the_logits_and_pick_the_same_tokens(loaded_int8_activations):
     """More than max_gemv_rows plain greedy rows: the runner takes the output projection's per-row reductions
     (LlamaForCausalLM.greedy_reductions), not logits. Tokens as with logits, logprobs within float rounding."""

@@ -47,6 +47,7 @@ REPACKERS = {
 HAS_NATIVE = load_kernels() is not None
 HAS_INT8_GEMM = HAS_NATIVE and load_kernels().gemm_int8
 HAS_AMX_GEMM = HAS_NATIVE and load_kernels().gemm_amx
+HAS_ROUNDED_GEMM = HAS_NATIVE and (load_kernels().gemm_amx or load_kernels().gemm_int8)
 INT8_GEMM = pytest.param("int8", marks=pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI"))
 BF16_GEMM = pytest.param("bfloat16", marks=pytest.mark.skipif(
     not HAS_AMX_GEMM, reason="the CPU lacks AMX tiles (or the OS does not grant them)"))
@@ -397,15 +398,15 @@ def test_moving_the_layer_rebinds_the_kernel() -> None:
     torch.testing.assert_close(layer(x), 2 * before, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not HAS_AMX_GEMM, reason="the argmax product runs on AMX tiles")
+@pytest.mark.skipif(not HAS_ROUNDED_GEMM, reason="the argmax product needs AVX512-VNNI or AMX tiles")
 @pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "q8_0"])
 def test_argmax_logsumexp_reduces_the_rounded_product_without_writing_it(kind: str) -> None:
-    # 1,000 outputs: 62 whole tiles and one of 8 columns. Rows 11-300: both product forms (gemm_amx.cpp), one
-    # and several passes.
+    # 1,000 outputs: on AMX 62 whole tiles and one of 8 columns; with VNNI 166 tiles of 6 and one of 4, folded 12
+    # columns at a time. Rows 11-1,000: both AMX product forms, one and several passes (VNNI: 896 rows a pass).
     layer = make_layer(kind, 1000, 576, "native", max_gemv_rows=10, int8_activations=True)
-    assert layer.gemm_rounding == "bfloat16"
+    assert layer.gemm_rounding is not None
     generator = torch.Generator().manual_seed(3)
-    for num_rows in (11, 16, 17, 64, 200, 300):
+    for num_rows in (11, 16, 17, 64, 200, 300, 1000):
         x = torch.randn(num_rows, 576, generator=generator)
         y = layer(x)
         argmax, largest, lse = layer.argmax_logsumexp(x)
@@ -424,14 +425,14 @@ def test_argmax_logsumexp_reduces_the_rounded_product_without_writing_it(kind: s
     assert argmax.tolist()[:4] == [3, 40, 16, 16]
 
 
-@pytest.mark.skipif(not HAS_AMX_GEMM, reason="the argmax product runs on AMX tiles")
+@pytest.mark.skipif(not HAS_ROUNDED_GEMM, reason="the argmax product needs AVX512-VNNI or AMX tiles")
 def test_argmax_logsumexp_declines_what_it_does_not_compute() -> None:
     layer = make_layer("q8_0", 100, 64, "native", max_gemv_rows=10, int8_activations=True)
     assert layer.argmax_logsumexp(torch.randn(10, 64)) is None  # decode-sized: the GEMV's arithmetic
     assert layer.argmax_logsumexp(torch.randn(12, 64).double()) is None
-    x = torch.randn(12, 64)
-    x[5, 7] = float("nan")
-    assert layer.argmax_logsumexp(x) is None  # a NaN output: PyTorch defines that case
+    nan_column = make_layer("q8_0", 100, 64, "native", max_gemv_rows=10, int8_activations=True)
+    nan_column.scales[7, 1] = float("nan")
+    assert nan_column.argmax_logsumexp(torch.randn(12, 64)) is None  # NaN outputs: PyTorch defines that case
     exact = make_layer("q8_0", 100, 64, "native", max_gemv_rows=10)
     assert exact.argmax_logsumexp(torch.randn(12, 64)) is None  # exact float32 products have no such kernel
     biased = make_layer("q8_0", 100, 64, "native", bias=True, max_gemv_rows=10, int8_activations=True)

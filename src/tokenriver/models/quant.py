@@ -324,8 +324,8 @@ class _QuantizedLinear(nn.Module):
 
     def argmax_logsumexp(self, x: torch.Tensor) -> Reductions | None:
         """Per row of forward(x): (argmax, largest value, log-sum-exp) without writing the [M, N] output, where this
-        layer has such a product: the AMX bfloat16 one (rounded mode), for 2-D float32 rows more than a GEMV's and
-        no bias. None otherwise, or when an output is NaN or infinite: the caller then takes forward's output.
+        layer has such a product: the rounded mode's (int8 activations on AVX512-VNNI, bfloat16 tiles on AMX), for
+        2-D float32 rows more than a GEMV's and no bias. None otherwise, or when an output is NaN or infinite: the caller then takes forward's output.
         The argmax and largest value are those of forward(x) bit for bit."""
         argmax = self._native_argmax
         if (argmax is None or x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous()
@@ -421,9 +421,9 @@ class Int4Linear(_QuantizedLinear):
                                                        "int8" if self.int8_activations else None)
             self._native_gemm = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
                                                        self.gemm_rounding, many_rows=True)
-            if self.gemm_rounding == "bfloat16":
-                self._native_argmax = self.kernels.bind_argmax("int4", self.qweight, self.scales, self.mins,
-                                                               self.group_size)
+            if self.gemm_rounding is not None:
+                self._native_argmax = self.kernels.bind_argmax("int4", self.gemm_rounding, self.qweight,
+                                                               self.scales, self.mins, self.group_size)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
@@ -489,8 +489,9 @@ class Int8Linear(_QuantizedLinear):
                                                        "int8" if self.int8_activations else None)
             self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
                                                        self.gemm_rounding, many_rows=True)
-            if self.gemm_rounding == "bfloat16":
-                self._native_argmax = self.kernels.bind_argmax("int8", self.qweight, self.scales, self.group_size)
+            if self.gemm_rounding is not None:
+                self._native_argmax = self.kernels.bind_argmax("int8", self.gemm_rounding, self.qweight,
+                                                               self.scales, self.group_size)
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)

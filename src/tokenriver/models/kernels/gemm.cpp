@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "reductions.h"
 #include "vec.h"
 
 namespace {
@@ -44,6 +45,8 @@ using tokenriver::quantize_activations;
 constexpr int kRows = 6;
 constexpr int kLanes = 8;
 constexpr int kPanel = 2 * kLanes;
+// Columns of y folded into row reductions at once (argmax_int8): two whole tiles and a half.
+constexpr int kPendingColumns = 16;
 
 // Activation rows transposed per pass: [K, chunk] floats should sit in L2 (512 KB) while every weight tile of the
 // matrix sweeps over them. Larger batches are taken in chunks, each re-decoding the weights (cheap next to the
@@ -258,6 +261,9 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const ui
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+using tokenriver::reduce_columns;
+using tokenriver::RowReductions;
+
 // Int8 activations. A panel holds 16 activation rows rounded to int8, as 32-bit words of four consecutive columns,
 // transposed ([K/4, 16]: one 512-bit vector per four columns), with each row's scale and a term of its rounded
 // values per block of 32 columns ([K/32, 16] floats each). Per four columns, dpbusd multiplies one weight word (four
@@ -377,7 +383,8 @@ inline void tile_row(const uint8_t* qweight, int64_t K, int64_t n, uint8_t* out)
 // ran at 1.3 instead of 2.5 billion dpbusd per second.
 template <bool IS_INT4, int RT>
 void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int64_t K, const uint32_t* quads,
-               const float* x_scales, const float* x_terms, int valid, float* y, int64_t N, int64_t m0, int64_t n0) {
+               const float* x_scales, const float* x_terms, int valid, float* y, int64_t N, int64_t m0, int64_t n0,
+               float* columns_out = nullptr) {
   const int64_t num_blocks = K / 32;
   const uint32_t* w_words = reinterpret_cast<const uint32_t*>(w);
   __m512 acc[RT];
@@ -404,6 +411,11 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
       if (IS_INT4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w_mins[r * num_blocks + b]), x_sum, acc[r]);
     }
   }
+  // For row reductions instead of y: weight row r's 16 sums at columns_out + 16 r.
+  if (columns_out != nullptr) {
+    for (int r = 0; r < RT; ++r) _mm512_storeu_ps(columns_out + 16 * r, acc[r]);
+    return;
+  }
   // Out through registers: the 8 × 16 matrix of weight rows (zero past RT) by activation rows, transposed as two
   // 8 × 8 halves, gives each activation row its RT sums in one vector, stored under a mask. Against a scalar store
   // per sum (through a stack copy), ~1% on the products of a 64-row decode step.
@@ -417,9 +429,12 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
   }
 }
 
+// reductions: null to write y; else y is not written and each thread folds the columns it computes into its
+// reductions (reductions.h), a few tiles' columns at a time.
 template <bool IS_INT4>
 void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-               const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
+               const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads,
+               const RowReductions* reductions = nullptr) {
   const int64_t num_blocks = K / 32, panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
   const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
   const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
@@ -447,6 +462,17 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
     std::vector<float> xscale(kPanel * num_blocks);
     std::vector<uint8_t> w(kRows * K);
     std::vector<float> w_scales(kRows * num_blocks), w_mins(kRows * num_blocks);
+    // Reductions: the sums of up to kPendingColumns consecutive columns of y per panel of the chunk, folded in
+    // together (one rescaling of the running sums per fold, not per tile).
+    std::vector<float> pending(reductions != nullptr ? num_panels * kPendingColumns * kPanel : 0);
+    int64_t pending_n0 = 0, pending_columns = 0, pending_m0 = 0, pending_rows = 0;
+    const auto fold = [&]() {
+      for (int64_t m = 0; m < pending_rows; m += kPanel)
+        reduce_columns(pending.data() + m / kPanel * kPendingColumns * kPanel, kPanel, pending_rows - m,
+                       static_cast<int>(pending_columns), pending_m0 + m, pending_n0,
+                       reductions[omp_get_thread_num()]);
+      pending_columns = 0;
+    };
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
 #pragma omp for schedule(static)
@@ -454,7 +480,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
         pack_int8_panel<IS_INT4>(x + (m0 + p * kPanel) * K, std::min<int64_t>(kPanel, rows - p * kPanel), K,
                                  xq.data(), xscale.data(), quads + p * panel_words, x_scales + p * panel_blocks,
                                  x_terms + p * panel_blocks);
-      float* y_chunk = y + m0 * N;
+      float* y_chunk = y != nullptr ? y + m0 * N : nullptr;  // null: reductions instead of y
 #pragma omp for schedule(guided, 2)
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t n0 = t * kRows;
@@ -474,13 +500,24 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
         }
         block_terms<IS_INT4>(scales, mins, K, G, n0, count, w_scales.data(), w_mins.data());
         for (int64_t r = 0; r < count; ++r) tile_row<IS_INT4>(qweight, K, n0 + r, w.data() + 32 * r);
+        if (reductions != nullptr) {
+          if (pending_columns > 0 && (pending_n0 + pending_columns != n0 || pending_columns + count > kPendingColumns))
+            fold();
+          if (pending_columns == 0) {
+            pending_n0 = n0;
+            pending_m0 = m0;
+            pending_rows = rows;
+          }
+        }
         const auto run = [&](auto rows_per_tile) {
           constexpr int RT = decltype(rows_per_tile)::value;
           for (int64_t m = 0; m < rows; m += kPanel) {
             const int64_t p = m / kPanel;
+            float* columns = reductions != nullptr
+                                 ? pending.data() + (p * kPendingColumns + pending_columns) * kPanel : nullptr;
             int8_tile<IS_INT4, RT>(w.data(), w_scales.data(), w_mins.data(), K, quads + p * panel_words,
                                    x_scales + p * panel_blocks, x_terms + p * panel_blocks,
-                                   static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m, n0);
+                                   static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m, n0, columns);
           }
         };
         switch (count) {
@@ -491,9 +528,24 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
           case 2: run(std::integral_constant<int, 2>{}); break;
           default: run(std::integral_constant<int, 1>{}); break;
         }
+        if (reductions != nullptr) pending_columns += count;
       }
+      if (pending_columns > 0) fold();
     }
   }
+}
+
+// Per activation row of y = x Wᵀ as gemm_int8 computes it (the same values): its argmax, largest value and
+// log-sum-exp, without writing y (reductions.h). Returns how many values of y were NaN or infinite (the results are
+// then not to be used).
+template <bool IS_INT4>
+int64_t argmax_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
+                    const uint16_t* mins, int64_t N, int64_t G, int64_t* argmax, float* max, float* lse,
+                    int num_threads) {
+  const int threads = std::max(num_threads, 1);
+  const tokenriver::ThreadReductions reductions(threads, M);
+  gemm_int8<IS_INT4>(x, M, K, qweight, scales, mins, N, G, nullptr, threads, reductions.each());
+  return reductions.merge(argmax, max, lse);
 }
 #endif
 
@@ -543,6 +595,20 @@ void int8_gemm_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, i
                      const float* x, int64_t M, float* y, int num_threads) {
   gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y,
                    num_threads);
+}
+
+// Per row of the int4_gemm_int8x / int8_gemm_int8x product, without writing it: argmax [M] (first of equal maxima),
+// max [M] and log-sum-exp [M]. Returns how many values of the product were NaN or infinite.
+int64_t int4_argmax_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+                          int64_t group_size, const float* x, int64_t M, int64_t* argmax, float* max, float* lse,
+                          int num_threads) {
+  return argmax_int8<true>(x, M, K, qweight, scales, mins, N, group_size, argmax, max, lse, num_threads);
+}
+
+int64_t int8_argmax_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
+                          const float* x, int64_t M, int64_t* argmax, float* max, float* lse, int num_threads) {
+  return argmax_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size,
+                            argmax, max, lse, num_threads);
 }
 
 int gemm_int8x_supported() { return 1; }

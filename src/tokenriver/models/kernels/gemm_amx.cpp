@@ -45,9 +45,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "reductions.h"
 #include "vec.h"
 
 namespace {
+
+using tokenriver::reduce_columns;
+using tokenriver::RowReductions;
 
 constexpr int kTile = 16;                     // rows of every tile; weight rows and activation rows per tile
 constexpr int kTileBytes = kTile * 64;        // one tile: 16 rows of 64 bytes (32 bfloat16 or 16 float32)
@@ -259,48 +263,6 @@ inline void store_transposed(const float* sums, int64_t ld, int64_t valid, int c
     _mm512_mask_storeu_ps(y + (m0 + i) * N + n0, mask, reinterpret_cast<__m512>(rows[i]));
 }
 
-// One thread's running reductions of y's rows over the columns it has seen, indexed by activation row: the largest
-// value, its first column (-1 before any), the sum of e^(y - largest) and how many values were not finite.
-struct RowReductions {
-  float* max;
-  int32_t* argmax;
-  float* sum;
-  int64_t* not_finite;
-};
-
-// Sums tile [16 weight rows, 16 activation rows] (rows ld floats apart) folded into the reductions of activation
-// rows [m0, m0 + valid) over y's columns n0 .. n0 + columns - 1, in increasing order, so that among equal values
-// the first column wins (torch.argmax's rule).
-inline void reduce_transposed(const float* sums, int64_t ld, int64_t valid, int columns, int64_t m0, int64_t n0,
-                              const RowReductions& r) {
-  const __mmask16 lanes = static_cast<__mmask16>(valid >= kTile ? 0xFFFF : (1u << valid) - 1);
-  const __m512 old_max = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, r.max + m0);
-  __m512 best = old_max;
-  __m512i index = _mm512_maskz_loadu_epi32(lanes, r.argmax + m0);
-  __mmask16 not_finite = 0;
-  for (int c = 0; c < columns; ++c) {
-    const __m512 v = _mm512_load_ps(sums + c * ld);
-    not_finite |= _mm512_fpclass_ps_mask(v, 0x99);  // NaN (quiet, signalling), +inf, -inf
-    const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, greater, v);
-    index = _mm512_mask_mov_epi32(index, greater, _mm512_set1_epi32(static_cast<int32_t>(n0 + c)));
-  }
-  // The running sum moves to the new largest value, then takes this tile's terms, summed pairwise first: added one
-  // by one into the running sum, a lane's chain of ~25,000 additions lost ~1e-4 of the log-sum-exp.
-  __m512 terms[kTile];
-  for (int c = 0; c < kTile; ++c)
-    terms[c] = c < columns ? tokenriver::exp512(_mm512_sub_ps(_mm512_load_ps(sums + c * ld), best)) : _mm512_setzero_ps();
-  for (int width = kTile / 2; width > 0; width /= 2)
-    for (int c = 0; c < width; ++c) terms[c] = _mm512_add_ps(terms[c], terms[c + width]);
-  const __m512 rescaled =
-      _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, r.sum + m0), tokenriver::exp512(_mm512_sub_ps(old_max, best)));
-  const __m512 sum = _mm512_add_ps(rescaled, terms[0]);
-  _mm512_mask_storeu_ps(r.max + m0, lanes, best);
-  _mm512_mask_storeu_epi32(r.argmax + m0, lanes, index);
-  _mm512_mask_storeu_ps(r.sum + m0, lanes, sum);
-  *r.not_finite += __builtin_popcount(not_finite & lanes);
-}
-
 // Scratch of the calling thread kept between calls, 64-byte aligned: a fresh buffer per call came back from the
 // system each time and cost a page fault per 4 KB written (gemm.cpp's reason), and zeroing it cost as much again.
 inline uint8_t* aligned_scratch(std::vector<uint8_t>& scratch, size_t bytes) {
@@ -432,7 +394,7 @@ void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, cons
                 const float* tile = sums + w * kTile * 2 * kTile + a * kTile;
                 const int columns = static_cast<int>(std::min<int64_t>(kTile, N - n0 - w * kTile));
                 if (reductions != nullptr)
-                  reduce_transposed(tile, 2 * kTile, rows - (r + a) * kTile, columns, m0 + (r + a) * kTile,
+                  reduce_columns(tile, 2 * kTile, rows - (r + a) * kTile, columns, m0 + (r + a) * kTile,
                                     n0 + w * kTile, reductions[omp_get_thread_num()]);
                 else
                   store_transposed(tile, 2 * kTile, rows - (r + a) * kTile, columns, y_chunk, N, (r + a) * kTile,
@@ -456,43 +418,16 @@ void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, cons
 }
 
 // Per activation row of y = x Wᵀ (the transposed product's arithmetic, so y's values are those of the gemm_amx
-// call): its argmax (first of equal maxima), largest value and log-sum-exp, without writing y. The output projection
-// of a greedy step needs nothing else; 64 rows of the embedded model's 49,152 logits are 12.6 MB written and read
-// back otherwise. Each thread reduces the columns it computes; the threads' results are merged at the end. Returns
-// how many values of y were NaN or infinite (the results are then not to be used).
+// call): its argmax, largest value and log-sum-exp, without writing y (reductions.h). Returns how many values of y
+// were NaN or infinite (the results are then not to be used).
 template <bool IS_INT4>
 int64_t argmax_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
                    const uint16_t* mins, int64_t N, int64_t G, int64_t* argmax, float* max, float* lse,
                    int num_threads) {
   const int threads = std::max(num_threads, 1);
-  std::vector<float> maxes(threads * M, -INFINITY), sums(threads * M, 0.0f);
-  std::vector<int32_t> argmaxes(threads * M, -1);
-  std::vector<int64_t> not_finite(threads, 0);
-  std::vector<RowReductions> reductions;
-  for (int t = 0; t < threads; ++t)
-    reductions.push_back({maxes.data() + t * M, argmaxes.data() + t * M, sums.data() + t * M, &not_finite[t]});
-  gemm_amx<IS_INT4, false>(x, M, K, qweight, scales, mins, N, G, nullptr, threads, reductions.data());
-  int64_t total_not_finite = 0;
-  for (int t = 0; t < threads; ++t) total_not_finite += not_finite[t];
-  for (int64_t m = 0; m < M; ++m) {
-    float best = -INFINITY;
-    int64_t best_index = -1;
-    for (int t = 0; t < threads; ++t) {
-      const float value = maxes[t * M + m];
-      const int64_t index = argmaxes[t * M + m];
-      if (index >= 0 && (best_index < 0 || value > best || (value == best && index < best_index))) {
-        best = value;
-        best_index = index;
-      }
-    }
-    float total = 0.0f;
-    for (int t = 0; t < threads; ++t)
-      if (argmaxes[t * M + m] >= 0) total += sums[t * M + m] * expf(maxes[t * M + m] - best);
-    argmax[m] = best_index;
-    max[m] = best;
-    lse[m] = best + logf(total);
-  }
-  return total_not_finite;
+  const tokenriver::ThreadReductions reductions(threads, M);
+  gemm_amx<IS_INT4, false>(x, M, K, qweight, scales, mins, N, G, nullptr, threads, reductions.each());
+  return reductions.merge(argmax, max, lse);
 }
 
 }  // namespace

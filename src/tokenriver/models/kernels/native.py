@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 KERNELS_DIR = Path(__file__).parent
 SOURCES = tuple(KERNELS_DIR / name
                 for name in ("gemv.cpp", "gemm.cpp", "gemm_amx.cpp", "ops.cpp", "attention.cpp", "decoder.cpp"))
-HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "gemm_amx.h")
+HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "gemm_amx.h", KERNELS_DIR / "reductions.h")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
 # order of its kv_cache_format codes (0, 1, 2).
@@ -194,11 +194,14 @@ class NativeKernels:
         library.gemm_bf16_amx_supported.restype = c_int
         self.gemm_int8 = bool(library.gemm_int8x_supported())
         self.gemm_amx = bool(library.gemm_bf16_amx_supported())
-        rounded = [("int4_gemm_int8x", int4_args, None), ("int8_gemm_int8x", int8_args, None)] if self.gemm_int8 else []
+        # The argmax products take argmax, max and lse pointers where the products take y.
+        int4_argmax_args = int4_args[:-2] + [ptr, ptr, ptr, c_int]
+        int8_argmax_args = int8_args[:-2] + [ptr, ptr, ptr, c_int]
+        rounded = []
+        if self.gemm_int8:
+            rounded += [("int4_gemm_int8x", int4_args, None), ("int8_gemm_int8x", int8_args, None),
+                        ("int4_argmax_int8x", int4_argmax_args, i64), ("int8_argmax_int8x", int8_argmax_args, i64)]
         if self.gemm_amx:
-            # The argmax products take argmax, max and lse pointers where the products take y.
-            int4_argmax_args = int4_args[:-2] + [ptr, ptr, ptr, c_int]
-            int8_argmax_args = int8_args[:-2] + [ptr, ptr, ptr, c_int]
             rounded += [("int4_gemm_bf16_amx", int4_args, None), ("int8_gemm_bf16_amx", int8_args, None),
                         ("int4_argmax_bf16_amx", int4_argmax_args, i64),
                         ("int8_argmax_bf16_amx", int8_argmax_args, i64)]
@@ -271,21 +274,26 @@ class NativeKernels:
         linear.tensors = tensors  # the closure holds raw pointers: keep the tensors they point into alive
         return linear
 
-    def bind_argmax(self, kind: str, *weight: torch.Tensor | int) -> Callable[[torch.Tensor], Reductions | None]:
-        """x [M, K] float32 ↦ per row of y = x @ Wᵀ, computed as bind_int4 / bind_int8 with rounding "bfloat16" and
+    def bind_argmax(self, kind: str, rounding: str,
+                    *weight: torch.Tensor | int) -> Callable[[torch.Tensor], Reductions | None]:
+        """x [M, K] float32 ↦ per row of y = x @ Wᵀ, computed as bind_int4 / bind_int8 with this rounding and
         many_rows compute it (the same values): its argmax (first of equal maxima, as torch.argmax), largest value
-        and log(sum(exp(row))), without writing y (gemm_amx.cpp). Or None when some value of y is NaN or infinite,
+        and log(sum(exp(row))), without writing y (reductions.h). Or None when some value of y is NaN or infinite,
         cases the caller leaves to PyTorch. kind "int4" with (qweight, scales, mins, group_size), "int8" with
-        (qweight, scales, group_size); only where gemm_amx is True.
+        (qweight, scales, group_size); rounding "int8" only where gemm_int8 is True, "bfloat16" where gemm_amx is.
         """
-        if not self.gemm_amx:
-            raise ValueError("the argmax product runs only on CPUs with AMX tiles; check gemm_amx first")
         if kind not in ("int4", "int8"):
             raise ValueError(f"kind must be 'int4' or 'int8', got {kind!r}")
+        if rounding not in ("int8", "bfloat16"):
+            raise ValueError(f"rounding must be 'int8' or 'bfloat16', got {rounding!r}")
+        if rounding == "int8" and not self.gemm_int8:
+            raise ValueError("the int8 argmax product runs only on CPUs with AVX512-VNNI; check gemm_int8 first")
+        if rounding == "bfloat16" and not self.gemm_amx:
+            raise ValueError("the bfloat16 argmax product runs only on CPUs with AMX tiles; check gemm_amx first")
         *tensors, group_size = weight
         qweight = tensors[0]
         out_features, in_features = qweight.shape[0], qweight.shape[1] * (2 if kind == "int4" else 1)
-        function = self._functions[f"{kind}_argmax_bf16_amx"]
+        function = self._functions[f"{kind}_argmax_{'int8x' if rounding == 'int8' else 'bf16_amx'}"]
         arguments = (*(t.data_ptr() for t in tensors), out_features, in_features, group_size)
 
         def reductions(x: torch.Tensor) -> Reductions | None:
