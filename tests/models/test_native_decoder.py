@@ -140,6 +140,17 @@ def test_native_decoder_runs_gemm_sized_batches():
         assert torch.equal(ours, reference)
 
 
+def test_native_decoder_rounded_gemm_batches_equal_the_module_path():
+    """21 requests decoding with int8 activations: on a CPU with AVX512-VNNI the MLP keeps its intermediate
+    feature-major (decoder.cpp), with a partial panel of 5 rows; the same bits as the modules' row-major products."""
+    model = quantized_tiny_model(attention_bias=False, int8_activations=True)
+    requests = [[(5 * i + 3 * r) % 96 for i in range(14)] for r in range(21)]
+    steps = [[8] * 21, [1] * 21, [1] * 21, [3] * 21, [1] * 21]
+    for ours, reference in zip(run_steps(model, requests, steps, native=True),
+                               run_steps(model, requests, steps, native=False)):
+        assert torch.equal(ours, reference)
+
+
 def test_native_decoder_slices_long_steps_without_changing_a_bit():
     """Steps of more than 256 rows run the stack over 256-row slices (decoder.cpp): prompt chunks cut at a slice
     edge, decode tokens in either slice, int8 activations on the bfloat16/int8 GEMM where the CPU has one."""

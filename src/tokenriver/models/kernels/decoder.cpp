@@ -31,11 +31,16 @@ void int8_gemm_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, co
 void int4_gemm_int8x(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
                      int64_t, float*, int);
 void int8_gemm_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
+void int4_gemm_int8x_strided(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
+                             int64_t, int64_t, float*, int64_t, int);
+void int8_gemm_int8x_strided(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
+                             float*, int64_t, int);
 #endif
 void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
 void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
                 int);
 void silu_mul_f32(const float*, int64_t, int64_t, float*, int);
+void silu_mul_split_f32(const float*, const float*, int64_t, float*, int);
 int paged_attention_f32(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t,
                         const int64_t*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
                         int64_t, int64_t, const int64_t*, int64_t, const int64_t*, int64_t, float, float*, int64_t,
@@ -123,6 +128,34 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
       for (int64_t n = 0; n < N; ++n) y[m * N + n] += l.bias[n];
 }
 
+// Whether the layer's MLP keeps its intermediate feature-major: both products on gemm.cpp's int8-activation GEMM,
+// which then writes the gate/up output transposed ([2I, T]: no transposes out of its tiles), SiLU runs over it as
+// one array, and the down product packs its input from it without transposing either. Every value goes through the
+// same operations as row after row (SiLU's 8- and 16-wide forms agree bit for bit; I a multiple of 8), so the
+// output is the same.
+bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const Linear& gate_up = layer.gate_up;
+  const Linear& down = layer.down;
+  return T > gate_up.max_gemv_rows && T > down.max_gemv_rows && gate_up.gemm_rounding == 1 &&
+         down.gemm_rounding == 1 && gate_up.bias == nullptr && down.bias == nullptr && I % 8 == 0;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// linear's int8-activation GEMM with x and / or y feature-major (x_ld, y_ld; 0: row after row).
+void linear_strided(const Linear& l, const float* x, int64_t M, int64_t x_ld, float* y, int64_t y_ld, int threads) {
+  const int64_t N = l.out_features, K = l.in_features, G = l.group_size;
+  if (l.is_int4)
+    int4_gemm_int8x_strided(l.qweight, l.scales, l.mins, N, K, G, x, M, x_ld, y, y_ld, threads);
+  else
+    int8_gemm_int8x_strided(reinterpret_cast<const int8_t*>(l.qweight), l.scales, N, K, G, x, M, x_ld, y, y_ld,
+                            threads);
+}
+#endif
+
 // Every layer over all of the step's rows; returns paged attention's status.
 int run_layers(const Decoder* d, const Step* s) {
   const int64_t T = s->num_tokens, H = d->hidden_size, hd = d->head_dim;
@@ -168,8 +201,17 @@ int run_layers(const Decoder* d, const Step* s) {
     if (status != 0) return status;
     linear(layer.o, attention, T, s->out, threads);
     rms_norm_f32(s->out, s->residual, layer.post_attention_norm, T, H, d->rms_norm_eps, normed, threads);
+    const int64_t I = d->intermediate_size;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (mlp_feature_major(layer, T, I)) {
+      linear_strided(layer.gate_up, normed, T, 0, gate_up, T, threads);
+      silu_mul_split_f32(gate_up, gate_up + I * T, I * T, activation, threads);
+      linear_strided(layer.down, activation, T, T, s->out, 0, threads);
+      continue;
+    }
+#endif
     linear(layer.gate_up, normed, T, gate_up, threads);
-    silu_mul_f32(gate_up, T, d->intermediate_size, activation, threads);
+    silu_mul_f32(gate_up, T, I, activation, threads);
     linear(layer.down, activation, T, s->out, threads);
   }
   return 0;

@@ -313,6 +313,46 @@ void pack_int8_panel(const float* x, int64_t valid, int64_t K, int8_t* xq, float
     }
 }
 
+// pack_int8_panel for activations stored feature-major: column k of rows [0, valid) at x + k * ld (the rows
+// consecutive), as the native decoder keeps the MLP's intermediate. Each lane is one activation row, and every value
+// goes through the operations pack_int8_panel applies to it (the largest magnitude of its run of 32, that over 127,
+// the value divided by it and rounded), so the panel is the same; no transposes: the words of four columns come
+// from four vectors of rows.
+template <bool IS_INT4>
+void pack_int8_panel_t(const float* x, int64_t ld, int64_t valid, int64_t K, uint32_t* quads, float* scales,
+                       float* terms) {
+  const __mmask16 lanes = static_cast<__mmask16>(valid >= kPanel ? 0xFFFF : (1u << valid) - 1);
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i low_byte = _mm512_set1_epi32(0xFF);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m512 v[32];
+    __m512 largest = _mm512_setzero_ps();
+    for (int k = 0; k < 32; ++k) {
+      v[k] = _mm512_maskz_loadu_ps(lanes, x + (32 * b + k) * ld);
+      largest = _mm512_max_ps(largest, _mm512_and_ps(v[k], magnitude));
+    }
+    const __m512 scale = _mm512_div_ps(largest, _mm512_set1_ps(127.0f));
+    const __m512 divisor =
+        _mm512_mask_blend_ps(_mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_EQ_OQ), scale, _mm512_set1_ps(1.0f));
+    __m512i total = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i q[4];
+      for (int c = 0; c < 4; ++c) {
+        q[c] = _mm512_cvtps_epi32(_mm512_div_ps(v[4 * j + c], divisor));
+        total = _mm512_add_epi32(total, q[c]);
+      }
+      // Lane i: row i's four rounded values as the bytes of one word, the first column lowest.
+      const __m512i word =
+          _mm512_or_si512(_mm512_or_si512(_mm512_and_si512(q[0], low_byte), _mm512_slli_epi32(_mm512_and_si512(q[1], low_byte), 8)),
+                          _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(q[2], low_byte), 16), _mm512_slli_epi32(q[3], 24)));
+      _mm512_storeu_si512(quads + (8 * b + j) * kPanel, word);
+    }
+    _mm512_storeu_ps(scales + b * kPanel, scale);
+    _mm512_storeu_ps(terms + b * kPanel, IS_INT4 ? _mm512_mul_ps(scale, _mm512_cvtepi32_ps(total))
+                                                 : _mm512_cvtepi32_ps(_mm512_mullo_epi32(total, _mm512_set1_epi32(-128))));
+  }
+}
+
 // Per block of 32 columns of weight rows [n0, n0 + count), the scale and (int4) the min, as floats [count, K/32].
 // With groups of 32 the half-precision scales and mins of a row are contiguous and convert 16 at a time.
 template <bool IS_INT4>
@@ -384,7 +424,7 @@ inline void tile_row(const uint8_t* qweight, int64_t K, int64_t n, uint8_t* out)
 template <bool IS_INT4, int RT>
 void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int64_t K, const uint32_t* quads,
                const float* x_scales, const float* x_terms, int valid, float* y, int64_t N, int64_t m0, int64_t n0,
-               float* columns_out = nullptr) {
+               float* columns_out, int64_t y_ld) {
   const int64_t num_blocks = K / 32;
   const uint32_t* w_words = reinterpret_cast<const uint32_t*>(w);
   __m512 acc[RT];
@@ -411,6 +451,12 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
       if (IS_INT4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w_mins[r * num_blocks + b]), x_sum, acc[r]);
     }
   }
+  // y feature-major ([N, y_ld]): weight row r's sums are activation rows m0.. of row n0 + r, stored as they are.
+  if (y_ld > 0) {
+    const __mmask16 lanes = static_cast<__mmask16>(valid >= kPanel ? 0xFFFF : (1u << valid) - 1);
+    for (int r = 0; r < RT; ++r) _mm512_mask_storeu_ps(y + (n0 + r) * y_ld + m0, lanes, acc[r]);
+    return;
+  }
   // For row reductions instead of y: weight row r's 16 sums at columns_out + 16 r.
   if (columns_out != nullptr) {
     for (int r = 0; r < RT; ++r) _mm512_storeu_ps(columns_out + 16 * r, acc[r]);
@@ -431,10 +477,12 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
 
 // reductions: null to write y; else y is not written and each thread folds the columns it computes into its
 // reductions (reductions.h), a few tiles' columns at a time.
+// x_ld, y_ld: 0 for x [M, K] and y [M, N] row after row; else that one is stored feature-major, column k of x
+// (row n of yᵀ) at x + k * x_ld (y + n * y_ld), the rows consecutive. The same values either way.
 template <bool IS_INT4>
 void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
                const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads,
-               const RowReductions* reductions = nullptr) {
+               const RowReductions* reductions = nullptr, int64_t x_ld = 0, int64_t y_ld = 0) {
   const int64_t num_blocks = K / 32, panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
   const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
   const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
@@ -476,11 +524,17 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
 #pragma omp for schedule(static)
-      for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p)
-        pack_int8_panel<IS_INT4>(x + (m0 + p * kPanel) * K, std::min<int64_t>(kPanel, rows - p * kPanel), K,
-                                 xq.data(), xscale.data(), quads + p * panel_words, x_scales + p * panel_blocks,
-                                 x_terms + p * panel_blocks);
-      float* y_chunk = y != nullptr ? y + m0 * N : nullptr;  // null: reductions instead of y
+      for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p) {
+        const int64_t valid = std::min<int64_t>(kPanel, rows - p * kPanel);
+        if (x_ld > 0)
+          pack_int8_panel_t<IS_INT4>(x + m0 + p * kPanel, x_ld, valid, K, quads + p * panel_words,
+                                     x_scales + p * panel_blocks, x_terms + p * panel_blocks);
+        else
+          pack_int8_panel<IS_INT4>(x + (m0 + p * kPanel) * K, valid, K, xq.data(), xscale.data(),
+                                   quads + p * panel_words, x_scales + p * panel_blocks, x_terms + p * panel_blocks);
+      }
+      // null: reductions instead of y
+      float* y_chunk = y == nullptr ? nullptr : y_ld > 0 ? y + m0 : y + m0 * N;
 #pragma omp for schedule(guided, 2)
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t n0 = t * kRows;
@@ -517,7 +571,8 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
                                  ? pending.data() + (p * kPendingColumns + pending_columns) * kPanel : nullptr;
             int8_tile<IS_INT4, RT>(w.data(), w_scales.data(), w_mins.data(), K, quads + p * panel_words,
                                    x_scales + p * panel_blocks, x_terms + p * panel_blocks,
-                                   static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m, n0, columns);
+                                   static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m, n0, columns,
+                                   y_ld);
           }
         };
         switch (count) {
@@ -609,6 +664,20 @@ int64_t int8_argmax_int8x(const int8_t* qweight, const uint16_t* scales, int64_t
                           const float* x, int64_t M, int64_t* argmax, float* max, float* lse, int num_threads) {
   return argmax_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size,
                             argmax, max, lse, num_threads);
+}
+
+// int4_gemm_int8x / int8_gemm_int8x with x and / or y stored feature-major (gemm_int8's x_ld, y_ld; 0: row after
+// row): the native decoder's MLP keeps its intermediate so, and the same values come out.
+void int4_gemm_int8x_strided(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N,
+                             int64_t K, int64_t group_size, const float* x, int64_t M, int64_t x_ld, float* y,
+                             int64_t y_ld, int num_threads) {
+  gemm_int8<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads, nullptr, x_ld, y_ld);
+}
+
+void int8_gemm_int8x_strided(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
+                             const float* x, int64_t M, int64_t x_ld, float* y, int64_t y_ld, int num_threads) {
+  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y, num_threads,
+                   nullptr, x_ld, y_ld);
 }
 
 int gemm_int8x_supported() { return 1; }
