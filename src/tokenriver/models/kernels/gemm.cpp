@@ -597,10 +597,10 @@ template <bool IS_INT4>
 int64_t argmax_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
                     const uint16_t* mins, int64_t N, int64_t G, int64_t* argmax, float* max, float* lse,
                     int num_threads) {
-  const int threads = std::max(num_threads, 1);
-  const tokenriver::ThreadReductions reductions(threads, M);
-  gemm_int8<IS_INT4>(x, M, K, qweight, scales, mins, N, G, nullptr, threads, reductions.each());
-  return reductions.merge(argmax, max, lse);
+  const auto product = [&](int threads, const RowReductions* reductions) {
+    gemm_int8<IS_INT4>(x, M, K, qweight, scales, mins, N, G, nullptr, threads, reductions);
+  };
+  return tokenriver::reduce_rows(num_threads, M, product, argmax, max, lse);
 }
 #endif
 

@@ -103,5 +103,15 @@ class ThreadReductions {
   std::vector<RowReductions> each_;
 };
 
+// Runs product(threads, reductions) (a product folding its columns into each thread's RowReductions) and merges
+// the threads' results into argmax, max and lse [M]; returns how many values were not finite.
+template <typename Product>
+int64_t reduce_rows(int num_threads, int64_t M, const Product& product, int64_t* argmax, float* max, float* lse) {
+  const int threads = num_threads > 1 ? num_threads : 1;
+  const ThreadReductions reductions(threads, M);
+  product(threads, reductions.each());
+  return reductions.merge(argmax, max, lse);
+}
+
 }  // namespace tokenriver
 #endif
