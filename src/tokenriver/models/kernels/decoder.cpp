@@ -240,7 +240,8 @@ Step slice_rows(const Step& s, int64_t H, int64_t head_dim, int64_t r0, int64_t 
   for (int64_t c = 0; c < s.num_chunks; ++c) {
     const int64_t* chunk = s.chunks + 4 * c;
     const int64_t first = std::max(chunk[0], r0), end = std::min(chunk[0] + chunk[2], r1);
-    if (first < end) chunks.insert(chunks.end(), {first - r0, chunk[1], end - first, chunk[3] - (chunk[0] + chunk[2] - end)});
+    const int64_t context = chunk[3] - (chunk[0] + chunk[2] - end);  // what the chunk's last kept token sees
+    if (first < end) chunks.insert(chunks.end(), {first - r0, chunk[1], end - first, context});
   }
   Step slice = s;
   slice.hidden = s.hidden + r0 * H;

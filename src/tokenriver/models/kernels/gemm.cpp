@@ -45,7 +45,7 @@ using tokenriver::quantize_activations;
 constexpr int kRows = 6;
 constexpr int kLanes = 8;
 constexpr int kPanel = 2 * kLanes;
-// Columns of y folded into row reductions at once (argmax_int8): two whole tiles and a half.
+// Columns of y folded into row reductions at once, at most (argmax_int8): two tiles of six.
 constexpr int kPendingColumns = 16;
 
 // Activation rows transposed per pass: [K, chunk] floats should sit in L2 (512 KB) while every weight tile of the
@@ -342,14 +342,15 @@ void pack_int8_panel_t(const float* x, int64_t ld, int64_t valid, int64_t K, uin
         total = _mm512_add_epi32(total, q[c]);
       }
       // Lane i: row i's four rounded values as the bytes of one word, the first column lowest.
-      const __m512i word =
-          _mm512_or_si512(_mm512_or_si512(_mm512_and_si512(q[0], low_byte), _mm512_slli_epi32(_mm512_and_si512(q[1], low_byte), 8)),
-                          _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(q[2], low_byte), 16), _mm512_slli_epi32(q[3], 24)));
+      __m512i word = _mm512_slli_epi32(q[3], 24);
+      for (int c = 0; c < 3; ++c)
+        word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(q[c], low_byte), 8 * c));
       _mm512_storeu_si512(quads + (8 * b + j) * kPanel, word);
     }
     _mm512_storeu_ps(scales + b * kPanel, scale);
-    _mm512_storeu_ps(terms + b * kPanel, IS_INT4 ? _mm512_mul_ps(scale, _mm512_cvtepi32_ps(total))
-                                                 : _mm512_cvtepi32_ps(_mm512_mullo_epi32(total, _mm512_set1_epi32(-128))));
+    const __m512i offset_total = _mm512_mullo_epi32(total, _mm512_set1_epi32(-128));
+    _mm512_storeu_ps(terms + b * kPanel,
+                     IS_INT4 ? _mm512_mul_ps(scale, _mm512_cvtepi32_ps(total)) : _mm512_cvtepi32_ps(offset_total));
   }
 }
 
