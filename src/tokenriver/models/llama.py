@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def greedy_reductions(self, hidden: torch.Tensor) -> Reductions | None:
         """Per row of compute_logits(hidden): (argmax, largest logit, log-sum-exp), without writing the logits,
-        where the output projection can (quantized, rounded mode on VNNI or AMX: models/quant.py); else None. A greedy step
-        that reports nothing but the chosen tokens' logprobs needs only these."""
+        where the output projection can (quantized, rounded mode on VNNI or AMX: models/quant.py); else None. A
+        greedy step that reports nothing but the chosen tokens' logprobs needs only these."""
         reductions = getattr(self.lm_head, "argmax_logsumexp", None)
         return reductions(hidden) if reductions is not None else None
