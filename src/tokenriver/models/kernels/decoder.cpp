@@ -133,18 +133,14 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
 // one array, and the down product packs its input from it without transposing either. Every value goes through the
 // same operations as row after row (SiLU's 8- and 16-wide forms agree bit for bit; I a multiple of 8), so the
 // output is the same.
-bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
   const Linear& gate_up = layer.gate_up;
   const Linear& down = layer.down;
   return T > gate_up.max_gemv_rows && T > down.max_gemv_rows && gate_up.gemm_rounding == 1 &&
          down.gemm_rounding == 1 && gate_up.bias == nullptr && down.bias == nullptr && I % 8 == 0;
-#else
-  return false;
-#endif
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // linear's int8-activation GEMM with x and / or y feature-major (x_ld, y_ld; 0: row after row).
 void linear_strided(const Linear& l, const float* x, int64_t M, int64_t x_ld, float* y, int64_t y_ld, int threads) {
   const int64_t N = l.out_features, K = l.in_features, G = l.group_size;
