@@ -24,7 +24,9 @@ than 10 rows the rounded mode's fastest on this CPU: bfloat16 tiles where it has
 has AVX512-VNNI, else exact; the same with an int8 KV cache = `kv_cache_dtype="int8"` (about llama.cpp's q8_0 cache
 type);
 int8 = `quantization="int8"`; bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`,
-the dequantized reference), prefix caching off; llama.cpp through llama-cpp-python on the same file (Q4_1);
+the dequantized reference), prefix caching on (the engine's default, as in vLLM: the chat prompts of the throughput
+runs share the template's system prompt) and its cache emptied before every measurement, so no run reuses an earlier
+one's prompts; llama.cpp through llama-cpp-python on the same file (Q4_1);
 transformers' `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32 and bfloat16.
 
 Needs the `bench` extra (`pip install -e '.[bench]'`; llama-cpp-python compiles llama.cpp from source, which needs a
@@ -142,8 +144,7 @@ class TokenriverEngine:
         spec = setup.spec
         self.llm = LLM(model=setup.model_path, dtype=spec.dtype, quantization=spec.quantization,
                        int8_activations=spec.int8_activations, kv_cache_dtype=spec.kv_cache_dtype,
-                       num_threads=setup.num_threads, max_num_seqs=64, max_num_kv_tokens=setup.num_kv_tokens,
-                       enable_prefix_caching=False)
+                       num_threads=setup.num_threads, max_num_seqs=64, max_num_kv_tokens=setup.num_kv_tokens)
 
     def describe(self) -> str:
         loaded = self.llm.engine.loaded
@@ -154,6 +155,7 @@ class TokenriverEngine:
         from tokenriver import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.llm.reset_prefix_cache()  # Else the prompt of the previous repeat would be a cache hit.
         (output,) = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         metrics, tokens = output.metrics, output.outputs[0].token_ids
         per_token = metrics.time_per_output_token(len(tokens))
@@ -165,6 +167,7 @@ class TokenriverEngine:
         from tokenriver import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.llm.reset_prefix_cache()  # Shared prefixes are computed once per run, not taken from the last run.
         started = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - started
@@ -175,6 +178,7 @@ class TokenriverEngine:
         from tokenriver import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+        self.llm.reset_prefix_cache()  # Prompt logprobs need every position computed.
         (output,) = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         positions = output.prompt_logprobs[1:]
         argmax = [next(token_id for token_id, lp in position.items() if lp.rank == 1) for position in positions]
@@ -678,8 +682,10 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
                                      (f"{count} prompts x {settings.max_tokens}", "vs transformers' best",
                                       f"vs vLLM CPU {VLLM_CPU_BATCH32:.0f}")], throughput_rows),
         "",
-        f"tokenriver: all prompts submitted at once (continuous batching, max_num_seqs=64). transformers: "
-        f"left-padded `generate` batches, best of batch sizes {list(settings.hf_batch_sizes)} (in brackets). "
+        "tokenriver: all prompts submitted at once (continuous batching, max_num_seqs=64; prefix caching on, its "
+        "cache emptied before each run, so the prompts share only the chat template's system prompt with each "
+        "other). transformers: left-padded `generate` batches, best of batch sizes "
+        f"{list(settings.hf_batch_sizes)} (in brackets). "
         "llama.cpp: not measured (llama-cpp-python runs one sequence at a time). vLLM's figure is its CPU build at "
         "batch 32 in bf16, measured in issue 8 on a 2-core AMD EPYC (Zen 4), not in this run nor necessarily on "
         "this machine.",

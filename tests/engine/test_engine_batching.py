@@ -67,6 +67,10 @@ def test_prefix_cache_hits_on_shared_prompt(loaded_float32):
     uncached = LLM.from_loaded(loaded_float32, max_num_kv_tokens=8192, enable_prefix_caching=False)
     (reference,) = uncached.generate([system + "What is a token?"], params, use_tqdm=False)
     assert second.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    (recomputed,) = llm.generate([system + "What is a token?"], params, use_tqdm=False)
+    assert recomputed.num_cached_tokens == 0
+    assert recomputed.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
 def test_abort_mid_generation_frees_every_block(loaded_float32):

@@ -141,6 +141,21 @@ def test_a_hash_already_cached_stays_with_its_first_block():
     assert manager.num_free_blocks == 4 and manager.num_cached_blocks == 1
 
 
+def test_reset_prefix_cache_forgets_free_cached_blocks_and_refuses_while_blocks_are_held():
+    manager = BlockManager(num_blocks=4, block_size=2)
+    block_hashes = hashes_of(manager, [1, 2, 3, 4])
+    blocks = manager.allocate(2)
+    manager.cache_blocks(blocks, block_hashes)
+    assert not manager.reset_prefix_cache()  # held: nothing changes
+    assert manager.find_cached_blocks(block_hashes) == blocks
+    manager.free(blocks)
+    assert manager.reset_prefix_cache()
+    assert manager.find_cached_blocks(block_hashes) == [] and manager.num_cached_blocks == 0
+    assert [manager.block_hash(b) for b in blocks] == [None, None]
+    # The forgotten blocks are plain free blocks again: all four can be handed out, none twice.
+    assert manager.num_free_blocks == 4 and sorted(manager.allocate(4)) == [0, 1, 2, 3]
+
+
 def test_prefix_caching_disabled_caches_nothing():
     manager = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     block_hashes = hashes_of(manager, [1, 2, 3, 4])

@@ -173,6 +173,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix; False (nothing changes) while a request is running."""
+        return self.block_manager.reset_prefix_cache()
+
     def step(self) -> list[RequestOutput]:
         """Run one forward pass for the current batch; return the outputs that changed."""
         started = time.perf_counter()

@@ -118,6 +118,12 @@ class LLM:
                     self.engine.abort_request(request_id)
         return [finished[request_id] for request_id in request_ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the KV of every prompt prefix cached so far (vLLM's `LLM.reset_prefix_cache`): the next prompts
+        are computed in full. Benchmarks call it between runs of the same prompts. Between calls of generate()
+        nothing runs, so it returns True; False means a request still held blocks and nothing was forgotten."""
+        return self.engine.reset_prefix_cache()
+
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it (text deltas in `delta_text`)."""
         (request_id,) = self._add([prompt], sampling_params or SamplingParams())

@@ -161,6 +161,22 @@ class BlockManager:
                 self._block_hashes[block_id] = block_hash
                 self._cached[block_hash] = block_id
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so the next requests compute theirs afresh (vLLM's reset_prefix_cache).
+
+        For measurements that must not reuse an earlier run's prompts, and after anything that changes what a
+        block's K/V would be for the same tokens. Only when no request holds a block: a held block's hash is
+        part of its request's table, so False is returned and nothing changes.
+        """
+        if self.num_used_blocks:
+            return False
+        for block_id in self._evictable:
+            self._block_hashes[block_id] = None
+            self._free_uncached.append(block_id)
+        self._evictable.clear()
+        self._cached.clear()
+        return True
+
     # ---- allocation ----
 
     def can_allocate(self, num_new_blocks: int, reused_block_ids: Sequence[int] = ()) -> bool:

@@ -469,7 +469,11 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
   const __mmask8 columns = static_cast<__mmask8>((1u << RT) - 1);
   for (int half = 0; half < 2; ++half) {
     __m256 rows[kLanes];
-    for (int r = 0; r < kLanes; ++r) rows[r] = r < RT ? _mm512_extractf32x8_ps(acc[r], half) : _mm256_setzero_ps();
+    // The extract's lane index must be an immediate: spelled out, not `half`, which is one only once the loop is
+    // unrolled (a change elsewhere in the tile once stopped GCC from unrolling it and the build failed).
+    for (int r = 0; r < kLanes; ++r)
+      rows[r] = r >= RT ? _mm256_setzero_ps()
+                : half == 0 ? _mm512_extractf32x8_ps(acc[r], 0) : _mm512_extractf32x8_ps(acc[r], 1);
     transpose8(rows);
     for (int i = 0; i < kLanes && half * kLanes + i < valid; ++i)
       _mm256_mask_storeu_ps(y + (m0 + half * kLanes + i) * N + n0, columns, rows[i]);
