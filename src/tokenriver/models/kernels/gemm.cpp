@@ -354,6 +354,25 @@ void pack_int8_panel_t(const float* x, int64_t ld, int64_t valid, int64_t K, uin
   }
 }
 
+// v holds at least n elements (its contents are scratch).
+template <typename T>
+inline void grow(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(n);
+}
+
+// Weight rows [n0, n0 + count) with their scales and (int4) mins, toward L2.
+template <bool IS_INT4>
+inline void prefetch_rows(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G,
+                          int64_t n0, int64_t count) {
+  const int64_t row_bytes = IS_INT4 ? K / 2 : K, num_groups = K / G;
+  const char* rows = reinterpret_cast<const char*>(qweight + n0 * row_bytes);
+  for (int64_t o = 0; o < count * row_bytes; o += 64) _mm_prefetch(rows + o, _MM_HINT_T1);
+  for (int64_t o = 0; o < count * num_groups * 2; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(scales + n0 * num_groups) + o, _MM_HINT_T1);
+    if (IS_INT4) _mm_prefetch(reinterpret_cast<const char*>(mins + n0 * num_groups) + o, _MM_HINT_T1);
+  }
+}
+
 // Per block of 32 columns of weight rows [n0, n0 + count), the scale and (int4) the min, as floats [count, K/32].
 // With groups of 32 the half-precision scales and mins of a row are contiguous and convert 16 at a time.
 template <bool IS_INT4>
@@ -452,10 +471,12 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
       if (IS_INT4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w_mins[r * num_blocks + b]), x_sum, acc[r]);
     }
   }
-  // y feature-major ([N, y_ld]): weight row r's sums are activation rows m0.. of row n0 + r, stored as they are.
+  // SwiGLU into y feature-major ([N, y_ld]): rows r < RT / 2 are gates and the rest their ups, and row n0 + r of y
+  // (activation rows m0.. of it) is silu(gate r) * up r.
   if (y_ld > 0) {
     const __mmask16 lanes = static_cast<__mmask16>(valid >= kPanel ? 0xFFFF : (1u << valid) - 1);
-    for (int r = 0; r < RT; ++r) _mm512_mask_storeu_ps(y + (n0 + r) * y_ld + m0, lanes, acc[r]);
+    for (int r = 0; r < RT / 2; ++r)
+      _mm512_mask_storeu_ps(y + (n0 + r) * y_ld + m0, lanes, tokenriver::silu_times(acc[r], acc[r + RT / 2]));
     return;
   }
   // For row reductions instead of y: weight row r's 16 sums at columns_out + 16 r.
@@ -482,12 +503,17 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
 
 // reductions: null to write y; else y is not written and each thread folds the columns it computes into its
 // reductions (reductions.h), a few tiles' columns at a time.
-// x_ld, y_ld: 0 for x [M, K] and y [M, N] row after row; else that one is stored feature-major, column k of x
-// (row n of yᵀ) at x + k * x_ld (y + n * y_ld), the rows consecutive. The same values either way.
+// x_ld: 0 for x [M, K] row after row; else x is stored feature-major, column k at x + k * x_ld, the rows
+// consecutive. The same values either way.
+// swiglu_up > 0: weight rows [0, N) are an MLP's gates and [swiglu_up, swiglu_up + N) their ups, and y [N, y_ld]
+// (feature-major) gets silu(gate) * up. A tile then takes three gates and their three ups, and SwiGLU runs on its
+// sums in registers: no [2N, M] product is written and read back by a pass of its own. The values are those of
+// the product row after row and ops.cpp's SwiGLU.
 template <bool IS_INT4>
 void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
                const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads,
-               const RowReductions* reductions = nullptr, int64_t x_ld = 0, int64_t y_ld = 0) {
+               const RowReductions* reductions = nullptr, int64_t x_ld = 0, int64_t swiglu_up = 0) {
+  const int64_t y_ld = swiglu_up > 0 ? M : 0;
   const int64_t num_blocks = K / 32, panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
   const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
   const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
@@ -502,7 +528,9 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* const x_scales = reinterpret_cast<float*>(quads + num_panels * panel_words);
   float* const x_terms = x_scales + num_panels * panel_blocks;
-  const int64_t num_tiles = (N + kRows - 1) / kRows;
+  // Rows of y per tile.
+  const int64_t tile_outputs = swiglu_up > 0 ? kRows / 2 : kRows;
+  const int64_t num_tiles = (N + tile_outputs - 1) / tile_outputs;
   // One parallel region for packing and products (one fork and join per product, not two per chunk). Tiles are
   // handed out in runs that shrink as the product nears its end (guided, down to 2 tiles): each thread mostly
   // takes the tile after its last one, as the weight prefetch below assumes, and neither thread waits long at the
@@ -511,13 +539,20 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
   // prefill's 242 against 249 ms.
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<int8_t> xq(kPanel * K);
-    std::vector<float> xscale(kPanel * num_blocks);
-    std::vector<uint8_t> w(kRows * K);
-    std::vector<float> w_scales(kRows * num_blocks), w_mins(kRows * num_blocks);
+    // Each thread's scratch, kept between calls (thread_local: here, each worker's own). Allocated and zero-filled
+    // per call (~40 KB per thread and product, 120 products a decode step), its memset was 0.6% of the samples of a
+    // 64 x 128 run.
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> xscale, w_scales, w_mins, pending;
+    thread_local std::vector<uint8_t> w;
+    grow(xq, kPanel * K);
+    grow(xscale, kPanel * num_blocks);
+    grow(w, kRows * K);
+    grow(w_scales, kRows * num_blocks);
+    grow(w_mins, kRows * num_blocks);
     // Reductions: the sums of up to kPendingColumns consecutive columns of y per panel of the chunk, folded in
     // together (one rescaling of the running sums per fold, not per tile).
-    std::vector<float> pending(reductions != nullptr ? num_panels * kPendingColumns * kPanel : 0);
+    if (reductions != nullptr) grow(pending, num_panels * kPendingColumns * kPanel);
     int64_t pending_n0 = 0, pending_columns = 0, pending_m0 = 0, pending_rows = 0;
     const auto fold = [&]() {
       for (int64_t m = 0; m < pending_rows; m += kPanel)
@@ -542,23 +577,24 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
       float* y_chunk = y == nullptr ? nullptr : y_ld > 0 ? y + m0 : y + m0 * N;
 #pragma omp for schedule(guided, 2)
       for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t n0 = t * kRows;
-        const int64_t count = std::min<int64_t>(kRows, N - n0);
+        const int64_t n0 = t * tile_outputs;
+        const int64_t count = std::min<int64_t>(tile_outputs, N - n0);
         // The next tile's weights, into L2 while this one computes: the products of a decode step read them from
         // memory, and this took the step's 64-row products from 36.8 to 35.5 ms (output layer 8.3 to 7.9).
-        if (n0 + kRows < N) {
-          const int64_t next_rows = std::min<int64_t>(kRows, N - n0 - kRows), num_groups = K / G;
-          const int64_t row_bytes = IS_INT4 ? K / 2 : K;
-          const char* next = reinterpret_cast<const char*>(qweight + (n0 + kRows) * row_bytes);
-          for (int64_t o = 0; o < next_rows * row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
-          for (int64_t o = 0; o < next_rows * num_groups * 2; o += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(scales + (n0 + kRows) * num_groups) + o, _MM_HINT_T1);
-            if (IS_INT4)
-              _mm_prefetch(reinterpret_cast<const char*>(mins + (n0 + kRows) * num_groups) + o, _MM_HINT_T1);
-          }
+        if (n0 + tile_outputs < N) {
+          const int64_t next = n0 + tile_outputs, next_rows = std::min<int64_t>(tile_outputs, N - next);
+          prefetch_rows<IS_INT4>(qweight, scales, mins, K, G, next, next_rows);
+          if (swiglu_up > 0) prefetch_rows<IS_INT4>(qweight, scales, mins, K, G, swiglu_up + next, next_rows);
         }
         block_terms<IS_INT4>(scales, mins, K, G, n0, count, w_scales.data(), w_mins.data());
         for (int64_t r = 0; r < count; ++r) tile_row<IS_INT4>(qweight, K, n0 + r, w.data() + 32 * r);
+        if (swiglu_up > 0) {
+          block_terms<IS_INT4>(scales, mins, K, G, swiglu_up + n0, count, w_scales.data() + count * num_blocks,
+                               w_mins.data() + count * num_blocks);
+          for (int64_t r = 0; r < count; ++r)
+            tile_row<IS_INT4>(qweight, K, swiglu_up + n0 + r, w.data() + 32 * (count + r));
+        }
+        const int64_t tile_rows = swiglu_up > 0 ? 2 * count : count;
         if (reductions != nullptr) {
           if (pending_columns > 0 && (pending_n0 + pending_columns != n0 || pending_columns + count > kPendingColumns))
             fold();
@@ -580,7 +616,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
                                    y_ld);
           }
         };
-        switch (count) {
+        switch (tile_rows) {
           case 6: run(std::integral_constant<int, 6>{}); break;
           case 5: run(std::integral_constant<int, 5>{}); break;
           case 4: run(std::integral_constant<int, 4>{}); break;
@@ -671,18 +707,31 @@ int64_t int8_argmax_int8x(const int8_t* qweight, const uint16_t* scales, int64_t
                             argmax, max, lse, num_threads);
 }
 
-// int4_gemm_int8x / int8_gemm_int8x with x and / or y stored feature-major (gemm_int8's x_ld, y_ld; 0: row after
-// row): the native decoder's MLP keeps its intermediate so, and the same values come out.
+// int4_gemm_int8x / int8_gemm_int8x with x stored feature-major ([K, x_ld]): the native decoder's MLP keeps its
+// intermediate so, and the same values come out.
 void int4_gemm_int8x_strided(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N,
                              int64_t K, int64_t group_size, const float* x, int64_t M, int64_t x_ld, float* y,
-                             int64_t y_ld, int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads, nullptr, x_ld, y_ld);
+                             int num_threads) {
+  gemm_int8<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads, nullptr, x_ld);
 }
 
 void int8_gemm_int8x_strided(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
-                             const float* x, int64_t M, int64_t x_ld, float* y, int64_t y_ld, int num_threads) {
+                             const float* x, int64_t M, int64_t x_ld, float* y, int num_threads) {
   gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y, num_threads,
-                   nullptr, x_ld, y_ld);
+                   nullptr, x_ld);
+}
+
+// y [I, M] (feature-major) = silu(x Wᵀ [:, :I]) * x Wᵀ [:, I:2I] for a fused gate/up weight [2I, K]: the native
+// decoder's MLP intermediate, the values of int4_gemm_int8x and ops.cpp's SwiGLU.
+void int4_gemm_int8x_swiglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t I,
+                            int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
+  gemm_int8<true>(x, M, K, qweight, scales, mins, I, group_size, y, num_threads, nullptr, 0, I);
+}
+
+void int8_gemm_int8x_swiglu(const int8_t* qweight, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
+                            const float* x, int64_t M, float* y, int num_threads) {
+  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, I, group_size, y,
+                   num_threads, nullptr, 0, I);
 }
 
 int gemm_int8x_supported() { return 1; }

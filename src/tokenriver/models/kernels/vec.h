@@ -66,6 +66,14 @@ inline __m512 exp512(__m512 x) {
   const __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lower, _CMP_GT_OQ), result);
 }
+
+// silu(gate) * up on 16 floats, silu(g) = g / (1 + e^-g) as PyTorch computes it (ops.cpp's SwiGLU and gemm.cpp's
+// fused one share it, so they agree bit for bit).
+inline __m512 silu_times(__m512 gate, __m512 up) {
+  const __m512i sign_bit = _mm512_set1_epi32(INT32_MIN);
+  const __m512 negated = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), sign_bit));
+  return _mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(negated))), up);
+}
 #endif
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
