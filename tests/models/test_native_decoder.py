@@ -28,10 +28,12 @@ pytestmark = pytest.mark.skipif(load_kernels() is None,
 BLOCK_SIZE = 16
 
 
-def quantized_tiny_model(attention_bias: bool, int8_activations: bool = False) -> LlamaForCausalLM:
+def quantized_tiny_model(attention_bias: bool, int8_activations: bool = False,
+                         intermediate_size: int = 256) -> LlamaForCausalLM:
     """Three layers with random weights; projections alternate int4 and int8 (per-channel and group-32 scales)."""
     torch.manual_seed(0)
-    config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=3,
+    config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=128, intermediate_size=intermediate_size,
+                         num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=attention_bias)
     model = LlamaForCausalLM(config).float()
     with torch.no_grad():
@@ -140,10 +142,13 @@ def test_native_decoder_runs_gemm_sized_batches():
         assert torch.equal(ours, reference)
 
 
-def test_native_decoder_rounded_gemm_batches_equal_the_module_path():
+@pytest.mark.parametrize("intermediate_size", [256, 192, 224])
+def test_native_decoder_rounded_gemm_batches_equal_the_module_path(intermediate_size):
     """21 requests decoding with int8 activations: on a CPU with AVX512-VNNI the MLP keeps its intermediate
-    feature-major (decoder.cpp), with a partial panel of 5 rows; the same bits as the modules' row-major products."""
-    model = quantized_tiny_model(attention_bias=False, int8_activations=True)
+    feature-major (decoder.cpp), with a partial panel of 5 rows, and SwiGLU runs in the gate/up product's tiles of
+    three gates and their ups (intermediate sizes leaving 1, 0 and 2 gates for the last tile); the same bits as the
+    modules' row-major products and SwiGLU."""
+    model = quantized_tiny_model(attention_bias=False, int8_activations=True, intermediate_size=intermediate_size)
     requests = [[(5 * i + 3 * r) % 96 for i in range(14)] for r in range(21)]
     steps = [[8] * 21, [1] * 21, [1] * 21, [3] * 21, [1] * 21]
     for ours, reference in zip(run_steps(model, requests, steps, native=True),
