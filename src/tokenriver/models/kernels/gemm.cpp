@@ -39,6 +39,7 @@ namespace {
 using tokenriver::decode_int4;
 using tokenriver::decode_int8;
 using tokenriver::half_to_float;
+using tokenriver::prefetch_weight_rows;
 using tokenriver::quantize_activations;
 
 // Weight rows per tile, activation rows per vector, and activation rows per packed panel (two vectors).
@@ -360,19 +361,6 @@ inline void grow(std::vector<T>& v, int64_t n) {
   if (v.size() < static_cast<size_t>(n)) v.resize(n);
 }
 
-// Weight rows [n0, n0 + count) with their scales and (int4) mins, toward L2.
-template <bool IS_INT4>
-inline void prefetch_rows(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G,
-                          int64_t n0, int64_t count) {
-  const int64_t row_bytes = IS_INT4 ? K / 2 : K, num_groups = K / G;
-  const char* rows = reinterpret_cast<const char*>(qweight + n0 * row_bytes);
-  for (int64_t o = 0; o < count * row_bytes; o += 64) _mm_prefetch(rows + o, _MM_HINT_T1);
-  for (int64_t o = 0; o < count * num_groups * 2; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(scales + n0 * num_groups) + o, _MM_HINT_T1);
-    if (IS_INT4) _mm_prefetch(reinterpret_cast<const char*>(mins + n0 * num_groups) + o, _MM_HINT_T1);
-  }
-}
-
 // Per block of 32 columns of weight rows [n0, n0 + count), the scale and (int4) the min, as floats [count, K/32].
 // With groups of 32 the half-precision scales and mins of a row are contiguous and convert 16 at a time.
 template <bool IS_INT4>
@@ -583,8 +571,8 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
         // memory, and this took the step's 64-row products from 36.8 to 35.5 ms (output layer 8.3 to 7.9).
         if (n0 + tile_outputs < N) {
           const int64_t next = n0 + tile_outputs, next_rows = std::min<int64_t>(tile_outputs, N - next);
-          prefetch_rows<IS_INT4>(qweight, scales, mins, K, G, next, next_rows);
-          if (swiglu_up > 0) prefetch_rows<IS_INT4>(qweight, scales, mins, K, G, swiglu_up + next, next_rows);
+          prefetch_weight_rows<IS_INT4>(qweight, scales, mins, K, G, next, next_rows);
+          if (swiglu_up > 0) prefetch_weight_rows<IS_INT4>(qweight, scales, mins, K, G, swiglu_up + next, next_rows);
         }
         block_terms<IS_INT4>(scales, mins, K, G, n0, count, w_scales.data(), w_mins.data());
         for (int64_t r = 0; r < count; ++r) tile_row<IS_INT4>(qweight, K, n0 + r, w.data() + 32 * r);

@@ -50,6 +50,7 @@
 
 namespace {
 
+using tokenriver::prefetch_weight_rows;
 using tokenriver::reduce_columns;
 using tokenriver::RowReductions;
 
@@ -295,19 +296,6 @@ void activation_rows(const float* x, int64_t valid, int64_t padded, int64_t K, u
                                        : _mm512_setzero_si512();
       _mm512_storeu_si512(out + 2 * k, values);
     }
-  }
-}
-
-// The bytes of weight rows [n, n + rows) into L2.
-template <bool IS_INT4>
-void prefetch_weight_rows(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G,
-                          int64_t n, int64_t rows) {
-  const int64_t row_bytes = IS_INT4 ? K / 2 : K, num_groups = K / G;
-  const char* bytes = reinterpret_cast<const char*>(qweight + n * row_bytes);
-  for (int64_t o = 0; o < rows * row_bytes; o += 64) _mm_prefetch(bytes + o, _MM_HINT_T1);
-  for (int64_t o = 0; o < rows * num_groups * 2; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(scales + n * num_groups) + o, _MM_HINT_T1);
-    if (IS_INT4) _mm_prefetch(reinterpret_cast<const char*>(mins + n * num_groups) + o, _MM_HINT_T1);
   }
 }
 
