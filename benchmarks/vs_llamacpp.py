@@ -23,7 +23,8 @@ own arithmetic for Q4_1 weights and its default KV cache type in decode-sized pr
 than 10 rows the rounded mode's fastest on this CPU: bfloat16 tiles where it has AMX, int8 activations where it
 has AVX512-VNNI, else exact; the same with an int8 KV cache = `kv_cache_dtype="int8"` (about llama.cpp's q8_0 cache
 type);
-int8 = `quantization="int8"`; bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`,
+int8 = `quantization="int8"` (one scale per output channel); the same with int8 activations and an int8 KV cache
+(its products of more than 10 rows scale each 32-column block's integer sums by the activation scale alone); bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`,
 the dequantized reference), prefix caching on (the engine's default, as in vLLM: the chat prompts of the throughput
 runs share the template's system prompt) and its cache emptied before every measurement, so no run reuses an earlier
 one's prompts; llama.cpp through llama-cpp-python on the same file (Q4_1);
@@ -80,6 +81,7 @@ LLAMA = "llama.cpp Q4_1"
 INT4 = "tokenriver int4 (Q4_1)"
 INT4_X8 = "tokenriver int4, int8 activations, f16 KV"
 INT4_X8_KV8 = "tokenriver int4, int8 activations, int8 KV"
+INT8_X8_KV8 = "tokenriver int8, int8 activations, int8 KV"
 CLI = "tokenriver generate (CLI, int4)"
 
 
@@ -93,7 +95,7 @@ class EngineSpec:
     dtype: str = "float32"
     # tokenriver's quantization mode ("auto" keeps the file's Q4_1 weights packed).
     quantization: str = "auto"
-    # tokenriver: decode products of 4-bit weights with int8-rounded activations (llama.cpp's arithmetic).
+    # tokenriver: products of quantized weights with int8-rounded activations (llama.cpp's arithmetic).
     int8_activations: bool = False
     # tokenriver's KV pool dtype ("auto" = dtype; llama.cpp's default is float16).
     kv_cache_dtype: str = "auto"
@@ -386,6 +388,7 @@ def engine_specs(hf_dtypes: list[str]) -> list[EngineSpec]:
              EngineSpec(INT4_X8, "tokenriver", "float32", "auto", int8_activations=True, kv_cache_dtype="float16"),
              EngineSpec(INT4_X8_KV8, "tokenriver", "float32", "auto", int8_activations=True, kv_cache_dtype="int8"),
              EngineSpec("tokenriver int8", "tokenriver", "float32", "int8"),
+             EngineSpec(INT8_X8_KV8, "tokenriver", "float32", "int8", int8_activations=True, kv_cache_dtype="int8"),
              EngineSpec("tokenriver bf16", "tokenriver", "bfloat16", "none"),
              EngineSpec(REFERENCE, "tokenriver", "float32", "none"),
              EngineSpec(LLAMA, "llama.cpp")]

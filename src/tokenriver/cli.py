@@ -36,8 +36,8 @@ ENGINE_HELP = {
     "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
     "quantization": "weights: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 packed, none dequantizes to --dtype, "
                     "int8/int4 quantize float weights at load",
-    "int8_activations": "4-bit weights multiply activations rounded to int8 in decode steps, as llama.cpp does, "
-                        "and in larger products too where the CPU has AVX512-VNNI: faster decode, "
+    "int8_activations": "quantized weights multiply activations rounded to int8 in decode steps, as llama.cpp "
+                        "does, and in larger products too where the CPU has AVX512-VNNI: faster decode, "
                         "prefill and batches, logits within ~1%% of the exact ones",
     "use_kv_cache": "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
     "num_threads": "CPU threads (default: the cores available)",

@@ -51,10 +51,10 @@ class EngineConfig:
     # Weight format: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed (4/8-bit kernels) and float weights float;
     # "none" dequantizes everything to dtype; "int8" / "int4" also quantize float weights at load.
     quantization: str = "auto"
-    # 4-bit weights multiply activations rounded to int8 per 32 columns in decode-sized products, as llama.cpp does
-    # (models/quant.py): faster single-stream decode (with a float16 KV cache, 112 vs 79 tokens/s for the exact
-    # engine in benchmarks/results/vs_llamacpp.md). Larger products (prefill, big batches) round their activations
-    # the same way where the CPU has AVX512-VNNI. Logits no longer exactly the reference's.
+    # Quantized weights (4- or 8-bit) multiply activations rounded to int8 per 32 columns in decode-sized products,
+    # as llama.cpp does (models/quant.py): faster single-stream decode with 4-bit weights. Larger products (prefill,
+    # big batches) round their activations the same way where the CPU has AVX512-VNNI. Logits no longer exactly the
+    # reference's.
     int8_activations: bool = False
     # torch device string ("cpu", "cuda", ...).
     device: str = "cpu"
@@ -95,10 +95,10 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise InvalidParameterError(f"quantization={self.quantization!r} is not supported: use auto, none, "
                                         f"int8 or int4", param="quantization")
-        if self.int8_activations and self.quantization in ("none", "int8"):
-            raise InvalidParameterError(f"int8_activations applies to 4-bit weights, and quantization="
-                                        f"{self.quantization!r} leaves none: use quantization 'auto' (a GGUF's "
-                                        f"Q4_0/Q4_1 weights) or 'int4'", param="int8_activations")
+        if self.int8_activations and self.quantization == "none":
+            raise InvalidParameterError("int8_activations applies to quantized weights, and quantization='none' "
+                                        "leaves none: use quantization 'auto' (a GGUF's packed weights), 'int4' or "
+                                        "'int8'", param="int8_activations")
         if self.dtype not in ("float32", "bfloat16"):
             raise InvalidParameterError(f"dtype={self.dtype!r} is not supported: use 'float32' or 'bfloat16'",
                                         param="dtype")

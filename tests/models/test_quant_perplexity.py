@@ -80,12 +80,13 @@ def test_quantized_perplexity_within_one_percent(default_model_path, text_ids, f
                              float32_logits, text_ids, min_agreement)
 
 
-def test_fastest_settings_perplexity_within_one_percent(default_model_path, text_ids, float32_logits):
-    """The benchmarks' fastest engine: the file's 4-bit weights, int8 activations, an int8 KV pool."""
-    loaded = load_model(default_model_path, int8_activations=True)
-    _assert_close_to_float32("4-bit, int8 activations, int8 KV pool", _logits(loaded, text_ids, torch.float32,
-                                                                             torch.int8),
-                             float32_logits, text_ids, 0.9)
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_fastest_settings_perplexity_within_one_percent(default_model_path, text_ids, float32_logits, quantization):
+    """The benchmarks' fastest engines: the file's 4-bit weights or int8 ones (one scale per channel), int8
+    activations, an int8 KV pool. Measured at the time of writing: 0.9984x and 1.0027x float32's perplexity."""
+    loaded = load_model(default_model_path, quantization=quantization, int8_activations=True)
+    _assert_close_to_float32(f"quantization={quantization!r}, int8 activations, int8 KV pool",
+                             _logits(loaded, text_ids, torch.float32, torch.int8), float32_logits, text_ids, 0.9)
 
 
 def test_bfloat16_perplexity_within_one_percent(default_model_path, text_ids, float32_logits):

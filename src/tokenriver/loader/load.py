@@ -77,9 +77,9 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
 
     quantization (loader/assemble.py): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed and float weights float;
     "none" dequantizes everything; "int8"/"int4" also quantize float weights at load.
-    int8_activations: the 4-bit layers round decode-sized activations to int8 and every quantized layer rounds
-    those of larger products too where the CPU has it (models/quant.py); a model with no 4-bit weight is refused
-    rather than loaded without the setting taking effect.
+    int8_activations: the quantized layers round decode-sized activations to int8 and those of larger products too
+    where the CPU has it (models/quant.py); an int8 output projection rounds only the latter. A model with no
+    quantized layer is refused rather than loaded without the setting taking effect.
     cache_dir: where a GGUF file's header index is cached (loader/gguf_cache.py; None: $XDG_CACHE_HOME/tokenriver
     or ~/.cache/tokenriver).
     """
@@ -90,18 +90,19 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     with _one_thread():
         loaded = _load(path, _DTYPES[dtype], device, quantization, cache_dir)
     if int8_activations:
-        layers = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]
+        output = getattr(loaded.model, "lm_head", None)
+        layers = [m for m in loaded.model.modules()
+                  if isinstance(m, Int4Linear) or (isinstance(m, Int8Linear) and m is not output)]
         if not layers:
-            raise InvalidParameterError(f"int8_activations applies to 4-bit weights and {path} has none with "
-                                        f"quantization={quantization!r}: use quantization='int4' to quantize it",
-                                        param="int8_activations")
+            raise InvalidParameterError(f"int8_activations applies to quantized weights and {path} has none with "
+                                        f"quantization={quantization!r}: use quantization='int4' or 'int8' to "
+                                        f"quantize it", param="int8_activations")
         for layer in layers:
             layer.set_int8_activations(True)
-        # An int8 layer (the output projection) already streams at memory speed in decode steps, so it keeps
-        # float32 activations there; its many-row products, a fifth of a 64-sequence step's arithmetic, round too.
-        for layer in loaded.model.modules():
-            if isinstance(layer, Int8Linear):
-                layer.set_rounded_gemm(True)
+        # An int8 output projection already streams at memory speed in decode steps, so it keeps float32
+        # activations there; its many-row products, a fifth of a 64-sequence step's arithmetic, round too.
+        if isinstance(output, Int8Linear):
+            output.set_rounded_gemm(True)
     return dataclasses.replace(loaded, int8_activations=int8_activations)
 
 
