@@ -25,8 +25,9 @@ has AVX512-VNNI, else exact; the same with an int8 KV cache = `kv_cache_dtype="i
 type);
 int8 = `quantization="int8"` (one scale per output channel); the same with int8 activations and an int8 KV cache
 (its products of more than 10 rows scale each 32-column block's integer sums by the activation scale alone);
-bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`, the dequantized reference), prefix caching on (the engine's default, as in vLLM: the chat prompts of the throughput
-runs share the template's system prompt) and its cache emptied before every measurement, so no run reuses an earlier
+bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`, the dequantized reference),
+prefix caching on (the engine's default, as in vLLM: the chat prompts of the throughput runs share the template's
+system prompt) and its cache emptied before every measurement, so no run reuses an earlier
 one's prompts; llama.cpp through llama-cpp-python on the same file (Q4_1);
 transformers' `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32 and bfloat16.
 
