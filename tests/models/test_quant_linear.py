@@ -253,7 +253,7 @@ def test_rounded_layers_pick_the_fastest_rounding_of_this_cpu() -> None:
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("rounding", [pytest.param(None, id="f32"), INT8_GEMM, BF16_GEMM])
-@pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0"])
 def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | None) -> None:
     # 40 outputs: six-row weight tiles plus a remainder of 4 (float32, int8), or 16-row tiles plus 8 (bfloat16).
     # K = 1536: 80 float32 activation rows per pass, 336 in int8, 320 in bfloat16, so 1000 rows take one to
