@@ -361,6 +361,12 @@ inline void grow(std::vector<T>& v, int64_t n) {
   if (v.size() < static_cast<size_t>(n)) v.resize(n);
 }
 
+// Int8 weights with one scale per output channel (group size K): int8_tile's PER_ROW epilogue.
+template <bool IS_INT4>
+constexpr bool one_scale_per_row(int64_t K, int64_t G) {
+  return !IS_INT4 && G == K;
+}
+
 // Per block of 32 columns of weight rows [n0, n0 + count), the scale and (int4) the min, as floats [count, K/32];
 // int8 weights with one scale per row: that scale, [count].
 // With groups of 32 the half-precision scales and mins of a row are contiguous and convert 16 at a time.
@@ -368,7 +374,7 @@ template <bool IS_INT4>
 void block_terms(const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G, int64_t n0, int64_t count,
                  float* out_scales, float* out_mins) {
   const int64_t num_blocks = K / 32, num_groups = K / G;
-  if (!IS_INT4 && G == K) {  // one scale per row: int8_tile's PER_ROW reads out_scales [count]
+  if (one_scale_per_row<IS_INT4>(K, G)) {  // int8_tile's PER_ROW reads out_scales [count]
     for (int64_t r = 0; r < count; ++r) out_scales[r] = half_to_float(scales[n0 + r]);
     return;
   }
@@ -533,7 +539,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
   float* const x_terms = x_scales + num_panels * panel_blocks;
   // Rows of y per tile.
   const int64_t tile_outputs = swiglu_up > 0 ? kRows / 2 : kRows;
-  const bool per_row = !IS_INT4 && G == K;  // int8 weights with one scale per output channel
+  const bool per_row = one_scale_per_row<IS_INT4>(K, G);
   const int64_t row_terms = per_row ? 1 : num_blocks;  // block_terms' floats per weight row
   const int64_t num_tiles = (N + tile_outputs - 1) / tile_outputs;
   // One parallel region for packing and products (one fork and join per product, not two per chunk). Tiles are
@@ -621,6 +627,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
                   x_terms + p * panel_blocks, static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m,
                   n0, columns, y_ld);
             };
+            // per_row is never true for int4; the constant keeps the int4 build from instantiating PER_ROW.
             if (per_row)
               tile(std::integral_constant<bool, !IS_INT4>{});
             else
