@@ -39,7 +39,7 @@ namespace {
 using tokenriver::decode_int4;
 using tokenriver::decode_int8;
 using tokenriver::half_to_float;
-using tokenriver::prefetch_weight_rows;
+using tokenriver::prefetch_group_terms;
 using tokenriver::quantize_activations;
 
 // Weight rows per tile, activation rows per vector, and activation rows per packed panel (two vectors).
@@ -436,6 +436,13 @@ inline void tile_row(const uint8_t* qweight, int64_t K, int64_t n, uint8_t* out)
   }
 }
 
+// A later tile's weight bytes, for int8_tile to fetch into L2 a few 64-byte lines per block of 32 columns while it
+// computes: 'lines' lines from each non-null start (the second: a fused SwiGLU's ups).
+struct TilePrefetch {
+  const char* starts[2] = {nullptr, nullptr};
+  int64_t lines = 0;
+};
+
 // RT weight rows (w: tile_row's layout; scales and mins [RT, K/32]) × one panel's 16 activation rows, the first
 // `valid` of them real, into y[m0 + i, n0 + r]. Each weight word's address is the block's base plus a constant:
 // with rows K bytes apart instead, the compiler kept one pointer per (row, column) and spilled them, and the tile
@@ -446,9 +453,10 @@ inline void tile_row(const uint8_t* qweight, int64_t K, int64_t n, uint8_t* out)
 template <bool IS_INT4, int RT, bool PER_ROW = false>
 void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int64_t K, const uint32_t* quads,
                const float* x_scales, const float* x_terms, int valid, float* y, int64_t N, int64_t m0, int64_t n0,
-               float* columns_out, int64_t y_ld) {
+               float* columns_out, int64_t y_ld, const TilePrefetch& prefetch) {
   static_assert(!(IS_INT4 && PER_ROW), "int4 weights keep a scale and a min per group");
   const int64_t num_blocks = K / 32;
+  const int64_t lines_per_block = (prefetch.lines + num_blocks - 1) / num_blocks;
   const uint32_t* w_words = reinterpret_cast<const uint32_t*>(w);
   __m512 acc[RT];
   for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
@@ -458,6 +466,9 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
     for (int r = 0; r < RT; ++r) sums[r] = start;
     const uint32_t* block_words = w_words + 8 * kRows * b;
     const uint32_t* block_quads = quads + 8 * kPanel * b;
+    for (int64_t l = b * lines_per_block; l < std::min(prefetch.lines, (b + 1) * lines_per_block); ++l)
+      for (const char* start : prefetch.starts)
+        if (start != nullptr) _mm_prefetch(start + 64 * l, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m512i x = _mm512_loadu_si512(block_quads + j * kPanel);
@@ -544,7 +555,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
   const int64_t num_tiles = (N + tile_outputs - 1) / tile_outputs;
   // One parallel region for packing and products (one fork and join per product, not two per chunk). Tiles are
   // handed out in runs that shrink as the product nears its end (guided, down to 2 tiles): each thread mostly
-  // takes the tile after its last one, as the weight prefetch below assumes, and neither thread waits long at the
+  // takes the tiles after its last one, as the weight prefetch below assumes, and neither thread waits long at the
   // end for the other's last run. With the scratch and the transposed store above, the products of a 64-row
   // decode step of the embedded model took 31.5 against 33.9 ms (alternating runs, 2 threads), and a 512-row
   // prefill's 242 against 249 ms.
@@ -590,12 +601,20 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t n0 = t * tile_outputs;
         const int64_t count = std::min<int64_t>(tile_outputs, N - n0);
-        // The next tile's weights, into L2 while this one computes: the products of a decode step read them from
-        // memory, and this took the step's 64-row products from 36.8 to 35.5 ms (output layer 8.3 to 7.9).
-        if (n0 + tile_outputs < N) {
-          const int64_t next = n0 + tile_outputs, next_rows = std::min<int64_t>(tile_outputs, N - next);
-          prefetch_weight_rows<IS_INT4>(qweight, scales, mins, K, G, next, next_rows);
-          if (swiglu_up > 0) prefetch_weight_rows<IS_INT4>(qweight, scales, mins, K, G, swiglu_up + next, next_rows);
+        // The weights of the tile after next, into L2 while this one computes (the products of a decode step read
+        // them from memory): their bytes spread over the first panel's blocks (int8_tile), their scales now.
+        // Issued all at once, the bytes (54 lines a tile of K = 576, 144 of K = 1536) stalled the core until
+        // miss buffers freed up; spread, 32 x 128 decoding ran ~4% faster and 64 x 128 ~2% (alternating runs).
+        TilePrefetch prefetch;
+        if (n0 + 2 * tile_outputs < N) {
+          const int64_t later = n0 + 2 * tile_outputs, later_rows = std::min<int64_t>(tile_outputs, N - later);
+          const int64_t row_bytes = IS_INT4 ? K / 2 : K;
+          prefetch.starts[0] = reinterpret_cast<const char*>(qweight + later * row_bytes);
+          if (swiglu_up > 0)
+            prefetch.starts[1] = reinterpret_cast<const char*>(qweight + (swiglu_up + later) * row_bytes);
+          prefetch.lines = (later_rows * row_bytes + 63) / 64;
+          prefetch_group_terms<IS_INT4>(scales, mins, K, G, later, later_rows);
+          if (swiglu_up > 0) prefetch_group_terms<IS_INT4>(scales, mins, K, G, swiglu_up + later, later_rows);
         }
         block_terms<IS_INT4>(scales, mins, K, G, n0, count, w_scales.data(), w_mins.data());
         for (int64_t r = 0; r < count; ++r) tile_row<IS_INT4>(qweight, K, n0 + r, w.data() + 32 * r);
@@ -625,7 +644,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
               int8_tile<IS_INT4, RT, decltype(per_row_tile)::value>(
                   w.data(), w_scales.data(), w_mins.data(), K, quads + p * panel_words, x_scales + p * panel_blocks,
                   x_terms + p * panel_blocks, static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m,
-                  n0, columns, y_ld);
+                  n0, columns, y_ld, p == 0 ? prefetch : TilePrefetch{});
             };
             // per_row is never true for int4; the constant keeps the int4 build from instantiating PER_ROW.
             if (per_row)

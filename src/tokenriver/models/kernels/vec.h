@@ -78,18 +78,26 @@ inline __m512 silu_times(__m512 gate, __m512 up) {
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-// The bytes of weight rows [n, n + rows) with their scales and (int4) mins into L2 (gemm.cpp's and gemm_amx.cpp's
-// products fetch the next tile's while computing one).
+// The scales and (int4) mins of weight rows [n, n + rows) into L2.
 template <bool IS_INT4>
-inline void prefetch_weight_rows(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K,
-                                 int64_t G, int64_t n, int64_t rows) {
-  const int64_t row_bytes = IS_INT4 ? K / 2 : K, num_groups = K / G;
-  const char* bytes = reinterpret_cast<const char*>(qweight + n * row_bytes);
-  for (int64_t o = 0; o < rows * row_bytes; o += 64) _mm_prefetch(bytes + o, _MM_HINT_T1);
+inline void prefetch_group_terms(const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G, int64_t n,
+                                 int64_t rows) {
+  const int64_t num_groups = K / G;
   for (int64_t o = 0; o < rows * num_groups * 2; o += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(scales + n * num_groups) + o, _MM_HINT_T1);
     if (IS_INT4) _mm_prefetch(reinterpret_cast<const char*>(mins + n * num_groups) + o, _MM_HINT_T1);
   }
+}
+
+// The bytes of weight rows [n, n + rows) with their scales and (int4) mins into L2 (gemm_amx.cpp's products fetch
+// the next tile's while computing one).
+template <bool IS_INT4>
+inline void prefetch_weight_rows(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K,
+                                 int64_t G, int64_t n, int64_t rows) {
+  const int64_t row_bytes = IS_INT4 ? K / 2 : K;
+  const char* bytes = reinterpret_cast<const char*>(qweight + n * row_bytes);
+  for (int64_t o = 0; o < rows * row_bytes; o += 64) _mm_prefetch(bytes + o, _MM_HINT_T1);
+  prefetch_group_terms<IS_INT4>(scales, mins, K, G, n, rows);
 }
 
 // 32 int4 columns (16 bytes) → four vectors of 8 floats: columns 0-7, 8-15, 16-23, 24-31.
