@@ -156,6 +156,32 @@ def test_native_decoder_rounded_gemm_batches_equal_the_module_path(intermediate_
         assert torch.equal(ours, reference)
 
 
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["exact", "int8-activations"])
+def test_row_groups_per_thread_give_the_same_bits_as_split_operations(int8_activations):
+    """Decode steps of 25 requests on two threads, each thread running 12 or 13 of the rows through the whole stack
+    (decoder.cpp's row groups), against every operation split across the threads and against the modules. Prompt
+    steps, steps of two query tokens per request (the second attends to the key the first writes, which the other
+    group would write: once cut there, a row read it before it was written) and a decode step of 20 rows (10 per
+    thread: the GEMV's size) are not cut into groups and must agree as well."""
+    model = quantized_tiny_model(attention_bias=True, int8_activations=int8_activations)
+    requests = [[(5 * i + 3 * r) % 96 for i in range(14)] for r in range(25)]
+    steps = [[8] * 25, [1] * 25, [1] * 25, [2] * 25, [1] * 20 + [0] * 5, [1] * 25]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = {}
+        for threading in ("row_groups", "split", "auto"):
+            NativeDecoder.threading = threading
+            runs[threading] = run_steps(model, requests, steps, native=True)
+    finally:
+        NativeDecoder.threading = "auto"
+        torch.set_num_threads(threads)
+    modules = run_steps(model, requests, steps, native=False)
+    for step, reference in enumerate(modules):
+        for threading, hidden_states in runs.items():
+            assert torch.equal(hidden_states[step], reference), f"{threading}, step {step}"
+
+
 def test_native_decoder_slices_long_steps_without_changing_a_bit():
     """Steps of more than 256 rows run the stack over 256-row slices (decoder.cpp): prompt chunks cut at a slice
     edge, decode tokens in either slice, int8 activations on the bfloat16/int8 GEMM where the CPU has one."""

@@ -11,6 +11,11 @@ compiled for). `supports(...)` says whether one step can: float32 activations, a
 the CPU, autograd off (decodes, verification and prompt chunks alike: the attention kernel takes them all). The
 caller runs the modules otherwise. The weights' pointers are taken at build time: the owner drops this object
 when its buffers move.
+
+How the threads share a step (`threading`, decoder.cpp's runs_in_row_groups): "auto" splits every operation across
+them unless, in a decode step of enough rows, they turn out not to share a cache; then each thread runs a group of
+the rows through the whole stack. "split" and "row_groups" force one way (where the step allows it); all three
+give the same results.
 """
 
 from __future__ import annotations
@@ -40,8 +45,13 @@ def _linear_spec(linear: nn.Module) -> LinearSpec | None:
                       int(linear.int8_activations), ROUNDINGS.index(linear.gemm_rounding))
 
 
+THREADINGS = ("auto", "split", "row_groups")  # decoder.cpp's Step.threading codes 0, 1, 2
+
+
 class NativeDecoder:
     """The layers' weights bound once; each call runs one step of all of them."""
+
+    threading: str = "auto"  # one of THREADINGS (module docstring)
 
     def __init__(self, kernels: NativeKernels, layers: nn.ModuleList, specs: list[LayerSpec]) -> None:
         self._kernels = kernels
@@ -113,6 +123,7 @@ class NativeDecoder:
         step.num_blocks, step.block_size = kv_cache.num_blocks, kv_cache.block_size
         step.num_threads = torch.get_num_threads()
         step.kv_cache_format = kv_cache_format(kv_cache[0][0])
+        step.threading = THREADINGS.index(self.threading)
         self._kernels.llama_decoder(self._decoder, step)
         return out, residual
 

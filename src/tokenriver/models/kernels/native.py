@@ -152,7 +152,7 @@ class StepSpec(ctypes.Structure):
                 ("max_blocks", _i64), ("queries", _ptr), ("num_queries", _i64), ("chunks", _ptr),
                 ("num_chunks", _i64), ("key_caches", _ptr),
                 ("value_caches", _ptr), ("num_blocks", _i64), ("block_size", _i64), ("num_threads", ctypes.c_int32),
-                ("kv_cache_format", ctypes.c_int32)]
+                ("kv_cache_format", ctypes.c_int32), ("threading", ctypes.c_int32)]
 
 
 class NativeKernels:
