@@ -280,8 +280,9 @@ Step slice_rows(const Step& s, int64_t H, int64_t head_dim, int64_t r0, int64_t 
 // ~4.5 ms longer, the small operations most (an RMSNorm of 32 rows 17 instead of 5 µs). There a decode step runs
 // instead as one group of rows per thread, each group through the whole stack on its thread alone: the weights are
 // read by every thread, but nothing written is read across cores and no thread waits for another until the end.
-// 32 prompts x 128 tokens (int8 weights, activations and KV, 2 threads) took 1,290-1,360 against 1,155-1,160 tokens/s
-// that way between cores that do not share a cache, and 1,365-1,375 against 1,410-1,450 between cores that do.
+// 32 prompts x 128 tokens (int8 weights, activations and KV, 2 threads) with every decode step in groups took
+// 1,290-1,360 against 1,155-1,160 tokens/s between cores that do not share a cache, and 1,365-1,375 against
+// 1,410-1,450 between cores that do (alternating runs).
 //
 // Which case holds is measured at each such step: the one-way time of a cache line handed back and forth between
 // two of the team's threads, a few microseconds a step. Both ways compute every row with the same operations (the
@@ -354,8 +355,9 @@ int run_row_groups(const Decoder* d, const Step& s) {
     slices.back().num_threads = 1;
   }
   std::vector<int> status(groups, 0);
+  // A team may come smaller than asked (OMP_THREAD_LIMIT): its threads then share the groups out.
 #pragma omp parallel num_threads(groups)
-  status[omp_get_thread_num()] = run_layers(d, &slices[omp_get_thread_num()]);
+  for (int g = omp_get_thread_num(); g < groups; g += omp_get_num_threads()) status[g] = run_layers(d, &slices[g]);
   for (const int code : status)
     if (code != 0) return code;
   return 0;
