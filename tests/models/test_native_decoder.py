@@ -182,6 +182,16 @@ def test_row_groups_per_thread_give_the_same_bits_as_split_operations(int8_activ
             assert torch.equal(hidden_states[step], reference), f"{threading}, step {step}"
 
 
+def test_an_unknown_threading_is_refused_with_the_choices():
+    model = quantized_tiny_model(attention_bias=False)
+    NativeDecoder.threading = "rows"
+    try:
+        with pytest.raises(ValueError, match="one of .*'auto'.*got 'rows'"):
+            run_steps(model, REQUESTS, STEPS[:1], native=True)
+    finally:
+        NativeDecoder.threading = "auto"
+
+
 def test_native_decoder_slices_long_steps_without_changing_a_bit():
     """Steps of more than 256 rows run the stack over 256-row slices (decoder.cpp): prompt chunks cut at a slice
     edge, decode tokens in either slice, int8 activations on the bfloat16/int8 GEMM where the CPU has one."""

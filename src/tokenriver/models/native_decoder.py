@@ -123,6 +123,8 @@ class NativeDecoder:
         step.num_blocks, step.block_size = kv_cache.num_blocks, kv_cache.block_size
         step.num_threads = torch.get_num_threads()
         step.kv_cache_format = kv_cache_format(kv_cache[0][0])
+        if self.threading not in THREADINGS:
+            raise ValueError(f"NativeDecoder.threading must be one of {THREADINGS}, got {self.threading!r}")
         step.threading = THREADINGS.index(self.threading)
         self._kernels.llama_decoder(self._decoder, step)
         return out, residual
