@@ -26,7 +26,9 @@ type);
 int8 = `quantization="int8"` (one scale per output channel); the same with int8 activations and an int8 KV cache
 (its products of more than 10 rows scale each 32-column block's integer sums by the activation scale alone);
 bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`, the dequantized reference),
-prefix caching on (the engine's default, as in vLLM: the chat prompts of the throughput runs share the template's
+every one with `num_scheduler_steps=8` (multi-step scheduling, as vLLM's --num-scheduler-steps: while every request
+is a plain greedy decode, a step runs up to 8 forward passes and schedules and processes outputs once; the tokens
+and text are those of single steps), prefix caching on (the engine's default, as in vLLM: the chat prompts of the throughput runs share the template's
 system prompt) and its cache emptied before every measurement, so no run reuses an earlier
 one's prompts; llama.cpp through llama-cpp-python on the same file (Q4_1);
 transformers' `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32 and bfloat16.
@@ -83,6 +85,8 @@ INT4 = "tokenriver int4 (Q4_1)"
 INT4_X8 = "tokenriver int4, int8 activations, f16 KV"
 INT4_X8_KV8 = "tokenriver int4, int8 activations, int8 KV"
 INT8_X8_KV8 = "tokenriver int8, int8 activations, int8 KV"
+# tokenriver's forward passes per scheduling step while every request is a plain greedy decode (multi-step).
+NUM_SCHEDULER_STEPS = 8
 CLI = "tokenriver generate (CLI, int4)"
 
 
@@ -147,7 +151,8 @@ class TokenriverEngine:
         spec = setup.spec
         self.llm = LLM(model=setup.model_path, dtype=spec.dtype, quantization=spec.quantization,
                        int8_activations=spec.int8_activations, kv_cache_dtype=spec.kv_cache_dtype,
-                       num_threads=setup.num_threads, max_num_seqs=64, max_num_kv_tokens=setup.num_kv_tokens)
+                       num_threads=setup.num_threads, max_num_seqs=64, max_num_kv_tokens=setup.num_kv_tokens,
+                       num_scheduler_steps=NUM_SCHEDULER_STEPS)
 
     def describe(self) -> str:
         loaded = self.llm.engine.loaded
@@ -656,7 +661,8 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
         f"Embedded SmolLM2-135M-Instruct (Q4_1 GGUF), {args.threads} threads for every engine, greedy. "
         f"Machine: {machine_line()}; llama-cpp-python {llama_cpp.__version__}, transformers "
         f"{transformers.__version__}. With int8 activations, products of more than 10 rows run as "
-        f"{rounded_products()}.",
+        f"{rounded_products()}. tokenriver runs with num_scheduler_steps={NUM_SCHEDULER_STEPS} (multi-step "
+        f"scheduling).",
         f"Command: `{command}`",
         "",
         f"Each engine configuration runs in its own process; measurements alternate between them (A, B, C, A, B, "

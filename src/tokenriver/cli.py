@@ -45,6 +45,8 @@ ENGINE_HELP = {
     "speculative_draft": "speculative decoding: ngram (drafts from the request's own earlier text), self:N (the "
                          "model's first N layers), or a draft model path with the same tokenizer (default: off)",
     "num_speculative_tokens": "draft tokens proposed per step and verified in one forward pass",
+    "num_scheduler_steps": "forward passes per step while every request is a plain greedy decode (multi-step "
+                           "scheduling: less per-token overhead, tokens streamed in bursts)",
     "ngram_max": "n-gram drafts: longest suffix looked up in the request's earlier tokens",
     "ngram_min": "n-gram drafts: shortest suffix looked up",
 }

@@ -70,6 +70,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Cap on tokens computed in one step (prompt chunks plus decode tokens).
     max_num_batched_tokens: int = 2048
+    # Multi-step scheduling: forward passes per step when every scheduled request is a plain greedy decode, each
+    # pass after the first decoding the token the one before sampled. Scheduling, bookkeeping and output
+    # processing then run once for all of them; tokens arrive in bursts of this many, and a request that stops
+    # mid-step (EOS) has the rest computed and dropped. 1 = one pass per step.
+    num_scheduler_steps: int = 1
     # Longest sequence (prompt + output); None = the model's context length.
     max_model_len: int | None = None
     # Reuse KV blocks of identical prompt prefixes.
@@ -109,7 +114,8 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
             if self.kv_cache_memory <= 0:
                 raise InvalidParameterError("kv_cache_memory must be positive, e.g. 2GiB", param="kv_cache_memory")
-        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
+        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                          ("num_scheduler_steps", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= {low}", param=name)
@@ -118,6 +124,12 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1 or unset", param=name)
         self._validate_speculative()
+        if self.num_scheduler_steps > 1 and self.speculative_draft is not None:
+            raise InvalidParameterError("num_scheduler_steps > 1 does not combine with speculative decoding (a step "
+                                        "verifies drafts in one pass): set one of them", param="num_scheduler_steps")
+        if self.num_scheduler_steps > 1 and not self.use_kv_cache:
+            raise InvalidParameterError("num_scheduler_steps > 1 needs use_kv_cache: without the cache every step "
+                                        "recomputes the whole sequence", param="num_scheduler_steps")
         if self.max_num_batched_tokens < self.block_size:
             raise InvalidParameterError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least block_size={self.block_size}",

@@ -118,6 +118,13 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def takes_raw_argmax(self) -> bool:
+        """Greedy, and nothing read from the logits but the argmax and its logprob: no logprobs, trace, penalty or
+        bias. (min_tokens may still hold back EOS: that depends on the output so far.)"""
+        return (self.is_greedy and not self.logprobs and not self.trace and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0 and self.frequency_penalty == 0 and not self.logit_bias)
+
+    @property
     def use_beam_search(self) -> bool:
         return self.beam_width is not None
 

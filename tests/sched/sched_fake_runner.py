@@ -86,6 +86,18 @@ class FakeRunner:
                 result.logprobs = [TokenLogprobs(token_id=token_id, logprob=-0.5, rank=1)]
                 result.traces = [f"trace-{scheduled.request_id}-{len(scheduled.output_token_ids)}"]
             results[scheduled.request_id] = result
+        # Multi-step: each further pass stores the token the pass before sampled, then samples the next one.
+        for _ in range(scheduler_output.num_decode_passes - 1):
+            for scheduled in scheduler_output.scheduled:
+                result = results[scheduled.request_id]
+                position = scheduled.start_position + len(result.token_ids)
+                if len(scheduled.block_ids) <= position // self.block_size:
+                    raise AssertionError(f"{scheduled.request_id}: no block for pass position {position}")
+                self.slots[self._slot(scheduled.block_ids, position)] = result.token_ids[-1]
+                token_id = self.model([self.slots[self._slot(scheduled.block_ids, p)] for p in range(position + 1)])
+                result.token_ids.append(token_id)
+                result.logprobs.append(TokenLogprobs(token_id=token_id, logprob=-0.5, rank=1))
+                result.traces.append(f"trace-{scheduled.request_id}-{position}")
         return RunnerOutput(results=results)
 
 
@@ -162,11 +174,13 @@ def make_request(request_id: str, prompt: list[int], *, max_tokens: int | None =
 
 def make_setup(*, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 16,
                max_num_batched_tokens: int = 256, max_model_len: int = 4096, enable_prefix_caching: bool = True,
-               recompute_every_step: bool = False, model: Callable[[list[int]], int] = next_token, clock=None):
+               recompute_every_step: bool = False, model: Callable[[list[int]], int] = next_token, clock=None,
+               num_scheduler_steps: int = 1):
     """A scheduler over a fresh pool, its fake runner and a driver."""
     manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
     extra = {} if clock is None else {"clock": clock}
     scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, recompute_every_step=recompute_every_step, **extra)
+                          max_model_len=max_model_len, recompute_every_step=recompute_every_step,
+                          num_scheduler_steps=num_scheduler_steps, **extra)
     runner = FakeRunner(num_blocks, block_size, model)
     return scheduler, runner, Driver(scheduler, runner)

@@ -18,7 +18,7 @@ from sched_fake_runner import (
 )
 from tokenriver.errors import ContextLengthError, InvalidParameterError
 from tokenriver.outputs import FinishReason
-from tokenriver.sched.output import RunnerOutput
+from tokenriver.sched.output import RequestStepResult, RunnerOutput
 from tokenriver.sched.request import RequestStatus
 
 EOS = 2
@@ -426,7 +426,7 @@ def test_duplicate_and_empty_requests_are_refused():
     assert error.value.param == "prompt"
 
 
-@pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens", "max_model_len"])
+@pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps"])
 def test_bad_limits_name_the_parameter(name):
     with pytest.raises(InvalidParameterError) as error:
         make_setup(**{name: 0})
@@ -476,3 +476,101 @@ def test_empty_step():
     scheduler, runner, _ = make_setup()
     output = scheduler.schedule()
     assert output.is_empty and scheduler.update(output, RunnerOutput()) == []
+
+
+# ---- multi-step scheduling ----
+
+def greedy_request(request_id: str, prompt: list[int], **params):
+    return make_request(request_id, prompt, temperature=0.0, **params)
+
+
+def test_multi_step_decodes_match_the_reference_and_free_everything():
+    scheduler, runner, driver = make_setup(block_size=4, num_scheduler_steps=4)
+    requests = [greedy_request(f"r{i}", prompt_of(3 + 5 * i, seed=i), max_tokens=max_tokens)
+                for i, max_tokens in enumerate((1, 6, 11, 17))]
+    for request in requests:
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        driver.step()
+        check_pool_invariants(scheduler, requests)
+    for i, request in enumerate(requests):
+        assert driver.tokens[request.request_id] == reference_tokens(request.prompt_token_ids,
+                                                                     request.sampling_params.max_tokens)
+        assert driver.finish_reasons[request.request_id] is FinishReason.LENGTH
+    assert scheduler.block_manager.num_used_blocks == 0
+    passes = [output.num_decode_passes for output in driver.outputs]
+    # The prefill step, then four passes while any request wants four more tokens (r1 and r2 finish mid-step:
+    # their rows past max_tokens are dropped), then what the last one still wants.
+    assert passes == [1, 4, 4, 4, 4]
+    assert runner.num_steps == len(passes)
+    assert scheduler.stats().num_decode_tokens_total == 4 * (3 + 3 + 2 + 1)
+
+
+def test_multi_step_takes_blocks_for_every_pass_and_gives_back_the_unused_ones():
+    scheduler, _, driver = make_setup(block_size=4, num_scheduler_steps=8)
+    request = greedy_request("a", prompt_of(4), max_tokens=20)
+    scheduler.add_request(request)
+    driver.step()  # the prompt: 4 tokens, one sampled
+    output = scheduler.schedule()
+    assert output.num_decode_passes == 8
+    # Passes compute positions 4..11: blocks for 12 tokens.
+    assert len(output.scheduled[0].block_ids) == len(request.block_ids) == 3
+    scheduler.update(output, RunnerOutput(results={"a": RequestStepResult(token_ids=[20, 21, 22])}))
+    # A runner that stopped after three passes: the K/V of two of its tokens stays, the empty block goes back.
+    assert (request.num_tokens, request.num_computed_tokens) == (8, 7)
+    assert len(request.block_ids) == 2
+    check_pool_invariants(scheduler, [request])
+
+
+def test_multi_step_eos_mid_step_drops_the_rest_and_frees_the_blocks():
+    script = [20, 21, EOS, 22, 23, 24, 25, 26]
+    scheduler, _, driver = make_setup(block_size=4, num_scheduler_steps=4, model=scripted_model(3, script))
+    request = greedy_request("a", [11, 12, 13], max_tokens=8, eos_token_ids=(EOS,))
+    scheduler.add_request(request)
+    driver.run()
+    assert driver.tokens["a"] == [20, 21, EOS] and driver.finish_reasons["a"] is FinishReason.STOP
+    assert [output.num_decode_passes for output in driver.outputs] == [1, 4]
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.7},
+    {"temperature": 0.0, "stop": ["x"]},
+    {"temperature": 0.0, "logprobs": 2},
+    {"temperature": 0.0, "trace": True},
+    {"temperature": 0.0, "repetition_penalty": 1.3},
+    {"temperature": 0.0, "presence_penalty": 0.5},
+    {"temperature": 0.0, "logit_bias": {30: 2.0}},
+    {"temperature": 0.0, "min_tokens": 5},
+])
+def test_multi_step_only_for_plain_greedy_decodes(params):
+    scheduler, _, driver = make_setup(block_size=4, num_scheduler_steps=4)
+    scheduler.add_request(make_request("plain", prompt_of(6), max_tokens=12, temperature=0.0, eos_token_ids=(EOS,)))
+    scheduler.add_request(make_request("other", prompt_of(7, seed=1), max_tokens=12, eos_token_ids=(EOS,),
+                                       **params))
+    driver.step()
+    assert [driver.step()[0].num_decode_passes for _ in range(3)] == [1, 1, 1]
+
+
+def test_multi_step_not_while_a_prompt_is_computed():
+    scheduler, _, driver = make_setup(block_size=4, num_scheduler_steps=4, max_num_batched_tokens=8)
+    scheduler.add_request(greedy_request("a", prompt_of(4), max_tokens=12))
+    driver.step()
+    scheduler.add_request(greedy_request("b", prompt_of(20, seed=1), max_tokens=12))
+    # b's prompt takes three steps in chunks next to a's decodes: one pass each; then both decode, four at a time.
+    assert [driver.step()[0].num_decode_passes for _ in range(4)] == [1, 1, 1, 4]
+
+
+def test_multi_step_falls_back_to_one_pass_rather_than_preempt():
+    scheduler, _, driver = make_setup(num_blocks=5, block_size=4, num_scheduler_steps=4)
+    requests = [greedy_request("a", prompt_of(7), max_tokens=9), greedy_request("b", prompt_of(7, seed=1),
+                                                                                 max_tokens=9)]
+    for request in requests:
+        scheduler.add_request(request)
+    driver.step()
+    # Four passes would need a third block each (5 blocks in all): one pass, nobody preempted.
+    output, _ = driver.step()
+    assert output.num_decode_passes == 1 and scheduler.stats().num_preempted_total == 0
+    driver.run()
+    for request in requests:
+        assert driver.tokens[request.request_id] == reference_tokens(request.prompt_token_ids, 9)

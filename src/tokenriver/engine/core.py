@@ -99,7 +99,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
-                                   recompute_every_step=not config.use_kv_cache)
+                                   recompute_every_step=not config.use_kv_cache,
+                                   num_scheduler_steps=config.num_scheduler_steps)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed)
         self.speculator: Speculator | None = build_speculator(config, self.loaded, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -10,7 +10,8 @@ draft j, so the target scores all drafts (and one more token) in this one pass.
 `beam_rows` are the last-token rows of beam-search requests, which report their
 most likely next tokens instead of sampling. `prompt_logprob_rows` are the rows
 whose logits score the next prompt token (only for requests that asked for
-prompt logprobs).
+prompt logprobs). `advance_decode` derives a multi-step step's next pass from the
+one before: every request one position on, fed the token it sampled.
 """
 
 from __future__ import annotations
@@ -113,4 +114,23 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
         draft_rows=draft_rows,
         beam_requests=beam_requests,
         beam_rows=beam_rows,
+    )
+
+
+def advance_decode(inputs: ModelInputs, token_ids: list[int], block_size: int,
+                   device: torch.device | str) -> ModelInputs:
+    """The next forward pass of a multi-step step (SchedulerOutput.num_decode_passes): each request of `inputs`
+    (one token each, every one sampled) computes token_ids[i], one position further. Its slot is in the blocks the
+    scheduler took for all of the step's passes (the requests' block_ids)."""
+    requests = inputs.sampling_requests
+    if (len(token_ids) != len(requests) or inputs.sample_rows != list(range(len(requests))) or inputs.draft_requests
+            or inputs.beam_requests or inputs.prompt_logprob_rows):
+        raise ValueError("advance_decode continues a batch of one-token decodes that all sample, with one token each")
+    return ModelInputs(
+        input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+        positions=inputs.positions + 1,
+        metadata=AttentionMetadata.build([1] * len(requests), [n + 1 for n in inputs.metadata.seq_lens],
+                                         [request.block_ids for request in requests], block_size, device),
+        sampling_requests=requests,
+        sample_rows=inputs.sample_rows,
     )

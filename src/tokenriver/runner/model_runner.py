@@ -12,6 +12,8 @@ A beam-search request gets its most likely next tokens instead of a sample.
 A step whose rows are all plain greedy (Sampler.takes_raw_argmax) asks the model
 for each row's argmax, largest logit and log-sum-exp instead of its logits, where
 the model computes those without writing the logits (greedy_reductions).
+A multi-step step (SchedulerOutput.num_decode_passes > 1, only plain greedy decodes)
+runs its further passes here, each feeding every request the token it just sampled.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.kernels.native import load_kernels
-from tokenriver.runner.inputs import ModelInputs, prepare_inputs
+from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
 from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -90,6 +92,7 @@ class ModelRunner:
             hidden = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
         states = [self._state(request) for request in inputs.sampling_requests]
         if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, states, hidden, results):
+            self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
             return RunnerOutput(results=results)
         # [num_sample_rows + num_draft_rows + num_beam_rows, vocab] float32
         logits = self.model.compute_logits(hidden)
@@ -111,7 +114,24 @@ class ModelRunner:
             verdicts = self.sampler.verify(logits[num_sample_rows:num_scored_rows], checks)
             for request, verdict in zip(inputs.draft_requests, verdicts):
                 _append(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
+        self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
         return RunnerOutput(results=results)
+
+    def _decode_ahead(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
+                      results: dict[str, RequestStepResult]) -> None:
+        """num_passes more forward passes of a multi-step step, each decoding the token every request sampled in
+        the pass before. The scheduler grants them to plain greedy decodes only, whose sampling reads nothing the
+        passes change (not the output so far), so every pass samples with the first pass's states."""
+        for _ in range(num_passes):
+            sampled = [results[request.request_id].token_ids[-1] for request in inputs.sampling_requests]
+            inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+            self.num_forward_passes += 1
+            if self._sample_greedy(inputs, states, hidden, results):
+                continue
+            samples = self.sampler.sample(self.model.compute_logits(hidden), states)
+            for request, sample in zip(inputs.sampling_requests, samples):
+                _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
 
     def _sample_greedy(self, inputs: ModelInputs, states: list[SamplingState], hidden: torch.Tensor,
                        results: dict[str, RequestStepResult]) -> bool:

@@ -151,11 +151,6 @@ def _blocks_stop_tokens(state: SamplingState) -> bool:
             and bool(state.eos_token_ids or state.params.stop_token_ids))
 
 
-def _changes_logits(state: SamplingState) -> bool:
-    return (_has_repetition_penalty(state) or _has_presence_or_frequency_penalty(state) or _has_logit_bias(state)
-            or _blocks_stop_tokens(state))
-
-
 class Sampler:
     """Turns a step's logits into tokens, logprobs and traces."""
 
@@ -172,8 +167,7 @@ class Sampler:
         logprobs, no trace, and no stage that would change its logits. Such a batch needs, per row, only the
         argmax, the largest logit and the log-sum-exp (`sample_reduced`), which a model can compute without
         writing its logits."""
-        return all(state.params.is_greedy and not state.params.logprobs and not state.params.trace
-                   and not _changes_logits(state) for state in states)
+        return all(state.params.takes_raw_argmax and not _blocks_stop_tokens(state) for state in states)
 
     @staticmethod
     def sample_reduced(reduced: RowReductionsResult, states: list[SamplingState]) -> list[SampleResult]:

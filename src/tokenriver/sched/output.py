@@ -68,6 +68,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Block copies to do before the forward pass (source id, destination id), e.g. copy-on-write.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Forward passes of this step (multi-step scheduling): after the first, each feeds every request the token the
+    # pass before sampled. Above 1 only when every request is a plain greedy decode (Scheduler docstring); each
+    # request's block_ids then hold slots for all of the passes' tokens.
+    num_decode_passes: int = 1
 
     @property
     def num_batched_tokens(self) -> int:

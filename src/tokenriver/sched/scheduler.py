@@ -23,6 +23,16 @@ tokens behind, and
   accepted plus one token of its own. The accepted drafts' K/V stays (num_computed
   grows by 1 + accepted), the rejected ones' is rolled back: num_computed_tokens
   does not cover them and blocks holding nothing but them are freed;
+- multi-step scheduling (num_scheduler_steps > 1, vLLM's --num-scheduler-steps):
+  a step in which every scheduled request is a plain greedy decode (one token, its
+  raw argmax taken, nothing else read from the logits, no stop strings) runs up to
+  num_scheduler_steps forward passes, each decoding the token the pass before
+  sampled (SchedulerOutput.num_decode_passes). The blocks for all those tokens are
+  taken up front, and only if the pool has them without preempting anyone; fewer
+  passes when no request wants that many more tokens (or one would outgrow the
+  context). Scheduling, this bookkeeping and the engine's output processing then
+  run once per step, not once per token; tokens sampled past a stop (EOS,
+  max_tokens) are dropped, as are speculation's;
 - beam search: a beam is a request that reports its most likely next tokens
   instead of sampling one, then waits ("awaiting fork", nothing to compute)
   until the beam search has every beam's candidates and calls `fork_request`
@@ -74,14 +84,22 @@ from tokenriver.sched.stop import check_stop
 _NO_RESULT = RequestStepResult()
 
 
+def _decodes_plainly(request: Request) -> bool:
+    """Whether the request's next tokens need nothing between forward passes: its raw argmax taken
+    (SamplingParams.takes_raw_argmax) with no min_tokens hold on EOS left, and no stop strings, which the engine
+    checks on text. Multi-step passes decode such requests only."""
+    params = request.sampling_params
+    return params.takes_raw_argmax and not params.stop and request.num_output_tokens >= params.min_tokens
+
+
 class Scheduler:
     """Decides each step's batch and applies its results; owns every unfinished Request."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, recompute_every_step: bool = False,
+                 max_model_len: int, recompute_every_step: bool = False, num_scheduler_steps: int = 1,
                  clock: Callable[[], float] = time.time) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
+                            ("max_model_len", max_model_len), ("num_scheduler_steps", num_scheduler_steps)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1", param=name)
         self.block_manager = block_manager
@@ -89,6 +107,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.recompute_every_step = recompute_every_step
+        self.num_scheduler_steps = num_scheduler_steps
         self._clock = clock
         self._use_prefix_cache = block_manager.enable_prefix_caching and not recompute_every_step
         # Tokens the whole pool holds: a request alone may use all of it, never more.
@@ -258,9 +277,43 @@ class Scheduler:
                 self._preempt(request)
             budget = self._admit_waiting(scheduled, budget, now)
 
-        self._count_step(scheduled)
+        num_passes = self._num_decode_passes(scheduled)
+        self._count_step(scheduled, num_passes)
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished_ids,
-                               block_copies=self._block_copies)
+                               block_copies=self._block_copies, num_decode_passes=num_passes)
+
+    def _num_decode_passes(self, scheduled: list[ScheduledRequest]) -> int:
+        """Forward passes for this step (multi-step scheduling, module docstring); takes the blocks of the passes
+        after the first and gives every scheduled request its grown block table."""
+        if self.num_scheduler_steps == 1 or self.recompute_every_step or not scheduled:
+            return 1
+        requests = [self._requests[item.request_id] for item in scheduled]
+        if not all(item.num_tokens == 1 and item.sample and not item.draft_token_ids
+                   and not item.num_beam_candidates and _decodes_plainly(request)
+                   for item, request in zip(scheduled, requests)):
+            return 1
+        # As many as the request furthest from max_tokens wants (the others' rows past theirs are computed and
+        # dropped), never past any request's room in the context.
+        num_passes = min(self.num_scheduler_steps, max(self._num_tokens_wanted(request) for request in requests),
+                         *(self._max_num_tokens - request.num_tokens for request in requests))
+        if num_passes <= 1:
+            return 1
+        # Pass k (from 0) computes position num_computed_tokens + k.
+        manager = self.block_manager
+        growth = [manager.num_blocks_for(request.num_computed_tokens + num_passes) - len(request.block_ids)
+                  for request in requests]
+        if not manager.can_allocate(sum(growth)):
+            return 1
+        for item, request, num_new_blocks in zip(scheduled, requests, growth):
+            request.block_ids.extend(manager.allocate(num_new_blocks))
+            item.block_ids = list(request.block_ids)
+        return num_passes
+
+    def _num_tokens_wanted(self, request: Request) -> int:
+        """Tokens the request may still append before check_stop ends it on length."""
+        left = self._max_num_tokens - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        return left if max_tokens is None else min(left, max_tokens - request.num_output_tokens)
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, now: float) -> int:
         """Admit waiting requests best rank first while tokens, seats and blocks last; returns the budget left."""
@@ -279,6 +332,7 @@ class Scheduler:
         """Apply a step's results: advance the computed tokens, append sampled ones, stop, free, report."""
         now = self._clock()
         updates: list[RequestUpdate] = []
+        multi_step = scheduler_output.num_decode_passes > 1
         for scheduled in scheduler_output.scheduled:
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -298,13 +352,16 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 stop = check_stop(request, self._max_num_tokens)
                 if stop is not None:
-                    # Tokens sampled past a stop (speculation) are dropped.
+                    # Tokens sampled past a stop (speculation, multi-step passes) are dropped.
                     break
+            if multi_step and new_token_ids:
+                # Each pass after the first computed the K/V of the token sampled before it.
+                request.num_computed_tokens += len(new_token_ids) - 1
             if stop is not None:
                 self._finish(request, stop.reason, stop.stop_reason)
             elif self.recompute_every_step and new_token_ids:
                 self._free_blocks(request)
-            elif scheduled.draft_token_ids:
+            elif scheduled.draft_token_ids or multi_step:
                 self._free_blocks_past_end(request)
             beam_candidates = result.beam_candidates if scheduled.sample else []
             if new_token_ids or prompt_logprobs or request.is_finished or beam_candidates:
@@ -501,10 +558,10 @@ class Scheduler:
             num_beam_candidates=request.num_beam_candidates,
         )
 
-    def _count_step(self, scheduled: list[ScheduledRequest]) -> None:
-        # A decode computes one known token, plus the drafts it verifies.
-        num_decode = sum(s.num_scheduled_tokens for s in scheduled
-                         if s.num_tokens == 1 and s.start_position >= len(s.prompt_token_ids))
+    def _count_step(self, scheduled: list[ScheduledRequest], num_passes: int) -> None:
+        # A decode computes one known token, plus the drafts it verifies; one per pass in a multi-step step.
+        num_decode = num_passes * sum(s.num_scheduled_tokens for s in scheduled
+                                      if s.num_tokens == 1 and s.start_position >= len(s.prompt_token_ids))
         num_prefill = sum(s.num_scheduled_tokens for s in scheduled) - num_decode
         self._num_prefill_tokens_last_step = num_prefill
         self._num_decode_tokens_last_step = num_decode
