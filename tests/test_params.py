@@ -80,10 +80,24 @@ def test_each_invalid_engine_option_names_its_field(field, value):
     assert caught.value.param == field
 
 
-def test_kv_cache_dtype_auto_follows_the_compute_dtype():
-    assert EngineConfig().resolved_kv_cache_dtype == "float32"
-    assert EngineConfig(dtype="bfloat16").resolved_kv_cache_dtype == "bfloat16"
+def test_kv_cache_dtype_auto_is_int8_with_fast_numerics_and_the_compute_dtype_otherwise():
+    assert EngineConfig().resolved_kv_cache_dtype == "int8"
+    assert EngineConfig(dtype="bfloat16").resolved_kv_cache_dtype == "int8"
+    assert EngineConfig(reference_numerics=True).resolved_kv_cache_dtype == "float32"
+    assert EngineConfig(dtype="bfloat16", reference_numerics=True).resolved_kv_cache_dtype == "bfloat16"
+    assert EngineConfig(int8_activations=False).resolved_kv_cache_dtype == "float32"
+    assert EngineConfig(quantization="none").resolved_kv_cache_dtype == "float32"
+    assert EngineConfig(device="cuda").resolved_kv_cache_dtype == "float32"
     assert EngineConfig(kv_cache_dtype="float16").resolved_kv_cache_dtype == "float16"
+
+
+def test_reference_numerics_turns_the_rounding_off_and_refuses_int8_activations():
+    assert EngineConfig().resolved_int8_activations is None
+    assert EngineConfig(reference_numerics=True).resolved_int8_activations is False
+    assert EngineConfig(quantization="none").resolved_int8_activations is False
+    with pytest.raises(InvalidParameterError) as caught:
+        EngineConfig(reference_numerics=True, int8_activations=True)
+    assert caught.value.param == "int8_activations"
 
 
 def test_sizes_parse_with_units():

@@ -51,14 +51,19 @@ class EngineConfig:
     # Weight format: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed (4/8-bit kernels) and float weights float;
     # "none" dequantizes everything to dtype; "int8" / "int4" also quantize float weights at load.
     quantization: str = "auto"
-    # Quantized weights (4- or 8-bit) multiply activations rounded to int8 per 32 columns in decode-sized products,
-    # as llama.cpp does (models/quant.py): faster single-stream decode with 4-bit weights. Larger products (prefill,
-    # big batches) round their activations the same way where the CPU has AVX512-VNNI. Logits no longer exactly the
-    # reference's.
-    int8_activations: bool = False
+    # Quantized weights multiply activations rounded to int8 per 32 columns, as llama.cpp does (models/quant.py),
+    # in decode-sized products and, where the CPU has AVX512-VNNI, in larger ones. None (the default) = on wherever
+    # the weights are quantized, unless reference_numerics; perplexity stays within 1% of float32
+    # (tests/models/test_quant_perplexity.py).
+    int8_activations: bool | None = None
+    # Exact float32 arithmetic on the stored weights, and a KV pool in the compute dtype: the numerics that match
+    # transformers, for tests and comparisons. Off by default: the fast settings above are what users run.
+    reference_numerics: bool = False
     # torch device string ("cpu", "cuda", ...).
     device: str = "cpu"
-    # Dtype the KV pool stores keys and values in (KV_CACHE_DTYPES); "auto" = dtype; "int8": kv/cache.py's format.
+    # Dtype the KV pool stores keys and values in (KV_CACHE_DTYPES). "auto": int8 (kv/cache.py's format, one scale
+    # per token and head) on the CPU with the fast numerics above; the compute dtype elsewhere, with
+    # reference_numerics, or with int8_activations=False.
     kv_cache_dtype: str = "auto"
     # Bytes for the paged KV pool; None = sized from max_num_kv_tokens.
     kv_cache_memory: int | None = None
@@ -100,6 +105,9 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise InvalidParameterError(f"quantization={self.quantization!r} is not supported: use auto, none, "
                                         f"int8 or int4", param="quantization")
+        if self.int8_activations and self.reference_numerics:
+            raise InvalidParameterError("int8_activations rounds activations and reference_numerics asks for exact "
+                                        "arithmetic: set one of them", param="int8_activations")
         if self.int8_activations and self.quantization == "none":
             raise InvalidParameterError("int8_activations applies to quantized weights, and quantization='none' "
                                         "leaves none: use quantization 'auto' (a GGUF's packed weights), 'int4' or "
@@ -138,7 +146,17 @@ class EngineConfig:
     @property
     def resolved_kv_cache_dtype(self) -> str:
         """The dtype name the KV pool is allocated in ("auto" resolved)."""
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return "int8" if self.device == "cpu" and self.resolved_int8_activations is not False else self.dtype
+
+    @property
+    def resolved_int8_activations(self) -> bool | None:
+        """int8_activations with reference_numerics applied: False, True, or None (on where weights are
+        quantized, decided at load)."""
+        if self.reference_numerics or self.quantization == "none":
+            return False
+        return self.int8_activations
 
     def _validate_speculative(self) -> None:
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):

@@ -77,11 +77,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.num_threads or default_num_threads())
+        int8_activations = config.resolved_int8_activations
         self.loaded = loaded if loaded is not None else load_model(
-            config.model, config.dtype, config.device, config.quantization, int8_activations=config.int8_activations)
-        if self.loaded.int8_activations != config.int8_activations:
+            config.model, config.dtype, config.device, config.quantization, int8_activations=int8_activations)
+        if int8_activations is not None and self.loaded.int8_activations != int8_activations:
             raise InvalidParameterError(
-                f"int8_activations={config.int8_activations} but the given model was loaded with "
+                f"int8_activations={int8_activations} but the given model was loaded with "
                 f"int8_activations={self.loaded.int8_activations}: load it with the setting the engine should use",
                 param="int8_activations")
         self.tokenizer = self.loaded.tokenizer

@@ -27,6 +27,11 @@ from tokenriver.tokenizer.tokenizer import Tokenizer
 Prompt = str | dict[str, Any]
 
 
+# Offline generation streams nothing token by token, so its default runs greedy decodes in multi-step
+# scheduling (EngineConfig.num_scheduler_steps): the per-step Python runs once per this many passes.
+OFFLINE_SCHEDULER_STEPS = 8
+
+
 def _engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
     known = {f for f in EngineConfig.__dataclass_fields__}
     unknown = sorted(set(kwargs) - known)
@@ -40,6 +45,9 @@ class LLM:
     """Load a model once, then generate for many prompts at a time."""
 
     def __init__(self, model: str | None = None, dtype: str = "float32", **engine_options: Any) -> None:
+        if (engine_options.get("speculative_draft") is None and engine_options.get("use_kv_cache", True)
+                and "num_scheduler_steps" not in engine_options):
+            engine_options["num_scheduler_steps"] = OFFLINE_SCHEDULER_STEPS
         self._start(EngineCore(_engine_config(model, {"dtype": dtype, **engine_options})))
 
     @classmethod

@@ -1,7 +1,7 @@
 """Checkpoint tensors (Hugging Face names) → a model instance: fusing, quantizing, placing the weights.
 
-Readers hand over plain float tensors, or GGUF Q4_0/Q4_1/Q8_0 weights already repacked into
-models/quant.py's formats. Here they become the model the engine runs:
+Readers hand over plain float tensors, or GGUF weights of any quantized type already repacked into
+models/quant.py's formats (loader/gguf_blocks.py). Here they become the model the engine runs:
 - projections the model fuses (q/k/v, gate/up: the class's `fused_projections`) are stacked into one weight;
 - with quantization "int8" or "int4", every matrix is brought to that format now; the output projection goes to int8 in
   both modes (it is the largest matrix of a small model and the most sensitive one, as in llama.cpp's
@@ -25,10 +25,11 @@ from tokenriver.models.registry import model_class
 
 QuantWeight = Int4Weight | Int8Weight
 Weight = torch.Tensor | QuantWeight
-# "auto": keep what the file stores (GGUF Q4_0/Q4_1/Q8_0 stay packed, float stays float); "none": everything float
+# "auto": keep what the file stores (GGUF quantized types stay packed, float stays float); "none": everything float
 # (the reference the tests compare with transformers); "int8"/"int4": also quantize float matrices at load.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32
+INT8_GROUP_SIZE = 32
 _EMBEDDING = "model.embed_tokens.weight"
 _OUTPUT = "lm_head.weight"
 
@@ -48,7 +49,7 @@ def build_model(config: ModelConfig, weights: dict[str, Weight], device: str | t
     weights = dict(weights)
     if config.tie_word_embeddings and _EMBEDDING in weights:
         weights[_OUTPUT] = weights[_EMBEDDING]
-    weights = _fuse(weights, getattr(cls, "fused_projections", {}), dtype)
+    weights = _fuse(weights, getattr(cls, "fused_projections", {}))
     if quantization in ("int8", "int4"):
         weights = _quantize_all(weights, quantization)
     with torch.device("meta"):
@@ -64,7 +65,7 @@ def build_model(config: ModelConfig, weights: dict[str, Weight], device: str | t
     return model.eval()
 
 
-def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]], dtype: torch.dtype) -> dict[str, Weight]:
+def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]]) -> dict[str, Weight]:
     """Stack each fused module's parts (weights and biases) in every layer that has them all."""
     for target, parts in fused.items():
         suffix = f".{parts[0]}.weight"
@@ -73,18 +74,27 @@ def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]], dtype: 
             for kind in ("weight", "bias"):
                 names = [f"{prefix}.{part}.{kind}" for part in parts]
                 if all(n in weights for n in names):
-                    weights[f"{prefix}.{target}.{kind}"] = _stack([weights.pop(n) for n in names], dtype)
+                    weights[f"{prefix}.{target}.{kind}"] = _stack([weights.pop(n) for n in names])
     return weights
 
 
-def _stack(parts: list[Weight], dtype: torch.dtype) -> Weight:
-    """Concatenate along out_features; parts stored in different formats meet as float."""
+def _stack(parts: list[Weight]) -> Weight:
+    """Concatenate along out_features. Parts stored alike stay as they are. Parts in different formats (a
+    Q4_K_M file keeps q and k at 4 bits and v at 6 in some layers) meet as int8 per 32, the packed format that
+    holds each of them closest, so the fused projection stays packed."""
     first = parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
     if all(type(p) is type(first) and p.group_size == first.group_size for p in parts):
         return concatenate(parts)
-    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts])
+    return concatenate([_as_int8(p) for p in parts])
+
+
+def _as_int8(weight: Weight) -> Int8Weight:
+    if isinstance(weight, Int8Weight) and weight.group_size == INT8_GROUP_SIZE:
+        return weight
+    matrix = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+    return quantize_int8(matrix.float(), INT8_GROUP_SIZE)
 
 
 def _quantize_all(weights: dict[str, Weight], quantization: str) -> dict[str, Weight]:

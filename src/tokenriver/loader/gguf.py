@@ -2,9 +2,10 @@
 
 The only module that knows llama.cpp's naming: metadata keys
 (`llama.attention.head_count`, ...) become ModelConfig fields, tensor names
-(`blk.3.attn_q.weight`, ...) become Hugging Face parameter names. Q4_0, Q4_1
-and Q8_0 matrices can stay packed (repacked byte for byte into models/quant.py's
-formats); every other tensor is dequantized by `gguf.quants.dequantize`.
+(`blk.3.attn_q.weight`, ...) become Hugging Face parameter names. Quantized
+matrices of every type can stay packed (loader/gguf_blocks.py re-encodes each
+GGUF block format into models/quant.py's formats); every other tensor is
+dequantized by `gguf.quants.dequantize`.
 The file is memory-mapped and parsed, never unpickled.
 
 One subtlety: for llama-architecture models llama.cpp's converter reorders
@@ -32,8 +33,9 @@ import torch
 
 from tokenriver.errors import ModelLoadError
 from tokenriver.loader import gguf_cache
+from tokenriver.loader.gguf_blocks import CONVERSIONS, to_packed
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q4_0, repack_q4_1, repack_q8_0
+from tokenriver.models.quant import Int4Weight, Int8Weight
 from tokenriver.models.registry import canonical_architecture
 
 Q = gguf.GGMLQuantizationType
@@ -45,8 +47,6 @@ SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({
     Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
 })
 
-# Types that stay packed when the caller keeps weights quantized: the repacking is exact.
-_REPACKERS = {Q.Q4_0: repack_q4_0, Q.Q4_1: repack_q4_1, Q.Q8_0: repack_q8_0}
 
 # GGUF architectures whose converter permuted attn_q/attn_k rows for interleaved rope.
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
@@ -80,6 +80,8 @@ class GGUFCheckpoint:
     weights: dict[str, torch.Tensor | Int4Weight | Int8Weight]
     # Every "tokenizer.*" metadata key → plain Python value (str, int, float, bool or a list of them).
     tokenizer_fields: dict[str, Any]
+    # Hugging Face parameter name → the GGUF type the file stores it in (e.g. "Q4_K"), for the startup log.
+    stored_types: dict[str, str]
 
 
 class _Tensor(NamedTuple):
@@ -97,7 +99,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
               cache_dir: str | None = None) -> GGUFCheckpoint:
     """Parse a GGUF file; raise ModelLoadError saying what is wrong with it otherwise.
 
-    keep_quantized: Q4_0/Q4_1/Q8_0 matrices come back packed instead of dequantized.
+    keep_quantized: quantized matrices come back packed (loader/gguf_blocks.py) instead of dequantized.
     cache_dir: where the header index is cached (None: $XDG_CACHE_HOME/tokenriver or ~/.cache/tokenriver).
     """
     fields, tensor_list = _read_header(path, cache_dir)
@@ -108,17 +110,19 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     architecture = canonical_architecture(gguf_arch, path)
     tensors = {tensor.name: tensor for tensor in tensor_list}
     config = _config(path, fields, gguf_arch, architecture, tensors)
-    weights = {}
+    weights, stored_types = {}, {}
     for tensor in tensor_list:
         if tensor.name == "rope_freqs.weight":
             continue  # Folded into config.rope_scaling.
         name = _hf_name(path, tensor.name)
-        if keep_quantized and tensor.tensor_type in _REPACKERS and len(tensor.shape) == 2:
+        stored_types[name] = tensor.tensor_type.name
+        if keep_quantized and tensor.tensor_type in CONVERSIONS and len(tensor.shape) == 2:
             weights[name] = _repack(path, tensor, gguf_arch, config)
         else:
             weights[name] = _dequantize(path, tensor, gguf_arch, config).to(dtype)
     tokenizer_fields = {name: value for name, value in fields.items() if name.startswith("tokenizer.")}
-    return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=tokenizer_fields)
+    return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=tokenizer_fields,
+                          stored_types=stored_types)
 
 
 def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list[_Tensor]]:
@@ -256,10 +260,10 @@ def _dequantize(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig)
 
 
 def _repack(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig) -> Int4Weight | Int8Weight:
-    """One Q4_0/Q4_1/Q8_0 matrix → packed weight, rows in PyTorch's order (groups run along a row, so moving
+    """One quantized matrix → packed weight, rows in PyTorch's order (groups run along a row, so moving
     whole rows, as the q/k un-permutation does, leaves every block intact)."""
     try:
-        weight = _REPACKERS[tensor.tensor_type](np.asarray(tensor.data))
+        weight = to_packed(np.asarray(tensor.data), tensor.tensor_type)
     except ModelLoadError as error:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {error.message}", path=path) from error
     heads = _permuted_heads(tensor.name, gguf_arch, config)

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.loader.assemble import build_model, check_quantization
 from tokenriver.loader.gguf import read_gguf
+from tokenriver.loader.gguf_blocks import conversion_of
 from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.quant import Int4Linear, Int8Linear
@@ -47,12 +48,27 @@ class LoadedModel:
     tokenizer: Tokenizer
     # The file or folder the model came from.
     path: str
-    # Distinct weights (a tied embedding counts once).
+    # Distinct weights (a tied embedding counts once); a packed matrix counts its weights, not its bytes.
     num_parameters: int
     # Bytes those weights take in memory (packed, for quantized layers).
     num_bytes: int
-    # Whether the 4-bit layers round decode activations to int8 (load_model's option).
+    # In-memory format ("int4 per 32", "int8 per 32", "float32", ...) → bytes of the weights kept in it.
+    bytes_by_format: dict[str, int] = dataclasses.field(default_factory=dict)
+    # GGUF type the file stores → (how many tensors of it, how they are kept); empty for a Hugging Face folder.
+    stored_types: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    # Whether the quantized layers round activations to int8 (load_model's option).
     int8_activations: bool = False
+
+    def describe(self) -> str:
+        """One line for the startup log: what was loaded, in which formats, at what memory cost."""
+        formats = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in
+                            sorted(self.bytes_by_format.items(), key=lambda item: -item[1]))
+        line = (f"{self.num_parameters / 1e6:.1f}M parameters, {self.num_bytes / 2**20:.1f} MiB of weights "
+                f"({formats})")
+        if self.stored_types:
+            stored = ", ".join(f"{name} x{count} ({how})" for name, (count, how) in sorted(self.stored_types.items()))
+            line += f"; file types: {stored}"
+        return line
 
 
 def default_model_path() -> str:
@@ -72,14 +88,15 @@ def default_model_path() -> str:
 
 def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
                quantization: str = "auto", cache_dir: str | None = None,
-               int8_activations: bool = False) -> LoadedModel:
+               int8_activations: bool | None = False) -> LoadedModel:
     """Load weights, config and tokenizer from a .gguf file or a Hugging Face folder (None = the default model).
 
     quantization (loader/assemble.py): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed and float weights float;
     "none" dequantizes everything; "int8"/"int4" also quantize float weights at load.
     int8_activations: the quantized layers round decode-sized activations to int8 and those of larger products too
-    where the CPU has it (models/quant.py); an int8 output projection rounds only the latter. A model with no
-    quantized layer is refused rather than loaded without the setting taking effect.
+    where the CPU has it (models/quant.py); an int8 output projection rounds only the latter. True with a model
+    that has no quantized layer is refused rather than loaded without the setting taking effect; None turns it on
+    exactly where the model has quantized layers (the engine's default).
     cache_dir: where a GGUF file's header index is cached (loader/gguf_cache.py; None: $XDG_CACHE_HOME/tokenriver
     or ~/.cache/tokenriver).
     """
@@ -89,21 +106,24 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     path = default_model_path() if path is None else os.fspath(path)
     with _one_thread():
         loaded = _load(path, _DTYPES[dtype], device, quantization, cache_dir)
-    if int8_activations:
-        output = getattr(loaded.model, "lm_head", None)
-        layers = [m for m in loaded.model.modules()
-                  if isinstance(m, Int4Linear) or (isinstance(m, Int8Linear) and m is not output)]
-        if not layers:
-            raise InvalidParameterError(f"int8_activations applies to quantized weights and {path} has none with "
-                                        f"quantization={quantization!r}: use quantization='int4' or 'int8' to "
-                                        f"quantize it", param="int8_activations")
-        for layer in layers:
-            layer.set_int8_activations(True)
-        # An int8 output projection already streams at memory speed in decode steps, so it keeps float32
-        # activations there; its many-row products, a fifth of a 64-sequence step's arithmetic, round too.
-        if isinstance(output, Int8Linear):
-            output.set_rounded_gemm(True)
-    return dataclasses.replace(loaded, int8_activations=int8_activations)
+    if int8_activations is False:
+        return loaded
+    output = getattr(loaded.model, "lm_head", None)
+    layers = [m for m in loaded.model.modules()
+              if isinstance(m, Int4Linear) or (isinstance(m, Int8Linear) and m is not output)]
+    if not layers:
+        if int8_activations is None:
+            return loaded
+        raise InvalidParameterError(f"int8_activations applies to quantized weights and {path} has none with "
+                                    f"quantization={quantization!r}: use quantization='int4' or 'int8' to "
+                                    f"quantize it", param="int8_activations")
+    for layer in layers:
+        layer.set_int8_activations(True)
+    # An int8 output projection already streams at memory speed in decode steps, so it keeps float32
+    # activations there; its many-row products, a fifth of a 64-sequence step's arithmetic, round too.
+    if isinstance(output, Int8Linear):
+        output.set_rounded_gemm(True)
+    return dataclasses.replace(loaded, int8_activations=True)
 
 
 def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, cache_dir: str | None) -> LoadedModel:
@@ -121,15 +141,42 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
     else:
         raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
                              f"(config.json + *.safetensors), or nothing for the default model", path=path)
-    unique = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values()
-    return LoadedModel(
-        model=model,
-        config=checkpoint.config,
-        tokenizer=tokenizer,
-        path=path,
-        num_parameters=sum(p.numel() for p in unique),
-        num_bytes=sum(p.numel() * p.element_size() for p in unique),
-    )
+    num_parameters, bytes_by_format = _count_weights(model)
+    stored_types: dict[str, tuple[int, str]] = {}
+    for name in getattr(checkpoint, "stored_types", {}).values():
+        how = conversion_of(name)
+        how = "dequantized" if quantization == "none" and how != "float" else how
+        stored_types[name] = (stored_types.get(name, (0, how))[0] + 1, how)
+    return LoadedModel(model=model, config=checkpoint.config, tokenizer=tokenizer, path=path,
+                       num_parameters=num_parameters, num_bytes=sum(bytes_by_format.values()),
+                       bytes_by_format=bytes_by_format, stored_types=stored_types)
+
+
+def _count_weights(model: nn.Module) -> tuple[int, dict[str, int]]:
+    """Parameters (a packed matrix counts out × in, a tied matrix once) and bytes per in-memory format."""
+    seen: set[int] = set()
+    num_parameters = 0
+    bytes_by_format: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (Int4Linear, Int8Linear)):
+            packed = [module.qweight, module.scales, *([module.mins] if isinstance(module, Int4Linear) else [])]
+            if module.qweight.data_ptr() in seen:
+                continue
+            seen.add(module.qweight.data_ptr())
+            num_parameters += module.in_features * module.out_features
+            kind = f"{'int4' if isinstance(module, Int4Linear) else 'int8'} per {module.group_size}"
+            bytes_by_format[kind] = bytes_by_format.get(kind, 0) + sum(t.numel() * t.element_size() for t in packed)
+            tensors = [] if module.bias is None else [module.bias]
+        else:
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        for tensor in tensors:
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            num_parameters += tensor.numel()
+            kind = str(tensor.dtype).removeprefix("torch.")
+            bytes_by_format[kind] = bytes_by_format.get(kind, 0) + tensor.numel() * tensor.element_size()
+    return num_parameters, bytes_by_format
 
 
 def _build(config: ModelConfig, weights: dict[str, Any], device: str, path: str, quantization: str,

@@ -1,0 +1,187 @@
+"""GGUF block formats → the two packed layouts the native kernels run (models/quant.py's Int4Weight, Int8Weight).
+
+Why re-encode rather than write a kernel per format: every GGUF type is "a few bits per weight, a scale (and
+maybe a minimum) per run of 16-32 weights", and the kernels already stream 4-bit groups with a scale and a
+minimum, and 8-bit groups with a scale, at memory speed, in decode GEMVs, batched GEMMs and the int8-activation
+VNNI path. So each type is mapped once, at load, onto one of those, rows kept, with no float copy:
+
+| GGUF type                  | becomes                        | how                                                       |
+|----------------------------|--------------------------------|-----------------------------------------------------------|
+| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/quant.py's repack_*): exact              |
+| Q5_0, IQ4_NL               | Int8, groups of 32             | values widened to int8 under the block's own scale: exact |
+| Q4_K                       | Int4, groups of 32             | sub-block scale d·sc and minimum -dmin·m as float16       |
+| IQ4_XS                     | Int8, groups of 32             | table values as int8, sub-block scale d·(ls - 32) as f16  |
+| Q5_1, Q2_K, Q3_K, Q5_K,    | Int8, groups of 32             | dequantized, then rounded to int8 per 32 (max|w| / 127)   |
+| Q6_K, other IQ types       |                                |                                                           |
+
+"float16" rows: the product of two stored factors is rounded once to float16 (relative error at most 2^-11 of
+the scale, far below the format's own step). "Dequantized, then rounded": the types whose groups are 16 wide, or
+that carry a minimum next to more than 4 bits, do not fit either layout exactly; rounding their values to int8
+per 32 adds at most half a step of max|w| / 127 per group (benchmarks/results/gguf_types.md measures the
+perplexity of each). `CONVERSIONS` says which rule each type gets; the loader logs it at startup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gguf
+import numpy as np
+import torch
+
+from tokenriver.errors import ModelLoadError
+from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q4_0, repack_q4_1, repack_q8_0
+
+Q = gguf.GGMLQuantizationType
+PackedWeight = Int4Weight | Int8Weight
+GROUP = 32
+FLOAT16_MAX = 65504.0
+# Rows dequantized at a time by the re-quantizing conversions: bounds the float32 scratch to a few MiB.
+_CHUNK_ELEMENTS = 1 << 21
+# IQ4_NL / IQ4_XS: the 16 values a 4-bit index selects (ggml-common.h's kvalues_iq4nl).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _blocks(data: np.ndarray, block_bytes: int, kind: str) -> np.ndarray:
+    """Raw tensor bytes [N, blocks * block_bytes] uint8 → [N, blocks, block_bytes]."""
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % block_bytes:
+        raise ModelLoadError(f"{kind} data must be uint8 [out_features, blocks * {block_bytes} bytes], got "
+                             f"{data.dtype} {tuple(data.shape)}; the tensor is damaged")
+    return data.reshape(data.shape[0], -1, block_bytes)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte `start` of every block, as float32 [N, blocks, 1]."""
+    return np.ascontiguousarray(blocks[:, :, start:start + 2]).view(np.float16).astype(np.float32)
+
+
+def _to_float16(values: np.ndarray, kind: str) -> torch.Tensor:
+    """Scales or minimums as float16 [N, groups], refusing values float16 cannot hold."""
+    if not np.isfinite(values).all() or np.abs(values).max(initial=0.0) > FLOAT16_MAX:
+        raise ModelLoadError(f"{kind} block scale is not finite or too large for float16; the file is damaged")
+    return torch.from_numpy(np.ascontiguousarray(values.reshape(values.shape[0], -1).astype(np.float16)))
+
+
+def _int8_weight(values: np.ndarray, scales: np.ndarray, kind: str) -> Int8Weight:
+    """int8 values [N, K] and per-32 scales [N, K // 32] → Int8Weight."""
+    qweight = torch.from_numpy(np.ascontiguousarray(values.reshape(values.shape[0], -1)))
+    return Int8Weight(qweight, _to_float16(scales, kind), GROUP)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Runs of 16 bytes, low nibbles the first 16 values and high nibbles the next 16 (Q4_0's order) → the 32
+    values [..., 32] uint8."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def repack_q5_0(data: np.ndarray) -> Int8Weight:
+    """Q5_0 (22 bytes per 32: f16 d, 32 high bits, 16 bytes of low nibbles; w = d * (q - 16)) → int8 q - 16."""
+    blocks = _blocks(data, 22, "Q5_0")
+    high_bits = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")  # [N, B, 1]
+    high = ((high_bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, B, 32]
+    values = (_nibbles(blocks[:, :, 6:22]) | (high << 4)).astype(np.int8) - np.int8(16)  # [N, B, 32]
+    return _int8_weight(values, _f16(blocks, 0), "Q5_0")
+
+
+def repack_iq4_nl(data: np.ndarray) -> Int8Weight:
+    """IQ4_NL (18 bytes per 32: f16 d, 16 bytes of table indices; w = d * table[q]) → int8 table values."""
+    blocks = _blocks(data, 18, "IQ4_NL")
+    return _int8_weight(IQ4_VALUES[_nibbles(blocks[:, :, 2:18])], _f16(blocks, 0), "IQ4_NL")
+
+
+def repack_iq4_xs(data: np.ndarray) -> Int8Weight:
+    """IQ4_XS (136 bytes per 256: f16 d, 6-bit sub-block scales ls split over 2 + 4 bytes, 8 × 16 bytes of table
+    indices; w = d * (ls - 32) * table[q]) → int8 table values, scale d * (ls - 32) per 32."""
+    blocks = _blocks(data, 136, "IQ4_XS")
+    num_rows, num_blocks = blocks.shape[:2]
+    high = np.ascontiguousarray(blocks[:, :, 2:4]).view("<u2")  # [N, B, 1]
+    high = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [N, B, 8]
+    low = blocks[:, :, 4:8, None] >> np.array([0, 4], dtype=np.uint8)  # [N, B, 4, 2]
+    low = low.reshape(num_rows, num_blocks, 8) & 0x0F  # [N, B, 8]
+    sub_scales = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32  # [N, B, 8]
+    values = IQ4_VALUES[_nibbles(blocks[:, :, 8:136].reshape(num_rows, num_blocks, 8, 16))]  # [N, B, 8, 32]
+    return _int8_weight(values, _f16(blocks, 0) * sub_scales, "IQ4_XS")
+
+
+def k_quant_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks → scales, mins [..., 8] uint8
+    (ggml's get_scale_min_k4: the first four pairs sit in the low 6 bits of bytes 0-7, the last four in the
+    nibbles of bytes 8-11 with their top 2 bits in the high bits of bytes 0-7)."""
+    scales = np.empty(packed.shape[:-1] + (8,), dtype=np.uint8)
+    mins = np.empty_like(scales)
+    scales[..., :4] = packed[..., 0:4] & 63
+    mins[..., :4] = packed[..., 4:8] & 63
+    scales[..., 4:] = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
+    mins[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    return scales, mins
+
+
+def repack_q4_k(data: np.ndarray) -> Int4Weight:
+    """Q4_K (144 bytes per 256: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of
+    nibbles; w = d * sc * q - dmin * m per 32) → Int4 with scale d * sc and min -dmin * m per 32.
+
+    Q4_K's nibbles run in 64-weight chunks (the low nibbles of 32 bytes are one sub-block, the high nibbles the
+    next); Int4Weight wants each 32-run as Q4_0 stores it, so the nibbles are regrouped, not changed.
+    """
+    blocks = _blocks(data, 144, "Q4_K")
+    num_rows, num_blocks = blocks.shape[:2]
+    sub_scales, sub_mins = k_quant_scales(blocks[:, :, 4:16])  # [N, B, 8] each
+    scales = _f16(blocks, 0) * sub_scales  # [N, B, 8]
+    mins = -_f16(blocks, 2) * sub_mins  # [N, B, 8]
+    chunks = blocks[:, :, 16:144].reshape(num_rows, num_blocks, 4, 32)  # [N, B, chunk, byte]
+    low, high = chunks & 0x0F, chunks >> 4  # each [N, B, 4, 32]: sub-blocks 2c and 2c + 1
+    # Q4_0 order within a 32-run: byte j holds value j (low nibble) and value j + 16 (high nibble).
+    runs = np.stack((low[..., :16] | (low[..., 16:] << 4), high[..., :16] | (high[..., 16:] << 4)), axis=3)
+    qweight = torch.from_numpy(np.ascontiguousarray(runs.reshape(num_rows, -1)))  # [N, K // 2]
+    return Int4Weight(qweight, _to_float16(scales, "Q4_K"), _to_float16(mins, "Q4_K"), GROUP)
+
+
+def requantize_int8(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> Int8Weight:
+    """Any type gguf dequantizes → Int8 per 32 (quant.py's quantize_int8 rule: float16 scale max|w| / 127 first,
+    then q = round(w / scale)), a few rows at a time so that no float copy of the matrix is ever whole."""
+    data = np.asarray(data)
+    num_rows = data.shape[0]
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, data.shape[1]))
+    values, scales = [], []
+    for start in range(0, num_rows, rows_per_chunk):
+        weights = gguf.quants.dequantize(data[start:start + rows_per_chunk], tensor_type)  # [rows, K] float32
+        groups = weights.reshape(weights.shape[0], -1, GROUP)  # [rows, K // 32, 32]
+        scale = (np.abs(groups).max(axis=-1, keepdims=True) / 127).astype(np.float16)  # [rows, K // 32, 1]
+        safe = np.where(scale > 0, scale.astype(np.float32), np.float32(1))
+        values.append(np.clip(np.round(groups / safe), -127, 127).astype(np.int8).reshape(weights.shape[0], -1))
+        scales.append(scale.reshape(weights.shape[0], -1).astype(np.float32))
+    return _int8_weight(np.concatenate(values), np.concatenate(scales), tensor_type.name)
+
+
+def _requantizer(tensor_type: gguf.GGMLQuantizationType) -> Callable[[np.ndarray], Int8Weight]:
+    return lambda data: requantize_int8(data, tensor_type)
+
+
+EXACT = "exact"
+SCALES_FLOAT16 = "exact values, scales rounded to float16"
+REQUANTIZED = "re-quantized to int8 per 32"
+# GGUF type → (its conversion to a packed weight, what the conversion keeps).
+CONVERSIONS: dict[gguf.GGMLQuantizationType, tuple[Callable[[np.ndarray], PackedWeight], str]] = {
+    Q.Q4_0: (repack_q4_0, EXACT),
+    Q.Q4_1: (repack_q4_1, EXACT),
+    Q.Q8_0: (repack_q8_0, EXACT),
+    Q.Q5_0: (repack_q5_0, EXACT),
+    Q.IQ4_NL: (repack_iq4_nl, EXACT),
+    Q.Q4_K: (repack_q4_k, SCALES_FLOAT16),
+    Q.IQ4_XS: (repack_iq4_xs, SCALES_FLOAT16),
+    **{t: (_requantizer(t), REQUANTIZED) for t in (
+        Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q6_K,
+        Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)},
+}
+
+
+def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> PackedWeight:
+    """One quantized matrix's raw bytes [N, row bytes] → its packed weight [N, K] (rows in the file's order)."""
+    return CONVERSIONS[tensor_type][0](data)
+
+
+def conversion_of(type_name: str) -> str:
+    """How a stored GGUF type is kept in memory, for the startup log ("float" for unquantized types)."""
+    tensor_type = Q.__members__.get(type_name)
+    return CONVERSIONS[tensor_type][1] if tensor_type in CONVERSIONS else "float"
