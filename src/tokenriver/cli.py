@@ -26,7 +26,8 @@ ENGINE_HELP = {
     "device": "torch device, e.g. cpu or cuda",
     "kv_cache_memory": "KV pool size, e.g. 2GiB or 512MiB (default 2GiB, capped at what max-num-seqs contexts need)",
     "max_num_kv_tokens": "KV pool size in tokens (instead of --kv-cache-memory)",
-    "kv_cache_dtype": "what the KV pool stores: auto (= --dtype), float32, bfloat16, float16 (half the memory "
+    "kv_cache_dtype": "what the KV pool stores: auto (int8 with the fast numerics, else --dtype), float32, "
+                      "bfloat16, float16 (half the memory "
                       "per token of float32) or int8 (about a quarter: one scale per token and kv head); keys and "
                       "values rounded once when stored",
     "block_size": "tokens per KV block",
@@ -34,11 +35,13 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "most tokens computed in one step (prompt chunks + decode tokens)",
     "max_model_len": "longest sequence, prompt + output (default: the model's context length)",
     "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
-    "quantization": "weights: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 packed, none dequantizes to --dtype, "
-                    "int8/int4 quantize float weights at load",
-    "int8_activations": "quantized weights multiply activations rounded to int8 in decode steps, as llama.cpp "
-                        "does, and in larger products too where the CPU has AVX512-VNNI: faster decode, "
-                        "prefill and batches, logits within ~1%% of the exact ones",
+    "quantization": "weights: auto keeps a GGUF's quantized matrices packed (every type), none dequantizes to "
+                    "--dtype, int8/int4 quantize float weights at load",
+    "int8_activations": "quantized weights multiply activations rounded to int8, as llama.cpp does: faster decode, "
+                        "prefill and batches, perplexity within 1%% of exact float32 (default: on where the weights "
+                        "are quantized)",
+    "reference_numerics": "exact float32 products and a KV pool in --dtype (the numerics that match transformers); "
+                          "slower",
     "use_kv_cache": "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
     "num_threads": "CPU threads (default: the cores available)",
     "seed": "seed for requests that have none",
@@ -103,7 +106,7 @@ def _add_field_flags(parser: argparse.ArgumentParser, cls: type, help_texts: dic
         default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
         annotation = str(f.type)
         help_text = f"{help_texts[f.name]} (default: {default})"
-        if annotation == "bool":
+        if annotation in ("bool", "bool | None"):
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif annotation.startswith("list[str]"):
             group.add_argument(flag, dest=dest, action="append", default=None, help=help_text)

@@ -69,8 +69,7 @@ def _describe(engine: AsyncEngine) -> str:
     core = engine.core
     loaded = core.loaded
     kv_tokens = core.kv_cache.num_blocks * core.kv_cache.block_size
-    return (f"model {loaded.path} ({loaded.num_parameters / 1e6:.1f}M parameters, "
-            f"{loaded.num_bytes / 2**20:.0f} MiB in {core.config.dtype}); KV pool {core.kv_cache.num_blocks} blocks "
+    return (f"model {loaded.path} ({loaded.describe()}); KV pool {core.kv_cache.num_blocks} blocks "
             f"x {core.kv_cache.block_size} tokens = {kv_tokens} tokens ({core.kv_cache.num_bytes / 2**20:.0f} MiB, "
             f"{core.config.resolved_kv_cache_dtype}); "
             f"max_model_len {engine.max_model_len}, max_num_seqs {core.config.max_num_seqs}")
