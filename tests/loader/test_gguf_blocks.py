@@ -78,3 +78,19 @@ def test_native_products_on_converted_weights_match_the_reference(qtype, num_row
     native, reference = layer_type(weight, backend="native"), layer_type(weight, backend="reference")
     x = torch.randn(num_rows, 768, generator=torch.Generator().manual_seed(num_rows))
     torch.testing.assert_close(native(x), reference(x), rtol=1e-4, atol=1e-4)
+
+
+NATIVE_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+
+
+@pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda t: t.name)
+def test_native_conversion_equals_the_numpy_rule_bit_for_bit(qtype):
+    if load_kernels() is None:
+        pytest.skip("the native kernels need an x86-64 CPU with AVX2/FMA/F16C and a C++ compiler")
+    data = _stored(qtype, 9, 1024, seed=11)
+    native, portable = to_packed(data, qtype), to_packed(data, qtype, native=False)
+    assert type(native) is type(portable)
+    torch.testing.assert_close(native.qweight, portable.qweight, rtol=0, atol=0)
+    torch.testing.assert_close(native.scales, portable.scales, rtol=0, atol=0)
+    if isinstance(native, Int4Weight):
+        torch.testing.assert_close(native.mins, portable.mins, rtol=0, atol=0)

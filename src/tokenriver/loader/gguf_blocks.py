@@ -29,8 +29,10 @@ import gguf
 import numpy as np
 import torch
 
+from tokenriver.config import default_num_threads
 from tokenriver.errors import ModelLoadError
-from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q4_0, repack_q4_1, repack_q8_0
+from tokenriver.models.quant import (Int4Weight, Int8Weight, load_kernels, repack_q4_0, repack_q4_1,
+                                     repack_q8_0)
 
 Q = gguf.GGMLQuantizationType
 PackedWeight = Int4Weight | Int8Weight
@@ -176,8 +178,27 @@ CONVERSIONS: dict[gguf.GGMLQuantizationType, tuple[Callable[[np.ndarray], Packed
 }
 
 
-def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> PackedWeight:
-    """One quantized matrix's raw bytes [N, row bytes] → its packed weight [N, K] (rows in the file's order)."""
+def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: bool = True) -> PackedWeight:
+    """One quantized matrix's raw bytes [N, row bytes] → its packed weight [N, K] (rows in the file's order).
+
+    native: take models/kernels/convert.cpp's version of the rule where it has one (the same values, bit for
+    bit, in one pass over the bytes); the numpy one otherwise.
+    """
+    kernels = load_kernels() if native else None
+    data = np.asarray(data)
+    if kernels is not None and data.dtype == np.uint8 and data.ndim == 2 and data.flags.c_contiguous:
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
+        in_features = data.shape[1] // block_bytes * block_size
+        if data.shape[1] % block_bytes == 0 and (tensor_type == Q.Q4_K or kernels.converts_to_int8(tensor_type)):
+            if tensor_type == Q.Q4_K:
+                converted = kernels.convert_q4_k(data, in_features, default_num_threads())
+                if converted is not None:
+                    return Int4Weight(*converted, GROUP)
+            else:
+                converted = kernels.convert_to_int8(data, int(tensor_type), in_features, default_num_threads())
+                if converted is not None:
+                    return Int8Weight(*converted, GROUP)
+            # A scale float16 cannot hold: the numpy rule raises the error that names it.
     return CONVERSIONS[tensor_type][0](data)
 
 

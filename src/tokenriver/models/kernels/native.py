@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tokenriver.kv.cache import head_dim_of
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent
 SOURCES = tuple(KERNELS_DIR / name
-                for name in ("gemv.cpp", "gemm.cpp", "gemm_amx.cpp", "ops.cpp", "attention.cpp", "decoder.cpp"))
+                for name in ("gemv.cpp", "gemm.cpp", "gemm_amx.cpp", "ops.cpp", "attention.cpp", "decoder.cpp",
+                             "convert.cpp"))
 HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "gemm_amx.h", KERNELS_DIR / "reductions.h")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
@@ -177,6 +179,9 @@ class NativeKernels:
             "silu_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
             "argmax_logsumexp_f32": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
             "paged_attention_supports": ([i64], c_int),
+            "convert_to_int8_supports": ([c_int], c_int),
+            "convert_to_int8": ([ptr, c_int, i64, i64, ptr, ptr, c_int], c_int),
+            "convert_q4_k": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
             "llama_decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
             "paged_attention_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr,
                                      i64, i64, ptr, i64, ptr, i64, c_float, ptr, i64, c_int, c_int], c_int),
@@ -334,6 +339,35 @@ class NativeKernels:
         self._functions["int8_dequantize"](qweight.data_ptr(), scales.data_ptr(), out_features, in_features,
                                            group_size, out.data_ptr(), torch.get_num_threads())
         return out
+
+    # GGUF blocks → packed weights (convert.cpp): the loader's fast path for loader/gguf_blocks.py's rules.
+
+    def converts_to_int8(self, gguf_type: int) -> bool:
+        """Whether convert_to_int8 takes this GGUF type code (Q5_0/1, Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)."""
+        return bool(self._functions["convert_to_int8_supports"](gguf_type))
+
+    def convert_to_int8(self, blocks: np.ndarray, gguf_type: int, in_features: int, num_threads: int,
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A GGUF matrix's bytes [N, row bytes] uint8 (C-contiguous, e.g. a view of the mapped file) → int8 codes
+        [N, K] and float16 scales [N, K / 32]; None if a scale is not finite in float16."""
+        num_rows = blocks.shape[0]
+        q = torch.empty(num_rows, in_features, dtype=torch.int8)  # [N, K]
+        scales = torch.empty(num_rows, in_features // 32, dtype=torch.float16)  # [N, K / 32]
+        status = self._functions["convert_to_int8"](blocks.ctypes.data, gguf_type, num_rows, in_features,
+                                                    q.data_ptr(), scales.data_ptr(), num_threads)
+        return None if status else (q, scales)
+
+    def convert_q4_k(self, blocks: np.ndarray, in_features: int, num_threads: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Q4_K bytes [N, K / 256 * 144] uint8 (C-contiguous) → nibbles [N, K / 2], float16 scales and mins
+        [N, K / 32]; None if one is not finite in float16."""
+        num_rows = blocks.shape[0]
+        qweight = torch.empty(num_rows, in_features // 2, dtype=torch.uint8)  # [N, K / 2]
+        scales = torch.empty(num_rows, in_features // 32, dtype=torch.float16)  # [N, K / 32]
+        mins = torch.empty_like(scales)  # [N, K / 32]
+        status = self._functions["convert_q4_k"](blocks.ctypes.data, num_rows, in_features, qweight.data_ptr(),
+                                                 scales.data_ptr(), mins.data_ptr(), num_threads)
+        return None if status else (qweight, scales, mins)
 
     # The small ops of a layer (ops.cpp). Float32 CPU tensors; "rows" may be views with a row stride, but the
     # values inside a row (heads and head dimensions) must be contiguous.

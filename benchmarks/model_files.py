@@ -1,0 +1,160 @@
+"""The GGUF files the real-models benchmark runs, made here without a download.
+
+- The embedded SmolLM2-135M-Instruct, its Q4_1 weights dequantized into an F16 GGUF (same metadata, tokenizer and
+  tensor layout), then quantized by llama.cpp's own quantizer (llama-cpp-python's `llama_model_quantize`) into the
+  types people download: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q3_K_M, Q2_K, IQ4_XS, IQ4_NL. Real weights, so perplexities
+  mean something.
+- A 0.8B-parameter llama-architecture model with random weights (SmolLM2's tokenizer; hidden 1536, 28 layers,
+  GQA 4:1), quantized to Q4_K_M: about 500 MB, the size of the 0.5B-class files users run first. Its text is
+  noise; its load time, memory and speed are those of any file of its shape.
+
+Files are written once into --models-dir (default: ~/.cache/tokenriver/bench-models) and reused.
+
+    python benchmarks/model_files.py [--models-dir DIR]   # make them all and list them
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+DEFAULT_DIR = Path.home() / ".cache" / "tokenriver" / "bench-models"
+# llama.cpp's LLAMA_FTYPE_* codes (llama.h).
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15,
+          "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
+SMOLLM_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")
+LARGE_SHAPE = dict(hidden=1536, layers=28, heads=24, kv_heads=6, ffn=4608)
+
+
+def embedded_model_path() -> str:
+    from tokenriver.loader.load import default_model_path
+    return default_model_path()
+
+
+def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, overrides: dict[str, int]) -> None:
+    """Every key of the source but the header's own and general.architecture (the writer sets those)."""
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value_type = field.types[0]
+        value = overrides.get(name, field.contents())
+        sub_type = field.types[1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, value_type, sub_type)
+
+
+def write_f16_copy(source: str, target: Path) -> Path:
+    """Dequantize every tensor of `source` into an F16 GGUF (norms and other 1-D tensors stay F32)."""
+    if target.exists():
+        return target
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    scratch = target.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(scratch), arch)
+    _copy_metadata(reader, writer, {"general.file_type": 1})
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        values = np.asarray(values, dtype=np.float32).reshape(shape)
+        writer.add_tensor(tensor.name, values.astype(np.float16) if values.ndim == 2 else values)
+    _finish(writer)
+    os.replace(scratch, target)
+    return target
+
+
+def write_random_large(source: str, target: Path, seed: int = 0) -> Path:
+    """A llama model of LARGE_SHAPE with random F16 weights and the source's tokenizer."""
+    if target.exists():
+        return target
+    reader = gguf.GGUFReader(source)
+    shape = LARGE_SHAPE
+    hidden, heads, kv_heads, ffn = shape["hidden"], shape["heads"], shape["kv_heads"], shape["ffn"]
+    head_dim = hidden // heads
+    vocab = int(reader.fields["llama.vocab_size"].contents())
+    scratch = target.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(scratch), "llama")
+    overrides = {"general.file_type": 1, "llama.block_count": shape["layers"], "llama.embedding_length": hidden,
+                 "llama.feed_forward_length": ffn, "llama.attention.head_count": heads,
+                 "llama.attention.head_count_kv": kv_heads, "llama.rope.dimension_count": head_dim}
+    _copy_metadata(reader, writer, overrides)
+    writer.add_string("general.name", "random llama 0.8B")
+    rng = np.random.default_rng(seed)
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    writer.add_tensor("token_embd.weight", matrix(vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for layer in range(shape["layers"]):
+        prefix = f"blk.{layer}."
+        writer.add_tensor(prefix + "attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(prefix + "ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv_heads * head_dim, hidden),
+                                 ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, hidden),
+                                 ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+            writer.add_tensor(prefix + name + ".weight", matrix(rows, cols))
+    _finish(writer)
+    os.replace(scratch, target)
+    return target
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def quantize(source: Path, target: Path, ftype: str, threads: int = 2) -> Path:
+    """llama.cpp's quantizer: `source` (F16) → `target` in llama.cpp's mix for `ftype` (e.g. Q4_K_M)."""
+    if target.exists():
+        return target
+    import llama_cpp  # the `bench` extra
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[ftype]
+    params.nthread = threads
+    scratch = target.with_suffix(".partial")
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(scratch).encode(), ctypes.byref(params))
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize({source} → {ftype}) failed with status {status}")
+    os.replace(scratch, target)
+    return target
+
+
+def smollm_file(ftype: str, models_dir: Path = DEFAULT_DIR) -> Path:
+    """SmolLM2-135M-Instruct in `ftype`, from the embedded file's weights."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    f16 = write_f16_copy(embedded_model_path(), models_dir / "smollm2-135m-f16.gguf")
+    return quantize(f16, models_dir / f"smollm2-135m-{ftype}.gguf", ftype)
+
+
+def large_file(models_dir: Path = DEFAULT_DIR) -> Path:
+    """The 0.8B random-weights llama in Q4_K_M (about 500 MB)."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    f16 = models_dir / "random-llama-0.8b-f16.gguf"
+    q4_k_m = models_dir / "random-llama-0.8b-Q4_K_M.gguf"
+    if not q4_k_m.exists():
+        write_random_large(embedded_model_path(), f16)
+        quantize(f16, q4_k_m, "Q4_K_M")
+        f16.unlink()  # 1.6 GB, needed only once
+    return q4_k_m
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models-dir", type=Path, default=DEFAULT_DIR)
+    args = parser.parse_args()
+    for ftype in SMOLLM_TYPES:
+        path = smollm_file(ftype, args.models_dir)
+        print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
+    path = large_file(args.models_dir)
+    print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

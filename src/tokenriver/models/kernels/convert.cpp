@@ -1,0 +1,263 @@
+// GGUF block formats → the packed layouts the products read (models/quant.py's Int4Weight, Int8Weight), at load.
+//
+// The same rules as loader/gguf_blocks.py, which is the portable version and the reference these are tested
+// against bit for bit: numpy spends several passes over memory per field, and a 500 MB file must load in
+// about a second. Each block is decoded into registers or a 256-float scratch and written once; rows are
+// shared among threads. Products are formed in the order gguf's own dequantization forms them (and the library
+// is built with -ffp-contract=off), so the float values are gguf's exactly.
+//
+// Layouts (ggml-common.h): Q4_K 144 bytes per 256 (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 of
+// nibbles), Q5_K 176 (Q4_K's header, 32 bytes of fifth bits, 128 of nibbles), Q6_K 210 (128 bytes of low
+// nibbles, 64 of two high bits, 16 int8 scales, f16 d), Q3_K 110 (32 bytes of high bits, 64 of two low bits,
+// 12 of 6-bit scales, f16 d), Q2_K 84 (16 bytes of 4-bit scale and min, 64 of two bits, f16 d, f16 dmin),
+// Q5_0 22 per 32, Q5_1 24 per 32, IQ4_NL 18 per 32, IQ4_XS 136 per 256.
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "vec.h"
+
+namespace {
+
+using tokenriver::half_to_float;
+
+// GGUF type codes (gguf.GGMLQuantizationType).
+enum : int { Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+inline uint16_t float_to_half(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+inline float load_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// Q4_K / Q5_K's (scale, min) of sub-block j from their 12 packed bytes (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One block of a re-quantized type → its float values (gguf's dequantization); returns the weights per block.
+int decode_block(int type, const uint8_t* b, float* w) {
+  switch (type) {
+    case Q5_1: {
+      const float d = load_half(b), m = load_half(b + 2);
+      uint32_t qh;
+      std::memcpy(&qh, b + 4, 4);
+      for (int j = 0; j < 32; ++j) {
+        const int low = j < 16 ? b[8 + j] & 0x0F : b[8 + j - 16] >> 4;
+        w[j] = d * float(low | (((qh >> j) & 1) << 4)) + m;
+      }
+      return 32;
+    }
+    case Q2_K: {
+      const float d = load_half(b + 80), dmin = load_half(b + 82);
+      for (int e = 0; e < 256; ++e) {
+        const int sub = e / 16, half = e / 128, shift = 2 * ((e % 128) / 32), l = e % 32;
+        const float dl = d * float(b[sub] & 0x0F), ml = dmin * float(b[sub] >> 4);
+        w[e] = dl * float((b[16 + half * 32 + l] >> shift) & 3) - ml;
+      }
+      return 256;
+    }
+    case Q3_K: {
+      const uint8_t* hmask = b;
+      const uint8_t* qs = b + 32;
+      const uint8_t* sc = b + 96;
+      const float d = load_half(b + 108);
+      float dl[16];
+      for (int i = 0; i < 16; ++i) {
+        const int low = i < 8 ? sc[i] & 0x0F : sc[i - 8] >> 4;
+        const int high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+        dl[i] = d * float(int8_t(low | (high << 4)) - 32);
+      }
+      for (int e = 0; e < 256; ++e) {
+        const int half = e / 128, shift = 2 * ((e % 128) / 32), l = e % 32;
+        const int q = ((qs[half * 32 + l] >> shift) & 3) - (((hmask[l] >> (e / 32)) & 1) ? 0 : 4);
+        w[e] = dl[e / 16] * float(q);
+      }
+      return 256;
+    }
+    case Q5_K: {
+      const float d = load_half(b), dmin = load_half(b + 2);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + 48;
+      for (int g = 0; g < 8; ++g) {
+        int scale, min;
+        scale_min_k4(g, b + 4, &scale, &min);
+        const float dl = d * float(scale), ml = dmin * float(min);
+        for (int l = 0; l < 32; ++l) {
+          const int low = g % 2 ? qs[(g / 2) * 32 + l] >> 4 : qs[(g / 2) * 32 + l] & 0x0F;
+          w[g * 32 + l] = dl * float(low | (((qh[l] >> g) & 1) << 4)) - ml;
+        }
+      }
+      return 256;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = load_half(b + 208);
+      for (int g = 0; g < 8; ++g) {
+        const int half = g / 4, j = g % 4;
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = ql[half * 64 + (j % 2) * 32 + l];
+          const int low = j < 2 ? byte & 0x0F : byte >> 4;
+          const int q = (low | (((qh[half * 32 + l] >> (2 * j)) & 3) << 4)) - 32;
+          w[g * 32 + l] = (d * float(sc[2 * g + l / 16])) * float(q);
+        }
+      }
+      return 256;
+    }
+    default:
+      return 0;
+  }
+}
+
+// 32 floats → int8 codes and their float16 scale: max|w| / 127 rounded to float16 first, q = round(w / scale)
+// half to even (quant.py's quantize_int8 rule).
+inline void requantize_group(const float* w, int8_t* q, uint16_t* scale) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(w[i]));
+  *scale = float_to_half(amax / 127.0f);
+  const float s = half_to_float(*scale);
+  for (int i = 0; i < 32; ++i) {
+    q[i] = s > 0.0f ? int8_t(std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint(w[i] / s)))) : 0;
+  }
+}
+
+// An exactly mapped int8 block → codes and float16 scales; returns the weights per block.
+int exact_int8_block(int type, const uint8_t* b, int8_t* q, uint16_t* scales) {
+  switch (type) {
+    case Q5_0: {
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      for (int j = 0; j < 32; ++j) {
+        const int low = j < 16 ? b[6 + j] & 0x0F : b[6 + j - 16] >> 4;
+        q[j] = int8_t((low | (((qh >> j) & 1) << 4)) - 16);
+      }
+      std::memcpy(scales, b, 2);
+      return 32;
+    }
+    case IQ4_NL:
+      for (int j = 0; j < 16; ++j) {
+        q[j] = kIq4Values[b[2 + j] & 0x0F];
+        q[j + 16] = kIq4Values[b[2 + j] >> 4];
+      }
+      std::memcpy(scales, b, 2);
+      return 32;
+    case IQ4_XS: {
+      const float d = load_half(b);
+      uint16_t high;
+      std::memcpy(&high, b + 2, 2);
+      for (int g = 0; g < 8; ++g) {
+        const int ls = ((b[4 + g / 2] >> (4 * (g % 2))) & 0x0F) | (((high >> (2 * g)) & 3) << 4);
+        scales[g] = float_to_half(d * float(ls - 32));
+        const uint8_t* qs = b + 8 + 16 * g;
+        for (int j = 0; j < 16; ++j) {
+          q[32 * g + j] = kIq4Values[qs[j] & 0x0F];
+          q[32 * g + j + 16] = kIq4Values[qs[j] >> 4];
+        }
+      }
+      return 256;
+    }
+    default:
+      return 0;
+  }
+}
+
+int block_bytes(int type) {
+  switch (type) {
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    case IQ4_NL: return 18;
+    case IQ4_XS: return 136;
+    default: return 0;
+  }
+}
+
+int block_weights(int type) { return type == Q5_0 || type == Q5_1 || type == IQ4_NL ? 32 : 256; }
+
+bool is_exact_int8(int type) { return type == Q5_0 || type == IQ4_NL || type == IQ4_XS; }
+
+bool is_finite_half(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
+
+}  // namespace
+
+extern "C" {
+
+// Whether convert_to_int8 handles this GGUF type code (the others go through gguf's numpy dequantization).
+int convert_to_int8_supports(int type) { return type != Q4_K && block_bytes(type) != 0; }
+
+// src [N, K / block_weights * block_bytes] bytes of one GGUF matrix → q [N, K] int8, scales [N, K / 32] float16.
+// Returns 0, or 1 if a scale is not finite in float16 (a damaged file).
+int convert_to_int8(const uint8_t* src, int type, int64_t N, int64_t K, int8_t* q, uint16_t* scales,
+                    int num_threads) {
+  const int bytes = block_bytes(type), per_block = block_weights(type);
+  const int64_t blocks = K / per_block;
+  int status = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : status)
+  for (int64_t n = 0; n < N; ++n) {
+    float w[256];
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* b = src + (n * blocks + i) * bytes;
+      int8_t* qb = q + n * K + i * per_block;
+      uint16_t* sb = scales + n * (K / 32) + i * (per_block / 32);
+      if (is_exact_int8(type)) {
+        exact_int8_block(type, b, qb, sb);
+      } else {
+        decode_block(type, b, w);
+        for (int g = 0; g < per_block / 32; ++g) requantize_group(w + 32 * g, qb + 32 * g, sb + g);
+      }
+      for (int g = 0; g < per_block / 32; ++g) status |= !is_finite_half(sb[g]);
+    }
+  }
+  return status;
+}
+
+// Q4_K src [N, K / 256 * 144] → qweight [N, K / 2] (Q4_0's nibble order per 32), scales and mins [N, K / 32]
+// float16 (d * sc and -dmin * m). Returns 0, or 1 if one is not finite in float16.
+int convert_q4_k(const uint8_t* src, int64_t N, int64_t K, uint8_t* qweight, uint16_t* scales, uint16_t* mins,
+                 int num_threads) {
+  const int64_t blocks = K / 256;
+  int status = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : status)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* b = src + (n * blocks + i) * 144;
+      const float d = load_half(b), dmin = load_half(b + 2);
+      const uint8_t* qs = b + 16;
+      for (int g = 0; g < 8; ++g) {
+        int scale, min;
+        scale_min_k4(g, b + 4, &scale, &min);
+        const int64_t group = n * (K / 32) + i * 8 + g;
+        scales[group] = float_to_half(d * float(scale));
+        mins[group] = float_to_half(-(dmin * float(min)));
+        status |= !is_finite_half(scales[group]) | !is_finite_half(mins[group]);
+        const uint8_t* chunk = qs + (g / 2) * 32;
+        const int shift = 4 * (g % 2);
+        uint8_t* out = qweight + group * 16;
+        for (int j = 0; j < 16; ++j) {
+          out[j] = uint8_t(((chunk[j] >> shift) & 0x0F) | (((chunk[j + 16] >> shift) & 0x0F) << 4));
+        }
+      }
+    }
+  }
+  return status;
+}
+
+}  // extern "C"
