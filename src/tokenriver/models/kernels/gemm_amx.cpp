@@ -6,7 +6,7 @@
 // outputs per block. An AMX tile instruction adds 16 × 16 × 32 products in ~16 cycles, but the same per-block float
 // work after it costs twice that, and on this CPU it does not overlap with the tile unit: tile instructions and
 // AVX-512 arithmetic in one loop took more than the sum of their separate times (C harness). Integer tiles followed
-// by the per-block scaling ran only 1.1-1.2x the VNNI kernel, bit for bit equal to it.
+// by the per-block scaling gained little over the VNNI kernel (benchmarks/HISTORY.md).
 //
 // Bfloat16 tiles need no per-block work: the weights are decoded to float32 (scale * q + min, gemm.cpp's decoding,
 // bit for bit) and rounded to bfloat16, the activations rounded to bfloat16, and the tile instruction sums every
