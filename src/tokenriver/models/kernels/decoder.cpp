@@ -233,9 +233,8 @@ int run_layers(const Decoder* d, const Step* s) {
 // step writes and reads back 1.3 GB of product outputs), so a step of more rows runs the whole stack over one slice
 // of its rows after another, each slice's keys and values written to the cache before the next slice attends to
 // them. Every operation treats its rows independently or, in attention, by absolute context position, so the
-// results are the same bits either way; only the weights are decoded once per slice. The two prompt steps of 64
-// chat prompts (3,233 rows: 2,048 and 1,185; int4 weights, int8 activations, 2 threads, two runs each) took
-// 0.93-0.96 s whole, 0.81-0.84 s in slices of 512 rows, 0.74-0.76 s in slices of 256 and 0.79-0.86 s in 128.
+// results are the same bits either way; only the weights are decoded once per slice. 256 rows was the fastest of
+// 128, 256, 512 and whole steps on the prompt steps of 64 chat prompts (benchmarks/HISTORY.md).
 constexpr int64_t kRowsPerPass = 256;
 
 // The part of step s that concerns rows [r0, r1): its rows, the single query tokens among them and the parts of
