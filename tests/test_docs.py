@@ -182,3 +182,23 @@ def test_relative_links_resolve(path: Path):
         if not (path.parent / target).exists():
             missing.append(match["target"])
     assert not missing, f"{path.name} links to files that do not exist: {missing}"
+
+
+CODE_PATH = re.compile(r"`(?P<path>[\w./-]+(?:\.(?:py|cpp|h|md|toml|png)|/))`")
+PATH_BASES = [ROOT, ROOT / "src", ROOT / "src" / "tokenriver", ROOT / "src" / "tokenriver" / "models"]
+
+
+def _names_a_file(path: str) -> bool:
+    if "/" not in path.rstrip("/"):  # a bare file name: it must exist somewhere in the project's code
+        return any(ROOT.glob(f"src/**/{path}")) or any(ROOT.glob(f"*/{path}")) or (ROOT / path).exists()
+    return any((base / path).exists() for base in PATH_BASES)
+
+
+@pytest.mark.parametrize("path", [*DOC_FILES, ROOT / "benchmarks" / "README.md"],
+                         ids=lambda path: str(path.relative_to(ROOT)))
+def test_code_paths_named_in_docs_exist(path: Path):
+    """A file the docs name in backticks (`engine/core.py`, `gemm.cpp`) exists, so moved code cannot leave the docs behind."""
+    text = path.read_text(encoding="utf-8")
+    missing = sorted({m["path"] for m in CODE_PATH.finditer(text)
+                      if not m["path"].startswith(("path/", "http")) and not _names_a_file(m["path"])})
+    assert not missing, f"{path.name} names files that do not exist: {missing}"
