@@ -197,7 +197,7 @@ def _names_a_file(path: str) -> bool:
 @pytest.mark.parametrize("path", [*DOC_FILES, ROOT / "benchmarks" / "README.md"],
                          ids=lambda path: str(path.relative_to(ROOT)))
 def test_code_paths_named_in_docs_exist(path: Path):
-    """A file the docs name in backticks (`engine/core.py`, `gemm.cpp`) exists, so moved code cannot leave the docs behind."""
+    """A file the docs name in backticks (`engine/core.py`, `gemm.cpp`) exists: moved code cannot leave docs behind."""
     text = path.read_text(encoding="utf-8")
     missing = sorted({m["path"] for m in CODE_PATH.finditer(text)
                       if not m["path"].startswith(("path/", "http")) and not _names_a_file(m["path"])})
