@@ -1,6 +1,6 @@
 // Quantized matrix products of many activation rows (batched decode, prefill) on x86-64 CPUs with AVX2 + FMA.
 //
-// With more than max_gemv_rows rows (models/quant.py, 10 by default) a product is bound by arithmetic, not by
+// With more than max_gemv_rows rows (quant.py, 10 by default) a product is bound by arithmetic, not by
 // reading the weights, so the weights are decoded to float32 once per call, a few rows at a time into a small
 // buffer, and every activation row reuses them there. No float32 copy of the model is kept (for the embedded model
 // it would be 540 MB), and on these skinny shapes sgemm on such a copy is far from its peak
