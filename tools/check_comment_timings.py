@@ -77,7 +77,10 @@ def find_timings(path: Path) -> list[tuple[int, str]]:
         comments = cpp_comments(source)
     else:
         return []
-    return [(line, text.strip()) for line, text in comments if TIMING.search(text)]
+    try:
+        return [(line, f"timing figure in a comment: {text.strip()}") for line, text in comments if TIMING.search(text)]
+    except (SyntaxError, tokenize.TokenError) as error:  # the checker cannot vouch for a file it cannot read
+        return [(getattr(error, "lineno", None) or 0, f"cannot parse the file: {error}")]
 
 
 def iter_files(roots: list[Path]) -> Iterator[Path]:
@@ -92,10 +95,10 @@ def main(argv: list[str]) -> int:
     roots = [Path(arg) for arg in argv] or [Path("src")]
     failures = [(path, line, text) for path in iter_files(roots) for line, text in find_timings(path)]
     for path, line, text in failures:
-        print(f"{path}:{line}: timing figure in a comment: {text}")
+        print(f"{path}:{line}: {text}")
     if failures:
         print(
-            f"{len(failures)} comment line(s) quote timings: say why in the comment and put the figures in "
+            f"{len(failures)} problem(s): comments say why; put the figures in "
             "benchmarks/results/ (or benchmarks/HISTORY.md) instead."
         )
         return 1
