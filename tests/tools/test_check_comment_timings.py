@@ -52,3 +52,9 @@ def test_clean_file_passes(checker, tmp_path, name, text):
 
 def test_src_is_clean(checker):
     assert checker.main([str(TOOL.parents[1] / "src")]) == 0
+
+
+def test_unparsable_file_fails_with_a_message(checker, tmp_path, capsys):
+    path = write(tmp_path, "conflict.py", "x = 1\n<<<<<<< ours\ny = 2\n")
+    assert checker.main([str(path)]) == 1
+    assert "cannot parse" in capsys.readouterr().out
