@@ -42,6 +42,7 @@ generate: $(INSTALLED)
 
 lint: $(TEST_INSTALLED)
 	$(VENV)/bin/lint-imports
+	$(PY) tools/check_comment_timings.py src
 
 test: $(TEST_INSTALLED) lint
 	$(PY) -m pytest -q

@@ -65,9 +65,10 @@ class EngineConfig:
     # per token and head) on the CPU with the fast numerics above; the compute dtype elsewhere, with
     # reference_numerics, or with int8_activations=False.
     kv_cache_dtype: str = "auto"
-    # Bytes for the paged KV pool; None = sized from max_num_kv_tokens.
+    # Bytes for the paged KV pool; None = max_num_kv_tokens if given, else 2 GiB capped at what max_num_seqs full
+    # contexts could use (engine/core.py, kv_pool_blocks).
     kv_cache_memory: int | None = None
-    # KV pool size in tokens when kv_cache_memory is not given; None = max_num_seqs full contexts, capped at 256Ki tokens.
+    # KV pool size in tokens, used instead of kv_cache_memory; None = size the pool by memory.
     max_num_kv_tokens: int | None = None
     # Tokens per KV block.
     block_size: int = 16

@@ -189,7 +189,7 @@ class _SkipInitOnMeta(TorchFunctionMode):
     """Makes torch.nn.init functions no-ops on meta tensors (which hold no values to initialize).
 
     Why: build_model creates the model on the meta device, and nn.Embedding's normal_ on a meta tensor runs
-    through torch._refs, whose first call imports torch._dynamo (and sympy): 1.5-2.5 s of start-up for
+    through torch._refs, whose first call imports torch._dynamo (and sympy): seconds of start-up for
     nothing, as every parameter is replaced by a checkpoint tensor right after.
     """
 
@@ -212,7 +212,7 @@ def _one_thread() -> Iterator[None]:
 
     Why: loading is ~1000 small copies (repacking, fusing, un-permuting rows), each a parallel region whose
     threads must all arrive; when the machine's cores are busy, one descheduled thread stalls every op
-    (measured on 2 busy cores: repacking SmolLM2's Q4_1 weights took 4.5 s on 2 threads, 0.05 s on 1).
+    (on busy cores a load on 2 threads took many times as long as on 1).
     """
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -16,8 +16,8 @@ gguf's own dequantization bit for bit (Q4_0's min is -8 * scale, exact in float1
 Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation, through one of three backends:
 - "native": models/kernels/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
   `max_gemv_rows` activation rows); for more rows models/kernels/gemm.cpp, which decodes a few weight rows at a
-  time into a small buffer and multiplies them with every activation row there (compute-bound; 1.65x MKL's sgemm
-  on a float32 copy at 64 rows, and no such copy is kept).
+  time into a small buffer and multiplies them with every activation row there (compute-bound, and no float32
+  copy of the model is kept; benchmarks/results/gemm.md compares it with MKL's sgemm on such a copy).
 - "aten": PyTorch's packed CPU kernels `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (int8 only with one
   scale per output channel; int4 needs out_features % 16 == 0). Kept for measurement and machines where they are
   fast; on AVX2-only CPUs they are slower than float32 F.linear.
@@ -27,9 +27,9 @@ Outputs have the activations' dtype (float32 or bfloat16); the sums are float32 
 
 `int8_activations=True` trades exactness for speed on decode-sized products (at most `max_gemv_rows` rows): the
 activations are rounded to int8 per 32 columns (scale max|x| / 127), as llama.cpp does on CPUs, and the native
-kernel multiplies integers: for int4 weights about a third of the vector operations per weight byte, which took one
-step's 4-bit products from 5.8 to 3.0 ms (1.9x) in a C harness on this machine; int8 weights already stream at memory
-speed either way. The engine sets it with `load_model(..., int8_activations=True)`. The int4 min term uses the
+kernel multiplies integers: for int4 weights about a third of the vector operations per weight byte, so the
+products keep up with memory (benchmarks/results/kernels.md); int8 weights already stream at memory speed either
+way. The engine sets it with `load_model(..., int8_activations=True)`. The int4 min term uses the
 rounded activations too: the error is then W · (x̂ - x) with W's centred values, not a shared offset from the 0..15
 codes. Larger products (prefill, batched decode) are bound by arithmetic, not by reading weights, and with the same
 setting they round too, by what the CPU does fastest (`gemm_rounding`):
@@ -56,8 +56,8 @@ from tokenriver.models.kernels.native import NativeKernels, Reductions, load_ker
 
 Backend = Literal["auto", "native", "aten", "reference"]
 BACKENDS = ("auto", "native", "aten", "reference")
-# Above this many activation rows the native path runs the GEMM: all layers of the embedded model took the same
-# time either way at 8 and 10 rows, and 0.75x the GEMV's at 12 (benchmarks/kernels.py measures both).
+# Above this many activation rows the native path runs the GEMM: up to here the GEMV is as fast, beyond it the GEMM
+# is faster (benchmarks/kernels.py measures both; benchmarks/results/kernels.md).
 DEFAULT_MAX_GEMV_ROWS = 10
 # GGUF block sizes in bytes for 32 weights.
 Q4_0_BLOCK_BYTES = 18  # f16 d, 16 bytes of nibbles: w = d * (q - 8)
@@ -208,7 +208,7 @@ def _gguf_words(blocks: torch.Tensor | np.ndarray, block_bytes: int, kind: str) 
     block_bytes // 2] uint16.
 
     Every block type here is a whole number of 16-bit words (an f16 header, then the quants), so the fields are
-    cut out as words: half the elements of a byte-wise copy (SmolLM2's 210 Q4_1 matrices: 35-43 ms against 50-60).
+    cut out as words: half the elements of a byte-wise copy, which shortens loading.
     """
     data = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % block_bytes:

@@ -137,9 +137,8 @@ class ModelRunner:
                        results: dict[str, RequestStepResult]) -> bool:
         """A batch of plain greedy rows (Sampler.takes_raw_argmax) from the model's per-row reductions, without
         logits, where the model computes them (LlamaForCausalLM.greedy_reductions): the same tokens as from the
-        logits, the logprobs within float rounding. 64 rows of the embedded model's output projection took
-        6.6 ms against 8.1 ms for logits and their reductions on AVX512-VNNI (3.6-3.7 against 4.2-4.3 ms on AMX;
-        2 threads). False if it did not apply."""
+        logits, the logprobs within float rounding, without writing [rows, vocab] logits and reading them back
+        (docs/performance.md). False if it did not apply."""
         greedy_reductions = getattr(self.model, "greedy_reductions", None)
         if greedy_reductions is None:
             return False

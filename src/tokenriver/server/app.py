@@ -282,7 +282,7 @@ def served_model_name(engine: AsyncEngine, config: ServerConfig) -> str:
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
-    """The OpenAI-compatible HTTP API over a running engine (routes in the README's endpoint table)."""
+    """The OpenAI-compatible HTTP API over a running engine (routes in docs/serving.md's endpoint table)."""
     app = FastAPI(title="tokenriver", version=tokenriver.__version__, docs_url="/docs", redoc_url=None)
     metrics = ServerMetrics(engine)
     model_name = served_model_name(engine, config)

@@ -264,7 +264,7 @@ class Usage(Response):
 
 
 class RequestMetricsInfo(Response):
-    """tokenriver extension: how the engine served a request (see the README)."""
+    """tokenriver extension: how the engine served a request (docs/serving.md)."""
 
     time_to_first_token: float | None
     time_per_output_token: float | None

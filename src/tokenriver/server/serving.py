@@ -432,7 +432,7 @@ class OpenAIServing:
                 for i, token_id in enumerate(output.prompt_token_ids)]
 
     def request_metrics(self, output: RequestOutput) -> RequestMetricsInfo:
-        """tokenriver's per-request metrics (README: "metrics"); forward passes are estimated from token counts."""
+        """tokenriver's per-request metrics (docs/serving.md); forward passes are estimated from token counts."""
         num_prompt = len(output.prompt_token_ids)
         num_cached = output.metrics.num_cached_tokens
         longest = max((len(c.token_ids) for c in output.outputs), default=0)

@@ -52,9 +52,8 @@ inline __m256 load8(const int8_t* p) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 // Where the CPU has AVX-512, decode steps read head dimensions 16 at a time when head_dim is a multiple of 16: one
 // conversion and one FMA per 16 values instead of per 8. An int8 pool is bound by those operations more than by
-// memory (each value is widened twice, to int32 and to float): 64 decoding sequences, 30 layers, 2 threads, cold
-// int8 pools with scattered blocks, took 6.5-6.9 against 7.4-7.5 ms at 115 tokens of context and 24.8-25.3 against
-// 27.1-27.4 ms at 400 (alternating runs); a float16 pool, bound by memory, took the same time either way. Scores sum
+// memory (each value is widened twice, to int32 and to float), so it gains; a float16 pool, bound by memory, does
+// not (benchmarks/results/attention.md measures the kernel). Scores sum
 // in another order than 8 at a time, so their last bits differ from the 8-wide path's; a request's results still do
 // not depend on its batch or the thread count.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -107,9 +106,8 @@ inline void store_entries(const float* in, int64_t heads, int64_t D, int8_t* out
   }
 }
 
-// Context tokens per split. Small enough that a single decoding request spreads over the threads: one query over
-// 717 tokens of the embedded model, 30 layers, 2 threads, took 2.7-3.2 ms in splits of 128 against 3.8-4.9 ms in
-// splits of 512 (one split of 512 and one of 205); 64 requests at once took the same time either way, within ±8 %.
+// Context tokens per split. Small enough that a single decoding request spreads over the threads (splits of 512
+// left one thread with most of a 717-token context); with many requests at once the split size hardly matters.
 constexpr int64_t kSplitTokens = 128;
 // Scores computed per softmax update; a multiple of 8.
 constexpr int64_t kTile = 32;
@@ -265,10 +263,9 @@ inline void scale_by_values(const float* value_scales, int64_t n, float* weights
 // One tile of n context tokens for HC query heads that share a kv head (keys, values: rows of that kv head): the
 // heads' scores, then the online-softmax update of their m, l and acc ([HC][D], not normalized). Each key and value
 // vector is loaded and widened once for all HC heads instead of once per head; per head the arithmetic and its
-// order are those of a head alone, so grouping changes no bit. 64 decoding sequences of 115 tokens (float16, 30
-// layers, 2 threads) took 5.0 against 6.1 ms with one head at a time when the pool was in cache; read from memory
-// both took ~8.5 ms, so the prefetches are spread over the three phases of each call (in one burst per call
-// the queued requests stalled it: 11.5 ms).
+// order are those of a head alone, so grouping changes no bit. It pays when the pool is in cache; read from
+// memory, the prefetches bound it, so they are spread over the three phases of each call (issued in one burst per
+// call, the queued requests stalled it).
 template <int ND, int HC, typename Cache, typename Prefetch>
 void tile_heads(const float* q, const Cache* const* keys, const Cache* const* values, const float* key_scales,
                 const float* value_scales, int64_t n, float scale, float* m, float* l, float* acc,
@@ -370,8 +367,7 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
     }
     // Ask for the next tile's rows (into L2: this tile fills L1) while this one computes: blocks are scattered,
     // so the hardware prefetcher stops at each block boundary. Spread over the work in shares: all at
-    // once, the requests queued up behind each other. 64 decoding sequences of 115 tokens (cold float16 pools,
-    // 30 layers) took 13.4 ms spread against 16.8 ms all at once, 16 of 300 tokens 8.8 against 10.4 ms.
+    // once, the requests queued up behind each other and stalled the core.
     int64_t next_begin = tile + kTile, next_end = tile + kTile + kTile < t1 ? tile + kTile + kTile : t1;
     const int64_t* next_blocks = blocks;
     if (next_begin >= t1 && next_query >= 0) {
@@ -428,8 +424,7 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
 // Thread `part` of `parts`'s share of items [0, n): a contiguous run of about equal work (work(i): tokens item i
 // attends over). A thread walks its run in order, so while it computes an item's last tile it already fetches the
 // next item's first one; handed out one by one (dynamic scheduling), the next item was unknown and each item's
-// first tile came from memory cold. 64 decoding requests of 115 tokens (cold float16 pools, 30 layers) took 9.3
-// against 11.3 ms.
+// first tile came from memory cold.
 template <typename Work>
 void equal_work_run(int64_t n, int part, int parts, Work work, int64_t& begin, int64_t& end) {
   int64_t total = 0;
@@ -766,7 +761,7 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
   }
   const int64_t width = num_kv_heads * (head_dim + kEntryExtra<Cache>);  // cache elements per token
   // In parallel for a prompt's many rows: the first write to a pool page also takes the page fault that maps it,
-  // and a fresh pool's first batch of 64 decoding requests spent ~3% of its time there, with one thread.
+  // which on a fresh pool is a visible share of a large batch's step when one thread takes them all.
 #pragma omp parallel for num_threads(num_threads) if (num_rows >= 2 * num_threads && num_threads > 1)
   for (int64_t t = 0; t < num_rows; ++t) {
     store_entries(key + t * k_row_stride, num_kv_heads, head_dim, key_cache + slots[t] * width);

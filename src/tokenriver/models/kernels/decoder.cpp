@@ -140,10 +140,8 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
 // which then applies SwiGLU to the gate/up sums in its tiles and writes silu(gate) * up transposed ([I, T]: no
 // transposes out of its tiles, no [2I, T] product and no pass of SwiGLU over it), and the down product packs its
 // input from it without transposing either. Every value goes through the same operations as row after row (SiLU's
-// 8- and 16-wide forms agree bit for bit; I a multiple of 8), so the output is the same. Against the gate/up product
-// written out and SwiGLU as a pass of its own (and with gemm.cpp's scratch now kept between calls), 64 prompts x 128
-// tokens (int4, int8 activations and KV, 2 threads) went from 1,217-1,237 to 1,267-1,295 tokens/s (four alternating
-// runs each, the machine in its slower state).
+// 8- and 16-wide forms agree bit for bit; I a multiple of 8), so the output is the same, without writing out the
+// [2I, T] gate/up product and reading it back for SwiGLU (benchmarks/HISTORY.md, "fused SwiGLU").
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
   const Linear& gate_up = layer.gate_up;
@@ -235,9 +233,8 @@ int run_layers(const Decoder* d, const Step* s) {
 // step writes and reads back 1.3 GB of product outputs), so a step of more rows runs the whole stack over one slice
 // of its rows after another, each slice's keys and values written to the cache before the next slice attends to
 // them. Every operation treats its rows independently or, in attention, by absolute context position, so the
-// results are the same bits either way; only the weights are decoded once per slice. The two prompt steps of 64
-// chat prompts (3,233 rows: 2,048 and 1,185; int4 weights, int8 activations, 2 threads, two runs each) took
-// 0.93-0.96 s whole, 0.81-0.84 s in slices of 512 rows, 0.74-0.76 s in slices of 256 and 0.79-0.86 s in 128.
+// results are the same bits either way; only the weights are decoded once per slice. 256 rows was the fastest of
+// 128, 256, 512 and whole steps on the prompt steps of 64 chat prompts (benchmarks/HISTORY.md).
 constexpr int64_t kRowsPerPass = 256;
 
 // The part of step s that concerns rows [r0, r1): its rows, the single query tokens among them and the parts of
@@ -276,22 +273,21 @@ Step slice_rows(const Step& s, int64_t H, int64_t head_dim, int64_t r0, int64_t 
 // attention by query), which needs each thread to read the rows the others wrote at every step of the stack, and
 // to meet them at every operation's end. That is cheap between cores that share a cache. Between cores that do not
 // (another L3 slice, another socket; a cloud VM's two vCPUs move between the two cases every few minutes) each
-// cache line the other core wrote takes ~160 ns instead of ~25: a 32-row decode step of the embedded model took
-// ~4.5 ms longer, the small operations most (an RMSNorm of 32 rows 17 instead of 5 µs). There a decode step runs
-// instead as one group of rows per thread, each group through the whole stack on its thread alone: the weights are
-// read by every thread, but nothing written is read across cores and no thread waits for another until the end.
-// 32 prompts x 128 tokens (int8 weights, activations and KV, 2 threads) with every decode step in groups took
-// 1,290-1,360 against 1,155-1,160 tokens/s between cores that do not share a cache, and 1,365-1,375 against
-// 1,410-1,450 between cores that do (alternating runs).
+// cache line the other core wrote takes several times longer to arrive, and the small operations suffer most. There
+// a decode step runs instead as one group of rows per thread, each group through the whole stack on its thread
+// alone: the weights are read by every thread, but nothing written is read across cores and no thread waits for
+// another until the end. Between cores that share a cache, groups cost a little (every thread repacks every weight
+// tile), so they are not the default there (docs/performance.md; figures in benchmarks/HISTORY.md).
 //
 // Which case holds is measured at each such step: the one-way time of a cache line handed back and forth between
-// two of the team's threads, a few microseconds a step. Both ways compute every row with the same operations (the
-// GEMM's rows do not depend on the batch, attention's not on the threads), so the choice changes no result.
+// two of the team's threads, a few microseconds a step; kSeparateCachesNs sits between the handoff times measured
+// with and without a shared cache. Both ways compute every row with the same operations (the GEMM's rows do not
+// depend on the batch, attention's not on the threads), so the choice changes no result.
 constexpr double kSeparateCachesNs = 70.0;
 constexpr int kHandoffRounds = 16;
 
 // The mean one-way time (ns) of a cache line passed between threads 0 and 1 of a team of two, or 0 if thread 1 did
-// not take its first turn within ~50 µs (the measurement is then skipped, not waited for).
+// not take its first turn before the deadline below (the measurement is then skipped, not waited for).
 double handoff_ns() {
   alignas(64) std::atomic<int> turn{0};
   double elapsed_ns = 0.0;

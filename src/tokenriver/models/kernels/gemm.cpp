@@ -1,9 +1,10 @@
 // Quantized matrix products of many activation rows (batched decode, prefill) on x86-64 CPUs with AVX2 + FMA.
 //
-// With 17 or more rows a product is bound by arithmetic, not by reading the weights, so the weights are decoded
-// to float32 once per call, a few rows at a time into a small buffer, and every activation row reuses them there.
-// No float32 copy of the model is kept: for the embedded model that copy was 540 MB, and MKL's sgemm on it ran
-// at 60-110 GFLOP/s on these shapes (17 to 64 rows, K of 576 or 1536) against ~165 at large square sizes.
+// With more than max_gemv_rows rows (quant.py, 10 by default) a product is bound by arithmetic, not by
+// reading the weights, so the weights are decoded to float32 once per call, a few rows at a time into a small
+// buffer, and every activation row reuses them there. No float32 copy of the model is kept (for the embedded model
+// it would be 540 MB), and on these skinny shapes sgemm on such a copy is far from its peak
+// (benchmarks/results/gemm.md compares the two).
 //
 // The register tile is 6 weight rows × 16 activation rows: per column k, two vector loads of the activations
 // (stored transposed, [K, M], so that 8 rows are one vector), six broadcasts of decoded weights and twelve FMAs
@@ -13,11 +14,9 @@
 //
 // Where the CPU has AVX512-VNNI a second product is compiled in for models/quant.py's rounded mode: the activations
 // are rounded to int8 per 32 columns exactly as gemv.cpp's int8 path rounds them, and multiplied as integers (see
-// "Int8 activations" below), four times an FMA's products per instruction. Against the bfloat16 dot products this
-// replaced, one int4 product of 1536×576 took 264 against 322 µs at 64 rows and 1676 against 2437 µs at 512
-// (576×1536), alternating runs; and a decode step and a prefill of the same row now round alike. The tile's weight
-// layout and vectorized block scales (tile_row, block_terms) later took the 64-row products of one decode step of
-// the embedded model from 45.9 to 37.5 ms (all 30 layers and the output layer, alternating runs, 2 threads).
+// "Int8 activations" below), four times an FMA's products per instruction, and a decode step and a prefill of the
+// same row round alike. The tile's weight layout and vectorized block scales (tile_row, block_terms) keep every
+// weight word at a constant offset, so nothing spills (benchmarks/HISTORY.md has the figures).
 //
 // Weight formats are gemv.cpp's (int4 with scales and mins per group, int8 with scales per group); the decoded
 // weights equal the reference dequantization bit for bit (scale * q is exact in float32, one rounding for + min).
@@ -200,8 +199,8 @@ inline void transpose8(__m256 r[8]) {
 }
 
 // One panel: rows [0, valid) of x (row-major, K columns) transposed into panel [K, 16]; rows past valid read
-// `zeros`. Eight columns of eight rows at a time through registers, not one strided store per element: a 512-token
-// prefill ran ~5% faster than with the scalar copy (medians of 20 alternating runs, faster in 18).
+// `zeros`. Eight columns of eight rows at a time through registers, not one strided store per element, which
+// measurably slowed prefill (benchmarks/HISTORY.md).
 inline void pack_panel(const float* x, int64_t valid, int64_t K, const float* zeros, float* panel) {
   const float* rows[kPanel];
   for (int64_t i = 0; i < kPanel; ++i) rows[i] = i < valid ? x + i * K : zeros;
@@ -239,9 +238,8 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const ui
     {
       std::vector<float> w(kRows * K);
       // Handed out a few tiles at a time, not split in halves up front: the two cores of a shared machine often
-      // run at different speeds, and with fixed halves the faster one waited at the barrier. A 512-token prefill
-      // ran ~5% faster this way (median of 30 alternating runs). Which thread computes a tile does not change
-      // its result.
+      // run at different speeds, and with fixed halves the faster one waited at the barrier. Which thread
+      // computes a tile does not change its result.
 #pragma omp for schedule(dynamic, 8)
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t n0 = t * kRows;
@@ -277,8 +275,7 @@ using tokenriver::RowReductions;
 //   int8 weights (w = s q) go in offset by 128 (u = q + 128), so the integer sum carries 128 times the row's block
 //   sum of activations: the panel's term is minus that, the value each block's integer sums start from, shared by
 //   every weight row. Against offsetting the activations and subtracting 128 times each weight row's block sum in
-//   float, the same exact sums with one float operation fewer per block and row: the output layer at 64 rows took
-//   7.1 against 7.6 ms.
+//   float, the same exact sums with one float operation fewer per block and row.
 
 // Activation rows [0, valid) of x (K columns) rounded and packed into one panel; rows past valid are zero.
 // xq [16, K] and xscale [16, K/32] are scratch.
@@ -505,8 +502,8 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
     return;
   }
   // Out through registers: the 8 × 16 matrix of weight rows (zero past RT) by activation rows, transposed as two
-  // 8 × 8 halves, gives each activation row its RT sums in one vector, stored under a mask. Against a scalar store
-  // per sum (through a stack copy), ~1% on the products of a 64-row decode step.
+  // 8 × 8 halves, gives each activation row its RT sums in one vector, stored under a mask, instead of a scalar
+  // store per sum through a stack copy.
   const __mmask8 columns = static_cast<__mmask8>((1u << RT) - 1);
   for (int half = 0; half < 2; ++half) {
     __m256 rows[kLanes];
@@ -556,14 +553,11 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
   // One parallel region for packing and products (one fork and join per product, not two per chunk). Tiles are
   // handed out in runs that shrink as the product nears its end (guided, down to 2 tiles): each thread mostly
   // takes the tiles after its last one, as the weight prefetch below assumes, and neither thread waits long at the
-  // end for the other's last run. With the scratch and the transposed store above, the products of a 64-row
-  // decode step of the embedded model took 31.5 against 33.9 ms (alternating runs, 2 threads), and a 512-row
-  // prefill's 242 against 249 ms.
+  // end for the other's last run.
 #pragma omp parallel num_threads(num_threads)
   {
-    // Each thread's scratch, kept between calls (thread_local: here, each worker's own). Allocated and zero-filled
-    // per call (~40 KB per thread and product, 120 products a decode step), its memset was 0.6% of the samples of a
-    // 64 x 128 run.
+    // Each thread's scratch, kept between calls (thread_local: here, each worker's own): allocated and zero-filled
+    // per call (~40 KB per thread and product, 120 products a decode step), its memset showed up in profiles.
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> xscale, w_scales, w_mins, pending;
     thread_local std::vector<uint8_t> w;
@@ -604,7 +598,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
         // The weights of the tile after next, into L2 while this one computes (the products of a decode step read
         // them from memory): their bytes spread over the first panel's blocks (int8_tile), their scales now.
         // Issued all at once, the bytes (54 lines a tile of K = 576, 144 of K = 1536) stalled the core until
-        // miss buffers freed up; spread, 32 x 128 decoding ran ~4% faster and 64 x 128 ~2% (alternating runs).
+        // miss buffers freed up (benchmarks/HISTORY.md).
         TilePrefetch prefetch;
         if (n0 + 2 * tile_outputs < N) {
           const int64_t later = n0 + 2 * tile_outputs, later_rows = std::min<int64_t>(tile_outputs, N - later);

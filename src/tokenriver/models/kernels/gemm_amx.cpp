@@ -6,23 +6,22 @@
 // outputs per block. An AMX tile instruction adds 16 × 16 × 32 products in ~16 cycles, but the same per-block float
 // work after it costs twice that, and on this CPU it does not overlap with the tile unit: tile instructions and
 // AVX-512 arithmetic in one loop took more than the sum of their separate times (C harness). Integer tiles followed
-// by the per-block scaling ran only 1.1-1.2x the VNNI kernel, bit for bit equal to it.
+// by the per-block scaling gained little over the VNNI kernel (benchmarks/HISTORY.md).
 //
 // Bfloat16 tiles need no per-block work: the weights are decoded to float32 (scale * q + min, gemm.cpp's decoding,
 // bit for bit) and rounded to bfloat16, the activations rounded to bfloat16, and the tile instruction sums every
 // product in float32 over all K. Each weight is decoded once per call and serves every activation row. The rounding
 // is bfloat16's (8 significant bits) on both operands, finer than int8 activations per 32 columns; decode steps of up
-// to max_gemv_rows rows keep gemv.cpp's int8 products. One step's products of the embedded model took 20.5 ms at 64
-// rows against 30.2 ms for the VNNI kernel and 31.2 ms for F.linear on a bfloat16 copy (oneDNN), 32.5 against 69.4 and
-// 42.0 ms at 128 (benchmarks/results/gemm.md); at 512 rows oneDNN's is faster (86 against 138 ms), where writing and
-// reading back the float32 outputs costs more than decoding (kRowOperandRows below).
+// to max_gemv_rows rows keep gemv.cpp's int8 products. It beats the VNNI kernel and F.linear on a bfloat16 copy
+// (oneDNN) at batch-decode sizes; at prefill sizes oneDNN's is faster, as writing and reading back the float32
+// outputs costs more than decoding there (kRowOperandRows below; figures in benchmarks/HISTORY.md).
 //
 // The product is computed transposed, yᵀ = W xᵀ, so that the weights are the tile instruction's row operand: a
 // weight tile is 16 weight rows of 32 bfloat16 columns, each row decoded in place from its own bytes (no shuffling),
 // and the activations take the pair-interleaved layout of the column operand (16 rows of 16 activation rows × 2
 // columns), a 16 × 16 transpose of 32-bit pairs done once per call. Each 16 × 16 float32 result tile is transposed
 // back on its way to y. (The other way round, weights as the column operand, costs that transpose per weight block
-// instead: at 64 rows one step's products took 22 against 19 ms, C harness.) Every output is one fixed sequence of
+// instead, which is slower at decode sizes.) Every output is one fixed sequence of
 // tile instructions over K, whatever the batch, so a row's result does not depend on the other rows in it.
 //
 // Linux hands out the tile registers only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM):
@@ -123,7 +122,7 @@ inline void groups_to_float(const uint16_t* values, int64_t num_groups, int64_t 
 // An int4 block takes its values from a table: the 16 possible codes' values, computed and rounded once per group,
 // looked up by one word permute for all 32 columns (vpermw takes the low 5 bits of each index, and the table holds
 // its 16 values twice, so the bits above a nibble do not matter). About 7 vector operations per 32 weights against
-// 11 for converting and multiplying each weight: 1.9 against 2.7 ns per 32 weights, one thread, weights in cache.
+// 11 for converting and multiplying each weight.
 template <bool IS_INT4>
 void weight_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
                   int64_t G, int64_t n0, uint8_t* tiles, float* groups) {
@@ -212,8 +211,8 @@ struct RowTiles {
 // kTileBytes, rows 64 bytes apart), RT and CT 1 or 2, over num_blocks blocks of 32 columns: sums tile (r, c) = row
 // tile r against column tile c, stored at sums + 16 r * ld + 16 c (rows ld floats apart). Two by two, each tile
 // loaded feeds two tile instructions, and every tile of a block has its own register, so a load never waits for
-// the instruction that read the register before (AMX tiles are not renamed): 8.5 ns per instruction with the
-// activations in L2 against 11-13.5 with one weight tile against four activation tiles (C harness).
+// the instruction that read the register before (AMX tiles are not renamed), which one weight tile against four
+// activation tiles did.
 template <int RT, int CT>
 void multiply_tiles(const RowTiles& rows, const uint8_t* columns, int64_t column_step, int64_t num_blocks,
                     float* sums, int64_t ld) {
@@ -302,10 +301,8 @@ void activation_rows(const float* x, int64_t valid, int64_t padded, int64_t K, u
 // Products of at least this many rows take the activations as the row operand and the weights as the column
 // operand: the sums tiles then have y's layout and are stored into it directly, at the cost of transposing each
 // decoded weight tile, which is shared by every row. Below it the transposed form is faster (it writes each
-// output tile through a transpose, but decodes weights in place). One step's products of the embedded model, output
-// projection included (C harness, 2 threads, alternating runs): 128 rows 27.0-29.0 against 27.5-29.5 ms, 256 rows
-// 48.6-49.1 against 51.5-52.4, 512 rows 107-108 against 112-113, 1024 rows 226-232 against 236-246; at 2048 rows
-// both took 429-444 ms, bound by writing and reading the float32 outputs (a 2048-row step writes 1.3 GB of them).
+// output tile through a transpose, but decodes weights in place); from 128 rows on the direct store wins by a few
+// percent, and at 2048 rows both are bound by writing and reading the float32 outputs (benchmarks/HISTORY.md).
 constexpr int64_t kRowOperandRows = 128;
 
 // The product, both ways round. ROWS_ARE_ACTIVATIONS false: yᵀ = W xᵀ, weight tiles against activation tiles

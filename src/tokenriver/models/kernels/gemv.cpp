@@ -73,10 +73,8 @@ std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
 }
 
 // How far ahead of the bytes being decoded to prefetch weight bytes, and into which cache. The rows of a tile are
-// adjacent in memory, so this reaches into the next tiles. Into L2, 8 KB ahead: a decode step's int4 products (all
-// 30 layers' matrices of the embedded model, cold, one activation row, two threads) took 2.78 ms against 3.18 ms
-// prefetching into L1 4 KB ahead, and the int8 output layer 1.18 against 1.56 ms (medians of 30 alternating runs,
-// AVX-512 machine); 16 KB ahead was no better. Without any prefetch they ran at half the speed.
+// adjacent in memory, so this reaches into the next tiles. Into L2, 8 KB ahead: faster than into L1 4 KB ahead,
+// and 16 KB ahead was no better (benchmarks/HISTORY.md). Without any prefetch the products ran at half the speed.
 constexpr int64_t kPrefetchBytes = 8192;
 
 // Groups whose float16 scales are converted to float32 at a time, into a buffer on the stack.
@@ -104,8 +102,8 @@ inline float min_term(const uint16_t* row_mins, const float* row_xsum, int64_t n
 
 // RT output rows × MT activation rows (RT * MT <= 8). Per 32 columns each (row, activation row) pair takes two
 // short partial sums (four products), scales them by the block's group scale and adds them into its accumulator:
-// a flat loop with every accumulator in a register, which measured 1.7x faster than accumulating per group
-// first (that version kept its per-group sums on the stack). The min term sum_g min_g * xsum_g is a short dot
+// a flat loop with every accumulator in a register, which beat accumulating per group first (that version kept
+// its per-group sums on the stack). The min term sum_g min_g * xsum_g is a short dot
 // product done once at the end.
 template <bool IS_INT4, int RT, int MT>
 void tile(const float* x, int64_t K, const float* xsum, const uint8_t* qweight, const uint16_t* scales,

@@ -400,8 +400,8 @@ class NativeKernels:
 
     def argmax_logsumexp(self, logits: torch.Tensor) -> Reductions | None:
         """Per row of float32 logits [N, V]: the argmax (first of equal maxima, as torch.argmax), the largest logit
-        and log(sum(exp(row))), in one call instead of PyTorch reductions (measured here on 64 rows of SmolLM2's
-        49,152 logits: 5.9 ms for torch.logsumexp and 2.3 ms for argmax). The largest logit minus the log-sum-exp
+        and log(sum(exp(row))), in one pass over the logits instead of PyTorch's separate reductions (each its own
+        pass over a [64, 49152] tensor in a batched decode step). The largest logit minus the log-sum-exp
         is the argmax's logprob, so a greedy row needs nothing else. None, so that the caller takes PyTorch's path,
         for logits the kernel cannot read (not a contiguous float32 [N, V] CPU tensor) and when a row holds NaN or
         no finite value (cases PyTorch defines).
