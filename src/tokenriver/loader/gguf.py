@@ -22,6 +22,7 @@ map. Both ways hand the same arrays to the same repack/dequantize code below.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     keep_quantized: quantized matrices come back packed (loader/gguf_blocks.py) instead of dequantized.
     cache_dir: where the header index is cached (None: $XDG_CACHE_HOME/tokenriver or ~/.cache/tokenriver).
     """
-    fields, tensor_list = _read_header(path, cache_dir)
+    fields, tensor_list, mapped = _read_header(path, cache_dir)
     gguf_arch = fields.get("general.architecture")
     if not isinstance(gguf_arch, str):
         raise ModelLoadError(f"{path}: the GGUF metadata has no general.architecture; the file is incomplete, "
@@ -120,20 +121,39 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
             weights[name] = _repack(path, tensor, gguf_arch, config)
         else:
             weights[name] = _dequantize(path, tensor, gguf_arch, config).to(dtype)
+        if mapped is not None:
+            mapped.release(tensor.data)
     tokenizer_fields = {name: value for name, value in fields.items() if name.startswith("tokenizer.")}
     return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=tokenizer_fields,
                           stored_types=stored_types)
 
 
-def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list[_Tensor]]:
-    """Metadata fields and tensors: from the cached index when it matches the file, else from GGUFReader
-    (then cached for the next load)."""
+class _MappedFile:
+    """The file mapped read-only. Every tensor is copied into its packed or float form at load, so once one is
+    converted its pages are dropped from this process's resident memory (they stay in the page cache): a load
+    then peaks at the converted weights plus one tensor, not the whole file on top of them."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as file:
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)  # [file_size] uint8, read-only
+
+    def release(self, data: np.ndarray) -> None:
+        """Drop the pages under `data` (a view of self.array) from resident memory."""
+        start = data.ctypes.data - self.array.ctypes.data
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, first, start + data.nbytes - first)
+
+
+def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list[_Tensor], _MappedFile | None]:
+    """Metadata fields and tensors: from the cached index when it matches the file (with the mapping, to release
+    converted tensors from), else from GGUFReader (then cached for the next load)."""
     _check_file(path)
     index = gguf_cache.load_index(path, cache_dir)
     if index is not None:
-        mapped = np.memmap(path, mode="r")  # [file_size] uint8, read-only
-        return index.fields, [_Tensor(t.name, t.tensor_type, t.shape, gguf_cache.tensor_array(mapped, t))
-                              for t in index.tensors]
+        mapped = _MappedFile(path)
+        return index.fields, [_Tensor(t.name, t.tensor_type, t.shape, gguf_cache.tensor_array(mapped.array, t))
+                              for t in index.tensors], mapped
     stat = os.stat(path)
     reader = _open(path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
@@ -146,7 +166,7 @@ def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list
             header_length=reader.data_offset,
         )
         gguf_cache.store_index(path, index, reader.data[:reader.data_offset].tobytes(), stat, cache_dir)
-    return fields, tensors
+    return fields, tensors, None
 
 
 def _check_file(path: str) -> None:
