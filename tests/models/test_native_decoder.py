@@ -1,4 +1,4 @@
-"""The decoder stack in one native call (models/native_decoder.py) against the same layers run one module at a time.
+"""The decoder stack in one native call (models/native/decoder.py) against the same layers run one module at a time.
 
 Both paths call the same kernels in the same order, so every step's hidden states must be equal bit for bit:
 decode steps, short multi-token steps (speculative verification), batches above the GEMV/GEMM switch, int4 and
@@ -18,10 +18,10 @@ from tokenriver.decoding.draft_model import first_layers
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.kernels.native import load_kernels
+from tokenriver.models.native.kernels import load_kernels
 from tokenriver.models.llama import LlamaForCausalLM
-from tokenriver.models.native_decoder import NativeDecoder
-from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from tokenriver.models.native.decoder import NativeDecoder
+from tokenriver.models.native.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(load_kernels() is None,
                                 reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler")

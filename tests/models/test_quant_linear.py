@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
-from tokenriver.models.kernels.native import load_kernels
-from tokenriver.models.quant import (
+from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.native.quant import (
     Int4Linear,
     Int4Weight,
     Int8Linear,

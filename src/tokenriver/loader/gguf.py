@@ -3,7 +3,7 @@
 The only module that knows llama.cpp's naming: metadata keys
 (`llama.attention.head_count`, ...) become ModelConfig fields, tensor names
 (`blk.3.attn_q.weight`, ...) become Hugging Face parameter names. Q4_0, Q4_1
-and Q8_0 matrices can stay packed (repacked byte for byte into models/quant.py's
+and Q8_0 matrices can stay packed (repacked byte for byte into models/native/quant.py's
 formats); every other tensor is dequantized by `gguf.quants.dequantize`.
 The file is memory-mapped and parsed, never unpickled.
 
@@ -33,7 +33,7 @@ import torch
 from tokenriver.errors import ModelLoadError
 from tokenriver.loader import gguf_cache
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q4_0, repack_q4_1, repack_q8_0
+from tokenriver.models.native.quant import Int4Weight, Int8Weight, repack_q4_0, repack_q4_1, repack_q8_0
 from tokenriver.models.registry import canonical_architecture
 
 Q = gguf.GGMLQuantizationType

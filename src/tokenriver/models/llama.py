@@ -26,9 +26,9 @@ from torch import nn
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata, paged_attention
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.kernels.native import Reductions
+from tokenriver.models.native.kernels import Reductions
 from tokenriver.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_
-from tokenriver.models.native_decoder import NativeDecoder
+from tokenriver.models.native.decoder import NativeDecoder
 
 # Fused module → the Hugging Face modules whose weights (and biases) it stacks, in output order.
 FUSED_PROJECTIONS = {
@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def greedy_reductions(self, hidden: torch.Tensor) -> Reductions | None:
         """Per row of compute_logits(hidden): (argmax, largest logit, log-sum-exp), without writing the logits,
-        where the output projection can (quantized, rounded mode on VNNI or AMX: models/quant.py); else None. A
+        where the output projection can (quantized, rounded mode on VNNI or AMX: models/native/quant.py); else None. A
         greedy step that reports nothing but the chosen tokens' logprobs needs only these."""
         reductions = getattr(self.lm_head, "argmax_logsumexp", None)
         return reductions(hidden) if reductions is not None else None

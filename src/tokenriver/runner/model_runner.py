@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tokenriver.kv.cache import KVCache
-from tokenriver.models.kernels.native import load_kernels
+from tokenriver.models.native.kernels import load_kernels
 from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
 from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput

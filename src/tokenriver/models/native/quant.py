@@ -14,8 +14,8 @@ Float16 scales are what GGUF stores, so repacking Q4_0, Q4_1 and Q8_0 is exact: 
 gguf's own dequantization bit for bit (Q4_0's min is -8 * scale, exact in float16).
 
 Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation, through one of three backends:
-- "native": models/kernels/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
-  `max_gemv_rows` activation rows); for more rows models/kernels/gemm.cpp, which decodes a few weight rows at a
+- "native": models/native/csrc/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
+  `max_gemv_rows` activation rows); for more rows models/native/csrc/gemm.cpp, which decodes a few weight rows at a
   time into a small buffer and multiplies them with every activation row there (compute-bound; 1.65x MKL's sgemm
   on a float32 copy at 64 rows, and no such copy is kept).
 - "aten": PyTorch's packed CPU kernels `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (int8 only with one
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
-from tokenriver.models.kernels.native import NativeKernels, Reductions, load_kernels
+from tokenriver.models.native.kernels import NativeKernels, Reductions, load_kernels
 
 Backend = Literal["auto", "native", "aten", "reference"]
 BACKENDS = ("auto", "native", "aten", "reference")
