@@ -55,7 +55,10 @@ class NativeDecoder:
 
     def __init__(self, kernels: NativeKernels, layers: nn.ModuleList, specs: list[LayerSpec]) -> None:
         self._kernels = kernels
-        self._layers = layers  # holds the weight tensors the specs point into
+        self._layers = layers
+        # Every tensor the specs point into, held by its storage: a layer whose weights move after binding leaves
+        # this decoder stale (its owner binds again), never pointing into freed memory.
+        self._tensors = [tensor.detach() for layer in layers for tensor in (*layer.parameters(), *layer.buffers())]
         self._specs = (LayerSpec * len(specs))(*specs)
         first = layers[0]
         attention = first.self_attn
