@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import importlib
 import sys
 import time
 from typing import Any
@@ -260,10 +262,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_engine() -> None:
+    """Import torch and the engine with the cycle collector paused.
+
+    The imports create a few hundred thousand objects that live as long as the process (modules, classes,
+    functions); the collector would traverse them again and again while they are created, freeing nothing.
+    freeze() + unfreeze() then moves them straight to the oldest generation (not exempt from collection, only
+    not traversed by the young generations' passes). A process tuning its own collector is left alone: this runs
+    for the command line only.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        importlib.import_module("tokenriver.engine.llm")
+        importlib.import_module("tokenriver.engine.async_engine")
+    finally:
+        gc.freeze()
+        gc.unfreeze()
+        if collecting:
+            gc.enable()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _import_engine()
         return args.handler(args)
     except TokenriverError as error:
         print(f"error: {error.message}", file=sys.stderr)

@@ -70,6 +70,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Cap on tokens computed in one step (prompt chunks plus decode tokens).
     max_num_batched_tokens: int = 2048
+    # Cap on engine requests waiting for a batch slot or KV blocks; past it AsyncEngine refuses new requests
+    # (EngineOverloadedError, HTTP 429). None = the KV pool's block count: a waiting request needs a block at least,
+    # so a longer queue could never be admitted at once. LLM.generate queues its prompts without this cap.
+    max_waiting_requests: int | None = None
     # Multi-step scheduling: forward passes per step when every scheduled request is a plain greedy decode, each
     # pass after the first decoding the token the one before sampled. Scheduling, bookkeeping and output
     # processing then run once for all of them; tokens arrive in bursts of this many, and a request that stops
@@ -119,7 +123,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= {low}", param=name)
-        for name in ("max_num_kv_tokens", "max_model_len", "num_threads"):
+        for name in ("max_num_kv_tokens", "max_model_len", "num_threads", "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1 or unset", param=name)
@@ -139,6 +143,10 @@ class EngineConfig:
     def resolved_kv_cache_dtype(self) -> str:
         """The dtype name the KV pool is allocated in ("auto" resolved)."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    def resolved_max_waiting_requests(self, num_kv_blocks: int) -> int:
+        """max_waiting_requests, or the pool's block count when unset (see the field)."""
+        return self.max_waiting_requests if self.max_waiting_requests is not None else num_kv_blocks
 
     def _validate_speculative(self) -> None:
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):

@@ -50,6 +50,29 @@ class StepStats:
     num_draft_forward_passes: int = 0
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded model and the engine's sizes, fixed at start: what the layers above (server, CLI) may know."""
+
+    path: str
+    vocab_size: int
+    max_model_len: int
+    num_parameters: int
+    # Bytes of the model's weights as loaded.
+    num_bytes: int
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    num_kv_blocks: int
+    kv_cache_bytes: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    # Engine requests allowed to wait for a batch slot (EngineConfig.max_waiting_requests, resolved).
+    max_waiting_requests: int
+    speculative_draft: str | None
+    num_speculative_tokens: int
+
+
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
     """Blocks in the KV pool: from kv_cache_memory, or max_num_kv_tokens, or the 2 GiB default."""
     model_config = loaded.config
@@ -106,6 +129,13 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
         self.last_step: StepStats | None = None
+        self.model_info = ModelInfo(
+            path=self.loaded.path, vocab_size=model_config.vocab_size, max_model_len=self.max_model_len,
+            num_parameters=self.loaded.num_parameters, num_bytes=self.loaded.num_bytes, dtype=config.dtype, kv_cache_dtype=config.resolved_kv_cache_dtype,
+            block_size=config.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=self.kv_cache.num_bytes,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_waiting_requests=config.resolved_max_waiting_requests(num_blocks),
+            speculative_draft=config.speculative_draft, num_speculative_tokens=config.num_speculative_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
@@ -173,6 +203,14 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is still running (added, not finished or aborted)."""
+        return self.output_processor.has_request(request_id) or self.beam_groups.has_request(request_id)
+
+    def num_waiting_requests(self) -> int:
+        """Engine requests waiting for a batch slot or KV blocks (n > 1 counts n)."""
+        return self.scheduler.stats().num_waiting
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix; False (nothing changes) while a request is running."""

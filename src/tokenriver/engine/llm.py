@@ -114,7 +114,7 @@ class LLM:
             if freeze:
                 gc.unfreeze()
             for request_id in request_ids:
-                if request_id not in finished and self.engine.output_processor.has_request(request_id):
+                if request_id not in finished and self.engine.has_request(request_id):
                     self.engine.abort_request(request_id)
         return [finished[request_id] for request_id in request_ids]
 
@@ -135,7 +135,7 @@ class LLM:
                         done = output.finished
                         yield output
         finally:
-            if not done and self.engine.output_processor.has_request(request_id):
+            if not done and self.engine.has_request(request_id):
                 self.engine.abort_request(request_id)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
