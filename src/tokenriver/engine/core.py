@@ -22,13 +22,14 @@ import torch
 from tokenriver.config import EngineConfig, default_num_threads
 from tokenriver.decoding.beam_groups import BeamGroups
 from tokenriver.decoding.speculative import Speculator, build_speculator
-from tokenriver.errors import ContextLengthError, InvalidParameterError, RequestNotFoundError
+from tokenriver.errors import InvalidParameterError, RequestNotFoundError
 from tokenriver.engine.output_processor import OutputProcessor
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache, bytes_per_block
 from tokenriver.loader.load import LoadedModel, load_model
 from tokenriver.outputs import FinishReason, RequestOutput
 from tokenriver.params import SamplingParams
+from tokenriver.prompts import check_prompt
 from tokenriver.runner.model_runner import ModelRunner
 from tokenriver.sched.output import SchedulerStats
 from tokenriver.sched.request import Request
@@ -145,19 +146,9 @@ class EngineCore:
         if self.output_processor.has_request(request_id):
             raise InvalidParameterError(f"request id {request_id!r} is already running; use a unique id",
                                         param="request_id")
-        if not prompt_token_ids:
-            raise InvalidParameterError("the prompt is empty: give at least one token", param="prompt")
         vocab_size = self.loaded.config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidParameterError(
-                f"prompt token id {bad[0]!r} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+        prompt_token_ids = check_prompt(prompt_token_ids, vocab_size, self.max_model_len)
         params.validate_for_vocab(vocab_size)
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt_token_ids)} tokens but the context holds {self.max_model_len}, "
-                f"which must also leave room for at least one generated token; shorten the prompt",
-                num_tokens=len(prompt_token_ids), max_tokens=self.max_model_len)
         arrival_time = time.time() if arrival_time is None else arrival_time
         eos_token_ids = list(self.tokenizer.eos_token_ids)
         if params.use_beam_search:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenriver.engine.async_engine import AsyncEngine
-from tokenriver.errors import ContextLengthError, EngineOverloadedError, InvalidParameterError
+from tokenriver.errors import EngineOverloadedError, InvalidParameterError
 from tokenriver.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenriver.params import SamplingParams
+from tokenriver.prompts import check_prompt
 from tokenriver.server.metrics import ServerMetrics
 from tokenriver.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatMessageOut, CompletionChoice,
@@ -186,30 +187,15 @@ class OpenAIServing:
             where = f"prompt[{index}]" if len(items) > 1 else "prompt"
             if isinstance(item, str):
                 prompts.append(PromptInput(self.tokenizer.encode(item), item))
-                continue
-            bad = [t for t in item if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidParameterError(
-                    f"{where} holds token id {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})",
-                    param="prompt")
-            prompts.append(PromptInput(list(item), None))
+            else:
+                prompts.append(PromptInput(list(item), None))
         return prompts
 
     def _check_fits(self, prompt: PromptInput, max_tokens: int | None, max_tokens_param: str, where: str) -> None:
-        """Refuse a prompt the context cannot hold, naming both token counts."""
-        num_tokens, limit = len(prompt.token_ids), self.engine.max_model_len
-        param = "prompt" if where.startswith("prompt") else where
-        if num_tokens == 0:
-            raise InvalidParameterError(f"{where} is empty: give at least one token", param=param)
-        if num_tokens >= limit:
-            raise ContextLengthError(
-                f"this model's context holds {limit} tokens, but {where} has {num_tokens} tokens (and at least one "
-                f"must be generated); shorten it", num_tokens=num_tokens, max_tokens=limit, param=param)
-        if max_tokens is not None and num_tokens + max_tokens > limit:
-            raise ContextLengthError(
-                f"this model's context holds {limit} tokens, but you asked for {num_tokens + max_tokens} "
-                f"({num_tokens} in {where} + {max_tokens_param}={max_tokens}); shorten the prompt or lower "
-                f"{max_tokens_param}", num_tokens=num_tokens + max_tokens, max_tokens=limit, param=max_tokens_param)
+        """Refuse a prompt the engine would refuse, before it is queued, naming the field (prompts.check_prompt)."""
+        check_prompt(prompt.token_ids, self.vocab_size, self.engine.max_model_len, max_tokens=max_tokens,
+                     where=where, param="prompt" if where.startswith("prompt") else where,
+                     max_tokens_param=max_tokens_param)
 
     def _check_engine_limits(self, params: SamplingParams) -> None:
         """What only this engine can judge: token ids against its vocabulary, candidates against its batch."""
