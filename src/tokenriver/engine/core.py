@@ -132,7 +132,8 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.model_info = ModelInfo(
             path=self.loaded.path, vocab_size=model_config.vocab_size, max_model_len=self.max_model_len,
-            num_parameters=self.loaded.num_parameters, num_bytes=self.loaded.num_bytes, dtype=config.dtype, kv_cache_dtype=config.resolved_kv_cache_dtype,
+            num_parameters=self.loaded.num_parameters, num_bytes=self.loaded.num_bytes, dtype=config.dtype,
+            kv_cache_dtype=config.resolved_kv_cache_dtype,
             block_size=config.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=self.kv_cache.num_bytes,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_waiting_requests=config.resolved_max_waiting_requests(num_blocks),

@@ -141,7 +141,7 @@ class ModelRunner:
     def _sample_greedy(self, inputs: ModelInputs, states: list[SamplingState], hidden: torch.Tensor,
                        results: dict[str, RequestStepResult]) -> bool:
         """A batch of plain greedy rows (Sampler.takes_raw_argmax) from the model's per-row reductions, without
-        logits, where the model's output layer computes them (NativeStack.greedy_reductions): the same tokens as from the
+        logits, where its output layer computes them (NativeStack.greedy_reductions): the same tokens as from the
         logits, the logprobs within float rounding. 64 rows of the embedded model's output projection took
         6.6 ms against 8.1 ms for logits and their reductions on AVX512-VNNI (3.6-3.7 against 4.2-4.3 ms on AMX;
         2 threads). False if it did not apply."""

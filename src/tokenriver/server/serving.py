@@ -182,14 +182,8 @@ class OpenAIServing:
             items = [prompt]
         else:
             items = list(prompt)
-        prompts = []
-        for index, item in enumerate(items):
-            where = f"prompt[{index}]" if len(items) > 1 else "prompt"
-            if isinstance(item, str):
-                prompts.append(PromptInput(self.tokenizer.encode(item), item))
-            else:
-                prompts.append(PromptInput(list(item), None))
-        return prompts
+        return [PromptInput(self.tokenizer.encode(item), item) if isinstance(item, str)
+                else PromptInput(list(item), None) for item in items]
 
     def _check_fits(self, prompt: PromptInput, max_tokens: int | None, max_tokens_param: str, where: str) -> None:
         """Refuse a prompt the engine would refuse, before it is queued, naming the field (prompts.check_prompt)."""

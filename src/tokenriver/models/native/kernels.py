@@ -308,16 +308,6 @@ class NativeKernels:
         reductions.tensors = tuple(tensors)  # the closure holds raw pointers: keep the tensors alive
         return reductions
 
-    def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                    group_size: int, int8_activations: bool = False) -> torch.Tensor:
-        """One-off GEMV: bind_int4(...)(x), rounding x to int8 if asked."""
-        return self.bind_int4(qweight, scales, mins, group_size, "int8" if int8_activations else None)(x)
-
-    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                    int8_activations: bool = False) -> torch.Tensor:
-        """One-off GEMV: bind_int8(...)(x), rounding x to int8 if asked."""
-        return self.bind_int8(qweight, scales, group_size, "int8" if int8_activations else None)(x)
-
     def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                         group_size: int) -> torch.Tensor:
         """The float32 weight [N, K], decoded as the products decode it."""
