@@ -19,8 +19,9 @@ PROMPT = "The capital of France is"
 
 
 def _tokenriver(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokenriver.cli", *args, "--threads", "2"], input=stdin,
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    # Exact arithmetic whatever the defaults: the references below run the exactly loaded model (loaded_packed).
+    return subprocess.run([sys.executable, "-m", "tokenriver.cli", *args, "--threads", "2", "--no-int8-activations"],
+                          input=stdin, capture_output=True, text=True, timeout=600, env=dict(os.environ))
 
 
 @pytest.fixture(scope="module")
