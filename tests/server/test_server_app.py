@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from tokenriver.engine.async_engine import EngineSnapshot
 from tokenriver.engine.core import ModelInfo
+from tokenriver.errors import EngineOverloadedError
 from tokenriver.sched.output import SchedulerStats
 from tokenriver.server.app import build_app
 from tokenriver.server.config import ServerConfig
@@ -165,3 +166,21 @@ def test_served_model_name_overrides_the_file_stem():
     client = TestClient(build_app(_engine(), dataclasses.replace(ServerConfig(), served_model_name="mine")))
     assert client.get("/v1/models").json()["data"][0]["id"] == "mine"
     assert client.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_a_full_waiting_queue_is_429_with_retry_after_and_counted():
+    async def overloaded(*args, **kwargs):
+        raise EngineOverloadedError("64 requests are already waiting (max_waiting_requests)")
+        yield  # an async generator, as AsyncEngine.generate is
+
+    engine = _engine()
+    engine.generate = overloaded
+    client = TestClient(build_app(engine, ServerConfig()), raise_server_exceptions=False)
+    for body in ({"prompt": "hi", "max_tokens": 2}, {"prompt": "hi", "max_tokens": 2, "stream": True}):
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 429, response.text
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "server_overloaded"
+    text = client.get("/metrics").text
+    assert "tokenriver_requests_rejected_total 2.0" in text
+    assert 'finish_reason="abort"' not in text  # a refusal is not an abort
