@@ -32,15 +32,16 @@ class NativeStack:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        # (the layer list, its first layer's tensor addresses, its NativeDecoder or None where some part has no
-        # native kernel): bound at the first step, once the loader has put the weights in; bound again when the
-        # list is replaced or its weights moved (.to(), .share_memory_() give every tensor a new address).
-        self._binding: tuple[nn.ModuleList, tuple[int, ...], NativeDecoder | None] | None = None
+        # (the layer list, its first layer's parameters and where their data was, its NativeDecoder or None where
+        # some part has no native kernel): bound at the first step, once the loader has put the weights in; bound
+        # again when the list is replaced or the weights moved (.to(), .share_memory_() give the parameters new
+        # data; the decoder holds what it bound, so a missed move reads stale weights, never freed memory).
+        self._binding: tuple[nn.ModuleList, list[nn.Parameter], list[int], NativeDecoder | None] | None = None
 
     @property
     def native(self) -> NativeDecoder | None:
         """The decoder the last step could use, or None (not bound yet, or some layer has no native kernel)."""
-        return None if self._binding is None else self._binding[2]
+        return None if self._binding is None else self._binding[3]
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
@@ -72,15 +73,11 @@ class NativeStack:
         return decoder if isinstance(getattr(decoder, "layers", None), nn.ModuleList) else None
 
     def _bind(self, layers: nn.ModuleList) -> NativeDecoder | None:
-        addresses = _addresses(layers)
-        if self._binding is None or self._binding[0] is not layers or self._binding[1] != addresses:
-            self._binding = (layers, addresses, NativeDecoder.build(layers))
-        return self._binding[2]
-
-
-def _addresses(layers: nn.ModuleList) -> tuple[int, ...]:
-    """Where the first layer's tensors live: a model moved as a whole moves these too."""
-    if len(layers) == 0:
-        return ()
-    first = layers[0]
-    return tuple(tensor.data_ptr() for tensor in (*first.parameters(), *first.buffers()))
+        binding = self._binding
+        if (binding is None or binding[0] is not layers
+                or any(parameter.data_ptr() != address for parameter, address in zip(binding[1], binding[2]))):
+            parameters = list(layers[0].parameters()) if len(layers) else []
+            binding = (layers, parameters, [parameter.data_ptr() for parameter in parameters],
+                       NativeDecoder.build(layers))
+            self._binding = binding
+        return binding[3]
