@@ -6,7 +6,7 @@ import pytest
 
 from tokenriver.config import EngineConfig, parse_size
 from tokenriver.errors import InvalidParameterError
-from tokenriver.params import SamplingParams
+from tokenriver.params import SamplingParams, is_plain_greedy
 
 INVALID_SAMPLING = [
     ("n", 0), ("n", 1.5), ("n", True),
@@ -106,3 +106,16 @@ def test_sizes_parse_with_units():
     assert parse_size("1.5GB") == 1_500_000_000
     assert parse_size(4096) == 4096
     assert EngineConfig(kv_cache_memory="1MiB").kv_cache_memory == 1024**2
+
+
+@pytest.mark.parametrize("params, num_output_tokens, eos_token_ids, expected", [
+    (SamplingParams(temperature=0.0), 0, [2], True),
+    (SamplingParams(temperature=0.5), 0, [2], False),
+    (SamplingParams(temperature=0.0, logprobs=1), 0, [2], False),
+    (SamplingParams(temperature=0.0, min_tokens=3), 1, [2], False),  # EOS held back: the logits change
+    (SamplingParams(temperature=0.0, min_tokens=3), 3, [2], True),
+    (SamplingParams(temperature=0.0, min_tokens=3), 1, [], True),  # nothing to hold back
+    (SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9]), 1, [], False),
+])
+def test_one_definition_of_plain_greedy(params, num_output_tokens, eos_token_ids, expected):
+    assert is_plain_greedy(params, num_output_tokens, eos_token_ids) is expected

@@ -1,28 +1,46 @@
-"""tokenriver: a readable LLM inference engine that shows how generation happens."""
+"""tokenriver: a readable LLM inference engine that shows how generation happens.
 
-import gc
+Importing the package imports nothing else: each public name is imported on first use (PEP 562's module
+__getattr__), so `import tokenriver.sched.scheduler` stays plain Python, without torch.
+"""
 
-# Importing torch and the engine creates a few hundred thousand objects that live as long as the process
-# (modules, classes, functions). CPython's cycle collector traverses them again and again while they are being
-# created: 0.2-0.37 s of start-up measured with gc.callbacks, freeing nothing. So collection pauses for these
-# imports, and freeze() + unfreeze() then moves every object straight to the oldest generation (not exempt
-# from collection, just not traversed by the young generations' passes): 0.01 s of collection from the import
-# to the first generated token.
-_collecting = gc.isenabled()
-gc.disable()
-try:
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Public name → the module that defines it.
+_EXPORTS = {
+    "LLM": "tokenriver.engine.llm",
+    "AsyncEngine": "tokenriver.engine.async_engine",
+    "SamplingParams": "tokenriver.params",
+    "RequestOutput": "tokenriver.outputs",
+    "CompletionOutput": "tokenriver.outputs",
+    "FinishReason": "tokenriver.outputs",
+    "EngineConfig": "tokenriver.config",
+}
+
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason",
+           "EngineConfig", "__version__"]
+
+if TYPE_CHECKING:
     from tokenriver.config import EngineConfig
     from tokenriver.engine.async_engine import AsyncEngine
     from tokenriver.engine.llm import LLM
     from tokenriver.outputs import CompletionOutput, FinishReason, RequestOutput
     from tokenriver.params import SamplingParams
-finally:
-    gc.freeze()
-    gc.unfreeze()
-    if _collecting:
-        gc.enable()
 
-__version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason",
-           "EngineConfig", "__version__"]
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tokenriver' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

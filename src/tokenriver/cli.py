@@ -1,60 +1,28 @@
 """tokenriver's command line: generate, chat, serve, visualize.
 
-Engine flags are generated from EngineConfig's fields and sampling flags from
-SamplingParams' fields, so a new option appears here without a second list
-to keep in sync; only help texts and a few renames live in this file.
+Engine flags are generated from EngineConfig's fields (their help in each
+field's metadata, flags.py) and sampling flags from SamplingParams' fields, so a
+new option appears here without a second list to keep in sync; only the
+sampling help texts and defaults live in this file.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import importlib
 import sys
 import time
 from typing import Any
 
 from tokenriver.config import EngineConfig
 from tokenriver.errors import TokenriverError
+from tokenriver.flags import add_flags, collect
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import SamplingParams
 from tokenriver.server.cli_serve import add_serve_command
 from tokenriver.trace import StepTrace
-
-ENGINE_HELP = {
-    "model": "GGUF file or Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct Q4_1)",
-    "dtype": "compute dtype: float32 or bfloat16",
-    "device": "torch device, e.g. cpu or cuda",
-    "kv_cache_memory": "KV pool size, e.g. 2GiB or 512MiB (default 2GiB, capped at what max-num-seqs contexts need)",
-    "max_num_kv_tokens": "KV pool size in tokens (instead of --kv-cache-memory)",
-    "kv_cache_dtype": "what the KV pool stores: auto (int8 with the fast numerics, else --dtype), float32, "
-                      "bfloat16, float16 (half the memory "
-                      "per token of float32) or int8 (about a quarter: one scale per token and kv head); keys and "
-                      "values rounded once when stored",
-    "block_size": "tokens per KV block",
-    "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "most tokens computed in one step (prompt chunks + decode tokens)",
-    "max_model_len": "longest sequence, prompt + output (default: the model's context length)",
-    "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
-    "quantization": "weights: auto keeps a GGUF's quantized matrices packed (every type), none dequantizes to "
-                    "--dtype, int8/int4 quantize float weights at load",
-    "int8_activations": "quantized weights multiply activations rounded to int8, as llama.cpp does: faster decode, "
-                        "prefill and batches, perplexity within 1%% of exact float32 (default: on where the weights "
-                        "are quantized)",
-    "reference_numerics": "exact float32 products and a KV pool in --dtype (the numerics that match transformers); "
-                          "slower",
-    "use_kv_cache": "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
-    "num_threads": "CPU threads (default: the cores available)",
-    "seed": "seed for requests that have none",
-    "speculative_draft": "speculative decoding: ngram (drafts from the request's own earlier text), self:N (the "
-                         "model's first N layers), or a draft model path with the same tokenizer (default: off)",
-    "num_speculative_tokens": "draft tokens proposed per step and verified in one forward pass",
-    "num_scheduler_steps": "forward passes per step while every request is a plain greedy decode (multi-step "
-                           "scheduling: less per-token overhead, tokens streamed in bursts)",
-    "ngram_max": "n-gram drafts: longest suffix looked up in the request's earlier tokens",
-    "ngram_min": "n-gram drafts: shortest suffix looked up",
-}
-ENGINE_FLAG_NAMES = {"num_threads": "threads", "seed": "engine-seed", "use_kv_cache": "kv-cache",
-                     "enable_prefix_caching": "prefix-caching"}
 
 SAMPLING_HELP = {
     "n": "candidates returned per prompt",
@@ -86,52 +54,17 @@ SAMPLING_HELP = {
 SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
 
 
-def _logit_bias(text: str) -> tuple[int, float]:
-    try:
-        token_id, bias = text.split(":")
-        return int(token_id), float(bias)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID:BIAS, e.g. 1234:-100") from None
-
-
-def _add_field_flags(parser: argparse.ArgumentParser, cls: type, help_texts: dict[str, str],
-                     renames: dict[str, str], defaults: dict[str, Any], dest_prefix: str) -> None:
-    """One flag per dataclass field, typed from its annotation."""
-    group = parser.add_argument_group(dest_prefix.rstrip("_") + " options")
-    for f in dataclasses.fields(cls):
-        if f.name not in help_texts:
-            continue
-        flag = "--" + renames.get(f.name, f.name.replace("_", "-"))
-        dest = dest_prefix + f.name
-        default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        annotation = str(f.type)
-        help_text = f"{help_texts[f.name]} (default: {default})"
-        if annotation in ("bool", "bool | None"):
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        elif annotation.startswith("list[str]"):
-            group.add_argument(flag, dest=dest, action="append", default=None, help=help_text)
-        elif annotation.startswith("list[int]"):
-            group.add_argument(flag, dest=dest, type=int, nargs="+", default=None, help=help_text)
-        elif annotation.startswith("dict[int, float]"):
-            group.add_argument(flag, dest=dest, type=_logit_bias, action="append", default=None, help=help_text)
-        else:
-            kind = int if annotation.startswith("int") else float if annotation.startswith("float") else str
-            group.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)
-
-
-def _collect(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
-    values = {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
-    if isinstance(values.get("logit_bias"), list):
-        values["logit_bias"] = dict(values["logit_bias"])
-    return values
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig's fields as flags (help from each field's metadata)."""
+    add_flags(parser, EngineConfig, "engine_", "engine options")
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**_collect(args, "engine_"))
+    return EngineConfig(**collect(args, "engine_"))
 
 
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**_collect(args, "sampling_"))
+    return SamplingParams(**collect(args, "sampling_"))
 
 
 def format_trace(trace: StepTrace) -> str:
@@ -252,21 +185,41 @@ def build_parser() -> argparse.ArgumentParser:
                                description="An interactive chat; each reply streams as it is generated.")
     chat.add_argument("--system", default=None, help="a system message that opens the conversation")
     for sub in (generate, chat):
-        _add_field_flags(sub, EngineConfig, ENGINE_HELP, ENGINE_FLAG_NAMES, {}, "engine_")
-        _add_field_flags(sub, SamplingParams, SAMPLING_HELP, {}, SAMPLING_DEFAULTS, "sampling_")
+        add_engine_flags(sub)
+        add_flags(sub, SamplingParams, "sampling_", "sampling options", help_texts=SAMPLING_HELP,
+                  defaults=SAMPLING_DEFAULTS)
     generate.set_defaults(handler=cmd_generate)
     chat.set_defaults(handler=cmd_chat)
-    add_serve_command(commands,
-                      add_engine_flags=lambda sub: _add_field_flags(sub, EngineConfig, ENGINE_HELP, ENGINE_FLAG_NAMES,
-                                                                    {}, "engine_"),
-                      engine_config_from=engine_config_from)
+    add_serve_command(commands, add_engine_flags=add_engine_flags, engine_config_from=engine_config_from)
     return parser
+
+
+def _import_engine() -> None:
+    """Import torch and the engine with the cycle collector paused.
+
+    The imports create a few hundred thousand objects that live as long as the process (modules, classes,
+    functions); the collector would traverse them again and again while they are created, freeing nothing.
+    freeze() + unfreeze() then moves them straight to the oldest generation (not exempt from collection, only
+    not traversed by the young generations' passes). A process tuning its own collector is left alone: this runs
+    for the command line only.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        importlib.import_module("tokenriver.engine.llm")
+        importlib.import_module("tokenriver.engine.async_engine")
+    finally:
+        gc.freeze()
+        gc.unfreeze()
+        if collecting:
+            gc.enable()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _import_engine()
         return args.handler(args)
     except TokenriverError as error:
         print(f"error: {error.message}", file=sys.stderr)

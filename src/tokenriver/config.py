@@ -2,7 +2,8 @@
 
 Components receive the fields they need as arguments; nothing reads
 environment variables deep in the code. The CLI builds its flags from these
-fields. Stdlib only.
+fields: each field's help text lives in its metadata (flags.option), so a knob and its flag are defined once.
+Stdlib only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from tokenriver.errors import InvalidParameterError
+from tokenriver.flags import option
 
 # What the KV pool may store: "auto" is the compute dtype; float16 under a float32 model halves the pool's bytes
 # per token (twice the tokens in the same memory, half the bytes read per attention step) for one rounding of
@@ -45,62 +47,95 @@ class EngineConfig:
     """How the engine loads its model and shares the machine between requests."""
 
     # GGUF file or Hugging Face model folder; None = the embedded default model.
-    model: str | None = None
+    model: str | None = option(
+        None, "GGUF file or Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct Q4_1)",
+        metavar="PATH")
     # Compute dtype: "float32" or "bfloat16".
-    dtype: str = "float32"
+    dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
     # Weight format: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed (4/8-bit kernels) and float weights float;
     # "none" dequantizes everything to dtype; "int8" / "int4" also quantize float weights at load.
-    quantization: str = "auto"
+    quantization: str = option(
+        "auto", "weights: auto keeps a GGUF's quantized matrices packed (every type), none dequantizes to --dtype, "
+        "int8/int4 quantize float weights at load", choices=("auto", "none", "int8", "int4"))
     # Quantized weights multiply activations rounded to int8 per 32 columns, as llama.cpp does (models/quant.py),
     # in decode-sized products and, where the CPU has AVX512-VNNI, in larger ones. None (the default) = on wherever
     # the weights are quantized, unless reference_numerics; perplexity stays within 1% of float32
     # (tests/models/test_quant_perplexity.py).
-    int8_activations: bool | None = None
+    int8_activations: bool | None = option(
+        None,
+        "quantized weights multiply activations rounded to int8, as llama.cpp does: faster decode, prefill and "
+        "batches, perplexity within 1% of exact float32 (default: on where the weights are quantized)")
     # Exact float32 arithmetic on the stored weights, and a KV pool in the compute dtype: the numerics that match
     # transformers, for tests and comparisons. Off by default: the fast settings above are what users run.
-    reference_numerics: bool = False
+    reference_numerics: bool = option(
+        False, "exact float32 products and a KV pool in --dtype, the numerics that match transformers (slower)")
     # torch device string ("cpu", "cuda", ...).
-    device: str = "cpu"
+    device: str = option("cpu", "torch device, e.g. cpu or cuda", metavar="DEVICE")
     # Dtype the KV pool stores keys and values in (KV_CACHE_DTYPES). "auto": int8 (kv/cache.py's format, one scale
     # per token and head) on the CPU with the fast numerics above; the compute dtype elsewhere, with
     # reference_numerics, or with int8_activations=False.
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = option(
+        "auto",
+        "what the KV pool stores: auto (int8 with the fast numerics, else --dtype), float32, bfloat16, float16 "
+        "(half the memory per token of float32) or int8 (about a quarter: one scale per token and kv head); keys "
+        "and values rounded once when stored", choices=KV_CACHE_DTYPES)
     # Bytes for the paged KV pool; None = max_num_kv_tokens if given, else 2 GiB capped at what max_num_seqs full
     # contexts could use (engine/core.py, kv_pool_blocks).
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | None = option(
+        None, "KV pool size, e.g. 2GiB or 512MiB (default: 2GiB, capped at what --max-num-seqs contexts need); "
+        "not with --max-num-kv-tokens", metavar="SIZE", type=str)
     # KV pool size in tokens, used instead of kv_cache_memory; None = size the pool by memory.
-    max_num_kv_tokens: int | None = None
+    max_num_kv_tokens: int | None = option(
+        None, "KV pool size in tokens, instead of --kv-cache-memory", metavar="TOKENS")
     # Tokens per KV block.
-    block_size: int = 16
+    block_size: int = option(16, "tokens per KV block", metavar="TOKENS")
     # Cap on requests running at once.
-    max_num_seqs: int = 64
+    max_num_seqs: int = option(64, "most requests running at once", metavar="N")
     # Cap on tokens computed in one step (prompt chunks plus decode tokens).
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = option(
+        2048, "most tokens computed in one step (prompt chunks + decode tokens)", metavar="TOKENS")
+    # Cap on engine requests waiting for a batch slot or KV blocks; past it AsyncEngine refuses new requests
+    # (EngineOverloadedError, HTTP 429). None = the KV pool's block count: a waiting request needs a block at least,
+    # so a longer queue could never be admitted at once. LLM.generate queues its prompts without this cap.
+    max_waiting_requests: int | None = option(
+        None, "most requests waiting for a batch slot; the server answers 429 past it (default: the KV pool's "
+        "block count)", metavar="N")
     # Multi-step scheduling: forward passes per step when every scheduled request is a plain greedy decode, each
     # pass after the first decoding the token the one before sampled. Scheduling, bookkeeping and output
     # processing then run once for all of them; tokens arrive in bursts of this many, and a request that stops
     # mid-step (EOS) has the rest computed and dropped. 1 = one pass per step.
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int = option(
+        1, "forward passes per step while every request is a plain greedy decode (multi-step scheduling: less "
+        "per-token overhead, tokens streamed in bursts)", metavar="N")
     # Longest sequence (prompt + output); None = the model's context length.
-    max_model_len: int | None = None
+    max_model_len: int | None = option(
+        None, "longest sequence, prompt + output (default: the model's context length)", metavar="TOKENS")
     # Reuse KV blocks of identical prompt prefixes.
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of identical prompt prefixes",
+                                         flag="prefix-caching")
     # Keep K/V between steps (False recomputes the whole sequence every step, to show what the cache saves).
-    use_kv_cache: bool = True
+    use_kv_cache: bool = option(
+        True, "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
+        flag="kv-cache")
     # CPU threads for torch; None = the cores available.
-    num_threads: int | None = None
+    num_threads: int | None = option(None, "CPU threads (default: the cores available)", flag="threads",
+                                     metavar="N")
     # Seed of the engine's generator for requests without their own seed.
-    seed: int = 0
+    seed: int = option(0, "seed for requests that have none", flag="engine-seed", metavar="N")
     # Speculative decoding's proposer; None = off. "ngram": drafts copied from earlier text of the same request
     # (prompt lookup, no second model); "self:N": the model's own first N layers plus its output head;
     # anything else: the path of a draft model that shares the model's tokenizer.
-    speculative_draft: str | None = None
+    speculative_draft: str | None = option(
+        None, "speculative decoding: ngram (drafts from the request's own earlier text), self:N (the model's first "
+        "N layers), or a draft model path with the same tokenizer (default: off)", metavar="DRAFT")
     # Draft tokens proposed per request and step, all verified in one forward pass of the model.
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = option(
+        4, "draft tokens proposed per step and verified in one forward pass", metavar="N")
     # The n-gram proposer looks up the longest suffix of the request's tokens, from ngram_max tokens down to
     # ngram_min, among its earlier tokens and proposes what followed it there.
-    ngram_max: int = 4
-    ngram_min: int = 2
+    ngram_max: int = option(4, "n-gram drafts: longest suffix looked up in the request's earlier tokens",
+                            metavar="N")
+    ngram_min: int = option(2, "n-gram drafts: shortest suffix looked up", metavar="N")
 
     def __post_init__(self) -> None:
         if self.quantization not in ("auto", "none", "int8", "int4"):
@@ -119,6 +154,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidParameterError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: use "
                                         f"{', '.join(KV_CACHE_DTYPES)}", param="kv_cache_dtype")
+        if self.kv_cache_memory is not None and self.max_num_kv_tokens is not None:
+            raise InvalidParameterError(
+                f"kv_cache_memory={self.kv_cache_memory!r} and max_num_kv_tokens={self.max_num_kv_tokens!r} both "
+                f"size the KV pool: give one of them", param="kv_cache_memory")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
             if self.kv_cache_memory <= 0:
@@ -128,7 +167,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= {low}", param=name)
-        for name in ("max_num_kv_tokens", "max_model_len", "num_threads"):
+        for name in ("max_num_kv_tokens", "max_model_len", "num_threads", "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1 or unset", param=name)
@@ -158,6 +197,10 @@ class EngineConfig:
         if self.reference_numerics or self.quantization == "none":
             return False
         return self.int8_activations
+
+    def resolved_max_waiting_requests(self, num_kv_blocks: int) -> int:
+        """max_waiting_requests, or the pool's block count when unset (see the field)."""
+        return self.max_waiting_requests if self.max_waiting_requests is not None else num_kv_blocks
 
     def _validate_speculative(self) -> None:
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):

@@ -47,3 +47,7 @@ class RequestNotFoundError(TokenriverError, KeyError):
 
 class EngineDeadError(TokenriverError):
     """The engine loop stopped after an internal failure; no new request can run."""
+
+
+class EngineOverloadedError(TokenriverError):
+    """The waiting queue is full (EngineConfig.max_waiting_requests): try again once running requests finish."""

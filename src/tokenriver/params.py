@@ -9,6 +9,7 @@ Stdlib only.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenriver.errors import InvalidParameterError
@@ -120,7 +121,7 @@ class SamplingParams:
     @property
     def takes_raw_argmax(self) -> bool:
         """Greedy, and nothing read from the logits but the argmax and its logprob: no logprobs, trace, penalty or
-        bias. (min_tokens may still hold back EOS: that depends on the output so far.)"""
+        bias. (min_tokens may still hold back EOS: that depends on the output so far; is_plain_greedy adds it.)"""
         return (self.is_greedy and not self.logprobs and not self.trace and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0 and self.frequency_penalty == 0 and not self.logit_bias)
 
@@ -210,3 +211,17 @@ class SamplingParams:
             if token_id >= vocab_size:
                 _fail("stop_token_ids", self.stop_token_ids,
                       f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+
+
+def holds_stop_tokens(params: SamplingParams, num_output_tokens: int, eos_token_ids: Sequence[int]) -> bool:
+    """min_tokens not reached yet, with EOS or stop tokens for the sampler to hold back."""
+    return num_output_tokens < params.min_tokens and bool(eos_token_ids or params.stop_token_ids)
+
+
+def is_plain_greedy(params: SamplingParams, num_output_tokens: int, eos_token_ids: Sequence[int]) -> bool:
+    """Whether the next token is the raw logits' argmax and nothing but its logprob is reported
+    (SamplingParams.takes_raw_argmax, and no min_tokens hold at this length). The one definition both users share:
+    the sampler answers such rows from per-row reductions, and the scheduler may decode them several passes a step.
+
+    eos_token_ids: the ids the sampler holds back before min_tokens ([] when the request ignores EOS)."""
+    return params.takes_raw_argmax and not holds_stop_tokens(params, num_output_tokens, eos_token_ids)

@@ -17,8 +17,8 @@ from tokenriver.config import EngineConfig
 from tokenriver.engine.llm import LLM
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.load import load_model
-from tokenriver.models.kernels.native import load_kernels
-from tokenriver.models.quant import Int4Linear, Int8Linear
+from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.native.quant import Int4Linear, Int8Linear
 from tokenriver.params import SamplingParams
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity_text.md"
@@ -47,7 +47,7 @@ def test_greedy_follows_the_exact_engine(loaded_packed, loaded_int8_activations)
     exact = LLM.from_loaded(loaded_packed).generate(PROMPTS, params, use_tqdm=False)
     engine = LLM.from_loaded(loaded_int8_activations)
     rounded = engine.generate(PROMPTS, params, use_tqdm=False)
-    assert engine.engine.runner.model.model._native_binding[1] is not None  # the one-call decoder ran it
+    assert engine.engine.runner.forward.native is not None  # the one-call decoder ran it
     # Measured at the time of writing over 6 prompts x 64 tokens: greedy agreed for the first 15-34 tokens, each
     # agreeing token's log-probability off by 0.013-0.037 on average and 0.23 at most.
     deviations = []
@@ -90,12 +90,12 @@ def test_a_setting_without_effect_is_refused(default_model_path, loaded_packed):
                     reason="the argmax product needs AVX512-VNNI or AMX tiles")
 def test_greedy_batches_skip_the_logits_and_pick_the_same_tokens(loaded_int8_activations):
     """More than max_gemv_rows plain greedy rows: the runner takes the output projection's per-row reductions
-    (LlamaForCausalLM.greedy_reductions), not logits. Tokens as with logits, logprobs within float rounding."""
+    (NativeStack.greedy_reductions), not logits. Tokens as with logits, logprobs within float rounding."""
     prompts = [f"{prompt} ({i})" for i in range(4) for prompt in PROMPTS]  # 12 rows a step
-    model = loaded_int8_activations.model
+    head = loaded_int8_activations.model.lm_head
     calls = []
-    reductions = model.greedy_reductions
-    model.greedy_reductions = lambda hidden: calls.append(hidden.shape[0]) or reductions(hidden)
+    reductions = head.argmax_logsumexp
+    head.argmax_logsumexp = lambda hidden: calls.append(hidden.shape[0]) or reductions(hidden)
     try:
         # A fresh engine each: a cached prefix would change which products (and so which rounding) a step runs.
         reduced = LLM.from_loaded(loaded_int8_activations).generate(
@@ -106,7 +106,7 @@ def test_greedy_batches_skip_the_logits_and_pick_the_same_tokens(loaded_int8_act
             prompts, SamplingParams(max_tokens=8, temperature=0.0, logprobs=1), use_tqdm=False)
         assert calls == []  # logprobs asked for: the logits path
     finally:
-        del model.greedy_reductions
+        del head.argmax_logsumexp
     for a, b in zip(reduced, with_logits):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)

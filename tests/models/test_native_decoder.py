@@ -1,4 +1,5 @@
-"""The decoder stack in one native call (models/native_decoder.py) against the same layers run one module at a time.
+"""The decoder stack in one native call (models/native/decoder.py, through runner/native_stack.py) against the same
+layers run one module at a time (the model's own forward).
 
 Both paths call the same kernels in the same order, so every step's hidden states must be equal bit for bit:
 decode steps, short multi-token steps (speculative verification), batches above the GEMV/GEMM switch, int4 and
@@ -18,10 +19,11 @@ from tokenriver.decoding.draft_model import first_layers
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.kernels.native import load_kernels
+from tokenriver.models.native.kernels import load_kernels
 from tokenriver.models.llama import LlamaForCausalLM
-from tokenriver.models.native_decoder import NativeDecoder
-from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from tokenriver.models.native.decoder import NativeDecoder
+from tokenriver.models.native.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from tokenriver.runner.native_stack import NativeStack
 
 pytestmark = pytest.mark.skipif(load_kernels() is None,
                                 reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler")
@@ -64,8 +66,7 @@ def run_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[li
     tables = [list(range(sum(num_blocks[:r]), sum(num_blocks[:r + 1]))) for r in range(len(requests))]
     cache = KVCache(config.num_layers, sum(num_blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim,
                     cache_dtype)
-    decoder = model.model
-    decoder._native_binding = (decoder.layers, NativeDecoder.build(decoder.layers) if native else None)
+    forward = NativeStack(model) if native else model
     done = [0] * len(requests)
     hidden_states = []
     for step in steps:
@@ -74,7 +75,7 @@ def run_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[li
         positions = [p for r in active for p in range(done[r], done[r] + step[r])]
         metadata = AttentionMetadata.build([step[r] for r in active], [done[r] + step[r] for r in active],
                                            [tables[r] for r in active], BLOCK_SIZE)
-        hidden_states.append(model(torch.tensor(ids), torch.tensor(positions), cache, metadata))
+        hidden_states.append(forward(torch.tensor(ids), torch.tensor(positions), cache, metadata))
         for r in active:
             done[r] += step[r]
     return hidden_states
@@ -214,16 +215,21 @@ def test_float_layers_stay_on_the_module_path():
 
 def test_moving_the_model_rebinds_the_weights():
     model = quantized_tiny_model(attention_bias=False)
-    run_steps(model, REQUESTS, STEPS[:4], native=True)
-    model.to(torch.float32)
-    assert model.model._native_binding is None
+    stack = NativeStack(model)
+    cache = KVCache(3, 1, BLOCK_SIZE, 2, 32, torch.float32)
+    stack(torch.tensor([1]), torch.tensor([0]), cache, AttentionMetadata.build([1], [1], [[0]], BLOCK_SIZE))
+    bound = stack.native
+    model._apply(torch.clone)  # every weight to a new address, as .to() to another device or dtype does
+    stack(torch.tensor([2]), torch.tensor([1]), cache, AttentionMetadata.build([1], [2], [[0]], BLOCK_SIZE))
+    assert bound is not None and stack.native is not None and stack.native is not bound
 
 
 def test_the_binding_does_not_keep_a_dropped_kv_cache_alive():
     model = quantized_tiny_model(attention_bias=False)
+    stack = NativeStack(model)
     cache = KVCache(3, 1, BLOCK_SIZE, 2, 32, torch.float32)
-    model(torch.tensor([1]), torch.tensor([0]), cache, AttentionMetadata.build([1], [1], [[0]], BLOCK_SIZE))
-    assert model.model._native_binding[1] is not None
+    stack(torch.tensor([1]), torch.tensor([0]), cache, AttentionMetadata.build([1], [1], [[0]], BLOCK_SIZE))
+    assert stack.native is not None
     dropped = weakref.ref(cache)
     del cache
     gc.collect()
@@ -233,14 +239,30 @@ def test_the_binding_does_not_keep_a_dropped_kv_cache_alive():
 def test_a_self_draft_binds_its_own_shorter_layer_list():
     """first_layers copies a model that has already run: the copy must not run the target's 3 layers."""
     model = quantized_tiny_model(attention_bias=False)
-    model(torch.tensor([1, 2]), torch.tensor([0, 1]), KVCache(3, 1, BLOCK_SIZE, 2, 32, torch.float32),
-          AttentionMetadata.build([2], [2], [[0]], BLOCK_SIZE))
+    target = NativeStack(model)
+    target(torch.tensor([1, 2]), torch.tensor([0, 1]), KVCache(3, 1, BLOCK_SIZE, 2, 32, torch.float32),
+           AttentionMetadata.build([2], [2], [[0]], BLOCK_SIZE))
     draft = first_layers(model, 2)
+    stack = NativeStack(draft)
     cache = KVCache(2, 1, BLOCK_SIZE, 2, 32, torch.float32)
-    draft(torch.tensor([1, 2]), torch.tensor([0, 1]), cache, AttentionMetadata.build([2], [2], [[0]], BLOCK_SIZE))
-    layers, native = draft.model._native_binding
-    assert layers is draft.model.layers and len(layers) == 2 and native is not None
-    assert model.model._native_binding[0] is model.model.layers and len(model.model.layers) == 3
+    stack(torch.tensor([1, 2]), torch.tensor([0, 1]), cache, AttentionMetadata.build([2], [2], [[0]], BLOCK_SIZE))
+    assert stack.native is not None and len(draft.model.layers) == 2
+    assert stack.native is not target.native and len(model.model.layers) == 3
+
+
+def test_a_model_of_another_layout_runs_its_own_forward():
+    model = quantized_tiny_model(attention_bias=False)
+    model.layer_layout = "other"
+    stack = NativeStack(model)
+    cache = KVCache(3, 1, BLOCK_SIZE, 2, 32, torch.float32)
+    calls = []
+    run = NativeDecoder.__call__
+    NativeDecoder.__call__ = lambda self, *args: calls.append(1) or run(self, *args)
+    try:
+        stack(torch.tensor([1]), torch.tensor([0]), cache, AttentionMetadata.build([1], [1], [[0]], BLOCK_SIZE))
+    finally:
+        NativeDecoder.__call__ = run
+    assert calls == [] and stack.native is None
 
 
 def test_out_of_range_block_ids_raise_through_the_native_call():
@@ -248,10 +270,8 @@ def test_out_of_range_block_ids_raise_through_the_native_call():
     config = model.config
     cache = KVCache(config.num_layers, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.float32)
     metadata = AttentionMetadata.build([1], [1], [[5]], BLOCK_SIZE)  # block 5 of a 2-block pool
-    decoder = model.model
-    decoder._native_binding = (decoder.layers, NativeDecoder.build(decoder.layers))
     with pytest.raises(IndexError, match="out of range"):
-        model(torch.tensor([3]), torch.tensor([0]), cache, metadata)
+        NativeStack(model)(torch.tensor([3]), torch.tensor([0]), cache, metadata)
 
 
 def test_the_embedded_model_decodes_natively_with_equal_results(loaded_packed):
@@ -261,6 +281,6 @@ def test_the_embedded_model_decodes_natively_with_equal_results(loaded_packed):
                  "Paged attention keeps each request's keys and values in blocks of sixteen tokens.")]
     steps = [[6, 6]] + [[1, 1]] * 3 + [[3, 0]]  # each text is over 12 tokens
     native = run_steps(model, requests, steps, native=True)
-    assert model.model._native_binding[1] is not None
+    assert NativeDecoder.build(model.model.layers) is not None
     for ours, reference in zip(native, run_steps(model, requests, steps, native=False)):
         assert torch.equal(ours, reference)

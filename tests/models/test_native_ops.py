@@ -1,4 +1,4 @@
-"""The native small ops of a layer (models/kernels/ops.cpp) against their PyTorch definitions in models/layers.py.
+"""The native small ops of a layer (models/native/csrc/ops.cpp) against their PyTorch definitions in models/layers.py.
 
 Each dispatching function (`rms_norm`, `apply_rotary_`, `silu_and_mul`) takes the native kernel for float32 CPU
 tensors; the `*_torch` functions (and `apply_rotary`) are the definitions it must reproduce. Shapes cover one row
@@ -16,7 +16,7 @@ from tokenriver.kv.cache import KVCache
 from tokenriver.models import attention, layers
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.kernels.native import load_kernels
+from tokenriver.models.native.kernels import load_kernels
 from tokenriver.models.layers import (RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_, rms_norm,
                                       rms_norm_torch, silu_and_mul, silu_and_mul_torch)
 from tokenriver.models.llama import LlamaForCausalLM

@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from tokenriver.config import EngineConfig
+from tokenriver.engine.async_engine import EngineSnapshot
+from tokenriver.engine.core import ModelInfo
+from tokenriver.errors import EngineOverloadedError
 from tokenriver.sched.output import SchedulerStats
 from tokenriver.server.app import build_app
 from tokenriver.server.config import ServerConfig
@@ -41,14 +43,17 @@ class CharTokenizer:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" * add_generation_prompt)
 
 
+MODEL_INFO = ModelInfo(path="/models/tiny-model.gguf", vocab_size=1000, max_model_len=64, num_parameters=1000,
+                       num_bytes=4000, weights="1000 parameters", dtype="float32", kv_cache_dtype="float32",
+                       block_size=16, num_kv_blocks=64,
+                       kv_cache_bytes=1 << 20, max_num_batched_tokens=256, max_num_seqs=64, max_waiting_requests=64,
+                       speculative_draft=None, num_speculative_tokens=4)
+
+
 def _engine(stats: SchedulerStats = STATS) -> SimpleNamespace:
-    config = EngineConfig(max_num_batched_tokens=256)
-    core = SimpleNamespace(loaded=SimpleNamespace(path="/models/tiny-model.gguf",
-                                                  config=SimpleNamespace(vocab_size=1000)),
-                           config=config, kv_cache=SimpleNamespace(block_size=16),
-                           scheduler=SimpleNamespace(stats=lambda: stats))
-    return SimpleNamespace(core=core, tokenizer=CharTokenizer(), max_model_len=64, is_running=True,
-                           stats=lambda: SimpleNamespace(num_forward_passes=77))
+    """The engine's public surface, all the server may use: model_info, snapshot(), tokenizer, generate/abort."""
+    return SimpleNamespace(model_info=MODEL_INFO, tokenizer=CharTokenizer(), max_model_len=64, is_running=True,
+                           snapshot=lambda: EngineSnapshot(stats, num_forward_passes=77))
 
 
 @pytest.fixture()
@@ -104,14 +109,15 @@ def test_tokenize_and_detokenize():
     assert error["error"]["param"] == "prompt"
 
 
-def test_engine_info_and_metrics_read_the_live_scheduler_stats():
+def test_engine_info_and_metrics_read_the_published_snapshot():
     client = _client()
     info = client.get("/v1/engine").json()
     assert info == {"model": "tiny-model", "dtype": "float32", "kv_cache_dtype": "float32", "block_size": 16,
                     "num_blocks": 64,
                     "num_blocks_used": 16, "num_blocks_free": 48, "kv_usage": 0.25, "num_running": 3,
                     "num_waiting": 2, "num_preemptions": 5, "prefix_cache_hit_rate": 0.4, "num_forward_passes": 77,
-                    "max_model_len": 64, "max_num_batched_tokens": 256, "max_num_seqs": 64}
+                    "max_model_len": 64, "max_num_batched_tokens": 256, "max_num_seqs": 64,
+                    "max_waiting_requests": 64}
     text = client.get("/metrics").text
     for line in ("tokenriver_num_requests_running 3.0", "tokenriver_num_requests_waiting 2.0",
                  "tokenriver_kv_cache_usage_ratio 0.25", "tokenriver_kv_cache_blocks_used 16.0",
@@ -161,3 +167,21 @@ def test_served_model_name_overrides_the_file_stem():
     client = TestClient(build_app(_engine(), dataclasses.replace(ServerConfig(), served_model_name="mine")))
     assert client.get("/v1/models").json()["data"][0]["id"] == "mine"
     assert client.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_a_full_waiting_queue_is_429_with_retry_after_and_counted():
+    async def overloaded(*args, **kwargs):
+        raise EngineOverloadedError("64 requests are already waiting (max_waiting_requests)")
+        yield  # an async generator, as AsyncEngine.generate is
+
+    engine = _engine()
+    engine.generate = overloaded
+    client = TestClient(build_app(engine, ServerConfig()), raise_server_exceptions=False)
+    for body in ({"prompt": "hi", "max_tokens": 2}, {"prompt": "hi", "max_tokens": 2, "stream": True}):
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 429, response.text
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "server_overloaded"
+    text = client.get("/metrics").text
+    assert "tokenriver_requests_rejected_total 2.0" in text
+    assert 'finish_reason="abort"' not in text  # a refusal is not an abort

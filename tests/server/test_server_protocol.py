@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from tokenriver.config import EngineConfig
-from tokenriver.errors import ContextLengthError, EngineDeadError, InvalidParameterError
+from tokenriver.errors import ContextLengthError, EngineDeadError, EngineOverloadedError, InvalidParameterError
 from tokenriver.params import SamplingParams
 from tokenriver.server.app import ApiError, error_payload
 from tokenriver.server.cli_serve import API_KEY_ENV, add_serve_command, server_config_from
@@ -119,6 +119,7 @@ def _validation_error(body: dict) -> ValidationError:
     (ApiError(401, "wrong API key", "authentication_error", None, "invalid_api_key"), 401, "authentication_error",
      "invalid_api_key", None),
     (EngineDeadError("the engine stopped"), 503, "server_error", "engine_dead", None),
+    (EngineOverloadedError("1 requests are already waiting"), 429, "server_error", "server_overloaded", None),
     (RuntimeError("bug"), 500, "server_error", "internal_error", None),
 ])
 def test_error_table(error, status, error_type, code, param):

@@ -35,6 +35,7 @@ from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache
 from tokenriver.loader.load import LoadedModel, load_model
 from tokenriver.runner.inputs import prepare_inputs
+from tokenriver.runner.native_stack import NativeStack
 from tokenriver.sampling.sampler import Sampler, SamplingState
 from tokenriver.sched.output import ScheduledRequest, SchedulerOutput
 from tokenriver.sched.request import Request
@@ -85,6 +86,7 @@ class DraftModelProposer:
     def __init__(self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, config: EngineConfig,
                  num_kv_blocks: int) -> None:
         self.model = model
+        self.forward = NativeStack(model)  # calls like the model; its layers in one native call where they can run
         self.device = torch.device(config.device)
         self.kv_cache = KVCache(num_layers, num_kv_blocks, config.block_size, num_kv_heads, head_dim,
                                 getattr(torch, config.resolved_kv_cache_dtype), config.device)
@@ -154,7 +156,7 @@ class DraftModelProposer:
                 state.token_ids.extend(pending[index])
             inputs = prepare_inputs(SchedulerOutput(scheduled=scheduled), self.kv_cache.block_size, self.device)
             # [num_tokens, hidden_size]
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+            hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
             self.num_forward_passes += 1
             rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_active, vocab] float32

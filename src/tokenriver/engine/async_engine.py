@@ -6,6 +6,12 @@ to each caller's asyncio queue. A consumer that stops iterating (a client
 that disconnected) aborts its request, which frees its KV blocks at the next
 step. An exception inside a step kills the engine: every stream gets an
 EngineDeadError instead of hanging.
+
+What other threads may read: `model_info` (fixed at start) and `snapshot()`,
+which the engine thread publishes after every pass of its loop (one reference
+swap, so a reader never sees a half-updated scheduler). A request that finds
+max_waiting_requests engine requests already waiting is refused with
+EngineOverloadedError.
 """
 
 from __future__ import annotations
@@ -19,13 +25,23 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tokenriver.config import EngineConfig
-from tokenriver.engine.core import EngineCore, StepStats
-from tokenriver.errors import EngineDeadError
+from tokenriver.engine.core import EngineCore, ModelInfo
+from tokenriver.errors import EngineDeadError, EngineOverloadedError
 from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import SamplingParams
+from tokenriver.sched.output import SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after one pass of its loop: the scheduler's and KV pool's counts, and passes so far."""
+
+    scheduler: SchedulerStats
+    # Forward passes of the model since start.
+    num_forward_passes: int
 
 
 @dataclass
@@ -58,6 +74,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.core = EngineCore(config, loaded)
         self.tokenizer = self.core.tokenizer
+        self.model_info: ModelInfo = self.core.model_info
+        self._snapshot = self._take_snapshot()
         self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -74,13 +92,12 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._streams)
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state as of its loop's last pass (never mutated after publication)."""
+        return self._snapshot
 
-    def stats(self) -> StepStats | None:
-        """The latest step's statistics (a snapshot reference; never mutated after publication)."""
-        return self.core.last_step
+    def _take_snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(self.core.scheduler.stats(), self.core.runner.num_forward_passes)
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -123,6 +140,11 @@ class AsyncEngine:
             if self._streams.pop(command.request_id, None) is not None:
                 self.core.abort_request(command.request_id)
             return
+        limit = self.model_info.max_waiting_requests
+        if self.core.num_waiting_requests() >= limit:
+            command.stream.put(EngineOverloadedError(
+                f"{limit} requests are already waiting (max_waiting_requests); retry once running requests finish"))
+            return
         try:
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
                                   prompt=command.prompt, priority=command.priority)
@@ -146,8 +168,12 @@ class AsyncEngine:
                     except queue.Empty:
                         command = None
                 if self._stopping or not self.core.has_unfinished_requests():
+                    self._snapshot = self._take_snapshot()
                     continue
-                for output in self.core.step():
+                outputs = self.core.step()
+                # Published before the outputs go out: a client that sees its request finish sees its blocks freed.
+                self._snapshot = self._take_snapshot()
+                for output in outputs:
                     stream = self._streams.get(output.request_id)
                     if stream is None:
                         continue

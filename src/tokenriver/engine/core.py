@@ -22,13 +22,14 @@ import torch
 from tokenriver.config import EngineConfig, default_num_threads
 from tokenriver.decoding.beam_groups import BeamGroups
 from tokenriver.decoding.speculative import Speculator, build_speculator
-from tokenriver.errors import ContextLengthError, InvalidParameterError, RequestNotFoundError
+from tokenriver.errors import InvalidParameterError, RequestNotFoundError
 from tokenriver.engine.output_processor import OutputProcessor
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache, bytes_per_block
 from tokenriver.loader.load import LoadedModel, load_model
 from tokenriver.outputs import FinishReason, RequestOutput
 from tokenriver.params import SamplingParams
+from tokenriver.prompts import check_prompt
 from tokenriver.runner.model_runner import ModelRunner
 from tokenriver.sched.output import SchedulerStats
 from tokenriver.sched.request import Request
@@ -48,6 +49,31 @@ class StepStats:
     num_forward_passes: int
     # Forward passes of the speculative draft model since start (0 without one).
     num_draft_forward_passes: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded model and the engine's sizes, fixed at start: what the layers above (server, CLI) may know."""
+
+    path: str
+    vocab_size: int
+    max_model_len: int
+    num_parameters: int
+    # Bytes of the model's weights as loaded.
+    num_bytes: int
+    # What the weights are, for the startup log: parameters, bytes per in-memory format, the file's types.
+    weights: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    num_kv_blocks: int
+    kv_cache_bytes: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    # Engine requests allowed to wait for a batch slot (EngineConfig.max_waiting_requests, resolved).
+    max_waiting_requests: int
+    speculative_draft: str | None
+    num_speculative_tokens: int
 
 
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
@@ -107,6 +133,15 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
         self.last_step: StepStats | None = None
+        self.model_info = ModelInfo(
+            path=self.loaded.path, vocab_size=model_config.vocab_size, max_model_len=self.max_model_len,
+            num_parameters=self.loaded.num_parameters, num_bytes=self.loaded.num_bytes,
+            weights=self.loaded.describe(), dtype=config.dtype,
+            kv_cache_dtype=config.resolved_kv_cache_dtype,
+            block_size=config.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=self.kv_cache.num_bytes,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_waiting_requests=config.resolved_max_waiting_requests(num_blocks),
+            speculative_draft=config.speculative_draft, num_speculative_tokens=config.num_speculative_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
@@ -116,19 +151,9 @@ class EngineCore:
         if self.output_processor.has_request(request_id):
             raise InvalidParameterError(f"request id {request_id!r} is already running; use a unique id",
                                         param="request_id")
-        if not prompt_token_ids:
-            raise InvalidParameterError("the prompt is empty: give at least one token", param="prompt")
         vocab_size = self.loaded.config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidParameterError(
-                f"prompt token id {bad[0]!r} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+        prompt_token_ids = check_prompt(prompt_token_ids, vocab_size, self.max_model_len)
         params.validate_for_vocab(vocab_size)
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt_token_ids)} tokens but the context holds {self.max_model_len}, "
-                f"which must also leave room for at least one generated token; shorten the prompt",
-                num_tokens=len(prompt_token_ids), max_tokens=self.max_model_len)
         arrival_time = time.time() if arrival_time is None else arrival_time
         eos_token_ids = list(self.tokenizer.eos_token_ids)
         if params.use_beam_search:
@@ -174,6 +199,14 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is still running (added, not finished or aborted)."""
+        return self.output_processor.has_request(request_id) or self.beam_groups.has_request(request_id)
+
+    def num_waiting_requests(self) -> int:
+        """Engine requests waiting for a batch slot or KV blocks (n > 1 counts n)."""
+        return self.scheduler.stats().num_waiting
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix; False (nothing changes) while a request is running."""

@@ -70,12 +70,8 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in ids):
-                raise InvalidParameterError(f"prompts[{index}]['prompt_token_ids'] must be a list of integers",
-                                            param="prompt_token_ids")
-            return prompt.get("prompt"), list(ids)
+            # Checked with every other prompt in EngineCore.add_request (prompts.check_prompt).
+            return prompt.get("prompt"), prompt["prompt_token_ids"]
         raise InvalidParameterError(
             f"prompts[{index}] must be a string or a dict with 'prompt_token_ids', not {type(prompt).__name__}",
             param="prompts")
@@ -90,12 +86,17 @@ class LLM:
                 raise InvalidParameterError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt",
                     param="sampling_params")
-        request_ids = []
-        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            text, ids = self._prompt_ids(prompt, index)
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, ids, params, prompt=text, final_only=final_only)
-            request_ids.append(request_id)
+        request_ids: list[str] = []
+        try:
+            for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+                text, ids = self._prompt_ids(prompt, index)
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, ids, params, prompt=text, final_only=final_only)
+                request_ids.append(request_id)
+        except Exception:  # one bad prompt refuses the call: the prompts before it do not stay queued
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
         return request_ids
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
@@ -122,7 +123,7 @@ class LLM:
             if freeze:
                 gc.unfreeze()
             for request_id in request_ids:
-                if request_id not in finished and self.engine.output_processor.has_request(request_id):
+                if request_id not in finished and self.engine.has_request(request_id):
                     self.engine.abort_request(request_id)
         return [finished[request_id] for request_id in request_ids]
 
@@ -143,7 +144,7 @@ class LLM:
                         done = output.finished
                         yield output
         finally:
-            if not done and self.engine.output_processor.has_request(request_id):
+            if not done and self.engine.has_request(request_id):
                 self.engine.abort_request(request_id)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

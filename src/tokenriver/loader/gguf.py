@@ -4,7 +4,7 @@ The only module that knows llama.cpp's naming: metadata keys
 (`llama.attention.head_count`, ...) become ModelConfig fields, tensor names
 (`blk.3.attn_q.weight`, ...) become Hugging Face parameter names. Quantized
 matrices of every type can stay packed (loader/gguf_blocks.py re-encodes each
-GGUF block format into models/quant.py's formats); every other tensor is
+GGUF block format into models/native/quant.py's formats); every other tensor is
 dequantized by `gguf.quants.dequantize`.
 The file is memory-mapped and parsed, never unpickled.
 
@@ -36,7 +36,7 @@ from tokenriver.errors import ModelLoadError
 from tokenriver.loader import gguf_cache
 from tokenriver.loader.gguf_blocks import CONVERSIONS, to_packed
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.quant import Int4Weight, Int8Weight
+from tokenriver.models.native.quant import Int4Weight, Int8Weight
 from tokenriver.models.registry import canonical_architecture
 
 Q = gguf.GGMLQuantizationType

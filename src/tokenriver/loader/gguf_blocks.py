@@ -1,4 +1,4 @@
-"""GGUF block formats → the two packed layouts the native kernels run (models/quant.py's Int4Weight, Int8Weight).
+"""GGUF block formats → the two packed layouts the native kernels run (models/native/quant.py's Int4Weight, Int8Weight).
 
 Why re-encode rather than write a kernel per format: every GGUF type is "a few bits per weight, a scale (and
 maybe a minimum) per run of 16-32 weights", and the kernels already stream 4-bit groups with a scale and a
@@ -7,7 +7,7 @@ VNNI path. So each type is mapped once, at load, onto one of those, rows kept, w
 
 | GGUF type                  | becomes                        | how                                                       |
 |----------------------------|--------------------------------|-----------------------------------------------------------|
-| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/quant.py's repack_*): exact              |
+| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/native/quant.py's repack_*): exact              |
 | Q5_0, IQ4_NL               | Int8, groups of 32             | values widened to int8 under the block's own scale: exact |
 | Q4_K                       | Int4, groups of 32             | sub-block scale d·sc and minimum -dmin·m as float16       |
 | IQ4_XS                     | Int8, groups of 32             | table values as int8, sub-block scale d·(ls - 32) as f16  |
@@ -31,7 +31,7 @@ import torch
 
 from tokenriver.config import default_num_threads
 from tokenriver.errors import ModelLoadError
-from tokenriver.models.quant import (Int4Weight, Int8Weight, load_kernels, repack_q4_0, repack_q4_1,
+from tokenriver.models.native.quant import (Int4Weight, Int8Weight, load_kernels, repack_q4_0, repack_q4_1,
                                      repack_q8_0)
 
 Q = gguf.GGMLQuantizationType
@@ -181,7 +181,7 @@ CONVERSIONS: dict[gguf.GGMLQuantizationType, tuple[Callable[[np.ndarray], Packed
 def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: bool = True) -> PackedWeight:
     """One quantized matrix's raw bytes [N, row bytes] → its packed weight [N, K] (rows in the file's order).
 
-    native: take models/kernels/convert.cpp's version of the rule where it has one (the same values, bit for
+    native: take models/native/csrc/convert.cpp's version of the rule where it has one (the same values, bit for
     bit, in one pass over the bytes); the numpy one otherwise.
     """
     kernels = load_kernels() if native else None

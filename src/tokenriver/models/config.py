@@ -81,8 +81,3 @@ class ModelConfig:
                 problems.append(f"{rope_type} rope scaling needs {', '.join(missing)}")
         if problems:
             raise ModelLoadError("the model's configuration is inconsistent: " + "; ".join(problems))
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        """Query heads sharing one key/value head."""
-        return self.num_heads // self.num_kv_heads

@@ -7,7 +7,7 @@ functions are those definitions in PyTorch ops.
 
 On a decode step these ops see one row per request, so in PyTorch their cost is
 dispatch (a dozen small ops per layer), not arithmetic. Where the native kernels
-are built (models/kernels, x86-64 with AVX2) and the tensors are float32 on the
+are built (models/native, x86-64 with AVX2) and the tensors are float32 on the
 CPU, `rms_norm`, `apply_rotary_` and `silu_and_mul` run as one native call each,
 computing the same arithmetic (equal to the torch definitions within ~1e-6
 relative: sums are added in another order and exp is a polynomial). Anything
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenriver.models.kernels.native import is_contiguous_f32, is_f32_rows, load_kernels
+from tokenriver.models.native.kernels import is_contiguous_f32, is_f32_rows, load_kernels
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,

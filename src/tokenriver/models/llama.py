@@ -26,9 +26,7 @@ from torch import nn
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata, paged_attention
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.kernels.native import Reductions
 from tokenriver.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_
-from tokenriver.models.native_decoder import NativeDecoder
 
 # Fused module → the Hugging Face modules whose weights (and biases) it stacks, in output order.
 FUSED_PROJECTIONS = {
@@ -102,38 +100,41 @@ class LlamaModel(nn.Module):
                                           config.max_position_embeddings)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # (the layer list, its NativeDecoder or None when some part has no native kernel): bound at the first step,
-        # once the loader has put the weights in, and again if the list is replaced (a self-speculative draft is a
-        # shallow copy of this module with a shorter one). A tuple, so nn.Module does not register the list twice.
-        self._native_binding: tuple[nn.ModuleList, NativeDecoder | None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
+        hidden, rope = self.embed(input_ids, positions)
+        hidden, residual = self.run_layers(rope, hidden, kv_cache, metadata)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """[T] token ids and positions → (embeddings [T, hidden], rope: cos, sin [T, 1, head_dim // 2] each)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary_emb(positions, hidden.dtype)  # cos, sin: [T, 1, head_dim // 2] each
-        if self._native_binding is None or self._native_binding[0] is not self.layers:
-            self._native_binding = (self.layers, NativeDecoder.build(self.layers))
-        native = self._native_binding[1]
-        if native is not None and native.supports(hidden, rope, kv_cache, metadata):
-            # The same layers in one native call: equal results, without ~240 Python-level calls per step.
-            hidden, residual = native(hidden, rope, kv_cache, metadata)
-        else:
-            residual = None
-            for layer in self.layers:
-                hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        return hidden, self.rotary_emb(positions, hidden.dtype)
+
+    def run_layers(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
+                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer in turn: (last layer's MLP output, the residual stream before it), [T, hidden] each.
+
+        Its own method so that a runner can run the same stack another way (runner/native_stack.py)."""
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        return hidden, residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Adds the last layer's output to the residual stream and normalizes: [T, hidden]."""
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
-
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        # .to(), .float(), .share_memory_()...: new weight tensors, so bind them again at the next step.
-        self._native_binding = None
-        return super()._apply(fn, recurse)
 
 
 class LlamaForCausalLM(nn.Module):
     """The decoder plus its output projection; the engine calls `forward`, then `compute_logits` on chosen rows."""
 
     fused_projections = FUSED_PROJECTIONS
+    # Every layer is a LlamaDecoderLayer: a layout the runner may run in one native call (runner/native_stack.py).
+    layer_layout = "llama"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -161,11 +162,3 @@ class LlamaForCausalLM(nn.Module):
         request's last token) pay for the vocabulary-sized matmul.
         """
         return self.lm_head(hidden).float()
-
-    @torch.inference_mode()
-    def greedy_reductions(self, hidden: torch.Tensor) -> Reductions | None:
-        """Per row of compute_logits(hidden): (argmax, largest logit, log-sum-exp), without writing the logits,
-        where the output projection can (quantized, rounded mode on VNNI or AMX: models/quant.py); else None. A
-        greedy step that reports nothing but the chosen tokens' logprobs needs only these."""
-        reductions = getattr(self.lm_head, "argmax_logsumexp", None)
-        return reductions(hidden) if reductions is not None else None

@@ -11,7 +11,9 @@ proposed from come in with the step (`draft_probs`); n-gram drafts have none.
 A beam-search request gets its most likely next tokens instead of a sample.
 A step whose rows are all plain greedy (Sampler.takes_raw_argmax) asks the model
 for each row's argmax, largest logit and log-sum-exp instead of its logits, where
-the model computes those without writing the logits (greedy_reductions).
+its output layer computes those without writing the logits (greedy_reductions).
+The model runs through NativeStack (runner/native_stack.py), which hands its decoder
+layers to the native decoder where they can run there.
 A multi-step step (SchedulerOutput.num_decode_passes > 1, only plain greedy decodes)
 runs its further passes here, each feeding every request the token it just sampled.
 """
@@ -22,8 +24,9 @@ import torch
 from torch import nn
 
 from tokenriver.kv.cache import KVCache
-from tokenriver.models.kernels.native import load_kernels
+from tokenriver.models.native.kernels import load_kernels
 from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
+from tokenriver.runner.native_stack import NativeStack
 from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -33,6 +36,8 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str, seed: int = 0) -> None:
         self.model = model
+        # Calls like the model; runs its layers in one native call where it can.
+        self.forward = NativeStack(model)
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         default_generator = torch.Generator(device=self.device)
@@ -80,7 +85,7 @@ class ModelRunner:
             return RunnerOutput()
         inputs = prepare_inputs(scheduler_output, self.kv_cache.block_size, self.device)
         # [num_tokens, hidden_size]
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+        hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         self.num_forward_passes += 1
         results: dict[str, RequestStepResult] = {}
         self._score_prompts(inputs, hidden, results)
@@ -125,7 +130,7 @@ class ModelRunner:
         for _ in range(num_passes):
             sampled = [results[request.request_id].token_ids[-1] for request in inputs.sampling_requests]
             inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+            hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
             self.num_forward_passes += 1
             if self._sample_greedy(inputs, states, hidden, results):
                 continue
@@ -136,15 +141,12 @@ class ModelRunner:
     def _sample_greedy(self, inputs: ModelInputs, states: list[SamplingState], hidden: torch.Tensor,
                        results: dict[str, RequestStepResult]) -> bool:
         """A batch of plain greedy rows (Sampler.takes_raw_argmax) from the model's per-row reductions, without
-        logits, where the model computes them (LlamaForCausalLM.greedy_reductions): the same tokens as from the
+        logits, where its output layer computes them (NativeStack.greedy_reductions): the same tokens as from the
         logits, the logprobs within float rounding, without writing [rows, vocab] logits and reading them back
         (docs/performance.md). False if it did not apply."""
-        greedy_reductions = getattr(self.model, "greedy_reductions", None)
-        if greedy_reductions is None:
-            return False
         if not self.sampler.takes_raw_argmax(states):
             return False
-        reduced = greedy_reductions(hidden)
+        reduced = self.forward.greedy_reductions(hidden)
         if reduced is None:
             return False
         for request, sample in zip(inputs.sampling_requests, self.sampler.sample_reduced(reduced, states)):

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenriver.outputs import TokenLogprobs
-from tokenriver.params import SamplingParams
+from tokenriver.params import SamplingParams, holds_stop_tokens, is_plain_greedy
 from tokenriver.sampling import processors
 from tokenriver.trace import STAGES, StepTrace, TraceCandidate
 
@@ -147,8 +147,7 @@ def _has_logit_bias(state: SamplingState) -> bool:
 
 def _blocks_stop_tokens(state: SamplingState) -> bool:
     """min_tokens not reached yet, with EOS or stop tokens to hold back."""
-    return (len(state.output_token_ids) < state.params.min_tokens
-            and bool(state.eos_token_ids or state.params.stop_token_ids))
+    return holds_stop_tokens(state.params, len(state.output_token_ids), state.eos_token_ids)
 
 
 class Sampler:
@@ -167,7 +166,8 @@ class Sampler:
         logprobs, no trace, and no stage that would change its logits. Such a batch needs, per row, only the
         argmax, the largest logit and the log-sum-exp (`sample_reduced`), which a model can compute without
         writing its logits."""
-        return all(state.params.takes_raw_argmax and not _blocks_stop_tokens(state) for state in states)
+        return all(is_plain_greedy(state.params, len(state.output_token_ids), state.eos_token_ids)
+                   for state in states)
 
     @staticmethod
     def sample_reduced(reduced: RowReductionsResult, states: list[SamplingState]) -> list[SampleResult]:

@@ -70,6 +70,7 @@ from collections.abc import Callable
 from tokenriver.errors import ContextLengthError, InvalidParameterError
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.outputs import FinishReason, TokenLogprobs
+from tokenriver.params import is_plain_greedy
 from tokenriver.sched.output import (
     RequestStepResult,
     RequestUpdate,
@@ -85,11 +86,12 @@ _NO_RESULT = RequestStepResult()
 
 
 def _decodes_plainly(request: Request) -> bool:
-    """Whether the request's next tokens need nothing between forward passes: its raw argmax taken
-    (SamplingParams.takes_raw_argmax) with no min_tokens hold on EOS left, and no stop strings, which the engine
-    checks on text. Multi-step passes decode such requests only."""
+    """Whether the request's next tokens need nothing between forward passes: plain greedy (params.is_plain_greedy,
+    the sampler's own test) and no stop strings, which the engine checks on text. Multi-step passes decode such
+    requests only."""
     params = request.sampling_params
-    return params.takes_raw_argmax and not params.stop and request.num_output_tokens >= params.min_tokens
+    eos_token_ids = [] if params.ignore_eos else request.eos_token_ids
+    return is_plain_greedy(params, request.num_output_tokens, eos_token_ids) and not params.stop
 
 
 class Scheduler:

@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenriver
 from tokenriver.engine.async_engine import AsyncEngine
-from tokenriver.errors import ContextLengthError, EngineDeadError, InvalidParameterError
+from tokenriver.errors import ContextLengthError, EngineDeadError, EngineOverloadedError, InvalidParameterError
 from tokenriver.server.config import ServerConfig
 from tokenriver.server.metrics import ServerMetrics
 from tokenriver.server.protocol import (IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -58,6 +58,8 @@ _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # nginx's "client closed request": the access log's status for a request whose client went away.
 CLIENT_CLOSED_REQUEST = 499
+# Seconds a client refused for a full waiting queue (429) is told to wait: about a few requests' decode time.
+RETRY_AFTER_SECONDS = 1
 
 T = TypeVar("T")
 
@@ -100,6 +102,9 @@ def error_payload(error: BaseException, request_id: str) -> tuple[int, ErrorResp
     if isinstance(error, ClientDisconnect):
         return CLIENT_CLOSED_REQUEST, _body("the client disconnected before its request was read",
                                             "invalid_request_error", None, "client_disconnected")
+    if isinstance(error, EngineOverloadedError):
+        return 429, _body(f"{error.message} (retry after {RETRY_AFTER_SECONDS} s)", "server_error", None,
+                          "server_overloaded")
     if isinstance(error, EngineDeadError):
         logger.error("request %s: %s", request_id, error.message)
         return 503, _body(f"{error.message}; restart the server", "server_error", None, "engine_dead")
@@ -110,7 +115,8 @@ def error_payload(error: BaseException, request_id: str) -> tuple[int, ErrorResp
 
 def error_response(error: BaseException, request_id: str) -> JSONResponse:
     status, body = error_payload(error, request_id)
-    return JSONResponse(body.model_dump(mode="json"), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else None
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
 
 
 def _body(message: str, error_type: str, param: str | None, code: str | None) -> ErrorResponse:
@@ -273,7 +279,7 @@ def served_model_name(engine: AsyncEngine, config: ServerConfig) -> str:
     """The configured name, else the model file's stem (a folder's name)."""
     if config.served_model_name:
         return config.served_model_name
-    path = engine.core.loaded.path.rstrip(os.sep)
+    path = engine.model_info.path.rstrip(os.sep)
     name = os.path.basename(path)
     return name if os.path.isdir(path) else os.path.splitext(name)[0]
 

@@ -1,25 +1,23 @@
 """`tokenriver serve` and `tokenriver visualize`: the server's subcommands, registered on the CLI's parser.
 
 The CLI sits above the server, so this module cannot import it: the CLI hands
-over its engine-flag builder and its EngineConfig reader instead, and engine
-flags stay defined in one place.
+over its engine-flag builder and its EngineConfig reader instead. Both the
+engine's and the server's flags are generated from their config fields
+(flags.py), so each flag is defined once.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from collections.abc import Callable
 from functools import partial
 
 from tokenriver.config import EngineConfig
+from tokenriver.flags import add_flags, collect
 from tokenriver.server.config import ServerConfig
 
 API_KEY_ENV = "TOKENRIVER_API_KEY"
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
-
 
 def add_serve_command(subparsers: argparse._SubParsersAction,
                       add_engine_flags: Callable[[argparse.ArgumentParser], None],
@@ -44,35 +42,15 @@ def add_serve_command(subparsers: argparse._SubParsersAction,
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server options")
-    group.add_argument("--host", default=_DEFAULTS["host"],
-                       help="interface to listen on; 0.0.0.0 exposes the server to the network (default: %(default)s)")
-    group.add_argument("--port", type=int, default=_DEFAULTS["port"],
-                       help="TCP port; 0 picks a free one (default: %(default)s)")
-    group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
-                            f"(default: ${API_KEY_ENV}, else no key)")
-    group.add_argument("--served-model-name", default=None,
-                       help="the model name clients send (default: the model file's stem)")
-    group.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
-                       help="allow browser requests from ORIGIN (repeatable or comma-separated; '*' = any); "
-                            "CORS is off without it")
-    group.add_argument("--max-body-size", default=_DEFAULTS["max_body_size"],
-                       help=f"largest request body, e.g. 512KiB; bigger gets 413 "
-                            f"(default: {_DEFAULTS['max_body_size'] / 2**20:g}MiB)")
-    group.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS["shutdown_timeout"],
-                       help="seconds SIGTERM waits for running requests (default: %(default)s)")
-    group.add_argument("--log-level", default=_DEFAULTS["log_level"], choices=["debug", "info", "warning", "error"],
-                       help="(default: %(default)s)")
+    add_flags(parser, ServerConfig, "server_", "server options")
 
 
 def server_config_from(args: argparse.Namespace) -> ServerConfig:
-    origins = tuple(origin.strip() for value in (args.allowed_origins or []) for origin in value.split(",")
-                    if origin.strip())
-    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                        served_model_name=args.served_model_name, allowed_origins=origins,
-                        max_body_size=args.max_body_size, shutdown_timeout=args.shutdown_timeout,
-                        log_level=args.log_level)
+    values = collect(args, "server_")
+    values["allowed_origins"] = tuple(origin.strip() for value in values.get("allowed_origins", [])
+                                      for origin in value.split(",") if origin.strip())
+    values["api_key"] = values.get("api_key") or os.environ.get(API_KEY_ENV) or None
+    return ServerConfig(**values)
 
 
 def _run(args: argparse.Namespace, *, engine_config_from: Callable[[argparse.Namespace], EngineConfig],

@@ -1,7 +1,8 @@
 """ServerConfig: how the HTTP server listens and guards itself, frozen and validated once.
 
 The engine's knobs live in EngineConfig; this holds only what the HTTP layer
-needs. `tokenriver serve` builds one from its flags (and TOKENRIVER_API_KEY);
+needs. `tokenriver serve` builds one from its flags (generated from the fields'
+metadata, as the engine's are) and TOKENRIVER_API_KEY;
 `build_app` and `run_server` read nothing else.
 """
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from tokenriver.config import parse_size
 from tokenriver.errors import InvalidParameterError
+from tokenriver.flags import option
 
 DEFAULT_MAX_BODY_SIZE = 4 * 1024**2
 
@@ -20,23 +22,31 @@ class ServerConfig:
     """Listening address, access control and limits of the OpenAI-compatible server."""
 
     # Interface to bind; 127.0.0.1 keeps the server local, 0.0.0.0 exposes it to the network.
-    host: str = "127.0.0.1"
+    host: str = option("127.0.0.1", "interface to listen on; 0.0.0.0 exposes the server to the network",
+                       metavar="HOST")
     # TCP port; 0 lets the OS pick a free one (the startup log prints it).
-    port: int = 8000
+    port: int = option(8000, "TCP port; 0 picks a free one", metavar="PORT")
     # Clients must send "Authorization: Bearer <api_key>" on /v1/*, /tokenize and /detokenize; None = no key.
-    api_key: str | None = None
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: $TOKENRIVER_API_KEY, "
+        "else no key)", metavar="KEY")
     # The model name clients send and /v1/models lists; None = the model file's stem.
-    served_model_name: str | None = None
+    served_model_name: str | None = option(
+        None, "the model name clients send (default: the model file's stem)", metavar="NAME")
     # Origins allowed by CORS (e.g. "http://localhost:3000", or "*"); empty = CORS off.
-    allowed_origins: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = option(
+        (), "allow browser requests from ORIGIN (repeatable or comma-separated; '*' = any); CORS is off without it",
+        metavar="ORIGIN")
     # Largest request body in bytes; a bigger one gets 413 before it is read.
-    max_body_size: int = DEFAULT_MAX_BODY_SIZE
+    max_body_size: int = option(
+        DEFAULT_MAX_BODY_SIZE, "largest request body, e.g. 512KiB; bigger gets 413 (default: 4MiB)", metavar="SIZE",
+        type=str)
     # Seconds a SIGTERM waits for running requests before cancelling them.
-    shutdown_timeout: float = 30.0
+    shutdown_timeout: float = option(30.0, "seconds SIGTERM waits for running requests", metavar="SECONDS")
     # Folder served at / and /static/; None = the visualizer shipped in tokenriver/visualizer/static.
     static_dir: str | None = None
     # uvicorn and tokenriver log level: debug, info, warning or error.
-    log_level: str = "info"
+    log_level: str = option("info", "uvicorn and tokenriver log level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -33,7 +33,7 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         # The scheduler lives on the engine thread; its stats() only reads counters and list lengths.
-        stats = self.engine.core.scheduler.stats()
+        stats = self.engine.snapshot().scheduler
         gauges = (
             ("tokenriver_num_requests_running", "Engine requests in the running batch (n > 1 counts n).",
              stats.num_running),
@@ -82,6 +82,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tokenriver_prompt_tokens", "Prompt tokens of admitted requests.",
                                      registry=self.registry)
         self.generation_tokens = Counter("tokenriver_generation_tokens", "Generated tokens.", registry=self.registry)
+        self.rejected_requests = Counter("tokenriver_requests_rejected",
+                                         "Requests refused with 429: max_waiting_requests were already waiting.",
+                                         registry=self.registry)
         self.time_to_first_token = Histogram("tokenriver_time_to_first_token_seconds",
                                              "From request received to its first generated token.",
                                              buckets=_TTFT_BUCKETS, registry=self.registry)
@@ -143,6 +146,12 @@ class RequestObserver:
             for candidate in output.outputs:
                 reason = candidate.finish_reason.value if candidate.finish_reason else "unknown"
                 self.metrics.finished_requests.labels(finish_reason=reason).inc()
+
+    def on_rejected(self) -> None:
+        """The engine refused the request: its waiting queue was full."""
+        if not self._is_done:
+            self._is_done = True
+            self.metrics.rejected_requests.inc()
 
     def on_abort(self) -> None:
         """The client went away (or the request failed) before the request finished."""

@@ -57,16 +57,47 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     """Bytes of a JSON body → a validated request model (pydantic.ValidationError or InvalidParameterError)."""
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except RecursionError:
+        raise InvalidParameterError("the request body nests JSON too deeply; send a flatter object",
+                                    param=None) from None
+    except ValueError as error:  # not JSON, not UTF-8, or an integer of more digits than Python converts
         raise InvalidParameterError(f"the request body is not valid JSON ({error}); send a JSON object",
                                     param=None) from None
     if not isinstance(data, dict):
         raise InvalidParameterError(f"the request body must be a JSON object, not {type(data).__name__}", param=None)
+    _refuse_lone_surrogates(data)
     data = _drop_noop_fields(data, NOOP_VALUES, IGNORED_FIELDS, "")
     if isinstance(data.get("messages"), list):
         data["messages"] = [_drop_noop_fields(m, MESSAGE_NOOP_VALUES, (), f"messages[{i}].") if isinstance(m, dict)
                             else m for i, m in enumerate(data["messages"])]
     return model.model_validate(data)
+
+
+def _refuse_lone_surrogates(data: dict[str, Any]) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair ("\\ud800"), which decodes to a str no UTF-8 codec (the
+    tokenizer's, the response's) accepts: refuse it here, naming the field, instead of failing deep inside."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:  # iterative: a deeply nested body must not exhaust the stack
+        path, value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+            keys = [key for key in value if _has_lone_surrogate(key)]
+            if keys:
+                raise InvalidParameterError(f"{path or 'the request'} has a key with a lone UTF-16 surrogate; "
+                                            f"send valid Unicode text", param=path or None)
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{index}]", item) for index, item in enumerate(value))
+        elif isinstance(value, str) and _has_lone_surrogate(value):
+            raise InvalidParameterError(f"{path} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+                                        f"text; send valid Unicode", param=path)
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _drop_noop_fields(data: dict[str, Any], noop_values: dict[str, tuple[Any, ...]], ignored: tuple[str, ...],

@@ -66,13 +66,12 @@ def server_url(host: str, port: int) -> str:
 
 
 def _describe(engine: AsyncEngine) -> str:
-    core = engine.core
-    loaded = core.loaded
-    kv_tokens = core.kv_cache.num_blocks * core.kv_cache.block_size
-    return (f"model {loaded.path} ({loaded.describe()}); KV pool {core.kv_cache.num_blocks} blocks "
-            f"x {core.kv_cache.block_size} tokens = {kv_tokens} tokens ({core.kv_cache.num_bytes / 2**20:.0f} MiB, "
-            f"{core.config.resolved_kv_cache_dtype}); "
-            f"max_model_len {engine.max_model_len}, max_num_seqs {core.config.max_num_seqs}")
+    info = engine.model_info
+    kv_tokens = info.num_kv_blocks * info.block_size
+    return (f"model {info.path} ({info.weights}); KV pool {info.num_kv_blocks} blocks "
+            f"x {info.block_size} tokens = {kv_tokens} tokens ({info.kv_cache_bytes / 2**20:.0f} MiB, "
+            f"{info.kv_cache_dtype}); max_model_len {info.max_model_len}, max_num_seqs {info.max_num_seqs}, "
+            f"max_waiting_requests {info.max_waiting_requests}")
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, *, visualizer: bool = False,

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenriver.engine.async_engine import AsyncEngine
-from tokenriver.errors import ContextLengthError, InvalidParameterError
+from tokenriver.errors import EngineOverloadedError, InvalidParameterError
 from tokenriver.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenriver.params import SamplingParams
+from tokenriver.prompts import check_prompt
 from tokenriver.server.metrics import ServerMetrics
 from tokenriver.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatMessageOut, CompletionChoice,
@@ -106,10 +107,11 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
-        self.vocab_size = engine.core.loaded.config.vocab_size
-        self.block_size = engine.core.config.block_size
-        self.max_num_batched_tokens = engine.core.config.max_num_batched_tokens
-        self.max_num_seqs = engine.core.config.max_num_seqs
+        info = engine.model_info
+        self.vocab_size = info.vocab_size
+        self.block_size = info.block_size
+        self.max_num_batched_tokens = info.max_num_batched_tokens
+        self.max_num_seqs = info.max_num_seqs
 
     # ----- request → engine -------------------------------------------------------------------------
 
@@ -180,35 +182,14 @@ class OpenAIServing:
             items = [prompt]
         else:
             items = list(prompt)
-        prompts = []
-        for index, item in enumerate(items):
-            where = f"prompt[{index}]" if len(items) > 1 else "prompt"
-            if isinstance(item, str):
-                prompts.append(PromptInput(self.tokenizer.encode(item), item))
-                continue
-            bad = [t for t in item if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidParameterError(
-                    f"{where} holds token id {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})",
-                    param="prompt")
-            prompts.append(PromptInput(list(item), None))
-        return prompts
+        return [PromptInput(self.tokenizer.encode(item), item) if isinstance(item, str)
+                else PromptInput(list(item), None) for item in items]
 
     def _check_fits(self, prompt: PromptInput, max_tokens: int | None, max_tokens_param: str, where: str) -> None:
-        """Refuse a prompt the context cannot hold, naming both token counts."""
-        num_tokens, limit = len(prompt.token_ids), self.engine.max_model_len
-        param = "prompt" if where.startswith("prompt") else where
-        if num_tokens == 0:
-            raise InvalidParameterError(f"{where} is empty: give at least one token", param=param)
-        if num_tokens >= limit:
-            raise ContextLengthError(
-                f"this model's context holds {limit} tokens, but {where} has {num_tokens} tokens (and at least one "
-                f"must be generated); shorten it", num_tokens=num_tokens, max_tokens=limit, param=param)
-        if max_tokens is not None and num_tokens + max_tokens > limit:
-            raise ContextLengthError(
-                f"this model's context holds {limit} tokens, but you asked for {num_tokens + max_tokens} "
-                f"({num_tokens} in {where} + {max_tokens_param}={max_tokens}); shorten the prompt or lower "
-                f"{max_tokens_param}", num_tokens=num_tokens + max_tokens, max_tokens=limit, param=max_tokens_param)
+        """Refuse a prompt the engine would refuse, before it is queued, naming the field (prompts.check_prompt)."""
+        check_prompt(prompt.token_ids, self.vocab_size, self.engine.max_model_len, max_tokens=max_tokens,
+                     where=where, param="prompt" if where.startswith("prompt") else where,
+                     max_tokens_param=max_tokens_param)
 
     def _check_engine_limits(self, params: SamplingParams) -> None:
         """What only this engine can judge: token ids against its vocabulary, candidates against its batch."""
@@ -272,6 +253,9 @@ class OpenAIServing:
                     observer.on_output(output)
                     finished = output.finished
                     yield output
+        except EngineOverloadedError:
+            observer.on_rejected()
+            raise
         finally:
             if not finished:
                 observer.on_abort()
@@ -493,16 +477,16 @@ class OpenAIServing:
         return {"prompt": self.tokenizer.decode(request.tokens, skip_special_tokens=False)}
 
     def engine_info(self) -> dict[str, Any]:
-        """GET /v1/engine: the KV pool and the scheduler right now (live, not the last step's snapshot), plus the
+        """GET /v1/engine: the KV pool and the scheduler as of the engine loop's last pass, plus the
         speculative-decoding counts when the engine runs a draft."""
-        core = self.engine.core
-        stats = core.scheduler.stats()
-        last_step = self.engine.stats()
+        model = self.engine.model_info
+        snapshot = self.engine.snapshot()
+        stats = snapshot.scheduler
         info: dict[str, Any] = {
             "model": self.model_name,
-            "dtype": core.config.dtype,
-            "kv_cache_dtype": core.config.resolved_kv_cache_dtype,
-            "block_size": core.kv_cache.block_size,
+            "dtype": model.dtype,
+            "kv_cache_dtype": model.kv_cache_dtype,
+            "block_size": model.block_size,
             "num_blocks": stats.num_blocks_total,
             "num_blocks_used": stats.num_blocks_used,
             "num_blocks_free": stats.num_blocks_free,
@@ -511,14 +495,15 @@ class OpenAIServing:
             "num_waiting": stats.num_waiting,
             "num_preemptions": stats.num_preempted_total,
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
-            "num_forward_passes": last_step.num_forward_passes if last_step is not None else 0,
-            "max_model_len": self.engine.max_model_len,
-            "max_num_batched_tokens": core.config.max_num_batched_tokens,
-            "max_num_seqs": core.config.max_num_seqs,
+            "num_forward_passes": snapshot.num_forward_passes,
+            "max_model_len": model.max_model_len,
+            "max_num_batched_tokens": model.max_num_batched_tokens,
+            "max_num_seqs": model.max_num_seqs,
+            "max_waiting_requests": model.max_waiting_requests,
         }
-        if core.config.speculative_draft is not None:
-            info.update(speculative_draft=core.config.speculative_draft,
-                        num_speculative_tokens=core.config.num_speculative_tokens,
+        if model.speculative_draft is not None:
+            info.update(speculative_draft=model.speculative_draft,
+                        num_speculative_tokens=model.num_speculative_tokens,
                         num_draft_tokens=stats.num_draft_tokens_total,
                         num_accepted_draft_tokens=stats.num_accepted_draft_tokens_total,
                         draft_acceptance_rate=stats.draft_acceptance_rate,

@@ -13,14 +13,11 @@ Formats (an [out_features N, in_features K] matrix, groups of `group_size` conse
 Float16 scales are what GGUF stores, so repacking Q4_0, Q4_1 and Q8_0 is exact: the dequantized weights equal
 gguf's own dequantization bit for bit (Q4_0's min is -8 * scale, exact in float16).
 
-Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation, through one of three backends:
-- "native": models/kernels/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
-  `max_gemv_rows` activation rows); for more rows models/kernels/gemm.cpp, which decodes a few weight rows at a
+Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation, through one of two backends:
+- "native": models/native/csrc/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
+  `max_gemv_rows` activation rows); for more rows models/native/csrc/gemm.cpp, which decodes a few weight rows at a
   time into a small buffer and multiplies them with every activation row there (compute-bound, and no float32
   copy of the model is kept; benchmarks/results/gemm.md compares it with MKL's sgemm on such a copy).
-- "aten": PyTorch's packed CPU kernels `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (int8 only with one
-  scale per output channel; int4 needs out_features % 16 == 0). Kept for measurement and machines where they are
-  fast; on AVX2-only CPUs they are slower than float32 F.linear.
 - "reference": dequantize with torch ops, then F.linear. Any device; the definition the others are tested against.
 "auto" picks "native" when the kernels build on this CPU and the tensors are on the CPU, else "reference".
 Outputs have the activations' dtype (float32 or bfloat16); the sums are float32 either way.
@@ -52,10 +49,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
-from tokenriver.models.kernels.native import NativeKernels, Reductions, load_kernels
+from tokenriver.models.native.kernels import NativeKernels, Reductions, load_kernels
 
-Backend = Literal["auto", "native", "aten", "reference"]
-BACKENDS = ("auto", "native", "aten", "reference")
+Backend = Literal["auto", "native", "reference"]
+BACKENDS = ("auto", "native", "reference")
 # Above this many activation rows the native path runs the GEMM: up to here the GEMV is as fast, beyond it the GEMM
 # is faster (benchmarks/kernels.py measures both; benchmarks/results/kernels.md).
 DEFAULT_MAX_GEMV_ROWS = 10
@@ -275,9 +272,6 @@ class _QuantizedLinear(nn.Module):
         super().__init__()
         if backend not in BACKENDS:
             raise InvalidParameterError(f"backend must be one of {BACKENDS}, got {backend!r}", param="backend")
-        if int8_activations and backend == "aten":
-            raise InvalidParameterError("int8_activations runs on the 'native' or 'reference' backend, not 'aten'",
-                                        param="int8_activations")
         self.in_features = in_features
         self.out_features = out_features
         self.max_gemv_rows = max_gemv_rows
@@ -311,8 +305,6 @@ class _QuantizedLinear(nn.Module):
             rows32 = rows if rows.dtype == torch.float32 else rows.float()
             rows32 = rows32 if rows32.is_contiguous() else rows32.contiguous()
             y = self._native_gemv(rows32) if is_gemv else self._native_gemm(rows32)  # [M, N]
-        elif self.backend == "aten" and on_cpu:
-            y = self._aten_mm(rows.contiguous())  # [M, N]
         else:
             rounding = ("int8" if self.int8_activations else None) if is_gemv else self.gemm_rounding
             y = self._reference(rows.float(), rounding)  # [M, N]
@@ -336,18 +328,12 @@ class _QuantizedLinear(nn.Module):
     def set_int8_activations(self, enabled: bool) -> None:
         """Switch to the rounded arithmetic of the module docstring: int8 activations in decode-sized products,
         and in larger ones where the CPU has the instructions (or back to exact float32)."""
-        if enabled and self.backend == "aten":
-            raise InvalidParameterError("int8_activations runs on the 'native' or 'reference' backend, not 'aten'",
-                                        param="int8_activations")
         self.int8_activations = enabled
         self.set_rounded_gemm(enabled)
 
     def set_rounded_gemm(self, enabled: bool) -> None:
         """Round the inputs of many-row products as this CPU does fastest (module docstring), or back to exact
         float32, whatever decode-sized products do."""
-        if enabled and self.backend == "aten":
-            raise InvalidParameterError("rounded products run on the 'native' or 'reference' backend, not 'aten'",
-                                        param="rounded_gemm")
         self.gemm_rounding = gemm_rounding(enabled, self.in_features)
         self._bind_native()
 
@@ -391,14 +377,6 @@ class Int4Linear(_QuantizedLinear):
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
         self.register_buffer("mins", weight.mins.contiguous())  # [N, K // G] float16
         self._bind_native()
-        self._aten_scales_and_zeros: dict[torch.dtype, torch.Tensor] = {}
-        if self.backend == "aten":
-            if out_features % 16:
-                raise InvalidParameterError(
-                    f"backend 'aten' packs int4 weights in tiles of 16 output rows; out_features is {out_features}",
-                    param="backend")
-            values = unpack_int4(self.qweight).to(torch.int32)  # [N, K]
-            self.register_buffer("aten_qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], with torch ops (any device)."""
@@ -428,16 +406,6 @@ class Int4Linear(_QuantizedLinear):
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
 
-    def _aten_mm(self, rows: torch.Tensor) -> torch.Tensor:
-        # The packed kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale (float32, then x's dtype).
-        dtype = rows.dtype if rows.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-        if dtype not in self._aten_scales_and_zeros:
-            scales = self.scales.float().t()  # [K // G, N]
-            zeros = self.mins.float().t() + 8 * scales  # [K // G, N]
-            self._aten_scales_and_zeros[dtype] = torch.stack((scales, zeros), dim=-1).to(dtype).contiguous()
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows.to(dtype), self.aten_qweight, self.group_size, self._aten_scales_and_zeros[dtype]).float()
-
 
 class QuantizedEmbedding(nn.Module):
     """Token embedding looked up in a quantized matrix: only the rows of this step's tokens are dequantized.
@@ -466,10 +434,6 @@ class Int8Linear(_QuantizedLinear):
         self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K] int8
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
         self._bind_native()
-        if self.backend == "aten" and self.group_size != in_features:
-            raise InvalidParameterError(
-                f"backend 'aten' (_weight_int8pack_mm) takes one scale per output channel; this weight has "
-                f"groups of {self.group_size} columns. Use backend 'native' or 'reference'", param="backend")
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], with torch ops (any device)."""
@@ -495,8 +459,3 @@ class Int8Linear(_QuantizedLinear):
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)
-
-    def _aten_mm(self, rows: torch.Tensor) -> torch.Tensor:
-        dtype = rows.dtype if rows.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-        scales = self.scales.reshape(-1).to(dtype)  # [N]
-        return torch.ops.aten._weight_int8pack_mm(rows.to(dtype), self.qweight, scales).float()

@@ -1,4 +1,4 @@
-"""A Llama decoder stack's step in one native call (models/kernels/decoder.cpp).
+"""A Llama decoder stack's step in one native call (models/native/csrc/decoder.cpp).
 
 A single-stream decode step is ~240 small operations; run layer by layer from Python, each pays module dispatch,
 argument checks, an output allocation and a ctypes call, which together cost about as much as the arithmetic.
@@ -28,10 +28,10 @@ from torch import nn
 
 from tokenriver.kv.cache import KVCache, head_dim_of
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.kernels.native import (ROUNDINGS, DecoderSpec, LayerSpec, LinearSpec, NativeKernels,
+from tokenriver.models.native.kernels import (ROUNDINGS, DecoderSpec, LayerSpec, LinearSpec, NativeKernels,
                                               StepSpec, is_contiguous_f32, is_native_kv_pool, kv_cache_format,
                                               load_kernels)
-from tokenriver.models.quant import Int4Linear, Int8Linear
+from tokenriver.models.native.quant import Int4Linear, Int8Linear
 
 
 def _linear_spec(linear: nn.Module) -> LinearSpec | None:
@@ -55,7 +55,10 @@ class NativeDecoder:
 
     def __init__(self, kernels: NativeKernels, layers: nn.ModuleList, specs: list[LayerSpec]) -> None:
         self._kernels = kernels
-        self._layers = layers  # holds the weight tensors the specs point into
+        self._layers = layers
+        # Every tensor the specs point into, held by its storage: a layer whose weights move after binding leaves
+        # this decoder stale (its owner binds again), never pointing into freed memory.
+        self._tensors = [tensor.detach() for layer in layers for tensor in (*layer.parameters(), *layer.buffers())]
         self._specs = (LayerSpec * len(specs))(*specs)
         first = layers[0]
         attention = first.self_attn

@@ -1,0 +1,83 @@
+"""NativeStack: a model's forward pass, with its decoder layers run in one native call where they can be.
+
+The model files (models/llama.py) are plain PyTorch and define what a step computes. Run layer by layer from
+Python, a small model's decode step spends about as long in module dispatch as in arithmetic, so the runner calls
+the model through this wrapper: it embeds with the model's own modules, runs the layers through
+models/native/decoder.py when that decoder can bind them and run the step, else through the model's own
+`run_layers`, and ends with the model's final norm. Both paths give the same hidden states bit for bit
+(tests/models/test_native_decoder.py).
+
+An architecture opts in by naming its layer layout (`layer_layout`, a class attribute of the model) among
+NATIVE_LAYOUTS and by giving its decoder (`model.model`) `embed`, `layers`, `run_layers` and `final_norm`; any
+other model runs its own `forward`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenriver.kv.cache import KVCache
+from tokenriver.models.attention import AttentionMetadata
+from tokenriver.models.native.decoder import NativeDecoder
+from tokenriver.models.native.kernels import Reductions
+
+# Layer layouts decoder.cpp runs: "llama" is LlamaDecoderLayer's pre-norm residual-stream block (fused qkv and
+# gate/up projections, RMSNorm, SwiGLU).
+NATIVE_LAYOUTS = frozenset({"llama"})
+
+
+class NativeStack:
+    """Calls like the model's forward; binds the native decoder at the first step and again when the layers move."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        # (the layer list, its first layer's parameters and where their data was, its NativeDecoder or None where
+        # some part has no native kernel): bound at the first step, once the loader has put the weights in; bound
+        # again when the list is replaced or the weights moved (.to(), .share_memory_() give the parameters new
+        # data; the decoder holds what it bound, so a missed move reads stale weights, never freed memory).
+        self._binding: tuple[nn.ModuleList, list[nn.Parameter], list[int], NativeDecoder | None] | None = None
+
+    @property
+    def native(self) -> NativeDecoder | None:
+        """The decoder the last step could use, or None (not bound yet, or some layer has no native kernel)."""
+        return None if self._binding is None else self._binding[3]
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 → final-norm hidden states [num_tokens, hidden_size]."""
+        decoder = self._decoder()
+        if decoder is None:
+            return self.model(input_ids, positions, kv_cache, metadata)
+        hidden, rope = decoder.embed(input_ids, positions)  # [T, hidden]; cos, sin [T, 1, head_dim // 2]
+        native = self._bind(decoder.layers)
+        if native is not None and native.supports(hidden, rope, kv_cache, metadata):
+            hidden, residual = native(hidden, rope, kv_cache, metadata)
+        else:
+            hidden, residual = decoder.run_layers(rope, hidden, kv_cache, metadata)
+        return decoder.final_norm(hidden, residual)
+
+    @torch.inference_mode()
+    def greedy_reductions(self, hidden: torch.Tensor) -> Reductions | None:
+        """Per row of compute_logits(hidden): (argmax, largest logit, log-sum-exp), without writing the logits,
+        where the output projection can (quantized, rounded mode on VNNI or AMX: models/native/quant.py); else
+        None. A greedy step that reports nothing but the chosen tokens' logprobs needs only these."""
+        reductions = getattr(getattr(self.model, "lm_head", None), "argmax_logsumexp", None)
+        return reductions(hidden) if reductions is not None else None
+
+    def _decoder(self) -> nn.Module | None:
+        if getattr(self.model, "layer_layout", None) not in NATIVE_LAYOUTS:
+            return None
+        decoder = getattr(self.model, "model", None)
+        return decoder if isinstance(getattr(decoder, "layers", None), nn.ModuleList) else None
+
+    def _bind(self, layers: nn.ModuleList) -> NativeDecoder | None:
+        binding = self._binding
+        if (binding is None or binding[0] is not layers
+                or any(parameter.data_ptr() != address for parameter, address in zip(binding[1], binding[2]))):
+            parameters = list(layers[0].parameters()) if len(layers) else []
+            binding = (layers, parameters, [parameter.data_ptr() for parameter in parameters],
+                       NativeDecoder.build(layers))
+            self._binding = binding
+        return binding[3]
