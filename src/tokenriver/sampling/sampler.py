@@ -484,7 +484,8 @@ def _note_draws(traces: dict[int, StepTrace], processed: torch.Tensor, token_ids
         probs = processed[row].softmax(dim=0)  # [V]
         chosen = int(token_ids[row])
         start = float(probs[:chosen].sum())
-        trace.extra["draw"] = {"uniform": float(uniforms[j]), "cdf_start": start, "cdf_end": start + float(probs[chosen])}
+        end = start + float(probs[chosen])
+        trace.extra["draw"] = {"uniform": float(uniforms[j]), "cdf_start": start, "cdf_end": end}
 
 
 def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -427,6 +427,7 @@ async function runRequest(branches, body) {
   try {
     const response = await api("/v1/completions", body, controller.signal);
     for await (const chunk of sseEvents(response)) {
+      if (chunk.id) labelRequest(chunk.id, branches);
       applyChunk(chunk, (index) => branches[index] || null);
       scheduleRender();
     }
@@ -692,6 +693,7 @@ async function refreshEngine() {
   try {
     state.engine = await apiJson("/v1/engine");
     state.engineError = null;
+    await refreshPasses();
   } catch (error) {
     state.engineError = error.message;
   }
@@ -1309,6 +1311,7 @@ function renderEngine() {
   const parts = [el("p", { class: "hint", text: "Prefill computes the whole prompt in one forward pass (or a few "
     + "chunks) and yields the first token; every later token needs one more forward pass (decode). The KV cache "
     + "keeps each token's keys and values in fixed-size blocks so no pass recomputes the past." })];
+  parts.push(passTimeline());
   const m = branch && branch.metrics;
   if (m) {
     parts.push(forwardPasses(m, branch));
@@ -1490,7 +1493,7 @@ function init() {
   $("why").addEventListener("focusin", () => {
     state.isFollowing = false;
   });
-  loadModelName().then(() => Promise.all([tokenizePrompt().catch(showError), refreshEngine()]));
+  loadModelName().then(initTimeline).then(() => Promise.all([tokenizePrompt().catch(showError), refreshEngine()]));
   render();
 }
 

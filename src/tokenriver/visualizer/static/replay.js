@@ -18,6 +18,7 @@ async function replayStep(branch, step, settings) {
   const body = { prompt: ids, max_tokens: 1, trace: true, trace_top: REPLAY_TOP, ...settings };
   if (state.modelName) body.model = state.modelName;
   const out = await apiJson("/v1/completions", body);
+  labelRequest(out.id, "replay (preview)");
   return out.choices[0].trace[0];
 }
 

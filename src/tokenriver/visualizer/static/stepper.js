@@ -61,7 +61,7 @@ async function stepOnce() {
     return;
   }
   const branch = stepTarget(params);
-  selectBranch(branch.id, pathOf(branch).length - 1);
+  selectBranch(branch.id, pathOf(branch).length ? pathOf(branch).length - 1 : null);
   branch.status = "streaming";
   updateBusy();
   scheduleRender();
@@ -74,21 +74,24 @@ async function stepOnce() {
  */
 async function stepBranch(branch, animate) {
   const position = pathOf(branch).length;
-  const body = { prompt: promptIdsOf(branch), max_tokens: 1, trace: true, logprobs: 5,
-    ...apiSampling(branch.params), seed: stepSeed(branch.params, position) };
+  const body = { prompt: promptIdsOf(branch), trace: true, logprobs: 5, ...apiSampling(branch.params),
+    max_tokens: 1, seed: stepSeed(branch.params, position) };
   delete body.stop;
   if (state.modelName) body.model = state.modelName;
   try {
     const out = await apiJson("/v1/completions", body);
+    labelRequest(out.id, [branch]);
     const after = animate ? await apiJson("/v1/engine") : null;
+    if (animate) await refreshPasses();
     const choice = out.choices[0];
     const token = tokensOfChoice(choice)[0];
     const stages = animate ? await stageTraces(branch, position, stepSettings(branch)) : null;
     branch.tokens.push(token);
+    if (state.currentId === branch.id) state.selectedStep = position;
     branch.metrics = out.metrics || branch.metrics;
     branch.finishReason = isEos(token.id) ? "stop" : "step";
     branch.status = "done";
-    if (animate) showPhases({ branch, position, token, metrics: out.metrics, after, stages });
+    if (animate) showPhases({ branch, position, token, metrics: out.metrics, after, stages, responseId: out.id });
   } catch (error) {
     failBranch(branch, error);
     showError(error);
@@ -157,17 +160,22 @@ function contextPhase(step) {
   const m = step.metrics || {};
   const contextLength = m.num_prompt_tokens ?? promptIdsOf(step.branch).length - 1;
   const cached = m.num_cached_tokens ?? 0;
-  const passes = m.num_forward_passes ?? null;
+  const passes = passesOf(step.responseId);
   return phaseItem("forward", "1. Context → forward pass", [
     el("p", {}, [`${plural(contextLength, "token")} of context go in; `,
       el("span", { "data-testid": "stepper-cached", text: `${plural(cached, "token")} already in the KV cache` }),
       ` (whole blocks found by the prefix cache), so this pass computes `,
       el("strong", { "data-testid": "stepper-new-slots", text: plural(contextLength - cached, "new KV slot") }), "."]),
     el("p", { "data-testid": "stepper-pass-counter" }, [
-      passes !== null ? `This token took ${plural(passes, "forward pass", "forward passes")}; ` : "",
-      "the engine's forward-pass counter reads ",
-      el("strong", { text: step.after ? step.after.num_forward_passes : "?" }), " now."]),
+      passes.length ? `The engine ran it in forward pass ${passes.join(", ")}` : "The engine ran it",
+      passes.length ? ` (${plural(passes.length, "pass", "passes")}; one pass, unless a long prompt is cut into chunks)` : "",
+      "; its forward-pass counter reads ", el("strong", { text: step.after ? step.after.num_forward_passes : "?" }), " now."]),
   ]);
+}
+
+/** The logged forward passes that carried the request `responseId` (GET /v1/visualizer/passes). */
+function passesOf(responseId) {
+  return timeline.passes.filter((p) => p.rows.some((r) => r.request_id.startsWith(`${responseId}-`))).map((p) => p.pass);
 }
 
 function logitsPhase(trace) {
