@@ -7,7 +7,7 @@ choices of one n-sample request, and the timeline's passes are the engine's.
 
 from __future__ import annotations
 
-from visualizer_harness import (CHAT_REQUEST, PROMPT, SEED, TEMPERATURE, open_page, path_token_ids, request,
+from visualizer_harness import (CHAT_REQUEST, PROMPT, SEED, TEMPERATURE, doc_screenshot, open_page, path_token_ids, request,
                                 row_count, screenshot, select_token, set_controls, wait_finished)
 
 PHASES_TIMEOUT_MS = 30_000
@@ -47,6 +47,7 @@ def test_step_through_shows_each_phase_of_one_token(browser: object, base_url: s
     assert path_token_ids(page) == [first, second]
     assert row_count(page) == 1
     screenshot(page, "step-through.png")
+    doc_screenshot(page, "[data-testid=stepper]", "visualizer-step-through.png")
     assert watch.unexpected() == []
     page.close()
 
@@ -86,6 +87,8 @@ def test_samples_from_here_share_the_prefix_and_the_passes(browser: object, base
         return Object.values(byPass).filter(s => s.size === lanes.length).length; }""", sorted(lanes))
     assert shared >= 1
     screenshot(page, "samples.png")
+    doc_screenshot(page, "[data-testid=pass-timeline]", "visualizer-batching.png")
+    doc_screenshot(page, "[data-testid=tree]", "visualizer-samples-tree.png")
     assert watch.unexpected() == []
     page.close()
 

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import pytest
 
 from visualizer_harness import (CHAT_REQUEST, HTTP_ERROR_LOG, MAX_TOKENS, PACE_EVENT_STREAMS, PACE_MS, PROMPT, ROOT,
-                                SEED, TEMPERATURE, TRACE_TOP, ConsoleWatch, candidates, open_page, path_token_ids,
-                                reference_completion, request, row_count, screenshot, select_token, set_controls,
-                                sync_api, wait_finished, wait_idle)
+                                SEED, TEMPERATURE, TRACE_TOP, ConsoleWatch, candidates, doc_screenshot, open_page,
+                                path_token_ids, reference_completion, request, row_count, screenshot, select_token,
+                                set_controls, sync_api, wait_finished, wait_idle)
 
 expect = sync_api.expect
 
@@ -123,6 +123,7 @@ def test_bars_of_a_selected_step(generated: tuple) -> None:
     assert page.inner_text("[data-testid=why-rank]") == str(chosen[0]["rank"])
     assert "remaining" in page.inner_text("[data-testid=why-remaining]")
     screenshot(page, "selected-step.png")
+    assert "null" not in page.inner_text("[data-testid=why]")
     assert watch.unexpected() == []
 
 
@@ -195,6 +196,7 @@ def test_every_stage_of_a_step(generated: tuple) -> None:
     select_token(page, 1)
     page.click("[data-testid=show-stages]")
     page.wait_for_selector("[data-testid=stages-table]")
+    doc_screenshot(page, "[data-testid=why]", "visualizer-why.png")
     names = page.eval_on_selector_all("[data-testid=stage-name]", "els => els.map(e => e.textContent)")
     assert names[0] == "raw softmax" and names[1].startswith(f"after temperature {TEMPERATURE}")
     rows = page.eval_on_selector_all("[data-testid=stages-table] tbody tr", """rows => rows.map(r =>
@@ -517,6 +519,7 @@ def test_layout_colours_and_wording(browser: object, base_url: str) -> None:
     legend = page.eval_on_selector(".legend-bar", "e => getComputedStyle(e).backgroundImage")
     assert "rgb(68, 1, 84)" in legend and "rgb(253, 231, 37)" in legend
     text = page.inner_text("body")
+    assert "null" not in text and "undefined" not in text
     assert "1 token " in text or "1 token\n" in text or "1 token)" in text
     for wrong in ("1 tokens", "1 blocks", "1 KV blocks", "step 0 of", "1 passes", "1 decode passes"):
         assert wrong not in text, wrong

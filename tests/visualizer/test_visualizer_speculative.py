@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from visualizer_harness import (open_page, path_token_ids, request, running_server, screenshot, set_controls,
+from visualizer_harness import (doc_screenshot, open_page, path_token_ids, request, running_server, screenshot, set_controls,
                                 wait_finished)
 
 # Text that repeats, so the n-gram proposer finds earlier occurrences to copy as drafts.
@@ -41,5 +41,6 @@ def test_speculative_view_marks_drafts_and_states_the_rule(browser: object, spec
     # The timeline marks the verification passes that carried draft tokens.
     assert page.locator("[data-testid=timeline-cell]").count() >= 1
     screenshot(page, "speculative.png")
+    doc_screenshot(page, "[data-testid=why-speculative]", "visualizer-speculative.png")
     assert watch.unexpected() == []
     page.close()

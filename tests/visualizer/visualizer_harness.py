@@ -200,6 +200,17 @@ def screenshot(page: object, name: str) -> Path:
     return path
 
 
+def doc_screenshot(page: object, selector: str | None, name: str) -> None:
+    """With TOKENRIVER_UPDATE_SCREENSHOT=1, save a screenshot for docs/ (of one element, or the whole page)."""
+    if os.environ.get("TOKENRIVER_UPDATE_SCREENSHOT") != "1":
+        return
+    path = ROOT / "docs" / name
+    if selector is None:
+        page.screenshot(path=str(path), full_page=True)
+    else:
+        page.locator(selector).screenshot(path=str(path))
+
+
 def wait_idle(page: object) -> None:
     """Until no request of the page is running (the body loses its `busy` class)."""
     page.wait_for_function("!document.body.classList.contains('busy')", timeout=GENERATION_TIMEOUT_MS)

@@ -930,7 +930,7 @@ function renderWhy() {
       box.replaceChildren(nav, el("p", { text: `“${token.text}” (id ${token.id}): no trace was recorded for this token.` }));
       return;
     }
-    box.replaceChildren(nav, whySummary(token, trace, branch), speculativeNote(trace), drawNote(trace),
+    setChildren(box, nav, whySummary(token, trace, branch), speculativeNote(trace), drawNote(trace),
       whyBars(step, trace), whyFootnote(trace), forceTokenForm(step), previewPanel(branch, step));
   });
 }
@@ -1106,7 +1106,7 @@ function renderTree() {
     class: "tree-svg", role: "group", "aria-label": `token tree with ${plural(state.branches.length, "path")}`,
     onkeydown: onTreeKeydown }, shapes);
   withFocusKept(box, () => {
-    box.replaceChildren(
+    setChildren(box,
       el("div", { class: "tree-labels" }, rows.map(treeLabel)),
       el("div", { class: "tree-lanes" }, [svg]),
       state.importReport ? el("p", { class: "hint import-report", "data-testid": "import-report", text: state.importReport }) : null,
@@ -1260,7 +1260,7 @@ function renderCompare() {
   box.hidden = false;
   const [a, b] = branches.map(pathOf);
   const split = firstDivergence(a, b);
-  box.replaceChildren(
+  setChildren(box,
     el("h3", { text: `Compare path ${branches[0].id} and path ${branches[1].id}` }),
     el("p", { "data-testid": "compare-divergence", "data-step": split,
       text: split >= Math.min(a.length, b.length) ? `No divergence: one path continues the other for ${plural(split, "token")}.`
@@ -1324,7 +1324,7 @@ function renderEngine() {
   }
   if (engine) parts.push(engineSummary(engine));
   else if (state.engineError) parts.push(el("p", { class: "hint", text: `Engine stats unavailable: ${state.engineError}` }));
-  box.replaceChildren(...parts);
+  setChildren(box, ...parts);
 }
 
 function forwardPasses(m, branch) {
@@ -1490,6 +1490,12 @@ function init() {
   });
   $("samples").addEventListener("input", scheduleRender);
   $("tokens").addEventListener("keydown", onTokensKeydown);
+  // The candidates box closes on a click anywhere but a token or the box itself, like any popover.
+  document.addEventListener("click", (event) => {
+    if (state.popoverStep === null || event.target.closest("#popover, [data-testid=token]")) return;
+    state.popoverStep = null;
+    scheduleRender();
+  });
   $("why").addEventListener("focusin", () => {
     state.isFollowing = false;
   });

@@ -93,6 +93,11 @@ function svgEl(tag, attrs = {}, children = []) {
   return node;
 }
 
+/** Replace a node's children, skipping the null a builder returns when it has nothing to show. */
+function setChildren(node, ...children) {
+  node.replaceChildren(...children.filter((child) => child !== null && child !== undefined && child !== false));
+}
+
 /** A definition list of [label, value, testid] facts, the page's one way to show a set of numbers. */
 function factList(facts, className = "stats") {
   return el("dl", { class: className }, facts.map(([label, value, testid]) => el("div", { class: "stat" }, [
