@@ -143,8 +143,10 @@ def test_keyboard_moves_between_tokens_and_selects(generated: tuple) -> None:
 
 def test_popover_shows_the_top_candidates_next_to_the_token(generated: tuple) -> None:
     page, watch = generated
-    page.click("[data-testid=token][data-step='3']")
     popover = page.locator("[data-testid=popover]")
+    page.click("h1")
+    expect(popover).to_be_hidden()
+    page.click("[data-testid=token][data-step='3']")
     expect(popover).to_be_visible()
     chip = page.locator("[data-testid=token][data-step='3']").bounding_box()
     box = popover.bounding_box()
@@ -255,6 +257,7 @@ def test_compare_marks_the_first_divergent_token(generated: tuple) -> None:
     expect(page.locator("[data-testid=compare-diverge-token]")).to_have_count(2)
     assert "margin" in page.inner_text("[data-testid=compare-margin]")
     select_token(page, step)
+    page.click("h1")  # closes the candidates box, so the screenshot shows the panels under it
     shot = screenshot(page, "branch.png")
     if os.environ.get("TOKENRIVER_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, ROOT / "docs" / "visualizer.png")

@@ -805,7 +805,8 @@ function tokenChip(branch, token, step, selected, focusStep) {
   if (step === selected) classes.push("selected");
   if (token.isForced && isOwn) classes.push("forced");
   if (!isOwn) classes.push("inherited");
-  if (speculative) classes.push(speculative.accepted ? "draft-accepted" : "draft-replaced");
+  // A bonus token (after every draft was accepted) was never drafted: it gets no draft mark.
+  if (speculative && speculative.draft_token_id !== null) classes.push(speculative.accepted ? "draft-accepted" : "draft-replaced");
   const chip = el("button", {
     type: "button", class: classes.join(" "), "data-testid": "token", "data-step": step,
     "data-token-id": token.id, "data-prob": p ?? "", "data-focus-key": `token-${step}`,
@@ -876,11 +877,13 @@ function renderPopover() {
     el("button", { type: "button", class: "small", text: "close", "aria-label": "close the candidates box",
       onclick: () => { state.popoverStep = null; scheduleRender(); } }),
   );
+  // Shown before measuring: a hidden element has no offsetParent to position against.
+  box.hidden = false;
   const chipBox = chip.getBoundingClientRect();
   const parentBox = box.offsetParent ? box.offsetParent.getBoundingClientRect() : { left: 0, top: 0 };
-  box.style.left = `${Math.max(0, chipBox.left - parentBox.left)}px`;
+  const maxLeft = box.offsetParent ? box.offsetParent.clientWidth - box.offsetWidth : chipBox.left;
+  box.style.left = `${Math.max(0, Math.min(maxLeft, chipBox.left - parentBox.left))}px`;
   box.style.top = `${chipBox.bottom - parentBox.top + 4}px`;
-  box.hidden = false;
 }
 
 /* ---------------------------------------------------------------- why this token */
