@@ -167,10 +167,15 @@ function contextPhase(step) {
       ` (whole blocks found by the prefix cache), so this pass computes `,
       el("strong", { "data-testid": "stepper-new-slots", text: plural(contextLength - cached, "new KV slot") }), "."]),
     el("p", { "data-testid": "stepper-pass-counter" }, [
-      passes.length ? `The engine ran it in forward pass ${passes.join(", ")}` : "The engine ran it",
-      passes.length ? ` (${plural(passes.length, "pass", "passes")}; one pass, unless a long prompt is cut into chunks)` : "",
-      "; its forward-pass counter reads ", el("strong", { text: step.after ? step.after.num_forward_passes : "?" }), " now."]),
+      passPhrase(passes), "; the engine's forward-pass counter reads ",
+      el("strong", { text: step.after ? step.after.num_forward_passes : "?" }), " now."]),
   ]);
+}
+
+function passPhrase(passes) {
+  if (!passes.length) return "The engine ran it";
+  if (passes.length === 1) return `The engine ran it in forward pass ${passes[0]}`;
+  return `The engine ran it in forward passes ${passes.join(", ")} (the context was cut into chunks)`;
 }
 
 /** The logged forward passes that carried the request `responseId` (GET /v1/visualizer/passes). */
