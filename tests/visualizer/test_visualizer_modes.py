@@ -105,3 +105,28 @@ def test_timeline_tells_prompt_chunks_from_decode_rows(browser: object, base_url
     assert cells == ["prefill", "decode", "decode"]
     assert watch.unexpected() == []
     page.close()
+
+
+def test_two_runs_compare_side_by_side(browser: object, base_url: str) -> None:
+    """Two runs of one prompt at two temperatures: aligned, the first divergent token marked, both finals shown."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"max-tokens": "4", "seed": str(SEED), "temperature": "0"})
+    page.click("#generate")
+    wait_finished(page)
+    greedy = path_token_ids(page)
+    set_controls(page, **{"temperature": "1.8", "seed": "3"})
+    page.click("#generate")
+    wait_finished(page, branch_count=2)
+    hot = path_token_ids(page)
+    assert hot != greedy, "the hot run happened to repeat the greedy one; pick another seed"
+    page.locator("[data-testid=compare-check]").nth(0).check()
+    page.locator("[data-testid=compare-check]").nth(1).check()
+    split = next(i for i, (a, b) in enumerate(zip(greedy, hot)) if a != b)
+    assert int(page.get_attribute("[data-testid=compare-divergence]", "data-step")) == split
+    finals = page.eval_on_selector_all("[data-testid=compare-final]", "els => els.map(e => e.textContent)")
+    greedy_finals, hot_finals = finals[0::2], finals[1::2]
+    # The greedy run's final distribution is one-hot; the hot run's spreads over the candidates.
+    assert sorted(greedy_finals)[-1] == "1.000" and greedy_finals.count("0.000") == len(greedy_finals) - 1
+    assert hot_finals.count("0.000") < len(hot_finals) - 1
+    assert watch.unexpected() == []
+    page.close()

@@ -213,23 +213,31 @@ function compareAligned(branches, paths, split) {
   ])));
 }
 
-/** At the divergent token both paths saw the same context: the two choices' probabilities and their margin. */
+/**
+ * At the divergent token both paths saw the same context, so the raw distribution is shared; the final ones
+ * differ when the two paths used different settings (two runs at two temperatures, say): both are shown.
+ */
 function compareMargin(tokenA, tokenB, branches) {
   const pa = tokenProb(tokenA);
   const pb = tokenProb(tokenB);
   const trace = tokenA.trace || tokenB.trace;
+  const finals = [tokenA, tokenB].map((t) => (t.trace ? finalDistribution(t.trace) : new Map()));
+  const takenBy = (c) => [tokenA, tokenB].map((t, i) => (t.id === c.token_id ? `path ${branches[i].id}` : null))
+    .filter(Boolean).join(", ");
   const rows = trace ? trace.candidates.slice().sort((x, y) => x.rank - y.rank).slice(0, 8).map((c) => el("tr", {
     class: c.token_id === tokenA.id || c.token_id === tokenB.id ? "picked" : "" }, [
-    el("td", { text: visibleText(c.text) }), el("td", { text: fmtProb(c.prob_raw) }),
-    el("td", { text: c.token_id === tokenA.id ? `path ${branches[0].id}` : c.token_id === tokenB.id ? `path ${branches[1].id}` : "" }),
+    el("td", { text: visibleText(c.text) }), el("td", { class: "num", text: fmtProb(c.prob_raw) }),
+    ...finals.map((final) => el("td", { class: "num", "data-testid": "compare-final", text: fmtProb(final.get(c.token_id) ?? 0) })),
+    el("td", { text: takenBy(c) }),
   ])) : [];
+  const head = ["candidate", "p raw", `p final, path ${branches[0].id}`, `p final, path ${branches[1].id}`, "taken by"];
   return el("div", { class: "compare-margin", "data-testid": "compare-margin" }, [
     el("p", { text: `At the divergent token: path ${branches[0].id} took “${visibleText(tokenA.text)}” (p raw ${fmtProb(pa)}), `
       + `path ${branches[1].id} took “${visibleText(tokenB.text)}” (p raw ${fmtProb(pb)}); margin `
       + `${pa !== null && pb !== null ? (pa - pb).toFixed(3) : "–"} in probability, `
       + `${pa && pb ? Math.log(pa / pb).toFixed(2) : "–"} in log p.` }),
     rows.length ? el("table", { class: "compare-table" }, [
-      el("thead", {}, [el("tr", {}, [el("th", { text: "candidate" }), el("th", { text: "p raw" }), el("th", { text: "taken by" })])]),
+      el("thead", {}, [el("tr", {}, head.map((text) => el("th", { text })))]),
       el("tbody", {}, rows)]) : null,
   ]);
 }
