@@ -36,7 +36,10 @@ def test_step_through_shows_each_phase_of_one_token(browser: object, base_url: s
     uniform, start, end = (float(draw.get_attribute(f"data-{name}")) for name in ("uniform", "cdf-start", "cdf-end"))
     assert start <= uniform < end + 1e-6
     prompt_ids = _default_prompt_ids(base_url, page)
-    assert "new KV slot" in page.inner_text("[data-testid=stepper-new-slots]")
+    new_slots = int(page.inner_text("[data-testid=stepper-new-slots]").split()[0])
+    assert new_slots == len(prompt_ids)  # a prompt shorter than one block: nothing cached, every slot computed
+    assert page.locator("[data-testid=kv-strip-new]").count() == new_slots
+    assert page.locator("[data-testid=kv-strip-next]").count() == 1
     # The stepped token is the engine's: a one-token request with the position's seed.
     first = _stepped_reference(base_url, prompt_ids, SEED)
     assert path_token_ids(page) == [first]
@@ -46,6 +49,19 @@ def test_step_through_shows_each_phase_of_one_token(browser: object, base_url: s
     second = _stepped_reference(base_url, prompt_ids + [first], SEED + 1)
     assert path_token_ids(page) == [first, second]
     assert row_count(page) == 1
+    # Phase by phase: each phase waits for a click.
+    page.check("[data-testid=phase-by-phase]")
+    page.click("[data-testid=stepper-next]")
+    page.wait_for_function("document.querySelectorAll('[data-testid=token]').length === 3", timeout=PHASES_TIMEOUT_MS)
+    page.wait_for_selector("[data-testid=stepper-phase][data-phase=forward]")
+    clicks = 0
+    while page.locator("[data-testid=stepper-phase][data-phase=appended]").count() == 0:
+        assert page.locator("[data-testid=stepper-phase]").count() == clicks + 1
+        page.click("[data-testid=stepper-next-phase]")
+        clicks += 1
+    assert clicks == len(phases) - 1
+    expect_hidden = page.locator("[data-testid=stepper-next-phase]")
+    assert expect_hidden.is_hidden()
     screenshot(page, "step-through.png")
     doc_screenshot(page, "[data-testid=stepper]", "visualizer-step-through.png")
     assert watch.unexpected() == []

@@ -264,7 +264,8 @@ async function importTree(data) {
       await replayPath(saved, made);
     }
   }
-  state.importReport = importVerdict(data.paths, made);
+  state.importReport = importVerdict(data.paths, made)
+    + (data.model && data.model !== state.modelName ? ` The file was made with ${data.model}; this server runs ${state.modelName}.` : "");
   scheduleRender();
 }
 

@@ -13,7 +13,8 @@
 // Pause between phases: long enough to follow, short enough that a click is not a wait.
 const PHASE_MS = 450;
 
-const stepper = { serial: 0, timers: [] };
+// isManual: phases wait for a click on "next phase" instead of playing on their own.
+const stepper = { serial: 0, timers: [], isManual: false };
 
 /** The branch a stepped token goes to: the current step branch when at its end, else a new one. */
 function stepTarget(params) {
@@ -118,26 +119,43 @@ function showPhases(step) {
   const serial = ++stepper.serial;
   const phases = buildPhases(step);
   const list = el("ol", { class: "phases", "data-testid": "stepper-phases" });
+  const manual = el("input", { type: "checkbox", id: "phase-by-phase", "data-testid": "phase-by-phase",
+    checked: stepper.isManual, onchange: (event) => { stepper.isManual = event.target.checked; } });
+  const nextPhase = el("button", { type: "button", class: "small", "data-testid": "stepper-next-phase",
+    text: "next phase ▸", hidden: !stepper.isManual, onclick: () => revealPhase(list, phases, nextPhase) });
   $("stepper").replaceChildren(
     el("p", { class: "hint", text: `Token ${step.position + 1} of path ${step.branch.id}, ${settingsText(step.branch.params)}, `
       + `seed ${stepSeed(step.branch.params, step.position)} for this token.` }),
     list,
     el("div", { class: "actions" }, [
+      nextPhase,
       el("button", { type: "button", class: "small", "data-testid": "stepper-again", text: "replay the animation",
         onclick: () => showPhases(step) }),
       el("button", { type: "button", class: "small primary", "data-testid": "stepper-next", text: "next token ▸",
         onclick: () => stepOnce() }),
+      el("label", { class: "check" }, [manual, "phase by phase (wait for a click)"]),
     ]),
   );
   $("stepper-panel").hidden = false;
+  if (stepper.isManual) {
+    revealPhase(list, phases, nextPhase);
+    return;
+  }
   // Each phase appears after the one before it; the list is complete after phases.length × PHASE_MS.
-  phases.forEach((phase, i) => {
+  phases.forEach((_, i) => {
     stepper.timers.push(setTimeout(() => {
-      if (serial !== stepper.serial) return;
-      list.append(phase);
-      list.dataset.shown = String(i + 1);
+      if (serial === stepper.serial) revealPhase(list, phases, nextPhase);
     }, i * PHASE_MS));
   });
+}
+
+/** Show the next hidden phase; the "next phase" button goes away after the last one. */
+function revealPhase(list, phases, nextPhase) {
+  const shown = list.children.length;
+  if (shown >= phases.length) return;
+  list.append(phases[shown]);
+  list.dataset.shown = String(shown + 1);
+  nextPhase.hidden = shown + 1 >= phases.length || !stepper.isManual;
 }
 
 function phaseItem(name, title, children) {
@@ -166,9 +184,34 @@ function contextPhase(step) {
       el("span", { "data-testid": "stepper-cached", text: `${plural(cached, "token")} already in the KV cache` }),
       ` (whole blocks found by the prefix cache), so this pass computes `,
       el("strong", { "data-testid": "stepper-new-slots", text: plural(contextLength - cached, "new KV slot") }), "."]),
+    kvStrip(contextLength, cached),
     el("p", { "data-testid": "stepper-pass-counter" }, [
       passPhrase(passes), "; the engine's forward-pass counter reads ",
       el("strong", { text: step.after ? step.after.num_forward_passes : "?" }), " now."]),
+  ]);
+}
+
+/**
+ * The context's KV slots in a row: those the prefix cache already held, those this pass writes, and the dashed
+ * slot of the token being generated (its keys and values are computed when the next pass takes it as input).
+ */
+function kvStrip(contextLength, cached) {
+  const slot = 9;
+  const perRow = 64;
+  const total = contextLength + 1;
+  const rows = Math.ceil(total / perRow);
+  const shapes = Array.from({ length: total }, (_, i) => svgEl("rect", {
+    x: (i % perRow) * slot, y: Math.floor(i / perRow) * slot, width: slot - 2, height: slot - 2,
+    class: `kv-slot ${i < cached ? "cached" : i < contextLength ? "prompt" : "next"}`,
+    "data-testid": i < cached ? "kv-strip-cached" : i < contextLength ? "kv-strip-new" : "kv-strip-next",
+  }));
+  const width = Math.min(total, perRow) * slot;
+  return el("div", { class: "kv-strip" }, [
+    svgEl("svg", { width, height: rows * slot, viewBox: `0 0 ${width} ${rows * slot}`, role: "img",
+      "aria-label": `${plural(cached, "cached slot")}, ${plural(contextLength - cached, "new slot")}, then the new token's slot` }, shapes),
+    el("p", { class: "timeline-legend" }, [el("span", { class: "key cached" }), " already cached ",
+      el("span", { class: "key prompt" }), " written by this pass ", el("span", { class: "key next" }),
+      " the new token: written by the next pass"]),
   ]);
 }
 
