@@ -235,6 +235,10 @@ def test_branch_starts_with_the_clicked_token(generated: tuple, base_url: str) -
     # Its cumulative log-probability is the sum of its tokens' log p_raw.
     probs = [float(p) for p in page.eval_on_selector_all("[data-testid=token]", "els => els.map(e => e.dataset.prob)")]
     assert float(page.inner_text("[data-testid=path-logprob]")) == pytest.approx(sum(map(math.log, probs)), abs=0.01)
+    # The branch's request found the prompt's whole blocks in the prefix cache: each such block is marked a hit.
+    cached = int(page.inner_text("[data-testid=num-prompt]").split("(")[1].rstrip(")"))
+    assert cached >= 16
+    assert page.locator("[data-testid=kv-block][data-hit=true]").count() == cached // 16
     # The branch used the generation settings, not the preview's (defect 10).
     assert page.evaluate("window.sentBodies.filter(b => b.stream).at(-1).temperature") == TEMPERATURE
     # Focus stays with the user's action (defect 15): on the new path's forced token, not on the page body.
