@@ -51,7 +51,7 @@ class StepStats:
     num_draft_forward_passes: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class PassRow:
     """One request's share of a forward pass, as the visualizer's timeline draws it."""
 
