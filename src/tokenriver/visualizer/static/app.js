@@ -118,7 +118,8 @@ async function* sseEvents(response) {
     while ((match = separator.exec(buffer)) !== null) {
       const block = buffer.slice(0, match.index);
       buffer = buffer.slice(match.index + match[0].length);
-      const data = block.split(/\r?\n/)
+      const data = block
+        .split(/\r?\n/)
         .filter((line) => line.startsWith("data:"))
         .map((line) => line.slice(5).replace(/^ /, ""))
         .join("\n");
@@ -132,9 +133,18 @@ async function* sseEvents(response) {
 /* ---------------------------------------------------------------- errors */
 
 const PARAM_INPUTS = {
-  temperature: "temperature", top_k: "top-k", top_p: "top-p", min_p: "min-p",
-  repetition_penalty: "repetition-penalty", seed: "seed", max_tokens: "max-tokens", stop: "stop",
-  trace_top: "trace-top", prompt: "prompt", messages: "prompt", n: "samples",
+  temperature: "temperature",
+  top_k: "top-k",
+  top_p: "top-p",
+  min_p: "min-p",
+  repetition_penalty: "repetition-penalty",
+  seed: "seed",
+  max_tokens: "max-tokens",
+  stop: "stop",
+  trace_top: "trace-top",
+  prompt: "prompt",
+  messages: "prompt",
+  n: "samples",
 };
 
 function showError(error) {
@@ -213,7 +223,9 @@ function visibleBranches() {
   const visit = (branch) => {
     rows.push(branch);
     if (branch.isCollapsed) return;
-    childrenOf(branch).sort((a, b) => a.forkStep - b.forkStep || a.id - b.id).forEach(visit);
+    childrenOf(branch)
+      .sort((a, b) => a.forkStep - b.forkStep || a.id - b.id)
+      .forEach(visit);
   };
   childrenOf(null).forEach(visit);
   return rows;
@@ -239,7 +251,8 @@ function settingsText(params) {
   if (params.top_k) parts.push(`top-k ${params.top_k}`);
   if (params.top_p !== undefined && params.top_p < 1) parts.push(`top-p ${params.top_p}`);
   if (params.min_p) parts.push(`min-p ${params.min_p}`);
-  if (params.repetition_penalty !== undefined && params.repetition_penalty !== 1) parts.push(`rep ${params.repetition_penalty}`);
+  if (params.repetition_penalty !== undefined && params.repetition_penalty !== 1)
+    parts.push(`rep ${params.repetition_penalty}`);
   if (params.n) parts.push(`sample ${params.choiceIndex + 1} of ${params.n}`);
   return parts.join(" · ");
 }
@@ -268,7 +281,8 @@ async function tokenizePrompt() {
   state.promptIds = body.tokens;
   state.promptStrs = body.token_strs || body.tokens.map(String);
   state.promptRequest = request;
-  $("prompt-count").textContent = `${plural(body.count, "token")} (the model's context holds ${plural(body.max_model_len, "token")}).`;
+  $("prompt-count").textContent =
+    `${plural(body.count, "token")} (the model's context holds ${plural(body.max_model_len, "token")}).`;
   renderPromptTokens();
   return body.tokens;
 }
@@ -280,9 +294,23 @@ function scheduleTokenize() {
 
 function renderPromptTokens() {
   const box = $("prompt-tokens");
-  box.replaceChildren(...state.promptIds.map((id, i) => el("span", {
-    class: "prompt-token", "data-testid": "prompt-token", "data-token-id": id, title: `token ${i + 1}: id ${id}`,
-  }, [el("span", { class: "tok-text", text: visibleText(state.promptStrs[i]) }), el("span", { class: "tok-id", text: id })])));
+  box.replaceChildren(
+    ...state.promptIds.map((id, i) =>
+      el(
+        "span",
+        {
+          class: "prompt-token",
+          "data-testid": "prompt-token",
+          "data-token-id": id,
+          title: `token ${i + 1}: id ${id}`,
+        },
+        [
+          el("span", { class: "tok-text", text: visibleText(state.promptStrs[i]) }),
+          el("span", { class: "tok-id", text: id }),
+        ],
+      ),
+    ),
+  );
 }
 
 /* ---------------------------------------------------------------- settings */
@@ -296,9 +324,14 @@ function numberInput(id, parse = Number) {
 function readParams() {
   const maxTokens = numberInput("max-tokens");
   if (maxTokens === null || !Number.isInteger(maxTokens) || maxTokens < 1) {
-    throw inputError("max_tokens", `max tokens must be a whole number of at least 1 (got ${$("max-tokens").value || "nothing"})`);
+    throw inputError(
+      "max_tokens",
+      `max tokens must be a whole number of at least 1 (got ${$("max-tokens").value || "nothing"})`,
+    );
   }
-  const stop = $("stop").value.split("\n").filter((s) => s !== "");
+  const stop = $("stop")
+    .value.split("\n")
+    .filter((s) => s !== "");
   const params = {
     temperature: numberInput("temperature"),
     top_k: numberInput("top-k", (s) => parseInt(s, 10)),
@@ -424,7 +457,9 @@ function applyChunk(chunk, byIndex) {
 /** Run one request feeding `branches` (one branch, or the n choices of one node); returns when it ends. */
 async function runRequest(branches, body) {
   const controller = new AbortController();
-  branches.forEach((b) => { b.controller = controller; });
+  branches.forEach((b) => {
+    b.controller = controller;
+  });
   startEnginePolling();
   try {
     const response = await api("/v1/completions", body, controller.signal);
@@ -433,10 +468,14 @@ async function runRequest(branches, body) {
       applyChunk(chunk, (index) => branches[index] || null);
       scheduleRender();
     }
-    branches.forEach((b) => { b.status = "done"; });
+    branches.forEach((b) => {
+      b.status = "done";
+    });
   } catch (error) {
     if (error.name === "AbortError") {
-      branches.forEach((b) => { b.status = "stopped"; });
+      branches.forEach((b) => {
+        b.status = "stopped";
+      });
     } else {
       branches.forEach((b) => failBranch(b, error));
       showError(error);
@@ -487,8 +526,11 @@ function updateBusy() {
 }
 
 function samePrompt(ids) {
-  return state.treePromptIds !== null && ids.length === state.treePromptIds.length
-    && ids.every((id, i) => id === state.treePromptIds[i]);
+  return (
+    state.treePromptIds !== null &&
+    ids.length === state.treePromptIds.length &&
+    ids.every((id, i) => id === state.treePromptIds[i])
+  );
 }
 
 /**
@@ -510,7 +552,11 @@ function startTree(ids) {
   resetTree();
   state.treePromptIds = ids;
   state.treePromptRequest = state.promptRequest;
-  state.treePromptText = { prompt: $("prompt").value, system: $("system-prompt").value, chat: $("chat-template").checked };
+  state.treePromptText = {
+    prompt: $("prompt").value,
+    system: $("system-prompt").value,
+    chat: $("chat-template").checked,
+  };
 }
 
 async function generate() {
@@ -544,8 +590,9 @@ let pendingNewTree = null;
 
 function askNewTree(onConfirmed) {
   pendingNewTree = onConfirmed;
-  $("confirm-new-tree-text").textContent = `The prompt changed. Generating from it starts a new tree and discards `
-    + `the current ${plural(state.branches.length, "path")}.`;
+  $("confirm-new-tree-text").textContent =
+    `The prompt changed. Generating from it starts a new tree and discards ` +
+    `the current ${plural(state.branches.length, "path")}.`;
   $("confirm-new-tree").hidden = false;
   $("confirm-discard").focus();
 }
@@ -580,15 +627,17 @@ function forcedToken(trace, candidate) {
     id: candidate.token_id,
     text: candidate.text,
     // The distribution is the one the model had at this step; only the choice is the user's.
-    trace: trace ? {
-      ...trace,
-      chosen_token_id: candidate.token_id,
-      chosen_rank: candidate.rank,
-      chosen_prob_raw: candidate.prob_raw,
-      chosen_prob_final: candidate.prob_final,
-      method: "forced",
-      extra: {},
-    } : null,
+    trace: trace
+      ? {
+          ...trace,
+          chosen_token_id: candidate.token_id,
+          chosen_rank: candidate.rank,
+          chosen_prob_raw: candidate.prob_raw,
+          chosen_prob_final: candidate.prob_final,
+          method: "forced",
+          extra: {},
+        }
+      : null,
     logprob: candidate.prob_raw > 0 ? Math.log(candidate.prob_raw) : null,
     isForced: true,
   };
@@ -616,8 +665,9 @@ function branchFrom(step, candidate) {
     scheduleRender();
     return;
   }
-  const existing = state.branches.find((b) => b.parentId === owner.id && b.forkStep === step
-    && b.tokens.length && b.tokens[0].id === candidate.token_id);
+  const existing = state.branches.find(
+    (b) => b.parentId === owner.id && b.forkStep === step && b.tokens.length && b.tokens[0].id === candidate.token_id,
+  );
   if (existing) {
     selectBranch(existing.id, step);
     scheduleRender();
@@ -650,8 +700,9 @@ async function samplesFrom(step) {
   const prefix = current ? pathOf(current).slice(0, step + 1) : [];
   const owner = current ? ownerOfStep(current, step + 1) : null;
   const group = state.nextBranchNumber;
-  const branches = Array.from({ length: n }, (_, i) => newBranch(owner, prefix.length, prefix, null,
-    { ...params, n, choiceIndex: i, group }));
+  const branches = Array.from({ length: n }, (_, i) =>
+    newBranch(owner, prefix.length, prefix, null, { ...params, n, choiceIndex: i, group }),
+  );
   selectBranch(branches[0].id, null);
   state.isFollowing = true;
   updateBusy();
@@ -780,11 +831,14 @@ function renderPath() {
   }
   const path = pathOf(branch);
   const parent = branch.parentId === null ? null : branchById(branch.parentId);
-  const origin = !parent ? " from the prompt"
-    : isForcedStart(branch) ? ` forked from path ${parent.id} at step ${branch.forkStep + 1} with “${visibleText(branch.tokens[0].text)}”`
+  const origin = !parent
+    ? " from the prompt"
+    : isForcedStart(branch)
+      ? ` forked from path ${parent.id} at step ${branch.forkStep + 1} with “${visibleText(branch.tokens[0].text)}”`
       : ` ${branch.kind === "step" ? "stepped" : "sampled"} from path ${parent.id} after token ${branch.forkStep}`;
   info.replaceChildren(
-    el("span", { class: "badge", text: `path ${branch.id}` }), origin,
+    el("span", { class: "badge", text: `path ${branch.id}` }),
+    origin,
     el("span", { class: "sep", text: " · " }),
     `${plural(path.length, "token")} · Σ log p = `,
     el("strong", { "data-testid": "path-logprob", text: cumulativeLogprob(path).toFixed(2) }),
@@ -808,19 +862,30 @@ function tokenChip(branch, token, step, selected, focusStep) {
   if (token.isForced && isOwn) classes.push("forced");
   if (!isOwn) classes.push("inherited");
   // A bonus token (after every draft was accepted) was never drafted: it gets no draft mark.
-  if (speculative && speculative.draft_token_id !== null) classes.push(speculative.accepted ? "draft-accepted" : "draft-replaced");
-  const chip = el("button", {
-    type: "button", class: classes.join(" "), "data-testid": "token", "data-step": step,
-    "data-token-id": token.id, "data-prob": p ?? "", "data-focus-key": `token-${step}`,
-    tabindex: step === focusStep ? 0 : -1, "aria-pressed": step === selected ? "true" : "false",
-    "aria-label": `token ${step + 1}: “${token.text}”, probability ${fmtProb(p)}${token.isForced ? ", forced by a branch" : ""}`,
-    style: p === null ? "" : `background:${probColor(p)};color:${probInk(p)}`,
-    title: `token ${step + 1} · id ${token.id} · p ${fmtProb(p)}`,
-    onclick: () => {
-      state.popoverStep = state.popoverStep === step ? null : step;
-      selectStep(step);
+  if (speculative && speculative.draft_token_id !== null)
+    classes.push(speculative.accepted ? "draft-accepted" : "draft-replaced");
+  const chip = el(
+    "button",
+    {
+      type: "button",
+      class: classes.join(" "),
+      "data-testid": "token",
+      "data-step": step,
+      "data-token-id": token.id,
+      "data-prob": p ?? "",
+      "data-focus-key": `token-${step}`,
+      tabindex: step === focusStep ? 0 : -1,
+      "aria-pressed": step === selected ? "true" : "false",
+      "aria-label": `token ${step + 1}: “${token.text}”, probability ${fmtProb(p)}${token.isForced ? ", forced by a branch" : ""}`,
+      style: p === null ? "" : `background:${probColor(p)};color:${probInk(p)}`,
+      title: `token ${step + 1} · id ${token.id} · p ${fmtProb(p)}`,
+      onclick: () => {
+        state.popoverStep = state.popoverStep === step ? null : step;
+        selectStep(step);
+      },
     },
-  }, token.text.includes("\n") ? visibleText(token.text) : (token.text || "∅"));
+    token.text.includes("\n") ? visibleText(token.text) : token.text || "∅",
+  );
   return token.text.includes("\n") ? [chip, el("br")] : [chip];
 }
 
@@ -842,7 +907,11 @@ function renderTiming(branch) {
     facts.push(["prefill (time to first token)", fmtMs(m.time_to_first_token), "ttft"]);
     facts.push(["decode, per token", fmtMs(m.time_per_output_token), "tpot"]);
     facts.push(["generated", plural(m.num_generated_tokens ?? generatedCount(branch), "token"), "num-generated"]);
-    facts.push(["prompt (of it cached)", `${plural(m.num_prompt_tokens ?? 0, "token")} (${m.num_cached_tokens ?? 0})`, "num-prompt"]);
+    facts.push([
+      "prompt (of it cached)",
+      `${plural(m.num_prompt_tokens ?? 0, "token")} (${m.num_cached_tokens ?? 0})`,
+      "num-prompt",
+    ]);
   } else {
     const times = branch.tokenTimes;
     const ttft = times.length ? (times[0] - branch.startedAt) / 1000 : null;
@@ -865,8 +934,14 @@ function onTokensKeydown(event) {
     scheduleRender();
     return;
   }
-  const moves = { ArrowRight: index + 1, ArrowDown: index + 1, ArrowLeft: index - 1, ArrowUp: index - 1,
-    Home: 0, End: chips.length - 1 };
+  const moves = {
+    ArrowRight: index + 1,
+    ArrowDown: index + 1,
+    ArrowLeft: index - 1,
+    ArrowUp: index - 1,
+    Home: 0,
+    End: chips.length - 1,
+  };
   if (!(event.key in moves)) return;
   event.preventDefault();
   const target = chips[Math.max(0, Math.min(chips.length - 1, moves[event.key]))];
@@ -926,7 +1001,9 @@ function init() {
   $("why").addEventListener("focusin", () => {
     state.isFollowing = false;
   });
-  loadModelName().then(initTimeline).then(() => Promise.all([tokenizePrompt().catch(showError), refreshEngine()]));
+  loadModelName()
+    .then(initTimeline)
+    .then(() => Promise.all([tokenizePrompt().catch(showError), refreshEngine()]));
   render();
 }
 

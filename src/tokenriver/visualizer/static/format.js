@@ -45,8 +45,17 @@ function visibleText(text) {
 }
 
 // Viridis, sampled at 9 stops: perceptually uniform and readable with every common colour-vision deficiency.
-const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
-  [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
+const VIRIDIS = [
+  [68, 1, 84],
+  [71, 44, 122],
+  [59, 81, 139],
+  [44, 113, 142],
+  [33, 144, 141],
+  [39, 173, 129],
+  [92, 200, 99],
+  [170, 220, 50],
+  [253, 231, 37],
+];
 
 /** Viridis colour of a probability in [0, 1] (dark purple = unlikely, yellow = certain). */
 function probColor(p) {
@@ -100,6 +109,11 @@ function setChildren(node, ...children) {
 
 /** A definition list of [label, value, testid] facts, the page's one way to show a set of numbers. */
 function factList(facts, className = "stats") {
-  return el("dl", { class: className }, facts.map(([label, value, testid]) => el("div", { class: "stat" }, [
-    el("dt", { text: label }), el("dd", { "data-testid": testid, text: value })])));
+  return el(
+    "dl",
+    { class: className },
+    facts.map(([label, value, testid]) =>
+      el("div", { class: "stat" }, [el("dt", { text: label }), el("dd", { "data-testid": testid, text: value })]),
+    ),
+  );
 }

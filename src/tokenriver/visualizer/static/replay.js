@@ -14,7 +14,11 @@ const REPLAY_TOP = 100;
 
 /** One token from the context before `step` of `branch`, under `settings`; returns that step's trace. */
 async function replayStep(branch, step, settings) {
-  const ids = state.treePromptIds.concat(pathOf(branch).slice(0, step).map((t) => t.id));
+  const ids = state.treePromptIds.concat(
+    pathOf(branch)
+      .slice(0, step)
+      .map((t) => t.id),
+  );
   const body = { prompt: ids, max_tokens: 1, trace: true, trace_top: REPLAY_TOP, ...settings };
   if (state.modelName) body.model = state.modelName;
   const out = await apiJson("/v1/completions", body);
@@ -39,8 +43,13 @@ const preview = {
 /** The sampling settings a path's step was generated with, as preview inputs start from. */
 function stepSettings(branch) {
   const p = branch.params;
-  return { temperature: p.temperature ?? 1, top_k: p.top_k ?? 0, top_p: p.top_p ?? 1, min_p: p.min_p ?? 0,
-    repetition_penalty: p.repetition_penalty ?? 1 };
+  return {
+    temperature: p.temperature ?? 1,
+    top_k: p.top_k ?? 0,
+    top_p: p.top_p ?? 1,
+    min_p: p.min_p ?? 0,
+    repetition_penalty: p.repetition_penalty ?? 1,
+  };
 }
 
 /** Preview probabilities by token id, or null while no replay has answered for the selected step. */
@@ -52,7 +61,12 @@ function previewProbs() {
 
 function previewInput(name, label, attrs) {
   const id = `preview-${name.replace("_", "-")}`;
-  const input = el("input", { id, "data-testid": id, "data-focus-key": id, value: preview.settings[name], ...attrs,
+  const input = el("input", {
+    id,
+    "data-testid": id,
+    "data-focus-key": id,
+    value: preview.settings[name],
+    ...attrs,
     oninput: (event) => {
       const value = Number(event.target.value);
       if (Number.isNaN(value)) return;
@@ -60,9 +74,12 @@ function previewInput(name, label, attrs) {
       const shown = document.getElementById(`${id}-value`);
       if (shown) shown.textContent = String(value);
       schedulePreview();
-    } });
+    },
+  });
   return el("div", { class: "control" }, [
-    el("label", { for: id }, [label, " ", el("output", { id: `${id}-value`, text: String(preview.settings[name]) })]), input]);
+    el("label", { for: id }, [label, " ", el("output", { id: `${id}-value`, text: String(preview.settings[name]) })]),
+    input,
+  ]);
 }
 
 /**
@@ -90,10 +107,20 @@ function previewPanel(branch, step) {
     ]),
     el("p", { class: "hint", "data-testid": "preview-status" }),
     el("div", { class: "actions" }, [
-      el("button", { type: "button", class: "small", "data-testid": "preview-now", text: "replay now",
-        onclick: () => runPreview() }),
-      el("button", { type: "button", class: "small", "data-testid": "show-stages", text: "show every stage",
-        onclick: () => showStages(currentBranch(), state.selectedStep, preview.stagesNode) }),
+      el("button", {
+        type: "button",
+        class: "small",
+        "data-testid": "preview-now",
+        text: "replay now",
+        onclick: () => runPreview(),
+      }),
+      el("button", {
+        type: "button",
+        class: "small",
+        "data-testid": "show-stages",
+        text: "show every stage",
+        onclick: () => showStages(currentBranch(), state.selectedStep, preview.stagesNode),
+      }),
     ]),
     preview.stagesNode,
   ]);
@@ -124,9 +151,10 @@ async function runPreview() {
     if (serial !== preview.serial) return;
     preview.trace = trace;
     const shown = trace.candidates.reduce((sum, c) => sum + (finalDistribution(trace).get(c.token_id) || 0), 0);
-    preview.status = `Exact: the engine replayed this token at T ${settings.temperature}, top-k ${settings.top_k}, `
-      + `top-p ${settings.top_p}, min-p ${settings.min_p}: ${keptText(trace)} kept; the ${plural(trace.candidates.length, "candidate")} `
-      + `it returned hold ${fmtPercent(shown)} of the preview distribution.`;
+    preview.status =
+      `Exact: the engine replayed this token at T ${settings.temperature}, top-k ${settings.top_k}, ` +
+      `top-p ${settings.top_p}, min-p ${settings.min_p}: ${keptText(trace)} kept; the ${plural(trace.candidates.length, "candidate")} ` +
+      `it returned hold ${fmtPercent(shown)} of the preview distribution.`;
     $("why").dataset.previewSerial = String(serial);
   } catch (error) {
     preview.status = `Replay failed: ${error.message}`;
@@ -146,10 +174,18 @@ function stagePlan(settings) {
   if (settings.repetition_penalty !== 1) plan.push({ name: "penalties (repetition)", settings: { ...base } });
   const greedy = settings.temperature === 0;
   const scaled = { ...base, temperature: settings.temperature };
-  plan.push({ name: greedy ? "temperature 0: argmax (one-hot)" : `temperature ${settings.temperature}`, settings: { ...scaled } });
+  plan.push({
+    name: greedy ? "temperature 0: argmax (one-hot)" : `temperature ${settings.temperature}`,
+    settings: { ...scaled },
+  });
   if (greedy) return plan;
-  if (settings.top_k > 0) plan.push({ name: `top-k ${settings.top_k}`, settings: { ...scaled, top_k: settings.top_k } });
-  if (settings.top_p < 1) plan.push({ name: `top-p ${settings.top_p}`, settings: { ...scaled, top_k: settings.top_k, top_p: settings.top_p } });
+  if (settings.top_k > 0)
+    plan.push({ name: `top-k ${settings.top_k}`, settings: { ...scaled, top_k: settings.top_k } });
+  if (settings.top_p < 1)
+    plan.push({
+      name: `top-p ${settings.top_p}`,
+      settings: { ...scaled, top_k: settings.top_k, top_p: settings.top_p },
+    });
   if (settings.min_p > 0) plan.push({ name: `min-p ${settings.min_p}`, settings: { ...settings } });
   return plan;
 }
@@ -174,20 +210,49 @@ async function showStages(branch, step, box) {
 
 /** Candidates down, stages across: raw softmax, then after each stage, each column summing to at most 1. */
 function stagesTable(trace, stages) {
-  const candidates = trace.candidates.slice().sort((a, b) => a.rank - b.rank).slice(0, 10);
-  const columns = [{ name: "raw softmax", probs: new Map(trace.candidates.map((c) => [c.token_id, c.prob_raw])), kept: null }]
-    .concat(stages.map((s) => ({ name: `after ${s.name}`, probs: finalDistribution(s.trace), kept: keptText(s.trace) })));
+  const candidates = trace.candidates
+    .slice()
+    .sort((a, b) => a.rank - b.rank)
+    .slice(0, 10);
+  const columns = [
+    { name: "raw softmax", probs: new Map(trace.candidates.map((c) => [c.token_id, c.prob_raw])), kept: null },
+  ].concat(
+    stages.map((s) => ({ name: `after ${s.name}`, probs: finalDistribution(s.trace), kept: keptText(s.trace) })),
+  );
   return el("table", { class: "stages-table", "data-testid": "stages-table" }, [
-    el("thead", {}, [el("tr", {}, [el("th", { text: "token" }), el("th", { text: "logit" }),
-      ...columns.map((col) => el("th", { "data-testid": "stage-name" }, [col.name, col.kept ? el("br") : null,
-        col.kept ? el("span", { class: "hint", text: `${col.kept} kept` }) : null]))])]),
-    el("tbody", {}, candidates.map((c) => el("tr", { class: c.token_id === trace.chosen_token_id ? "picked" : "" }, [
-      el("td", { text: visibleText(c.text) }), el("td", { class: "num", text: c.logit.toFixed(2) }),
-      ...columns.map((col) => {
-        const p = col.probs.get(c.token_id) ?? 0;
-        return el("td", { class: "num", "data-testid": "stage-prob", "data-prob": p,
-          style: `background:${probColor(p)};color:${probInk(p)}`, text: fmtProb(p) });
-      })]))),
+    el("thead", {}, [
+      el("tr", {}, [
+        el("th", { text: "token" }),
+        el("th", { text: "logit" }),
+        ...columns.map((col) =>
+          el("th", { "data-testid": "stage-name" }, [
+            col.name,
+            col.kept ? el("br") : null,
+            col.kept ? el("span", { class: "hint", text: `${col.kept} kept` }) : null,
+          ]),
+        ),
+      ]),
+    ]),
+    el(
+      "tbody",
+      {},
+      candidates.map((c) =>
+        el("tr", { class: c.token_id === trace.chosen_token_id ? "picked" : "" }, [
+          el("td", { text: visibleText(c.text) }),
+          el("td", { class: "num", text: c.logit.toFixed(2) }),
+          ...columns.map((col) => {
+            const p = col.probs.get(c.token_id) ?? 0;
+            return el("td", {
+              class: "num",
+              "data-testid": "stage-prob",
+              "data-prob": p,
+              style: `background:${probColor(p)};color:${probInk(p)}`,
+              text: fmtProb(p),
+            });
+          }),
+        ]),
+      ),
+    ),
   ]);
 }
 
@@ -202,16 +267,18 @@ function treeExport() {
     version: 1,
     model: state.modelName,
     prompt: { ...state.treePromptText, token_ids: state.treePromptIds },
-    paths: state.branches.filter((b) => b.status !== "streaming").map((b) => ({
-      id: b.id,
-      parent: b.parentId,
-      fork_step: b.prefix.length,
-      kind: b.kind || (b.params.n ? "samples" : isForcedStart(b) ? "branch" : "generate"),
-      forced_token_id: isForcedStart(b) ? b.tokens[0].id : null,
-      settings: { ...b.params },
-      token_ids: b.tokens.map((t) => t.id),
-      finish_reason: b.finishReason,
-    })),
+    paths: state.branches
+      .filter((b) => b.status !== "streaming")
+      .map((b) => ({
+        id: b.id,
+        parent: b.parentId,
+        fork_step: b.prefix.length,
+        kind: b.kind || (b.params.n ? "samples" : isForcedStart(b) ? "branch" : "generate"),
+        forced_token_id: isForcedStart(b) ? b.tokens[0].id : null,
+        settings: { ...b.params },
+        token_ids: b.tokens.map((t) => t.id),
+        finish_reason: b.finishReason,
+      })),
   };
 }
 
@@ -243,7 +310,8 @@ async function importTreeFile(file) {
 
 /** Rebuild a tree from an export by running its requests again in order, then compare every token. */
 async function importTree(data) {
-  if (!data || data.format !== EXPORT_FORMAT || !Array.isArray(data.paths)) throw new Error(`not a ${EXPORT_FORMAT} file`);
+  if (!data || data.format !== EXPORT_FORMAT || !Array.isArray(data.paths))
+    throw new Error(`not a ${EXPORT_FORMAT} file`);
   if (isBusy()) throw new Error("wait for the running generation to end");
   restorePromptInputs(data.prompt);
   const ids = await tokenizePrompt();
@@ -264,8 +332,11 @@ async function importTree(data) {
       await replayPath(saved, made);
     }
   }
-  state.importReport = importVerdict(data.paths, made)
-    + (data.model && data.model !== state.modelName ? ` The file was made with ${data.model}; this server runs ${state.modelName}.` : "");
+  state.importReport =
+    importVerdict(data.paths, made) +
+    (data.model && data.model !== state.modelName
+      ? ` The file was made with ${data.model}; this server runs ${state.modelName}.`
+      : "");
   scheduleRender();
 }
 
@@ -308,9 +379,14 @@ async function replaySamples(group, made) {
 function importVerdict(saved, made) {
   const differing = saved.filter((s) => {
     const branch = made.get(s.id);
-    return !branch || branch.tokens.length !== s.token_ids.length || branch.tokens.some((t, i) => t.id !== s.token_ids[i]);
+    return (
+      !branch || branch.tokens.length !== s.token_ids.length || branch.tokens.some((t, i) => t.id !== s.token_ids[i])
+    );
   });
-  if (!differing.length) return `Imported and replayed ${plural(saved.length, "path")}: every token identical to the export.`;
-  return `Imported ${plural(saved.length, "path")}; ${differing.map((s) => `path ${s.id}`).join(", ")} replayed differently `
-    + "(another model, other engine settings, or a path saved while it was stopped).";
+  if (!differing.length)
+    return `Imported and replayed ${plural(saved.length, "path")}: every token identical to the export.`;
+  return (
+    `Imported ${plural(saved.length, "path")}; ${differing.map((s) => `path ${s.id}`).join(", ")} replayed differently ` +
+    "(another model, other engine settings, or a path saved while it was stopped)."
+  );
 }

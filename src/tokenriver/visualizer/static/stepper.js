@@ -57,8 +57,16 @@ async function stepOnce() {
   }
   const current = currentBranch();
   const last = current ? pathOf(current)[pathOf(current).length - 1] : null;
-  if (current && current.kind === "step" && last && isEos(last.id) && state.selectedStep === pathOf(current).length - 1) {
-    showError(inputError(null, "this path ended with the end-of-sequence token; select an earlier token to step from there"));
+  if (
+    current &&
+    current.kind === "step" &&
+    last &&
+    isEos(last.id) &&
+    state.selectedStep === pathOf(current).length - 1
+  ) {
+    showError(
+      inputError(null, "this path ended with the end-of-sequence token; select an earlier token to step from there"),
+    );
     return;
   }
   const branch = stepTarget(params);
@@ -75,8 +83,14 @@ async function stepOnce() {
  */
 async function stepBranch(branch, animate) {
   const position = pathOf(branch).length;
-  const body = { prompt: promptIdsOf(branch), trace: true, logprobs: 5, ...apiSampling(branch.params),
-    max_tokens: 1, seed: stepSeed(branch.params, position) };
+  const body = {
+    prompt: promptIdsOf(branch),
+    trace: true,
+    logprobs: 5,
+    ...apiSampling(branch.params),
+    max_tokens: 1,
+    seed: stepSeed(branch.params, position),
+  };
   delete body.stop;
   if (state.modelName) body.model = state.modelName;
   try {
@@ -119,20 +133,47 @@ function showPhases(step) {
   const serial = ++stepper.serial;
   const phases = buildPhases(step);
   const list = el("ol", { class: "phases", "data-testid": "stepper-phases" });
-  const manual = el("input", { type: "checkbox", id: "phase-by-phase", "data-testid": "phase-by-phase",
-    checked: stepper.isManual, onchange: (event) => { stepper.isManual = event.target.checked; } });
-  const nextPhase = el("button", { type: "button", class: "small", "data-testid": "stepper-next-phase",
-    text: "next phase ▸", hidden: !stepper.isManual, onclick: () => revealPhase(list, phases, nextPhase) });
+  const manual = el("input", {
+    type: "checkbox",
+    id: "phase-by-phase",
+    "data-testid": "phase-by-phase",
+    checked: stepper.isManual,
+    onchange: (event) => {
+      stepper.isManual = event.target.checked;
+    },
+  });
+  const nextPhase = el("button", {
+    type: "button",
+    class: "small",
+    "data-testid": "stepper-next-phase",
+    text: "next phase ▸",
+    hidden: !stepper.isManual,
+    onclick: () => revealPhase(list, phases, nextPhase),
+  });
   $("stepper").replaceChildren(
-    el("p", { class: "hint", text: `Token ${step.position + 1} of path ${step.branch.id}, ${settingsText(step.branch.params)}, `
-      + `seed ${stepSeed(step.branch.params, step.position)} for this token.` }),
+    el("p", {
+      class: "hint",
+      text:
+        `Token ${step.position + 1} of path ${step.branch.id}, ${settingsText(step.branch.params)}, ` +
+        `seed ${stepSeed(step.branch.params, step.position)} for this token.`,
+    }),
     list,
     el("div", { class: "actions" }, [
       nextPhase,
-      el("button", { type: "button", class: "small", "data-testid": "stepper-again", text: "replay the animation",
-        onclick: () => showPhases(step) }),
-      el("button", { type: "button", class: "small primary", "data-testid": "stepper-next", text: "next token ▸",
-        onclick: () => stepOnce() }),
+      el("button", {
+        type: "button",
+        class: "small",
+        "data-testid": "stepper-again",
+        text: "replay the animation",
+        onclick: () => showPhases(step),
+      }),
+      el("button", {
+        type: "button",
+        class: "small primary",
+        "data-testid": "stepper-next",
+        text: "next token ▸",
+        onclick: () => stepOnce(),
+      }),
       el("label", { class: "check" }, [manual, "phase by phase (wait for a click)"]),
     ]),
   );
@@ -143,9 +184,11 @@ function showPhases(step) {
   }
   // Each phase appears after the one before it; the list is complete after phases.length × PHASE_MS.
   phases.forEach((_, i) => {
-    stepper.timers.push(setTimeout(() => {
-      if (serial === stepper.serial) revealPhase(list, phases, nextPhase);
-    }, i * PHASE_MS));
+    stepper.timers.push(
+      setTimeout(() => {
+        if (serial === stepper.serial) revealPhase(list, phases, nextPhase);
+      }, i * PHASE_MS),
+    );
   });
 }
 
@@ -159,7 +202,10 @@ function revealPhase(list, phases, nextPhase) {
 }
 
 function phaseItem(name, title, children) {
-  return el("li", { class: "phase", "data-testid": "stepper-phase", "data-phase": name }, [el("strong", { text: title }), ...children]);
+  return el("li", { class: "phase", "data-testid": "stepper-phase", "data-phase": name }, [
+    el("strong", { text: title }),
+    ...children,
+  ]);
 }
 
 function buildPhases(step) {
@@ -167,10 +213,17 @@ function buildPhases(step) {
   const phases = [contextPhase(step), logitsPhase(trace)];
   for (const stage of step.stages || []) phases.push(stagePhase(stage));
   phases.push(drawPhase(trace, step.token));
-  phases.push(phaseItem("appended", "5. Appended", [
-    el("p", { text: `“${visibleText(step.token.text)}” (id ${step.token.id}) becomes token ${step.position + 1}. `
-      + (isEos(step.token.id) ? "It is the end-of-sequence token: generation stops here."
-        : "The next forward pass takes it as input and writes its key and value into the KV cache.") })]));
+  phases.push(
+    phaseItem("appended", "5. Appended", [
+      el("p", {
+        text:
+          `“${visibleText(step.token.text)}” (id ${step.token.id}) becomes token ${step.position + 1}. ` +
+          (isEos(step.token.id)
+            ? "It is the end-of-sequence token: generation stops here."
+            : "The next forward pass takes it as input and writes its key and value into the KV cache."),
+      }),
+    ]),
+  );
   return phases;
 }
 
@@ -180,14 +233,20 @@ function contextPhase(step) {
   const cached = m.num_cached_tokens ?? 0;
   const passes = passesOf(step.responseId);
   return phaseItem("forward", "1. Context → forward pass", [
-    el("p", {}, [`${plural(contextLength, "token")} of context go in; `,
+    el("p", {}, [
+      `${plural(contextLength, "token")} of context go in; `,
       el("span", { "data-testid": "stepper-cached", text: `${plural(cached, "token")} already in the KV cache` }),
       ` (whole blocks found by the prefix cache), so this pass computes `,
-      el("strong", { "data-testid": "stepper-new-slots", text: plural(contextLength - cached, "new KV slot") }), "."]),
+      el("strong", { "data-testid": "stepper-new-slots", text: plural(contextLength - cached, "new KV slot") }),
+      ".",
+    ]),
     kvStrip(contextLength, cached),
     el("p", { "data-testid": "stepper-pass-counter" }, [
-      passPhrase(passes), "; the engine's forward-pass counter reads ",
-      el("strong", { text: step.after ? step.after.num_forward_passes : "?" }), " now."]),
+      passPhrase(passes),
+      "; the engine's forward-pass counter reads ",
+      el("strong", { text: step.after ? step.after.num_forward_passes : "?" }),
+      " now.",
+    ]),
   ]);
 }
 
@@ -200,18 +259,37 @@ function kvStrip(contextLength, cached) {
   const perRow = 64;
   const total = contextLength + 1;
   const rows = Math.ceil(total / perRow);
-  const shapes = Array.from({ length: total }, (_, i) => svgEl("rect", {
-    x: (i % perRow) * slot, y: Math.floor(i / perRow) * slot, width: slot - 2, height: slot - 2,
-    class: `kv-slot ${i < cached ? "cached" : i < contextLength ? "prompt" : "next"}`,
-    "data-testid": i < cached ? "kv-strip-cached" : i < contextLength ? "kv-strip-new" : "kv-strip-next",
-  }));
+  const shapes = Array.from({ length: total }, (_, i) =>
+    svgEl("rect", {
+      x: (i % perRow) * slot,
+      y: Math.floor(i / perRow) * slot,
+      width: slot - 2,
+      height: slot - 2,
+      class: `kv-slot ${i < cached ? "cached" : i < contextLength ? "prompt" : "next"}`,
+      "data-testid": i < cached ? "kv-strip-cached" : i < contextLength ? "kv-strip-new" : "kv-strip-next",
+    }),
+  );
   const width = Math.min(total, perRow) * slot;
   return el("div", { class: "kv-strip" }, [
-    svgEl("svg", { width, height: rows * slot, viewBox: `0 0 ${width} ${rows * slot}`, role: "img",
-      "aria-label": `${plural(cached, "cached slot")}, ${plural(contextLength - cached, "new slot")}, then the new token's slot` }, shapes),
-    el("p", { class: "timeline-legend" }, [el("span", { class: "key cached" }), " already cached ",
-      el("span", { class: "key prompt" }), " written by this pass ", el("span", { class: "key next" }),
-      " the new token: written by the next pass"]),
+    svgEl(
+      "svg",
+      {
+        width,
+        height: rows * slot,
+        viewBox: `0 0 ${width} ${rows * slot}`,
+        role: "img",
+        "aria-label": `${plural(cached, "cached slot")}, ${plural(contextLength - cached, "new slot")}, then the new token's slot`,
+      },
+      shapes,
+    ),
+    el("p", { class: "timeline-legend" }, [
+      el("span", { class: "key cached" }),
+      " already cached ",
+      el("span", { class: "key prompt" }),
+      " written by this pass ",
+      el("span", { class: "key next" }),
+      " the new token: written by the next pass",
+    ]),
   ]);
 }
 
@@ -223,33 +301,57 @@ function passPhrase(passes) {
 
 /** The logged forward passes that carried the request `responseId` (GET /v1/visualizer/passes). */
 function passesOf(responseId) {
-  return timeline.passes.filter((p) => p.rows.some((r) => r.request_id.startsWith(`${responseId}-`))).map((p) => p.pass);
+  return timeline.passes
+    .filter((p) => p.rows.some((r) => r.request_id.startsWith(`${responseId}-`)))
+    .map((p) => p.pass);
 }
 
 function logitsPhase(trace) {
-  const top = trace.candidates.slice().sort((a, b) => a.rank - b.rank).slice(0, 8);
+  const top = trace.candidates
+    .slice()
+    .sort((a, b) => a.rank - b.rank)
+    .slice(0, 8);
   const hi = top[0].logit;
   const lo = Math.min(...top.map((c) => c.logit)) - 1;
   return phaseItem("logits", "2. Logits: one score per vocabulary token", [
-    el("div", { class: "mini-bars" }, top.map((c) => el("div", { class: "mini-bar-row" }, [
-      el("span", { class: "tok-text", text: visibleText(c.text) }),
-      el("div", { class: "bar-track" }, [el("div", { class: "bar logit", style: `width:${((c.logit - lo) / (hi - lo) * 100).toFixed(1)}%` })]),
-      el("span", { class: "num", text: `${c.logit.toFixed(2)} → p ${fmtProb(c.prob_raw)}` })]))),
+    el(
+      "div",
+      { class: "mini-bars" },
+      top.map((c) =>
+        el("div", { class: "mini-bar-row" }, [
+          el("span", { class: "tok-text", text: visibleText(c.text) }),
+          el("div", { class: "bar-track" }, [
+            el("div", { class: "bar logit", style: `width:${(((c.logit - lo) / (hi - lo)) * 100).toFixed(1)}%` }),
+          ]),
+          el("span", { class: "num", text: `${c.logit.toFixed(2)} → p ${fmtProb(c.prob_raw)}` }),
+        ]),
+      ),
+    ),
     el("p", { class: "hint", text: "softmax turns logits into the raw probabilities (p)." }),
   ]);
 }
 
 function stagePhase(stage) {
   const probs = finalDistribution(stage.trace);
-  const top = stage.trace.candidates.slice().sort((a, b) => a.rank - b.rank).slice(0, 8);
+  const top = stage.trace.candidates
+    .slice()
+    .sort((a, b) => a.rank - b.rank)
+    .slice(0, 8);
   return phaseItem("stage", `3. Sampling stage: ${stage.name}`, [
-    el("div", { class: "mini-bars" }, top.map((c) => {
-      const p = probs.get(c.token_id) ?? 0;
-      return el("div", { class: `mini-bar-row${p === 0 ? " removed" : ""}` }, [
-        el("span", { class: "tok-text", text: visibleText(c.text) }),
-        el("div", { class: "bar-track" }, [el("div", { class: "bar final", style: `width:${(p * 100).toFixed(1)}%` })]),
-        el("span", { class: "num", text: p === 0 ? "removed" : fmtProb(p) })]);
-    })),
+    el(
+      "div",
+      { class: "mini-bars" },
+      top.map((c) => {
+        const p = probs.get(c.token_id) ?? 0;
+        return el("div", { class: `mini-bar-row${p === 0 ? " removed" : ""}` }, [
+          el("span", { class: "tok-text", text: visibleText(c.text) }),
+          el("div", { class: "bar-track" }, [
+            el("div", { class: "bar final", style: `width:${(p * 100).toFixed(1)}%` }),
+          ]),
+          el("span", { class: "num", text: p === 0 ? "removed" : fmtProb(p) }),
+        ]);
+      }),
+    ),
     el("p", { class: "hint", text: `${keptText(stage.trace)} kept after this stage.` }),
   ]);
 }
@@ -258,23 +360,53 @@ function stagePhase(stage) {
 function drawPhase(trace, token) {
   const draw = trace.extra && trace.extra.draw;
   if (!draw) {
-    return phaseItem("draw", "4. No random draw", [el("p", {
-      text: `Greedy decoding takes the argmax: “${visibleText(token.text)}”, every time.` })]);
+    return phaseItem("draw", "4. No random draw", [
+      el("p", {
+        text: `Greedy decoding takes the argmax: “${visibleText(token.text)}”, every time.`,
+      }),
+    ]);
   }
   const width = 600;
   const x = (v) => v * width;
-  const svg = svgEl("svg", { viewBox: `0 0 ${width} 40`, class: "cdf", preserveAspectRatio: "none", role: "img",
-    "aria-label": `u = ${draw.uniform.toFixed(4)} in the span ${draw.cdf_start.toFixed(4)} to ${draw.cdf_end.toFixed(4)}` }, [
-    svgEl("rect", { x: 0, y: 10, width, height: 20, class: "cdf-track" }),
-    svgEl("rect", { x: x(draw.cdf_start), y: 10, width: Math.max(2, x(draw.cdf_end - draw.cdf_start)), height: 20,
-      class: "cdf-span", "data-testid": "cdf-span" }),
-    svgEl("line", { x1: x(draw.uniform), x2: x(draw.uniform), y1: 2, y2: 38, class: "cdf-u", "data-testid": "cdf-u" }),
-  ]);
+  const svg = svgEl(
+    "svg",
+    {
+      viewBox: `0 0 ${width} 40`,
+      class: "cdf",
+      preserveAspectRatio: "none",
+      role: "img",
+      "aria-label": `u = ${draw.uniform.toFixed(4)} in the span ${draw.cdf_start.toFixed(4)} to ${draw.cdf_end.toFixed(4)}`,
+    },
+    [
+      svgEl("rect", { x: 0, y: 10, width, height: 20, class: "cdf-track" }),
+      svgEl("rect", {
+        x: x(draw.cdf_start),
+        y: 10,
+        width: Math.max(2, x(draw.cdf_end - draw.cdf_start)),
+        height: 20,
+        class: "cdf-span",
+        "data-testid": "cdf-span",
+      }),
+      svgEl("line", {
+        x1: x(draw.uniform),
+        x2: x(draw.uniform),
+        y1: 2,
+        y2: 38,
+        class: "cdf-u",
+        "data-testid": "cdf-u",
+      }),
+    ],
+  );
   return phaseItem("draw", "4. The random draw", [
-    el("p", { "data-testid": "stepper-draw", "data-uniform": draw.uniform, "data-cdf-start": draw.cdf_start,
+    el("p", {
+      "data-testid": "stepper-draw",
+      "data-uniform": draw.uniform,
+      "data-cdf-start": draw.cdf_start,
       "data-cdf-end": draw.cdf_end,
-      text: `u = ${draw.uniform.toFixed(4)}. Laid end to end in token-id order, the final probabilities fill 0 to 1; `
-        + `u lands in “${visibleText(token.text)}”'s span [${draw.cdf_start.toFixed(4)}, ${draw.cdf_end.toFixed(4)}).` }),
+      text:
+        `u = ${draw.uniform.toFixed(4)}. Laid end to end in token-id order, the final probabilities fill 0 to 1; ` +
+        `u lands in “${visibleText(token.text)}”'s span [${draw.cdf_start.toFixed(4)}, ${draw.cdf_end.toFixed(4)}).`,
+    }),
     svg,
   ]);
 }

@@ -70,28 +70,74 @@ function passTimeline() {
     pass.rows.forEach((row) => {
       const lane = lanes.indexOf(laneLabel(row.request_id));
       const kind = row.is_prompt ? "prefill" : "decode";
-      shapes.push(svgEl("rect", {
-        x: labelW + column * cellW, y: lane * laneH + 2, width: cellW - 2, height: laneH - 3, class: `pass ${kind}`,
-        "data-testid": "timeline-cell", "data-pass": pass.pass, "data-lane": laneLabel(row.request_id), "data-kind": kind,
-        "data-shared": shared,
-      }, [svgEl("title", { text: `forward pass ${pass.pass}: ${laneLabel(row.request_id)} computed `
-        + `${row.is_prompt ? `a prompt chunk of ${plural(row.num_tokens, "token")}` : "one decode token"}`
-        + `${row.num_draft_tokens ? ` + ${plural(row.num_draft_tokens, "draft token")} to verify` : ""}; `
-        + `${plural(shared, "request")} shared this pass` })]));
+      shapes.push(
+        svgEl(
+          "rect",
+          {
+            x: labelW + column * cellW,
+            y: lane * laneH + 2,
+            width: cellW - 2,
+            height: laneH - 3,
+            class: `pass ${kind}`,
+            "data-testid": "timeline-cell",
+            "data-pass": pass.pass,
+            "data-lane": laneLabel(row.request_id),
+            "data-kind": kind,
+            "data-shared": shared,
+          },
+          [
+            svgEl("title", {
+              text:
+                `forward pass ${pass.pass}: ${laneLabel(row.request_id)} computed ` +
+                `${row.is_prompt ? `a prompt chunk of ${plural(row.num_tokens, "token")}` : "one decode token"}` +
+                `${row.num_draft_tokens ? ` + ${plural(row.num_draft_tokens, "draft token")} to verify` : ""}; ` +
+                `${plural(shared, "request")} shared this pass`,
+            }),
+          ],
+        ),
+      );
       if (row.num_draft_tokens) {
-        shapes.push(svgEl("rect", { x: labelW + column * cellW, y: lane * laneH + 2, width: 3, height: laneH - 3, class: "pass draft" }));
+        shapes.push(
+          svgEl("rect", {
+            x: labelW + column * cellW,
+            y: lane * laneH + 2,
+            width: 3,
+            height: laneH - 3,
+            class: "pass draft",
+          }),
+        );
       }
     });
   });
   const batched = passes.filter((p) => p.rows.length > 1).length;
   return el("div", { class: "pass-timeline", "data-testid": "pass-timeline" }, [
     el("h3", { text: "Forward passes, as the engine ran them" }),
-    el("p", { class: "hint" }, [`The last ${plural(passes.length, "forward pass", "forward passes")}, one column each; `,
+    el("p", { class: "hint" }, [
+      `The last ${plural(passes.length, "forward pass", "forward passes")}, one column each; `,
       el("span", { "data-testid": "timeline-batched", text: `${batched} of them carried more than one request` }),
-      " (batching: one pass computes a row for every running request)."]),
-    el("div", { class: "timeline-scroll" }, [svgEl("svg", { width, height, viewBox: `0 0 ${width} ${height}`,
-      class: "timeline-grid", role: "img", "aria-label": `timeline of ${plural(passes.length, "forward pass", "forward passes")}` }, shapes)]),
-    el("p", { class: "timeline-legend" }, [el("span", { class: "key prefill" }), " prompt chunk (prefill) ",
-      el("span", { class: "key decode" }), " decode row (one token) ", el("span", { class: "key draft" }), " with draft tokens"]),
+      " (batching: one pass computes a row for every running request).",
+    ]),
+    el("div", { class: "timeline-scroll" }, [
+      svgEl(
+        "svg",
+        {
+          width,
+          height,
+          viewBox: `0 0 ${width} ${height}`,
+          class: "timeline-grid",
+          role: "img",
+          "aria-label": `timeline of ${plural(passes.length, "forward pass", "forward passes")}`,
+        },
+        shapes,
+      ),
+    ]),
+    el("p", { class: "timeline-legend" }, [
+      el("span", { class: "key prefill" }),
+      " prompt chunk (prefill) ",
+      el("span", { class: "key decode" }),
+      " decode row (one token) ",
+      el("span", { class: "key draft" }),
+      " with draft tokens",
+    ]),
   ]);
 }

@@ -15,11 +15,15 @@ function cacheHint() {
   const size = state.info.block_size;
   const whole = Math.floor(state.treePromptIds.length / size);
   if (whole === 0) {
-    return `This prompt (${plural(state.treePromptIds.length, "token")}) is shorter than one KV block of `
-      + `${plural(size, "token")}: the prefix cache reuses only whole blocks, so a branch recomputes it.`;
+    return (
+      `This prompt (${plural(state.treePromptIds.length, "token")}) is shorter than one KV block of ` +
+      `${plural(size, "token")}: the prefix cache reuses only whole blocks, so a branch recomputes it.`
+    );
   }
-  return `A branch finds the prompt's first ${plural(whole, "whole block")} (${plural(whole * size, "token")}) in the `
-    + "prefix cache and recomputes only the tokens after them.";
+  return (
+    `A branch finds the prompt's first ${plural(whole, "whole block")} (${plural(whole * size, "token")}) in the ` +
+    "prefix cache and recomputes only the tokens after them."
+  );
 }
 
 function renderTree() {
@@ -34,14 +38,27 @@ function renderTree() {
   const width = PAD + (maxLen + 1) * CELL;
   const laneOf = new Map(rows.map((b, i) => [b.id, i]));
   const shapes = rows.flatMap((branch, lane) => treeLane(branch, lane, laneOf));
-  const svg = svgEl("svg", { width, height: rows.length * ROW, viewBox: `0 0 ${width} ${rows.length * ROW}`,
-    class: "tree-svg", role: "group", "aria-label": `token tree with ${plural(state.branches.length, "path")}`,
-    onkeydown: onTreeKeydown }, shapes);
+  const svg = svgEl(
+    "svg",
+    {
+      width,
+      height: rows.length * ROW,
+      viewBox: `0 0 ${width} ${rows.length * ROW}`,
+      class: "tree-svg",
+      role: "group",
+      "aria-label": `token tree with ${plural(state.branches.length, "path")}`,
+      onkeydown: onTreeKeydown,
+    },
+    shapes,
+  );
   withFocusKept(box, () => {
-    setChildren(box,
+    setChildren(
+      box,
       el("div", { class: "tree-labels" }, rows.map(treeLabel)),
       el("div", { class: "tree-lanes" }, [svg]),
-      state.importReport ? el("p", { class: "hint import-report", "data-testid": "import-report", text: state.importReport }) : null,
+      state.importReport
+        ? el("p", { class: "hint import-report", "data-testid": "import-report", text: state.importReport })
+        : null,
     );
   });
 }
@@ -51,31 +68,59 @@ function treeLane(branch, lane, laneOf) {
   const start = branch.prefix.length;
   const shapes = [];
   if (branch.parentId === null) {
-    shapes.push(svgEl("circle", { cx: 8, cy: y, r: 5, class: "tree-root" }, [
-      svgEl("title", { text: `prompt (${plural(state.treePromptIds ? state.treePromptIds.length : 0, "token")})` })]));
+    shapes.push(
+      svgEl("circle", { cx: 8, cy: y, r: 5, class: "tree-root" }, [
+        svgEl("title", { text: `prompt (${plural(state.treePromptIds ? state.treePromptIds.length : 0, "token")})` }),
+      ]),
+    );
     shapes.push(svgEl("line", { x1: 13, y1: y, x2: PAD, y2: y, class: "tree-edge" }));
   } else {
     // From the parent's token just before the fork (or its prompt dot) down to this branch's first token.
     const parentY = laneOf.get(branch.parentId) * ROW + ROW / 2;
     const x0 = start === 0 ? 8 : PAD + (start - 1) * CELL + (CELL - 3) / 2;
     const x1 = PAD + start * CELL;
-    shapes.push(svgEl("path", { d: `M ${x0} ${parentY + 6} C ${x0} ${y}, ${x0} ${y}, ${x1} ${y}`, class: "tree-edge fork" }));
+    shapes.push(
+      svgEl("path", { d: `M ${x0} ${parentY + 6} C ${x0} ${y}, ${x0} ${y}, ${x1} ${y}`, class: "tree-edge fork" }),
+    );
   }
   const focusCell = treeFocusCell();
-  pathOf(branch).slice(start).forEach((token, j) => {
-    const step = start + j;
-    const p = tokenProb(token) ?? 0.5;
-    const isSelected = branch.id === state.currentId && step === state.selectedStep;
-    const isFocusCell = focusCell.branch === branch.id && focusCell.step === step;
-    const cls = ["tree-cell", token.isForced ? "forced" : "", isSelected ? "selected" : ""].join(" ");
-    shapes.push(svgEl("rect", {
-      x: PAD + step * CELL, y: y - 8, width: CELL - 3, height: 16, rx: 3, fill: probColor(p), class: cls,
-      tabindex: isFocusCell ? 0 : -1, role: "button", "aria-pressed": isSelected ? "true" : "false",
-      "aria-label": `path ${branch.id}, token ${step + 1}: “${token.text}”, p ${fmtProb(p)}`,
-      "data-testid": "tree-cell", "data-branch": branch.id, "data-step": step, "data-focus-key": `cell-${branch.id}-${step}`,
-      onclick: () => selectCell(branch.id, step),
-    }, [svgEl("title", { text: `path ${branch.id}, token ${step + 1}: “${visibleText(token.text)}” p ${fmtProb(p)}` })]));
-  });
+  pathOf(branch)
+    .slice(start)
+    .forEach((token, j) => {
+      const step = start + j;
+      const p = tokenProb(token) ?? 0.5;
+      const isSelected = branch.id === state.currentId && step === state.selectedStep;
+      const isFocusCell = focusCell.branch === branch.id && focusCell.step === step;
+      const cls = ["tree-cell", token.isForced ? "forced" : "", isSelected ? "selected" : ""].join(" ");
+      shapes.push(
+        svgEl(
+          "rect",
+          {
+            x: PAD + step * CELL,
+            y: y - 8,
+            width: CELL - 3,
+            height: 16,
+            rx: 3,
+            fill: probColor(p),
+            class: cls,
+            tabindex: isFocusCell ? 0 : -1,
+            role: "button",
+            "aria-pressed": isSelected ? "true" : "false",
+            "aria-label": `path ${branch.id}, token ${step + 1}: “${token.text}”, p ${fmtProb(p)}`,
+            "data-testid": "tree-cell",
+            "data-branch": branch.id,
+            "data-step": step,
+            "data-focus-key": `cell-${branch.id}-${step}`,
+            onclick: () => selectCell(branch.id, step),
+          },
+          [
+            svgEl("title", {
+              text: `path ${branch.id}, token ${step + 1}: “${visibleText(token.text)}” p ${fmtProb(p)}`,
+            }),
+          ],
+        ),
+      );
+    });
   return shapes;
 }
 
@@ -127,50 +172,78 @@ function treeLabel(branch) {
   const isCurrent = branch.id === state.currentId;
   const toggle = childrenOf(branch).length
     ? el("button", {
-      type: "button", class: "small toggle", "data-testid": "tree-toggle", "data-focus-key": `toggle-${branch.id}`,
-      "aria-expanded": branch.isCollapsed ? "false" : "true",
-      "aria-label": `${branch.isCollapsed ? "expand" : "collapse"} the ${plural(children, "branch", "branches")} of path ${branch.id}`,
-      text: branch.isCollapsed ? `▸ ${children}` : "▾",
-      onclick: () => {
-        branch.isCollapsed = !branch.isCollapsed;
-        scheduleRender();
-      },
-    })
-    : el("span", { class: "toggle-spacer" });
-  const own = visibleText(branch.tokens.map((t) => t.text).join(""));
-  return el("div", {
-    class: `tree-row${isCurrent ? " current" : ""}`, "data-testid": "tree-row", "data-branch": branch.id,
-    "data-parent": branch.parentId ?? "", "data-status": branch.status,
-    style: `padding-left:${Math.min(depthOf(branch), 6) * 8}px`,
-  }, [
-    toggle,
-    el("button", {
-      type: "button", class: "tree-select", "data-testid": "tree-select", "data-focus-key": `select-${branch.id}`,
-      "aria-current": isCurrent ? "true" : null, title: own,
-      onclick: () => {
-        selectBranch(branch.id, state.selectedStep !== null ? Math.min(state.selectedStep, path.length - 1) : null);
-        state.isFollowing = false;
-        scheduleRender();
-      },
-    }, [
-      el("span", { class: "tree-title" }, [el("strong", { text: `path ${branch.id}` }), " ",
-        el("span", { class: "snippet", "data-testid": "tree-snippet", text: own.slice(0, 28) || "…" })]),
-      el("span", { class: "tree-settings", "data-testid": "tree-settings", text: settingsText(branch.params) }),
-    ]),
-    el("span", { class: "logprob", "data-testid": "tree-logprob", title: "Σ log p_raw of the path",
-      text: cumulativeLogprob(path).toFixed(1) }),
-    el("label", { class: "compare-check", title: "compare this path" }, [
-      el("input", {
-        type: "checkbox", "data-testid": "compare-check", "data-focus-key": `compare-${branch.id}`,
-        "aria-label": `compare path ${branch.id}`, checked: state.compareIds.has(branch.id),
-        onchange: (event) => {
-          if (event.target.checked) state.compareIds.add(branch.id);
-          else state.compareIds.delete(branch.id);
+        type: "button",
+        class: "small toggle",
+        "data-testid": "tree-toggle",
+        "data-focus-key": `toggle-${branch.id}`,
+        "aria-expanded": branch.isCollapsed ? "false" : "true",
+        "aria-label": `${branch.isCollapsed ? "expand" : "collapse"} the ${plural(children, "branch", "branches")} of path ${branch.id}`,
+        text: branch.isCollapsed ? `▸ ${children}` : "▾",
+        onclick: () => {
+          branch.isCollapsed = !branch.isCollapsed;
           scheduleRender();
         },
+      })
+    : el("span", { class: "toggle-spacer" });
+  const own = visibleText(branch.tokens.map((t) => t.text).join(""));
+  return el(
+    "div",
+    {
+      class: `tree-row${isCurrent ? " current" : ""}`,
+      "data-testid": "tree-row",
+      "data-branch": branch.id,
+      "data-parent": branch.parentId ?? "",
+      "data-status": branch.status,
+      style: `padding-left:${Math.min(depthOf(branch), 6) * 8}px`,
+    },
+    [
+      toggle,
+      el(
+        "button",
+        {
+          type: "button",
+          class: "tree-select",
+          "data-testid": "tree-select",
+          "data-focus-key": `select-${branch.id}`,
+          "aria-current": isCurrent ? "true" : null,
+          title: own,
+          onclick: () => {
+            selectBranch(branch.id, state.selectedStep !== null ? Math.min(state.selectedStep, path.length - 1) : null);
+            state.isFollowing = false;
+            scheduleRender();
+          },
+        },
+        [
+          el("span", { class: "tree-title" }, [
+            el("strong", { text: `path ${branch.id}` }),
+            " ",
+            el("span", { class: "snippet", "data-testid": "tree-snippet", text: own.slice(0, 28) || "…" }),
+          ]),
+          el("span", { class: "tree-settings", "data-testid": "tree-settings", text: settingsText(branch.params) }),
+        ],
+      ),
+      el("span", {
+        class: "logprob",
+        "data-testid": "tree-logprob",
+        title: "Σ log p_raw of the path",
+        text: cumulativeLogprob(path).toFixed(1),
       }),
-    ]),
-  ]);
+      el("label", { class: "compare-check", title: "compare this path" }, [
+        el("input", {
+          type: "checkbox",
+          "data-testid": "compare-check",
+          "data-focus-key": `compare-${branch.id}`,
+          "aria-label": `compare path ${branch.id}`,
+          checked: state.compareIds.has(branch.id),
+          onchange: (event) => {
+            if (event.target.checked) state.compareIds.add(branch.id);
+            else state.compareIds.delete(branch.id);
+            scheduleRender();
+          },
+        }),
+      ]),
+    ],
+  );
 }
 
 /* ---------------------------------------------------------------- compare */
@@ -186,17 +259,25 @@ function renderCompare() {
   const branches = [...state.compareIds].map(branchById).filter(Boolean).slice(0, 2);
   if (branches.length < 2) {
     box.hidden = branches.length === 0;
-    box.replaceChildren(branches.length ? el("p", { class: "hint", text: "Tick a second path to compare it with this one." }) : "");
+    box.replaceChildren(
+      branches.length ? el("p", { class: "hint", text: "Tick a second path to compare it with this one." }) : "",
+    );
     return;
   }
   box.hidden = false;
   const [a, b] = branches.map(pathOf);
   const split = firstDivergence(a, b);
-  setChildren(box,
+  setChildren(
+    box,
     el("h3", { text: `Compare path ${branches[0].id} and path ${branches[1].id}` }),
-    el("p", { "data-testid": "compare-divergence", "data-step": split,
-      text: split >= Math.min(a.length, b.length) ? `No divergence: one path continues the other for ${plural(split, "token")}.`
-        : `They share ${plural(split, "token")} and first differ at token ${split + 1}.` }),
+    el("p", {
+      "data-testid": "compare-divergence",
+      "data-step": split,
+      text:
+        split >= Math.min(a.length, b.length)
+          ? `No divergence: one path continues the other for ${plural(split, "token")}.`
+          : `They share ${plural(split, "token")} and first differ at token ${split + 1}.`,
+    }),
     compareAligned(branches, [a, b], split),
     split < Math.min(a.length, b.length) ? compareMargin(a[split], b[split], branches) : null,
   );
@@ -204,13 +285,29 @@ function renderCompare() {
 
 /** The two paths token by token in two rows, the shared part dimmed and the first divergent token marked. */
 function compareAligned(branches, paths, split) {
-  return el("div", { class: "compare-grid" }, paths.map((path, i) => el("div", { class: "compare-item", "data-testid": "compare-item" }, [
-    el("span", { class: "compare-head" }, [el("strong", { text: `path ${branches[i].id}` }),
-      ` · Σ log p = ${cumulativeLogprob(path).toFixed(2)} · ${settingsText(branches[i].params)}`]),
-    el("p", { class: "compare-text" }, path.map((t, step) => el("span", {
-      class: step < split ? "shared" : step === split ? "diverge" : "",
-      "data-testid": step === split ? "compare-diverge-token" : null, text: visibleText(t.text) }))),
-  ])));
+  return el(
+    "div",
+    { class: "compare-grid" },
+    paths.map((path, i) =>
+      el("div", { class: "compare-item", "data-testid": "compare-item" }, [
+        el("span", { class: "compare-head" }, [
+          el("strong", { text: `path ${branches[i].id}` }),
+          ` · Σ log p = ${cumulativeLogprob(path).toFixed(2)} · ${settingsText(branches[i].params)}`,
+        ]),
+        el(
+          "p",
+          { class: "compare-text" },
+          path.map((t, step) =>
+            el("span", {
+              class: step < split ? "shared" : step === split ? "diverge" : "",
+              "data-testid": step === split ? "compare-diverge-token" : null,
+              text: visibleText(t.text),
+            }),
+          ),
+        ),
+      ]),
+    ),
+  );
 }
 
 /**
@@ -222,22 +319,53 @@ function compareMargin(tokenA, tokenB, branches) {
   const pb = tokenProb(tokenB);
   const trace = tokenA.trace || tokenB.trace;
   const finals = [tokenA, tokenB].map((t) => (t.trace ? finalDistribution(t.trace) : new Map()));
-  const takenBy = (c) => [tokenA, tokenB].map((t, i) => (t.id === c.token_id ? `path ${branches[i].id}` : null))
-    .filter(Boolean).join(", ");
-  const rows = trace ? trace.candidates.slice().sort((x, y) => x.rank - y.rank).slice(0, 8).map((c) => el("tr", {
-    class: c.token_id === tokenA.id || c.token_id === tokenB.id ? "picked" : "" }, [
-    el("td", { text: visibleText(c.text) }), el("td", { class: "num", text: fmtProb(c.prob_raw) }),
-    ...finals.map((final) => el("td", { class: "num", "data-testid": "compare-final", text: fmtProb(final.get(c.token_id) ?? 0) })),
-    el("td", { text: takenBy(c) }),
-  ])) : [];
+  const takenBy = (c) =>
+    [tokenA, tokenB]
+      .map((t, i) => (t.id === c.token_id ? `path ${branches[i].id}` : null))
+      .filter(Boolean)
+      .join(", ");
+  const rows = trace
+    ? trace.candidates
+        .slice()
+        .sort((x, y) => x.rank - y.rank)
+        .slice(0, 8)
+        .map((c) =>
+          el(
+            "tr",
+            {
+              class: c.token_id === tokenA.id || c.token_id === tokenB.id ? "picked" : "",
+            },
+            [
+              el("td", { text: visibleText(c.text) }),
+              el("td", { class: "num", text: fmtProb(c.prob_raw) }),
+              ...finals.map((final) =>
+                el("td", { class: "num", "data-testid": "compare-final", text: fmtProb(final.get(c.token_id) ?? 0) }),
+              ),
+              el("td", { text: takenBy(c) }),
+            ],
+          ),
+        )
+    : [];
   const head = ["candidate", "p raw", `p final, path ${branches[0].id}`, `p final, path ${branches[1].id}`, "taken by"];
   return el("div", { class: "compare-margin", "data-testid": "compare-margin" }, [
-    el("p", { text: `At the divergent token: path ${branches[0].id} took “${visibleText(tokenA.text)}” (p raw ${fmtProb(pa)}), `
-      + `path ${branches[1].id} took “${visibleText(tokenB.text)}” (p raw ${fmtProb(pb)}); margin `
-      + `${pa !== null && pb !== null ? (pa - pb).toFixed(3) : "–"} in probability, `
-      + `${pa && pb ? Math.log(pa / pb).toFixed(2) : "–"} in log p.` }),
-    rows.length ? el("table", { class: "compare-table" }, [
-      el("thead", {}, [el("tr", {}, head.map((text) => el("th", { text })))]),
-      el("tbody", {}, rows)]) : null,
+    el("p", {
+      text:
+        `At the divergent token: path ${branches[0].id} took “${visibleText(tokenA.text)}” (p raw ${fmtProb(pa)}), ` +
+        `path ${branches[1].id} took “${visibleText(tokenB.text)}” (p raw ${fmtProb(pb)}); margin ` +
+        `${pa !== null && pb !== null ? (pa - pb).toFixed(3) : "–"} in probability, ` +
+        `${pa && pb ? Math.log(pa / pb).toFixed(2) : "–"} in log p.`,
+    }),
+    rows.length
+      ? el("table", { class: "compare-table" }, [
+          el("thead", {}, [
+            el(
+              "tr",
+              {},
+              head.map((text) => el("th", { text })),
+            ),
+          ]),
+          el("tbody", {}, rows),
+        ])
+      : null,
   ]);
 }
