@@ -94,14 +94,13 @@ def test_samples_from_here_share_the_prefix_and_the_passes(browser: object, base
     cached = int(page.inner_text("[data-testid=num-prompt]").split("(")[1].rstrip(")"))
     assert cached >= 16
     # ...and ran together: some forward pass carried all three as decode rows.
-    page.wait_for_selector("[data-testid=pass-timeline]")
-    lanes = {f"path {b}" for b in branches}
-    shared = page.eval_on_selector_all("[data-testid=timeline-cell]", """(els, lanes) => {
+    lanes = sorted(f"path {b}" for b in branches)
+    page.wait_for_function("""lanes => {
         const byPass = {};
-        for (const e of els) if (lanes.includes(e.dataset.lane) && e.dataset.kind === 'decode')
-          (byPass[e.dataset.pass] = byPass[e.dataset.pass] || new Set()).add(e.dataset.lane);
-        return Object.values(byPass).filter(s => s.size === lanes.length).length; }""", sorted(lanes))
-    assert shared >= 1
+        for (const e of document.querySelectorAll('[data-testid=timeline-cell]'))
+          if (lanes.includes(e.dataset.lane) && e.dataset.kind === 'decode')
+            (byPass[e.dataset.pass] = byPass[e.dataset.pass] || new Set()).add(e.dataset.lane);
+        return Object.values(byPass).some(s => s.size === lanes.length); }""", arg=lanes, timeout=10_000)
     screenshot(page, "samples.png")
     doc_screenshot(page, "[data-testid=pass-timeline]", "visualizer-batching.png")
     doc_screenshot(page, "[data-testid=tree]", "visualizer-samples-tree.png")
@@ -114,7 +113,7 @@ def test_timeline_tells_prompt_chunks_from_decode_rows(browser: object, base_url
     set_controls(page, **{"max-tokens": "3", "seed": str(SEED)})
     page.click("#generate")
     wait_finished(page)
-    page.wait_for_selector("[data-testid=timeline-cell][data-lane='path 1']")
+    page.wait_for_function("document.querySelectorAll(\"[data-testid=timeline-cell][data-lane='path 1']\").length >= 3")
     cells = page.eval_on_selector_all("[data-testid=timeline-cell][data-lane='path 1']",
                                       "els => els.map(e => e.dataset.kind)")
     # One prompt chunk, then one decode row per further token (the first token comes with the prefill).

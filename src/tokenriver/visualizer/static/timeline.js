@@ -10,7 +10,7 @@
 // Passes kept on screen: the last few generations' worth, so the grid stays readable.
 const TIMELINE_PASSES = 48;
 
-const timeline = { passes: [], lastPass: 0, requestLabels: new Map(), fetching: false };
+const timeline = { passes: [], lastPass: 0, requestLabels: new Map(), inflight: null, again: false };
 
 /** Remember which path (or replay) a response id belongs to, so its engine request gets a readable lane name. */
 function labelRequest(responseId, label) {
@@ -28,9 +28,27 @@ function laneLabel(requestId) {
   return branch ? `path ${branch.id}` : "another request";
 }
 
-async function refreshPasses() {
-  if (timeline.fetching) return;
-  timeline.fetching = true;
+/**
+ * Fetch the passes logged since the last fetch. Calls that arrive while a fetch is in flight wait for it and for
+ * one more round after it: a request's last pass, logged while an earlier fetch was on its way, is never missed.
+ */
+function refreshPasses() {
+  if (timeline.inflight) {
+    timeline.again = true;
+    return timeline.inflight;
+  }
+  timeline.inflight = (async () => {
+    do {
+      timeline.again = false;
+      await fetchPassesOnce();
+    } while (timeline.again);
+    timeline.inflight = null;
+    scheduleRender();
+  })();
+  return timeline.inflight;
+}
+
+async function fetchPassesOnce() {
   try {
     const body = await apiJson(`/v1/visualizer/passes?since=${timeline.lastPass}`);
     if (body.passes.length) {
@@ -39,8 +57,6 @@ async function refreshPasses() {
     }
   } catch (_) {
     // A server without the visualizer routes: the panel simply shows no timeline.
-  } finally {
-    timeline.fetching = false;
   }
 }
 
