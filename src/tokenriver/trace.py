@@ -64,7 +64,8 @@ class StepTrace:
     temperature: float
     # "greedy" or "sample": how the token was picked from the processed distribution.
     method: str = "sample"
-    # Extra per-strategy facts (speculative accept/reject, beam index); empty when unused.
+    # Extra per-strategy facts (speculative accept/reject, beam index; for a sampled token, "draw": the uniform
+    # and the span of the cumulative distribution it landed in); empty when unused.
     extra: dict[str, object] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:

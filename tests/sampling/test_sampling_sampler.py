@@ -424,3 +424,15 @@ def test_pipeline_applies_the_stages_in_the_documented_order():
     for candidate in results[1].trace.candidates:
         assert candidate.prob_final == float(raw[candidate.token_id])
         assert candidate.logit_processed == candidate.logit and candidate.removed_by is None
+
+
+def test_trace_notes_where_the_draw_landed_in_the_cumulative_distribution():
+    """extra["draw"]: the uniform falls inside the chosen token's span of the CDF, in token-id order."""
+    logits = random_logits(1, VOCAB_SIZE, scale=2.0, seed=21)
+    result = new_sampler(3).sample(logits, [traced(dict(temperature=0.9, top_p=0.9, seed=5))])[0]
+    draw = result.trace.extra["draw"]
+    final = next(c.prob_final for c in result.trace.candidates if c.token_id == result.token_id)
+    assert draw["cdf_end"] - draw["cdf_start"] == pytest.approx(final, abs=1e-6)
+    assert draw["cdf_start"] <= draw["uniform"] < draw["cdf_end"] + 1e-6
+    greedy = new_sampler().sample(logits, [traced(dict(temperature=0.0))])[0]
+    assert "draw" not in greedy.trace.extra

@@ -1,12 +1,10 @@
-"""Browser tests of the generation visualizer against a real `tokenriver serve`.
+"""Browser tests of the generation visualizer against a real `tokenriver serve`: the main page and its defects.
 
-Debian's Chromium (/usr/bin/chromium) runs headless under Playwright's Python API; the server is started once
-per module on a free port with the embedded default model. The page is checked against the server itself: the
-tokens it shows are the tokens the API returns for the same seed, a branch's continuation is what the API
-returns for the branch's prompt, and the bars are the trace's probabilities.
+The page is checked against the server itself: the tokens it shows are the tokens the API returns for the same
+seed, a branch's continuation is what the API returns for the branch's prompt, and the bars are the trace's
+probabilities. Every test also checks that the page logged no console error and threw no exception.
 
-Screenshots go to test-artifacts/visualizer/. Set TOKENRIVER_UPDATE_SCREENSHOT=1 to also copy the main one to
-docs/visualizer.png. Set TOKENRIVER_TEST_SERVER_URL to run against an already running server instead.
+Set TOKENRIVER_UPDATE_SCREENSHOT=1 to copy the main screenshot to docs/visualizer.png.
 """
 
 from __future__ import annotations
@@ -15,200 +13,26 @@ import json
 import math
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    pytest.skip("Debian's Chromium is not installed at /usr/bin/chromium (apt-get install chromium)",
-                allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+from visualizer_harness import (CHAT_REQUEST, HTTP_ERROR_LOG, MAX_TOKENS, PACE_EVENT_STREAMS, PACE_MS, PROMPT, ROOT,
+                                SEED, TEMPERATURE, TRACE_TOP, ConsoleWatch, candidates, doc_screenshot, open_page,
+                                path_token_ids, reference_completion, request, row_count, screenshot, select_token,
+                                set_controls, sync_api, wait_finished, wait_idle)
+
 expect = sync_api.expect
-
-ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "test-artifacts" / "visualizer"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SERVER_START_TIMEOUT = 240.0
-GENERATION_TIMEOUT_MS = 90_000
-# Sampling settings typed into the page and sent to the API directly for the reference.
-TEMPERATURE = 0.8
-SEED = 11
-MAX_TOKENS = 6
-TRACE_TOP = 12
-PROMPT = "What are the three primary colors?"
-# The main page applies the chat template: the templated prompt is long enough to fill whole KV blocks, so a
-# branch finds them in the prefix cache.
-CHAT_REQUEST = {"messages": [{"role": "user", "content": PROMPT}], "add_generation_prompt": True}
-# Wraps the page's fetch so a server-sent-event stream reaches the page one event at a time, `ms` apart.
-PACE_EVENT_STREAMS = """ms => { const realFetch = window.fetch;
-  window.fetch = async (...args) => {
-    const response = await realFetch(...args);
-    if (!(response.headers.get('content-type') || '').startsWith('text/event-stream')) return response;
-    const reader = response.body.getReader(), decoder = new TextDecoder(), encoder = new TextEncoder();
-    let buffer = '';
-    const body = new ReadableStream({ async pull(controller) {
-      for (;;) {
-        const match = /\\r?\\n\\r?\\n/.exec(buffer);
-        if (match) {
-          const event = buffer.slice(0, match.index + match[0].length);
-          buffer = buffer.slice(event.length);
-          await new Promise(resolve => setTimeout(resolve, ms));
-          controller.enqueue(encoder.encode(event));
-          return;
-        }
-        const { value, done } = await reader.read();
-        if (done) { if (buffer) controller.enqueue(encoder.encode(buffer)); controller.close(); return; }
-        buffer += decoder.decode(value, { stream: true });
-      }
-    } });
-    return new Response(body, { status: response.status, statusText: response.statusText,
-                                headers: response.headers });
-  }; }"""
-PACE_MS = 60
-# Chromium logs every non-2xx fetch as a console error; expected only where a test provokes an API error.
-HTTP_ERROR_LOG = "Failed to load resource"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _request(base_url: str, path: str, body: dict | None = None) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(base_url + path, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
-def _wait_healthy(base_url: str, process: subprocess.Popen | None, log_path: Path | None) -> None:
-    deadline = time.monotonic() + SERVER_START_TIMEOUT
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            pytest.fail(f"`tokenriver serve` exited with code {process.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(base_url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"`tokenriver serve` did not answer /health within {SERVER_START_TIMEOUT:.0f} s")
-
-
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    """A real `tokenriver serve` with the default model on a free local port."""
-    external = os.environ.get("TOKENRIVER_TEST_SERVER_URL")
-    if external:
-        _wait_healthy(external.rstrip("/"), None, None)
-        yield external.rstrip("/")
-        return
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    log_path = ARTIFACTS / "server.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tokenriver.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process, log_path)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
-
-class ConsoleWatch:
-    """Console errors and uncaught exceptions of one page."""
-
-    def __init__(self, page: object) -> None:
-        self.errors: list[str] = []
-        page.on("console", lambda message: self.errors.append(message.text) if message.type == "error" else None)
-        page.on("pageerror", lambda error: self.errors.append(f"pageerror: {error}"))
-
-    def unexpected(self, allowed: tuple[str, ...] = ()) -> list[str]:
-        return [e for e in self.errors if not any(e.startswith(prefix) for prefix in allowed)]
-
-
-def _open_page(browser: object, base_url: str, width: int = 1280, height: int = 800) -> tuple[object, ConsoleWatch]:
-    page = browser.new_page(viewport={"width": width, "height": height})
-    watch = ConsoleWatch(page)
-    page.goto(base_url + "/")
-    page.wait_for_selector("[data-testid=prompt-token]")
-    return page, watch
-
-
-def _set_controls(page: object, **values: str) -> None:
-    for element_id, value in values.items():
-        page.fill(f"#{element_id}", value)
-
-
-def _wait_finished(page: object, branch_count: int = 1) -> None:
-    page.wait_for_function(
-        """n => { const rows = document.querySelectorAll('[data-testid=tree-row]');
-                  return rows.length === n && !document.body.classList.contains('busy'); }""",
-        arg=branch_count, timeout=GENERATION_TIMEOUT_MS)
-
-
-def _path_token_ids(page: object) -> list[int]:
-    return [int(x) for x in page.eval_on_selector_all("[data-testid=token]", "els => els.map(e => e.dataset.tokenId)")]
-
-
-def _candidates(page: object) -> list[dict]:
-    return page.eval_on_selector_all("[data-testid=candidate]", """els => els.map(e => ({
-        tokenId: Number(e.dataset.tokenId), rank: Number(e.dataset.rank), probRaw: Number(e.dataset.probRaw),
-        probFinal: Number(e.dataset.probFinal), probTemp: Number(e.dataset.probTemp),
-        isChosen: e.dataset.chosen === 'true', hasChosenClass: e.classList.contains('chosen'),
-        rawWidth: parseFloat(e.querySelector('[data-testid=bar-raw]').style.width)}))""")
-
-
-def _reference_completion(base_url: str, prompt_ids: list[int], max_tokens: int) -> dict:
-    """The same request the page makes, without streaming: the engine's own answer."""
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": TEMPERATURE, "seed": SEED,
-            "trace": True, "trace_top": TRACE_TOP, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
-    return _request(base_url, "/v1/completions", body)["choices"][0]
-
-
-def _screenshot(page: object, name: str) -> Path:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / name
-    page.screenshot(path=str(path), full_page=True)
-    return path
 
 
 @pytest.fixture(scope="module")
 def generated(browser: object, base_url: str) -> Iterator[tuple[object, ConsoleWatch]]:
-    """One page that has generated MAX_TOKENS tokens from PROMPT; tests below inspect and branch it."""
-    page, watch = _open_page(browser, base_url)
+    """One page that has generated MAX_TOKENS tokens from PROMPT; tests below inspect and branch it, in order."""
+    page, watch = open_page(browser, base_url)
     page.fill("#prompt", PROMPT)
     page.check("#chat-template")
-    _set_controls(page, **{"max-tokens": str(MAX_TOKENS), "seed": str(SEED), "trace-top": str(TRACE_TOP)})
-    page.fill("#temperature", str(TEMPERATURE))
+    set_controls(page, **{"max-tokens": str(MAX_TOKENS), "seed": str(SEED), "trace-top": str(TRACE_TOP),
+                          "temperature": str(TEMPERATURE)})
     # The engine can write all MAX_TOKENS tokens before the page reads the first network chunk, so the stream is
     # paced to one event per PACE_MS: whether partial paths show up then depends on the page, not on speed.
     page.evaluate(PACE_EVENT_STREAMS, PACE_MS)
@@ -217,27 +41,52 @@ def generated(browser: object, base_url: str) -> Iterator[tuple[object, ConsoleW
         new MutationObserver(() => window.seenTokenCounts.push(
             document.querySelectorAll('#tokens [data-testid=token]').length))
           .observe(document.getElementById('tokens'), {childList: true}); }""")
+    # Every completion request body the page sends, to check which settings a request used.
+    page.evaluate("""() => { window.sentBodies = []; const realFetch = window.fetch;
+        window.fetch = (url, init) => { if (String(url).includes('/v1/completions') && init && init.body)
+          window.sentBodies.push(JSON.parse(init.body)); return realFetch(url, init); }; }""")
     page.click("#generate")
-    _wait_finished(page)
+    wait_finished(page)
     yield page, watch
     page.close()
 
 
+def _prompt_ids(base_url: str) -> list[int]:
+    return request(base_url, "/tokenize", CHAT_REQUEST)["tokens"]
+
+
+def _least_sure_step(page: object) -> int:
+    """The step where the model was least sure (not the last, so a branch from it generates something)."""
+    probs = page.eval_on_selector_all("[data-testid=token]", "els => els.map(e => Number(e.dataset.prob))")
+    return min(range(1, MAX_TOKENS - 1), key=lambda i: probs[i])
+
+
+def _select_path(page: object, branch_id: int) -> None:
+    """Click a path's row in the tree and wait until the token row shows that path."""
+    page.click(f"[data-testid=tree-row][data-branch='{branch_id}'] [data-testid=tree-select]")
+    page.wait_for_selector(f"[data-testid=path-info] .badge:text-is('path {branch_id}')")
+
+
+def _current_path_id(page: object) -> int:
+    return int(page.get_attribute("[data-testid=tree-row].current", "data-branch"))
+
+
+# ---------------------------------------------------------------- the engine's tokens, shown as they come
+
+
 def test_prompt_tokens_match_the_tokenizer(generated: tuple, base_url: str) -> None:
     page, watch = generated
-    expected = _request(base_url, "/tokenize", CHAT_REQUEST)
     shown = [int(x) for x in page.eval_on_selector_all("[data-testid=prompt-token]",
                                                        "els => els.map(e => e.dataset.tokenId)")]
-    assert shown == expected["tokens"]
+    assert shown == _prompt_ids(base_url)
     assert watch.unexpected() == []
 
 
 def test_generated_tokens_are_the_engines(generated: tuple, base_url: str) -> None:
     page, watch = generated
-    prompt_ids = _request(base_url, "/tokenize", CHAT_REQUEST)["tokens"]
-    reference = _reference_completion(base_url, prompt_ids, MAX_TOKENS)
+    reference = reference_completion(base_url, _prompt_ids(base_url), MAX_TOKENS)
     expected_ids = [step["chosen_token_id"] for step in reference["trace"]]
-    assert _path_token_ids(page) == expected_ids
+    assert path_token_ids(page) == expected_ids
     # The engine view states the forward passes: one per decode token after the prefill's.
     assert int(page.inner_text("[data-testid=num-forward-passes]")) == len(expected_ids)
     assert page.locator("[data-testid=decode-pass]").count() == len(expected_ids) - 1
@@ -253,24 +102,28 @@ def test_tokens_stream_in_one_by_one(generated: tuple) -> None:
     assert watch.unexpected() == []
 
 
-def test_bars_of_a_selected_step(generated: tuple, base_url: str) -> None:
+def test_bars_of_a_selected_step(generated: tuple) -> None:
     page, watch = generated
     step = 1
-    page.click(f"[data-testid=token][data-step='{step}']")
-    page.wait_for_selector(f"[data-testid=why-step]:has-text('step {step} of')")
+    select_token(page, step)
     chosen_id = int(page.get_attribute(f"[data-testid=token][data-step='{step}']", "data-token-id"))
-    candidates = _candidates(page)
-    assert len(candidates) >= TRACE_TOP
-    assert sum(c["probRaw"] for c in candidates) <= 1 + 1e-6
-    assert sum(c["probFinal"] for c in candidates) <= 1 + 1e-6
-    assert all(0 <= c["probRaw"] <= 1 and 0 <= c["probFinal"] <= 1 for c in candidates)
-    assert [c["rank"] for c in candidates] == sorted(c["rank"] for c in candidates)
-    for c in candidates:
+    shown = candidates(page)
+    assert len(shown) >= TRACE_TOP
+    assert sum(c["probRaw"] for c in shown) <= 1 + 1e-6
+    assert sum(c["probFinal"] for c in shown) <= 1 + 1e-6
+    assert all(0 <= c["probRaw"] <= 1 and 0 <= c["probFinal"] <= 1 for c in shown)
+    assert [c["rank"] for c in shown] == sorted(c["rank"] for c in shown)
+    for c in shown:
         assert c["rawWidth"] == pytest.approx(c["probRaw"] * 100, abs=0.01)
-    chosen = [c for c in candidates if c["isChosen"]]
+    # Raw logits are shown, and the raw probabilities are their softmax (ratios of exp(logit)).
+    top, second = shown[0], shown[1]
+    assert top["probRaw"] / second["probRaw"] == pytest.approx(math.exp(top["logit"] - second["logit"]), rel=1e-3)
+    chosen = [c for c in shown if c["isChosen"]]
     assert len(chosen) == 1 and chosen[0]["tokenId"] == chosen_id and chosen[0]["hasChosenClass"]
     assert page.inner_text("[data-testid=why-rank]") == str(chosen[0]["rank"])
-    _screenshot(page, "selected-step.png")
+    assert "remaining" in page.inner_text("[data-testid=why-remaining]")
+    screenshot(page, "selected-step.png")
+    assert "null" not in page.inner_text("[data-testid=why]")
     assert watch.unexpected() == []
 
 
@@ -283,95 +136,422 @@ def test_keyboard_moves_between_tokens_and_selects(generated: tuple) -> None:
     # The focused token is visibly marked (the :focus-visible outline).
     assert page.evaluate("getComputedStyle(document.activeElement).outlineStyle") == "solid"
     page.keyboard.press("Enter")
-    page.wait_for_selector("[data-testid=why-step]:has-text('step 2 of')")
+    page.wait_for_selector("[data-testid=why-step][data-step='2']")
     assert page.get_attribute("[data-testid=token][data-step='2']", "aria-pressed") == "true"
     assert watch.unexpected() == []
 
 
-def test_temperature_reshapes_the_bars(generated: tuple) -> None:
+def test_popover_shows_the_top_candidates_next_to_the_token(generated: tuple) -> None:
     page, watch = generated
-    page.click("[data-testid=token][data-step='0']")
-    page.wait_for_selector("[data-testid=why-step]:has-text('step 0 of')")
-    page.fill("#temperature", "0.5")
-    cold = _candidates(page)
-    page.fill("#temperature", "1.6")
-    hot = _candidates(page)
-    assert [c["tokenId"] for c in cold] == [c["tokenId"] for c in hot]
-    # Renormalized over the shown candidates; a hotter softmax moves mass away from the top candidate.
-    assert sum(c["probTemp"] for c in hot) == pytest.approx(1, abs=1e-6)
-    assert hot[0]["probTemp"] < cold[0]["probTemp"]
-    assert [c["probTemp"] for c in hot] != [c["probTemp"] for c in cold]
-    page.fill("#temperature", "0")
-    assert [c["probTemp"] for c in _candidates(page)][0] == 1
-    page.fill("#temperature", str(TEMPERATURE))
+    popover = page.locator("[data-testid=popover]")
+    page.click("h1")
+    expect(popover).to_be_hidden()
+    page.click("[data-testid=token][data-step='3']")
+    expect(popover).to_be_visible()
+    chip = page.eval_on_selector("[data-testid=token][data-step='3']",
+                                 "e => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, height: r.height}; }")
+    box = popover.bounding_box()
+    # Right under the clicked token, not in another panel.
+    assert 0 <= box["y"] - (chip["y"] + chip["height"]) <= 12
+    assert abs(box["x"] - chip["x"]) <= 2
+    expect(page.locator("[data-testid=popover-candidate]")).to_have_count(5)
+    page.click("[data-testid=token][data-step='3']")
+    expect(popover).to_be_hidden()
     assert watch.unexpected() == []
+
+
+# ---------------------------------------------------------------- "why this token", exact
+
+
+def test_preview_replays_the_step_exactly_and_leaves_the_settings_alone(generated: tuple, base_url: str) -> None:
+    """Defects 10 and 12: the preview is the engine's own step under the preview settings, over the whole
+    vocabulary, and it never changes the generation settings."""
+    page, watch = generated
+    step = 2
+    select_token(page, step)
+    # At the step's own settings the replay is the distribution the token was drawn from.
+    page.click("[data-testid=preview-now]")
+    page.wait_for_selector("[data-testid=bar-preview]")
+    same = candidates(page)
+    for c in same:
+        assert c["probPreview"] == pytest.approx(c["probFinal"], abs=2e-3)
+    # Hotter: what the engine gives for the same context at T = 1.6 with top-p 0.9, not a renormalised guess.
+    page.fill("#preview-temperature", "1.6")
+    page.fill("#preview-top-p", "0.9")
+    page.wait_for_function("""() => document.querySelector('[data-testid=preview-status]').textContent
+        .includes('T 1.6, top-k 0, top-p 0.9')""")
+    prefix = _prompt_ids(base_url) + path_token_ids(page)[:step]
+    reference = request(base_url, "/v1/completions", {"prompt": prefix, "max_tokens": 1, "temperature": 1.6,
+                                                      "top_p": 0.9, "trace": True, "trace_top": 100})
+    expected = {c["token_id"]: c["prob_final"] for c in reference["choices"][0]["trace"][0]["candidates"]}
+    hot = candidates(page)
+    for c in hot:
+        assert c["probPreview"] == pytest.approx(expected.get(c["tokenId"], 0.0), abs=2e-3)
+    assert hot[0]["probPreview"] != pytest.approx(same[0]["probPreview"], abs=1e-3)
+    # The generation settings are untouched, and the tree states which settings the path used.
+    assert page.input_value("#temperature") == str(TEMPERATURE)
+    assert page.inner_text("[data-testid=tree-settings]") == f"T {TEMPERATURE} · seed {SEED}"
+    assert watch.unexpected() == []
+
+
+def test_every_stage_of_a_step(generated: tuple) -> None:
+    page, watch = generated
+    select_token(page, 1)
+    page.click("[data-testid=show-stages]")
+    page.wait_for_selector("[data-testid=stages-table]")
+    doc_screenshot(page, "[data-testid=why]", "visualizer-why.png")
+    names = page.eval_on_selector_all("[data-testid=stage-name]", "els => els.map(e => e.textContent)")
+    assert names[0] == "raw softmax" and names[1].startswith(f"after temperature {TEMPERATURE}")
+    rows = page.eval_on_selector_all("[data-testid=stages-table] tbody tr", """rows => rows.map(r =>
+        [...r.querySelectorAll('[data-testid=stage-prob]')].map(td => Number(td.dataset.prob)))""")
+    shown = candidates(page)
+    # The last stage's column is the recorded final distribution; the first is the raw one.
+    for row, c in zip(rows, shown):
+        assert row[0] == pytest.approx(c["probRaw"], abs=1e-9)
+        assert row[-1] == pytest.approx(c["probFinal"], abs=2e-3)
+    assert watch.unexpected() == []
+
+
+# ---------------------------------------------------------------- the tree
 
 
 def test_branch_starts_with_the_clicked_token(generated: tuple, base_url: str) -> None:
     page, watch = generated
-    # Fork where the model was least sure (not the last step, so the branch generates something).
-    probs = page.eval_on_selector_all("[data-testid=token]", "els => els.map(e => Number(e.dataset.prob))")
-    step = min(range(1, MAX_TOKENS - 1), key=lambda i: probs[i])
-    page.click(f"[data-testid=token][data-step='{step}']")
-    page.wait_for_selector(f"[data-testid=why-step]:has-text('step {step} of')")
-    parent_ids = _path_token_ids(page)
+    step = _least_sure_step(page)
+    select_token(page, step)
+    parent_ids = path_token_ids(page)
     alternative = page.locator("button[data-testid=candidate]").first
     clicked_id = int(alternative.get_attribute("data-token-id"))
     assert clicked_id != parent_ids[step]
     alternative.click()
-    _wait_finished(page, branch_count=2)
-    branch_ids = _path_token_ids(page)
+    wait_finished(page, branch_count=2)
+    branch_ids = path_token_ids(page)
     assert branch_ids[:step] == parent_ids[:step]
     assert branch_ids[step] == clicked_id
     assert page.get_attribute(f"[data-testid=token][data-step='{step}']", "class").split().count("forced") == 1
     # The branch continues exactly as the engine does from prompt + path + clicked token.
-    prompt_ids = _request(base_url, "/tokenize", CHAT_REQUEST)["tokens"]
-    reference = _reference_completion(base_url, prompt_ids + branch_ids[:step + 1], MAX_TOKENS - step - 1)
+    reference = reference_completion(base_url, _prompt_ids(base_url) + branch_ids[:step + 1], MAX_TOKENS - step - 1)
     assert branch_ids[step + 1:] == [s["chosen_token_id"] for s in reference["trace"]]
     # Its cumulative log-probability is the sum of its tokens' log p_raw.
     probs = [float(p) for p in page.eval_on_selector_all("[data-testid=token]", "els => els.map(e => e.dataset.prob)")]
     assert float(page.inner_text("[data-testid=path-logprob]")) == pytest.approx(sum(map(math.log, probs)), abs=0.01)
+    # The branch's request found the prompt's whole blocks in the prefix cache: each such block is marked a hit.
+    cached = int(page.inner_text("[data-testid=num-prompt]").split("(")[1].rstrip(")"))
+    assert cached >= 16
+    assert page.locator("[data-testid=kv-block][data-hit=true]").count() == cached // 16
+    # The branch used the generation settings, not the preview's (defect 10).
+    assert page.evaluate("window.sentBodies.filter(b => b.stream).at(-1).temperature") == TEMPERATURE
+    # Focus stays with the user's action (defect 15): on the new path's forced token, not on the page body.
+    assert page.evaluate("document.activeElement.dataset.testid") == "token"
     rows = page.locator("[data-testid=tree-row]")
     expect(rows).to_have_count(2)
     page.click("[data-testid=tree-toggle]")
     expect(rows).to_have_count(1)
     page.click("[data-testid=tree-toggle]")
     expect(rows).to_have_count(2)
-    page.locator("[data-testid=compare-check]").nth(0).check()
-    page.locator("[data-testid=compare-check]").nth(1).check()
-    expect(page.locator("[data-testid=compare-item]")).to_have_count(2)
-    page.click(f"[data-testid=token][data-step='{step}']")
-    shot = _screenshot(page, "branch.png")
-    if os.environ.get("TOKENRIVER_UPDATE_SCREENSHOT") == "1":
-        shutil.copyfile(shot, ROOT / "docs" / "visualizer.png")
     assert watch.unexpected() == []
 
 
-def test_api_error_is_shown(browser: object, base_url: str) -> None:
-    page, watch = _open_page(browser, base_url)
-    _set_controls(page, **{"top-p": "0", "max-tokens": "2"})
+def test_compare_marks_the_first_divergent_token(generated: tuple) -> None:
+    page, watch = generated
+    step = int(page.get_attribute("[data-testid=token].forced", "data-step"))
+    page.locator("[data-testid=compare-check]").nth(0).check()
+    page.locator("[data-testid=compare-check]").nth(1).check()
+    expect(page.locator("[data-testid=compare-item]")).to_have_count(2)
+    assert int(page.get_attribute("[data-testid=compare-divergence]", "data-step")) == step
+    expect(page.locator("[data-testid=compare-diverge-token]")).to_have_count(2)
+    assert "margin" in page.inner_text("[data-testid=compare-margin]")
+    select_token(page, step)
+    page.click("h1")  # closes the candidates box, so the screenshot shows the panels under it
+    shot = screenshot(page, "branch.png")
+    if os.environ.get("TOKENRIVER_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(shot, ROOT / "docs" / "visualizer.png")
+    page.locator("[data-testid=compare-check]").nth(0).uncheck()
+    page.locator("[data-testid=compare-check]").nth(1).uncheck()
+    assert watch.unexpected() == []
+
+
+def test_a_second_alternative_at_the_same_step_is_a_sibling(generated: tuple) -> None:
+    """Defect 1: branching again at a branch's first token makes a sibling under path 1, not a child."""
+    page, watch = generated
+    step = int(page.get_attribute("[data-testid=token].forced", "data-step"))
+    branch_id = _current_path_id(page)
+    select_token(page, step)
+    other = page.locator("button[data-testid=candidate]").nth(1)
+    other_id = int(other.get_attribute("data-token-id"))
+    other.click()
+    wait_finished(page, branch_count=3)
+    new_id = _current_path_id(page)
+    assert new_id != branch_id
+    assert path_token_ids(page)[step] == other_id
+    parents = page.eval_on_selector_all("[data-testid=tree-row]", "els => els.map(e => e.dataset.parent)")
+    assert parents == ["", "1", "1"]
+    assert watch.unexpected() == []
+
+
+def test_picking_the_parents_token_returns_to_the_parent(generated: tuple) -> None:
+    """Defect 2: in a branch, choosing the token path 1 had at that step selects path 1, no duplicate path."""
+    page, watch = generated
+    step = int(page.get_attribute("[data-testid=token].forced", "data-step"))
+    sibling = _current_path_id(page)
+    _select_path(page, 1)
+    parent_ids = path_token_ids(page)
+    _select_path(page, sibling)
+    select_token(page, step)
+    page.click(f"button[data-testid=candidate][data-token-id='{parent_ids[step]}']")
+    page.wait_for_function("() => document.querySelector('[data-testid=tree-row].current').dataset.branch === '1'")
+    assert row_count(page) == 3
+    assert path_token_ids(page) == parent_ids
+    assert watch.unexpected() == []
+
+
+def test_tree_cells_take_the_keyboard(generated: tuple) -> None:
+    """Defect 15: tree cells are focusable; arrows move between them and Enter selects without losing focus."""
+    page, watch = generated
+    _select_path(page, 1)
+    page.focus("[data-testid=tree-cell][data-branch='1'][data-step='0']")
+    page.keyboard.press("ArrowRight")
+    assert page.evaluate("document.activeElement.dataset.step") == "1"
+    page.keyboard.press("ArrowDown")
+    assert page.evaluate("document.activeElement.dataset.branch") != "1"
+    page.keyboard.press("ArrowUp")
+    assert page.evaluate("document.activeElement.dataset.branch") == "1"
+    step = page.evaluate("document.activeElement.dataset.step")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(f"[data-testid=why-step][data-step='{step}']")
+    assert page.evaluate("document.activeElement.dataset.testid") == "tree-cell"
+    assert page.evaluate("document.activeElement.dataset.step") == step
+    assert watch.unexpected() == []
+
+
+def test_tree_labels_with_a_newline_stay_on_their_row(generated: tuple, base_url: str) -> None:
+    """Defect 3: a path whose text holds a newline keeps its label on one row of the tree."""
+    page, watch = generated
+    newline_id = request(base_url, "/tokenize", {"prompt": "\n"})["tokens"][-1]
+    _select_path(page, 1)
+    select_token(page, 0)
+    rows_before = row_count(page)
+    page.fill("[data-testid=force-token-id]", str(newline_id))
+    page.click("[data-testid=force-token]")
+    wait_finished(page, branch_count=rows_before + 1)
+    snippets = page.eval_on_selector_all("[data-testid=tree-snippet]", "els => els.map(e => e.textContent)")
+    assert all("\n" not in s for s in snippets) and any("↵" in s for s in snippets)
+    overflowing = page.eval_on_selector_all("[data-testid=tree-row]",
+                                            "els => els.filter(e => e.scrollHeight > e.clientHeight).length")
+    assert overflowing == 0
+    assert watch.unexpected() == []
+
+
+def test_forcing_the_end_of_sequence_token_ends_the_branch(generated: tuple, base_url: str) -> None:
+    """Defect 4: a branch forced onto <|im_end|> stops there, as the engine would."""
+    page, watch = generated
+    eos = request(base_url, "/v1/visualizer/info")["eos_token_ids"][0]
+    _select_path(page, 1)
+    select_token(page, 1)
+    rows_before = row_count(page)
+    page.fill("[data-testid=force-token-id]", str(eos))
+    page.click("[data-testid=force-token]")
+    wait_finished(page, branch_count=rows_before + 1)
+    assert path_token_ids(page)[-1] == eos
+    assert len(path_token_ids(page)) == 2
+    assert page.inner_text("[data-testid=path-status]") == "finished: stop"
+    assert watch.unexpected() == []
+
+
+def test_export_and_import_replay_identically(generated: tuple, browser: object, base_url: str) -> None:
+    page, watch = generated
+    with page.expect_download() as download_info:
+        page.click("#export-tree")
+    saved = download_info.value.path()
+    exported = json.loads(saved.read_text())
+    assert exported["model"] and exported["prompt"]["token_ids"] == _prompt_ids(base_url)
+    assert all("seed" in p["settings"] for p in exported["paths"])
+    other, other_watch = open_page(browser, base_url)
+    other.set_input_files("#import-tree", saved)
+    other.wait_for_selector("[data-testid=import-report]", timeout=90_000)
+    assert "every token identical" in other.inner_text("[data-testid=import-report]")
+    assert row_count(other) == len(exported["paths"])
+    other.close()
+    assert watch.unexpected() == [] and other_watch.unexpected() == []
+
+
+# ---------------------------------------------------------------- inputs and controls
+
+
+def test_api_error_is_shown_and_leaves_no_empty_row(browser: object, base_url: str) -> None:
+    """Defect 8: a failed request shows the server's error and adds no row to the tree."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"top-p": "0", "max-tokens": "2"})
     page.click("#generate")
     page.wait_for_selector("[data-testid=error]:not([hidden])")
     assert "top_p" in page.inner_text("[data-testid=error-message]")
     assert "param: top_p" in page.inner_text("[data-testid=error-detail]")
     assert page.get_attribute("#top-p", "aria-invalid") == "true"
+    wait_idle(page)
+    assert row_count(page) == 0
     assert watch.unexpected(allowed=(HTTP_ERROR_LOG,)) == []
     page.close()
 
 
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_max_tokens_below_one_is_refused(browser: object, base_url: str, value: str) -> None:
+    """Defect 6: max tokens 0 or −5 is an error on the field, not a silent one-token generation."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"max-tokens": value})
+    page.click("#generate")
+    page.wait_for_selector("[data-testid=error]:not([hidden])")
+    assert "max tokens" in page.inner_text("[data-testid=error-message]")
+    assert page.get_attribute("#max-tokens", "aria-invalid") == "true"
+    assert row_count(page) == 0
+    assert watch.unexpected() == []
+    page.close()
+
+
+def test_generate_is_disabled_while_generating(browser: object, base_url: str) -> None:
+    """Defect 7: a double click on Generate makes one root path."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"max-tokens": "3", "seed": str(SEED)})
+    page.evaluate(PACE_EVENT_STREAMS, PACE_MS)
+    page.dblclick("#generate")
+    page.wait_for_selector("[data-testid=tree-row]")
+    assert page.is_disabled("#generate")
+    wait_finished(page)
+    assert row_count(page) == 1
+    assert page.is_enabled("#generate")
+    assert watch.unexpected() == []
+    page.close()
+
+
+def test_a_new_prompt_asks_before_discarding_the_tree(browser: object, base_url: str) -> None:
+    """Defect 9: editing the prompt and generating again asks first; keeping restores the tree's prompt."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"max-tokens": "2", "seed": str(SEED)})
+    page.click("#generate")
+    wait_finished(page)
+    page.fill("#prompt", "A different prompt")
+    page.click("#generate")
+    expect(page.locator("[data-testid=confirm-new-tree]")).to_be_visible()
+    assert "1 path" in page.inner_text("[data-testid=confirm-new-tree-text]")
+    assert row_count(page) == 1
+    page.click("[data-testid=confirm-keep]")
+    assert page.input_value("#prompt") == "The three primary colors are"
+    assert row_count(page) == 1
+    page.fill("#prompt", "A different prompt")
+    page.click("#generate")
+    page.click("[data-testid=confirm-discard]")
+    wait_finished(page)
+    assert row_count(page) == 1
+    expected = request(base_url, "/tokenize", {"prompt": "A different prompt"})["tokens"]
+    shown = page.eval_on_selector_all("[data-testid=prompt-token]", "els => els.map(e => Number(e.dataset.tokenId))")
+    assert shown == expected
+    assert watch.unexpected() == []
+    page.close()
+
+
+def test_stop_leaves_an_engine_view_that_matches_the_engine(browser: object, base_url: str) -> None:
+    """Defect 5: after Stop the engine panel settles on what /v1/engine says, and the path says it stopped."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"max-tokens": "400", "seed": str(SEED)})
+    page.click("#generate")
+    page.wait_for_function("document.querySelectorAll('[data-testid=token]').length >= 3", timeout=90_000)
+    page.click("#stop-generation")
+    wait_idle(page)
+    page.wait_for_function("""() => { const el = document.querySelector('[data-testid=engine-requests]');
+        return el && el.textContent === '0 / 0'; }""", timeout=15_000)
+    engine = request(base_url, "/v1/engine")
+    assert engine["num_running"] == 0
+    page.wait_for_function(
+        "n => document.querySelector('[data-testid=engine-blocks-used]').textContent.startsWith(n + ' of')",
+        arg=engine["num_blocks_used"], timeout=5_000)
+    pending = page.inner_text("[data-testid=engine-pending]")
+    assert pending.startswith("stopped after") and "appear when" not in pending
+    assert page.inner_text("[data-testid=path-status]") == "stopped"
+    assert watch.unexpected() == []
+    page.close()
+
+
+# ---------------------------------------------------------------- explanations and legibility
+
+
+def test_greedy_steps_are_one_hot(browser: object, base_url: str) -> None:
+    """Defect 11: a greedy step's final distribution is one-hot on the argmax; one token is kept."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"max-tokens": "2", "temperature": "0"})
+    page.click("#generate")
+    wait_finished(page)
+    select_token(page, 0)
+    shown = candidates(page)
+    assert [c["probFinal"] for c in shown] == [1.0 if c["isChosen"] else 0.0 for c in shown]
+    assert shown[0]["isChosen"]
+    assert page.inner_text("[data-testid=why-kept]").startswith("1 (greedy")
+    assert page.inner_text("[data-testid=why-prob-final]") == "1.000"
+    assert "greedy" in page.inner_text("[data-testid=why-method]")
+    assert watch.unexpected() == []
+    page.close()
+
+
+def test_cache_hint_tells_the_truth_about_short_prompts(browser: object, base_url: str, generated: tuple) -> None:
+    """Defect 13: a prompt shorter than one KV block gets no prefix-cache hit, and the hint says so."""
+    page, watch = open_page(browser, base_url)
+    page.fill("#prompt", "Hi there")
+    set_controls(page, **{"max-tokens": "1"})
+    page.click("#generate")
+    wait_finished(page)
+    hint = page.inner_text("[data-testid=cache-hint]")
+    assert "shorter than one KV block" in hint and "already in the KV cache" not in hint
+    # The chat-templated prompt fills whole blocks: those are what a branch finds in the prefix cache.
+    long_page, _ = generated
+    assert "whole block" in long_page.inner_text("[data-testid=cache-hint]")
+    assert watch.unexpected() == []
+    page.close()
+
+
+def test_layout_colours_and_wording(browser: object, base_url: str) -> None:
+    """Defect 14: readable values, a colour-blind-safe scale, units, singulars, everything above the fold."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"max-tokens": "1", "seed": str(SEED)})
+    # Prompt, Generate and the token row are above the fold at 1280×800.
+    for selector in ("#prompt", "#generate", "#tokens"):
+        box = page.locator(selector).bounding_box()
+        assert box["y"] + box["height"] <= 800, selector
+    page.click("#generate")
+    wait_finished(page)
+    # Measured in the page: the chip is re-rendered as engine stats arrive, so a handle could go stale.
+    assert page.eval_on_selector("[data-testid=token]", "e => e.getBoundingClientRect().bottom") <= 800
+    select_token(page, 0)
+    # Probability values: at least 11 px, beside the bar rather than printed on it.
+    sizes = page.eval_on_selector_all(".bar-value", "els => els.map(e => parseFloat(getComputedStyle(e).fontSize))")
+    assert sizes and min(sizes) >= 11
+    assert page.eval_on_selector_all(".bar-track .bar-value", "els => els.length") == 0
+    # Viridis: its dark end (68, 1, 84) and light end (253, 231, 37) are on the legend.
+    legend = page.eval_on_selector(".legend-bar", "e => getComputedStyle(e).backgroundImage")
+    assert "rgb(68, 1, 84)" in legend and "rgb(253, 231, 37)" in legend
+    text = page.inner_text("body")
+    assert "null" not in text and "undefined" not in text
+    assert "1 token " in text or "1 token\n" in text or "1 token)" in text
+    for wrong in ("1 tokens", "1 blocks", "1 KV blocks", "step 0 of", "1 passes", "1 decode passes"):
+        assert wrong not in text, wrong
+    assert "token 1 of 1" in page.inner_text("[data-testid=why-step]")
+    shape = page.inner_text("[data-testid=engine-shape]")
+    assert "tokens per block" in shape and "tokens max" in shape
+    assert "bytes" in page.inner_text("[data-testid=kv-bytes]") or "KiB" in page.inner_text("[data-testid=kv-bytes]")
+    assert watch.unexpected() == []
+    page.close()
+
+
 def test_narrow_screen_has_no_horizontal_scroll(browser: object, base_url: str) -> None:
-    page, watch = _open_page(browser, base_url, width=400, height=800)
-    _set_controls(page, **{"max-tokens": "3", "seed": str(SEED)})
+    page, watch = open_page(browser, base_url, width=400, height=800)
+    set_controls(page, **{"max-tokens": "3", "seed": str(SEED)})
     page.fill("#prompt", "Once upon a time")
-    expected = _request(base_url, "/tokenize", {"prompt": "Once upon a time"})["tokens"]
+    expected = request(base_url, "/tokenize", {"prompt": "Once upon a time"})["tokens"]
     page.wait_for_function("n => document.querySelectorAll('[data-testid=prompt-token]').length === n",
                            arg=len(expected))
     page.click("#generate")
-    _wait_finished(page)
+    wait_finished(page)
     shown = page.eval_on_selector_all("[data-testid=prompt-token]", "els => els.map(e => Number(e.dataset.tokenId))")
     assert shown == expected
     page.click("[data-testid=token][data-step='0']")
     assert page.evaluate("document.documentElement.scrollWidth") <= 400
-    _screenshot(page, "narrow.png")
+    screenshot(page, "narrow.png")
     assert watch.unexpected() == []
     page.close()

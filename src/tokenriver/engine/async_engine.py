@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tokenriver.config import EngineConfig
-from tokenriver.engine.core import EngineCore, ModelInfo
+from tokenriver.engine.core import EngineCore, ModelInfo, PassRow
 from tokenriver.errors import EngineDeadError, EngineOverloadedError
 from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
@@ -98,6 +98,20 @@ class AsyncEngine:
 
     def _take_snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(self.core.scheduler.stats(), self.core.runner.num_forward_passes)
+
+    def recent_passes(self, since: int) -> list[tuple[int, list[PassRow]]]:
+        """The engine's logged steps whose forward-pass counter is above `since`, oldest first: which requests
+        shared each pass (the visualizer's timeline). Safe from any thread: the log is copied, again if the
+        engine thread appended meanwhile."""
+        for _ in range(3):
+            try:
+                entries = list(self.core.pass_log)
+                break
+            except RuntimeError:
+                continue
+        else:
+            entries = []
+        return [(counter, rows) for counter, rows in entries if counter > since]
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,26 @@ class ModelInfo:
     max_waiting_requests: int
     speculative_draft: str | None
     num_speculative_tokens: int
+    # Tokens that end a generation (the visualizer ends a branch forced onto one, as the engine would).
+    eos_token_ids: tuple[int, ...] = ()
+    # Bytes of K and V one token occupies across all layers.
+    kv_bytes_per_token: int = 0
+
+
+@dataclass(slots=True)
+class PassRow:
+    """One request's share of a forward pass, as the visualizer's timeline draws it."""
+
+    request_id: str
+    # Tokens the pass computed for it: a prompt chunk, or one decode token (plus its draft tokens, if any).
+    num_tokens: int
+    # True while the request is still computing its prompt (prefill); False for a decode row.
+    is_prompt: bool
+    num_draft_tokens: int = 0
+
+
+# Steps the engine remembers for GET /v1/visualizer/passes: enough for a few generations, bounded memory.
+PASS_LOG_LENGTH = 512
 
 
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
@@ -141,7 +162,11 @@ class EngineCore:
             block_size=config.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=self.kv_cache.num_bytes,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_waiting_requests=config.resolved_max_waiting_requests(num_blocks),
-            speculative_draft=config.speculative_draft, num_speculative_tokens=config.num_speculative_tokens)
+            speculative_draft=config.speculative_draft, num_speculative_tokens=config.num_speculative_tokens,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            kv_bytes_per_token=self.kv_cache.num_bytes // (num_blocks * config.block_size))
+        # (forward-pass counter after the step, its rows): which requests shared each recent step's pass.
+        self.pass_log: deque[tuple[int, list[PassRow]]] = deque(maxlen=PASS_LOG_LENGTH)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
@@ -226,6 +251,11 @@ class EngineCore:
         outputs += [self.output_processor.beam_output(r.request_id, r.hypotheses, r.metrics) for r in beam_results]
         if self.speculator is not None:
             self.speculator.drop_finished(self.scheduler)
+        if not scheduler_output.is_empty:
+            self.pass_log.append((self.runner.num_forward_passes, [
+                PassRow(r.request_id, len(r.token_ids), r.start_position < len(r.prompt_token_ids),
+                        len(r.draft_token_ids))
+                for r in scheduler_output.scheduled]))
         self.last_step = StepStats(self.scheduler.stats(), time.perf_counter() - started,
                                    self.runner.num_forward_passes, self._num_draft_forward_passes())
         return outputs

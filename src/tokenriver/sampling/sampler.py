@@ -219,6 +219,8 @@ class Sampler:
         num_top = [state.params.logprobs or 0 for state in states]
         logprobs = _raw_logprobs(logits, token_ids, num_top, is_rank_one, log_normalizer)
         traces = tracer.finish(processed, token_ids, states) if tracer else {}
+        if sampled_rows and traces:
+            _note_draws(traces, processed, token_ids, sampled_rows, uniforms)
 
         chosen = token_ids.tolist()
         return [SampleResult(chosen[i], logprobs[i], traces.get(i)) for i in range(num_rows)]
@@ -469,6 +471,21 @@ def _verdict(draft_token_ids: list[int], position: int, num_accepted: int) -> di
         # True when this token is that draft, accepted; False when the target replaced it (or added a bonus).
         "accepted": position < num_accepted,
     }
+
+
+def _note_draws(traces: dict[int, StepTrace], processed: torch.Tensor, token_ids: torch.Tensor, rows: list[int],
+                uniforms: torch.Tensor) -> None:
+    """StepTrace.extra["draw"] of each traced sampled row: its uniform and the span of the cumulative distribution
+    (in token-id order, the order _draw walks) its token covers, so a reader can see where the draw landed."""
+    for j, row in enumerate(rows):
+        trace = traces.get(row)
+        if trace is None:
+            continue
+        probs = processed[row].softmax(dim=0)  # [V]
+        chosen = int(token_ids[row])
+        start = float(probs[:chosen].sum())
+        end = start + float(probs[chosen])
+        trace.extra["draw"] = {"uniform": float(uniforms[j]), "cdf_start": start, "cdf_end": end}
 
 
 def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -49,6 +49,7 @@ from tokenriver.server.metrics import ServerMetrics
 from tokenriver.server.protocol import (IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         ErrorInfo, ErrorResponse, TokenizeRequest, parse_request)
 from tokenriver.server.serving import GenerationPlan, OpenAIServing
+from tokenriver.server.visualizer_api import add_visualizer_routes
 
 logger = logging.getLogger("tokenriver.server")
 
@@ -366,6 +367,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/engine")
     async def engine_info() -> dict[str, Any]:
         return serving.engine_info()
+
+    add_visualizer_routes(app, engine)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

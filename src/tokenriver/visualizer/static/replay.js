@@ -1,0 +1,392 @@
+"use strict";
+/*
+ * Replaying recorded steps, exactly. A step's distribution depends only on the tokens before it, so asking
+ * the engine for one token from "prompt + path before the step" gives that step's logits again (the prefix
+ * cache makes it cheap). With other settings, the trace of that one-token request *is* the step under those
+ * settings, computed by the engine's own sampler over the whole vocabulary: no renormalising over the few
+ * candidates the page happens to hold. The same request, once per stage, gives every stage's distribution.
+ *
+ * Also here: export and import of a tree as JSON, replayed request by request and checked token by token.
+ */
+
+// Candidates a replay asks for: the API's maximum, so what the page shows is never short of the distribution.
+const REPLAY_TOP = 100;
+
+/** One token from the context before `step` of `branch`, under `settings`; returns that step's trace. */
+async function replayStep(branch, step, settings) {
+  const ids = state.treePromptIds.concat(
+    pathOf(branch)
+      .slice(0, step)
+      .map((t) => t.id),
+  );
+  const body = { prompt: ids, max_tokens: 1, trace: true, trace_top: REPLAY_TOP, ...settings };
+  if (state.modelName) body.model = state.modelName;
+  const out = await apiJson("/v1/completions", body);
+  labelRequest(out.id, "replay (preview)");
+  return out.choices[0].trace[0];
+}
+
+/* ---------------------------------------------------------------- preview */
+
+// The preview of the selected step: its own settings (never the generation settings) and the replayed result.
+const preview = {
+  key: null,
+  settings: null,
+  trace: null,
+  status: "",
+  serial: 0,
+  timer: null,
+  node: null,
+  stagesNode: null,
+};
+
+/** The sampling settings a path's step was generated with, as preview inputs start from. */
+function stepSettings(branch) {
+  const p = branch.params;
+  return {
+    temperature: p.temperature ?? 1,
+    top_k: p.top_k ?? 0,
+    top_p: p.top_p ?? 1,
+    min_p: p.min_p ?? 0,
+    repetition_penalty: p.repetition_penalty ?? 1,
+  };
+}
+
+/** Preview probabilities by token id, or null while no replay has answered for the selected step. */
+function previewProbs() {
+  const branch = currentBranch();
+  if (!preview.trace || !branch || preview.key !== `${branch.id}:${state.selectedStep}`) return null;
+  return finalDistribution(preview.trace);
+}
+
+function previewInput(name, label, attrs) {
+  const id = `preview-${name.replace("_", "-")}`;
+  const input = el("input", {
+    id,
+    "data-testid": id,
+    "data-focus-key": id,
+    value: preview.settings[name],
+    ...attrs,
+    oninput: (event) => {
+      const value = Number(event.target.value);
+      if (Number.isNaN(value)) return;
+      preview.settings[name] = value;
+      const shown = document.getElementById(`${id}-value`);
+      if (shown) shown.textContent = String(value);
+      schedulePreview();
+    },
+  });
+  return el("div", { class: "control" }, [
+    el("label", { for: id }, [label, " ", el("output", { id: `${id}-value`, text: String(preview.settings[name]) })]),
+    input,
+  ]);
+}
+
+/**
+ * The preview controls. Built once per selected step and reused across renders, so a slider being dragged is
+ * not replaced under the pointer while tokens stream in.
+ */
+function previewPanel(branch, step) {
+  const key = `${branch.id}:${step}`;
+  if (preview.key === key && preview.node) {
+    updatePreviewStatus();
+    return preview.node;
+  }
+  preview.key = key;
+  preview.settings = stepSettings(branch);
+  preview.trace = null;
+  preview.status = "Move a setting to replay this token under it.";
+  preview.stagesNode = el("div", { class: "stages", "data-testid": "stages" });
+  preview.node = el("fieldset", { class: "preview", "data-testid": "preview" }, [
+    el("legend", { text: "Preview: replay this token under other settings (does not change the generation settings)" }),
+    el("div", { class: "controls preview-controls" }, [
+      previewInput("temperature", "temperature", { type: "range", min: 0, max: 2, step: 0.05 }),
+      previewInput("top_k", "top-k", { type: "number", min: 0, step: 1 }),
+      previewInput("top_p", "top-p", { type: "number", min: 0.01, max: 1, step: 0.01 }),
+      previewInput("min_p", "min-p", { type: "number", min: 0, max: 1, step: 0.01 }),
+    ]),
+    el("p", { class: "hint", "data-testid": "preview-status" }),
+    el("div", { class: "actions" }, [
+      el("button", {
+        type: "button",
+        class: "small",
+        "data-testid": "preview-now",
+        text: "replay now",
+        onclick: () => runPreview(),
+      }),
+      el("button", {
+        type: "button",
+        class: "small",
+        "data-testid": "show-stages",
+        text: "show every stage",
+        onclick: () => showStages(currentBranch(), state.selectedStep, preview.stagesNode),
+      }),
+    ]),
+    preview.stagesNode,
+  ]);
+  updatePreviewStatus();
+  return preview.node;
+}
+
+function updatePreviewStatus() {
+  const status = preview.node && preview.node.querySelector("[data-testid=preview-status]");
+  if (status) status.textContent = preview.status;
+}
+
+function schedulePreview() {
+  clearTimeout(preview.timer);
+  preview.timer = setTimeout(runPreview, 150);
+}
+
+async function runPreview() {
+  const branch = currentBranch();
+  const step = state.selectedStep;
+  if (!branch || step === null) return;
+  const serial = ++preview.serial;
+  const settings = { ...preview.settings };
+  preview.status = "replaying…";
+  updatePreviewStatus();
+  try {
+    const trace = await replayStep(branch, step, settings);
+    if (serial !== preview.serial) return;
+    preview.trace = trace;
+    const shown = trace.candidates.reduce((sum, c) => sum + (finalDistribution(trace).get(c.token_id) || 0), 0);
+    preview.status =
+      `Exact: the engine replayed this token at T ${settings.temperature}, top-k ${settings.top_k}, ` +
+      `top-p ${settings.top_p}, min-p ${settings.min_p}: ${keptText(trace)} kept; the ${plural(trace.candidates.length, "candidate")} ` +
+      `it returned hold ${fmtPercent(shown)} of the preview distribution.`;
+    $("why").dataset.previewSerial = String(serial);
+  } catch (error) {
+    preview.status = `Replay failed: ${error.message}`;
+  }
+  scheduleRender();
+}
+
+/* ---------------------------------------------------------------- every stage */
+
+/**
+ * The sampler's stages in its order, each as the settings that stop right after it. A stage left at its
+ * neutral value is skipped: it changes nothing. Each entry's distribution comes from its own replay.
+ */
+function stagePlan(settings) {
+  const plan = [];
+  const base = { temperature: 1, top_k: 0, top_p: 1, min_p: 0, repetition_penalty: settings.repetition_penalty };
+  if (settings.repetition_penalty !== 1) plan.push({ name: "penalties (repetition)", settings: { ...base } });
+  const greedy = settings.temperature === 0;
+  const scaled = { ...base, temperature: settings.temperature };
+  plan.push({
+    name: greedy ? "temperature 0: argmax (one-hot)" : `temperature ${settings.temperature}`,
+    settings: { ...scaled },
+  });
+  if (greedy) return plan;
+  if (settings.top_k > 0)
+    plan.push({ name: `top-k ${settings.top_k}`, settings: { ...scaled, top_k: settings.top_k } });
+  if (settings.top_p < 1)
+    plan.push({
+      name: `top-p ${settings.top_p}`,
+      settings: { ...scaled, top_k: settings.top_k, top_p: settings.top_p },
+    });
+  if (settings.min_p > 0) plan.push({ name: `min-p ${settings.min_p}`, settings: { ...settings } });
+  return plan;
+}
+
+/** Replays of every stage of a step, all at once (the engine batches them into shared forward passes). */
+async function stageTraces(branch, step, settings) {
+  const plan = stagePlan(settings);
+  const traces = await Promise.all(plan.map((stage) => replayStep(branch, step, stage.settings)));
+  return plan.map((stage, i) => ({ name: stage.name, trace: traces[i] }));
+}
+
+async function showStages(branch, step, box) {
+  if (!branch || step === null) return;
+  box.replaceChildren(el("p", { class: "hint", text: "replaying each stage…" }));
+  try {
+    const stages = await stageTraces(branch, step, stepSettings(branch));
+    box.replaceChildren(stagesTable(pathOf(branch)[step].trace, stages));
+  } catch (error) {
+    box.replaceChildren(el("p", { class: "hint", text: `Replay failed: ${error.message}` }));
+  }
+}
+
+/** Candidates down, stages across: raw softmax, then after each stage, each column summing to at most 1. */
+function stagesTable(trace, stages) {
+  const candidates = trace.candidates
+    .slice()
+    .sort((a, b) => a.rank - b.rank)
+    .slice(0, 10);
+  const columns = [
+    { name: "raw softmax", probs: new Map(trace.candidates.map((c) => [c.token_id, c.prob_raw])), kept: null },
+  ].concat(
+    stages.map((s) => ({ name: `after ${s.name}`, probs: finalDistribution(s.trace), kept: keptText(s.trace) })),
+  );
+  return el("table", { class: "stages-table", "data-testid": "stages-table" }, [
+    el("thead", {}, [
+      el("tr", {}, [
+        el("th", { text: "token" }),
+        el("th", { text: "logit" }),
+        ...columns.map((col) =>
+          el("th", { "data-testid": "stage-name" }, [
+            col.name,
+            col.kept ? el("br") : null,
+            col.kept ? el("span", { class: "hint", text: `${col.kept} kept` }) : null,
+          ]),
+        ),
+      ]),
+    ]),
+    el(
+      "tbody",
+      {},
+      candidates.map((c) =>
+        el("tr", { class: c.token_id === trace.chosen_token_id ? "picked" : "" }, [
+          el("td", { text: visibleText(c.text) }),
+          el("td", { class: "num", text: c.logit.toFixed(2) }),
+          ...columns.map((col) => {
+            const p = col.probs.get(c.token_id) ?? 0;
+            return el("td", {
+              class: "num",
+              "data-testid": "stage-prob",
+              "data-prob": p,
+              style: `background:${probColor(p)};color:${probInk(p)}`,
+              text: fmtProb(p),
+            });
+          }),
+        ]),
+      ),
+    ),
+  ]);
+}
+
+/* ---------------------------------------------------------------- export and import */
+
+const EXPORT_FORMAT = "tokenriver-visualizer-tree";
+
+/** Everything needed to run the tree again: the prompt, and per path its settings, seed, fork and tokens. */
+function treeExport() {
+  return {
+    format: EXPORT_FORMAT,
+    version: 1,
+    model: state.modelName,
+    prompt: { ...state.treePromptText, token_ids: state.treePromptIds },
+    paths: state.branches
+      .filter((b) => b.status !== "streaming")
+      .map((b) => ({
+        id: b.id,
+        parent: b.parentId,
+        fork_step: b.prefix.length,
+        kind: b.kind || (b.params.n ? "samples" : isForcedStart(b) ? "branch" : "generate"),
+        forced_token_id: isForcedStart(b) ? b.tokens[0].id : null,
+        settings: { ...b.params },
+        token_ids: b.tokens.map((t) => t.id),
+        finish_reason: b.finishReason,
+      })),
+  };
+}
+
+function exportTree() {
+  if (!state.branches.length) {
+    showError(inputError(null, "there is no tree to export yet"));
+    return;
+  }
+  const blob = new Blob([JSON.stringify(treeExport(), null, 2)], { type: "application/json" });
+  const link = el("a", { href: URL.createObjectURL(blob), download: `tokenriver-tree-${Date.now()}.json` });
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(link.href), 1000);
+}
+
+async function importTreeFile(file) {
+  if (!file) return;
+  clearError();
+  try {
+    const data = JSON.parse(await file.text());
+    await importTree(data);
+  } catch (error) {
+    showError(error instanceof ApiError ? error : inputError(null, `cannot import this file: ${error.message}`));
+  } finally {
+    $("import-tree").value = "";
+  }
+}
+
+/** Rebuild a tree from an export by running its requests again in order, then compare every token. */
+async function importTree(data) {
+  if (!data || data.format !== EXPORT_FORMAT || !Array.isArray(data.paths))
+    throw new Error(`not a ${EXPORT_FORMAT} file`);
+  if (isBusy()) throw new Error("wait for the running generation to end");
+  restorePromptInputs(data.prompt);
+  const ids = await tokenizePrompt();
+  if (!ids || ids.length !== data.prompt.token_ids.length || ids.some((id, i) => id !== data.prompt.token_ids[i])) {
+    throw new Error("this server's tokenizer turns the saved prompt into other token ids (another model?)");
+  }
+  startTree(ids);
+  const made = new Map();
+  const groups = new Map();
+  for (const saved of data.paths.slice().sort((a, b) => a.id - b.id)) {
+    if (saved.kind === "samples") {
+      const key = saved.settings.group;
+      if (!groups.has(key)) groups.set(key, []);
+      groups.get(key).push(saved);
+      if (groups.get(key).length < saved.settings.n) continue;
+      await replaySamples(groups.get(key), made);
+    } else {
+      await replayPath(saved, made);
+    }
+  }
+  state.importReport =
+    importVerdict(data.paths, made) +
+    (data.model && data.model !== state.modelName
+      ? ` The file was made with ${data.model}; this server runs ${state.modelName}.`
+      : "");
+  scheduleRender();
+}
+
+async function replayPath(saved, made) {
+  const parent = saved.parent === null ? null : made.get(saved.parent) || null;
+  const prefix = parent ? pathOf(parent).slice(0, saved.fork_step) : [];
+  let forced = null;
+  if (saved.forced_token_id !== null) {
+    const parentTrace = parent ? pathOf(parent)[saved.fork_step].trace : null;
+    let candidate = parentTrace && parentTrace.candidates.find((c) => c.token_id === saved.forced_token_id);
+    if (!candidate) {
+      const text = (await apiJson("/detokenize", { tokens: [saved.forced_token_id] })).prompt;
+      candidate = { token_id: saved.forced_token_id, text, rank: null, prob_raw: 0, prob_final: 0 };
+    }
+    forced = forcedToken(parentTrace, candidate);
+  }
+  const branch = newBranch(parent, saved.fork_step, prefix, forced, { ...saved.settings });
+  branch.kind = saved.kind;
+  made.set(saved.id, branch);
+  selectBranch(branch.id, null);
+  if (saved.kind === "step") {
+    await replaySteps(branch, saved.token_ids.length);
+  } else {
+    await runBranch(branch);
+  }
+}
+
+async function replaySamples(group, made) {
+  const first = group[0];
+  const parent = first.parent === null ? null : made.get(first.parent) || null;
+  const prefix = parent ? pathOf(parent).slice(0, first.fork_step) : [];
+  const branches = group.map((saved) => {
+    const branch = newBranch(parent, first.fork_step, prefix, null, { ...saved.settings });
+    made.set(saved.id, branch);
+    return branch;
+  });
+  await runRequest(branches, completionBody(branches[0], { n: first.settings.n }));
+}
+
+function importVerdict(saved, made) {
+  const differing = saved.filter((s) => {
+    const branch = made.get(s.id);
+    return (
+      !branch || branch.tokens.length !== s.token_ids.length || branch.tokens.some((t, i) => t.id !== s.token_ids[i])
+    );
+  });
+  if (!differing.length)
+    return `Imported and replayed ${plural(saved.length, "path")}: every token identical to the export.`;
+  return (
+    `Imported ${plural(saved.length, "path")}; ${differing.map((s) => `path ${s.id}`).join(", ")} replayed differently ` +
+    "(another model, other engine settings, or a path saved while it was stopped)."
+  );
+}

@@ -1,0 +1,46 @@
+"""The visualizer against a server that decodes speculatively (n-gram drafts): drafted, accepted and replaced
+tokens are marked per step, the acceptance rule is stated, and the engine view counts the drafts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from visualizer_harness import (doc_screenshot, open_page, path_token_ids, request, running_server, screenshot, set_controls,
+                                wait_finished)
+
+# Text that repeats, so the n-gram proposer finds earlier occurrences to copy as drafts.
+REPEATING_PROMPT = "one two three four, one two three four, one two three four, one two three four, one two"
+
+
+@pytest.fixture(scope="module")
+def speculative_url() -> Iterator[str]:
+    with running_server(("--speculative-draft", "ngram", "--num-speculative-tokens", "3"), name="speculative") as url:
+        yield url
+
+
+def test_speculative_view_marks_drafts_and_states_the_rule(browser: object, speculative_url: str) -> None:
+    page, watch = open_page(browser, speculative_url)
+    page.fill("#prompt", REPEATING_PROMPT)
+    set_controls(page, **{"max-tokens": "12", "temperature": "0"})
+    page.click("#generate")
+    wait_finished(page)
+    body = {"prompt": REPEATING_PROMPT, "max_tokens": 12, "temperature": 0, "trace": True}
+    reference = request(speculative_url, "/v1/completions", body)["choices"][0]["trace"]
+    assert path_token_ids(page) == [s["chosen_token_id"] for s in reference]
+    accepted = [s["index"] for s in reference if s["extra"].get("speculative", {}).get("accepted")]
+    assert accepted, "the n-gram proposer drafted nothing on a repeating prompt"
+    shown = page.eval_on_selector_all("[data-testid=token].draft-accepted",
+                                      "els => els.map(e => Number(e.dataset.step))")
+    assert shown == accepted
+    page.click(f"[data-testid=token][data-step='{accepted[0]}']")
+    note = page.inner_text("[data-testid=why-speculative]")
+    assert "accepted" in note and "argmax" in note
+    assert "ngram" in page.inner_text("[data-testid=engine-speculative]")
+    # The timeline marks the verification passes that carried draft tokens.
+    assert page.locator("[data-testid=timeline-cell]").count() >= 1
+    screenshot(page, "speculative.png")
+    doc_screenshot(page, "[data-testid=why-speculative]", "visualizer-speculative.png")
+    assert watch.unexpected() == []
+    page.close()
