@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenriver.errors import ModelLoadError
+from tokenriver.models.gemma import GemmaForCausalLM
 from tokenriver.models.llama import LlamaForCausalLM
 
 # Canonical architecture key → model class.
@@ -20,6 +21,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
 }
 
 # Names found in files → canonical key.
@@ -27,6 +30,9 @@ _ALIASES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "gemma3_text": "gemma3",
 }
 
 
