@@ -82,7 +82,8 @@ def _stack(parts: list[Weight], dtype: torch.dtype) -> Weight:
     first = parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
-    if all(type(p) is type(first) and p.group_size == first.group_size for p in parts):
+    if all(not isinstance(p, torch.Tensor) and type(p) is type(first) and p.group_size == first.group_size
+           for p in parts):
         return concatenate(parts)
     return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts])
 
