@@ -8,7 +8,10 @@ counts of mixture-of-experts models.
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+import torch
 
 from tokenriver.errors import ModelLoadError
 
@@ -24,8 +27,26 @@ def family_fields(architecture: str, raw: dict[str, Any], config_path: str) -> d
     if architecture == "phi3":
         return _phi3(raw, config_path)
     if architecture in ("qwen3_moe", "mixtral"):
-        return _moe(architecture, raw)
+        return _moe(architecture, raw, config_path)
     return {}
+
+
+# Mixtral's checkpoint names → the Qwen3-MoE names models/moe.py uses (transformers 5 renames them the same way).
+_MIXTRAL_RENAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"\.w1\.weight$"), ".gate_proj.weight"),
+                    (re.compile(r"\.w3\.weight$"), ".up_proj.weight"),
+                    (re.compile(r"\.w2\.weight$"), ".down_proj.weight"))
+
+
+def rename_weights(architecture: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint parameter names → the model page's, where a family's checkpoints name them otherwise."""
+    if architecture != "mixtral":
+        return weights
+    renamed = {}
+    for name, tensor in weights.items():
+        for pattern, replacement in _MIXTRAL_RENAMES:
+            name = pattern.sub(replacement, name)
+        renamed[name] = tensor
+    return renamed
 
 
 def hidden_act(architecture: str, raw: dict[str, Any]) -> str:
@@ -86,11 +107,16 @@ def _phi3(raw: dict[str, Any], config_path: str) -> dict[str, Any]:
     return fields
 
 
-def _moe(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
+def _moe(architecture: str, raw: dict[str, Any], config_path: str) -> dict[str, Any]:
+    if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
+        raise ModelLoadError(f"{config_path}: dense layers between the sparse ones (mlp_only_layers, "
+                             f"decoder_sparse_step) are not supported", path=config_path)
     if architecture == "mixtral":
         return {"num_experts": raw["num_local_experts"], "num_experts_per_tok": raw["num_experts_per_tok"],
                 "moe_intermediate_size": raw["intermediate_size"], "norm_topk_prob": True}
-    return {"num_experts": raw["num_experts"], "num_experts_per_tok": raw["num_experts_per_tok"],
+    # transformers 5 writes num_local_experts, 4.x num_experts.
+    num_experts = raw["num_experts"] if raw.get("num_experts") else raw["num_local_experts"]
+    return {"num_experts": num_experts, "num_experts_per_tok": raw["num_experts_per_tok"],
             "moe_intermediate_size": raw["moe_intermediate_size"],
             "norm_topk_prob": bool(raw.get("norm_topk_prob", True)), "qk_norm": True,
             "attention_bias": bool(raw.get("attention_bias", False))}

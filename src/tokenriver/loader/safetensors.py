@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenriver.errors import ModelLoadError
-from tokenriver.loader.hf_arch import family_fields, hidden_act
+from tokenriver.loader.hf_arch import family_fields, hidden_act, rename_weights
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.registry import canonical_architecture
 
@@ -48,6 +48,7 @@ def read_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> HFCheckpoin
         except (SafetensorError, OSError) as error:
             raise ModelLoadError(f"{file}: cannot read this safetensors file ({error}); download it again",
                                  path=file) from error
+    weights = rename_weights(config.architecture, weights)
     # Older checkpoints store the rotary frequencies; ours are computed from the config.
     weights = {name: w for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:

@@ -15,6 +15,8 @@ from torch import nn
 from tokenriver.errors import ModelLoadError
 from tokenriver.models.gemma import GemmaForCausalLM
 from tokenriver.models.llama import LlamaForCausalLM
+from tokenriver.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from tokenriver.models.qwen3 import Qwen3ForCausalLM
 
 # Canonical architecture key → model class.
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -23,6 +25,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 # Names found in files → canonical key.
@@ -33,6 +38,9 @@ _ALIASES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "gemma3_text": "gemma3",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
