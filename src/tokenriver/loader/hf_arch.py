@@ -8,6 +8,7 @@ counts of mixture-of-experts models.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -101,10 +102,27 @@ def _phi3(raw: dict[str, Any], config_path: str) -> dict[str, Any]:
                                   "layer_types": ("sliding_attention",) * raw["num_hidden_layers"]}
     else:
         fields = {}
-    fields["partial_rotary_factor"] = float(raw.get("partial_rotary_factor", 1.0))
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    # transformers 5 keeps partial_rotary_factor among the rope parameters, 4.x at the top level.
+    fields["partial_rotary_factor"] = float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     if raw.get("attention_bias"):
         raise ModelLoadError(f"{config_path}: attention_bias=true is not supported for phi3", path=config_path)
+    if rope.get("rope_type", rope.get("type")) == "longrope":
+        fields["rope_scaling"] = _longrope(raw, rope)
     return fields
+
+
+def _longrope(raw: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's factors, with the attention factor worked out as transformers does when the config omits it."""
+    original = rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings") \
+        or raw["max_position_embeddings"]
+    factor = rope.get("factor") or raw["max_position_embeddings"] / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": list(rope["short_factor"]),
+            "long_factor": list(rope["long_factor"]), "original_max_position_embeddings": int(original),
+            "attention_factor": float(attention_factor)}
 
 
 def _moe(architecture: str, raw: dict[str, Any], config_path: str) -> dict[str, Any]:

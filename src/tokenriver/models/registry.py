@@ -16,6 +16,7 @@ from tokenriver.errors import ModelLoadError
 from tokenriver.models.gemma import GemmaForCausalLM
 from tokenriver.models.llama import LlamaForCausalLM
 from tokenriver.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from tokenriver.models.phi3 import Phi3ForCausalLM
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 
 # Canonical architecture key → model class.
@@ -28,6 +29,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 # Names found in files → canonical key.
@@ -41,6 +43,7 @@ _ALIASES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
