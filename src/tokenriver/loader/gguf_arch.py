@@ -81,10 +81,10 @@ def config_fields(gguf_arch: str, get: Callable[..., Any], tensors: dict[str, An
             qk_norm=gguf_arch == "gemma3",
         )
         if fields["sliding_window"]:
-            fields["layer_types"] = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
-                                          for i in range(num_layers))
+            fields["layer_types"] = _layer_types(get("attention.sliding_window_pattern", pattern), num_layers)
         if gguf_arch == "gemma3":
-            fields["rope_local_base_freq"] = 10000.0  # llama.cpp's fixed base for Gemma 3's sliding layers
+            # Newer converters write the sliding layers' base; llama.cpp's default is 10000.
+            fields["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
     elif gguf_arch in ("qwen3", "qwen3moe"):
         fields["qk_norm"] = True
     if gguf_arch == "phi3":
@@ -95,8 +95,16 @@ def config_fields(gguf_arch: str, get: Callable[..., Any], tensors: dict[str, An
     if expert_count:
         fields.update(num_experts=expert_count, num_experts_per_tok=get("expert_used_count"),
                       moe_intermediate_size=get("expert_feed_forward_length", 0) or get("feed_forward_length"),
-                      norm_topk_prob=True)
+                      norm_topk_prob=bool(get("expert_weights_norm", True)))
     return fields
+
+
+def _layer_types(pattern: int | list[bool], num_layers: int) -> tuple[str, ...]:
+    """llama.cpp's sliding-window pattern: a period n (every n-th layer global), or one flag per layer (true:
+    sliding)."""
+    if isinstance(pattern, list):
+        return tuple("sliding_attention" if flag else "full_attention" for flag in pattern)
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
 
 
 def layer_name(gguf_arch: str, part: str) -> str | None:
