@@ -122,3 +122,20 @@ def test_default_load_scores_the_text(gguf_path, ours, text_ids):
     _, reference_ppl = argmax_and_perplexity(ours.model.compute_logits, hidden_states(ours, text_ids), text_ids)
     print(f"\nGemma 3 270M, quantization='auto': perplexity {ppl:.3f} (float32 {reference_ppl:.3f})")
     assert ppl / reference_ppl < 1.02
+
+
+def test_tokenizer_chat_template_and_end_of_turn(gguf_path, ours):
+    """Gemma's 262k SentencePiece vocabulary encodes as transformers' GGUF tokenizer does; the file has no chat
+    template, so Gemma's own is used (loader/gguf_arch.py), rendering as transformers renders it; <end_of_turn>
+    ends generation."""
+    transformers = pytest.importorskip("transformers")
+    directory, name = os.path.split(gguf_path)
+    reference = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    text = TEXT.read_text(encoding="utf-8")
+    assert ours.tokenizer.encode(text) == reference(text)["input_ids"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
+    reference.chat_template = ours.tokenizer.chat_template
+    rendered = ours.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert rendered == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == "<bos><start_of_turn>user\nBe brief.\n\nName a river.<end_of_turn>\n<start_of_turn>model\n"
+    assert reference.convert_tokens_to_ids("<end_of_turn>") in ours.tokenizer.eos_token_ids

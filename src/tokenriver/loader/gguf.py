@@ -121,6 +121,9 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
             if families.stores_norm_plus_one(gguf_arch, tensor.name):
                 weights[name] -= 1.0  # Gemma: the file holds 1 + w, the model's parameter is w.
     tokenizer_fields = {name: value for name, value in fields.items() if name.startswith("tokenizer.")}
+    template = families.default_chat_template(gguf_arch)
+    if template is not None and "tokenizer.ggml.tokens" in tokenizer_fields:
+        tokenizer_fields.setdefault("tokenizer.chat_template", template)
     return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=tokenizer_fields)
 
 

@@ -123,3 +123,55 @@ def stacked_experts(name: str) -> tuple[int, str] | None:
 def stores_norm_plus_one(gguf_arch: str, name: str) -> bool:
     """Whether this tensor is a Gemma norm weight that the converter stored as 1 + w."""
     return gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight")
+
+
+# Gemma's chat template as the instruction-tuned checkpoints ship it (tokenizer_config.json), for files converted
+# without one: llama.cpp likewise falls back to a built-in Gemma template. A system message becomes the prefix of
+# the first user turn; the assistant's role is "model"; every turn ends with <end_of_turn>, which ends generation.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n"
+)
+
+
+def default_chat_template(gguf_arch: str) -> str | None:
+    """The template to use when a file of this architecture carries none."""
+    return GEMMA_CHAT_TEMPLATE if gguf_arch in ("gemma2", "gemma3") else None
