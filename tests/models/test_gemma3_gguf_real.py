@@ -112,7 +112,8 @@ def test_greedy_continuation_equals_transformers(ours, reference):
     with torch.no_grad():
         want = reference.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False)[0].tolist()
     # transformers stops at an end-of-turn token; compare what it generated.
-    assert tokens[:len(want)] == want, (ours.tokenizer.decode(tokens[len(ids):]), ours.tokenizer.decode(want[len(ids):]))
+    assert tokens[:len(want)] == want, (ours.tokenizer.decode(tokens[len(ids):]),
+                                        ours.tokenizer.decode(want[len(ids):]))
 
 
 def test_default_load_scores_the_text(gguf_path, ours, text_ids):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tokenriver.kv.cache import KVCache
+from tokenriver.loader.assemble import build_model
 
 from arch_reference import (BLOCK_SIZE, greedy_ours, greedy_transformers, load_folder, random_ids, relative_error,
                             run_one, run_steps, transformers_logits, widen)
@@ -105,3 +106,14 @@ def test_prefix_cache_hit_across_the_window_boundary(pair):
     hit = run_steps(ours, [first, second], [[0, 9], [0, 16]], tables=tables, cache=cache,
                     start=[len(first), len(shared)])[1]
     assert torch.allclose(hit, whole[len(shared):], rtol=0, atol=1e-4), (hit - whole[len(shared):]).abs().max()
+
+
+def test_bfloat16_greedy_agrees_with_float32(pair):
+    reference, ours = pair
+    weights = {name: tensor.to(torch.bfloat16) for name, tensor in ours.state_dict().items()}
+    model = build_model(ours.config, weights, "cpu", dtype=torch.bfloat16)
+    ids = random_ids(60, 256, seed=8)
+    got = run_one(model, ids)
+    assert got.dtype == torch.float32
+    agreement = (got.argmax(-1) == transformers_logits(reference, ids).argmax(-1)).float().mean().item()
+    assert agreement >= 0.9, agreement

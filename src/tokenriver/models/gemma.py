@@ -49,6 +49,13 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., dim]; with residual [..., dim]: residual += x first, and the sum is normalized."""
         shape = x.shape
+        if x.dtype != torch.float32:
+            # HF rounds once, after the weight: (x32 * rsqrt(...) * (1 + w32)).to(dtype).
+            if residual is not None:
+                x = residual.add_(x)
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         rows = x.reshape(-1, shape[-1])  # [rows, dim]
         out = rms_norm(rows, 1.0 + self.weight, self.eps, None if residual is None else residual.view(-1, shape[-1]))
         return out.view(shape)

@@ -1,7 +1,7 @@
 """Qwen3 decoder: the Llama block with an RMSNorm over each query and key head before rotary.
 
-One page, top to bottom as in models/llama.py: embedding → N × (RMSNorm → attention → residual, RMSNorm → MLP →
-residual) → final RMSNorm, each residual add done by the norm that follows it (`add_and_norm`). What Qwen3 adds is
+One page, top to bottom as in models/llama.py: embedding → N × (RMSNorm → attention → residual, RMSNorm → MLP
+→ residual) → final RMSNorm, each residual add done by the norm that follows it (`add_and_norm`). Qwen3 adds
 `q_norm` / `k_norm` (weights [head_dim], shared by all heads): they keep attention logits in range without a QKV
 bias. The MLP is passed in (`mlp_factory`) so the mixture-of-experts pages (models/moe.py: Qwen3-MoE, Mixtral) are
 this page with another feed-forward block. Parameter names are Hugging Face's (Qwen3ForCausalLM), q/k/v and gate/up

@@ -655,7 +655,8 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
   const int64_t last_position = first_position + i1 - 1;
   // Tiles stay aligned to multiples of kTile from position 0 (a token's numbers do not depend on its chunk);
   // a window skips the tiles wholly before the first token's window.
-  const int64_t first_seen = p.window > 0 && first_position + i0 + 1 > p.window ? first_position + i0 + 1 - p.window : 0;
+  const int64_t first_seen =
+      p.window > 0 && first_position + i0 + 1 > p.window ? first_position + i0 + 1 - p.window : 0;
   for (int64_t tile = first_seen / kTile * kTile; tile <= last_position; tile += kTile) {
     const int64_t n = last_position + 1 - tile < kTile ? last_position + 1 - tile : kTile;
     for (int64_t j = 0; j < kTile; ++j) {
@@ -689,13 +690,16 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
         float* a = acc + (r0 + h) * D;
         switch (G - h) {
           case 1:
-            chunk_heads<ND, 1, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h, l + r0 + h, a);
+            chunk_heads<ND, 1, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h,
+                                     l + r0 + h, a);
             break;
           case 2:
-            chunk_heads<ND, 2, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h, l + r0 + h, a);
+            chunk_heads<ND, 2, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h,
+                                     l + r0 + h, a);
             break;
           default:
-            chunk_heads<ND, 3, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h, l + r0 + h, a);
+            chunk_heads<ND, 3, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h,
+                                     l + r0 + h, a);
         }
       }
     }
