@@ -20,7 +20,9 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp",
-    "block_sparse_moe.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 _GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
@@ -78,6 +80,8 @@ def write_gguf(folder: str, arch: str, path: str, expert_type: gguf.GGMLQuantiza
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if config.get("moe_intermediate_size"):
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if full.get("rope_type") == "longrope":
         writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
         writer.add_float32(f"{arch}.rope.scaling.attn_factor", _longrope_attention_factor(config))
@@ -94,6 +98,8 @@ def write_gguf(folder: str, arch: str, path: str, expert_type: gguf.GGMLQuantiza
         gguf_name = _gguf_name(name, arch)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             values = values + 1.0
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            values = values.reshape(-1)  # llama.cpp stores the shared expert's gate as a vector
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config["num_attention_heads"] if "attn_q" in gguf_name else config["num_key_value_heads"]
             values = _permute(values, heads)

@@ -3,7 +3,7 @@ against transformers on the same tiny random models.
 
 Gemma 3 (q/k norms, 1 + w norms, per-layer sliding pattern and local rope base, linear scaling of global layers),
 Gemma 2 (soft-capping), Qwen3, Phi-3 (fused tensors, partial rotary, LongRoPE factor tensors), Qwen3-MoE and
-Mixtral (a "llama" file with stacked experts and permuted q/k rows). Logits within 1e-3 relative error with
+Mixtral (a "llama" file with stacked experts and permuted q/k rows), Qwen2-MoE (shared expert, its gate a vector). Logits within 1e-3 relative error with
 quantization "none". Experts stored as Q8_0 stay packed per expert with quantization "auto" and give the logits of
 the same file dequantized.
 """
@@ -53,6 +53,11 @@ def tiny(kind: str):
         config = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=128, head_dim=16, num_experts=8,
                                              num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
         return widen(transformers.Qwen3MoeForCausalLM(config), 5), "qwen3moe"
+    if kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                             norm_topk_prob=False)
+        return widen(transformers.Qwen2MoeForCausalLM(config), 8), "qwen2moe"
     config = transformers.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
     return widen(transformers.MixtralForCausalLM(config), 6), "llama"
 
@@ -62,7 +67,7 @@ def load(path: str, quantization: str = "none"):
     return build_model(checkpoint.config, checkpoint.weights, "cpu", path, quantization)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "phi3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "phi3", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_gguf_logits_match_transformers(tmp_path, kind):
     reference, arch = tiny(kind)
     reference.save_pretrained(tmp_path / "hf", safe_serialization=True)

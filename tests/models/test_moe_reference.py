@@ -1,7 +1,7 @@
-"""Mixture-of-experts (models/moe.py): Qwen3-MoE and Mixtral against transformers on tiny random models.
+"""Mixture-of-experts (models/moe.py): Qwen3-MoE, Mixtral and Qwen2-MoE against transformers on tiny random models.
 
 Eight experts, two per token, with and without renormalized top-k weights (Qwen3-MoE's norm_topk_prob; Mixtral
-always renormalizes). Logits within 1e-3 relative error (float32, no quantization), equal greedy continuations, and
+always renormalizes), and Qwen2-MoE's gated shared expert with its QKV bias. Logits within 1e-3 relative error (float32, no quantization), equal greedy continuations, and
 a request independent of its batch and chunking although the experts see other rows. Each expert must multiply
 only the rows routed to it: counted through a hook on the experts' first projection.
 """
@@ -25,12 +25,16 @@ def tiny(kind: str):
     if kind == "mixtral":
         config = transformers.MixtralConfig(**SIZES, num_local_experts=8)
         return widen(transformers.MixtralForCausalLM(config), seed=5)
+    if kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**SIZES, num_experts=8, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=48, norm_topk_prob=False)
+        return widen(transformers.Qwen2MoeForCausalLM(config), seed=7)
     config = transformers.Qwen3MoeConfig(**SIZES, num_experts=8, moe_intermediate_size=32,
                                          norm_topk_prob=kind == "qwen3_moe_norm")
     return widen(transformers.Qwen3MoeForCausalLM(config), seed=6)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_moe_norm", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe"])
 def pair(request, tmp_path_factory):
     reference = tiny(request.param)
     folder = tmp_path_factory.mktemp(request.param)
@@ -43,6 +47,7 @@ def test_config(pair):
     config = ours.config
     assert (config.num_experts, config.num_experts_per_tok) == (8, 2)
     assert config.norm_topk_prob == (reference.config.model_type == "mixtral" or reference.config.norm_topk_prob)
+    assert config.shared_expert_intermediate_size == getattr(reference.config, "shared_expert_intermediate_size", 0)
 
 
 @pytest.mark.parametrize("length", [9, 50])

@@ -117,7 +117,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
         if keep_quantized and tensor.tensor_type in _REPACKERS and len(tensor.shape) == 2:
             weights[name] = _repack(path, tensor, gguf_arch, config)
         else:
-            weights[name] = _dequantize(path, tensor, gguf_arch, config).to(dtype)
+            weights[name] = families.as_hf_shape(name, _dequantize(path, tensor, gguf_arch, config).to(dtype))
             if families.stores_norm_plus_one(gguf_arch, tensor.name):
                 weights[name] -= 1.0  # Gemma: the file holds 1 + w, the model's parameter is w.
     tokenizer_fields = {name: value for name, value in fields.items() if name.startswith("tokenizer.")}

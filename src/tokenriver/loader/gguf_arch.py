@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 _GEMMA_NORMS = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
@@ -34,6 +36,9 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     "qwen3": _QK_NORMS,
     "qwen3moe": {**_QK_NORMS, **_EXPERTS},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen2moe": {**_EXPERTS, "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                 "ffn_down_shexp": "mlp.shared_expert.down_proj"},
     "llama": _EXPERTS,
 }
 
@@ -48,7 +53,7 @@ STACKED_EXPERTS = {
 CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 # GGUF architecture → the registry's key (models/registry.py), where they differ.
-_ARCHITECTURE_KEYS = {"qwen3moe": "qwen3_moe"}
+_ARCHITECTURE_KEYS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 
 # Layers of the 27B models, whose query scale llama.cpp takes from hidden_size / heads instead of head_dim.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -95,7 +100,9 @@ def config_fields(gguf_arch: str, get: Callable[..., Any], tensors: dict[str, An
     if expert_count:
         fields.update(num_experts=expert_count, num_experts_per_tok=get("expert_used_count"),
                       moe_intermediate_size=get("expert_feed_forward_length", 0) or get("feed_forward_length"),
-                      norm_topk_prob=bool(get("expert_weights_norm", True)))
+                      # llama.cpp renormalizes the top-k weights of every MoE here but Qwen2-MoE's.
+                      norm_topk_prob=bool(get("expert_weights_norm", gguf_arch != "qwen2moe")),
+                      shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0))
     return fields
 
 
@@ -118,6 +125,13 @@ def stacked_experts(name: str) -> tuple[int, str] | None:
     if match is None:
         return None
     return int(match.group(1)), STACKED_EXPERTS[match.group(2)]
+
+
+def as_hf_shape(name: str, weights: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's shared-expert gate is stored as a vector [hidden]; Hugging Face's is a [1, hidden] matrix."""
+    if name.endswith("shared_expert_gate.weight") and weights.dim() == 1:
+        return weights[None, :]
+    return weights
 
 
 def stores_norm_plus_one(gguf_arch: str, name: str) -> bool:

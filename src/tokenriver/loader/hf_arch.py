@@ -27,7 +27,7 @@ def family_fields(architecture: str, raw: dict[str, Any], config_path: str) -> d
         return {"qk_norm": True, "attention_bias": bool(raw.get("attention_bias", False))}
     if architecture == "phi3":
         return _phi3(raw, config_path)
-    if architecture in ("qwen3_moe", "mixtral"):
+    if architecture in ("qwen3_moe", "qwen2_moe", "mixtral"):
         return _moe(architecture, raw, config_path)
     return {}
 
@@ -134,7 +134,11 @@ def _moe(architecture: str, raw: dict[str, Any], config_path: str) -> dict[str, 
                 "moe_intermediate_size": raw["intermediate_size"], "norm_topk_prob": True}
     # transformers 5 writes num_local_experts, 4.x num_experts.
     num_experts = raw["num_experts"] if raw.get("num_experts") else raw["num_local_experts"]
-    return {"num_experts": num_experts, "num_experts_per_tok": raw["num_experts_per_tok"],
-            "moe_intermediate_size": raw["moe_intermediate_size"],
-            "norm_topk_prob": bool(raw.get("norm_topk_prob", True)), "qk_norm": True,
-            "attention_bias": bool(raw.get("attention_bias", False))}
+    fields = {"num_experts": num_experts, "num_experts_per_tok": raw["num_experts_per_tok"],
+              "moe_intermediate_size": raw["moe_intermediate_size"],
+              "norm_topk_prob": bool(raw.get("norm_topk_prob", architecture == "qwen3_moe"))}
+    if architecture == "qwen2_moe":
+        # Qwen2's attention: a bias on q/k/v, no q/k norms; a gated shared expert beside the routed ones.
+        return {**fields, "attention_bias": True,
+                "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size") or 0}
+    return {**fields, "qk_norm": True, "attention_bias": bool(raw.get("attention_bias", False))}

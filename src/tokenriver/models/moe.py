@@ -1,10 +1,11 @@
-"""Mixture-of-experts decoders: Qwen3-MoE and Mixtral.
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE and Mixtral.
 
-Both are the Qwen3 page (models/qwen3.py: Qwen3-MoE with its q/k norms, Mixtral without) with the MLP replaced by
-a sparse block: a router (`gate`, one logit per expert) picks each token's top num_experts_per_tok experts by
-softmax probability, renormalizes the chosen probabilities to sum to one where the architecture does
-(norm_topk_prob: Mixtral always, Qwen3-MoE per config), and the token's output is the weighted sum of those
-experts' SwiGLU MLPs.
+All are the Qwen3 page (models/qwen3.py: Qwen3-MoE with its q/k norms, Mixtral and Qwen2-MoE without, Qwen2-MoE
+with a QKV bias) with the MLP replaced by a sparse block: a router (`gate`, one logit per expert) picks each token's
+top num_experts_per_tok experts by softmax probability, renormalizes the chosen probabilities to sum to one where
+the architecture does (norm_topk_prob: Mixtral always, the Qwens per config), and the token's output is the
+weighted sum of those experts' SwiGLU MLPs. Qwen2-MoE adds a shared expert every token goes through, scaled by
+sigmoid(shared_expert_gate(x)).
 
 In a ragged batch the (token, expert) pairs are sorted by expert, so each expert multiplies only the rows of the
 tokens routed to it, once, as one matrix; experts no token chose cost nothing. Each expert is an ordinary
@@ -37,6 +38,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLUMLP(config.hidden_size, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
+        self.shared_expert: SwiGLUMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → (chosen experts [T, top_k] int64, their weights [T, top_k] in x's dtype)."""
@@ -61,6 +67,8 @@ class SparseMoeBlock(nn.Module):
                 rows = tokens[start:start + count]
                 out.index_add_(0, rows, expert(x.index_select(0, rows)) * pair_weights[start:start + count])
             start += count
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, hidden]
         return out
 
 
@@ -70,6 +78,15 @@ def sparse_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE: Qwen3's attention (with q/k norms) and a sparse MLP in every layer."""
+
+    fused_projections = FUSED_PROJECTIONS
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, sparse_mlp)
+
+
+class Qwen2MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen2-MoE: Qwen2's attention (QKV bias, no q/k norms), routed experts plus a gated shared expert."""
 
     fused_projections = FUSED_PROJECTIONS
 

@@ -15,7 +15,7 @@ from torch import nn
 from tokenriver.errors import ModelLoadError
 from tokenriver.models.gemma import GemmaForCausalLM
 from tokenriver.models.llama import LlamaForCausalLM
-from tokenriver.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from tokenriver.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from tokenriver.models.phi3 import Phi3ForCausalLM
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 
@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
     "phi3": Phi3ForCausalLM,
 }
 
@@ -43,6 +44,7 @@ _ALIASES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Phi3ForCausalLM": "phi3",
 }
 
