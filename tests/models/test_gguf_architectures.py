@@ -2,10 +2,10 @@
 against transformers on the same tiny random models.
 
 Gemma 3 (q/k norms, 1 + w norms, per-layer sliding pattern and local rope base, linear scaling of global layers),
-Gemma 2 (soft-capping), Qwen3, Phi-3 (fused tensors, partial rotary, LongRoPE factor tensors), Qwen3-MoE and
-Mixtral (a "llama" file with stacked experts and permuted q/k rows), Qwen2-MoE (shared expert, its gate a vector). Logits within 1e-3 relative error with
-quantization "none". Experts stored as Q8_0 stay packed per expert with quantization "auto" and give the logits of
-the same file dequantized.
+Gemma 2 (soft-capping), Qwen3, Phi-3 (fused tensors, partial rotary, LongRoPE factor tensors), Qwen3-MoE,
+Mixtral (a "llama" file with stacked experts and permuted q/k rows) and Qwen2-MoE (a shared expert, its gate
+stored as a vector). Logits within 1e-3 relative error with quantization "none". Experts stored as Q8_0 stay packed
+per expert with quantization "auto" and give the logits of the same file dequantized.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Mixture-of-experts (models/moe.py): Qwen3-MoE, Mixtral and Qwen2-MoE against transformers on tiny random models.
+"""Mixture-of-experts (models/moe.py): Qwen3-MoE, Mixtral and Qwen2-MoE against transformers on tiny random
+models.
 
 Eight experts, two per token, with and without renormalized top-k weights (Qwen3-MoE's norm_topk_prob; Mixtral
-always renormalizes), and Qwen2-MoE's gated shared expert with its QKV bias. Logits within 1e-3 relative error (float32, no quantization), equal greedy continuations, and
-a request independent of its batch and chunking although the experts see other rows. Each expert must multiply
-only the rows routed to it: counted through a hook on the experts' first projection.
+always renormalizes), and Qwen2-MoE's gated shared expert with its QKV bias. Logits within 1e-3 relative error
+(float32, no quantization), equal greedy continuations, and a request independent of its batch and chunking
+although the experts see other rows. Each expert must multiply only the rows routed to it: counted through a hook
+on the experts' first projection.
 """
 
 from __future__ import annotations
