@@ -37,8 +37,33 @@ def _permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def write_gguf(folder: str, arch: str, path: str, expert_type: gguf.GGMLQuantizationType = Q.F32) -> None:
-    """The saved Hugging Face folder (config.json + model.safetensors) → a GGUF file of architecture `arch`."""
+# A SentencePiece-style ("llama") vocabulary of Gemma's shape: its specials at Gemma's ids (pad 0, eos 1, bos 2,
+# unk 3), the turn markers, byte fallback tokens, a few pieces.
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_PIECES = ["▁", "\n", "H", "i", "▁Hi", "user", "model", "B", "e", "▁b", "r", "f", "."]
+
+
+def gemma_vocabulary(writer: gguf.GGUFWriter) -> None:
+    """Write GEMMA_SPECIALS, the 256 byte tokens and GEMMA_PIECES as the file's tokenizer (no chat template)."""
+    tokens = GEMMA_SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + GEMMA_PIECES
+    types = [3] * len(GEMMA_SPECIALS) + [6] * 256 + [1] * len(GEMMA_PIECES)  # control, byte, normal
+    scores = [0.0] * (len(GEMMA_SPECIALS) + 256) + [-float(i) for i in range(len(GEMMA_PIECES))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+
+
+def write_gguf(folder: str, arch: str, path: str, expert_type: gguf.GGMLQuantizationType = Q.F32,
+               with_vocabulary: bool = False) -> None:
+    """The saved Hugging Face folder (config.json + model.safetensors) → a GGUF file of architecture `arch`
+    (with_vocabulary: Gemma's tokenizer layout, gemma_vocabulary)."""
     import json
 
     config = json.loads(open(os.path.join(folder, "config.json")).read())
@@ -87,6 +112,8 @@ def write_gguf(folder: str, arch: str, path: str, expert_type: gguf.GGMLQuantiza
         writer.add_float32(f"{arch}.rope.scaling.attn_factor", _longrope_attention_factor(config))
         writer.add_tensor("rope_factors_long.weight", np.array(full["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(full["short_factor"], dtype=np.float32))
+    if with_vocabulary:
+        gemma_vocabulary(writer)
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, tensor in tensors.items():
         values = tensor.float().numpy()

@@ -13,12 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.assemble import build_model
 from tokenriver.loader.gguf import read_gguf
+from tokenriver.loader.load import load_model
 from tokenriver.models.quant import Int8Linear
 
 from arch_reference import random_ids, relative_error, run_one, transformers_logits, widen
-from gguf_convert import Q, write_gguf
+from gguf_convert import GEMMA_SPECIALS, Q, write_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,3 +94,22 @@ def test_packed_experts_from_a_q8_0_file(tmp_path):
     got, want = run_one(packed, ids), run_one(dequantized, ids)
     assert relative_error(got, want) < 1e-5, relative_error(got, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_gemma_file_without_a_chat_template_gets_gemmas(tmp_path):
+    """A Gemma GGUF whose converter wrote no chat template (as the shipped Gemma 3 270M file): load_model gives the
+    tokenizer Gemma's template, rendering the turns transformers renders, and <end_of_turn> ends generation."""
+    reference, arch = tiny("gemma3")
+    reference.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    path = str(tmp_path / "model.gguf")
+    write_gguf(str(tmp_path / "hf"), arch, path, with_vocabulary=True)
+    tokenizer = load_model(path, quantization="none").tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(InvalidParameterError, match="alternate"):
+        tokenizer.apply_chat_template([{"role": "assistant", "content": "Hi"}])
+    end_of_turn = GEMMA_SPECIALS.index("<end_of_turn>")
+    assert set(tokenizer.eos_token_ids) == {1, end_of_turn}
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
+    assert ids[:2] == [2, GEMMA_SPECIALS.index("<start_of_turn>")] and tokenizer.decode(ids[2:]).startswith("user\nHi")
