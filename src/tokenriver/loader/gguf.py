@@ -2,7 +2,9 @@
 
 The only module that knows llama.cpp's naming: metadata keys
 (`llama.attention.head_count`, ...) become ModelConfig fields, tensor names
-(`blk.3.attn_q.weight`, ...) become Hugging Face parameter names. Q4_0, Q4_1
+(`blk.3.attn_q.weight`, ...) become Hugging Face parameter names; what other
+architectures (Gemma, Qwen3, Phi-3, mixture-of-experts) name or store
+differently is in loader/gguf_arch.py. Q4_0, Q4_1
 and Q8_0 matrices can stay packed (repacked byte for byte into models/quant.py's
 formats); every other tensor is dequantized by `gguf.quants.dequantize`.
 The file is memory-mapped and parsed, never unpickled.

@@ -123,7 +123,7 @@ class ModelConfig:
                 problems.append(f"layer_types must name {self.num_layers} layers, each one of {', '.join(LAYER_TYPES)}")
             elif "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
                 problems.append("sliding_attention layers need a positive sliding_window")
-        if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) % 2:
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or round(self.head_dim * self.partial_rotary_factor) % 2:
             problems.append(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an even part of "
                             f"head_dim={self.head_dim}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -141,7 +141,7 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that rotary embeddings turn."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        return round(self.head_dim * self.partial_rotary_factor)
 
     @property
     def num_queries_per_kv(self) -> int:
