@@ -85,7 +85,8 @@ def _stack(parts: list[Weight]) -> Weight:
     first = parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
-    if all(type(p) is type(first) and p.group_size == first.group_size for p in parts):
+    if all(not isinstance(p, torch.Tensor) and type(p) is type(first) and p.group_size == first.group_size
+           for p in parts):
         return concatenate(parts)
     return concatenate([_as_int8(p) for p in parts])
 

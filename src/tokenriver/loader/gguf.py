@@ -2,10 +2,12 @@
 
 The only module that knows llama.cpp's naming: metadata keys
 (`llama.attention.head_count`, ...) become ModelConfig fields, tensor names
-(`blk.3.attn_q.weight`, ...) become Hugging Face parameter names. Quantized
-matrices of every type can stay packed (loader/gguf_blocks.py re-encodes each
-GGUF block format into models/native/quant.py's formats); every other tensor is
-dequantized by `gguf.quants.dequantize`.
+(`blk.3.attn_q.weight`, ...) become Hugging Face parameter names; what other
+architectures (Gemma, Qwen3, Phi-3, mixture-of-experts) name or store
+differently is in loader/gguf_arch.py. Quantized matrices of every type can
+stay packed (loader/gguf_blocks.py re-encodes each GGUF block format into
+models/native/quant.py's formats); every other tensor is dequantized by
+`gguf.quants.dequantize`.
 The file is memory-mapped and parsed, never unpickled.
 
 One subtlety: for llama-architecture models llama.cpp's converter reorders
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from tokenriver.errors import ModelLoadError
+from tokenriver.loader import gguf_arch as families
 from tokenriver.loader import gguf_cache
 from tokenriver.loader.gguf_blocks import CONVERSIONS, to_packed
 from tokenriver.models.config import ModelConfig
@@ -108,22 +111,27 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     if not isinstance(gguf_arch, str):
         raise ModelLoadError(f"{path}: the GGUF metadata has no general.architecture; the file is incomplete, "
                              f"convert the model again with llama.cpp's convert_hf_to_gguf.py", path=path)
-    architecture = canonical_architecture(gguf_arch, path)
+    architecture = canonical_architecture(families.architecture_key(gguf_arch, fields), path)
     tensors = {tensor.name: tensor for tensor in tensor_list}
     config = _config(path, fields, gguf_arch, architecture, tensors)
     weights, stored_types = {}, {}
-    for tensor in tensor_list:
-        if tensor.name == "rope_freqs.weight":
+    for tensor in _split_stacked_experts(tensor_list):
+        if tensor.name in families.CONFIG_TENSORS:
             continue  # Folded into config.rope_scaling.
-        name = _hf_name(path, tensor.name)
+        name = _hf_name(path, tensor.name, gguf_arch)
         stored_types[name] = tensor.tensor_type.name
         if keep_quantized and tensor.tensor_type in CONVERSIONS and len(tensor.shape) == 2:
             weights[name] = _repack(path, tensor, gguf_arch, config)
         else:
-            weights[name] = _dequantize(path, tensor, gguf_arch, config).to(dtype)
+            weights[name] = families.as_hf_shape(name, _dequantize(path, tensor, gguf_arch, config).to(dtype))
+            if families.stores_norm_plus_one(gguf_arch, tensor.name):
+                weights[name] -= 1.0  # Gemma: the file holds 1 + w, the model's parameter is w.
         if mapped is not None:
             mapped.release(tensor.data)
     tokenizer_fields = {name: value for name, value in fields.items() if name.startswith("tokenizer.")}
+    template = families.default_chat_template(gguf_arch)
+    if template is not None and "tokenizer.ggml.tokens" in tokenizer_fields:
+        tokenizer_fields.setdefault("tokenizer.chat_template", template)
     return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=tokenizer_fields,
                           stored_types=stored_types)
 
@@ -141,6 +149,8 @@ class _MappedFile:
     def release(self, data: np.ndarray) -> None:
         """Drop the pages under `data` (a view of self.array) from resident memory."""
         start = data.ctypes.data - self.array.ctypes.data
+        if start < 0 or start + data.nbytes > self.array.nbytes:
+            return  # not a view of this file (a converted copy)
         first = start // mmap.PAGESIZE * mmap.PAGESIZE
         self._map.madvise(mmap.MADV_DONTNEED, first, start + data.nbytes - first)
 
@@ -210,9 +220,9 @@ def _config(path: str, fields: dict[str, Any], gguf_arch: str, architecture: str
     num_heads = get("attention.head_count")
     head_dim = get("attention.key_length", hidden_size // num_heads)
     rope_dim = get("rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and gguf_arch != "phi3":
         raise ModelLoadError(f"{path}: partial rotary embeddings (rope.dimension_count={rope_dim} < head_dim="
-                             f"{head_dim}) are not supported", path=path)
+                             f"{head_dim}) are not supported for {gguf_arch}", path=path)
     values = dict(
         architecture=architecture,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
@@ -230,7 +240,11 @@ def _config(path: str, fields: dict[str, Any], gguf_arch: str, architecture: str
         attention_bias="blk.0.attn_q.bias" in tensors,
         attention_out_bias="blk.0.attn_output.bias" in tensors,
         name=fields.get("general.name") or os.path.basename(path),
+        partial_rotary_factor=rope_dim / head_dim,
     )
+    values.update(families.config_fields(gguf_arch, get, tensors))
+    if "blk.0.attn_qkv.weight" in tensors:
+        values["attention_bias"] = "blk.0.attn_qkv.bias" in tensors
     try:
         return ModelConfig(**values)
     except ModelLoadError as error:
@@ -239,6 +253,19 @@ def _config(path: str, fields: dict[str, Any], gguf_arch: str, architecture: str
 
 def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: dict[str, _Tensor]) -> dict | None:
     """Rope scaling as ModelConfig expects it: from rope.scaling.* keys or llama.cpp's rope_freqs tensor."""
+    if "rope_factors_long.weight" in tensors:
+        # Phi-3 LongRoPE: per-frequency divisors for short and long contexts, and the attention factor.
+        def factors(name: str) -> list[float]:
+            values = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+            return [float(f) for f in np.asarray(values).reshape(-1)]
+
+        scaling = {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
+                   "short_factor": factors("rope_factors_short.weight"),
+                   "original_max_position_embeddings": fields.get(
+                       f"{gguf_arch}.rope.scaling.original_context_length", fields[f"{gguf_arch}.context_length"])}
+        if f"{gguf_arch}.rope.scaling.attn_factor" in fields:
+            scaling["attention_factor"] = float(fields[f"{gguf_arch}.rope.scaling.attn_factor"])
+        return scaling
     if "rope_freqs.weight" in tensors:
         # Llama 3.x: the converter stores per-frequency divisors instead of the llama3 formula's parameters.
         factors = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
@@ -252,16 +279,36 @@ def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: di
                          f"and Llama 3 scaling)", path=path)
 
 
-def _hf_name(path: str, name: str) -> str:
-    """llama.cpp tensor name → Hugging Face parameter name."""
+def _hf_name(path: str, name: str, gguf_arch: str) -> str:
+    """llama.cpp tensor name → Hugging Face parameter name (per-expert names come from _split_stacked_experts)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    if name.startswith("model.layers."):
+        return name
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        raise ModelLoadError(f"{path}: tensor {name!r} has no place in a Llama-family model; the file holds a "
+    module = None if match is None else (families.layer_name(gguf_arch, match.group(2))
+                                         or _LAYER_NAMES.get(match.group(2)))
+    if match is None or module is None:
+        raise ModelLoadError(f"{path}: tensor {name!r} has no place in a {gguf_arch} model; the file holds a "
                              f"different architecture than its metadata says", path=path)
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    layer, _, kind = match.groups()
+    return f"model.layers.{layer}.{module}.{kind}"
+
+
+def _split_stacked_experts(tensors: list[_Tensor]) -> list[_Tensor]:
+    """Each stacked expert tensor ([n_expert, out, in]) as one tensor per expert, named as Hugging Face names it;
+    every other tensor as it is. The slices are views of the file's data, so packed blocks stay intact."""
+    out = []
+    for tensor in tensors:
+        stacked = families.stacked_experts(tensor.name)
+        if stacked is None:
+            out.append(tensor)
+            continue
+        layer, template = stacked
+        for expert in range(tensor.shape[2]):
+            out.append(_Tensor(f"model.layers.{layer}.{template.format(e=expert)}.weight", tensor.tensor_type,
+                               tensor.shape[:2], tensor.data[expert]))
+    return out
 
 
 def _dequantize(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig) -> torch.Tensor:

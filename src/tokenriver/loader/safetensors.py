@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenriver.errors import ModelLoadError
+from tokenriver.loader.hf_arch import family_fields, hidden_act, rename_weights
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.registry import canonical_architecture
 
@@ -47,6 +48,7 @@ def read_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> HFCheckpoin
         except (SafetensorError, OSError) as error:
             raise ModelLoadError(f"{file}: cannot read this safetensors file ({error}); download it again",
                                  path=file) from error
+    weights = rename_weights(config.architecture, weights)
     # Older checkpoints store the rotary frequencies; ours are computed from the config.
     weights = {name: w for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
@@ -89,9 +91,10 @@ def _to_model_config(config_path: str, raw: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError(f"{config_path}: neither 'architectures' nor 'model_type' says which model this is",
                              path=config_path)
     architecture = canonical_architecture(names[0], config_path)
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{config_path}: hidden_act={raw['hidden_act']!r} is not supported (only silu)",
-                             path=config_path)
+    activation = hidden_act(architecture, raw)
+    if activation not in ("silu", "gelu_pytorch_tanh"):
+        raise ModelLoadError(f"{config_path}: hidden_act={activation!r} is not supported (silu, or "
+                             f"gelu_pytorch_tanh for Gemma)", path=config_path)
     if raw.get("mlp_bias", False):
         raise ModelLoadError(f"{config_path}: mlp_bias=true is not supported", path=config_path)
     num_heads = raw["num_attention_heads"]
@@ -103,7 +106,7 @@ def _to_model_config(config_path: str, raw: dict[str, Any]) -> ModelConfig:
         # sequence fits the window: cap the context there so results stay exact.
         max_positions = min(max_positions, window)
     rope_theta, rope_scaling = _rope(raw)
-    return ModelConfig(
+    values: dict[str, Any] = dict(
         architecture=architecture,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -121,6 +124,8 @@ def _to_model_config(config_path: str, raw: dict[str, Any]) -> ModelConfig:
         attention_out_bias=has_llama_bias,
         name=raw.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(config_path))),
     )
+    values.update(family_fields(architecture, raw, config_path))
+    return ModelConfig(**values)
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

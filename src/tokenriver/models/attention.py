@@ -22,6 +22,12 @@ path in benchmarks/results/attention.md):
   request through `scaled_dot_product_attention` (PyTorch's flash-attention CPU kernel) over its
   gathered blocks.
 
+Two variants some architectures need (Gemma 2 and 3, Mistral): a sliding window (`window` > 0: a token sees only
+the last `window` positions up to its own), applied as a mask on every path, native and torch, over the same blocks
+(the cache keeps every block; a prefix-cache hit is the same whatever the window), and attention-logit
+soft-capping (`softcap`: scores become softcap * tanh(scores / softcap) before the softmax), which only the torch
+path computes.
+
 The cache may be stored in a narrower dtype than the model computes in (a float16 or int8 pool under a float32
 model, `kv_cache_dtype`; kv/cache.py has the int8 format): keys and values are rounded once, when stored, and widened
 back to the compute dtype when read, so every path computes in the query's dtype.
@@ -142,8 +148,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tenso
 
 
 def _native_kernels_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor]) -> NativeKernels | None:
+                        kv_cache: tuple[torch.Tensor, torch.Tensor],
+                        softcap: float | None = None) -> NativeKernels | None:
     """The native kernels if they can run this call as laid out, else None."""
+    if softcap is not None:
+        return None
     kernels = load_kernels()
     key_cache, value_cache = kv_cache
     if (kernels is None or torch.is_grad_enabled() or not is_native_kv_pool(key_cache, value_cache)
@@ -158,26 +167,27 @@ def _native_kernels_for(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its whole context.
+                    scale: float, window: int = 0, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its whole context (its last `window` positions when
+    window > 0), with the scores soft-capped at `softcap` if given.
 
     query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim] (each may be a view
     into a wider row, such as the fused qkv projection). Returns [num_tokens, num_heads, head_dim].
     """
-    kernels = _native_kernels_for(query, key, value, kv_cache)
+    kernels = _native_kernels_for(query, key, value, kv_cache, softcap)
     if kernels is None:
-        return paged_attention_torch(query, key, value, kv_cache, metadata, scale)
+        return paged_attention_torch(query, key, value, kv_cache, metadata, scale, window, softcap)
     key_cache, value_cache = kv_cache
     output = torch.empty(query.shape, dtype=query.dtype)  # [num_tokens, num_heads, head_dim]
     # Writes every token's K/V, then attends: the short requests token by token, the prompt chunks causally.
     kernels.paged_attention(query, key, value, metadata.slot_mapping, key_cache, value_cache, metadata.block_tables,
-                            metadata.kernel_queries, metadata.kernel_chunks, scale, output)
+                            metadata.kernel_queries, metadata.kernel_chunks, scale, output, window)
     return output
 
 
 def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                          scale: float) -> torch.Tensor:
+                          scale: float, window: int = 0, softcap: float | None = None) -> torch.Tensor:
     """`paged_attention` in PyTorch ops: any dtype and device (see the module docstring)."""
     write_kv(key, value, kv_cache, metadata.slot_mapping)
     key_cache, value_cache = kv_cache
@@ -196,16 +206,40 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
         values = decode_entries(value_cache.index_select(0, flat_tables).view(
             num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), query.dtype).transpose(1, 2)
         q = query.index_select(0, rows).unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-        mask = metadata.decode_mask[:, None, None, :]  # [num_decodes, 1, 1, S]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        mask = metadata.decode_mask  # [num_decodes, S]
+        if window > 0:
+            lengths = torch.tensor([metadata.seq_lens[i] for i in metadata.decode_indices], device=query.device)
+            mask = mask & (torch.arange(mask.shape[1], device=query.device)[None, :] >= lengths[:, None] - window)
+        out = _attend(q, keys, values, mask[:, None, None, :], scale, softcap)
         output.index_copy_(0, rows, out.squeeze(2))
     for i in metadata.prefill_indices:
-        _attend_prompt(query, kv_cache, metadata, i, scale, output)
+        _attend_prompt(query, kv_cache, metadata, i, scale, output, window, softcap)
     return output
 
 
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """SDPA over [B, heads, L, head_dim] queries and [B, kv_heads, S, head_dim] keys/values (mask [B|1, 1, L, S]
+    bool, True where a key is seen; None: causal with L == S); soft-capped scores are computed in plain ops, as
+    SDPA has no soft-capping."""
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, heads, L, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        length = scores.shape[-1]
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)
+
+
 def _attend_prompt(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                   i: int, scale: float, output: torch.Tensor) -> None:
+                   i: int, scale: float, output: torch.Tensor, window: int = 0,
+                   softcap: float | None = None) -> None:
     """SDPA (flash) of request i's new tokens over its gathered blocks, written into its rows of output."""
     key_cache, value_cache = kv_cache
     num_kv_heads, entry = key_cache.shape[2], key_cache.shape[3]
@@ -221,12 +255,14 @@ def _attend_prompt(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
     # back to the generic math path, ~10x slower on long prompts).
     q = query[start:start + query_len].transpose(0, 1).unsqueeze(0)
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-    if query_len == seq_len:
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    if query_len == seq_len and (window <= 0 or window >= seq_len):
+        out = _attend(q, keys, values, None, scale, softcap)
     else:
-        # Query t sits at position seq_len - query_len + t and sees positions up to there.
+        # Query t sits at position seq_len - query_len + t and sees positions up to there (the last `window`).
         positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=scale,
-                                             enable_gqa=True)
+        key_positions = torch.arange(seq_len, device=query.device)[None, :]
+        mask = key_positions <= positions[:, None]
+        if window > 0:
+            mask = mask & (key_positions > positions[:, None] - window)
+        out = _attend(q, keys, values, mask[None, None], scale, softcap)
     output[start:start + query_len] = out[0].transpose(0, 1)

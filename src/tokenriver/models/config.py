@@ -18,12 +18,19 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "linear": ("factor",),
     "freq_factors": ("factors",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
+
+# Activations of the gated MLP: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma).
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+# Attention kinds of a layer (transformers' `layer_types`).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2)."""
+    """Hyperparameters of a decoder: the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2) and the fields the other
+    families add (Gemma 2/3, Qwen3, Phi-3, mixture-of-experts), each with the value that switches it off."""
 
     # Registry key of the model class, e.g. "llama" or "qwen2" (see models/registry.py).
     architecture: str
@@ -48,6 +55,8 @@ class ModelConfig:
     #   {"rope_type": "linear", "factor"}
     #   {"rope_type": "freq_factors", "factors": [...]}: per-frequency divisors, how llama.cpp stores
     #   Llama 3 scaling in a GGUF (the rope_freqs tensor).
+    #   {"rope_type": "longrope", "short_factor", "long_factor", "original_max_position_embeddings"} (Phi-3), with
+    #   optional "factor" and "attention_factor".
     rope_scaling: dict[str, Any] | None = None
     # Epsilon added to the mean square in RMSNorm.
     rms_norm_eps: float = 1e-6
@@ -61,6 +70,33 @@ class ModelConfig:
     attention_out_bias: bool = False
     # Human-readable model name, for logs and traces.
     name: str = ""
+    # Activation of the gated MLP (see HIDDEN_ACTS).
+    hidden_act: str = "silu"
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma).
+    query_pre_attn_scalar: float | None = None
+    # Scores become cap * tanh(scores / cap) before the softmax (Gemma 2); None: no capping.
+    attn_logit_softcapping: float | None = None
+    # The same on the output logits (Gemma 2).
+    final_logit_softcapping: float | None = None
+    # Tokens a sliding-window layer attends to (its own and the ones before it); None: no sliding layers.
+    sliding_window: int | None = None
+    # Per layer "full_attention" or "sliding_attention"; None: every layer full.
+    layer_types: tuple[str, ...] | None = None
+    # Rope base of the sliding layers, where it differs from rope_theta (Gemma 3: 10000 against 1e6).
+    rope_local_base_freq: float | None = None
+    # RMSNorm over each head of the queries and keys before rotary (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Fraction of head_dim that rotates (Phi-3 / Phi-4-mini partial rotary); the rest passes through.
+    partial_rotary_factor: float = 1.0
+    # Routed experts per MoE layer (0: a dense MLP); each token goes to num_experts_per_tok of them.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    # Hidden width of one expert's MLP.
+    moe_intermediate_size: int = 0
+    # Renormalize the chosen experts' router probabilities to sum to 1 (Mixtral, Qwen3-MoE: true).
+    norm_topk_prob: bool = True
+    # Hidden width of the always-on shared expert, gated by a sigmoid (Qwen2-MoE); 0: none.
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         problems = [f"{name}={getattr(self, name)!r} must be a positive integer"
@@ -79,5 +115,30 @@ class ModelConfig:
                                 f"{', '.join(ROPE_SCALING_KEYS)}, or none)")
             elif missing:
                 problems.append(f"{rope_type} rope scaling needs {', '.join(missing)}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            problems.append(f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
+        if self.layer_types is not None:
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if len(self.layer_types) != self.num_layers or unknown:
+                problems.append(f"layer_types must name {self.num_layers} layers, each one of {', '.join(LAYER_TYPES)}")
+            elif "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+                problems.append("sliding_attention layers need a positive sliding_window")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or round(self.head_dim * self.partial_rotary_factor) % 2:
+            problems.append(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an even part of "
+                            f"head_dim={self.head_dim}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                            f"num_experts={self.num_experts}")
         if problems:
             raise ModelLoadError("the model's configuration is inconsistent: " + "; ".join(problems))
+
+    def layer_window(self, layer_idx: int) -> int:
+        """The sliding window of layer layer_idx, 0 for a layer that sees its whole context."""
+        if self.layer_types is None or self.layer_types[layer_idx] != "sliding_attention":
+            return 0
+        return int(self.sliding_window or 0)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that rotary embeddings turn."""
+        return round(self.head_dim * self.partial_rotary_factor)

@@ -13,13 +13,24 @@ from __future__ import annotations
 from torch import nn
 
 from tokenriver.errors import ModelLoadError
+from tokenriver.models.gemma import GemmaForCausalLM
 from tokenriver.models.llama import LlamaForCausalLM
+from tokenriver.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from tokenriver.models.phi3 import Phi3ForCausalLM
+from tokenriver.models.qwen3 import Qwen3ForCausalLM
 
 # Canonical architecture key → model class.
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 # Names found in files → canonical key.
@@ -27,6 +38,14 @@ _ALIASES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "gemma3_text": "gemma3",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Phi3ForCausalLM": "phi3",
 }
 
 

@@ -63,6 +63,8 @@ class NativeStack:
         """Per row of compute_logits(hidden): (argmax, largest logit, log-sum-exp), without writing the logits,
         where the output projection can (quantized, rounded mode on VNNI or AMX: models/native/quant.py); else
         None. A greedy step that reports nothing but the chosen tokens' logprobs needs only these."""
+        if getattr(self.model.config, "final_logit_softcapping", None) is not None:
+            return None  # Soft-capped logits (Gemma 2): the projection's log-sum-exp is not theirs.
         reductions = getattr(getattr(self.model, "lm_head", None), "argmax_logsumexp", None)
         return reductions(hidden) if reductions is not None else None
 

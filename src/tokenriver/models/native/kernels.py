@@ -183,8 +183,9 @@ class NativeKernels:
             "convert_to_int8": ([ptr, c_int, i64, i64, ptr, ptr, c_int], c_int),
             "convert_q4_k": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
             "llama_decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
-            "paged_attention_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr,
-                                     i64, i64, ptr, i64, ptr, i64, c_float, ptr, i64, c_int, c_int], c_int),
+            "paged_attention_window_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                            ptr, i64, i64, ptr, i64, ptr, i64, c_float, i64, ptr, i64, c_int, c_int],
+                                           c_int),
         }
         self._functions = {}
         for name, (argtypes, restype) in signatures.items():
@@ -220,7 +221,7 @@ class NativeKernels:
         self._rotary = self._functions["rotary_f32"]
         self._silu_mul = self._functions["silu_mul_f32"]
         self._argmax_logsumexp = self._functions["argmax_logsumexp_f32"]
-        self._paged_attention = self._functions["paged_attention_f32"]
+        self._paged_attention = self._functions["paged_attention_window_f32"]
         self._llama_decoder = self._functions["llama_decoder_f32"]
         # Head sizes paged_attention is compiled for.
         supports = self._functions["paged_attention_supports"]
@@ -409,7 +410,7 @@ class NativeKernels:
     def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_tables: torch.Tensor, queries: torch.Tensor | None, chunks: torch.Tensor | None,
-                        scale: float, out: torch.Tensor) -> None:
+                        scale: float, out: torch.Tensor, window: int = 0) -> None:
         """Write this step's keys/values into their slots, then attend for the listed query tokens into out.
 
         query, out [T, num_heads, head_dim] and key, value [T, num_kv_heads, head_dim] are float32 rows (views into
@@ -418,7 +419,8 @@ class NativeKernels:
         int64 contiguous. queries [n, 3] int64 contiguous, one row per single query token: (its row in query/out, its request's row
         in block_tables, how many tokens it sees); chunks [c, 4] int64 contiguous, one row per prompt chunk whose
         tokens attend causally: (its first row, its request's row, its number of tokens, the request's context
-        length after it). Either may be None. Out's other rows are left untouched.
+        length after it). Either may be None. Out's other rows are left untouched. window > 0: each token sees only
+        the last `window` positions up to its own (sliding-window attention); 0: its whole context.
         """
         num_tokens = query.shape[0]
         if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0] == num_tokens):
@@ -439,7 +441,7 @@ class NativeKernels:
             block_size, query.shape[1], num_kv_heads, head_dim, block_tables.data_ptr(), block_tables.shape[0],
             block_tables.shape[1], None if queries is None else queries.data_ptr(),
             0 if queries is None else queries.shape[0], None if chunks is None else chunks.data_ptr(),
-            0 if chunks is None else chunks.shape[0], scale, out.data_ptr(), out.stride(0),
+            0 if chunks is None else chunks.shape[0], scale, window, out.data_ptr(), out.stride(0),
             torch.get_num_threads(), kv_cache_format(key_cache))
         _raise_for_attention_status(status, head_dim)
 

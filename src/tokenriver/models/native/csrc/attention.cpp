@@ -128,6 +128,16 @@ struct Problem {
   int64_t max_blocks;
   const int64_t* queries;  // [num_queries, 3]: token row, request index, context length
   float scale;
+  // Sliding window: a token sees only the last `window` positions up to itself (0: the whole context).
+  int64_t window;
+
+  // First context position query token qi sees: its window's start.
+  int64_t first_visible(int64_t qi) const {
+    const int64_t context = queries[3 * qi + 2];
+    return window > 0 && context > window ? context - window : 0;
+  }
+  // How many context tokens query token qi sees.
+  int64_t visible(int64_t qi) const { return queries[3 * qi + 2] - first_visible(qi); }
 };
 
 // The eight horizontal sums of v[0..7], as one vector: lane k = sum of the lanes of v[k].
@@ -460,7 +470,8 @@ void run_unsplit(const Problem<Cache>& p, int64_t num_queries, int threads) {
   constexpr int64_t D = ND * 8;
   auto body = [&](int64_t query, float* m, float* l, int64_t next) {
     float* out = p.out + p.queries[3 * query] * p.out_row_stride;
-    attend<ND, Cache>(p, query, 0, p.queries[3 * query + 2], m, l, out, next < num_queries ? next : -1, 0,
+    attend<ND, Cache>(p, query, p.first_visible(query), p.queries[3 * query + 2], m, l, out,
+                      next < num_queries ? next : -1, next < num_queries ? p.first_visible(next) : 0,
                       next < num_queries ? p.queries[3 * next + 2] : 0);
     for (int64_t h = 0; h < p.num_heads; ++h)
       for (int64_t d = 0; d < D; ++d) out[h * D + d] /= l[h];
@@ -475,7 +486,7 @@ void run_unsplit(const Problem<Cache>& p, int64_t num_queries, int threads) {
     std::vector<float> ml(2 * p.num_heads);
     int64_t begin, end;
     equal_work_run(num_queries, omp_get_thread_num(), omp_get_num_threads(),
-                   [&](int64_t query) { return p.queries[3 * query + 2]; }, begin, end);
+                   [&](int64_t query) { return p.visible(query); }, begin, end);
     for (int64_t query = begin; query < end; ++query)
       body(query, ml.data(), ml.data() + p.num_heads, query + 1 < end ? query + 1 : num_queries);
   }
@@ -491,7 +502,7 @@ void run_split(const Problem<Cache>& p, int64_t num_queries, int threads) {
   std::vector<Item> items;
   int64_t num_partials = 0;
   for (int64_t qi = 0; qi < num_queries; ++qi) {
-    const int64_t num_splits = (p.queries[3 * qi + 2] + kSplitTokens - 1) / kSplitTokens;
+    const int64_t num_splits = (p.visible(qi) + kSplitTokens - 1) / kSplitTokens;
     const int64_t scratch = num_splits > 1 ? num_partials : -1;
     if (num_splits > 1) num_partials += num_splits;
     for (int64_t s = 0; s < num_splits; ++s) items.push_back({qi, s, num_splits, scratch});
@@ -503,7 +514,7 @@ void run_split(const Problem<Cache>& p, int64_t num_queries, int threads) {
     std::vector<float> ml(2 * H);
     const auto span = [&](int64_t i, int64_t& t0, int64_t& t1) {
       const int64_t context = p.queries[3 * items[i].query + 2];
-      t0 = items[i].split * kSplitTokens;
+      t0 = p.first_visible(items[i].query) + items[i].split * kSplitTokens;
       t1 = t0 + kSplitTokens < context ? t0 + kSplitTokens : context;
     };
     int64_t begin, end;
@@ -587,19 +598,21 @@ inline void chunk_scores(const float* q, const float* keys_t, float scale, float
     for (int v = 0; v < kVectors; ++v) _mm256_store_ps(scores + hh * kTile + 8 * v, _mm256_mul_ps(sums[hh][v], factor));
 }
 
-// One tile for HC query heads of one token that sees `visible` of the tile's n tokens (the rest are after it):
-// scores, the online-softmax update of m, l and acc ([HC][D], not normalized).
+// One tile for HC query heads of one token that sees tokens [hidden, visible) of the tile's n tokens (those before
+// `hidden` lie outside its sliding window, those from `visible` on after it): scores, the online-softmax update of
+// m, l and acc ([HC][D], not normalized).
 template <int ND, int HC, typename Cache>
 void chunk_heads(const float* q, const float* keys_t, const Cache* const* value_rows, const float* value_scales,
-                 int64_t visible, float scale, float* m, float* l, float* acc) {
+                 int64_t hidden, int64_t visible, float scale, float* m, float* l, float* acc) {
   // Keys are widened with their scales into keys_t; values keep theirs (scale_by_values).
   alignas(32) float scores[HC * kTile];
   float rescale[HC];
   chunk_scores<ND, HC>(q, keys_t, scale, scores);
   for (int hh = 0; hh < HC; ++hh) {
     float* s = scores + hh * kTile;
+    for (int64_t j = 0; j < hidden; ++j) s[j] = -INFINITY;
     for (int64_t j = visible; j < kTile; ++j) s[j] = -INFINITY;
-    // visible >= 1, so the max is finite.
+    // hidden < visible, so the max is finite.
     rescale[hh] = online_softmax(s, kTile, m[hh], l[hh]);
   }
   scale_by_values<HC, Cache>(value_scales, visible, scores);
@@ -635,7 +648,11 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
   const Cache* value_rows[kTile];
   alignas(32) float value_scales[kTile];  // int8 entries' scales
   const int64_t last_position = first_position + i1 - 1;
-  for (int64_t tile = 0; tile <= last_position; tile += kTile) {
+  // Tiles stay aligned to multiples of kTile from position 0 (a token's numbers do not depend on its chunk);
+  // a window skips the tiles wholly before the first token's window.
+  const int64_t first_seen =
+      p.window > 0 && first_position + i0 + 1 > p.window ? first_position + i0 + 1 - p.window : 0;
+  for (int64_t tile = first_seen / kTile * kTile; tile <= last_position; tile += kTile) {
     const int64_t n = last_position + 1 - tile < kTile ? last_position + 1 - tile : kTile;
     for (int64_t j = 0; j < kTile; ++j) {
       if (j >= n) {
@@ -658,6 +675,9 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
       const int64_t position = first_position + i;
       if (position < tile) continue;
       const int64_t visible = position + 1 - tile < n ? position + 1 - tile : n;
+      const int64_t window_start = p.window > 0 && position + 1 > p.window ? position + 1 - p.window : 0;
+      if (window_start >= tile + n) continue;
+      const int64_t hidden = window_start > tile ? window_start - tile : 0;
       const float* q_row = p.query + (first_row + i) * p.q_row_stride;
       const int64_t r0 = (i - i0) * G;
       for (int64_t h = 0; h < G; h += 3) {
@@ -665,13 +685,16 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
         float* a = acc + (r0 + h) * D;
         switch (G - h) {
           case 1:
-            chunk_heads<ND, 1, Cache>(q, keys_t, value_rows, value_scales, visible, p.scale, m + r0 + h, l + r0 + h, a);
+            chunk_heads<ND, 1, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h,
+                                     l + r0 + h, a);
             break;
           case 2:
-            chunk_heads<ND, 2, Cache>(q, keys_t, value_rows, value_scales, visible, p.scale, m + r0 + h, l + r0 + h, a);
+            chunk_heads<ND, 2, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h,
+                                     l + r0 + h, a);
             break;
           default:
-            chunk_heads<ND, 3, Cache>(q, keys_t, value_rows, value_scales, visible, p.scale, m + r0 + h, l + r0 + h, a);
+            chunk_heads<ND, 3, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h,
+                                     l + r0 + h, a);
         }
       }
     }
@@ -712,8 +735,8 @@ void run(const Problem<Cache>& p, int64_t num_queries, const int64_t* chunks, in
   int64_t work = 0;
   bool is_split = false;
   for (int64_t qi = 0; qi < num_queries; ++qi) {
-    work += p.queries[3 * qi + 2] * p.num_heads;
-    is_split = is_split || p.queries[3 * qi + 2] > kSplitTokens;
+    work += p.visible(qi) * p.num_heads;
+    is_split = is_split || p.visible(qi) > kSplitTokens;
   }
   const int threads = work >= kParallelWork ? num_threads : 1;
   if (is_split)
@@ -737,8 +760,10 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
                     Cache* value_cache, int64_t num_blocks, int64_t block_size, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables, int64_t num_requests,
                     int64_t max_blocks, const int64_t* queries, int64_t num_queries, const int64_t* chunks,
-                    int64_t num_chunks, float scale, float* out, int64_t out_row_stride, int num_threads) {
+                    int64_t num_chunks, float scale, int64_t window, float* out, int64_t out_row_stride,
+                    int num_threads) {
   if (!supported_head_dim(head_dim)) return 2;
+  if (window < 0) return 1;
   if (num_heads % num_kv_heads != 0) return 1;
   for (int64_t t = 0; t < num_rows; ++t)
     if (slots[t] < 0 || slots[t] >= num_blocks * block_size) return 1;
@@ -768,7 +793,8 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
     store_entries(value + t * v_row_stride, num_kv_heads, head_dim, value_cache + slots[t] * width);
   }
   const Problem<Cache> p{query,     q_row_stride, out,          out_row_stride, key_cache, value_cache, num_heads,
-                         num_kv_heads, block_size, block_tables, max_blocks,   queries,   scale};
+                         num_kv_heads, block_size, block_tables, max_blocks,   queries,   scale,
+                         window};
   switch (head_dim) {
     case 32: run<4, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
     case 64: run<8, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
@@ -796,19 +822,20 @@ int paged_attention_supports(int64_t head_dim) { return supported_head_dim(head_
 //   query tokens (token row in query/out, request index into block_tables, context length); chunks [num_chunks, 4]
 //   int64: prompt chunks (first token row, request index, number of tokens, context length after them), whose
 //   tokens attend causally.
-// Returns 0, or 1 if a slot, row, request, context length or block id is out of range (nothing is written or
-// computed then), or 2 if head_dim is not supported.
-int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key,
+//   window: sliding-window attention, each token sees only the last `window` positions up to itself (0: all).
+// Returns 0, or 1 if a slot, row, request, context length, block id or the window is out of range (nothing is
+// written or computed then), or 2 if head_dim is not supported.
+int paged_attention_window_f32(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key,
                         int64_t k_row_stride, const float* value, int64_t v_row_stride, const int64_t* slots,
                         void* key_cache, void* value_cache, int64_t num_blocks, int64_t block_size,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables,
                         int64_t num_requests, int64_t max_blocks, const int64_t* queries, int64_t num_queries,
-                        const int64_t* chunks, int64_t num_chunks, float scale, float* out, int64_t out_row_stride,
-                        int num_threads, int kv_cache_format) {
+                        const int64_t* chunks, int64_t num_chunks, float scale, int64_t window, float* out,
+                        int64_t out_row_stride, int num_threads, int kv_cache_format) {
   const auto attend_in = [&](auto* key_pool, auto* value_pool) {
     return paged_attention(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots, key_pool,
                            value_pool, num_blocks, block_size, num_heads, num_kv_heads, head_dim, block_tables,
-                           num_requests, max_blocks, queries, num_queries, chunks, num_chunks, scale, out,
+                           num_requests, max_blocks, queries, num_queries, chunks, num_chunks, scale, window, out,
                            out_row_stride, num_threads);
   };
   switch (kv_cache_format) {
@@ -817,6 +844,20 @@ int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_ro
     case 2: return attend_in(static_cast<int8_t*>(key_cache), static_cast<int8_t*>(value_cache));
     default: return 1;
   }
+}
+
+// paged_attention_window_f32 over the whole context (the fused decoder stack's entry point).
+int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key,
+                        int64_t k_row_stride, const float* value, int64_t v_row_stride, const int64_t* slots,
+                        void* key_cache, void* value_cache, int64_t num_blocks, int64_t block_size,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables,
+                        int64_t num_requests, int64_t max_blocks, const int64_t* queries, int64_t num_queries,
+                        const int64_t* chunks, int64_t num_chunks, float scale, float* out, int64_t out_row_stride,
+                        int num_threads, int kv_cache_format) {
+  return paged_attention_window_f32(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots,
+                                    key_cache, value_cache, num_blocks, block_size, num_heads, num_kv_heads, head_dim,
+                                    block_tables, num_requests, max_blocks, queries, num_queries, chunks, num_chunks,
+                                    scale, 0, out, out_row_stride, num_threads, kv_cache_format);
 }
 
 }  // extern "C"
