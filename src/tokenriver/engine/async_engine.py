@@ -90,6 +90,8 @@ class AsyncEngine:
         """Stream a request's outputs; raises the engine's validation error if it cannot run."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}")
+        if params.structured_output is not None:
+            self.core.grammar.compile(params.structured_output)  # here, not on the engine thread
         request_id = request_id or self.new_request_id()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, prompt, priority, stream))

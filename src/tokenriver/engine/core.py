@@ -30,6 +30,7 @@ from tokenriver.loader.load import LoadedModel, load_model
 from tokenriver.outputs import FinishReason, RequestOutput
 from tokenriver.params import SamplingParams
 from tokenriver.runner.model_runner import ModelRunner
+from tokenriver.sampling.grammar import GrammarCompiler, GrammarMatchers
 from tokenriver.sched.output import SchedulerStats
 from tokenriver.sched.request import Request
 from tokenriver.sched.scheduler import Scheduler
@@ -101,7 +102,11 @@ class EngineCore:
                                    max_model_len=self.max_model_len,
                                    recompute_every_step=not config.use_kv_cache,
                                    num_scheduler_steps=config.num_scheduler_steps)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed)
+        # Structured output: compiled grammars, shared with the threads that submit requests (compile()).
+        self.grammar = GrammarCompiler(self.tokenizer.to_json(), model_config.vocab_size,
+                                       list(self.tokenizer.eos_token_ids))
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed,
+                                  GrammarMatchers(self.grammar))
         self.speculator: Speculator | None = build_speculator(config, self.loaded, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
@@ -123,6 +128,8 @@ class EngineCore:
             raise InvalidParameterError(
                 f"prompt token id {bad[0]!r} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
         params.validate_for_vocab(vocab_size)
+        if params.structured_output is not None:
+            self.grammar.compile(params.structured_output)  # a cache hit when the submitting thread compiled it
         if len(prompt_token_ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {len(prompt_token_ids)} tokens but the context holds {self.max_model_len}, "

@@ -27,6 +27,8 @@ class SamplingState:
     generator: torch.Generator | None
     # Ids blocked (with params.stop_token_ids) while len(output_token_ids) < params.min_tokens.
     eos_token_ids: list[int]
+    # [W] int32: the tokens params.structured_output allows next, as a bitmask (sampling/grammar.py); None = all.
+    allowed_token_mask: torch.Tensor | None = None
 
 
 @dataclass

@@ -163,19 +163,31 @@ class Sampler:
         """Accept or reject each request's draft tokens (see tokenriver.sampling.verify)."""
         return verify.verify(logits, checks, self.process_logits, self.uniforms)
 
-    def top_logprobs(self, logits: torch.Tensor, num_top: list[int]) -> list[list[TokenLogprobs]]:
+    def top_logprobs(self, logits: torch.Tensor, num_top: list[int],
+                     allowed_token_masks: list[torch.Tensor | None] | None = None) -> list[list[TokenLogprobs]]:
         """The num_top[i] most likely tokens of row i under log_softmax of the raw logits, best first (beam search).
 
-        logits [N, V]. Ranks are positions in that order (tied logits get consecutive ranks).
+        logits [N, V]. Ranks are positions in that order (tied logits get consecutive ranks). A row with an
+        allowed-token mask ([W] int32, its grammar's) ranks only the tokens its grammar allows, keeping their raw
+        logprobs; fewer than num_top[i] come back when the grammar allows fewer.
         """
         if logits.dim() != 2 or logits.shape[0] != len(num_top):
             raise ValueError(f"logits must be [len(num_top)={len(num_top)}, vocab_size], got {tuple(logits.shape)}")
         if not num_top:
             return []
+        log_normalizer = torch.logsumexp(logits, dim=1, keepdim=True)  # [N, 1]
+        masked_rows = [i for i, mask in enumerate(allowed_token_masks or []) if mask is not None]
+        if masked_rows:
+            masks = torch.stack([allowed_token_masks[i] for i in masked_rows])  # [m, W]
+            logits = logits.clone()
+            index = torch.tensor(masked_rows, dtype=torch.int64)  # [m]
+            allowed = processors.allowed_tokens(masks, logits.shape[1])  # [m, V]
+            logits[index] = processors.apply_allowed_tokens(logits[index], allowed)
         best = logits.topk(min(max(num_top), logits.shape[1]), dim=1)  # [N, k] values and indices
-        logprobs = (best.values - torch.logsumexp(logits, dim=1, keepdim=True)).tolist()  # [N, k]
+        logprobs = (best.values - log_normalizer).tolist()  # [N, k]
         token_ids = best.indices.tolist()
-        return [[TokenLogprobs(token_ids[i][j], logprobs[i][j], j + 1) for j in range(min(count, logits.shape[1]))]
+        return [[TokenLogprobs(token_ids[i][j], logprobs[i][j], j + 1) for j in range(min(count, logits.shape[1]))
+                 if logprobs[i][j] != float("-inf")]
                 for i, count in enumerate(num_top)]
 
     def draw(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], torch.Tensor]:
@@ -228,8 +240,8 @@ class Sampler:
                 tracer.record(stage, work.tensor)
 
         # The processing order (trace.STAGES):
-        #   penalties → logit bias → min_tokens blocking → temperature → top-k → top-p → min-p → draw.
-        # Greedy rows (temperature 0) skip temperature and the filters: they take the argmax after min_tokens.
+        #   penalties → logit bias → min_tokens blocking → grammar → temperature → top-k → top-p → min-p → draw.
+        # Greedy rows (temperature 0) skip temperature and the filters: they take the argmax after the grammar.
 
         rows = [i for i, s in enumerate(states) if _has_repetition_penalty(s)]
         if rows:
@@ -271,6 +283,15 @@ class Sampler:
             num_output = torch.tensor([len(states[i].output_token_ids) for i in rows])  # [n]
             min_tokens = torch.tensor([states[i].params.min_tokens for i in rows])  # [n]
             run("min_tokens", rows, lambda x: processors.apply_min_tokens(x, blocked, num_output, min_tokens))
+            modified_rows.update(rows)
+
+        rows = [i for i, s in enumerate(states) if s.allowed_token_mask is not None]
+        if rows:
+            masks = torch.stack([states[i].allowed_token_mask for i in rows])  # [n, W]
+            allowed = processors.allowed_tokens(masks, vocab_size)  # [n, V]
+            if tracer:
+                tracer.note_grammar(rows, select_rows(work.tensor, rows), allowed)
+            run("grammar", rows, lambda x: processors.apply_allowed_tokens(x, allowed))
             modified_rows.update(rows)
 
         sampled = [(i, s.params) for i, s in enumerate(states) if not s.params.is_greedy]

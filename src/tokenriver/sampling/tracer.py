@@ -26,12 +26,31 @@ class Tracer:
         self.is_finite = torch.isfinite(candidate_logits)  # [T, C]
         # Index into STAGES of the stage that first forced each candidate to -inf; -1 while it survives.
         self.removed_by = torch.full_like(self.candidate_ids, -1)  # [T, C]
+        # Batch row → what the grammar stage did there (rows with a grammar only).
+        self.grammar: dict[int, dict[str, object]] = {}
 
     def record(self, stage: str, logits: torch.Tensor) -> None:
         """Note which candidates this stage forced to -inf (a removed token stays -inf in later stages)."""
         values = logits[self.index.unsqueeze(1), self.candidate_ids]  # [T, C]
         is_removed_now = (values == float("-inf")) & self.is_finite & (self.removed_by < 0)
         self.removed_by[is_removed_now] = STAGES.index(stage)
+
+    def note_grammar(self, rows: list[int], logits: torch.Tensor, allowed: torch.Tensor) -> None:
+        """What the grammar stage does to the traced ones among `rows` (batch rows; logits before the stage and
+        allowed tokens: [len(rows), V] each): StepTrace.extra["grammar"]."""
+        for j, row in enumerate(rows):
+            if row not in self.rows:
+                continue
+            probs = logits[j].softmax(dim=0)  # [V]
+            num_allowed = int(allowed[j].sum())
+            self.grammar[row] = {
+                # How many tokens the grammar allowed at this step.
+                "num_allowed": num_allowed,
+                # The probability (after penalties and bias) of every token it removed.
+                "mass_removed": float(probs[~allowed[j]].sum()),
+                # True when the grammar allowed a single token: the model had no choice.
+                "forced": num_allowed == 1,
+            }
 
     def keep_processed(self, logits: torch.Tensor) -> None:
         """Remember the logits after penalties and bias (TraceCandidate.logit_processed)."""
@@ -90,4 +109,6 @@ class Tracer:
                 temperature=params.temperature,
                 method="greedy" if params.is_greedy else "sample",
             )
+            if row in self.grammar:
+                traces[row].extra["grammar"] = self.grammar[row]
         return traces

@@ -33,6 +33,9 @@ class DraftCheck:
     # distribution). None when the drafts are a deterministic function of the context (n-gram lookup): q is then
     # a point mass on each draft token.
     draft_probs: torch.Tensor | None = None
+    # [1 + len(draft_token_ids), W] int32: row j is what the request's grammar allows after its j-th draft
+    # (sampling/grammar.py); None without a grammar. Every draft must be one the grammar allows.
+    allowed_token_masks: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,7 +68,8 @@ def verify(logits: torch.Tensor, checks: list[DraftCheck], process: ProcessLogit
     row_states = [
         SamplingState(check.state.params, check.state.prompt_token_ids,
                       check.state.output_token_ids + check.draft_token_ids[:j], check.state.generator,
-                      check.state.eos_token_ids)
+                      check.state.eos_token_ids,
+                      check.allowed_token_masks[j] if check.allowed_token_masks is not None else None)
         for check in checks for j in range(len(check.draft_token_ids) + 1)
     ]
     if logits.dim() != 2 or logits.shape[0] != len(row_states):
