@@ -23,7 +23,7 @@ from tokenriver.engine.core import EngineCore, StepStats
 from tokenriver.errors import EngineDeadError
 from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
-from tokenriver.params import SamplingParams
+from tokenriver.params import SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,11 @@ class AsyncEngine:
         """The latest step's statistics (a snapshot reference; never mutated after publication)."""
         return self.core.last_step
 
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        """Compile a constraint's grammar in the calling thread (cached for the engine thread); raises
+        InvalidParameterError naming the problem when it cannot be enforced."""
+        self.core.grammar.compile(spec)
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
@@ -91,7 +96,7 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}")
         if params.structured_output is not None:
-            self.core.grammar.compile(params.structured_output)  # here, not on the engine thread
+            self.check_structured_output(params.structured_output)  # here, not on the engine thread
         request_id = request_id or self.new_request_id()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, prompt, priority, stream))
