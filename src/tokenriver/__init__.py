@@ -15,7 +15,7 @@ try:
     from tokenriver.engine.async_engine import AsyncEngine
     from tokenriver.engine.llm import LLM
     from tokenriver.outputs import CompletionOutput, FinishReason, RequestOutput
-    from tokenriver.params import SamplingParams
+    from tokenriver.params import SamplingParams, StructuredOutput
 finally:
     gc.freeze()
     gc.unfreeze()
@@ -24,5 +24,5 @@ finally:
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason",
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput", "FinishReason",
            "EngineConfig", "__version__"]

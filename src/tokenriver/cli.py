@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from tokenriver.config import EngineConfig
 from tokenriver.errors import TokenriverError
 from tokenriver.outputs import RequestOutput
-from tokenriver.params import SamplingParams
+from tokenriver.params import SamplingParams, StructuredOutput
 from tokenriver.server.cli_serve import add_serve_command
 from tokenriver.trace import StepTrace
 
@@ -128,7 +129,39 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
 
 
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**_collect(args, "sampling_"))
+    return SamplingParams(**_collect(args, "sampling_"), structured_output=structured_output_from(args))
+
+
+def _add_structured_output_flags(parser: argparse.ArgumentParser) -> None:
+    """At most one constraint on the output (SamplingParams.structured_output)."""
+    group = parser.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE|JSON", help="the output validates against this JSON schema")
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", help="the whole output matches this regular expression")
+    group.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    group.add_argument("--grammar", metavar="FILE|TEXT", help="the output follows this Lark or GBNF grammar")
+
+
+def _file_or_text(value: str) -> str:
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    return value
+
+
+def structured_output_from(args: argparse.Namespace) -> StructuredOutput | None:
+    """The constraint the structured-output flags ask for, or None."""
+    if getattr(args, "json_schema", None) is not None:
+        return StructuredOutput("json_schema", _file_or_text(args.json_schema))
+    if getattr(args, "json_object", False):
+        return StructuredOutput.json_object()
+    if getattr(args, "regex", None) is not None:
+        return StructuredOutput.regex(args.regex)
+    if getattr(args, "choice", None):
+        return StructuredOutput.choice(args.choice)
+    if getattr(args, "grammar", None) is not None:
+        return StructuredOutput.grammar(_file_or_text(args.grammar))
+    return None
 
 
 def format_trace(trace: StepTrace) -> str:
@@ -251,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (generate, chat):
         _add_field_flags(sub, EngineConfig, ENGINE_HELP, ENGINE_FLAG_NAMES, {}, "engine_")
         _add_field_flags(sub, SamplingParams, SAMPLING_HELP, {}, SAMPLING_DEFAULTS, "sampling_")
+        _add_structured_output_flags(sub)
     generate.set_defaults(handler=cmd_generate)
     chat.set_defaults(handler=cmd_chat)
     add_serve_command(commands,

@@ -32,6 +32,8 @@ from tokenriver.server.protocol import ChatMessage, NamedToolChoice, ToolDefinit
 FORMATS: tuple[str, ...] = ("generic", "hermes", "llama3")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+# How a generic envelope's reply begins (the grammar writes JSON with this spacing).
+_RESPONSE_OPEN = '{"response": "'
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -126,7 +128,7 @@ class ToolCalling:
         example = {"tool_calls": [{"name": tools[0]["name"], "arguments": {}}]}
         must_call = self.choice != "auto"
         return ("You can call the following tools to satisfy the user's request:\n"
-                + json.dumps(tools, indent=2)
+                + json.dumps(tools)
                 + "\n\nRespond in JSON format, "
                 + ("with `tool_calls` (the tools to call)" if must_call else
                    "either with `tool_calls` (a request to call tools) or with `response` (your reply to the user)")
@@ -184,12 +186,11 @@ class ToolCalling:
         if not self.is_active:
             return text
         if self.format == "generic":
-            return ""
+            return _partial_response(text) or ""
         if self.format == "hermes":
             start = text.find(_HERMES_OPEN)
-            if start >= 0:
-                return text[:start].rstrip()
-            return text[:len(text) - _partial_suffix(text, _HERMES_OPEN)]
+            end = start if start >= 0 else len(text) - _partial_suffix(text, _HERMES_OPEN)
+            return text[:end].rstrip()  # whitespace before a call is not part of the content
         stripped = text.lstrip()
         if stripped.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(stripped):
             return ""
@@ -227,11 +228,27 @@ def _call_from(data: Any, key: str) -> ToolCall | None:
     return None
 
 
+def _partial_response(text: str) -> str | None:
+    """The reply of a generic envelope `{"response": "...` so far (cut short by max_tokens, or still streaming);
+    an escape sequence not yet complete is left out."""
+    if not text.startswith(_RESPONSE_OPEN):
+        return None
+    body = text[len(_RESPONSE_OPEN) - 1:]  # from the string's opening quote
+    for cut in range(min(7, len(body))):
+        try:
+            value = json.loads(body[:len(body) - cut] + '"')
+        except ValueError:
+            continue
+        return value if isinstance(value, str) else None
+    return None
+
+
 def _parse_generic(text: str) -> tuple[str | None, list[ToolCall]]:
     try:
         data = json.loads(text)
     except ValueError:
-        return text, []
+        partial = _partial_response(text)
+        return (partial, []) if partial is not None else (text, [])
     if isinstance(data, dict) and isinstance(data.get("response"), str):
         return data["response"], []
     raw_calls = data.get("tool_calls") if isinstance(data, dict) else None
@@ -255,7 +272,7 @@ def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
         calls.append(call)
     if not calls:
         return text, []
-    content = _HERMES_CALL.sub("", text).strip()
+    content = text[:text.find(_HERMES_OPEN)].rstrip()
     return content or None, calls
 
 
