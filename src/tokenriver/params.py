@@ -46,12 +46,17 @@ class StructuredOutput:
     # json_schema: the schema as JSON text; regex: the pattern; choice: a JSON list of the allowed strings;
     # grammar: a Lark grammar, or a GBNF one (converted); json_object: "" (any JSON object).
     text: str = ""
+    # The constraint applies only after these tokens appear in the output (a reasoning model's end of thinking,
+    # e.g. the tokens of "</think>"); empty = from the first generated token.
+    starts_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_OUTPUT_KINDS:
             _fail("structured_output", self.kind, f"the kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
         if not isinstance(self.text, str):
             _fail("structured_output", self.text, "the constraint must be given as text")
+        if not all(_is_int(token_id) and token_id >= 0 for token_id in self.starts_after):
+            _fail("structured_output", self.starts_after, "starts_after must hold token ids (integers >= 0)")
         if self.kind in ("regex", "grammar") and not self.text:
             _fail("structured_output", self.text, f"a {self.kind} constraint needs a non-empty {self.kind}")
         if self.kind == "json_schema":

@@ -126,17 +126,24 @@ class GrammarMatchers:
     def drop(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
 
-    def mask(self, request_id: str, spec: StructuredOutput, token_ids: list[int]) -> torch.Tensor:
-        """The allowed next tokens after `token_ids` (the request's output so far): [W] int32."""
-        return self.masks_along(request_id, spec, token_ids, [])[1][0]
+    def mask(self, request_id: str, spec: StructuredOutput, token_ids: list[int]) -> torch.Tensor | None:
+        """The allowed next tokens after `token_ids` (the request's output so far): [W] int32, or None while the
+        constraint has not started (spec.starts_after)."""
+        masks = self.masks_along(request_id, spec, token_ids, [])[1]
+        return masks[0] if masks is not None else None
 
     def masks_along(self, request_id: str, spec: StructuredOutput, token_ids: list[int],
-                    draft_token_ids: list[int]) -> tuple[int, torch.Tensor]:
+                    draft_token_ids: list[int]) -> tuple[int, torch.Tensor | None]:
         """Masks after the output and after each draft the grammar allows: (m, [m + 1, W] int32).
 
         m counts the leading drafts the grammar accepts; a draft it rejects, and every draft after it, is cut
-        (the target could never emit it). The matcher is left after `token_ids` alone."""
-        tracked = self._sync(request_id, spec, token_ids)
+        (the target could never emit it). The matcher is left after `token_ids` alone. Before the constraint
+        starts there are no masks, and the drafts are kept up to the one that would start it."""
+        start = _start_of_constraint(spec.starts_after, token_ids)
+        if start is None:
+            end = _start_of_constraint(spec.starts_after, token_ids + draft_token_ids)
+            return (len(draft_token_ids) if end is None else end - len(token_ids)), None
+        tracked = self._sync(request_id, spec, token_ids[start:])
         matcher = tracked.matcher
         masks = torch.zeros(len(draft_token_ids) + 1, mask_width(self.compiler.vocab_size), dtype=torch.int32)
         num_valid = 0
@@ -183,6 +190,17 @@ class GrammarMatchers:
                 tracked.matcher.consume_token(token_id)
             tracked.consumed.append(token_id)
         return tracked
+
+
+def _start_of_constraint(starts_after: tuple[int, ...], token_ids: list[int]) -> int | None:
+    """Index in token_ids where the constraint starts: just after the first occurrence of starts_after."""
+    if not starts_after:
+        return 0
+    width = len(starts_after)
+    for end in range(width, len(token_ids) + 1):
+        if tuple(token_ids[end - width:end]) == starts_after:
+            return end
+    return None
 
 
 def _bit(index: int) -> int:

@@ -4,7 +4,8 @@ The thinking goes to `message.reasoning_content` (and `reasoning`, vLLM's newer 
 Some templates open the block in the prompt (the generation prompt ends with `<think>`); the output then starts
 inside it. `split` works on the text generated so far: what it returns for a prefix is a prefix of what it
 returns later, so streaming sends the difference and tags split across chunks are held back until they are
-whole.
+whole. A constraint on the output (structured output, a tool-call grammar) starts after the thinking block:
+SamplingParams.structured_output.starts_after holds the tokens of `</think>`.
 """
 
 from __future__ import annotations
@@ -45,3 +46,10 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-length:]):
             return length
     return 0
+
+
+def thinks_before_answering(prompt_text: str | None) -> bool:
+    """Whether the output will begin with thinking: the prompt leaves a block open, or opens none (the model
+    writes `<think>` itself). A prompt that closes the block (thinking switched off) answers at once."""
+    text = prompt_text or ""
+    return text.rfind(THINK_OPEN) >= text.rfind(THINK_CLOSE)

@@ -169,9 +169,13 @@ class OpenAIServing:
                     f"tool_choice={request.tool_choice!r} constrains the output to tool calls, so it cannot also "
                     f"follow response_format or structured_outputs; send one of them", param="tool_choice")
             params = dataclasses.replace(params, structured_output=tools_grammar)
+        has_reasoning = reasoning.has_reasoning(self.tokenizer.chat_template)
+        if has_reasoning and params.structured_output is not None and reasoning.thinks_before_answering(prompt.text):
+            end_of_thinking = tuple(self.tokenizer.encode(reasoning.THINK_CLOSE, add_special_tokens=False))
+            params = dataclasses.replace(params, structured_output=dataclasses.replace(
+                params.structured_output, starts_after=end_of_thinking))
         self._check_engine_limits(params)
         self._check_structured_output(request, params)
-        has_reasoning = reasoning.has_reasoning(self.tokenizer.chat_template)
         return GenerationPlan(response_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                               prompts=[prompt], params=params, priority=request.priority or 0,
                               is_stream=bool(request.stream), include_usage=_include_usage(request),
