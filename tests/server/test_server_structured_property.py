@@ -10,6 +10,7 @@ import json
 
 import httpx
 import jsonschema
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +45,7 @@ SCHEMAS = st.recursive(
 ).map(lambda schema: _object({"value": schema}))
 
 
+@pytest.mark.slow  # 80 generations of up to 160 tokens: minutes on 2 cores
 @settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=SCHEMAS)
 def test_every_generation_validates(server, schema):

@@ -681,6 +681,12 @@ function whySummary(token, trace) {
     ["tokens kept by the filters", `${trace.num_candidates_kept}`, "why-kept"],
     ["how", token.isForced ? "forced: you picked it to branch" : `${trace.method}, T = ${trace.temperature}`, "why-method"],
   ];
+  const grammar = trace.extra && trace.extra.grammar;
+  if (grammar) {  // structured output: what the grammar stage allowed at this step
+    facts.push(["tokens the grammar allowed", `${grammar.num_allowed}`, "why-grammar-allowed"],
+      ["probability the grammar removed", fmtProb(grammar.mass_removed), "why-grammar-removed"],
+      ["forced by the grammar", grammar.forced ? "yes: the only token it allowed" : "no", "why-grammar-forced"]);
+  }
   return el("dl", { class: "stats why-summary" }, facts.map(([label, value, testid]) => el("div", { class: "stat" }, [
     el("dt", { text: label }), el("dd", { "data-testid": testid, text: value })])));
 }
