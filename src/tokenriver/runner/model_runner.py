@@ -16,10 +16,14 @@ A multi-step step (SchedulerOutput.num_decode_passes > 1, only plain greedy deco
 runs its further passes here, each feeding every request the token it just sampled.
 A request with structured output gets its grammar's allowed-token mask with every
 row the sampler sees (sampling/grammar.py); its drafts are cut at the first token the
-grammar rejects, and beam candidates are ranked among the allowed tokens only.
+grammar rejects, and beam candidates are ranked among the allowed tokens only. The
+masks of a step's sampled rows are computed on a worker thread while the forward pass
+runs (both release the GIL): they depend only on the tokens known before the pass.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -40,6 +44,7 @@ class ModelRunner:
         self.model = model
         # The matchers of requests with structured output; None = such requests are refused before they get here.
         self.grammar = grammar
+        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="tokenriver-grammar") if grammar else None
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         default_generator = torch.Generator(device=self.device)
@@ -61,15 +66,22 @@ class ModelRunner:
             self._generators[request.request_id] = generator
         return generator
 
-    def _state(self, request: ScheduledRequest, with_mask: bool = True) -> SamplingState:
+    def _state(self, request: ScheduledRequest, allowed_token_mask: torch.Tensor | None = None) -> SamplingState:
         return SamplingState(
             params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             generator=self._generator_for(request),
             eos_token_ids=request.eos_token_ids,
-            allowed_token_mask=self._allowed_token_mask(request) if with_mask else None,
+            allowed_token_mask=allowed_token_mask,
         )
+
+    def _start_masks(self, requests: list[ScheduledRequest]) -> Future | None:
+        """Begin computing the requests' allowed-token masks on the worker thread (None: no request has a
+        grammar). The result is one mask or None per request."""
+        if self._mask_worker is None or all(r.sampling_params.structured_output is None for r in requests):
+            return None
+        return self._mask_worker.submit(lambda: [self._allowed_token_mask(request) for request in requests])
 
     def _allowed_token_mask(self, request: ScheduledRequest) -> torch.Tensor | None:
         """[W] int32: what the request's grammar allows after its output so far (None without one)."""
@@ -81,7 +93,7 @@ class ModelRunner:
     def _draft_check(self, request: ScheduledRequest, draft_probs: torch.Tensor | None) -> DraftCheck:
         """The request's drafts to verify, cut before the first one its grammar rejects."""
         spec = request.sampling_params.structured_output
-        state = self._state(request, with_mask=False)
+        state = self._state(request)
         if spec is None or self.grammar is None:
             return DraftCheck(state, request.draft_token_ids, draft_probs)
         num_valid, masks = self.grammar.masks_along(request.request_id, spec, request.output_token_ids,
@@ -107,6 +119,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return RunnerOutput()
         inputs = prepare_inputs(scheduler_output, self.kv_cache.block_size, self.device)
+        pending_masks = self._start_masks(inputs.sampling_requests)
         # [num_tokens, hidden_size]
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         self.num_forward_passes += 1
@@ -118,7 +131,8 @@ class ModelRunner:
             return RunnerOutput(results=results)
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
             hidden = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
-        states = [self._state(request) for request in inputs.sampling_requests]
+        masks = pending_masks.result() if pending_masks is not None else [None] * len(inputs.sampling_requests)
+        states = [self._state(request, mask) for request, mask in zip(inputs.sampling_requests, masks)]
         if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, states, hidden, results):
             self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
             return RunnerOutput(results=results)
