@@ -1,5 +1,5 @@
 """Structured output end to end in the engine: the constrained tokens do not depend on the batch, on multi-step
-scheduling of the other requests or on prefix caching; beams and n > 1 candidates all match.
+scheduling of the other requests, on prefix caching or on preemption; beams and n > 1 candidates all match.
 
 Reference: the same constrained request run alone, once, in an engine without those features.
 """
@@ -51,3 +51,13 @@ def test_n_candidates_and_beams_all_match_the_constraint(loaded_float32):
         for candidate in output.outputs:
             assert re.fullmatch(pattern, candidate.text), candidate.text
             assert candidate.finish_reason.value == "stop"
+
+
+def test_constrained_output_survives_preemption(loaded_float32):
+    alone = LLM.from_loaded(loaded_float32, max_num_kv_tokens=2048)
+    (reference,) = _texts(alone, [PROMPT], [CONSTRAINED])
+    cramped = LLM.from_loaded(loaded_float32, max_num_kv_tokens=128, max_num_batched_tokens=32, max_num_seqs=8,
+                              enable_prefix_caching=False)  # three copies of one prompt would share blocks
+    texts = _texts(cramped, [PROMPT] * 3, [CONSTRAINED] * 3)
+    assert texts == [reference] * 3
+    assert cramped.engine.scheduler.stats().num_preempted_total > 0
