@@ -6,7 +6,7 @@ import pytest
 
 from tokenriver.config import EngineConfig, parse_size
 from tokenriver.errors import InvalidParameterError
-from tokenriver.params import SamplingParams, is_plain_greedy
+from tokenriver.params import SamplingParams, StructuredOutput, is_plain_greedy
 
 INVALID_SAMPLING = [
     ("n", 0), ("n", 1.5), ("n", True),
@@ -119,3 +119,18 @@ def test_sizes_parse_with_units():
 ])
 def test_one_definition_of_plain_greedy(params, num_output_tokens, eos_token_ids, expected):
     assert is_plain_greedy(params, num_output_tokens, eos_token_ids) is expected
+
+
+def test_structured_output_shapes_are_checked():
+    assert StructuredOutput.json({"type": "object"}).kind == "json_schema"
+    for make, value in ((StructuredOutput.json, "{not json"), (StructuredOutput.json, "[1]"),
+                        (StructuredOutput.choice, []), (StructuredOutput.choice, ["a", ""]),
+                        (StructuredOutput.regex, ""), (StructuredOutput.grammar, "")):
+        with pytest.raises(InvalidParameterError) as error:
+            make(value)
+        assert error.value.param == "structured_output"
+    with pytest.raises(InvalidParameterError):
+        StructuredOutput("xml", "<a/>")
+    with pytest.raises(InvalidParameterError):
+        SamplingParams(structured_output={"type": "object"})
+    assert not SamplingParams(temperature=0, structured_output=StructuredOutput.json_object()).takes_raw_argmax

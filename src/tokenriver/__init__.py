@@ -16,21 +16,22 @@ _EXPORTS = {
     "LLM": "tokenriver.engine.llm",
     "AsyncEngine": "tokenriver.engine.async_engine",
     "SamplingParams": "tokenriver.params",
+    "StructuredOutput": "tokenriver.params",
     "RequestOutput": "tokenriver.outputs",
     "CompletionOutput": "tokenriver.outputs",
     "FinishReason": "tokenriver.outputs",
     "EngineConfig": "tokenriver.config",
 }
 
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason",
-           "EngineConfig", "__version__"]
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput",
+           "FinishReason", "EngineConfig", "__version__"]
 
 if TYPE_CHECKING:
     from tokenriver.config import EngineConfig
     from tokenriver.engine.async_engine import AsyncEngine
     from tokenriver.engine.llm import LLM
     from tokenriver.outputs import CompletionOutput, FinishReason, RequestOutput
-    from tokenriver.params import SamplingParams
+    from tokenriver.params import SamplingParams, StructuredOutput
 
 
 def __getattr__(name: str) -> Any:

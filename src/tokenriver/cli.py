@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import gc
 import importlib
+import os
 import sys
 import time
 from typing import Any
@@ -20,7 +21,7 @@ from tokenriver.config import EngineConfig
 from tokenriver.errors import TokenriverError
 from tokenriver.flags import add_flags, collect
 from tokenriver.outputs import RequestOutput
-from tokenriver.params import SamplingParams
+from tokenriver.params import SamplingParams, StructuredOutput
 from tokenriver.server.cli_serve import add_serve_command
 from tokenriver.trace import StepTrace
 
@@ -64,7 +65,39 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
 
 
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**collect(args, "sampling_"))
+    return SamplingParams(**collect(args, "sampling_"), structured_output=structured_output_from(args))
+
+
+def _add_structured_output_flags(parser: argparse.ArgumentParser) -> None:
+    """At most one constraint on the output (SamplingParams.structured_output)."""
+    group = parser.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE|JSON", help="the output validates against this JSON schema")
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", help="the whole output matches this regular expression")
+    group.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    group.add_argument("--grammar", metavar="FILE|TEXT", help="the output follows this Lark or GBNF grammar")
+
+
+def _file_or_text(value: str) -> str:
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    return value
+
+
+def structured_output_from(args: argparse.Namespace) -> StructuredOutput | None:
+    """The constraint the structured-output flags ask for, or None."""
+    if getattr(args, "json_schema", None) is not None:
+        return StructuredOutput("json_schema", _file_or_text(args.json_schema))
+    if getattr(args, "json_object", False):
+        return StructuredOutput.json_object()
+    if getattr(args, "regex", None) is not None:
+        return StructuredOutput.regex(args.regex)
+    if getattr(args, "choice", None):
+        return StructuredOutput.choice(args.choice)
+    if getattr(args, "grammar", None) is not None:
+        return StructuredOutput.grammar(_file_or_text(args.grammar))
+    return None
 
 
 def format_trace(trace: StepTrace) -> str:
@@ -188,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_flags(sub)
         add_flags(sub, SamplingParams, "sampling_", "sampling options", help_texts=SAMPLING_HELP,
                   defaults=SAMPLING_DEFAULTS)
+        _add_structured_output_flags(sub)
     generate.set_defaults(handler=cmd_generate)
     chat.set_defaults(handler=cmd_chat)
     add_serve_command(commands, add_engine_flags=add_engine_flags, engine_config_from=engine_config_from)

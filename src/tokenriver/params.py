@@ -8,6 +8,7 @@ Stdlib only.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,81 @@ _EARLY_STOPPING_TEXT = {"true": True, "false": False, "never": "never"}
 _NOT_WITH_BEAM_SEARCH = {"best_of": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
                          "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
                          "prompt_logprobs": None, "trace": False}
+
+
+# StructuredOutput.kind values: what the text of a StructuredOutput holds.
+STRUCTURED_OUTPUT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token by a grammar (sampling/grammar.py).
+
+    Kept as text so that equal constraints compile once: the engine caches compiled grammars by (kind, text).
+    Only the shape is checked here; whether the schema, regex or grammar compiles is checked when the request
+    is submitted, where the tokenizer is known.
+    """
+
+    # One of STRUCTURED_OUTPUT_KINDS.
+    kind: str
+    # json_schema: the schema as JSON text; regex: the pattern; choice: a JSON list of the allowed strings;
+    # grammar: a Lark grammar, or a GBNF one (converted); json_object: "" (any JSON object).
+    text: str = ""
+    # The constraint applies only after these tokens appear in the output (a reasoning model's end of thinking,
+    # e.g. the tokens of "</think>"); empty = from the first generated token.
+    starts_after: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            _fail("structured_output", self.kind, f"the kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+        if not isinstance(self.text, str):
+            _fail("structured_output", self.text, "the constraint must be given as text")
+        if not all(_is_int(token_id) and token_id >= 0 for token_id in self.starts_after):
+            _fail("structured_output", self.starts_after, "starts_after must hold token ids (integers >= 0)")
+        if self.kind in ("regex", "grammar") and not self.text:
+            _fail("structured_output", self.text, f"a {self.kind} constraint needs a non-empty {self.kind}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except ValueError as error:
+                _fail("structured_output", self.text, f"the JSON schema is not valid JSON ({error})")
+            if not isinstance(schema, (dict, bool)):
+                _fail("structured_output", self.text, "a JSON schema must be a JSON object")
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.text)
+            except ValueError:
+                choices = None
+            if (not isinstance(choices, list) or not choices
+                    or not all(isinstance(choice, str) and choice for choice in choices)):
+                _fail("structured_output", self.text, "choice must be a non-empty list of non-empty strings")
+
+    @classmethod
+    def json(cls, schema: dict | str | bool) -> StructuredOutput:
+        """Output that validates against a JSON schema (a dict, or its JSON text)."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> StructuredOutput:
+        """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        """Output that the whole regex matches."""
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> StructuredOutput:
+        """Exactly one of the given strings."""
+        if not isinstance(choices, (list, tuple)):
+            _fail("structured_output", choices, "choice must be a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(choices)))
+
+    @classmethod
+    def grammar(cls, text: str) -> StructuredOutput:
+        """Output in the language of a Lark grammar (llguidance's dialect) or of a GBNF grammar."""
+        return cls("grammar", text)
 
 
 def _fail(name: str, value: object, rule: str) -> None:
@@ -97,6 +173,8 @@ class SamplingParams:
     # the best running beam, scored at its current length, cannot beat the worst finished one; "never" stops
     # only when no running beam can possibly do so.
     early_stopping: bool | str = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (None = free text).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.early_stopping, str) and self.early_stopping.lower() in _EARLY_STOPPING_TEXT:
@@ -121,9 +199,10 @@ class SamplingParams:
     @property
     def takes_raw_argmax(self) -> bool:
         """Greedy, and nothing read from the logits but the argmax and its logprob: no logprobs, trace, penalty or
-        bias. (min_tokens may still hold back EOS: that depends on the output so far; is_plain_greedy adds it.)"""
+        bias or grammar. (min_tokens may still hold back EOS: that depends on the output so far; is_plain_greedy adds it.)"""
         return (self.is_greedy and not self.logprobs and not self.trace and self.repetition_penalty == 1.0
-                and self.presence_penalty == 0 and self.frequency_penalty == 0 and not self.logit_bias)
+                and self.presence_penalty == 0 and self.frequency_penalty == 0 and not self.logit_bias
+                and self.structured_output is None)
 
     @property
     def use_beam_search(self) -> bool:
@@ -182,6 +261,11 @@ class SamplingParams:
                 _fail(name, getattr(self, name), "must be true or false")
         if not _is_int(self.trace_top) or not 1 <= self.trace_top <= 100:
             _fail("trace_top", self.trace_top, "must be an integer in [1, 100]")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            _fail("structured_output", self.structured_output, "must be a StructuredOutput or None")
+        if self.structured_output is not None and self.min_tokens:
+            _fail("min_tokens", self.min_tokens,
+                  "cannot be combined with structured output: the grammar decides where the output ends")
         self._validate_beam_search()
 
     def _validate_beam_search(self) -> None:

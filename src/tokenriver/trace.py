@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The sampler's processing order; `TraceCandidate.removed_by` is one of these.
-STAGES: tuple[str, ...] = ("penalty", "bias", "min_tokens", "temperature", "top_k", "top_p", "min_p")
+STAGES: tuple[str, ...] = ("penalty", "bias", "min_tokens", "grammar", "temperature", "top_k", "top_p", "min_p")
 
 
 @dataclass

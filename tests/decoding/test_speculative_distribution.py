@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tokenriver.params import SamplingParams
-from tokenriver.sampling import sampler as sampler_module
+from tokenriver.sampling import verify as verify_module
 from tokenriver.sampling.sampler import DraftCheck, Sampler, SamplingState
 
 VOCAB_SIZE = 4
@@ -130,7 +130,7 @@ def test_speculative_sampling_reproduces_the_target_distribution(params, determi
 @pytest.mark.parametrize("deterministic_draft", [False, True], ids=["draft-model-q", "point-mass-draft"])
 def test_a_wrong_residual_is_caught(monkeypatch, deterministic_draft):
     """After a rejection, drawing from p (forgetting to subtract q) over-weights the draft's favourites."""
-    monkeypatch.setattr(sampler_module, "residual_distribution", lambda target, draft: target)
+    monkeypatch.setattr(verify_module, "residual_distribution", lambda target, draft: target)
     params = SamplingParams(temperature=1.0)
     distance = total_variation(exact_sequence_distribution(params),
                                speculative_frequencies(params, deterministic_draft))

@@ -27,6 +27,7 @@ class CharTokenizer:
     """One token per character: id = code point."""
 
     eos_token_ids = [0]
+    chat_template = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if "crash" in text:

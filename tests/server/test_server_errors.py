@@ -127,9 +127,9 @@ def test_noop_openai_fields_are_accepted_only_when_off(http):
                          {"role": "user", "content": [{"type": "text", "text": "again"}]}],
             "max_tokens": 1, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
     assert _post(http, "/v1/chat/completions", chat).status_code == 200
-    _error(_post(http, "/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}), 400,
-           "response_format")
-    _error(_post(http, "/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "tools")
+    _error(_post(http, "/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}), 400, "functions")
+    _error(_post(http, "/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400,
+           "tools[0].function")
     _error(_post(http, "/v1/completions", {"prompt": "hi", "suffix": "end"}), 400, "suffix")
 
 

@@ -29,7 +29,7 @@ from tokenriver.engine.core import EngineCore, ModelInfo, PassRow
 from tokenriver.errors import EngineDeadError, EngineOverloadedError
 from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
-from tokenriver.params import SamplingParams
+from tokenriver.params import SamplingParams, StructuredOutput
 from tokenriver.sched.output import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,11 @@ class AsyncEngine:
             entries = []
         return [(counter, rows) for counter, rows in entries if counter > since]
 
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        """Compile a constraint's grammar in the calling thread (cached for the engine thread); raises
+        InvalidParameterError naming the problem when it cannot be enforced."""
+        self.core.grammar.compile(spec)
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
@@ -121,6 +126,8 @@ class AsyncEngine:
         """Stream a request's outputs; raises the engine's validation error if it cannot run."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}")
+        if params.structured_output is not None:
+            self.check_structured_output(params.structured_output)  # here, not on the engine thread
         request_id = request_id or self.new_request_id()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, prompt, priority, stream))

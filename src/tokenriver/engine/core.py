@@ -32,6 +32,7 @@ from tokenriver.outputs import FinishReason, RequestOutput
 from tokenriver.params import SamplingParams
 from tokenriver.prompts import check_prompt
 from tokenriver.runner.model_runner import ModelRunner
+from tokenriver.sampling.grammar import GrammarCompiler, GrammarMatchers
 from tokenriver.sched.output import SchedulerStats
 from tokenriver.sched.request import Request
 from tokenriver.sched.scheduler import Scheduler
@@ -149,7 +150,11 @@ class EngineCore:
                                    max_model_len=self.max_model_len,
                                    recompute_every_step=not config.use_kv_cache,
                                    num_scheduler_steps=config.num_scheduler_steps)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed)
+        # Structured output: compiled grammars, shared with the threads that submit requests (compile()).
+        self.grammar = GrammarCompiler(self.tokenizer.to_json(), model_config.vocab_size,
+                                       list(self.tokenizer.eos_token_ids))
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed,
+                                  GrammarMatchers(self.grammar))
         self.speculator: Speculator | None = build_speculator(config, self.loaded, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
@@ -179,6 +184,8 @@ class EngineCore:
         vocab_size = self.loaded.config.vocab_size
         prompt_token_ids = check_prompt(prompt_token_ids, vocab_size, self.max_model_len)
         params.validate_for_vocab(vocab_size)
+        if params.structured_output is not None:
+            self.grammar.compile(params.structured_output)  # a cache hit when the submitting thread compiled it
         arrival_time = time.time() if arrival_time is None else arrival_time
         eos_token_ids = list(self.tokenizer.eos_token_ids)
         if params.use_beam_search:

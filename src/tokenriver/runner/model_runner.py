@@ -16,9 +16,16 @@ The model runs through NativeStack (runner/native_stack.py), which hands its dec
 layers to the native decoder where they can run there.
 A multi-step step (SchedulerOutput.num_decode_passes > 1, only plain greedy decodes)
 runs its further passes here, each feeding every request the token it just sampled.
+A request with structured output gets its grammar's allowed-token mask with every
+row the sampler sees (sampling/grammar.py); its drafts are cut at the first token the
+grammar rejects, and beam candidates are ranked among the allowed tokens only. The
+masks of a step's sampled rows are computed on a worker thread while the forward pass
+runs (both release the GIL): they depend only on the tokens known before the pass.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -27,6 +34,7 @@ from tokenriver.kv.cache import KVCache
 from tokenriver.models.native.kernels import load_kernels
 from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
 from tokenriver.runner.native_stack import NativeStack
+from tokenriver.sampling.grammar import GrammarMatchers
 from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -34,10 +42,14 @@ from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRe
 class ModelRunner:
     """Turns a SchedulerOutput into sampled tokens."""
 
-    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str, seed: int = 0,
+                 grammar: GrammarMatchers | None = None) -> None:
         self.model = model
         # Calls like the model; runs its layers in one native call where it can.
         self.forward = NativeStack(model)
+        # The matchers of requests with structured output; None = such requests are refused before they get here.
+        self.grammar = grammar
+        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="tokenriver-grammar") if grammar else None
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         default_generator = torch.Generator(device=self.device)
@@ -59,14 +71,40 @@ class ModelRunner:
             self._generators[request.request_id] = generator
         return generator
 
-    def _state(self, request: ScheduledRequest) -> SamplingState:
+    def _state(self, request: ScheduledRequest, allowed_token_mask: torch.Tensor | None = None) -> SamplingState:
         return SamplingState(
             params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             generator=self._generator_for(request),
             eos_token_ids=request.eos_token_ids,
+            allowed_token_mask=allowed_token_mask,
         )
+
+    def _start_masks(self, requests: list[ScheduledRequest]) -> Future | None:
+        """Begin computing the requests' allowed-token masks on the worker thread (None: no request has a
+        grammar). The result is one mask or None per request."""
+        if self._mask_worker is None or all(r.sampling_params.structured_output is None for r in requests):
+            return None
+        return self._mask_worker.submit(lambda: [self._allowed_token_mask(request) for request in requests])
+
+    def _allowed_token_mask(self, request: ScheduledRequest) -> torch.Tensor | None:
+        """[W] int32: what the request's grammar allows after its output so far (None without one)."""
+        spec = request.sampling_params.structured_output
+        if spec is None or self.grammar is None:
+            return None
+        return self.grammar.mask(request.request_id, spec, request.output_token_ids)
+
+    def _draft_check(self, request: ScheduledRequest, draft_probs: torch.Tensor | None) -> DraftCheck:
+        """The request's drafts to verify, cut before the first one its grammar rejects."""
+        spec = request.sampling_params.structured_output
+        state = self._state(request)
+        if spec is None or self.grammar is None:
+            return DraftCheck(state, request.draft_token_ids, draft_probs)
+        num_valid, masks = self.grammar.masks_along(request.request_id, spec, request.output_token_ids,
+                                                    request.draft_token_ids)
+        return DraftCheck(state, request.draft_token_ids[:num_valid],
+                          draft_probs[:num_valid] if draft_probs is not None else None, masks)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput,
@@ -78,12 +116,15 @@ class ModelRunner:
         """
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
+            if self.grammar is not None:
+                self.grammar.drop(request_id)
         if scheduler_output.block_copies:
             sources, destinations = zip(*scheduler_output.block_copies)
             self.kv_cache.copy_blocks(list(sources), list(destinations))
         if scheduler_output.is_empty:
             return RunnerOutput()
         inputs = prepare_inputs(scheduler_output, self.kv_cache.block_size, self.device)
+        pending_masks = self._start_masks(inputs.sampling_requests)
         # [num_tokens, hidden_size]
         hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         self.num_forward_passes += 1
@@ -95,7 +136,8 @@ class ModelRunner:
             return RunnerOutput(results=results)
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
             hidden = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
-        states = [self._state(request) for request in inputs.sampling_requests]
+        masks = pending_masks.result() if pending_masks is not None else [None] * len(inputs.sampling_requests)
+        states = [self._state(request, mask) for request, mask in zip(inputs.sampling_requests, masks)]
         if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, states, hidden, results):
             self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
             return RunnerOutput(results=results)
@@ -105,7 +147,8 @@ class ModelRunner:
         num_scored_rows = num_sample_rows + len(draft_rows)
         if inputs.beam_requests:
             tops = self.sampler.top_logprobs(logits[num_scored_rows:],
-                                             [request.num_beam_candidates for request in inputs.beam_requests])
+                                             [request.num_beam_candidates for request in inputs.beam_requests],
+                                             [self._allowed_token_mask(request) for request in inputs.beam_requests])
             for request, candidates in zip(inputs.beam_requests, tops):
                 results.setdefault(request.request_id, RequestStepResult()).beam_candidates = candidates
         if inputs.sampling_requests:
@@ -114,9 +157,17 @@ class ModelRunner:
                 _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
         if inputs.draft_requests:
             draft_probs = draft_probs or {}
-            checks = [DraftCheck(self._state(request), request.draft_token_ids, draft_probs.get(request.request_id))
+            checks = [self._draft_check(request, draft_probs.get(request.request_id))
                       for request in inputs.draft_requests]
-            verdicts = self.sampler.verify(logits[num_sample_rows:num_scored_rows], checks)
+            # Each check's rows: its last known token and the drafts it kept (a cut check skips the rest).
+            kept_rows: list[int] = []
+            first = num_sample_rows
+            for request, check in zip(inputs.draft_requests, checks):
+                kept_rows += range(first, first + len(check.draft_token_ids) + 1)
+                first += len(request.draft_token_ids) + 1
+            is_cut = len(kept_rows) != num_scored_rows - num_sample_rows
+            verdicts = self.sampler.verify(logits[kept_rows] if is_cut else logits[num_sample_rows:num_scored_rows],
+                                           checks)
             for request, verdict in zip(inputs.draft_requests, verdicts):
                 _append(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
         self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)

@@ -111,6 +111,21 @@ def apply_min_tokens(
     return blocked
 
 
+def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack grammar bitmasks ([N, W] int32, bit i of word w allows token 32 * w + i) into [N, vocab_size] bool.
+    Tokens past the mask's 32 * W bits are not allowed."""
+    bits = torch.arange(32, dtype=torch.int32)  # [32]
+    allowed = ((masks.unsqueeze(2) >> bits) & 1).bool().reshape(masks.shape[0], -1)  # [N, 32 * W]
+    if allowed.shape[1] < vocab_size:
+        allowed = F.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return allowed[:, :vocab_size]
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Remove every token a row's grammar does not allow (allowed: [N, V] bool)."""
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """Divide each row by its temperature ([N], > 0; greedy rows, temperature 0, are the sampler's business)."""
     return logits / temperature.to(logits.dtype).unsqueeze(1)

@@ -6,7 +6,7 @@ because silently dropping something that changes behaviour would return a
 plausible but wrong answer. Two exceptions, listed below, are accepted and
 dropped before validation: fields that never change the output
 (`IGNORED_FIELDS`), and unsupported OpenAI features sent with the value that
-turns them off (`NOOP_VALUES`, e.g. `"tools": []`). Range checks belong to
+turns them off (`NOOP_VALUES`, e.g. `"functions": []`). Range checks belong to
 SamplingParams, so this module checks only shapes and types (and that
 integers fit 64 bits, the one range every consumer shares).
 
@@ -28,16 +28,13 @@ from tokenriver.errors import InvalidParameterError
 
 # Fields OpenAI clients commonly send that have no effect here: accepted and ignored.
 IGNORED_FIELDS: tuple[str, ...] = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
-                                   "safety_identifier", "parallel_tool_calls")
+                                   "safety_identifier")
 
 # Unsupported OpenAI features, accepted only with a value that turns them off.
 NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -48,7 +45,6 @@ MESSAGE_NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "refusal": (None,),
     "annotations": (None, []),
     "audio": (None,),
-    "tool_calls": (None, []),
     "function_call": (None,),
 }
 
@@ -136,6 +132,34 @@ class StreamOptions(Request):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(Request):
+    """response_format.json_schema: OpenAI's structured outputs (the openai SDK's `parse` sends this)."""
+
+    name: str
+    description: str | None = None
+    # The JSON schema the output must validate against; "schema" clashes with a BaseModel attribute.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    # The schema is always enforced by grammar; strict only says the client relies on it.
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    """OpenAI's response_format: free text, any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(Request):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(Request):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's, then tokenriver's)."""
 
@@ -172,6 +196,13 @@ class SamplingFields(Request):
     beam_width: Int64 | None = None
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -211,10 +242,30 @@ class TextPart(Request):
     text: str
 
 
+class FunctionCallIn(Request):
+    name: str
+    # The arguments as a JSON text, as OpenAI sends them.
+    arguments: str
+
+
+class ToolCallIn(Request):
+    """A tool call of an earlier assistant message, echoed back in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Assistant messages: the tools it called. Tool messages: which call this is the result of.
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    # Assistant messages: the thinking a reasoning model returned (not sent back to the model).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -239,8 +290,35 @@ class ChatMessage(Request):
         return self.content or ""
 
 
+class FunctionDefinition(Request):
+    name: str
+    description: str | None = None
+    # JSON schema of the arguments (None = no arguments).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Request):
+    name: str
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
+
+    # Tools the model may call, and whether it must ("required", or a named one), may ("auto") or may not ("none").
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     messages: list[ChatMessage] = Field(min_length=1)
     # OpenAI's newer name for max_tokens.
@@ -362,9 +440,24 @@ class ChatLogprobs(Response):
     refusal: None = None
 
 
+class FunctionCallOut(Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Response):
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(Response):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = _omit_none()
+    # A reasoning model's thinking, under vLLM's older and newer names.
+    reasoning_content: str | None = _omit_none()
+    reasoning: str | None = _omit_none()
 
 
 class ChatChoice(Response):
@@ -388,9 +481,26 @@ class ChatCompletionResponse(Response):
     metrics: RequestMetricsInfo | None = _omit_none()
 
 
+class FunctionCallDelta(Response):
+    name: str | None = _omit_none()
+    arguments: str | None = _omit_none()
+
+
+class ToolCallDelta(Response):
+    """A piece of a streamed tool call: the first piece of a call carries its id and name."""
+
+    index: int
+    id: str | None = _omit_none()
+    type: str | None = _omit_none()
+    function: FunctionCallDelta
+
+
 class DeltaMessage(Response):
     role: str | None = _omit_none()
     content: str | None = _omit_none()
+    tool_calls: list[ToolCallDelta] | None = _omit_none()
+    reasoning_content: str | None = _omit_none()
+    reasoning: str | None = _omit_none()
 
 
 class ChatChunkChoice(Response):

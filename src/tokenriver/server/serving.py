@@ -16,6 +16,7 @@ repeated engine outputs cannot duplicate or drop text.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 import uuid
@@ -29,12 +30,16 @@ from tokenriver.errors import EngineOverloadedError, InvalidParameterError
 from tokenriver.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenriver.params import SamplingParams
 from tokenriver.prompts import check_prompt
+from tokenriver.server import reasoning
+from tokenriver.server.chat_output import ChatView, chat_message, message_delta, tool_call_deltas
 from tokenriver.server.metrics import ServerMetrics
 from tokenriver.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                        ChatCompletionResponse, ChatLogprobs, ChatMessageOut, CompletionChoice,
+                                        ChatCompletionResponse, ChatLogprobs, CompletionChoice,
                                         CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                                         DetokenizeRequest, PromptTokensDetails, RequestMetricsInfo, Response,
                                         SamplingFields, TokenizeRequest, TokenLogprob, TopLogprob, Usage)
+from tokenriver.server.structured import structured_output
+from tokenriver.server.tools import ToolCalling
 
 # OpenAI's default for /v1/completions; chat runs until EOS or the context is full.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -67,6 +72,10 @@ class GenerationPlan:
     echo: bool = False
     # Chat only: how many top_logprobs each token lists.
     num_top_logprobs: int = 0
+    # Chat only: the request's tools (None without any), and whether the output starts inside a thinking block
+    # (None when the template has none).
+    tool_calling: ToolCalling | None = None
+    starts_in_reasoning: bool | None = None
 
 
 @dataclass
@@ -127,6 +136,7 @@ class OpenAIServing:
                                  logprobs=request.logprobs, logprobs_param="logprobs",
                                  prompt_logprobs=request.logprobs if echo else None, best_of=request.best_of)
         self._check_engine_limits(params)
+        self._check_structured_output(request, params)
         return GenerationPlan(response_id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), prompts=prompts,
                               params=params, priority=request.priority or 0, is_stream=bool(request.stream),
                               include_usage=_include_usage(request), echo=echo)
@@ -143,33 +153,52 @@ class OpenAIServing:
             raise InvalidParameterError("top_logprobs needs logprobs: true; set both, or drop top_logprobs",
                                         param="top_logprobs")
         num_top = request.top_logprobs or 0
+        if request.tool_choice not in (None, "none") and not request.tools:
+            raise InvalidParameterError("tool_choice needs tools: send the tools the model may call",
+                                        param="tool_choice")
+        tool_calling = ToolCalling(request.tools or [], request.tool_choice, request.parallel_tool_calls,
+                                   self.tokenizer.chat_template)
         prompt = self.render_chat(request.messages, request.add_generation_prompt,
-                                  request.chat_template_kwargs)
+                                  request.chat_template_kwargs, tool_calling)
         self._check_fits(prompt, max_tokens, max_tokens_param, "messages")
         params = sampling_params(request, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
                                  logprobs=num_top if request.logprobs else None, logprobs_param="top_logprobs",
                                  prompt_logprobs=None, best_of=None)
+        tools_grammar = tool_calling.structured_output()
+        if tools_grammar is not None:
+            if params.structured_output is not None:
+                raise InvalidParameterError(
+                    f"tool_choice={request.tool_choice!r} constrains the output to tool calls, so it cannot also "
+                    f"follow response_format or structured_outputs; send one of them", param="tool_choice")
+            params = dataclasses.replace(params, structured_output=tools_grammar)
+        has_reasoning = reasoning.has_reasoning(self.tokenizer.chat_template)
+        if has_reasoning and params.structured_output is not None and reasoning.thinks_before_answering(prompt.text):
+            end_of_thinking = tuple(self.tokenizer.encode(reasoning.THINK_CLOSE, add_special_tokens=False))
+            params = dataclasses.replace(params, structured_output=dataclasses.replace(
+                params.structured_output, starts_after=end_of_thinking))
         self._check_engine_limits(params)
+        self._check_structured_output(request, params)
         return GenerationPlan(response_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                               prompts=[prompt], params=params, priority=request.priority or 0,
                               is_stream=bool(request.stream), include_usage=_include_usage(request),
-                              num_top_logprobs=num_top)
+                              num_top_logprobs=num_top,
+                              tool_calling=tool_calling if tool_calling.is_active else None,
+                              starts_in_reasoning=reasoning.starts_in_reasoning(prompt.text) if has_reasoning
+                              else None)
 
     def render_chat(self, messages: list[Any], add_generation_prompt: bool | None,
-                    template_kwargs: dict[str, Any] | None) -> PromptInput:
+                    template_kwargs: dict[str, Any] | None, tool_calling: ToolCalling | None = None) -> PromptInput:
         """Messages → the chat template's text → token ids (the template writes its own special tokens)."""
         template_kwargs = template_kwargs or {}
         reserved = sorted(_RESERVED_TEMPLATE_NAMES & set(template_kwargs))
         if reserved:
             raise InvalidParameterError(f"chat_template_kwargs may not set {reserved}: tokenriver passes those itself",
                                         param="chat_template_kwargs")
-        conversation = []
-        for message in messages:
-            entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                                     "content": message.text()}
-            if message.name is not None:
-                entry["name"] = message.name
-            conversation.append(entry)
+        tool_calling = tool_calling or ToolCalling([], None, None, self.tokenizer.chat_template)
+        conversation = tool_calling.conversation(messages)
+        tools = tool_calling.template_tools()
+        if tools is not None:
+            template_kwargs = {**template_kwargs, "tools": tools}
         text = self.tokenizer.apply_chat_template(
             conversation, add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
             **template_kwargs)
@@ -190,6 +219,17 @@ class OpenAIServing:
         check_prompt(prompt.token_ids, self.vocab_size, self.engine.max_model_len, max_tokens=max_tokens,
                      where=where, param="prompt" if where.startswith("prompt") else where,
                      max_tokens_param=max_tokens_param)
+
+    def _check_structured_output(self, request: SamplingFields, params: SamplingParams) -> None:
+        """Compile the request's grammar now (cached for the engine), so a schema the backend cannot enforce is
+        a 400 naming the field the client sent."""
+        if params.structured_output is None:
+            return
+        found = structured_output(request)
+        try:
+            self.engine.check_structured_output(params.structured_output)
+        except InvalidParameterError as error:
+            raise InvalidParameterError(error.message, param=found[0] if found else "tools") from None
 
     def _check_engine_limits(self, params: SamplingParams) -> None:
         """What only this engine can judge: token ids against its vocabulary, candidates against its batch."""
@@ -308,9 +348,11 @@ class OpenAIServing:
             if plan.params.logprobs is not None:
                 logprobs = chat_logprobs(list(zip(candidate.token_ids, candidate.logprobs or [])),
                                          plan.num_top_logprobs)
+            message = chat_message(candidate.text, plan.tool_calling, plan.starts_in_reasoning)
+            finish_reason = "tool_calls" if message.tool_calls else _finish_reason(candidate)
             choices.append(ChatChoice(
-                index=candidate.index, message=ChatMessageOut(content=candidate.text), logprobs=logprobs,
-                finish_reason=_finish_reason(candidate), stop_reason=candidate.stop_reason,
+                index=candidate.index, message=message, logprobs=logprobs,
+                finish_reason=finish_reason, stop_reason=candidate.stop_reason,
                 trace=_trace(candidate, 0) if plan.params.trace else None, beam_score=candidate.beam_score))
         return ChatCompletionResponse(id=plan.response_id, created=plan.created, model=self.model_name,
                                       choices=choices, usage=usage(finals), metrics=self.request_metrics(output))
@@ -359,13 +401,26 @@ class OpenAIServing:
                                       choices=[ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant",
                                                                                                 content=""))])
         finals: dict[str, RequestOutput] = {}
+        views: dict[int, ChatView] = {}
+        is_plain = plan.tool_calling is None and plan.starts_in_reasoning is None
         async with aclosing(self._deltas(plan, first, rest)) as deltas:
             async for delta in deltas:
                 logprobs = None
                 if plan.params.logprobs is not None:
                     logprobs = chat_logprobs(delta.positions, plan.num_top_logprobs)
-                choice = ChatChunkChoice(index=delta.index, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
-                                         finish_reason=_finish_reason(delta.candidate),
+                finish_reason = _finish_reason(delta.candidate)
+                if is_plain:
+                    message = DeltaMessage(content=delta.text)
+                else:
+                    view = views.setdefault(delta.index, ChatView())
+                    message, calls = message_delta(view, delta.candidate.text, finish_reason is not None,
+                                                   plan.tool_calling, plan.starts_in_reasoning)
+                    for call_delta in tool_call_deltas(calls):
+                        yield ChatCompletionChunk(id=plan.response_id, created=plan.created, model=self.model_name,
+                                                  choices=[ChatChunkChoice(index=delta.index, delta=call_delta)])
+                    finish_reason = "tool_calls" if calls else finish_reason
+                choice = ChatChunkChoice(index=delta.index, delta=message, logprobs=logprobs,
+                                         finish_reason=finish_reason,
                                          stop_reason=delta.candidate.stop_reason,
                                          token_ids=delta.token_ids if plan.params.trace else None, trace=delta.trace)
                 yield ChatCompletionChunk(id=plan.response_id, created=plan.created, model=self.model_name,
@@ -530,6 +585,9 @@ def sampling_params(request: SamplingFields, *, max_tokens: int | None, max_toke
         "beam_width": request.beam_width, "length_penalty": request.length_penalty,
         "early_stopping": request.early_stopping,
     }
+    found = structured_output(request)
+    if found is not None:
+        fields["structured_output"] = found[1]
     given = {name: value for name, value in fields.items() if value is not None}
     renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param, "prompt_logprobs": logprobs_param}
     try:

@@ -274,6 +274,10 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template
 
+    def to_json(self) -> str:
+        """The tokenizer in Hugging Face `tokenizers` JSON (what grammar engines build their vocabulary from)."""
+        return self._backend.to_str()
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._all_special_ids
 

@@ -1,0 +1,73 @@
+"""Decode speed with a JSON schema vs without, in the same run, at batch 1 and batch 32.
+
+Both runs generate exactly --max-tokens tokens per request: the free run ignores EOS, and the schema (an array
+of at least 64 small objects) cannot end sooner. Decode tokens/s counts the tokens after each request's first,
+over the time from the first request's first token to the last request's last token, so prefill is left out.
+Runs alternate (free, schema) for --rounds rounds; the table reports medians with every round's figure.
+Writes benchmarks/results/structured_output.md.
+
+    python benchmarks/structured_output.py [--max-tokens 64] [--rounds 2] [--temperature 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from common import RESULTS, machine_line, markdown_table
+
+from tokenriver import LLM, SamplingParams, StructuredOutput
+
+SCHEMA = {"type": "array", "minItems": 64, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                     "city": {"type": "string", "maxLength": 16}},
+    "required": ["name", "age", "city"], "additionalProperties": False}}
+PROMPT = [{"role": "user", "content": "List people with their name, age and city as JSON."}]
+
+
+def decode_tokens_per_second(llm: LLM, batch: int, params: SamplingParams) -> float:
+    outputs = llm.chat([PROMPT] * batch, params, use_tqdm=False)
+    first = min(o.metrics.first_token_time for o in outputs)
+    last = max(o.metrics.last_token_time for o in outputs)
+    num_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
+    if any(len(o.outputs[0].token_ids) != params.max_tokens for o in outputs):
+        raise RuntimeError("a request ended early: the runs would not be comparable")
+    return num_tokens / (last - first)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    args = parser.parse_args()
+    llm = LLM(max_num_seqs=max(args.batch_sizes))
+    free = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=0)
+    constrained = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0,
+                                 structured_output=StructuredOutput.json(SCHEMA))
+    decode_tokens_per_second(llm, 1, constrained)  # compiles the grammar and builds the vocabulary once
+    rows = []
+    for batch in args.batch_sizes:
+        runs: dict[str, list[float]] = {"free": [], "schema": []}
+        for _ in range(args.rounds):
+            runs["free"].append(decode_tokens_per_second(llm, batch, free))
+            runs["schema"].append(decode_tokens_per_second(llm, batch, constrained))
+        free_median, schema_median = statistics.median(runs["free"]), statistics.median(runs["schema"])
+        rows.append([batch, free_median, schema_median, f"{100 * (1 - schema_median / free_median):.1f} %",
+                     " / ".join(f"{a:.1f} vs {b:.1f}" for a, b in zip(runs["free"], runs["schema"]))])
+        print(rows[-1], file=sys.stderr)
+    table = markdown_table(["batch", "free tokens/s", "JSON schema tokens/s", "cost", "rounds (free vs schema)"],
+                           rows)
+    text = (f"# Structured output: decode speed with a JSON schema vs without\n\n"
+            f"`python benchmarks/structured_output.py --max-tokens {args.max_tokens} --rounds {args.rounds} "
+            f"--temperature {args.temperature}`\n\n{machine_line()}\n\n{table}\n")
+    (RESULTS / "structured_output.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The grammar stage: llguidance matchers that say, per request and step, which tokens may come next.
+
+Two objects:
+- `GrammarCompiler` turns a `StructuredOutput` into an llguidance grammar, checks it, and keeps one compiled
+  matcher per (kind, text) as a template; requests get deep copies. It is thread-safe so that a request's
+  grammar is compiled (and an invalid one refused) in the thread that submits it, not on the engine thread.
+- `GrammarMatchers` keeps one matcher per running request and derives its state from the request's token
+  history: before each mask it rolls back to the longest prefix it shares with the history, then consumes
+  the rest. Accepted tokens, speculative drafts (consumed, masked, rolled back), preemption (the history
+  is kept) and beam forks (a different history) all come out of that one rule.
+
+Masks are llguidance's bitmask: int32 words, bit i of word w allows token 32 * w + i.
+Knows nothing about the scheduler or the model; imports llguidance, not its torch helpers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import llguidance
+import torch
+
+from tokenriver.errors import InvalidParameterError
+from tokenriver.params import StructuredOutput
+
+# Compiled grammars kept (least recently used dropped first).
+MAX_CACHED_GRAMMARS = 256
+# JSON is generated compactly, with one space after ',' and ':': with free whitespace a small model can
+# spend its whole token budget on newlines inside a valid document.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def mask_width(vocab_size: int) -> int:
+    """int32 words in one token mask."""
+    return (vocab_size + 31) // 32
+
+
+def grammar_text(spec: StructuredOutput) -> str:
+    """The llguidance grammar of a constraint (not yet checked)."""
+    if spec.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=_JSON_OPTIONS)
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.text)
+    if spec.kind == "choice":
+        return llguidance.grammar_from("choice", spec.text)
+    try:
+        return llguidance.grammar_from("grammar", spec.text)
+    except ValueError as error:  # a GBNF grammar the converter could not read
+        raise InvalidParameterError(f"the grammar is invalid: {error}", param="structured_output") from error
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        # tokenizer_json: the tokenizer in Hugging Face `tokenizers` JSON; vocab_size: the model's logits width.
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer_json = tokenizer_json
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary, built on first use (it scans every token)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_token_ids or None)
+            return self._tokenizer
+
+    def compile(self, spec: StructuredOutput) -> None:
+        """Check the constraint and cache its grammar; raises InvalidParameterError naming the problem.
+
+        A schema keyword llguidance would ignore (it reports those as warnings) is refused too: the output
+        would not be guaranteed to validate."""
+        self.new_matcher(spec)
+
+    def new_matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """A fresh matcher for the constraint, at the start of the output."""
+        key = (spec.kind, spec.text)
+        with self._lock:
+            template = self._templates.get(key)
+            if template is not None:
+                self._templates.move_to_end(key)
+                return template.deep_copy()
+        tokenizer = self.tokenizer
+        grammar = grammar_text(spec)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if is_error or messages:
+            what = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regex",
+                    "choice": "choice", "grammar": "grammar"}[spec.kind]
+            problem = "; ".join(messages) if messages else "it does not compile"
+            raise InvalidParameterError(f"the {what} cannot be enforced: {problem}", param="structured_output")
+        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise InvalidParameterError(f"the grammar cannot be enforced: {template.get_error()}",
+                                        param="structured_output")
+        with self._lock:
+            self._templates[key] = template
+            while len(self._templates) > MAX_CACHED_GRAMMARS:
+                self._templates.popitem(last=False)
+        return template.deep_copy()
+
+
+class _Tracked:
+    """A request's matcher and the tokens it has consumed."""
+
+    def __init__(self, spec: StructuredOutput, matcher: llguidance.LLMatcher) -> None:
+        self.spec = spec
+        self.matcher = matcher
+        self.consumed: list[int] = []
+
+
+class GrammarMatchers:
+    """One matcher per constrained request, following the request's tokens."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._tracked: dict[str, _Tracked] = {}
+
+    def drop(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+
+    def mask(self, request_id: str, spec: StructuredOutput, token_ids: list[int]) -> torch.Tensor | None:
+        """The allowed next tokens after `token_ids` (the request's output so far): [W] int32, or None while the
+        constraint has not started (spec.starts_after)."""
+        masks = self.masks_along(request_id, spec, token_ids, [])[1]
+        return masks[0] if masks is not None else None
+
+    def masks_along(self, request_id: str, spec: StructuredOutput, token_ids: list[int],
+                    draft_token_ids: list[int]) -> tuple[int, torch.Tensor | None]:
+        """Masks after the output and after each draft the grammar allows: (m, [m + 1, W] int32).
+
+        m counts the leading drafts the grammar accepts; a draft it rejects, and every draft after it, is cut
+        (the target could never emit it). The matcher is left after `token_ids` alone. Before the constraint
+        starts there are no masks, and the drafts are kept up to the one that would start it."""
+        start = _start_of_constraint(spec.starts_after, token_ids)
+        if start is None:
+            end = _start_of_constraint(spec.starts_after, token_ids + draft_token_ids)
+            return (len(draft_token_ids) if end is None else end - len(token_ids)), None
+        tracked = self._sync(request_id, spec, token_ids[start:])
+        matcher = tracked.matcher
+        masks = torch.zeros(len(draft_token_ids) + 1, mask_width(self.compiler.vocab_size), dtype=torch.int32)
+        num_valid = 0
+        while True:
+            self._fill(matcher, masks[num_valid])
+            if num_valid == len(draft_token_ids) or not _allows(masks[num_valid], draft_token_ids[num_valid]):
+                break
+            if not matcher.consume_token(draft_token_ids[num_valid]):
+                break
+            num_valid += 1
+        if num_valid and not matcher.rollback(num_valid):
+            self._tracked.pop(request_id)
+        return num_valid, masks[:num_valid + 1]
+
+    def _fill(self, matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
+        """Write the matcher's next-token mask into row ([W] int32, contiguous). A matcher in its error state
+        allows only end of sequence: the request ends rather than continue outside the grammar."""
+        if matcher.is_error():
+            row.zero_()
+            for token_id in self.compiler.eos_token_ids:
+                row[token_id // 32] |= _bit(token_id % 32)
+            return
+        matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    def _sync(self, request_id: str, spec: StructuredOutput, token_ids: list[int]) -> _Tracked:
+        """The request's matcher, advanced (or rolled back) to just after `token_ids`."""
+        tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.spec != spec:
+            tracked = None
+        if tracked is not None:
+            common = _common_prefix(tracked.consumed, token_ids)
+            excess = len(tracked.consumed) - common
+            if excess and not tracked.matcher.rollback(excess):
+                tracked = None
+            elif excess:
+                del tracked.consumed[common:]
+        if tracked is None:
+            tracked = _Tracked(spec, self.compiler.new_matcher(spec))
+            self._tracked[request_id] = tracked
+        for token_id in token_ids[len(tracked.consumed):]:
+            # A token the grammar refuses (an EOS it already ended with, or a history from before the
+            # constraint) leaves the matcher in its error state, whose mask allows only end of sequence.
+            if not tracked.matcher.is_error():
+                tracked.matcher.consume_token(token_id)
+            tracked.consumed.append(token_id)
+        return tracked
+
+
+def _start_of_constraint(starts_after: tuple[int, ...], token_ids: list[int]) -> int | None:
+    """Index in token_ids where the constraint starts: just after the first occurrence of starts_after."""
+    if not starts_after:
+        return 0
+    width = len(starts_after)
+    for end in range(width, len(token_ids) + 1):
+        if tuple(token_ids[end - width:end]) == starts_after:
+            return end
+    return None
+
+
+def _bit(index: int) -> int:
+    """Bit `index` of an int32 word, as the signed value torch stores."""
+    return (1 << index) - (1 << 32 if index == 31 else 0)
+
+
+def _allows(mask: torch.Tensor, token_id: int) -> bool:
+    return bool((int(mask[token_id // 32]) >> (token_id % 32)) & 1)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    length = min(len(a), len(b))
+    for i in range(length):
+        if a[i] != b[i]:
+            return i
+    return length
