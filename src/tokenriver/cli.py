@@ -49,6 +49,12 @@ ENGINE_HELP = {
                            "scheduling: less per-token overhead, tokens streamed in bursts)",
     "ngram_max": "n-gram drafts: longest suffix looked up in the request's earlier tokens",
     "ngram_min": "n-gram drafts: shortest suffix looked up",
+    "tensor_parallel_size": "split the model across this many processes (tensor parallelism: attention heads and "
+                            "MLP features; gloo on CPU, NCCL on CUDA); see docs/scaling.md",
+    "distributed_init_addr": "host:port where tensor-parallel ranks meet (default: a free local port; env:// "
+                             "under torchrun)",
+    "nnodes": "machines the tensor-parallel ranks span",
+    "node_rank": "this machine's index among --nnodes (0 runs the engine; others run only their ranks)",
 }
 ENGINE_FLAG_NAMES = {"num_threads": "threads", "seed": "engine-seed", "use_kv_cache": "kv-cache",
                      "enable_prefix_caching": "prefix-caching"}
@@ -264,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "engine_tensor_parallel_size", 1) > 1:
+            from tokenriver.engine.tensor_parallel import run_worker_node
+
+            code = run_worker_node(engine_config_from(args))  # None where this process runs the engine
+            if code is not None:
+                return code
         return args.handler(args)
     except TokenriverError as error:
         print(f"error: {error.message}", file=sys.stderr)

@@ -95,6 +95,15 @@ class EngineConfig:
     # ngram_min, among its earlier tokens and proposes what followed it there.
     ngram_max: int = 4
     ngram_min: int = 2
+    # Tensor parallelism: ranks (processes) the model's attention heads and MLP features are split across, one
+    # all-reduce per attention block and per MLP block (distributed/); rank 0 schedules. 1 = one process.
+    tensor_parallel_size: int = 1
+    # host:port where the ranks meet (rank 0's machine); None = a free local port (one machine), or env:// under
+    # torchrun.
+    distributed_init_addr: str | None = None
+    # Machines the ranks span, and which one this is (0 runs the engine, the others only their ranks).
+    nnodes: int = 1
+    node_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.quantization not in ("auto", "none", "int8", "int4"):
@@ -124,6 +133,7 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1 or unset", param=name)
         self._validate_speculative()
+        self._validate_parallel()
         if self.num_scheduler_steps > 1 and self.speculative_draft is not None:
             raise InvalidParameterError("num_scheduler_steps > 1 does not combine with speculative decoding (a step "
                                         "verifies drafts in one pass): set one of them", param="num_scheduler_steps")
@@ -139,6 +149,25 @@ class EngineConfig:
     def resolved_kv_cache_dtype(self) -> str:
         """The dtype name the KV pool is allocated in ("auto" resolved)."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1", param=name)
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise InvalidParameterError(f"node_rank={self.node_rank!r} must be in 0..nnodes-1 ({self.nnodes - 1})",
+                                        param="node_rank")
+        if self.tensor_parallel_size % self.nnodes:
+            raise InvalidParameterError(
+                f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of nnodes={self.nnodes} "
+                f"(the same number of ranks on every machine)", param="tensor_parallel_size")
+        if self.nnodes > 1 and self.distributed_init_addr is None:
+            raise InvalidParameterError("nnodes > 1 needs distributed_init_addr, the head machine's host:port",
+                                        param="distributed_init_addr")
+        if self.tensor_parallel_size > 1 and self.speculative_draft is not None:
+            raise InvalidParameterError("speculative decoding does not run under tensor parallelism yet: drop "
+                                        "speculative_draft or use tensor_parallel_size=1", param="speculative_draft")
 
     def _validate_speculative(self) -> None:
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):
