@@ -51,8 +51,8 @@ ENGINE_HELP = {
     "ngram_min": "n-gram drafts: shortest suffix looked up",
     "tensor_parallel_size": "split the model across this many processes (tensor parallelism: attention heads and "
                             "MLP features; gloo on CPU, NCCL on CUDA); see docs/scaling.md",
-    "distributed_init_addr": "host:port where tensor-parallel ranks meet (default: a free local port; env:// "
-                             "under torchrun)",
+    "distributed_init_addr": "host:port where tensor-parallel ranks meet; unset: a free local port, or env:// "
+                             "under torchrun",
     "nnodes": "machines the tensor-parallel ranks span",
     "node_rank": "this machine's index among --nnodes (0 runs the engine; others run only their ranks)",
 }
