@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,11 @@ def placement(config: EngineConfig) -> RankPlacement:
 
 
 def _rank_device(config: EngineConfig, rank: int, ranks_per_node: int) -> str:
-    """cuda:<local rank> under CUDA (one GPU per rank), else the configured device."""
-    return f"cuda:{rank % ranks_per_node}" if torch.device(config.device).type == "cuda" else config.device
+    """cuda:<local rank> under CUDA (one GPU per rank; LOCAL_RANK where a launcher set it), else the configured
+    device."""
+    if torch.device(config.device).type != "cuda":
+        return config.device
+    return f"cuda:{os.environ.get('LOCAL_RANK', rank % ranks_per_node)}"
 
 
 def _threads_per_rank(config: EngineConfig, ranks_here: int) -> int:
