@@ -90,3 +90,27 @@ def test_float_column_shards_keep_the_bias_once():
     x = torch.randn(3, 64)
     total = take_columns(layer, 0, 32, keep_bias=True)(x[:, :32]) + take_columns(layer, 32, 64, False)(x[:, 32:])
     torch.testing.assert_close(total, layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_addr": "10.0.0.1:29500"}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 2, "nnodes": 2}, "distributed_init_addr"),
+    ({"nnodes": 2, "node_rank": 2, "distributed_init_addr": "h:1"}, "node_rank"),
+    ({"tensor_parallel_size": 2, "speculative_draft": "ngram"}, "speculative_draft"),
+])
+def test_parallel_options_are_validated(options, param):
+    from tokenriver.config import EngineConfig
+
+    with pytest.raises(InvalidParameterError) as error:
+        EngineConfig(**options)
+    assert error.value.param == param
+
+
+def test_rendezvous_addresses():
+    from tokenriver.distributed.group import init_method_for
+
+    assert init_method_for("10.0.0.1:29500") == "tcp://10.0.0.1:29500"
+    assert init_method_for(None) == "env://"
+    with pytest.raises(InvalidParameterError, match="host:port"):
+        init_method_for("nohost")

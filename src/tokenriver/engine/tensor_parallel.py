@@ -14,6 +14,7 @@ Each rank runs torch on its share of the machine's threads (all of them divided 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 from dataclasses import dataclass
@@ -104,8 +105,14 @@ def start_tensor_parallel(config: EngineConfig, loaded: LoadedModel, num_blocks:
     group.broadcast(num_blocks)
     kv_cache = _local_kv_cache(config, loaded, layout, num_blocks, config.device)
     runner = TensorParallelRunner(ModelRunner(loaded.model, kv_cache, config.device, config.seed), group, processes)
-    atexit.register(runner.close)
+    atexit.register(_close_quietly, runner)
     return kv_cache, runner
+
+
+def _close_quietly(runner: TensorParallelRunner) -> None:
+    """At interpreter exit: stop the other ranks if they still listen; a rank already gone is no error then."""
+    with contextlib.suppress(Exception):
+        runner.close()
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str, ranks_here: int) -> None:
