@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import socket
 import statistics
 import sys
@@ -39,8 +40,8 @@ def load_average() -> str:
 
 
 # ----- tensor parallel ------------------------------------------------------------------------------------------
-def decode_steps(tensor_parallel_size: int, num_prompts: int, num_tokens: int) -> dict[str, float]:
-    llm = LLM(tensor_parallel_size=tensor_parallel_size, num_threads=2, max_num_kv_tokens=4096)
+def decode_steps(tensor_parallel_size: int, num_threads: int, num_prompts: int, num_tokens: int) -> dict[str, float]:
+    llm = LLM(tensor_parallel_size=tensor_parallel_size, num_threads=num_threads, max_num_kv_tokens=4096)
     engine = llm.engine
     prompts = [f"Request {i}: write a long story about the river and its stones." for i in range(num_prompts)]
     try:
@@ -66,16 +67,16 @@ def decode_steps(tensor_parallel_size: int, num_prompts: int, num_tokens: int) -
 
 def run_tp(args: argparse.Namespace) -> str:
     rows = []
-    for size in (1, 2):
-        result = decode_steps(size, args.tp_batch, args.tp_tokens)
-        rows.append([size, args.tp_batch, result["steps"], result["step_ms"], result["mean_ms"], result["reduces"],
-                     result["reduce_ms"]])
+    for size, threads in ((1, 1), (1, 2), (2, 2)):
+        result = decode_steps(size, threads, args.tp_batch, args.tp_tokens)
+        rows.append([size, f"{threads // size} per rank", args.tp_batch, result["steps"], result["step_ms"],
+                     result["mean_ms"], result["reduces"], result["reduce_ms"]])
     return ("## Tensor parallel: decode step time\n\n"
             f"{args.tp_batch} greedy requests decoding {args.tp_tokens} tokens each; one engine step = one forward "
-            "pass for all of them. TP=1: one process, 2 threads (the native one-call decoder). TP=2: two gloo ranks "
-            "on this machine, 1 thread each, the module path (sharded layers are not native-runnable). "
+            "pass for all of them. TP=1: one process, 1 or 2 threads (the native one-call decoder). TP=2: two gloo "
+            "ranks on this machine, 1 thread each, the module path (sharded layers are not native-runnable). "
             "All-reduce time is rank 0's wall time inside `dist.all_reduce`, waiting for rank 1 included.\n\n"
-            + markdown_table(["TP", "requests", "decode steps", "step p50 ms", "step mean ms",
+            + markdown_table(["TP", "threads", "requests", "decode steps", "step p50 ms", "step mean ms",
                               "all-reduces / step", "all-reduce ms / step"], rows))
 
 
@@ -151,6 +152,9 @@ def run_routing(args: argparse.Namespace, url: str) -> str:
                + "Answer briefly, cite the policy, never guess a tracking number. " * 4 for k in range(8)]
     prompts = [systems[user % 8] + f"User {user}: my parcel {1000 + user} has not arrived, what now?"
                for user in range(args.routing_users)]
+    # Users arrive in a random (seeded) order: in strict rotation, round robin over an even number of replicas
+    # would send each system prompt to the same replica every time by accident.
+    random.Random(0).shuffle(prompts)
     rows = []
     for router in ("round_robin", "prefix"):
         deploy(2, router)
@@ -161,7 +165,8 @@ def run_routing(args: argparse.Namespace, url: str) -> str:
         rows.append([router, len(prompts), wall, 1000 * statistics.median(ttfts),
                      1000 * ordered[int(0.9 * (len(ordered) - 1))], f"{100 * hits / queried:.1f}%"])
     return ("## Routing: prefix-aware vs round robin (2 replicas)\n\n"
-            f"8 system prompts (~{len(prompts[0].split())} words each) x {args.routing_users} users in turn, "
+            f"8 system prompts (~{len(prompts[0].split())} words each) x {args.routing_users} users in a seeded random "
+            f"order, "
             f"{args.routing_concurrency} requests in flight, 4 output tokens each. Hit rate = prompt tokens served "
             "from the replicas' prefix caches / prompt tokens looked up (aggregated /metrics).\n\n"
             + markdown_table(["router", "requests", "wall s", "TTFT p50 ms", "TTFT p90 ms", "prefix-cache hit rate"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 
@@ -63,6 +64,9 @@ def _hit_rate(base_url: str, router: str) -> float:
     deploy(2, router)
     requests = [SYSTEM_PROMPTS[user % len(SYSTEM_PROMPTS)] + f"User {user}: my order {user} is late, why?"
                 for user in range(24)]
+    # A seeded random order: in strict rotation, round robin over two replicas would keep each system prompt on
+    # one replica by accident.
+    random.Random(0).shuffle(requests)
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:

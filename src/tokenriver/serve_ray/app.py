@@ -55,7 +55,7 @@ def build_application(engine_config: EngineConfig, server_config: ServerConfig, 
     ).bind(engine_config, server_config)
     ingress = serve.deployment(Ingress, name="TokenriverIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=4 * max_ongoing_requests)
-    return ingress.bind(engines, engine_config, num_replicas)
+    return ingress.bind(engines, engine_config)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

@@ -44,11 +44,10 @@ class ReplicaLost(Exception):
 class Ingress:
     """A Ray Serve deployment class (serve_ray/app.py wraps it); holds the handle to the engine replicas."""
 
-    def __init__(self, engines: Any, engine_config: EngineConfig, num_replicas: int, max_attempts: int = 4) -> None:
+    def __init__(self, engines: Any, engine_config: EngineConfig, max_attempts: int = 4) -> None:
         self.engines = engines
         self.block_size = engine_config.block_size
         self.tokenizer = load_tokenizer(engine_config.model)
-        self.num_replicas = num_replicas
         self.max_attempts = max_attempts
         from ray import serve
 
