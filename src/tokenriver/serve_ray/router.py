@@ -1,10 +1,11 @@
 """Ray Serve request routers for engine replicas (ray.serve.request_router's RequestRouter API).
 
 `PrefixAwareRouter` ranks the live replicas with serve_ray/routing.py's rules from each request's RoutingHint (the
-prompt's block hashes) and each replica's load. Load is what the replica last reported through
-`record_routing_stats` (its active requests, KV usage and pool size; Ray Serve collects it every
-request_routing_stats_period_s) plus the requests this router sent it since that report, so a burst routed
-between two reports still spreads. `RoundRobinRouter` cycles through the replicas: the baseline the tests and
+prompt's block hashes) and each replica's load. Load is Ray's own count of the
+requests ongoing at the replica where it has one, else what the replica last reported through
+`record_routing_stats` (its active requests; Ray Serve collects them every request_routing_stats_period_s) plus the
+requests this router sent it since that report, so a burst routed between two reports still spreads. KV usage and
+pool size come from the report. `RoundRobinRouter` cycles through the replicas: the baseline the tests and
 benchmarks/scale_out.py compare with.
 
 A router lives in each process that holds a handle to the engine deployment (the ingress), and keeps its picture
@@ -67,7 +68,12 @@ class PrefixAwareRouter(_PatientProbes, RequestRouter):
             self.sent_since_report[replica_id] = 0
         if "num_kv_blocks" in stats:
             self.index.set_capacity(replica_id, int(stats["num_kv_blocks"]))
-        in_flight = int(stats.get("num_active_requests", 0)) + self.sent_since_report[replica_id]
+        # Ray's own count of requests ongoing at the replica (updated as requests are sent, finish, or the replica
+        # answers a probe) is the freshest; the replica's last report plus what was sent since stands in for it
+        # where Ray has none.
+        in_flight = self.replica_queue_len_cache.get(replica_id)
+        if in_flight is None:
+            in_flight = int(stats.get("num_active_requests", 0)) + self.sent_since_report[replica_id]
         return ReplicaLoad(in_flight, float(stats.get("kv_usage", 0.0)))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
