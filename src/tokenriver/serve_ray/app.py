@@ -107,6 +107,8 @@ def run_data_parallel(engine_config: EngineConfig, server_config: ServerConfig, 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
     stopped.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the teardown short
+        signal.signal(sig, signal.SIG_IGN)
     serve.shutdown()
     ray.shutdown()
     return 0
