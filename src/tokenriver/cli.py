@@ -225,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=cmd_generate)
     chat.set_defaults(handler=cmd_chat)
     add_serve_command(commands, add_engine_flags=add_engine_flags, engine_config_from=engine_config_from)
+    _add_scale_out_flags(commands.choices["serve"])
     return parser
 
 
@@ -249,11 +250,42 @@ def _import_engine() -> None:
             gc.enable()
 
 
+def _add_scale_out_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("scale-out options (docs/scaling.md)")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas behind one endpoint, on Ray Serve (needs the ray extra: "
+                            "pip install 'tokenriver[ray]'); RAY_ADDRESS joins an existing cluster (default: 1)")
+    group.add_argument("--router", choices=["prefix", "round_robin"], default="prefix",
+                       help="how requests are spread over replicas: longest cached prefix within load "
+                            "limits, or round robin (default: %(default)s)")
+
+
+def cmd_serve_data_parallel(args: argparse.Namespace) -> int:
+    """`serve --data-parallel-size N` (N > 1): the same API from N replicas on Ray Serve."""
+    from tokenriver.server.cli_serve import server_config_from
+
+    try:
+        from tokenriver.serve_ray.app import run_data_parallel
+    except ImportError as error:
+        raise TokenriverError(f"--data-parallel-size needs Ray Serve ({error}): pip install 'tokenriver[ray]'",
+                              param="data_parallel_size") from None
+    return run_data_parallel(engine_config_from(args), server_config_from(args), args.data_parallel_size,
+                             args.router)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _import_engine()
+        if getattr(args, "engine_tensor_parallel_size", 1) > 1:
+            from tokenriver.engine.tensor_parallel import run_worker_node
+
+            code = run_worker_node(engine_config_from(args))  # None where this process runs the engine
+            if code is not None:
+                return code
+        if getattr(args, "data_parallel_size", 1) > 1:
+            return cmd_serve_data_parallel(args)
         return args.handler(args)
     except TokenriverError as error:
         print(f"error: {error.message}", file=sys.stderr)

@@ -136,6 +136,20 @@ class EngineConfig:
     ngram_max: int = option(4, "n-gram drafts: longest suffix looked up in the request's earlier tokens",
                             metavar="N")
     ngram_min: int = option(2, "n-gram drafts: shortest suffix looked up", metavar="N")
+    # Tensor parallelism: ranks (processes) the model's attention heads and MLP features are split across, one
+    # all-reduce per attention block and per MLP block (distributed/); rank 0 schedules. 1 = one process.
+    tensor_parallel_size: int = option(
+        1, "split the model across this many processes (tensor parallelism: attention heads and MLP features; gloo "
+        "on CPU, NCCL on CUDA); see docs/scaling.md", metavar="N")
+    # host:port where the ranks meet (rank 0's machine); None = a free local port (one machine), or env:// under
+    # torchrun.
+    distributed_init_addr: str | None = option(
+        None, "host:port where tensor-parallel ranks meet; unset: a free local port, or env:// under torchrun",
+        metavar="HOST:PORT")
+    # Machines the ranks span, and which one this is (0 runs the engine, the others only their ranks).
+    nnodes: int = option(1, "machines the tensor-parallel ranks span", metavar="N")
+    node_rank: int = option(0, "this machine's index among --nnodes (0 runs the engine; others run only their "
+                               "ranks)", metavar="N")
 
     def __post_init__(self) -> None:
         if self.quantization not in ("auto", "none", "int8", "int4"):
@@ -172,6 +186,7 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1 or unset", param=name)
         self._validate_speculative()
+        self._validate_parallel()
         if self.num_scheduler_steps > 1 and self.speculative_draft is not None:
             raise InvalidParameterError("num_scheduler_steps > 1 does not combine with speculative decoding (a step "
                                         "verifies drafts in one pass): set one of them", param="num_scheduler_steps")
@@ -201,6 +216,25 @@ class EngineConfig:
     def resolved_max_waiting_requests(self, num_kv_blocks: int) -> int:
         """max_waiting_requests, or the pool's block count when unset (see the field)."""
         return self.max_waiting_requests if self.max_waiting_requests is not None else num_kv_blocks
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1", param=name)
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise InvalidParameterError(f"node_rank={self.node_rank!r} must be in 0..nnodes-1 ({self.nnodes - 1})",
+                                        param="node_rank")
+        if self.tensor_parallel_size % self.nnodes:
+            raise InvalidParameterError(
+                f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of nnodes={self.nnodes} "
+                f"(the same number of ranks on every machine)", param="tensor_parallel_size")
+        if self.nnodes > 1 and self.distributed_init_addr is None:
+            raise InvalidParameterError("nnodes > 1 needs distributed_init_addr, the head machine's host:port",
+                                        param="distributed_init_addr")
+        if self.tensor_parallel_size > 1 and self.speculative_draft is not None:
+            raise InvalidParameterError("speculative decoding does not run under tensor parallelism yet: drop "
+                                        "speculative_draft or use tensor_parallel_size=1", param="speculative_draft")
 
     def _validate_speculative(self) -> None:
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):

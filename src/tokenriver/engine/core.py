@@ -25,6 +25,7 @@ from tokenriver.decoding.beam_groups import BeamGroups
 from tokenriver.decoding.speculative import Speculator, build_speculator
 from tokenriver.errors import InvalidParameterError, RequestNotFoundError
 from tokenriver.engine.output_processor import OutputProcessor
+from tokenriver.engine.tensor_parallel import start_tensor_parallel
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache, bytes_per_block
 from tokenriver.loader.load import LoadedModel, load_model
@@ -155,6 +156,9 @@ class EngineCore:
                                        list(self.tokenizer.eos_token_ids))
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed,
                                   GrammarMatchers(self.grammar))
+        if config.tensor_parallel_size > 1:
+            # This process becomes rank 0: the model is sharded in place, the cache holds this rank's kv heads.
+            self.kv_cache, self.runner = start_tensor_parallel(config, self.loaded, num_blocks)
         self.speculator: Speculator | None = build_speculator(config, self.loaded, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
@@ -266,6 +270,12 @@ class EngineCore:
         self.last_step = StepStats(self.scheduler.stats(), time.perf_counter() - started,
                                    self.runner.num_forward_passes, self._num_draft_forward_passes())
         return outputs
+
+    def close(self) -> None:
+        """Release what outlives a garbage collection: the other ranks of a tensor-parallel engine."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def _num_draft_forward_passes(self) -> int:
         proposer = self.speculator.proposer if self.speculator is not None else None

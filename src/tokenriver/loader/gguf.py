@@ -128,12 +128,24 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
                 weights[name] -= 1.0  # Gemma: the file holds 1 + w, the model's parameter is w.
         if mapped is not None:
             mapped.release(tensor.data)
+    return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=_tokenizer_fields(fields, gguf_arch),
+                          stored_types=stored_types)
+
+
+def read_tokenizer_fields(path: str, cache_dir: str | None = None) -> dict[str, Any]:
+    """A GGUF file's tokenizer metadata as read_gguf gives it, without reading a tensor (a front end that only
+    tokenizes needs no weights)."""
+    fields, _, _ = _read_header(path, cache_dir)
+    return _tokenizer_fields(fields, fields.get("general.architecture"))
+
+
+def _tokenizer_fields(fields: dict[str, Any], gguf_arch: str | None) -> dict[str, Any]:
+    """Every "tokenizer.*" field, plus the architecture's chat template where the file carries none."""
     tokenizer_fields = {name: value for name, value in fields.items() if name.startswith("tokenizer.")}
-    template = families.default_chat_template(gguf_arch)
+    template = families.default_chat_template(gguf_arch) if isinstance(gguf_arch, str) else None
     if template is not None and "tokenizer.ggml.tokens" in tokenizer_fields:
         tokenizer_fields.setdefault("tokenizer.chat_template", template)
-    return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=tokenizer_fields,
-                          stored_types=stored_types)
+    return tokenizer_fields
 
 
 class _MappedFile:

@@ -1,0 +1,221 @@
+"""Cut a loaded Llama-family model into one rank's shard, after loading and without touching the model's code.
+
+Megatron's split, per decoder layer:
+- attention: rank r keeps a contiguous run of kv heads and the query heads that read them. qkv_proj is
+  column-parallel (its output rows for those heads: q rows, then k rows, then v rows); o_proj is row-parallel
+  (its input columns for those query heads), so each rank's o_proj output is a partial sum: one all-reduce.
+- MLP: rank r keeps a contiguous run of the intermediate features. gate_up_proj keeps those gate rows and those
+  up rows; down_proj keeps those input columns and its output is again a partial sum: one all-reduce.
+Embedding, norms, rotary tables and the output head stay whole on every rank: after each all-reduce every rank
+holds the same hidden state, so they compute the same logits and, from the same plan, sample the same tokens.
+
+Heads need not divide evenly: the embedded model has 3 kv heads, so at 2 ranks one rank keeps 2 and the other 1.
+Quantized weights (models/quant.py) are cut as packed blocks, never dequantized: rows of qweight/scales/mins for
+a column-parallel layer; for a row-parallel layer the input columns at a multiple of the group size (32 columns
+of a 4-bit weight are 16 bytes of nibbles), which also keeps the int8 activation rounding, per 32 columns, the same
+as on one rank. A row-parallel bias is added on rank 0 only.
+Sharded layers run the module path: the fused one-call decoder binds only whole quantized layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenriver.distributed.group import TensorParallelGroup
+from tokenriver.errors import InvalidParameterError
+from tokenriver.models.native.quant import Int4Linear, Int4Weight, Int8Linear, Int8Weight
+
+# Row-parallel splits of an unquantized layer still fall on this many columns: the int8 activation rounding and the
+# packed layouts work in runs of 32.
+COLUMN_UNIT = 32
+
+
+def partition(num_units: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The [start, end) run of num_units that rank keeps: contiguous, sizes differing by at most one."""
+    base, extra = divmod(num_units, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class RowParallel(nn.Module):
+    """A row-parallel projection: this rank's partial product, summed over the ranks."""
+
+    def __init__(self, shard: nn.Module, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.shard = shard
+        self.group = group
+        self.in_features = shard.in_features
+        self.out_features = shard.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, this rank's in_features] → [T, out_features], the same on every rank."""
+        return self.group.all_reduce(self.shard(x).contiguous())
+
+
+def _quantized_like(layer: Int4Linear | Int8Linear, weight: Int4Weight | Int8Weight,
+                    bias: torch.Tensor | None) -> Int4Linear | Int8Linear:
+    cls = Int4Linear if isinstance(layer, Int4Linear) else Int8Linear
+    shard = cls(weight, bias, backend=layer.backend, max_gemv_rows=layer.max_gemv_rows,
+                int8_activations=layer.int8_activations)
+    if shard.gemm_rounding != layer.gemm_rounding:
+        shard.set_rounded_gemm(layer.gemm_rounding is not None)
+    return shard
+
+
+def take_rows(layer: nn.Module, runs: list[tuple[int, int]]) -> nn.Module:
+    """A column-parallel shard: the output rows [start, end) of each run, in order, as one layer of the same kind."""
+    index = torch.cat([torch.arange(start, end) for start, end in runs]).to(_weight_device(layer))  # [rows]
+    bias = None if layer.bias is None else layer.bias.detach().index_select(0, index)
+    if isinstance(layer, Int4Linear):
+        weight = Int4Weight(layer.qweight.index_select(0, index), layer.scales.index_select(0, index),
+                            layer.mins.index_select(0, index), layer.group_size)
+        return _quantized_like(layer, weight, bias)
+    if isinstance(layer, Int8Linear):
+        weight = Int8Weight(layer.qweight.index_select(0, index), layer.scales.index_select(0, index),
+                            layer.group_size)
+        return _quantized_like(layer, weight, bias)
+    if isinstance(layer, nn.Linear):
+        return _linear(layer.weight.detach().index_select(0, index), bias)
+    raise InvalidParameterError(f"tensor parallelism cannot shard a {type(layer).__name__}; it shards nn.Linear, "
+                                f"Int4Linear and Int8Linear", param="tensor_parallel_size")
+
+
+def take_columns(layer: nn.Module, start: int, end: int, keep_bias: bool) -> nn.Module:
+    """A row-parallel shard: the input columns [start, end); the bias only where keep_bias (one rank adds it)."""
+    bias = layer.bias.detach() if keep_bias and layer.bias is not None else None
+    if isinstance(layer, (Int4Linear, Int8Linear)):
+        per_channel = layer.group_size == layer.in_features
+        unit = COLUMN_UNIT if per_channel else layer.group_size
+        if start % unit or end % unit:
+            raise InvalidParameterError(
+                f"a rank's share of {layer.in_features} input columns, [{start}, {end}), does not fall on the "
+                f"weight's groups of {unit}: use a tensor_parallel_size that splits the heads at such a boundary",
+                param="tensor_parallel_size")
+        # Per-channel scales ([N, 1]) stay whole; the shard's one group is its own columns.
+        scales = layer.scales if per_channel else layer.scales[:, start // unit:end // unit]
+        group_size = end - start if per_channel else layer.group_size
+        if isinstance(layer, Int4Linear):
+            # Within each 32-column run, byte j holds columns j and j + 16: a run of 32 columns is 16 whole bytes.
+            mins = layer.mins if per_channel else layer.mins[:, start // unit:end // unit]
+            weight = Int4Weight(layer.qweight[:, start // 2:end // 2].contiguous(), scales.contiguous(),
+                                mins.contiguous(), group_size)
+        else:
+            weight = Int8Weight(layer.qweight[:, start:end].contiguous(), scales.contiguous(), group_size)
+        return _quantized_like(layer, weight, bias)
+    if isinstance(layer, nn.Linear):
+        return _linear(layer.weight.detach()[:, start:end].contiguous(), bias)
+    raise InvalidParameterError(f"tensor parallelism cannot shard a {type(layer).__name__}; it shards nn.Linear, "
+                                f"Int4Linear and Int8Linear", param="tensor_parallel_size")
+
+
+def _weight_device(layer: nn.Module) -> torch.device:
+    weight = layer.qweight if isinstance(layer, (Int4Linear, Int8Linear)) else layer.weight
+    return weight.device
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear around given tensors (no fresh initialization to overwrite)."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What one rank keeps of every layer (the same for all layers)."""
+
+    # Query heads [start, end) and kv heads [start, end) of this rank.
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    # MLP intermediate features [start, end) of this rank.
+    intermediate: tuple[int, int]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """kv heads this rank's KV cache holds."""
+        return self.kv_heads[1] - self.kv_heads[0]
+
+
+def shard_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int, rank: int,
+                 unit: int = COLUMN_UNIT) -> ShardLayout:
+    """Split kv heads (with their query heads) and the MLP's features (in runs of `unit`) across world_size ranks."""
+    if num_kv_heads < world_size:
+        raise InvalidParameterError(
+            f"tensor_parallel_size={world_size} exceeds the model's {num_kv_heads} kv heads: every rank needs at "
+            f"least one; use at most {num_kv_heads}", param="tensor_parallel_size")
+    if intermediate_size % unit or intermediate_size // unit < world_size:
+        raise InvalidParameterError(
+            f"the MLP's {intermediate_size} features do not split into {world_size} runs of whole {unit}-column "
+            f"groups; use a smaller tensor_parallel_size", param="tensor_parallel_size")
+    group = num_heads // num_kv_heads
+    kv_start, kv_end = partition(num_kv_heads, world_size, rank)
+    feature_start, feature_end = partition(intermediate_size // unit, world_size, rank)
+    return ShardLayout((kv_start * group, kv_end * group), (kv_start, kv_end),
+                       (feature_start * unit, feature_end * unit))
+
+
+def shard_decoder_layers(layers: nn.ModuleList, group: TensorParallelGroup) -> ShardLayout:
+    """Replace, in place, every layer's attention and MLP projections with this rank's shards (module docstring).
+
+    Takes Llama-family layers: `self_attn` with a fused `qkv_proj` and `o_proj` and head counts, `mlp` with a fused
+    `gate_up_proj` and `down_proj`. Anything else is refused with a clear error.
+    """
+    first = layers[0]
+    attention, mlp = getattr(first, "self_attn", None), getattr(first, "mlp", None)
+    if not all(hasattr(attention, name) for name in ("qkv_proj", "o_proj", "num_heads", "num_kv_heads", "head_dim")) \
+            or not all(hasattr(mlp, name) for name in ("gate_up_proj", "down_proj")):
+        raise InvalidParameterError(
+            f"tensor parallelism shards Llama-family layers (fused qkv_proj / gate_up_proj); "
+            f"{type(first).__name__} is not one", param="tensor_parallel_size")
+    intermediate_size = mlp.down_proj.in_features
+    group_size = getattr(mlp.down_proj, "group_size", COLUMN_UNIT)
+    unit = COLUMN_UNIT if group_size == intermediate_size else max(group_size, COLUMN_UNIT)
+    layout = shard_layout(attention.num_heads, attention.num_kv_heads, intermediate_size, group.world_size,
+                          group.rank, unit)
+    for layer in layers:
+        _shard_attention(layer.self_attn, layout, group)
+        _shard_mlp(layer.mlp, layout, intermediate_size, group)
+    return layout
+
+
+def _shard_attention(attention: nn.Module, layout: ShardLayout, group: TensorParallelGroup) -> None:
+    head_dim, num_heads, num_kv_heads = attention.head_dim, attention.num_heads, attention.num_kv_heads
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    (h_start, h_end), (kv_start, kv_end) = layout.heads, layout.kv_heads
+    # qkv_proj's output rows: [q of all heads | k of all kv heads | v of all kv heads].
+    attention.qkv_proj = take_rows(attention.qkv_proj, [
+        (h_start * head_dim, h_end * head_dim),
+        (q_size + kv_start * head_dim, q_size + kv_end * head_dim),
+        (q_size + kv_size + kv_start * head_dim, q_size + kv_size + kv_end * head_dim)])
+    attention.o_proj = RowParallel(
+        take_columns(attention.o_proj, h_start * head_dim, h_end * head_dim, keep_bias=group.rank == 0), group)
+    attention.num_heads = h_end - h_start
+    attention.num_kv_heads = kv_end - kv_start
+    attention.q_size = attention.num_heads * head_dim
+
+
+def _shard_mlp(mlp: nn.Module, layout: ShardLayout, intermediate_size: int, group: TensorParallelGroup) -> None:
+    start, end = layout.intermediate
+    # gate_up_proj's output rows: [gate of all features | up of all features].
+    mlp.gate_up_proj = take_rows(mlp.gate_up_proj, [(start, end), (intermediate_size + start, intermediate_size + end)])
+    mlp.down_proj = RowParallel(take_columns(mlp.down_proj, start, end, keep_bias=group.rank == 0), group)
+
+
+def shard_model(model: nn.Module, group: TensorParallelGroup) -> ShardLayout:
+    """Shard a loaded causal LM (its `model.layers`) for this rank, in place, and drop any binding the fast path
+    made of the old weights."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise InvalidParameterError(f"tensor parallelism needs a decoder with `model.layers`; "
+                                    f"{type(model).__name__} has none", param="tensor_parallel_size")
+    layout = shard_decoder_layers(layers, group)
+    # .to() the device it is on: a no-op for the weights, but every module's _apply hook forgets what it bound.
+    device = next(model.parameters()).device
+    model.to(device)
+    return layout

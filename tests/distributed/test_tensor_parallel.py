@@ -1,0 +1,116 @@
+"""Tensor parallelism: two gloo ranks on this machine compute what one process does.
+
+Rank 0 is the engine in this test process; rank 1 is a spawned process. The reference numerics (weights
+dequantized to float32) must give logprobs equal to one process's within float rounding (the partial sums are added
+in another order), and the packed 4-bit default the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tokenriver.distributed.group import TensorParallelGroup
+from tokenriver.distributed.sharding import partition, shard_layout, take_columns, take_rows
+from tokenriver.engine.llm import LLM
+from tokenriver.errors import InvalidParameterError
+from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from tokenriver.params import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def _run(quantization: str, tensor_parallel_size: int, max_tokens: int) -> list:
+    llm = LLM(quantization=quantization, tensor_parallel_size=tensor_parallel_size, num_threads=1,
+              max_num_kv_tokens=2048)
+    try:
+        return llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3),
+                            use_tqdm=False)
+    finally:
+        llm.engine.close()
+
+
+def test_two_ranks_match_one_process_in_reference_numerics():
+    single = _run("none", 1, 8)
+    parallel = _run("none", 2, 8)
+    for one, two in zip(single, parallel):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        for position_one, position_two in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            assert position_one.keys() == position_two.keys()
+            for token_id, logprob in position_one.items():
+                assert position_two[token_id].logprob == pytest.approx(logprob.logprob, abs=2e-4)
+
+
+def test_two_ranks_give_the_same_greedy_tokens_with_packed_weights():
+    single = _run("auto", 1, 16)
+    parallel = _run("auto", 2, 16)
+    assert [o.outputs[0].token_ids for o in parallel] == [o.outputs[0].token_ids for o in single]
+
+
+class _FakeGroup(TensorParallelGroup):
+    """A group of one process that stands for rank `rank` of `world_size` (no communication)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size, torch.device("cpu"))
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def test_partition_is_contiguous_and_covers_everything():
+    runs = [partition(3, 2, rank) for rank in range(2)]
+    assert runs == [(0, 2), (2, 3)]
+    assert [partition(10, 3, rank) for rank in range(3)] == [(0, 4), (4, 7), (7, 10)]
+
+
+def test_layout_refuses_more_ranks_than_kv_heads():
+    with pytest.raises(InvalidParameterError, match="kv heads"):
+        shard_layout(num_heads=9, num_kv_heads=3, intermediate_size=1536, world_size=4, rank=0)
+
+
+@pytest.mark.parametrize("quantize", [lambda w: Int4Linear(quantize_int4(w, 32), backend="reference"),
+                                      lambda w: Int8Linear(quantize_int8(w, 32), backend="reference"),
+                                      lambda w: Int8Linear(quantize_int8(w), backend="reference")])
+def test_packed_shards_add_up_to_the_whole_product(quantize):
+    """Rows and column blocks of a packed weight, multiplied and summed as the ranks do, equal the whole layer."""
+    torch.manual_seed(0)
+    layer = quantize(torch.randn(96, 128))
+    x = torch.randn(5, 128)
+    whole = layer(x)  # [5, 96]
+    rows = torch.cat([take_rows(layer, [(0, 40)])(x), take_rows(layer, [(40, 96)])(x)], dim=1)
+    torch.testing.assert_close(rows, whole, rtol=0, atol=0)
+    columns = take_columns(layer, 0, 64, keep_bias=True)(x[:, :64]) + take_columns(layer, 64, 128, False)(x[:, 64:])
+    torch.testing.assert_close(columns, whole, rtol=1e-5, atol=1e-4)
+
+
+def test_float_column_shards_keep_the_bias_once():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 8)
+    x = torch.randn(3, 64)
+    total = take_columns(layer, 0, 32, keep_bias=True)(x[:, :32]) + take_columns(layer, 32, 64, False)(x[:, 32:])
+    torch.testing.assert_close(total, layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_addr": "10.0.0.1:29500"}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 2, "nnodes": 2}, "distributed_init_addr"),
+    ({"nnodes": 2, "node_rank": 2, "distributed_init_addr": "h:1"}, "node_rank"),
+    ({"tensor_parallel_size": 2, "speculative_draft": "ngram"}, "speculative_draft"),
+])
+def test_parallel_options_are_validated(options, param):
+    from tokenriver.config import EngineConfig
+
+    with pytest.raises(InvalidParameterError) as error:
+        EngineConfig(**options)
+    assert error.value.param == param
+
+
+def test_rendezvous_addresses():
+    from tokenriver.distributed.group import init_method_for
+
+    assert init_method_for("10.0.0.1:29500") == "tcp://10.0.0.1:29500"
+    assert init_method_for(None) == "env://"
+    with pytest.raises(InvalidParameterError, match="host:port"):
+        init_method_for("nohost")
