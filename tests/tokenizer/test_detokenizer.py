@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokenriver.loader.tokenizer_files import tokenizer_from_gguf_fields
 from tokenriver.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
@@ -77,7 +78,7 @@ def test_random_token_ids_stream_like_the_full_decode(smollm_tokenizer, data):
 
 @pytest.fixture(scope="module")
 def spm_tokenizer(spm_model) -> Tokenizer:
-    return Tokenizer.from_gguf_fields(spm_model[1])
+    return tokenizer_from_gguf_fields(spm_model[1])
 
 
 @pytest.mark.parametrize("text", ["Hello world, the fox!", "café ☃ 日本 😀 end", "  spaced  out\tand\nlines"])

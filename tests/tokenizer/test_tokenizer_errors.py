@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
+from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
 from tokenriver.tokenizer.chat_template import render_chat_template
-from tokenriver.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -19,19 +19,19 @@ def folder_tokenizer_json() -> str:
 
 def test_missing_folder(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
-        Tokenizer.from_folder(str(tmp_path / "nope"))
+        tokenizer_from_folder(str(tmp_path / "nope"))
 
 
 def test_folder_without_tokenizer_json(tmp_path):
     with pytest.raises(ModelLoadError, match="tokenizer.json") as error:
-        Tokenizer.from_folder(str(tmp_path))
+        tokenizer_from_folder(str(tmp_path))
     assert error.value.path == str(tmp_path / "tokenizer.json")
 
 
 def test_damaged_tokenizer_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"model": ')
     with pytest.raises(ModelLoadError, match="not a valid tokenizer.json"):
-        Tokenizer.from_folder(str(tmp_path))
+        tokenizer_from_folder(str(tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -46,12 +46,12 @@ def test_damaged_side_files_are_named(tmp_path, folder_tokenizer_json, name, con
     (tmp_path / "tokenizer.json").write_text(folder_tokenizer_json)
     (tmp_path / name).write_text(content)
     with pytest.raises(ModelLoadError, match=message):
-        Tokenizer.from_folder(str(tmp_path))
+        tokenizer_from_folder(str(tmp_path))
 
 
 def test_folder_with_only_tokenizer_json_works(tmp_path, folder_tokenizer_json):
     (tmp_path / "tokenizer.json").write_text(folder_tokenizer_json)
-    tokenizer = Tokenizer.from_folder(str(tmp_path))
+    tokenizer = tokenizer_from_folder(str(tmp_path))
     assert tokenizer.encode("abba") == [2, 1, 0]
     assert tokenizer.chat_template is None
     assert tokenizer.bos_token_id is None
@@ -60,22 +60,22 @@ def test_folder_with_only_tokenizer_json_works(tmp_path, folder_tokenizer_json):
 
 def test_gguf_fields_without_vocabulary():
     with pytest.raises(ModelLoadError, match="tokenizer.ggml.tokens"):
-        Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2"})
+        tokenizer_from_gguf_fields({"tokenizer.ggml.model": "gpt2"})
 
 
 def test_gguf_unsupported_tokenizer_model(smollm_fields):
     with pytest.raises(ModelLoadError, match="'bert' is not supported"):
-        Tokenizer.from_gguf_fields({**smollm_fields, "tokenizer.ggml.model": "bert"})
+        tokenizer_from_gguf_fields({**smollm_fields, "tokenizer.ggml.model": "bert"})
 
 
 def test_gguf_special_id_outside_vocabulary(smollm_fields):
     with pytest.raises(ModelLoadError, match="eos_token_id=99999"):
-        Tokenizer.from_gguf_fields({**smollm_fields, "tokenizer.ggml.eos_token_id": 99999})
+        tokenizer_from_gguf_fields({**smollm_fields, "tokenizer.ggml.eos_token_id": 99999})
 
 
 def test_no_chat_template_says_to_send_a_plain_prompt(smollm_fields):
     fields = {k: v for k, v in smollm_fields.items() if k != "tokenizer.chat_template"}
-    tokenizer = Tokenizer.from_gguf_fields(fields)
+    tokenizer = tokenizer_from_gguf_fields(fields)
     assert tokenizer.chat_template is None
     with pytest.raises(InvalidParameterError, match="no chat template.*plain prompt") as error:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
@@ -103,7 +103,7 @@ def test_template_exception_becomes_invalid_parameter(smollm_fields):
         "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with user') }}"
         "{% endif %}ok"
     )
-    tokenizer = Tokenizer.from_gguf_fields({**smollm_fields, "tokenizer.chat_template": template})
+    tokenizer = tokenizer_from_gguf_fields({**smollm_fields, "tokenizer.chat_template": template})
     assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
     with pytest.raises(InvalidParameterError, match="Conversations must start with user") as error:
         tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}])

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from tokenriver.loader.tokenizer_files import tokenizer_from_gguf_fields
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
 TEXTS = [
@@ -26,7 +27,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def spm_tokenizer(spm_model) -> Tokenizer:
-    return Tokenizer.from_gguf_fields(spm_model[1])
+    return tokenizer_from_gguf_fields(spm_model[1])
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -82,7 +83,7 @@ def test_special_tokens_are_matched_and_a_space_is_prefixed_after_them(spm_token
 
 def test_add_space_prefix_false(spm_model):
     _, fields = spm_model
-    tokenizer = Tokenizer.from_gguf_fields({**fields, "tokenizer.ggml.add_space_prefix": False})
+    tokenizer = tokenizer_from_gguf_fields({**fields, "tokenizer.ggml.add_space_prefix": False})
     ids = tokenizer.encode("Hello world", add_special_tokens=False)
     assert tokenizer.id_to_token(ids[0])[0] != "▁"
     assert tokenizer.decode(ids) == "Hello world"
@@ -120,6 +121,6 @@ def test_merges_listed_in_the_file_are_used(spm_model, spm_tokenizer):
         splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ids and token[i:] in ids]
         pairs += [f"{left} {right}" for left, right in sorted(splits, key=lambda s: (ids[s[0]], ids[s[1]]))]
     without_scores = {k: v for k, v in fields.items() if k != "tokenizer.ggml.scores"}
-    tokenizer = Tokenizer.from_gguf_fields({**without_scores, "tokenizer.ggml.merges": pairs})
+    tokenizer = tokenizer_from_gguf_fields({**without_scores, "tokenizer.ggml.merges": pairs})
     for text in TEXTS:
         assert tokenizer.encode(text) == spm_tokenizer.encode(text), text

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tokenriver.tokenizer.tokenizer import Tokenizer
+from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
 
 TEXTS = [
     "Hello world",
@@ -98,7 +98,7 @@ def test_gguf_properties(smollm_tokenizer):
 
 def test_folder_tokenizer_matches_transformers(hf_tokenizer, tmp_path):
     hf_tokenizer.save_pretrained(tmp_path)
-    tokenizer = Tokenizer.from_folder(str(tmp_path))
+    tokenizer = tokenizer_from_folder(str(tmp_path))
     for text in [*TEXTS, "a  1", "x\n\n2"]:
         assert tokenizer.encode(text) == hf_tokenizer.encode(text), text
         ids = hf_tokenizer.encode(text)
@@ -116,7 +116,7 @@ def test_folder_tokenizer_matches_transformers(hf_tokenizer, tmp_path):
 def test_folder_reads_generation_config_eos_ids(hf_tokenizer, tmp_path):
     hf_tokenizer.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7]}')
-    assert Tokenizer.from_folder(str(tmp_path)).eos_token_ids == [2, 7, 0]
+    assert tokenizer_from_folder(str(tmp_path)).eos_token_ids == [2, 7, 0]
 
 
 CONVERSATIONS = [
@@ -169,7 +169,7 @@ FEATURE_TEMPLATE = (
 
 @pytest.mark.parametrize("enable_thinking", [True, False])
 def test_template_features_match_transformers(smollm_fields, hf_tokenizer, enable_thinking):
-    tokenizer = Tokenizer.from_gguf_fields({**smollm_fields, "tokenizer.chat_template": FEATURE_TEMPLATE})
+    tokenizer = tokenizer_from_gguf_fields({**smollm_fields, "tokenizer.chat_template": FEATURE_TEMPLATE})
     messages = [
         {"role": "system", "content": "  sys <b>&</b>  "},
         {"role": "skip", "content": "ignored"},

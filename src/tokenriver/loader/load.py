@@ -30,6 +30,7 @@ from tokenriver.loader.assemble import build_model, check_quantization
 from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.gguf_blocks import conversion_of
 from tokenriver.loader.safetensors import read_hf_folder
+from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.native.quant import Int4Linear, Int8Linear
 from tokenriver.tokenizer.tokenizer import Tokenizer
@@ -130,12 +131,12 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
     if os.path.isdir(path):
         checkpoint = read_hf_folder(path, torch_dtype)
         model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
-        tokenizer = Tokenizer.from_folder(path)
+        tokenizer = tokenizer_from_folder(path)
     elif os.path.isfile(path):
         checkpoint = read_gguf(path, torch_dtype, keep_quantized=quantization != "none", cache_dir=cache_dir)
         model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
         try:
-            tokenizer = Tokenizer.from_gguf_fields(checkpoint.tokenizer_fields)
+            tokenizer = tokenizer_from_gguf_fields(checkpoint.tokenizer_fields)
         except ModelLoadError as error:  # The tokenizer sees only fields: say which file they came from.
             raise ModelLoadError(f"{path}: {error.message}", path=path) from error
     else:

@@ -11,6 +11,7 @@ import os
 from tokenriver.errors import ModelLoadError
 from tokenriver.loader.gguf import read_tokenizer_fields
 from tokenriver.loader.load import default_model_path
+from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
 
@@ -18,11 +19,11 @@ def load_tokenizer(path: str | None = None, cache_dir: str | None = None) -> Tok
     """The tokenizer of a .gguf file or Hugging Face folder (None = the default model), as load_model builds it."""
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isdir(path):
-        return Tokenizer.from_folder(path)
+        return tokenizer_from_folder(path)
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder",
                              path=path)
     try:
-        return Tokenizer.from_gguf_fields(read_tokenizer_fields(path, cache_dir))
+        return tokenizer_from_gguf_fields(read_tokenizer_fields(path, cache_dir))
     except ModelLoadError as error:
         raise ModelLoadError(f"{path}: {error.message}", path=path) from error
