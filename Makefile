@@ -23,7 +23,7 @@ $(INSTALLED): pyproject.toml | $(PY)
 	touch $@
 
 $(TEST_INSTALLED): $(INSTALLED)
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,ray]'
 	touch $@
 
 HOST ?= 127.0.0.1

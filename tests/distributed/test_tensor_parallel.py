@@ -15,7 +15,7 @@ from tokenriver.distributed.group import TensorParallelGroup
 from tokenriver.distributed.sharding import partition, shard_layout, take_columns, take_rows
 from tokenriver.engine.llm import LLM
 from tokenriver.errors import InvalidParameterError
-from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from tokenriver.models.native.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.params import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -94,7 +94,8 @@ def test_float_column_shards_keep_the_bias_once():
 
 @pytest.mark.parametrize("options, param", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_addr": "10.0.0.1:29500"}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_addr": "head-node.example:29500"},
+     "tensor_parallel_size"),
     ({"tensor_parallel_size": 2, "nnodes": 2}, "distributed_init_addr"),
     ({"nnodes": 2, "node_rank": 2, "distributed_init_addr": "h:1"}, "node_rank"),
     ({"tensor_parallel_size": 2, "speculative_draft": "ngram"}, "speculative_draft"),
@@ -110,7 +111,7 @@ def test_parallel_options_are_validated(options, param):
 def test_rendezvous_addresses():
     from tokenriver.distributed.group import init_method_for
 
-    assert init_method_for("10.0.0.1:29500") == "tcp://10.0.0.1:29500"
+    assert init_method_for("head-node.example:29500") == "tcp://head-node.example:29500"
     assert init_method_for(None) == "env://"
     with pytest.raises(InvalidParameterError, match="host:port"):
         init_method_for("nohost")

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -458,7 +459,12 @@ def test_stop_leaves_an_engine_view_that_matches_the_engine(browser: object, bas
     wait_idle(page)
     page.wait_for_function("""() => { const el = document.querySelector('[data-testid=engine-requests]');
         return el && el.textContent === '0 / 0'; }""", timeout=15_000)
+    # The engine publishes its state once per loop pass: the abort shows there within a pass or two.
+    deadline = time.monotonic() + 15
     engine = request(base_url, "/v1/engine")
+    while engine["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        engine = request(base_url, "/v1/engine")
     assert engine["num_running"] == 0
     page.wait_for_function(
         "n => document.querySelector('[data-testid=engine-blocks-used]').textContent.startsWith(n + ' of')",

@@ -45,8 +45,9 @@ def init_method_for(address: str | None) -> str:
         return address
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise InvalidParameterError(f"distributed_init_addr={address!r} is not host:port, e.g. 10.0.0.1:29500",
-                                    param="distributed_init_addr")
+        raise InvalidParameterError(
+            f"distributed_init_addr={address!r} is not host:port, e.g. head-node.example:29500",
+            param="distributed_init_addr")
     return f"tcp://{address}"
 
 
