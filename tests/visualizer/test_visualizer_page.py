@@ -526,7 +526,11 @@ def test_layout_colours_and_wording(browser: object, base_url: str) -> None:
     assert page.eval_on_selector("[data-testid=token]", "e => e.getBoundingClientRect().bottom") <= 800
     select_token(page, 0)
     # Probability values: at least 11 px, beside the bar rather than printed on it.
-    sizes = page.eval_on_selector_all(".bar-value", "els => els.map(e => parseFloat(getComputedStyle(e).fontSize))")
+    # Read in one page-side check that retries while the panel re-renders (a detached element has no style).
+    sizes_js = "() => [...document.querySelectorAll('.bar-value')].map(e => parseFloat(getComputedStyle(e).fontSize))"
+    page.wait_for_function(f"() => {{ const s = ({sizes_js})(); return s.length > 0 && s.every(v => !isNaN(v)); }}",
+                           timeout=10_000)
+    sizes = page.evaluate(sizes_js)
     assert sizes and min(sizes) >= 11
     assert page.eval_on_selector_all(".bar-track .bar-value", "els => els.length") == 0
     # Viridis: its dark end (68, 1, 84) and light end (253, 231, 37) are on the legend.
