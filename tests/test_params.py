@@ -133,4 +133,5 @@ def test_structured_output_shapes_are_checked():
         StructuredOutput("xml", "<a/>")
     with pytest.raises(InvalidParameterError):
         SamplingParams(structured_output={"type": "object"})
-    assert not SamplingParams(temperature=0, structured_output=StructuredOutput.json_object()).takes_raw_argmax
+    # A grammar narrows the argmax but needs no logits while it allows the raw one (Sampler.sample_reduced).
+    assert SamplingParams(temperature=0, structured_output=StructuredOutput.json_object()).takes_raw_argmax

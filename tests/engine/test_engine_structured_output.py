@@ -27,13 +27,17 @@ def _texts(llm: LLM, conversations: list, params: list[SamplingParams]) -> list[
 
 
 def test_constrained_output_is_the_same_alone_batched_multi_step_and_cached(loaded_float32):
-    alone = LLM.from_loaded(loaded_float32, max_num_kv_tokens=2048, enable_prefix_caching=False)
+    alone = LLM.from_loaded(loaded_float32, max_num_kv_tokens=2048, enable_prefix_caching=False,
+                            num_scheduler_steps=1)
     (reference,) = _texts(alone, [PROMPT], [CONSTRAINED])
     jsonschema.validate(json.loads(reference), SCHEMA)
     others = [[{"role": "user", "content": "Count to ten."}], [{"role": "user", "content": "Name a color."}]]
     multi_step = LLM.from_loaded(loaded_float32, max_num_kv_tokens=2048, num_scheduler_steps=4)
     batched = _texts(multi_step, [PROMPT, *others], [CONSTRAINED, PLAIN, PLAIN])
     assert batched[0] == reference
+    # The constrained request decoded several passes a step, its mask filled before each pass's sampling.
+    passes_after_step = [passes for passes, _ in multi_step.engine.pass_log]
+    assert any(b - a > 1 for a, b in zip(passes_after_step, passes_after_step[1:]))
     assert _texts(multi_step, [PROMPT], [CONSTRAINED]) == [reference]  # the prompt's blocks come from the cache
     assert multi_step.engine.scheduler.stats().prefix_cache_hit_rate > 0
 

@@ -237,6 +237,40 @@ def test_sample_reduced_answers_like_sample():
         Sampler.sample_reduced(reduced, states[:3])
 
 
+def _bitmask(allowed: list[int], vocab_size: int) -> torch.Tensor:
+    """[W] int32 grammar bitmask allowing exactly `allowed`."""
+    bits = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.int64)
+    bits[allowed] = 1
+    words = (bits.reshape(-1, 32) << torch.arange(32)).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_grammar_rows_take_the_reduced_path_unless_it_refuses_the_argmax():
+    """A constrained greedy row answers from the reductions when its grammar allows the raw argmax; a row whose
+    grammar refuses it goes through the masked logits. Either way: the masked argmax and the raw logprob, as the
+    general path (no reductions at all) gives them."""
+    vocab_size = 999
+    logits = random_logits(3, vocab_size, seed=21)
+    top = logits.argmax(dim=1).tolist()
+    allowed = [[top[0], 5, 6], [5, 6, 7], list(range(vocab_size))]  # row 1's grammar refuses its argmax
+    states = [make_state(SamplingParams(temperature=0.0)) for _ in range(3)]
+    for state, tokens in zip(states, allowed):
+        state.allowed_token_mask = _bitmask(tokens, vocab_size)
+    assert Sampler.takes_raw_argmax(states)
+    reduced = (logits.argmax(dim=1), logits.amax(dim=1), torch.logsumexp(logits, dim=1))
+    quick = Sampler.sample_reduced(reduced, states)
+    assert quick[1] is None and [quick[0].token_id, quick[2].token_id] == [top[0], top[2]]
+    general = Sampler(torch.Generator().manual_seed(0)).sample(logits, states)  # no row reductions: every stage
+    with_reductions = Sampler(torch.Generator().manual_seed(0), lambda rows: (
+        rows.argmax(dim=1), rows.amax(dim=1), torch.logsumexp(rows, dim=1))).sample(logits, states)
+    assert [r.token_id for r in with_reductions] == [r.token_id for r in general]
+    assert general[1].token_id == max([5, 6, 7], key=lambda t: float(logits[1, t]))
+    reference = logits.double().log_softmax(dim=1)
+    for row, result in enumerate(with_reductions):
+        assert result.logprob.logprob == pytest.approx(float(reference[row, result.token_id]), abs=1e-5)
+    assert processors.allows(states[1].allowed_token_mask, 7) and not processors.allows(states[1].allowed_token_mask, 8)
+
+
 def test_prompt_logprobs_match_log_softmax():
     num_positions = 300  # more than one chunk
     logits = random_logits(num_positions, VOCAB_SIZE, scale=2.0, seed=8)

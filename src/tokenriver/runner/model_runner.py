@@ -20,7 +20,9 @@ A request with structured output gets its grammar's allowed-token mask with ever
 row the sampler sees (sampling/grammar.py); its drafts are cut at the first token the
 grammar rejects, and beam candidates are ranked among the allowed tokens only. The
 masks of a step's sampled rows are computed on a worker thread while the forward pass
-runs (both release the GIL): they depend only on the tokens known before the pass.
+runs (both release the GIL): they depend only on the tokens known before the pass. A
+constrained greedy request takes the logits-free greedy path and multi-step passes like
+any other; only a row whose grammar refuses its argmax needs its logits.
 """
 
 from __future__ import annotations
@@ -81,19 +83,23 @@ class ModelRunner:
             allowed_token_mask=allowed_token_mask,
         )
 
-    def _start_masks(self, requests: list[ScheduledRequest]) -> Future | None:
+    def _start_masks(self, requests: list[ScheduledRequest],
+                     outputs: list[list[int]] | None = None) -> Future | None:
         """Begin computing the requests' allowed-token masks on the worker thread (None: no request has a
-        grammar). The result is one mask or None per request."""
+        grammar). The result is one mask or None per request. outputs: each request's output so far, when
+        it has grown past request.output_token_ids within this step (multi-step passes)."""
         if self._mask_worker is None or all(r.sampling_params.structured_output is None for r in requests):
             return None
-        return self._mask_worker.submit(lambda: [self._allowed_token_mask(request) for request in requests])
+        outputs = outputs or [request.output_token_ids for request in requests]
+        return self._mask_worker.submit(lambda: [self._allowed_token_mask(request, output)
+                                                 for request, output in zip(requests, outputs)])
 
-    def _allowed_token_mask(self, request: ScheduledRequest) -> torch.Tensor | None:
+    def _allowed_token_mask(self, request: ScheduledRequest, output: list[int] | None = None) -> torch.Tensor | None:
         """[W] int32: what the request's grammar allows after its output so far (None without one)."""
         spec = request.sampling_params.structured_output
         if spec is None or self.grammar is None:
             return None
-        return self.grammar.mask(request.request_id, spec, request.output_token_ids)
+        return self.grammar.mask(request.request_id, spec, request.output_token_ids if output is None else output)
 
     def _draft_check(self, request: ScheduledRequest, draft_probs: torch.Tensor | None) -> DraftCheck:
         """The request's drafts to verify, cut before the first one its grammar rejects."""
@@ -136,8 +142,7 @@ class ModelRunner:
             return RunnerOutput(results=results)
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
             hidden = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
-        masks = pending_masks.result() if pending_masks is not None else [None] * len(inputs.sampling_requests)
-        states = [self._state(request, mask) for request, mask in zip(inputs.sampling_requests, masks)]
+        states = self._states(inputs.sampling_requests, pending_masks)
         if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, states, hidden, results):
             self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
             return RunnerOutput(results=results)
@@ -173,20 +178,30 @@ class ModelRunner:
         self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
         return RunnerOutput(results=results)
 
+    def _states(self, requests: list[ScheduledRequest], pending_masks: Future | None) -> list[SamplingState]:
+        masks = pending_masks.result() if pending_masks is not None else [None] * len(requests)
+        return [self._state(request, mask) for request, mask in zip(requests, masks)]
+
     def _decode_ahead(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
                       results: dict[str, RequestStepResult]) -> None:
         """num_passes more forward passes of a multi-step step, each decoding the token every request sampled in
         the pass before. The scheduler grants them to plain greedy decodes only, whose sampling reads nothing the
-        passes change (not the output so far), so every pass samples with the first pass's states."""
+        passes change but a grammar's mask: every pass samples with the first pass's states, with the masks of
+        the grown outputs, computed while the pass runs."""
         for _ in range(num_passes):
-            sampled = [results[request.request_id].token_ids[-1] for request in inputs.sampling_requests]
+            requests = inputs.sampling_requests
+            sampled = [results[request.request_id].token_ids[-1] for request in requests]
+            outputs = [request.output_token_ids + results[request.request_id].token_ids for request in requests]
+            pending_masks = self._start_masks(requests, outputs)
             inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
             hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
             self.num_forward_passes += 1
+            if pending_masks is not None:
+                states = self._states(requests, pending_masks)
             if self._sample_greedy(inputs, states, hidden, results):
                 continue
             samples = self.sampler.sample(self.model.compute_logits(hidden), states)
-            for request, sample in zip(inputs.sampling_requests, samples):
+            for request, sample in zip(requests, samples):
                 _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
 
     def _sample_greedy(self, inputs: ModelInputs, states: list[SamplingState], hidden: torch.Tensor,
@@ -194,13 +209,21 @@ class ModelRunner:
         """A batch of plain greedy rows (Sampler.takes_raw_argmax) from the model's per-row reductions, without
         logits, where its output layer computes them (NativeStack.greedy_reductions): the same tokens as from the
         logits, the logprobs within float rounding, without writing [rows, vocab] logits and reading them back
-        (docs/performance.md). False if it did not apply."""
+        (docs/performance.md). Rows whose grammar refuses their argmax get their logits (those rows only) and the
+        sampler's masked argmax. False if it did not apply."""
         if not self.sampler.takes_raw_argmax(states):
             return False
         reduced = self.forward.greedy_reductions(hidden)
         if reduced is None:
             return False
-        for request, sample in zip(inputs.sampling_requests, self.sampler.sample_reduced(reduced, states)):
+        samples = self.sampler.sample_reduced(reduced, states)
+        refused = [i for i, sample in enumerate(samples) if sample is None]
+        if refused:
+            index = torch.tensor(refused, dtype=torch.long, device=self.device)  # [r]
+            logits = self.model.compute_logits(hidden.index_select(0, index))  # [r, vocab]
+            for i, sample in zip(refused, self.sampler.sample(logits, [states[i] for i in refused])):
+                samples[i] = sample
+        for request, sample in zip(inputs.sampling_requests, samples):
             _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
         return True
 

@@ -23,6 +23,7 @@ import torch
 
 from tokenriver.errors import InvalidParameterError
 from tokenriver.params import StructuredOutput
+from tokenriver.sampling.processors import allows
 
 # Compiled grammars kept (least recently used dropped first).
 MAX_CACHED_GRAMMARS = 256
@@ -149,7 +150,7 @@ class GrammarMatchers:
         num_valid = 0
         while True:
             self._fill(matcher, masks[num_valid])
-            if num_valid == len(draft_token_ids) or not _allows(masks[num_valid], draft_token_ids[num_valid]):
+            if num_valid == len(draft_token_ids) or not allows(masks[num_valid], draft_token_ids[num_valid]):
                 break
             if not matcher.consume_token(draft_token_ids[num_valid]):
                 break
@@ -206,10 +207,6 @@ def _start_of_constraint(starts_after: tuple[int, ...], token_ids: list[int]) ->
 def _bit(index: int) -> int:
     """Bit `index` of an int32 word, as the signed value torch stores."""
     return (1 << index) - (1 << 32 if index == 31 else 0)
-
-
-def _allows(mask: torch.Tensor, token_id: int) -> bool:
-    return bool((int(mask[token_id // 32]) >> (token_id % 32)) & 1)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

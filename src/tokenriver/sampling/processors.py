@@ -111,6 +111,11 @@ def apply_min_tokens(
     return blocked
 
 
+def allows(mask: torch.Tensor, token_id: int) -> bool:
+    """Whether a grammar bitmask ([W] int32) allows token_id: one word read, no unpacking."""
+    return token_id < 32 * mask.shape[0] and bool((int(mask[token_id // 32]) >> (token_id % 32)) & 1)
+
+
 def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Unpack grammar bitmasks ([N, W] int32, bit i of word w allows token 32 * w + i) into [N, vocab_size] bool.
     Tokens past the mask's 32 * W bits are not allowed."""

@@ -109,16 +109,21 @@ class Sampler:
                    for state in states)
 
     @staticmethod
-    def sample_reduced(reduced: RowReductionsResult, states: list[SamplingState]) -> list[SampleResult]:
+    def sample_reduced(reduced: RowReductionsResult, states: list[SamplingState]) -> list[SampleResult | None]:
         """The rows of a batch that `takes_raw_argmax`, from (argmax [N], max [N], logsumexp [N]): each takes its
-        argmax, whose logprob is the row's max minus its log-normalizer."""
+        argmax, whose logprob is the row's max minus its log-normalizer.
+
+        A row whose grammar does not allow its argmax gets None: its token is the argmax of the masked logits,
+        which the reductions cannot tell (the caller samples that row from its logits). An allowed raw argmax is
+        the masked argmax too, first index among equal maxima included."""
         argmax, max_logits, log_normalizer = reduced
         if argmax.shape[0] != len(states):
             raise ValueError(f"reductions must have len(states)={len(states)} rows, got {argmax.shape[0]}")
         chosen = argmax.tolist()
         chosen_logprobs = (max_logits - log_normalizer).tolist()
         return [SampleResult(token_id, TokenLogprobs(token_id, logprob, 1), None)
-                for token_id, logprob in zip(chosen, chosen_logprobs)]
+                if state.allowed_token_mask is None or processors.allows(state.allowed_token_mask, token_id) else None
+                for token_id, logprob, state in zip(chosen, chosen_logprobs, states)]
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleResult]:
         """logits [N, V] float32, one row per state (the last position of each sampled request)."""
@@ -128,10 +133,24 @@ class Sampler:
         if num_rows == 0:
             return []
         reduced = self.row_reductions(logits) if self.row_reductions is not None else None
-        if reduced is not None and self.takes_raw_argmax(states):
-            # The common decode step: skips the general path's dozen small tensor ops, which show in
-            # single-stream decode.
-            return self.sample_reduced(reduced, states)
+        if reduced is None or not self.takes_raw_argmax(states):
+            return self._sample_processed(logits, states, reduced)
+        # The common decode step: skips the general path's dozen small tensor ops, which show in single-stream
+        # decode. Only rows whose grammar refuses their argmax go through it.
+        results = self.sample_reduced(reduced, states)
+        refused = [i for i, result in enumerate(results) if result is None]
+        if refused:
+            index = torch.tensor(refused, dtype=torch.int64)  # [r]
+            subset = tuple(values[index] for values in reduced)
+            for i, result in zip(refused, self._sample_processed(logits[index], [states[i] for i in refused],
+                                                                 subset)):
+                results[i] = result
+        return results
+
+    def _sample_processed(self, logits: torch.Tensor, states: list[SamplingState],
+                          reduced: RowReductionsResult | None) -> list[SampleResult]:
+        """Every stage on the logits, then the draw (sample's general path)."""
+        num_rows = len(states)
         raw_argmax, raw_max, log_normalizer = reduced if reduced is not None else (None, None, None)
         traced_rows = [i for i, state in enumerate(states) if state.params.trace]
         tracer = Tracer(logits, traced_rows, states) if traced_rows else None
