@@ -21,12 +21,14 @@ row the sampler sees (sampling/grammar.py); its drafts are cut at the first toke
 grammar rejects, and beam candidates are ranked among the allowed tokens only. The
 masks of a step's sampled rows are computed on a worker thread while the forward pass
 runs (both release the GIL): they depend only on the tokens known before the pass. A
-constrained greedy request takes the logits-free greedy path and multi-step passes like
-any other; only a row whose grammar refuses its argmax needs its logits.
+plain greedy batch computes no masks: each constrained row checks its argmax against its
+grammar, and only a row whose grammar refuses it gets its logits and its mask. Such a
+request takes the logits-free greedy path and multi-step passes like any other.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -36,7 +38,7 @@ from tokenriver.kv.cache import KVCache
 from tokenriver.models.native.kernels import load_kernels
 from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
 from tokenriver.runner.native_stack import NativeStack
-from tokenriver.sampling.grammar import GrammarMatchers
+from tokenriver.sampling.grammar import GrammarMatchers, GrammarRow
 from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -83,23 +85,35 @@ class ModelRunner:
             allowed_token_mask=allowed_token_mask,
         )
 
-    def _start_masks(self, requests: list[ScheduledRequest],
-                     outputs: list[list[int]] | None = None) -> Future | None:
-        """Begin computing the requests' allowed-token masks on the worker thread (None: no request has a
-        grammar). The result is one mask or None per request. outputs: each request's output so far, when
-        it has grown past request.output_token_ids within this step (multi-step passes)."""
-        if self._mask_worker is None or all(r.sampling_params.structured_output is None for r in requests):
+    def _start_masks(self, requests: list[ScheduledRequest], states: list[SamplingState]) -> Future | None:
+        """Begin computing the requests' allowed-token masks on the worker thread; None when no request has a
+        grammar, or when the batch is plain greedy: its rows ask their grammars lazily (`_add_grammars`). The
+        result is one mask or None per request."""
+        if (self._mask_worker is None or all(r.sampling_params.structured_output is None for r in requests)
+                or self.sampler.takes_raw_argmax(states)):
             return None
-        outputs = outputs or [request.output_token_ids for request in requests]
-        return self._mask_worker.submit(lambda: [self._allowed_token_mask(request, output)
-                                                 for request, output in zip(requests, outputs)])
+        return self._mask_worker.submit(lambda: [self._allowed_token_mask(request) for request in requests])
 
-    def _allowed_token_mask(self, request: ScheduledRequest, output: list[int] | None = None) -> torch.Tensor | None:
+    def _add_grammars(self, requests: list[ScheduledRequest], states: list[SamplingState],
+                      pending_masks: Future | None, outputs: list[list[int]] | None = None) -> None:
+        """Give each constrained row its mask (computed during the pass), or else its grammar to ask lazily.
+        outputs: each request's output so far where it grew within this step (multi-step passes)."""
+        if pending_masks is not None:
+            for state, mask in zip(states, pending_masks.result()):
+                state.allowed_token_mask = mask
+            return
+        for index, (request, state) in enumerate(zip(requests, states)):
+            spec = request.sampling_params.structured_output
+            if spec is not None and self.grammar is not None:
+                output = outputs[index] if outputs is not None else request.output_token_ids
+                state.grammar = GrammarRow(self.grammar, request.request_id, spec, output)
+
+    def _allowed_token_mask(self, request: ScheduledRequest) -> torch.Tensor | None:
         """[W] int32: what the request's grammar allows after its output so far (None without one)."""
         spec = request.sampling_params.structured_output
         if spec is None or self.grammar is None:
             return None
-        return self.grammar.mask(request.request_id, spec, request.output_token_ids if output is None else output)
+        return self.grammar.mask(request.request_id, spec, request.output_token_ids)
 
     def _draft_check(self, request: ScheduledRequest, draft_probs: torch.Tensor | None) -> DraftCheck:
         """The request's drafts to verify, cut before the first one its grammar rejects."""
@@ -130,7 +144,8 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return RunnerOutput()
         inputs = prepare_inputs(scheduler_output, self.kv_cache.block_size, self.device)
-        pending_masks = self._start_masks(inputs.sampling_requests)
+        states = [self._state(request) for request in inputs.sampling_requests]
+        pending_masks = self._start_masks(inputs.sampling_requests, states)
         # [num_tokens, hidden_size]
         hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         self.num_forward_passes += 1
@@ -142,7 +157,7 @@ class ModelRunner:
             return RunnerOutput(results=results)
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
             hidden = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
-        states = self._states(inputs.sampling_requests, pending_masks)
+        self._add_grammars(inputs.sampling_requests, states, pending_masks)
         if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, states, hidden, results):
             self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
             return RunnerOutput(results=results)
@@ -178,26 +193,23 @@ class ModelRunner:
         self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
         return RunnerOutput(results=results)
 
-    def _states(self, requests: list[ScheduledRequest], pending_masks: Future | None) -> list[SamplingState]:
-        masks = pending_masks.result() if pending_masks is not None else [None] * len(requests)
-        return [self._state(request, mask) for request, mask in zip(requests, masks)]
-
     def _decode_ahead(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
                       results: dict[str, RequestStepResult]) -> None:
         """num_passes more forward passes of a multi-step step, each decoding the token every request sampled in
         the pass before. The scheduler grants them to plain greedy decodes only, whose sampling reads nothing the
-        passes change but a grammar's mask: every pass samples with the first pass's states, with the masks of
-        the grown outputs, computed while the pass runs."""
+        passes change but a grammar's state: every pass samples with the first pass's states, each constrained
+        row asking its grammar after the grown output."""
         for _ in range(num_passes):
             requests = inputs.sampling_requests
             sampled = [results[request.request_id].token_ids[-1] for request in requests]
-            outputs = [request.output_token_ids + results[request.request_id].token_ids for request in requests]
-            pending_masks = self._start_masks(requests, outputs)
             inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
             hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
             self.num_forward_passes += 1
-            if pending_masks is not None:
-                states = self._states(requests, pending_masks)
+            if any(state.grammar is not None for state in states):
+                states = [dataclasses.replace(state, grammar=None, allowed_token_mask=None) for state in states]
+                self._add_grammars(requests, states, None, [request.output_token_ids
+                                                            + results[request.request_id].token_ids
+                                                            for request in requests])
             if self._sample_greedy(inputs, states, hidden, results):
                 continue
             samples = self.sampler.sample(self.model.compute_logits(hidden), states)

@@ -5,9 +5,11 @@ Two objects:
   matcher per (kind, text) as a template; requests get deep copies. It is thread-safe so that a request's
   grammar is compiled (and an invalid one refused) in the thread that submits it, not on the engine thread.
 - `GrammarMatchers` keeps one matcher per running request and derives its state from the request's token
-  history: before each mask it rolls back to the longest prefix it shares with the history, then consumes
-  the rest. Accepted tokens, speculative drafts (consumed, masked, rolled back), preemption (the history
-  is kept) and beam forks (a different history) all come out of that one rule.
+  history: before each mask (or single-token check) it rolls back to the longest prefix it shares with the
+  history, then consumes the rest. Accepted tokens, speculative drafts (consumed, masked, rolled back),
+  preemption (the history is kept) and beam forks (a different history) all come out of that one rule.
+- `GrammarRow` is one request's grammar at one sampling row, asked lazily: a greedy row whose argmax the
+  grammar accepts needs one token checked, not the mask over the whole vocabulary.
 
 Masks are llguidance's bitmask: int32 words, bit i of word w allows token 32 * w + i.
 Knows nothing about the scheduler or the model; imports llguidance, not its torch helpers.
@@ -133,6 +135,23 @@ class GrammarMatchers:
         masks = self.masks_along(request_id, spec, token_ids, [])[1]
         return masks[0] if masks is not None else None
 
+    def accepts(self, request_id: str, spec: StructuredOutput, token_ids: list[int], token_id: int) -> bool:
+        """Whether the grammar allows token_id after `token_ids` (the request's output so far), as its mask
+        would say; an allowed token is consumed, so the next step's mask starts from it. Checking one token
+        costs a small part of filling the mask over the whole vocabulary."""
+        start = _start_of_constraint(spec.starts_after, token_ids)
+        if start is None:
+            return True
+        tracked = self._sync(request_id, spec, token_ids[start:])
+        matcher = tracked.matcher
+        if token_id in self.compiler.eos_token_ids or matcher.is_error():
+            # End of sequence is allowed once the grammar is complete, and is all an erring grammar allows.
+            return token_id in self.compiler.eos_token_ids and (matcher.is_error() or matcher.is_accepting())
+        if matcher.try_consume_tokens([token_id]) != 1:
+            return False
+        tracked.consumed.append(token_id)
+        return True
+
     def masks_along(self, request_id: str, spec: StructuredOutput, token_ids: list[int],
                     draft_token_ids: list[int]) -> tuple[int, torch.Tensor | None]:
         """Masks after the output and after each draft the grammar allows: (m, [m + 1, W] int32).
@@ -191,6 +210,24 @@ class GrammarMatchers:
                 tracked.matcher.consume_token(token_id)
             tracked.consumed.append(token_id)
         return tracked
+
+
+class GrammarRow:
+    """One request's grammar at one sampling row, asked lazily (sampling/rows.py's LazyGrammar)."""
+
+    def __init__(self, matchers: GrammarMatchers, request_id: str, spec: StructuredOutput,
+                 token_ids: list[int]) -> None:
+        # token_ids: the request's output before this row's token.
+        self._matchers = matchers
+        self._request_id = request_id
+        self._spec = spec
+        self._token_ids = token_ids
+
+    def accepts(self, token_id: int) -> bool:
+        return self._matchers.accepts(self._request_id, self._spec, self._token_ids, token_id)
+
+    def mask(self) -> torch.Tensor | None:
+        return self._matchers.mask(self._request_id, self._spec, self._token_ids)
 
 
 def _start_of_constraint(starts_after: tuple[int, ...], token_ids: list[int]) -> int | None:

@@ -7,12 +7,26 @@ about the stages; the helpers only select rows, draw from distributions and scor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from tokenriver.outputs import TokenLogprobs
 from tokenriver.params import SamplingParams
 from tokenriver.trace import StepTrace
+
+
+class LazyGrammar(Protocol):
+    """A row's grammar, asked only what the row needs (sampling/grammar.py's GrammarRow): a plain greedy row whose
+    argmax the grammar accepts never needs the whole mask, which costs far more than checking one token."""
+
+    def accepts(self, token_id: int) -> bool:
+        """Whether the grammar allows token_id next; when it does, the grammar has advanced past it."""
+        ...
+
+    def mask(self) -> torch.Tensor | None:
+        """[W] int32: every token the grammar allows next (None before the constraint starts)."""
+        ...
 
 
 @dataclass
@@ -29,6 +43,9 @@ class SamplingState:
     eos_token_ids: list[int]
     # [W] int32: the tokens params.structured_output allows next, as a bitmask (sampling/grammar.py); None = all.
     allowed_token_mask: torch.Tensor | None = None
+    # Instead of the mask, when the runner left it to be asked for: the sampler fills allowed_token_mask from it
+    # for the rows that need their logits processed.
+    grammar: LazyGrammar | None = None
 
 
 @dataclass

@@ -84,6 +84,13 @@ def _has_logit_bias(state: SamplingState) -> bool:
     return bool(state.params.logit_bias)
 
 
+def _allows(state: SamplingState, token_id: int) -> bool:
+    """Whether the row's grammar (if any) allows token_id next."""
+    if state.allowed_token_mask is not None:
+        return processors.allows(state.allowed_token_mask, token_id)
+    return state.grammar is None or state.grammar.accepts(token_id)
+
+
 def _blocks_stop_tokens(state: SamplingState) -> bool:
     """min_tokens not reached yet, with EOS or stop tokens to hold back."""
     return holds_stop_tokens(state.params, len(state.output_token_ids), state.eos_token_ids)
@@ -121,8 +128,7 @@ class Sampler:
             raise ValueError(f"reductions must have len(states)={len(states)} rows, got {argmax.shape[0]}")
         chosen = argmax.tolist()
         chosen_logprobs = (max_logits - log_normalizer).tolist()
-        return [SampleResult(token_id, TokenLogprobs(token_id, logprob, 1), None)
-                if state.allowed_token_mask is None or processors.allows(state.allowed_token_mask, token_id) else None
+        return [SampleResult(token_id, TokenLogprobs(token_id, logprob, 1), None) if _allows(state, token_id) else None
                 for token_id, logprob, state in zip(chosen, chosen_logprobs, states)]
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleResult]:
@@ -151,6 +157,9 @@ class Sampler:
                           reduced: RowReductionsResult | None) -> list[SampleResult]:
         """Every stage on the logits, then the draw (sample's general path)."""
         num_rows = len(states)
+        for state in states:
+            if state.grammar is not None and state.allowed_token_mask is None:
+                state.allowed_token_mask = state.grammar.mask()
         raw_argmax, raw_max, log_normalizer = reduced if reduced is not None else (None, None, None)
         traced_rows = [i for i, state in enumerate(states) if state.params.trace]
         tracer = Tracer(logits, traced_rows, states) if traced_rows else None
