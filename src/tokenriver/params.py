@@ -50,6 +50,9 @@ class StructuredOutput:
     # The constraint applies only after these tokens appear in the output (a reasoning model's end of thinking,
     # e.g. the tokens of "</think>"); empty = from the first generated token.
     starts_after: tuple[int, ...] = ()
+    # Output the constraint has already covered: a generation continued from a prompt that ends with its own
+    # earlier output (a branch or replay in the visualizer). The grammar consumes these tokens before the output.
+    prefix_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_OUTPUT_KINDS:
@@ -58,6 +61,8 @@ class StructuredOutput:
             _fail("structured_output", self.text, "the constraint must be given as text")
         if not all(_is_int(token_id) and token_id >= 0 for token_id in self.starts_after):
             _fail("structured_output", self.starts_after, "starts_after must hold token ids (integers >= 0)")
+        if not all(_is_int(token_id) and token_id >= 0 for token_id in self.prefix_token_ids):
+            _fail("structured_output", self.prefix_token_ids, "prefix_token_ids must hold token ids (integers >= 0)")
         if self.kind in ("regex", "grammar") and not self.text:
             _fail("structured_output", self.text, f"a {self.kind} constraint needs a non-empty {self.kind}")
         if self.kind == "json_schema":
@@ -295,6 +300,10 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
                 _fail("stop_token_ids", self.stop_token_ids,
+                      f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+        for token_id in self.structured_output.prefix_token_ids if self.structured_output else ():
+            if token_id >= vocab_size:
+                _fail("structured_output_prefix_ids", list(self.structured_output.prefix_token_ids),
                       f"token id {token_id} is outside the vocabulary (size {vocab_size})")
 
 

@@ -199,6 +199,36 @@ def test_invalid_constraints_get_400_naming_the_field(server, model):
             assert words in error["message"], error
 
 
+def test_continuation_with_prefix_ids_matches_the_whole_request(server, model):
+    # A request that continues a constrained output (its tokens at the prompt's tail and in
+    # structured_output_prefix_ids) generates what the whole request generated after them.
+    body = {"model": model, "max_tokens": 8, "temperature": 0, "trace": True,
+            "structured_outputs": {"regex": r"Colors: (red|green|blue), (red|green|blue)\."}}
+
+    def token_ids(extra):
+        response = httpx.post(server.url + "/v1/completions", json={**body, **extra}, headers=server.headers(),
+                              timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    prompt = httpx.post(server.url + "/tokenize", json={"prompt": "The flag has two"},
+                        headers=server.headers(), timeout=60).json()["tokens"]
+    whole = token_ids({"prompt": prompt})
+    assert len(whole) > 3
+    continued = token_ids({"prompt": prompt + whole[:3], "structured_output_prefix_ids": whole[:3],
+                           "max_tokens": 8 - 3})
+    assert continued == whole[3:]
+    # Without the prefix the grammar starts over: the continuation writes "Colors" again.
+    assert token_ids({"prompt": prompt + whole[:3], "max_tokens": 8 - 3})[:3] == whole[:3]
+
+
+def test_prefix_ids_without_a_constraint_get_400(server, model):
+    response = httpx.post(server.url + "/v1/completions", headers=server.headers(), timeout=60,
+                          json={"model": model, "prompt": "x", "max_tokens": 2, "structured_output_prefix_ids": [1]})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "structured_output_prefix_ids"
+
+
 # ----- tools -------------------------------------------------------------------------------------------------
 
 WEATHER = {"type": "function", "function": {

@@ -158,7 +158,9 @@ class GrammarMatchers:
 
         m counts the leading drafts the grammar accepts; a draft it rejects, and every draft after it, is cut
         (the target could never emit it). The matcher is left after `token_ids` alone. Before the constraint
-        starts there are no masks, and the drafts are kept up to the one that would start it."""
+        starts there are no masks, and the drafts are kept up to the one that would start it. A continued
+        generation's earlier output (spec.prefix_token_ids) counts as output here."""
+        token_ids = list(spec.prefix_token_ids) + token_ids
         start = _start_of_constraint(spec.starts_after, token_ids)
         if start is None:
             end = _start_of_constraint(spec.starts_after, token_ids + draft_token_ids)

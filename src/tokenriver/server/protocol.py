@@ -203,6 +203,9 @@ class SamplingFields(Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # tokenriver extension: token ids the constraint has already covered, when this request continues an earlier
+    # constrained output (usually the prompt's tail); the grammar consumes them before the first generated token.
+    structured_output_prefix_ids: list[Int64] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -588,6 +588,16 @@ def sampling_params(request: SamplingFields, *, max_tokens: int | None, max_toke
     found = structured_output(request)
     if found is not None:
         fields["structured_output"] = found[1]
+    if request.structured_output_prefix_ids is not None:
+        if found is None:
+            raise InvalidParameterError("structured_output_prefix_ids needs a constraint (response_format or "
+                                        "structured_outputs) for the grammar to consume them",
+                                        param="structured_output_prefix_ids")
+        try:
+            fields["structured_output"] = dataclasses.replace(
+                found[1], prefix_token_ids=tuple(request.structured_output_prefix_ids))
+        except InvalidParameterError as error:
+            raise InvalidParameterError(error.message, param="structured_output_prefix_ids") from None
     given = {name: value for name, value in fields.items() if value is not None}
     renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param, "prompt_logprobs": logprobs_param}
     try:

@@ -2,7 +2,7 @@
 
 Kept apart from the OpenAI routes so the page's needs never change their shapes: GET /v1/visualizer/info
 names the tokens that end a generation (so the page can end a branch the user forced onto one, as the engine
-would) and the KV cache's geometry (so it can state memory in bytes rather than in blocks); GET
+would), the vocabulary's size (what the grammar stage's allowed tokens are counted against) and the KV cache's geometry (so it can state memory in bytes rather than in blocks); GET
 /v1/visualizer/passes lists the engine's recent steps with the requests each forward pass carried, so the page
 can draw batching: which requests shared a pass, as prompt chunks or as decode rows.
 """
@@ -17,9 +17,9 @@ from tokenriver.engine.async_engine import AsyncEngine
 
 
 def visualizer_info(engine: AsyncEngine) -> dict[str, Any]:
-    """The end-of-sequence ids and the KV geometry, from the engine's model info."""
+    """The end-of-sequence ids, the vocabulary's size and the KV geometry, from the engine's model info."""
     info = engine.model_info
-    return {"eos_token_ids": list(info.eos_token_ids), "block_size": info.block_size,
+    return {"eos_token_ids": list(info.eos_token_ids), "vocab_size": info.vocab_size, "block_size": info.block_size,
             "kv_bytes_per_token": info.kv_bytes_per_token}
 
 

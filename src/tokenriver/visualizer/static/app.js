@@ -2,8 +2,9 @@
 /*
  * tokenriver visualizer: one page over the server's HTTP API. No build step, no library, nothing fetched
  * but the API of the server that served this file. Plain scripts sharing one global scope, loaded in order:
- * format.js (helpers), app.js (state, requests, the token row), why.js (panel 3), tree.js (panel 4),
- * engine.js (panel 6), replay.js (exact replays, export/import), timeline.js (batching), stepper.js (slow motion).
+ * format.js (helpers), app.js (state, requests, the token row), constraint.js (the output constraint),
+ * why.js (panel 3), tree.js (panel 4), engine.js (panel 6), replay.js (exact replays, export/import),
+ * timeline.js (batching), stepper.js (slow motion).
  *
  * Data flow. POST /tokenize turns the prompt (or the chat-templated conversation) into token ids. Every
  * generation is a streamed POST /v1/completions whose prompt is those ids and which asks for a per-step
@@ -145,6 +146,12 @@ const PARAM_INPUTS = {
   prompt: "prompt",
   messages: "prompt",
   n: "samples",
+  structured_outputs: "constraint-text",
+  "structured_outputs.json": "constraint-text",
+  "structured_outputs.regex": "constraint-text",
+  "structured_outputs.choice": "constraint-text",
+  "structured_outputs.json_object": "constraint-kind",
+  structured_output_prefix_ids: "constraint-kind",
 };
 
 function showError(error) {
@@ -253,6 +260,7 @@ function settingsText(params) {
   if (params.min_p) parts.push(`min-p ${params.min_p}`);
   if (params.repetition_penalty !== undefined && params.repetition_penalty !== 1)
     parts.push(`rep ${params.repetition_penalty}`);
+  if (params.structured_outputs) parts.push(constraintText(params.structured_outputs));
   if (params.n) parts.push(`sample ${params.choiceIndex + 1} of ${params.n}`);
   return parts.join(" · ");
 }
@@ -345,6 +353,8 @@ function readParams() {
     seed: numberInput("seed", (s) => parseInt(s, 10)) ?? Math.floor(Math.random() * 2 ** 31),
   };
   if (stop.length) params.stop = stop;
+  const constraint = readConstraint();
+  if (constraint) params.structured_outputs = constraint;
   // An empty field means "the server's default": leave it out rather than send null.
   return Object.fromEntries(Object.entries(params).filter(([, value]) => value !== null && !Number.isNaN(value)));
 }
@@ -425,6 +435,7 @@ function completionBody(branch, extra = {}) {
     trace: true,
     logprobs: 5,
     ...apiSampling(branch.params),
+    ...constraintFields(branch, pathOf(branch).length),
     max_tokens: remainingTokens(branch),
     ...extra,
   };

@@ -19,6 +19,13 @@ function fmtPercent(p) {
   return `${(p * 100).toFixed(1)}%`;
 }
 
+/** A share of probability as a percentage that never rounds a non-zero share to 0% or a partial one to 100%. */
+function fmtShare(p) {
+  if (p > 0 && p < 0.0005) return "< 0.1%";
+  if (p < 1 && p > 0.9995) return "> 99.9%";
+  return fmtPercent(p);
+}
+
 function fmtMs(seconds) {
   if (seconds === null || seconds === undefined) return "–";
   const ms = seconds * 1000;

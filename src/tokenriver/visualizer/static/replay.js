@@ -5,6 +5,8 @@
  * cache makes it cheap). With other settings, the trace of that one-token request *is* the step under those
  * settings, computed by the engine's own sampler over the whole vocabulary: no renormalising over the few
  * candidates the page happens to hold. The same request, once per stage, gives every stage's distribution.
+ * A constrained path's replay sends its constraint and the path's tokens before the step (constraint.js), so
+ * the grammar stage is the recorded one too.
  *
  * Also here: export and import of a tree as JSON, replayed request by request and checked token by token.
  */
@@ -12,14 +14,24 @@
 // Candidates a replay asks for: the API's maximum, so what the page shows is never short of the distribution.
 const REPLAY_TOP = 100;
 
-/** One token from the context before `step` of `branch`, under `settings`; returns that step's trace. */
-async function replayStep(branch, step, settings) {
+/**
+ * One token from the context before `step` of `branch`, under `settings`; returns that step's trace.
+ * `withGrammar`: false to leave out the path's constraint (a stage that runs before the grammar).
+ */
+async function replayStep(branch, step, settings, withGrammar = true) {
   const ids = state.treePromptIds.concat(
     pathOf(branch)
       .slice(0, step)
       .map((t) => t.id),
   );
-  const body = { prompt: ids, max_tokens: 1, trace: true, trace_top: REPLAY_TOP, ...settings };
+  const body = {
+    prompt: ids,
+    max_tokens: 1,
+    trace: true,
+    trace_top: REPLAY_TOP,
+    ...settings,
+    ...(withGrammar ? constraintFields(branch, step) : {}),
+  };
   if (state.modelName) body.model = state.modelName;
   const out = await apiJson("/v1/completions", body);
   labelRequest(out.id, "replay (preview)");
@@ -166,12 +178,15 @@ async function runPreview() {
 
 /**
  * The sampler's stages in its order, each as the settings that stop right after it. A stage left at its
- * neutral value is skipped: it changes nothing. Each entry's distribution comes from its own replay.
+ * neutral value is skipped: it changes nothing. Each entry's distribution comes from its own replay. The
+ * grammar (a constrained path's) runs before temperature, so every replay after it keeps it.
  */
-function stagePlan(settings) {
+function stagePlan(settings, constraint) {
   const plan = [];
   const base = { temperature: 1, top_k: 0, top_p: 1, min_p: 0, repetition_penalty: settings.repetition_penalty };
-  if (settings.repetition_penalty !== 1) plan.push({ name: "penalties (repetition)", settings: { ...base } });
+  if (settings.repetition_penalty !== 1)
+    plan.push({ name: "penalties (repetition)", settings: { ...base }, isBeforeGrammar: true });
+  if (constraint) plan.push({ name: `grammar (${constraintText(constraint)})`, settings: { ...base } });
   const greedy = settings.temperature === 0;
   const scaled = { ...base, temperature: settings.temperature };
   plan.push({
@@ -192,8 +207,10 @@ function stagePlan(settings) {
 
 /** Replays of every stage of a step, all at once (the engine batches them into shared forward passes). */
 async function stageTraces(branch, step, settings) {
-  const plan = stagePlan(settings);
-  const traces = await Promise.all(plan.map((stage) => replayStep(branch, step, stage.settings)));
+  const plan = stagePlan(settings, branch.params.structured_outputs);
+  const traces = await Promise.all(
+    plan.map((stage) => replayStep(branch, step, stage.settings, !stage.isBeforeGrammar)),
+  );
   return plan.map((stage, i) => ({ name: stage.name, trace: traces[i] }));
 }
 

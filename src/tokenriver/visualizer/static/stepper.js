@@ -88,6 +88,7 @@ async function stepBranch(branch, animate) {
     trace: true,
     logprobs: 5,
     ...apiSampling(branch.params),
+    ...constraintFields(branch, position),
     max_tokens: 1,
     seed: stepSeed(branch.params, position),
   };

@@ -1,7 +1,8 @@
 "use strict";
 /*
  * Panel 3 and the popover: why a token was chosen. The recorded trace of the step, its raw logits, the raw and
- * final distributions (one-hot for a greedy step), the draw, a speculative verdict, and forcing any token id.
+ * final distributions (one-hot for a greedy step), the grammar stage of a constrained path, the draw, a
+ * speculative verdict, and forcing any token id.
  * The preview box and the stage table come from replay.js.
  */
 
@@ -139,6 +140,7 @@ function renderWhy() {
       box,
       nav,
       whySummary(token, trace, branch),
+      grammarNote(trace),
       speculativeNote(trace),
       drawNote(trace),
       whyBars(step, trace),
@@ -172,6 +174,59 @@ function whySummary(token, trace, branch) {
       ["path settings", settingsText(params), "why-settings"],
     ],
     "stats why-summary",
+  );
+}
+
+/** What the grammar stage did at this step (trace extra.grammar): the tokens it allowed and the mass it removed. */
+function grammarNote(trace) {
+  const grammar = trace.extra && trace.extra.grammar;
+  if (!grammar) return null;
+  const vocabSize = state.info && state.info.vocab_size;
+  const numRemovedShown = trace.candidates.filter((c) => c.removed_by === "grammar").length;
+  return el(
+    "div",
+    {
+      class: "grammar-note",
+      "data-testid": "why-grammar",
+      "data-num-allowed": grammar.num_allowed,
+      "data-mass-removed": grammar.mass_removed,
+      "data-forced": grammar.forced ? "true" : "false",
+    },
+    [
+      el("p", {}, [
+        el("strong", { text: "Grammar stage: " }),
+        "before temperature, the path's constraint removed every token that cannot continue the text; " +
+          "what it allowed was renormalised.",
+      ]),
+      factList(
+        [
+          [
+            "tokens allowed",
+            vocabSize ? `${grammar.num_allowed} of ${plural(vocabSize, "token")}` : plural(grammar.num_allowed, "token"),
+            "grammar-allowed",
+          ],
+          // Summed in float32, a mass of all but nothing can come out a hair above 1.
+          ["probability removed", fmtShare(Math.min(1, grammar.mass_removed)), "grammar-mass-removed"],
+          [
+            "forced",
+            grammar.forced ? "yes: the grammar allowed this token only" : "no: the model chose among the allowed",
+            "grammar-forced",
+          ],
+          [
+            "candidates removed",
+            `${numRemovedShown} of the ${plural(trace.candidates.length, "candidate")} below`,
+            "grammar-removed-shown",
+          ],
+        ],
+        "stats grammar-facts",
+      ),
+      numRemovedShown
+        ? el("p", {
+            class: "hint",
+            text: "A branch from a candidate the grammar removed leaves the constraint: that path can only end.",
+          })
+        : null,
+    ],
   );
 }
 
@@ -258,7 +313,11 @@ function candidateRow(step, trace, c, pFinal) {
         ? el("span", { class: "badge chosen-badge", text: trace.method === "forced" ? "forced" : "chosen" })
         : null,
       c.removed_by
-        ? el("span", { class: "badge removed", "data-testid": "removed-by", text: `removed by ${c.removed_by}` })
+        ? el("span", {
+            class: `badge removed${c.removed_by === "grammar" ? " by-grammar" : ""}`,
+            "data-testid": "removed-by",
+            text: `removed by ${c.removed_by}`,
+          })
         : null,
       !isChosen ? el("span", { class: "branch-hint", text: "branch ↳" }) : null,
     ]),
