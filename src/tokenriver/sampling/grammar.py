@@ -139,6 +139,7 @@ class GrammarMatchers:
         """Whether the grammar allows token_id after `token_ids` (the request's output so far), as its mask
         would say; an allowed token is consumed, so the next step's mask starts from it. Checking one token
         costs a small part of filling the mask over the whole vocabulary."""
+        token_ids = list(spec.prefix_token_ids) + token_ids
         start = _start_of_constraint(spec.starts_after, token_ids)
         if start is None:
             return True
