@@ -18,7 +18,7 @@ from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.tokenizer_files import tokenizer_from_gguf_fields
 from tokenriver.params import SamplingParams, StructuredOutput
 from tokenriver.sampling import processors
-from tokenriver.sampling.grammar import GrammarCompiler, GrammarMatchers, grammar_text, mask_width
+from tokenriver.sampling.grammar import GrammarCompiler, GrammarMatchers, GrammarRow, grammar_text, mask_width
 from tokenriver.sampling.sampler import Sampler
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
@@ -57,6 +57,45 @@ def test_mask_follows_the_history_forward_and_back(tokenizer, compiler):
     complete = matchers.mask("r", SCHEMA, tokens)
     assert set(processors.allowed_tokens(complete.unsqueeze(0), compiler.vocab_size)[0].nonzero().flatten().tolist()) \
         == set(tokenizer.eos_token_ids)
+
+
+def _tokens_along_the_mask(tokenizer, compiler: GrammarCompiler, spec: StructuredOutput, text: str) -> list[int]:
+    """text as the grammar's masks let a model write it: each step the longest allowed token that text continues
+    with (forced stretches come in the grammar's own tokenization, not the tokenizer's)."""
+    tokens: list[int] = []
+    while (written := tokenizer.decode(tokens)) != text:
+        allowed = processors.allowed_tokens(_reference_mask(compiler, spec, tokens).unsqueeze(0),
+                                            compiler.vocab_size)[0].nonzero().flatten().tolist()
+        pieces = {token_id: tokenizer.decode(tokens + [token_id])[len(written):] for token_id in allowed}
+        tokens.append(max((t for t, piece in pieces.items() if piece and text.startswith(written + piece)),
+                          key=lambda t: len(pieces[t])))
+    return tokens
+
+
+@pytest.mark.parametrize("spec, text", [
+    (SCHEMA, '{"a": 12}'),
+    (StructuredOutput.json({"type": "array", "items": {"type": "object", "properties": {
+        "b": {"type": "string", "maxLength": 4}, "c": {"enum": ["x", "yz"]}}, "required": ["b", "c"],
+        "additionalProperties": False}}), '[{"b": "a\\nb", "c": "yz"}, {"b": "", "c": "x"}]'),
+])
+def test_single_token_checks_agree_with_the_mask_and_advance_the_matcher(tokenizer, compiler, spec, text):
+    """GrammarRow.accepts (what a plain greedy row asks instead of the mask) says what the mask says, for every
+    token of the vocabulary at every step: forced text only in its own tokenization, EOS only once the document
+    is complete, nothing else after it."""
+    tokens = _tokens_along_the_mask(tokenizer, compiler, spec, text)
+    for length in range(len(tokens) + 1):
+        history = tokens[:length]
+        allowed = processors.allowed_tokens(_reference_mask(compiler, spec, history).unsqueeze(0),
+                                            compiler.vocab_size)[0]
+        matchers = GrammarMatchers(compiler)
+        accepted = [token_id for token_id in range(compiler.vocab_size)
+                    if GrammarRow(matchers, "r", spec, history).accepts(token_id)]
+        assert accepted == allowed.nonzero().flatten().tolist(), history
+        for token_id in accepted[:8]:
+            if token_id not in compiler.eos_token_ids:  # consumed, so the next row's mask starts after it
+                GrammarRow(matchers, "r", spec, history).accepts(token_id)
+                assert torch.equal(GrammarRow(matchers, "r", spec, history + [token_id]).mask(),
+                                   _reference_mask(compiler, spec, history + [token_id]))
 
 
 def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(tokenizer, compiler):

@@ -148,8 +148,15 @@ class GrammarMatchers:
         if token_id in self.compiler.eos_token_ids or matcher.is_error():
             # End of sequence is allowed once the grammar is complete, and is all an erring grammar allows.
             return token_id in self.compiler.eos_token_ids and (matcher.is_error() or matcher.is_accepting())
-        if matcher.try_consume_tokens([token_id]) != 1:
+        if matcher.validate_tokens([token_id]) != 1:
             return False
+        # Where the grammar forces text, the mask allows only the first token of that text's own tokenization
+        # (llguidance's choice: the model stays on the tokenizations it was trained on); other valid splits of
+        # the same text are refused, as the mask refuses them.
+        forced = matcher.compute_ff_tokens()
+        if forced and forced[0] != token_id:
+            return False
+        matcher.consume_token(token_id)
         tracked.consumed.append(token_id)
         return True
 
