@@ -164,8 +164,9 @@ def _stream_to_terminal(llm: Any, prompt: Any, params: SamplingParams,
             sys.stdout.write(output.outputs[0].delta_text)
         else:
             visible = tool_calling.visible_content(output.outputs[0].text)
-            sys.stdout.write(visible[len(shown):] if visible.startswith(shown) else "")
-            shown = visible if visible.startswith(shown) else shown
+            if visible.startswith(shown):  # content only grows; what was shown stays shown
+                sys.stdout.write(visible[len(shown):])
+                shown = visible
         sys.stdout.flush()
         final = output
     if tool_calling is not None:

@@ -3,7 +3,8 @@
     llm = LLM()                                   # the embedded default model
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
-Prompts are strings (tokenized here) or {"prompt_token_ids": [...]}. All prompts
+`chat` renders conversations through the chat template and takes OpenAI's tools (tokenriver.tool_calls, as the
+server does). Prompts are strings (tokenized here) or {"prompt_token_ids": [...]}. All prompts
 go through one EngineCore together, so they are batched continuously.
 """
 
@@ -167,7 +168,8 @@ class LLM:
                 sampling_params or SamplingParams(), "sampling_params.structured_output")
         else:
             params = [tool_calling.constrain(p, "sampling_params.structured_output") for p in sampling_params]
-        prompts = [self.chat_prompt(conversation, add_generation_prompt, tool_calling) for conversation in conversations]
+        prompts = [self.chat_prompt(conversation, add_generation_prompt, tool_calling)
+                   for conversation in conversations]
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         if tool_calling.is_active:
             for output in outputs:
