@@ -12,17 +12,19 @@ import argparse
 import dataclasses
 import gc
 import importlib
+import json
 import os
 import sys
 import time
 from typing import Any
 
 from tokenriver.config import EngineConfig
-from tokenriver.errors import TokenriverError
+from tokenriver.errors import InvalidParameterError, TokenriverError
 from tokenriver.flags import add_flags, collect
-from tokenriver.outputs import RequestOutput
+from tokenriver.outputs import CompletionOutput, RequestOutput
 from tokenriver.params import SamplingParams, StructuredOutput
 from tokenriver.server.cli_serve import add_serve_command
+from tokenriver.tool_calls import CHOICES, ToolCalling
 from tokenriver.trace import StepTrace
 
 SAMPLING_HELP = {
@@ -53,6 +55,8 @@ SAMPLING_HELP = {
     "early_stopping": "beam search: true, false or never (transformers' meanings)",
 }
 SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
+# How errors name the user's own constraint (it cannot be combined with enforced tools).
+_STRUCTURED_OUTPUT_FLAGS = "--json-schema, --json-object, --regex, --choice or --grammar"
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +80,31 @@ def _add_structured_output_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--regex", help="the whole output matches this regular expression")
     group.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
     group.add_argument("--grammar", metavar="FILE|TEXT", help="the output follows this Lark or GBNF grammar")
+
+
+def _add_tool_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tool calling (docs/structured_output.md)")
+    group.add_argument("--tools", metavar="FILE|JSON",
+                       help="OpenAI tool definitions (a JSON list) the model may call; its calls are printed as "
+                            "JSON lines (generate: the prompt becomes a chat message)")
+    group.add_argument("--tool-choice", metavar="auto|none|required|NAME",
+                       help="whether the model must call a tool, and which (a function's name); default: auto")
+
+
+def tools_from(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """(tools, tool_choice) as LLM.chat takes them, from --tools and --tool-choice; checked before the model loads."""
+    tools = None
+    if getattr(args, "tools", None) is not None:
+        try:
+            tools = json.loads(_file_or_text(args.tools))
+        except ValueError as error:
+            raise InvalidParameterError(f"--tools is neither a file nor valid JSON ({error}): give a JSON list of "
+                                        f"tool definitions, or a file that holds one", param="tools") from None
+    choice = getattr(args, "tool_choice", None)
+    if choice is not None and choice not in CHOICES:
+        choice = {"type": "function", "function": {"name": choice}}
+    ToolCalling(tools, choice, None, None)  # the same checks LLM.chat makes, before the model loads
+    return tools, choice
 
 
 def _file_or_text(value: str) -> str:
@@ -124,13 +153,24 @@ def _print_summary(output: RequestOutput, elapsed: float) -> None:
           f"time to first token: {ttft:.3f} s | decode: {decode_rate} | total: {elapsed:.2f} s]", file=sys.stderr)
 
 
-def _stream_to_terminal(llm: Any, prompt: Any, params: SamplingParams) -> RequestOutput:
+def _stream_to_terminal(llm: Any, prompt: Any, params: SamplingParams,
+                        tool_calling: ToolCalling | None = None) -> RequestOutput:
+    """Stream the reply; with tools, only the text that is surely content, then the parsed calls as JSON lines."""
     started = time.perf_counter()
     final = None
+    shown = ""
     for output in llm.stream(prompt, params):
-        sys.stdout.write(output.outputs[0].delta_text)
+        if tool_calling is None:
+            sys.stdout.write(output.outputs[0].delta_text)
+        else:
+            visible = tool_calling.visible_content(output.outputs[0].text)
+            if visible.startswith(shown):  # content only grows; what was shown stays shown
+                sys.stdout.write(visible[len(shown):])
+                shown = visible
         sys.stdout.flush()
         final = output
+    if tool_calling is not None:
+        _print_tool_reply(final.outputs[0], tool_calling, shown)
     if params.trace and final.outputs[0].trace:
         print("\n", file=sys.stderr)
         for trace in final.outputs[0].trace:
@@ -145,23 +185,48 @@ def _stream_to_terminal(llm: Any, prompt: Any, params: SamplingParams) -> Reques
     return final
 
 
+def _print_tool_reply(completion: CompletionOutput, tool_calling: ToolCalling, shown: str) -> None:
+    """Parse a finished reply into completion.content / tool_calls; print the content not yet shown, then one
+    JSON line per call, in OpenAI's shape (ready to go back into a conversation)."""
+    completion.content, completion.tool_calls = tool_calling.parse(completion.text)
+    content = completion.content or ""
+    sys.stdout.write(content[len(shown):] if content.startswith(shown) else "\n" + content)
+    if completion.tool_calls and content:
+        sys.stdout.write("\n")
+    for call in completion.tool_calls:
+        print(json.dumps(_openai_call(call), ensure_ascii=False))
+    sys.stdout.flush()
+
+
+def _openai_call(call: Any) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokenriver.engine.llm import LLM
 
     params = sampling_params_from(args)
+    tools, tool_choice = tools_from(args)
     llm = LLM(**dataclasses.asdict(engine_config_from(args)))
     prompt: Any = args.prompt
-    if args.chat_template:
-        text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": args.prompt}])
-        prompt = {"prompt": text, "prompt_token_ids": llm.get_tokenizer().encode(text, add_special_tokens=False)}
+    tool_calling = None
+    if args.chat_template or tools is not None:
+        tool_calling = llm.tool_calling(tools, tool_choice)
+        params = tool_calling.constrain(params, _STRUCTURED_OUTPUT_FLAGS)
+        prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}], tool_calling=tool_calling)
+    tool_calling = tool_calling if tool_calling is not None and tool_calling.is_active else None
     if params.num_generated == 1:
-        _stream_to_terminal(llm, prompt, params)
+        _stream_to_terminal(llm, prompt, params, tool_calling)
         return 0
     started = time.perf_counter()
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     for completion in output.outputs:
         print(f"--- candidate {completion.index} (cumulative logprob {completion.cumulative_logprob:.3f}) ---")
-        print(completion.text)
+        if tool_calling is None:
+            print(completion.text)
+        else:
+            _print_tool_reply(completion, tool_calling, "")
+            print()
     _print_summary(output, time.perf_counter() - started)
     return 0
 
@@ -170,9 +235,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from tokenriver.engine.llm import LLM
 
     params = sampling_params_from(args)
+    tools, tool_choice = tools_from(args)
     llm = LLM(**dataclasses.asdict(engine_config_from(args)))
-    tokenizer = llm.get_tokenizer()
-    messages: list[dict[str, str]] = []
+    tool_calling = llm.tool_calling(tools, tool_choice)
+    params = tool_calling.constrain(params, _STRUCTURED_OUTPUT_FLAGS)
+    messages: list[dict[str, Any]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     print("tokenriver chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -190,11 +257,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         print("assistant> ", end="", flush=True)
-        final = _stream_to_terminal(
-            llm, {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}, params)
-        messages.append({"role": "assistant", "content": final.outputs[0].text})
+        final = _stream_to_terminal(llm, llm.chat_prompt(messages, tool_calling=tool_calling), params,
+                                    tool_calling if tool_calling.is_active else None)
+        reply = final.outputs[0]
+        if reply.tool_calls:
+            messages.append({"role": "assistant", "content": reply.content,
+                             "tool_calls": [_openai_call(call) for call in reply.tool_calls]})
+        else:
+            messages.append({"role": "assistant", "content": reply.content if reply.content is not None
+                             else reply.text})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(sub, SamplingParams, "sampling_", "sampling options", help_texts=SAMPLING_HELP,
                   defaults=SAMPLING_DEFAULTS)
         _add_structured_output_flags(sub)
+        _add_tool_flags(sub)
     generate.set_defaults(handler=cmd_generate)
     chat.set_defaults(handler=cmd_chat)
     add_serve_command(commands, add_engine_flags=add_engine_flags, engine_config_from=engine_config_from)

@@ -56,6 +56,18 @@ PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
+class ToolCall:
+    """One tool call parsed from a chat reply, in OpenAI's terms."""
+
+    # "call_" and 24 hex digits, unique per call: a tool result names it as its tool_call_id.
+    id: str
+    # The function's name, one of the tools offered.
+    name: str
+    # The arguments as JSON text (an object), as OpenAI sends them.
+    arguments: str
+
+
+@dataclass
 class CompletionOutput:
     """One candidate continuation of a prompt."""
 
@@ -82,6 +94,10 @@ class CompletionOutput:
     delta_text: str = ""
     # Token ids added since the previous output of this request (streaming).
     delta_token_ids: list[int] = field(default_factory=list)
+    # LLM.chat with tools only (None otherwise): the reply without its tool-call envelope (None when it is only
+    # calls), and the calls parsed from `text` ([] when the model answered in prose).
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:

@@ -29,6 +29,10 @@ _NOT_WITH_BEAM_SEARCH = {"best_of": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0
                          "prompt_logprobs": None, "trace": False}
 
 
+# How JSON constraints are written (llguidance's options; a schema's "x-guidance"): compactly, one space after ','
+# and ':'. With free whitespace a small model can spend its whole token budget on newlines inside a valid document.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 # StructuredOutput.kind values: what the text of a StructuredOutput holds.
 STRUCTURED_OUTPUT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 

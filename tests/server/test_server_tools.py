@@ -12,12 +12,14 @@ import pytest
 
 from tokenriver.errors import InvalidParameterError
 from tokenriver.server.chat_output import ChatView, chat_message, message_delta
-from tokenriver.server.protocol import ChatMessage, NamedToolChoice, ToolDefinition
+from tokenriver.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenriver.server.reasoning import split
-from tokenriver.server.tools import ToolCalling, tool_format
+from tokenriver.server.tools import conversation_messages, request_tools
+from tokenriver.tool_calls import ToolCalling, tool_format
 
-WEATHER = ToolDefinition.model_validate({"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 HERMES_TEMPLATE = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}<tool_call>"
 LLAMA3_TEMPLATE = "{% if tools %}{{ tools | tojson }}{% endif %}<|start_header_id|>"
 
@@ -56,22 +58,27 @@ def test_generic_grammar_allows_a_call_or_a_response_only_with_auto():
     assert [set(option["properties"]) for option in auto["anyOf"]] == [{"tool_calls"}, {"response"}]
     required = json.loads(ToolCalling([WEATHER], "required", False, None).structured_output().text)
     assert required["properties"]["tool_calls"]["maxItems"] == 1
-    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
-    item = json.loads(ToolCalling([WEATHER], named, None, None).structured_output().text)
+    item = json.loads(ToolCalling([WEATHER], NAMED, None, None).structured_output().text)
     assert item["properties"]["tool_calls"]["items"]["properties"]["name"] == {"const": "get_weather"}
     assert ToolCalling([WEATHER], "none", None, None).structured_output() is None
 
 
-def test_unknown_named_tool_is_refused():
-    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "nope"}})
+def test_the_request_reaches_the_core_as_dicts():
+    request = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": NAMED,
+        "parallel_tool_calls": False})
+    calling = request_tools(request, HERMES_TEMPLATE, lambda text: None)
+    assert (calling.tools, calling.named, calling.is_parallel, calling.format) == ([WEATHER], "get_weather", False,
+                                                                                     "hermes")
+    unknown = request.model_copy(update={"tool_choice": request.tool_choice.model_copy(
+        update={"function": request.tool_choice.function.model_copy(update={"name": "nope"})})})
     with pytest.raises(InvalidParameterError) as error:
-        ToolCalling([WEATHER], named, None, None)
+        request_tools(unknown, None, lambda text: None)
     assert error.value.param == "tool_choice"
 
 
 def test_hermes_calls_and_streaming_hold_back_the_envelope():
     calling = ToolCalling([WEATHER], "auto", None, HERMES_TEMPLATE)
-    assert calling.structured_output() is None  # auto leaves a template format free
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     content, calls = calling.parse(text)
     assert content == "Let me check." and calls[0].name == "get_weather"
@@ -96,6 +103,7 @@ def test_history_with_tool_calls_renders_in_the_format():
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]]
+    messages = conversation_messages(messages)
     generic = ToolCalling([WEATHER], "auto", None, None).conversation(messages)
     assert generic[0]["role"] == "system" and "get_weather" in generic[0]["content"]
     assert json.loads(generic[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}

@@ -118,6 +118,10 @@ class AsyncEngine:
         InvalidParameterError naming the problem when it cannot be enforced."""
         self.core.grammar.compile(spec)
 
+    def special_token_id(self, text: str) -> int | None:
+        """EngineCore.special_token_id, safe from any thread (the tokenizer and the grammar compiler are)."""
+        return self.core.special_token_id(text)
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 

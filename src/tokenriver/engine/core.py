@@ -221,6 +221,15 @@ class EngineCore:
         self.output_processor.add_request(request_id, prompt, list(prompt_token_ids), params,
                                           {child.request_id: child.metrics for child in children}, final_only)
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of `text` when the vocabulary holds it as one token that grammars must name by id (a special
+        token to the grammar engine, such as Llama 3's `<|python_tag|>`); None when it is text. Tool-call
+        grammars ask this about their envelope markers (tool_calls.ToolCalling)."""
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(token_ids) == 1 and self.grammar.is_special_token(token_ids[0]):
+            return token_ids[0]
+        return None
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free everything it holds."""
         if self.beam_groups.has_request(request_id):

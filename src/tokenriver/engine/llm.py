@@ -3,7 +3,8 @@
     llm = LLM()                                   # the embedded default model
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
-Prompts are strings (tokenized here) or {"prompt_token_ids": [...]}. All prompts
+`chat` renders conversations through the chat template and takes OpenAI's tools (tokenriver.tool_calls, as the
+server does). Prompts are strings (tokenized here) or {"prompt_token_ids": [...]}. All prompts
 go through one EngineCore together, so they are batched continuously.
 """
 
@@ -23,6 +24,7 @@ from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import SamplingParams
 from tokenriver.tokenizer.tokenizer import Tokenizer
+from tokenriver.tool_calls import ToolCalling
 
 Prompt = str | dict[str, Any]
 
@@ -148,11 +150,45 @@ class LLM:
                 self.engine.abort_request(request_id)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or several) and generate the replies."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True, *,
+             tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+             parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or several) and generate the replies.
+
+        `tools`, `tool_choice` and `parallel_tool_calls` are OpenAI's (tool definitions as dicts; "auto", "none",
+        "required" or {"type": "function", "function": {"name": ...}}) and work as in the server: the tools reach
+        the model through its chat template (or the system prompt, for templates without tool support), a
+        grammar enforces the choice, and each candidate carries `content` and parsed `tool_calls`.
+        """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        tool_calling = self.tool_calling(tools, tool_choice, parallel_tool_calls)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params: SamplingParams | list[SamplingParams] = tool_calling.constrain(
+                sampling_params or SamplingParams(), "sampling_params.structured_output")
+        else:
+            params = [tool_calling.constrain(p, "sampling_params.structured_output") for p in sampling_params]
+        prompts = [self.chat_prompt(conversation, add_generation_prompt, tool_calling)
                    for conversation in conversations]
-        return self.generate([{"prompt": p, "prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False)}
-                              for p in prompts], sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        if tool_calling.is_active:
+            for output in outputs:
+                for candidate in output.outputs:
+                    candidate.content, candidate.tool_calls = tool_calling.parse(candidate.text)
+        return outputs
+
+    def tool_calling(self, tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+                     parallel_tool_calls: bool | None = None) -> ToolCalling:
+        """A chat's tools for this model's chat template and vocabulary (validated: InvalidParameterError)."""
+        return ToolCalling(tools, tool_choice, parallel_tool_calls, self.engine.tokenizer.chat_template,
+                           self.engine.special_token_id)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tool_calling: ToolCalling | None = None) -> dict[str, Any]:
+        """One conversation rendered by the chat template, with its tools: a prompt for generate() or stream()."""
+        tool_calling = tool_calling or self.tool_calling()
+        tools = tool_calling.template_tools()
+        text = self.engine.tokenizer.apply_chat_template(tool_calling.conversation(messages),
+                                                         add_generation_prompt=add_generation_prompt,
+                                                         **({"tools": tools} if tools is not None else {}))
+        return {"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}

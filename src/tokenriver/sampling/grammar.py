@@ -24,14 +24,11 @@ import llguidance
 import torch
 
 from tokenriver.errors import InvalidParameterError
-from tokenriver.params import StructuredOutput
+from tokenriver.params import JSON_LAYOUT, StructuredOutput
 from tokenriver.sampling.processors import allows
 
 # Compiled grammars kept (least recently used dropped first).
 MAX_CACHED_GRAMMARS = 256
-# JSON is generated compactly, with one space after ',' and ':': with free whitespace a small model can
-# spend its whole token budget on newlines inside a valid document.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def mask_width(vocab_size: int) -> int:
@@ -42,9 +39,9 @@ def mask_width(vocab_size: int) -> int:
 def grammar_text(spec: StructuredOutput) -> str:
     """The llguidance grammar of a constraint (not yet checked)."""
     if spec.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=JSON_LAYOUT)
     if spec.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_LAYOUT)
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":
@@ -82,6 +79,12 @@ class GrammarCompiler:
         A schema keyword llguidance would ignore (it reports those as warnings) is refused too: the output
         would not be guaranteed to validate."""
         self.new_matcher(spec)
+
+    def is_special_token(self, token_id: int) -> bool:
+        """Whether the grammar engine sees the token as special rather than as its text (every added token, such
+        as Llama 3's `<|python_tag|>` or Qwen 2.5's `<tool_call>`): a grammar names it `<[id]>`, and no text
+        rule matches it."""
+        return self.tokenizer.is_special_token(token_id)
 
     def new_matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher for the constraint, at the start of the output."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenriver.outputs import ToolCall
 from tokenriver.server import reasoning
 from tokenriver.server.protocol import (ChatMessageOut, DeltaMessage, FunctionCallDelta, FunctionCallOut,
                                         ToolCallDelta, ToolCallOut)
-from tokenriver.server.tools import ToolCall, ToolCalling
+from tokenriver.tool_calls import ToolCalling
 
 
 @dataclass

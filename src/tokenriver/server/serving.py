@@ -39,7 +39,8 @@ from tokenriver.server.protocol import (ChatChoice, ChatChunkChoice, ChatComplet
                                         DetokenizeRequest, PromptTokensDetails, RequestMetricsInfo, Response,
                                         SamplingFields, TokenizeRequest, TokenLogprob, TopLogprob, Usage)
 from tokenriver.server.structured import structured_output
-from tokenriver.server.tools import ToolCalling
+from tokenriver.server.tools import conversation_messages, request_tools
+from tokenriver.tool_calls import ToolCalling
 
 # OpenAI's default for /v1/completions; chat runs until EOS or the context is full.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -153,24 +154,14 @@ class OpenAIServing:
             raise InvalidParameterError("top_logprobs needs logprobs: true; set both, or drop top_logprobs",
                                         param="top_logprobs")
         num_top = request.top_logprobs or 0
-        if request.tool_choice not in (None, "none") and not request.tools:
-            raise InvalidParameterError("tool_choice needs tools: send the tools the model may call",
-                                        param="tool_choice")
-        tool_calling = ToolCalling(request.tools or [], request.tool_choice, request.parallel_tool_calls,
-                                   self.tokenizer.chat_template)
+        tool_calling = request_tools(request, self.tokenizer.chat_template, self.engine.special_token_id)
         prompt = self.render_chat(request.messages, request.add_generation_prompt,
                                   request.chat_template_kwargs, tool_calling)
         self._check_fits(prompt, max_tokens, max_tokens_param, "messages")
         params = sampling_params(request, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
                                  logprobs=num_top if request.logprobs else None, logprobs_param="top_logprobs",
                                  prompt_logprobs=None, best_of=None)
-        tools_grammar = tool_calling.structured_output()
-        if tools_grammar is not None:
-            if params.structured_output is not None:
-                raise InvalidParameterError(
-                    f"tool_choice={request.tool_choice!r} constrains the output to tool calls, so it cannot also "
-                    f"follow response_format or structured_outputs; send one of them", param="tool_choice")
-            params = dataclasses.replace(params, structured_output=tools_grammar)
+        params = tool_calling.constrain(params, "response_format or structured_outputs")
         has_reasoning = reasoning.has_reasoning(self.tokenizer.chat_template)
         if has_reasoning and params.structured_output is not None and reasoning.thinks_before_answering(prompt.text):
             end_of_thinking = tuple(self.tokenizer.encode(reasoning.THINK_CLOSE, add_special_tokens=False))
@@ -195,7 +186,7 @@ class OpenAIServing:
             raise InvalidParameterError(f"chat_template_kwargs may not set {reserved}: tokenriver passes those itself",
                                         param="chat_template_kwargs")
         tool_calling = tool_calling or ToolCalling([], None, None, self.tokenizer.chat_template)
-        conversation = tool_calling.conversation(messages)
+        conversation = tool_calling.conversation(conversation_messages(messages))
         tools = tool_calling.template_tools()
         if tools is not None:
             template_kwargs = {**template_kwargs, "tools": tools}
