@@ -28,7 +28,6 @@ request takes the logits-free greedy path and multi-step passes like any other.
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -206,7 +205,8 @@ class ModelRunner:
             hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
             self.num_forward_passes += 1
             if any(state.grammar is not None for state in states):
-                states = [dataclasses.replace(state, grammar=None, allowed_token_mask=None) for state in states]
+                for state in states:
+                    state.allowed_token_mask = None  # a refused row's mask from the pass before
                 self._add_grammars(requests, states, None, [request.output_token_ids
                                                             + results[request.request_id].token_ids
                                                             for request in requests])

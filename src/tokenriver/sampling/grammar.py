@@ -207,7 +207,10 @@ class GrammarMatchers:
         if tracked is not None and tracked.spec != spec:
             tracked = None
         if tracked is not None:
-            common = _common_prefix(tracked.consumed, token_ids)
+            consumed = len(tracked.consumed)
+            # The usual case, a history that only grew, compared in one slice.
+            common = consumed if token_ids[:consumed] == tracked.consumed else _common_prefix(tracked.consumed,
+                                                                                               token_ids)
             excess = len(tracked.consumed) - common
             if excess and not tracked.matcher.rollback(excess):
                 tracked = None
