@@ -156,7 +156,8 @@ class GrammarMatchers:
         # Where the grammar forces text, the mask allows only the first token of that text's own tokenization
         # (llguidance's choice: the model stays on the tokenizations it was trained on); other valid splits of
         # the same text are refused, as the mask refuses them.
-        forced = matcher.compute_ff_tokens()
+        # (Forced bytes are asked first: far cheaper than their tokens, and usually none.)
+        forced = matcher.compute_ff_tokens() if matcher.compute_ff_bytes() else []
         if forced and forced[0] != token_id:
             return False
         matcher.consume_token(token_id)
