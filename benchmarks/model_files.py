@@ -7,6 +7,9 @@
 - A 0.8B-parameter llama-architecture model with random weights (SmolLM2's tokenizer; hidden 1536, 28 layers,
   GQA 4:1), quantized to Q4_K_M: about 500 MB, the size of the 0.5B-class files users run first. Its text is
   noise; its load time, memory and speed are those of any file of its shape.
+- The same for Qwen2.5-0.5B-Instruct's shape (qwen2 architecture, q/k/v biases, hidden 896, 24 layers, GQA 7:1,
+  a 151,936-token vocabulary tied to the output layer; SmolLM2's tokenizer padded with unused tokens), in Q4_K_M:
+  the file the most popular small instruct model comes in.
 
 Files are written once into --models-dir (default: ~/.cache/tokenriver/bench-models) and reused.
 
@@ -28,7 +31,11 @@ DEFAULT_DIR = Path.home() / ".cache" / "tokenriver" / "bench-models"
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15,
           "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
 SMOLLM_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")
-LARGE_SHAPE = dict(hidden=1536, layers=28, heads=24, kv_heads=6, ffn=4608)
+LARGE_SHAPE = dict(arch="llama", name="random llama 0.8B", hidden=1536, layers=28, heads=24, kv_heads=6, ffn=4608)
+# Qwen2.5-0.5B-Instruct's shape: its 151,936-token vocabulary (tied to the output layer) is a third of its weights.
+QWEN_SHAPE = dict(arch="qwen2", name="random qwen2 0.5B", hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864,
+                  vocab=151936, tied=True, qkv_bias=True,
+                  keys={"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-6})
 
 
 def embedded_model_path() -> str:
@@ -36,15 +43,24 @@ def embedded_model_path() -> str:
     return default_model_path()
 
 
-def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, overrides: dict[str, int]) -> None:
-    """Every key of the source but the header's own and general.architecture (the writer sets those)."""
+def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, overrides: dict[str, object],
+                   rename: tuple[str, str] = ("", "")) -> set[str]:
+    """Every key of the source but the header's own and general.architecture (the writer sets those); a key
+    starting with rename[0] is written under rename[1] instead (another architecture's prefix). Returns the
+    names written."""
+    old_prefix, new_prefix = rename
+    written = set()
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
+        if old_prefix and name.startswith(old_prefix):
+            name = new_prefix + name[len(old_prefix):]
         value_type = field.types[0]
         value = overrides.get(name, field.contents())
         sub_type = field.types[1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, value_type, sub_type)
+        written.add(name)
+    return written
 
 
 def write_f16_copy(source: str, target: Path) -> Path:
@@ -66,28 +82,38 @@ def write_f16_copy(source: str, target: Path) -> Path:
     return target
 
 
-def write_random_large(source: str, target: Path, seed: int = 0) -> Path:
-    """A llama model of LARGE_SHAPE with random F16 weights and the source's tokenizer."""
+def write_random_model(source: str, target: Path, shape: dict, seed: int = 0) -> Path:
+    """A model of `shape` (architecture, sizes, vocabulary) with random F16 weights and the source's tokenizer. A
+    vocabulary larger than the source's is padded with unused tokens, which no text encodes to."""
     if target.exists():
         return target
     reader = gguf.GGUFReader(source)
-    shape = LARGE_SHAPE
-    hidden, heads, kv_heads, ffn = shape["hidden"], shape["heads"], shape["kv_heads"], shape["ffn"]
+    arch, hidden, heads, kv_heads, ffn = (shape[key] for key in ("arch", "hidden", "heads", "kv_heads", "ffn"))
     head_dim = hidden // heads
-    vocab = int(reader.fields["llama.vocab_size"].contents())
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    vocab = shape.get("vocab", len(tokens))
+    token_types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    unused = int(gguf.TokenType.UNUSED)
+    sizes = {"block_count": shape["layers"], "embedding_length": hidden, "feed_forward_length": ffn,
+             "attention.head_count": heads, "attention.head_count_kv": kv_heads, "rope.dimension_count": head_dim,
+             "vocab_size": vocab, **shape.get("keys", {})}
+    overrides = {"general.file_type": 1, **{f"{arch}.{key}": value for key, value in sizes.items()},
+                 "tokenizer.ggml.tokens": tokens + [f"<unused_{i}>" for i in range(len(tokens), vocab)],
+                 "tokenizer.ggml.token_type": token_types + [unused] * (vocab - len(tokens))}
     scratch = target.with_suffix(".partial")
-    writer = gguf.GGUFWriter(str(scratch), "llama")
-    overrides = {"general.file_type": 1, "llama.block_count": shape["layers"], "llama.embedding_length": hidden,
-                 "llama.feed_forward_length": ffn, "llama.attention.head_count": heads,
-                 "llama.attention.head_count_kv": kv_heads, "llama.rope.dimension_count": head_dim}
-    _copy_metadata(reader, writer, overrides)
-    writer.add_string("general.name", "random llama 0.8B")
+    writer = gguf.GGUFWriter(str(scratch), arch)
+    written = _copy_metadata(reader, writer, overrides, rename=("llama.", f"{arch}."))
+    for name in overrides.keys() - written:
+        writer.add_key_value(name, overrides[name], _value_type(overrides[name]))
+    writer.add_string("general.name", shape["name"])
     rng = np.random.default_rng(seed)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
 
     writer.add_tensor("token_embd.weight", matrix(vocab, hidden))
+    if not shape.get("tied", False):
+        writer.add_tensor("output.weight", matrix(vocab, hidden))
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for layer in range(shape["layers"]):
         prefix = f"blk.{layer}."
@@ -97,9 +123,15 @@ def write_random_large(source: str, target: Path, seed: int = 0) -> Path:
                                  ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, hidden),
                                  ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
             writer.add_tensor(prefix + name + ".weight", matrix(rows, cols))
+            if shape.get("qkv_bias") and name in ("attn_q", "attn_k", "attn_v"):
+                writer.add_tensor(prefix + name + ".bias", rng.standard_normal(rows, dtype=np.float32) * 0.02)
     _finish(writer)
     os.replace(scratch, target)
     return target
+
+
+def _value_type(value: object) -> gguf.GGUFValueType:
+    return gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
 
 
 def _finish(writer: gguf.GGUFWriter) -> None:
@@ -135,13 +167,22 @@ def smollm_file(ftype: str, models_dir: Path = DEFAULT_DIR) -> Path:
 
 def large_file(models_dir: Path = DEFAULT_DIR) -> Path:
     """The 0.8B random-weights llama in Q4_K_M (about 500 MB)."""
+    return _random_file(models_dir, "random-llama-0.8b", LARGE_SHAPE)
+
+
+def qwen_file(models_dir: Path = DEFAULT_DIR) -> Path:
+    """A random-weights model of Qwen2.5-0.5B's shape in Q4_K_M (about 400 MB)."""
+    return _random_file(models_dir, "random-qwen2-0.5b", QWEN_SHAPE)
+
+
+def _random_file(models_dir: Path, stem: str, shape: dict) -> Path:
     models_dir.mkdir(parents=True, exist_ok=True)
-    f16 = models_dir / "random-llama-0.8b-f16.gguf"
-    q4_k_m = models_dir / "random-llama-0.8b-Q4_K_M.gguf"
+    f16 = models_dir / f"{stem}-f16.gguf"
+    q4_k_m = models_dir / f"{stem}-Q4_K_M.gguf"
     if not q4_k_m.exists():
-        write_random_large(embedded_model_path(), f16)
+        write_random_model(embedded_model_path(), f16, shape)
         quantize(f16, q4_k_m, "Q4_K_M")
-        f16.unlink()  # 1.6 GB, needed only once
+        f16.unlink()  # about 1 GB per 0.5B parameters, needed only once
     return q4_k_m
 
 
@@ -152,8 +193,8 @@ def main() -> None:
     for ftype in SMOLLM_TYPES:
         path = smollm_file(ftype, args.models_dir)
         print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
-    path = large_file(args.models_dir)
-    print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
+    for path in (large_file(args.models_dir), qwen_file(args.models_dir)):
+        print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":
