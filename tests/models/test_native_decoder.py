@@ -4,7 +4,9 @@ layers run one module at a time (the model's own forward).
 Both paths call the same kernels in the same order, so every step's hidden states must be equal bit for bit:
 decode steps, short multi-token steps (speculative verification), batches above the GEMV/GEMM switch, int4 and
 int8 weights, biased projections, float32 and float16 KV pools. Steps it cannot run (long prompt chunks, a float
-model) take the modules.
+model) take the modules. The same holds for the other layouts: Qwen3 (q/k norms, sliding windows) and Gemma 3
+(q/k norms, norms on both sides of each block, GeGLU, a local rope base on the sliding layers); Gemma 2's
+soft-capped attention and mixture-of-experts MLPs stay on the modules.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from tokenriver.decoding.draft_model import first_layers
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.gemma import GemmaForCausalLM
+from tokenriver.models.moe import Qwen3MoeForCausalLM
 from tokenriver.models.native.kernels import load_kernels
 from tokenriver.models.llama import LlamaForCausalLM
+from tokenriver.models.qwen3 import Qwen3ForCausalLM
 from tokenriver.models.native.decoder import NativeDecoder
 from tokenriver.models.native.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.runner.native_stack import NativeStack
@@ -37,7 +42,12 @@ def quantized_tiny_model(attention_bias: bool, int8_activations: bool = False,
     config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=128, intermediate_size=intermediate_size,
                          num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=attention_bias)
-    model = LlamaForCausalLM(config).float()
+    return quantize_projections(LlamaForCausalLM(config), int8_activations)
+
+
+def quantize_projections(model: torch.nn.Module, int8_activations: bool) -> torch.nn.Module:
+    """Random weights (norms around one, Gemma's around zero: it adds one); projections alternate int4 and int8."""
+    model = model.float()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.05)
@@ -284,3 +294,100 @@ def test_the_embedded_model_decodes_natively_with_equal_results(loaded_packed):
     assert NativeDecoder.build(model.model.layers) is not None
     for ours, reference in zip(native, run_steps(model, requests, steps, native=False)):
         assert torch.equal(ours, reference)
+
+
+# Sliding layers see their last 8 positions: far fewer than the 80-token requests.
+WINDOW = 8
+FAMILIES = ["qwen3", "gemma3"]
+
+
+def family_tiny_model(family: str, int8_activations: bool = False) -> torch.nn.Module:
+    """Four layers of Qwen3, Gemma 3 or Gemma 2 with q/k norms (not Gemma 2) and sliding layers (0 and 2) of
+    window 8; Gemma 3's sliding layers turn with their own rope base, its global ones with linear scaling; Gemma 2
+    soft-caps. Weights as quantized_tiny_model's."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                 head_dim=32, sliding_window=WINDOW, layer_types=("sliding_attention", "full_attention") * 2)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(ModelConfig(architecture="qwen3", qk_norm=True, **sizes))
+    else:
+        gemma = dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24, tie_word_embeddings=True)
+        if family == "gemma3":
+            gemma.update(qk_norm=True, rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+        else:
+            gemma.update(attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+        model = GemmaForCausalLM(ModelConfig(architecture=family, **gemma, **sizes))
+    return quantize_projections(model, int8_activations)
+
+
+def assert_native_equals_modules(model: torch.nn.Module, requests: list[list[int]], steps: list[list[int]]) -> None:
+    native = run_steps(model, requests, steps, native=True)
+    modules = run_steps(model, requests, steps, native=False)
+    for step, (ours, reference) in enumerate(zip(native, modules)):
+        assert torch.equal(ours, reference), f"step {step}: max difference {(ours - reference).abs().max().item()}"
+    assert count_native_steps(model, requests, steps) == len(steps)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["exact", "int8-activations"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_run_natively_with_the_module_paths_bits(family, int8_activations):
+    """Prompt chunks, decode steps and multi-token steps, past the sliding window."""
+    model = family_tiny_model(family, int8_activations)
+    stack = NativeStack(model)
+    cache = KVCache(4, 1, BLOCK_SIZE, 2, 32, torch.float32)
+    stack(torch.tensor([1]), torch.tensor([0]), cache, AttentionMetadata.build([1], [1], [[0]], BLOCK_SIZE))
+    assert stack.native is not None
+    assert_native_equals_modules(model, REQUESTS, STEPS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_over_an_int8_kv_pool_equal_the_module_path(family):
+    model = family_tiny_model(family)
+    for ours, reference in zip(run_steps(model, REQUESTS, STEPS, native=True, cache_dtype=torch.int8),
+                               run_steps(model, REQUESTS, STEPS, native=False, cache_dtype=torch.int8)):
+        assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["exact", "int8-activations"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_run_gemm_sized_batches(family, int8_activations):
+    """21 requests decoding: every projection takes the GEMM; with int8 activations on AVX512-VNNI, Qwen3's MLP
+    takes the fused SwiGLU GEMM and Gemma's GeGLU the row-major products."""
+    model = family_tiny_model(family, int8_activations)
+    requests = [[(5 * i + 3 * r) % 96 for i in range(14)] for r in range(21)]
+    assert_native_equals_modules(model, requests, [[8] * 21, [1] * 21, [1] * 21, [3] * 21, [1] * 21])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_in_row_groups_and_long_steps_keep_their_bits(family):
+    """Row groups per thread and 256-row slices cut the step's tables, the local rope's too."""
+    model = family_tiny_model(family)
+    requests = [[(5 * i + 3 * r) % 96 for i in range(14)] for r in range(25)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    NativeDecoder.threading = "row_groups"
+    try:
+        assert_native_equals_modules(model, requests, [[8] * 25, [1] * 25, [1] * 25])
+    finally:
+        NativeDecoder.threading = "auto"
+        torch.set_num_threads(threads)
+    requests = [[(7 * i + 3 * r) % 96 for i in range(320)] for r in range(2)]
+    assert_native_equals_modules(model, requests, [[300, 0], [1, 270], [1, 1]])
+
+
+def test_gemma2_soft_capping_stays_on_the_module_path():
+    model = family_tiny_model("gemma2")
+    assert NativeDecoder.build(model.model.layers) is None
+    stack = NativeStack(model)
+    cache = KVCache(4, 1, BLOCK_SIZE, 2, 32, torch.float32)
+    metadata = AttentionMetadata.build([2], [2], [[0]], BLOCK_SIZE)
+    assert torch.equal(stack(torch.tensor([1, 2]), torch.tensor([0, 1]), cache, metadata),
+                       model(torch.tensor([1, 2]), torch.tensor([0, 1]), cache, metadata))
+    assert stack.native is None
+
+
+def test_a_mixture_of_experts_stays_on_the_module_path():
+    config = ModelConfig(architecture="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=64)
+    assert NativeDecoder.build(Qwen3MoeForCausalLM(config).model.layers) is None

@@ -1,10 +1,10 @@
 """The native small ops of a layer (models/native/csrc/ops.cpp) against their PyTorch definitions in models/layers.py.
 
-Each dispatching function (`rms_norm`, `apply_rotary_`, `silu_and_mul`) takes the native kernel for float32 CPU
-tensors; the `*_torch` functions (and `apply_rotary`) are the definitions it must reproduce. Shapes cover one row
-(decode), many rows (the threaded path) and widths that are not multiples of the 8-float vectors. Other dtypes and
-layouts must fall back to the definitions exactly. Finally a small random model must give the same logits with
-and without any native kernel, in float32 and bfloat16.
+Each dispatching function (`rms_norm`, `apply_rotary_`, `silu_and_mul`, `gelu_tanh_and_mul`) takes the native
+kernel for float32 CPU tensors; the `*_torch` functions (and `apply_rotary`) are the definitions it must reproduce.
+Shapes cover one row (decode), many rows (the threaded path) and widths that are not multiples of the 8-float
+vectors. Other dtypes and layouts must fall back to the definitions exactly. Finally a small random model must give
+the same logits with and without any native kernel, in float32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from tokenriver.models import attention, layers
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.native.kernels import load_kernels
-from tokenriver.models.layers import (RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_, rms_norm,
-                                      rms_norm_torch, silu_and_mul, silu_and_mul_torch)
+from tokenriver.models.layers import (RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_, gelu_tanh_and_mul,
+                                      gelu_tanh_and_mul_torch, rms_norm, rms_norm_torch, silu_and_mul,
+                                      silu_and_mul_torch)
 from tokenriver.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
@@ -137,6 +138,27 @@ def test_silu_and_mul_equals_definition(num_rows, intermediate):
 def test_silu_and_mul_falls_back_for_bfloat16():
     gate_up = torch.randn(4, 64).bfloat16()
     assert torch.equal(silu_and_mul(gate_up), silu_and_mul_torch(gate_up))
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 100])
+@pytest.mark.parametrize("intermediate", [1536, 20, 5])
+def test_gelu_tanh_and_mul_equals_torchs_gelu(num_rows, intermediate):
+    """Within 1e-6 relative of F.gelu(approximate="tanh") * up wherever PyTorch's own float32 result is precise
+    (gate > -1.5: below, its 1 + tanh(u) cancels), within 1e-6 of |up| everywhere; the far tails and zeros."""
+    torch.manual_seed(num_rows)
+    gate_up = torch.randn(num_rows, 2 * intermediate) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    got, want = gelu_tanh_and_mul(gate_up), gelu_tanh_and_mul_torch(gate_up)
+    precise = (gate > -1.5) & (want != 0)
+    relative = ((got - want).abs() / want.abs())[precise]
+    assert relative.max().item() <= 1e-6, relative.max().item()
+    assert ((got - want).abs() <= 1e-6 * up.abs()).all()
+
+
+def test_gelu_tanh_and_mul_falls_back_for_bfloat16():
+    gate_up = torch.randn(4, 64).bfloat16()
+    assert torch.equal(gelu_tanh_and_mul(gate_up), gelu_tanh_and_mul_torch(gate_up))
 
 
 def tiny_model(dtype: torch.dtype) -> LlamaForCausalLM:

@@ -5,7 +5,7 @@ paged KV cache), with Gemma's differences, each where it acts:
 - RMSNorm multiplies by (1 + weight), not weight (`GemmaRMSNorm`; checkpoints store the offset from one);
 - every block is normalized on the way in and on the way out: input_layernorm → attention →
   post_attention_layernorm → residual add, pre_feedforward_layernorm → MLP → post_feedforward_layernorm →
-  residual add;
+  residual add (each add done by the norm that follows it, `add_and_norm`, as in llama.py);
 - the token embedding is scaled by sqrt(hidden_size);
 - the MLP is GeGLU: gelu(gate, tanh approximation) * up;
 - attention scores are scaled by query_pre_attn_scalar ** -0.5;
@@ -14,7 +14,9 @@ paged KV cache), with Gemma's differences, each where it acts:
   head before rotary (q_norm, k_norm);
 - Gemma 2 soft-caps the attention scores and the output logits: cap * tanh(x / cap).
 Parameter names are Hugging Face's (Gemma2ForCausalLM, Gemma3ForCausalLM), with q/k/v and gate/up stacked into one
-projection each as in llama.py (`FUSED_PROJECTIONS`).
+projection each as in llama.py (`FUSED_PROJECTIONS`). The model exposes llama.py's embed / run_layers / final_norm
+steps, so that the runner can run the layers in one native call (runner/native_stack.py); Gemma's rope is a pair of
+tables, (global, local).
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata, paged_attention
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.layers import RotaryEmbedding, apply_rotary_, rms_norm
+from tokenriver.models.layers import RotaryEmbedding, apply_rotary_, gelu_tanh_and_mul, rms_norm
+
+# (global, local) rotary tables: cos, sin [T, 1, head_dim // 2] each.
+RopeTables = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # Fused module → the Hugging Face modules whose weights it stacks, in output order.
 FUSED_PROJECTIONS = {
@@ -58,6 +62,13 @@ class GemmaRMSNorm(nn.Module):
         rows = x.reshape(-1, shape[-1])  # [rows, dim]
         out = rms_norm(rows, 1.0 + self.weight, self.eps, None if residual is None else residual.view(-1, shape[-1]))
         return out.view(shape)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), the sum written into residual; with residual None, x starts the
+        stream: (norm(x), x)."""
+        if residual is None:
+            return self(x), x
+        return self(x, residual), residual
 
 
 class GemmaAttention(nn.Module):
@@ -102,12 +113,15 @@ class GemmaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class GemmaDecoderLayer(nn.Module):
-    """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
+    """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x))).
+
+    In the residual-stream form of llama.py: `residual` is x so far and `hidden` the previous layer's (normalized)
+    MLP output not yet added to it.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -119,13 +133,16 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(config.hidden_size, config.intermediate_size)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        """residual [T, hidden_size] (updated in place) → the residual stream after this layer."""
-        hidden = self.self_attn(rope, self.input_layernorm(residual), kv_cache, metadata)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden_size]; residual [T, hidden_size] (updated in place), or None before the first layer.
+
+        Returns (this layer's normalized MLP output, the residual stream before it is added)."""
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, metadata)
         # pre_feedforward_layernorm adds the normalized attention output into the stream, then normalizes the sum.
-        hidden = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
-        return residual.add_(self.post_feedforward_layernorm(self.mlp(hidden)))
+        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(hidden), residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class GemmaModel(nn.Module):
@@ -146,21 +163,41 @@ class GemmaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
+        hidden, rope = self.embed(input_ids, positions)
+        hidden, residual = self.run_layers(rope, hidden, kv_cache, metadata)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, RopeTables]:
+        """[T] token ids and positions → (scaled embeddings [T, hidden], (global, local) rope: cos, sin
+        [T, 1, head_dim // 2] each; the local pair is the global one where the sliding layers share it)."""
         embedded = self.embed_tokens(input_ids)  # [T, hidden]
         # HF rounds the scale to the weights' dtype before multiplying.
-        residual = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
-        rope_global = self.rotary_emb(positions, residual.dtype)  # cos, sin: [T, 1, head_dim // 2] each
-        rope_local = rope_global if self.rotary_emb_local is None else self.rotary_emb_local(positions,
-                                                                                              residual.dtype)
+        hidden = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
+        rope_global = self.rotary_emb(positions, hidden.dtype)
+        rope_local = rope_global if self.rotary_emb_local is None else self.rotary_emb_local(positions, hidden.dtype)
+        return hidden, (rope_global, rope_local)
+
+    def run_layers(self, rope: RopeTables, hidden: torch.Tensor, kv_cache: KVCache,
+                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer in turn: (last layer's normalized MLP output, the residual stream before it)."""
+        rope_global, rope_local = rope
+        residual = None
         for layer in self.layers:
-            residual = layer(rope_local if layer.is_sliding else rope_global, residual, kv_cache, metadata)
-        return self.norm(residual)
+            hidden, residual = layer(rope_local if layer.is_sliding else rope_global, hidden, residual, kv_cache,
+                                     metadata)
+        return hidden, residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Adds the last layer's output to the residual stream and normalizes: [T, hidden]."""
+        return self.norm(hidden, residual)
 
 
 class GemmaForCausalLM(nn.Module):
     """The decoder plus its output projection (tied to the embedding in every released Gemma)."""
 
     fused_projections = FUSED_PROJECTIONS
+    # Every layer is a GemmaDecoderLayer: a layout the runner may run in one native call (runner/native_stack.py).
+    layer_layout = "gemma"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

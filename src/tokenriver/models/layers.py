@@ -1,4 +1,4 @@
-"""Building blocks shared by Llama-family decoders: RMSNorm, rotary embedding, SwiGLU MLP.
+"""Building blocks shared by the decoders: RMSNorm, rotary embedding, SwiGLU MLP, GeGLU's activation.
 
 No file formats, no global state. Each block reproduces the arithmetic of its
 Hugging Face transformers counterpart (`LlamaRMSNorm`, `LlamaRotaryEmbedding` +
@@ -8,7 +8,7 @@ functions are those definitions in PyTorch ops.
 On a decode step these ops see one row per request, so in PyTorch their cost is
 dispatch (a dozen small ops per layer), not arithmetic. Where the native kernels
 are built (models/native, x86-64 with AVX2) and the tensors are float32 on the
-CPU, `rms_norm`, `apply_rotary_` and `silu_and_mul` run as one native call each,
+CPU, `rms_norm`, `apply_rotary_`, `silu_and_mul` and `gelu_tanh_and_mul` run as one native call each,
 computing the same arithmetic (equal to the torch definitions within ~1e-6
 relative: sums are added in another order and exp is a polynomial). Anything
 else (bfloat16, other devices, no compiler) takes the torch definitions, and so
@@ -197,3 +197,21 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """The definition of `gelu_tanh_and_mul` in PyTorch ops (HF's gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [..., intermediate] each
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up (GeGLU), gate_up [num_tokens, 2 * intermediate] as for silu_and_mul.
+
+    The native kernel is the one the fused decoder stack runs (models/native/decoder.py), so both paths give the
+    same bits."""
+    kernels = load_kernels()
+    if (kernels is not None and not torch.is_grad_enabled() and gate_up.dim() == 2
+            and is_contiguous_f32(gate_up)):
+        return kernels.gelu_tanh_mul(gate_up)
+    return gelu_tanh_and_mul_torch(gate_up)

@@ -5,7 +5,8 @@ One page, top to bottom as in models/llama.py: embedding → N × (RMSNorm → a
 `q_norm` / `k_norm` (weights [head_dim], shared by all heads): they keep attention logits in range without a QKV
 bias. The MLP is passed in (`mlp_factory`) so the mixture-of-experts pages (models/moe.py: Qwen3-MoE, Mixtral) are
 this page with another feed-forward block. Parameter names are Hugging Face's (Qwen3ForCausalLM), q/k/v and gate/up
-stacked into one projection each (`FUSED_PROJECTIONS`).
+stacked into one projection each (`FUSED_PROJECTIONS`). The model exposes llama.py's embed / run_layers / final_norm
+steps, so that the runner can run a dense stack in one native call (runner/native_stack.py).
 """
 
 from __future__ import annotations
@@ -97,11 +98,26 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
+        hidden, rope = self.embed(input_ids, positions)
+        hidden, residual = self.run_layers(rope, hidden, kv_cache, metadata)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """[T] token ids and positions → (embeddings [T, hidden], rope: cos, sin [T, 1, head_dim // 2] each)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary_emb(positions, hidden.dtype)  # cos, sin: [T, 1, head_dim // 2] each
+        return hidden, self.rotary_emb(positions, hidden.dtype)
+
+    def run_layers(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
+                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer in turn: (last layer's MLP output, the residual stream before it), [T, hidden] each."""
         residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        return hidden, residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Adds the last layer's output to the residual stream and normalizes: [T, hidden]."""
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 
@@ -110,6 +126,9 @@ class Qwen3ForCausalLM(nn.Module):
     """The decoder plus its output projection; the engine calls `forward`, then `compute_logits` on chosen rows."""
 
     fused_projections = FUSED_PROJECTIONS
+    # Every layer is a Qwen3DecoderLayer: a layout the runner may run in one native call (runner/native_stack.py)
+    # where the MLP is the dense one; the mixture-of-experts pages that inherit it keep to the modules.
+    layer_layout = "qwen3"
 
     def __init__(self, config: ModelConfig,
                  mlp_factory: Callable[[ModelConfig, int], nn.Module] = dense_mlp) -> None:

@@ -1,8 +1,8 @@
 """NativeStack: a model's forward pass, with its decoder layers run in one native call where they can be.
 
-The model files (models/llama.py) are plain PyTorch and define what a step computes. Run layer by layer from
-Python, a small model's decode step spends about as long in module dispatch as in arithmetic, so the runner calls
-the model through this wrapper: it embeds with the model's own modules, runs the layers through
+The model files (models/llama.py, qwen3.py, gemma.py) are plain PyTorch and define what a step computes. Run layer
+by layer from Python, a small model's decode step spends about as long in module dispatch as in arithmetic, so the
+runner calls the model through this wrapper: it embeds with the model's own modules, runs the layers through
 models/native/decoder.py when that decoder can bind them and run the step, else through the model's own
 `run_layers`, and ends with the model's final norm. Both paths give the same hidden states bit for bit
 (tests/models/test_native_decoder.py).
@@ -22,9 +22,11 @@ from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.native.decoder import NativeDecoder
 from tokenriver.models.native.kernels import Reductions
 
-# Layer layouts decoder.cpp runs: "llama" is LlamaDecoderLayer's pre-norm residual-stream block (fused qkv and
-# gate/up projections, RMSNorm, SwiGLU).
-NATIVE_LAYOUTS = frozenset({"llama"})
+# Layer layouts decoder.cpp runs (models/native/decoder.py's LAYOUTS): "llama" is LlamaDecoderLayer's pre-norm
+# residual-stream block (fused qkv and gate/up projections, RMSNorm, SwiGLU); "qwen3" adds per-head q/k norms and
+# sliding windows (dense MLPs only); "gemma" adds norms on each block's output, GeGLU and per-layer rope tables
+# (not Gemma 2's soft-capped attention).
+NATIVE_LAYOUTS = frozenset({"llama", "qwen3", "gemma"})
 
 
 class NativeStack:
@@ -50,7 +52,7 @@ class NativeStack:
         decoder = self._decoder()
         if decoder is None:
             return self.model(input_ids, positions, kv_cache, metadata)
-        hidden, rope = decoder.embed(input_ids, positions)  # [T, hidden]; cos, sin [T, 1, head_dim // 2]
+        hidden, rope = decoder.embed(input_ids, positions)  # [T, hidden]; the model's rotary tables
         native = self._bind(decoder.layers)
         if native is not None and native.supports(hidden, rope, kv_cache, metadata):
             hidden, residual = native(hidden, rope, kv_cache, metadata)

@@ -1,16 +1,22 @@
-"""A Llama decoder stack's step in one native call (models/native/csrc/decoder.cpp).
+"""A decoder stack's step in one native call (models/native/csrc/decoder.cpp): Llama, dense Qwen3 and Gemma layers.
 
 A single-stream decode step is ~240 small operations; run layer by layer from Python, each pays module dispatch,
 argument checks, an output allocation and a ctypes call, which together cost about as much as the arithmetic.
 This runs the same operations, through the same kernels in the same order, from one call: the results equal
 the module path's bit for bit.
 
-Contract: `NativeDecoder.build(layers)` returns None unless every layer can run natively (every projection a
-quantized linear on the native backend, float32 norm weights, one eps, a head size the attention kernel is
-compiled for). `supports(...)` says whether one step can: float32 activations, a float32, float16 or int8 cache, all on
-the CPU, autograd off (decodes, verification and prompt chunks alike: the attention kernel takes them all). The
-caller runs the modules otherwise. The weights' pointers are taken at build time: the owner drops this object
-when its buffers move.
+Which parts a layer has is read off its type, one small function per layout (`LAYOUTS`): Llama's pre-norm block;
+Qwen3's adds q/k norms and a per-layer sliding window; Gemma's adds norms on the attention and MLP outputs, GeGLU,
+its (1 + weight) norms (bound as those sums, computed here once) and, on Gemma 3's sliding layers, the local rope
+tables (Gemma's `rope` is a (global, local) pair of tables).
+
+Contract: `NativeDecoder.build(layers)` returns None unless every layer can run natively (layers of one layout,
+every projection a quantized linear on the native backend, float32 norm weights, one eps, a head size the attention
+kernel is compiled for; not a mixture-of-experts MLP, not Gemma 2's soft-capped attention scores). `supports(...)`
+says whether one step can: float32 activations, a float32, float16 or int8 cache, all on the CPU, autograd off
+(decodes, verification and prompt chunks alike: the attention kernel takes them all). The caller runs the modules
+otherwise. The weights' pointers are taken at build time: the owner drops this object when its buffers move
+(Gemma's norm sums are copies: weights changed in place after binding are not seen).
 
 How the threads share a step (`threading`, decoder.cpp's runs_in_row_groups): "auto" splits every operation across
 them unless, in a decode step of enough rows, they turn out not to share a cache; then each thread runs a group of
@@ -22,16 +28,24 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from tokenriver.kv.cache import KVCache, head_dim_of
 from tokenriver.models.attention import AttentionMetadata
+from tokenriver.models.gemma import GemmaDecoderLayer
+from tokenriver.models.layers import SwiGLUMLP
+from tokenriver.models.llama import LlamaDecoderLayer
 from tokenriver.models.native.kernels import (ROUNDINGS, DecoderSpec, LayerSpec, LinearSpec, NativeKernels,
                                               StepSpec, is_contiguous_f32, is_native_kv_pool, kv_cache_format,
                                               load_kernels)
 from tokenriver.models.native.quant import Int4Linear, Int8Linear
+from tokenriver.models.qwen3 import Qwen3DecoderLayer
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim // 2]
 
 
 def _linear_spec(linear: nn.Module) -> LinearSpec | None:
@@ -46,6 +60,85 @@ def _linear_spec(linear: nn.Module) -> LinearSpec | None:
 
 
 THREADINGS = ("auto", "split", "row_groups")  # decoder.cpp's Step.threading codes 0, 1, 2
+ACTIVATIONS = ("silu", "gelu_tanh")  # decoder.cpp's Decoder.activation codes: SwiGLU, GeGLU
+
+
+@dataclass
+class LayerParts:
+    """What decoder.cpp runs of one layer beyond its four projections: norms by LayerSpec field (None where the
+    layer has none), what its norms add to their weights, and its attention's window and rope tables."""
+
+    norms: dict[str, nn.Module | None] = field(default_factory=dict)
+    norm_offset: float = 0.0  # Gemma's norms multiply by (1 + weight)
+    window: int = 0
+    local_rope: bool = False
+
+
+def _llama_parts(layer: LlamaDecoderLayer) -> LayerParts:
+    return LayerParts({"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.post_attention_layernorm})
+
+
+def _qwen3_parts(layer: Qwen3DecoderLayer) -> LayerParts | None:
+    if not isinstance(layer.mlp, SwiGLUMLP):
+        return None  # a mixture of experts (models/moe.py)
+    attention = layer.self_attn
+    return LayerParts({"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.post_attention_layernorm,
+                       "q_norm": attention.q_norm, "k_norm": attention.k_norm}, window=attention.window)
+
+
+def _gemma_parts(layer: GemmaDecoderLayer) -> LayerParts | None:
+    attention = layer.self_attn
+    if attention.softcap is not None:
+        return None  # Gemma 2's soft-capped scores: the native attention kernel has no soft-capping
+    return LayerParts({"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.pre_feedforward_layernorm,
+                       "q_norm": attention.q_norm, "k_norm": attention.k_norm,
+                       "attention_out_norm": layer.post_attention_layernorm,
+                       "mlp_out_norm": layer.post_feedforward_layernorm},
+                      norm_offset=1.0, window=attention.window, local_rope=layer.is_sliding)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A layer type decoder.cpp runs: how to read its parts, its MLP's activation, and whether the model's `rope`
+    is a (global, local) pair of tables rather than one table."""
+
+    parts: Callable[..., LayerParts | None]
+    activation: str
+    has_local_rope: bool = False
+
+
+LAYOUTS: dict[type[nn.Module], Layout] = {
+    LlamaDecoderLayer: Layout(_llama_parts, "silu"),
+    Qwen3DecoderLayer: Layout(_qwen3_parts, "silu"),
+    GemmaDecoderLayer: Layout(_gemma_parts, "gelu_tanh", has_local_rope=True),
+}
+
+
+def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[torch.Tensor]) -> LayerSpec | None:
+    """The layer as decoder.cpp runs it, or None if a part has no native kernel; norm weights it computes (Gemma's
+    sums) go into `computed`, which the decoder keeps alive."""
+    norms: dict[str, int | None] = {}
+    for name, norm in parts.norms.items():
+        if norm is None:
+            norms[name] = None
+            continue
+        if not is_contiguous_f32(norm.weight) or norm.eps != eps:
+            return None
+        weight = norm.weight.detach()
+        if parts.norm_offset:
+            weight = parts.norm_offset + weight  # as the module computes it each call
+            computed.append(weight)
+        norms[name] = weight.data_ptr()
+    if (norms.get("q_norm") is None) != (norms.get("k_norm") is None):
+        return None
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = [_linear_spec(module) for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
+                                                         mlp.down_proj)]
+    if any(spec is None for spec in projections):
+        return None
+    return LayerSpec(norms["input_norm"], norms["pre_mlp_norm"], *projections, q_norm=norms.get("q_norm"),
+                     k_norm=norms.get("k_norm"), attention_out_norm=norms.get("attention_out_norm"),
+                     mlp_out_norm=norms.get("mlp_out_norm"), window=parts.window, local_rope=int(parts.local_rope))
 
 
 class NativeDecoder:
@@ -53,18 +146,23 @@ class NativeDecoder:
 
     threading: str = "auto"  # one of THREADINGS (module docstring)
 
-    def __init__(self, kernels: NativeKernels, layers: nn.ModuleList, specs: list[LayerSpec]) -> None:
+    def __init__(self, kernels: NativeKernels, layers: nn.ModuleList, specs: list[LayerSpec], layout: Layout,
+                 computed: list[torch.Tensor]) -> None:
         self._kernels = kernels
         self._layers = layers
-        # Every tensor the specs point into, held by its storage: a layer whose weights move after binding leaves
-        # this decoder stale (its owner binds again), never pointing into freed memory.
+        # Every tensor the specs point into, held by its storage (the computed norm weights too): a layer whose
+        # weights move after binding leaves this decoder stale (its owner binds again), never pointing into freed
+        # memory.
         self._tensors = [tensor.detach() for layer in layers for tensor in (*layer.parameters(), *layer.buffers())]
+        self._tensors += computed
         self._specs = (LayerSpec * len(specs))(*specs)
+        self._has_local_rope = layout.has_local_rope
         first = layers[0]
         attention = first.self_attn
         self._decoder = DecoderSpec(self._specs, len(specs), attention.o_proj.out_features, attention.num_heads,
                                     attention.num_kv_heads, attention.head_dim,
-                                    first.mlp.down_proj.in_features, first.input_layernorm.eps, attention.scale)
+                                    first.mlp.down_proj.in_features, first.input_layernorm.eps, attention.scale,
+                                    ACTIVATIONS.index(layout.activation))
         self._step = StepSpec()
         # The cache the pointers below belong to, held weakly: binding a model must not keep an engine's pool alive.
         self._cache: weakref.ref[KVCache] | None = None
@@ -72,52 +170,55 @@ class NativeDecoder:
 
     @classmethod
     def build(cls, layers: nn.ModuleList) -> NativeDecoder | None:
-        """Bind a LlamaModel's layers, or None if one of them has a part without a native kernel."""
+        """Bind a model's layers (all of one type in LAYOUTS), or None if one of them has a part without a native
+        kernel."""
         kernels = load_kernels()
         if kernels is None or len(layers) == 0:
             return None
+        layer_type = type(layers[0])
+        layout = LAYOUTS.get(layer_type)
+        if layout is None or layers[0].self_attn.head_dim not in kernels.attention_head_dims:
+            return None
         eps = layers[0].input_layernorm.eps
-        specs = []
+        specs: list[LayerSpec] = []
+        computed: list[torch.Tensor] = []
         for layer in layers:
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(not is_contiguous_f32(norm.weight) or norm.eps != eps for norm in norms):
+            parts = layout.parts(layer) if type(layer) is layer_type else None
+            spec = None if parts is None else _layer_spec(layer, parts, eps, computed)
+            if spec is None:
                 return None
-            if layer.self_attn.head_dim not in kernels.attention_head_dims:
-                return None
-            projections = [_linear_spec(module) for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            if any(spec is None for spec in projections):
-                return None
-            specs.append(LayerSpec(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), *projections))
-        return cls(kernels, layers, specs)
+            specs.append(spec)
+        return cls(kernels, layers, specs, layout, computed)
 
-    def supports(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+    def supports(self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache,
                  metadata: AttentionMetadata) -> bool:
         """Whether this step can run natively (see the module docstring)."""
-        cos, sin = rope
+        tables = [table for pair in self._rope_tables(rope) for table in pair]
         key_cache, value_cache = kv_cache[0]
         index_arrays = [metadata.slot_mapping, metadata.block_tables]
         index_arrays += [a for a in (metadata.kernel_queries, metadata.kernel_chunks) if a is not None]
         return (not torch.is_grad_enabled()
-                and hidden.dim() == 2 and is_contiguous_f32(hidden) and is_contiguous_f32(cos)
-                and is_contiguous_f32(sin) and metadata.slot_mapping.shape[0] == hidden.shape[0]
+                and hidden.dim() == 2 and is_contiguous_f32(hidden) and all(map(is_contiguous_f32, tables))
+                and metadata.slot_mapping.shape[0] == hidden.shape[0]
                 and all(a.dtype == torch.int64 and a.is_cpu and a.is_contiguous() for a in index_arrays)
                 and len(kv_cache) == len(self._specs) and is_native_kv_pool(key_cache, value_cache)
                 and key_cache.shape[2] == self._decoder.num_kv_heads
                 and head_dim_of(key_cache) == self._decoder.head_dim)
 
-    def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+    def __call__(self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache,
                  metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden_size] (the embeddings) → (last layer's MLP output, residual stream before it)."""
+        """hidden [T, hidden_size] (the embeddings); rope as the model's embed returns it → (last layer's MLP
+        output, residual stream before it)."""
         out = torch.empty_like(hidden)  # [T, hidden]
         residual = torch.empty_like(hidden)  # [T, hidden]
         keys, values = self._pointers(kv_cache)
-        cos, sin = rope
+        (cos, sin), (local_cos, local_sin) = self._rope_tables(rope)
         tables, queries, chunks = metadata.block_tables, metadata.kernel_queries, metadata.kernel_chunks
         step = self._step
         step.hidden, step.out, step.residual = hidden.data_ptr(), out.data_ptr(), residual.data_ptr()
         step.num_tokens = hidden.shape[0]
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
+        step.local_cos, step.local_sin = local_cos.data_ptr(), local_sin.data_ptr()
         step.slots = metadata.slot_mapping.data_ptr()
         step.block_tables, step.num_requests, step.max_blocks = tables.data_ptr(), tables.shape[0], tables.shape[1]
         step.queries, step.num_queries = (None, 0) if queries is None else (queries.data_ptr(), queries.shape[0])
@@ -129,8 +230,12 @@ class NativeDecoder:
         if self.threading not in THREADINGS:
             raise ValueError(f"NativeDecoder.threading must be one of {THREADINGS}, got {self.threading!r}")
         step.threading = THREADINGS.index(self.threading)
-        self._kernels.llama_decoder(self._decoder, step)
+        self._kernels.decoder(self._decoder, step)
         return out, residual
+
+    def _rope_tables(self, rope: Rope | tuple[Rope, Rope]) -> tuple[Rope, Rope]:
+        """(global, local) tables: Gemma's embed gives both, the other layouts one table for every layer."""
+        return rope if self._has_local_rope else (rope, rope)
 
     def _pointers(self, kv_cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
         """Each layer's key and value pool addresses (a KVCache allocates its pools once, contiguous)."""

@@ -1,6 +1,6 @@
 """Build and call the native CPU kernels: quantized GEMV (gemv.cpp) and GEMM (gemm.cpp, and gemm_amx.cpp on CPUs with
-AMX tiles), the small ops of a layer (ops.cpp), paged decode attention (attention.cpp), and a whole Llama decoder
-stack made of them (decoder.cpp).
+AMX tiles), the small ops of a layer (ops.cpp), paged decode attention (attention.cpp), and a whole decoder stack
+made of them (decoder.cpp: Llama, Qwen3 and Gemma layers).
 
 PyTorch's own packed-weight CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) stream the weights
 of a one-row product far below memory speed on this class of machine (see benchmarks/results/kernels.md), so the
@@ -132,10 +132,13 @@ class LinearSpec(ctypes.Structure):
 
 
 class LayerSpec(ctypes.Structure):
-    """One decoder layer's norm weights and projections (decoder.cpp's Layer)."""
+    """One decoder layer's norm weights, projections and attention options (decoder.cpp's Layer; the parts after
+    `down` are null or 0 where a layer has none)."""
 
-    _fields_ = [("input_norm", _ptr), ("post_attention_norm", _ptr), ("qkv", LinearSpec), ("o", LinearSpec),
-                ("gate_up", LinearSpec), ("down", LinearSpec)]
+    _fields_ = [("input_norm", _ptr), ("pre_mlp_norm", _ptr), ("qkv", LinearSpec), ("o", LinearSpec),
+                ("gate_up", LinearSpec), ("down", LinearSpec), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("attention_out_norm", _ptr), ("mlp_out_norm", _ptr), ("window", _i64),
+                ("local_rope", ctypes.c_int32)]
 
 
 class DecoderSpec(ctypes.Structure):
@@ -143,17 +146,17 @@ class DecoderSpec(ctypes.Structure):
 
     _fields_ = [("layers", ctypes.POINTER(LayerSpec)), ("num_layers", _i64), ("hidden_size", _i64),
                 ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate_size", _i64),
-                ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int32)]
 
 
 class StepSpec(ctypes.Structure):
     """One step's activations, positions, cache and attention metadata (decoder.cpp's Step)."""
 
     _fields_ = [("hidden", _ptr), ("out", _ptr), ("residual", _ptr), ("num_tokens", _i64), ("cos", _ptr),
-                ("sin", _ptr), ("slots", _ptr), ("block_tables", _ptr), ("num_requests", _i64),
-                ("max_blocks", _i64), ("queries", _ptr), ("num_queries", _i64), ("chunks", _ptr),
-                ("num_chunks", _i64), ("key_caches", _ptr),
-                ("value_caches", _ptr), ("num_blocks", _i64), ("block_size", _i64), ("num_threads", ctypes.c_int32),
+                ("sin", _ptr), ("local_cos", _ptr), ("local_sin", _ptr), ("slots", _ptr), ("block_tables", _ptr),
+                ("num_requests", _i64), ("max_blocks", _i64), ("queries", _ptr), ("num_queries", _i64),
+                ("chunks", _ptr), ("num_chunks", _i64), ("key_caches", _ptr), ("value_caches", _ptr),
+                ("num_blocks", _i64), ("block_size", _i64), ("num_threads", ctypes.c_int32),
                 ("kv_cache_format", ctypes.c_int32), ("threading", ctypes.c_int32)]
 
 
@@ -177,12 +180,13 @@ class NativeKernels:
             "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
             "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, c_int], None),
             "silu_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
+            "gelu_tanh_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
             "argmax_logsumexp_f32": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
             "paged_attention_supports": ([i64], c_int),
             "convert_to_int8_supports": ([c_int], c_int),
             "convert_to_int8": ([ptr, c_int, i64, i64, ptr, ptr, c_int], c_int),
             "convert_q4_k": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
-            "llama_decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
+            "decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
             "paged_attention_window_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                             ptr, i64, i64, ptr, i64, ptr, i64, c_float, i64, ptr, i64, c_int, c_int],
                                            c_int),
@@ -220,9 +224,10 @@ class NativeKernels:
         self._rms_norm = self._functions["rms_norm_f32"]
         self._rotary = self._functions["rotary_f32"]
         self._silu_mul = self._functions["silu_mul_f32"]
+        self._gelu_tanh_mul = self._functions["gelu_tanh_mul_f32"]
         self._argmax_logsumexp = self._functions["argmax_logsumexp_f32"]
         self._paged_attention = self._functions["paged_attention_window_f32"]
-        self._llama_decoder = self._functions["llama_decoder_f32"]
+        self._decoder = self._functions["decoder_f32"]
         # Head sizes paged_attention is compiled for.
         supports = self._functions["paged_attention_supports"]
         self.attention_head_dims = frozenset(size for size in range(8, 1025, 8) if supports(size))
@@ -389,6 +394,13 @@ class NativeKernels:
         self._silu_mul(gate_up.data_ptr(), num_rows, width // 2, out.data_ptr(), torch.get_num_threads())
         return out
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] contiguous (gate, then up) → gelu(gate, tanh approximation) * up, [M, I] (GeGLU)."""
+        num_rows, width = gate_up.shape
+        out = torch.empty(num_rows, width // 2, dtype=torch.float32)  # [M, I]
+        self._gelu_tanh_mul(gate_up.data_ptr(), num_rows, width // 2, out.data_ptr(), torch.get_num_threads())
+        return out
+
     def argmax_logsumexp(self, logits: torch.Tensor) -> Reductions | None:
         """Per row of float32 logits [N, V]: the argmax (first of equal maxima, as torch.argmax), the largest logit
         and log(sum(exp(row))), in one pass over the logits instead of PyTorch's separate reductions (each its own
@@ -445,14 +457,14 @@ class NativeKernels:
             torch.get_num_threads(), kv_cache_format(key_cache))
         _raise_for_attention_status(status, head_dim)
 
-    def llama_decoder(self, decoder: DecoderSpec, step: StepSpec) -> None:
+    def decoder(self, decoder: DecoderSpec, step: StepSpec) -> None:
         """Run every layer of the stack on one step (decoder.cpp): step.out and step.residual get the last layer's
-        MLP output and the residual stream before it, as LlamaDecoderLayer returns them.
+        MLP output and the residual stream before it, as the model's decoder layer returns them.
 
         The caller has checked every pointer and shape (models/native/decoder.py); errors found by the attention
         kernel's own range checks are raised as paged_attention raises them.
         """
-        _raise_for_attention_status(self._llama_decoder(ctypes.byref(decoder), ctypes.byref(step)), decoder.head_dim)
+        _raise_for_attention_status(self._decoder(ctypes.byref(decoder), ctypes.byref(step)), decoder.head_dim)
 
 
 def _raise_for_attention_status(status: int, head_dim: int) -> None:

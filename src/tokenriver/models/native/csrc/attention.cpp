@@ -753,7 +753,7 @@ bool supported_head_dim(int64_t head_dim) {
   }
 }
 
-// paged_attention_f32 for either pool type.
+// paged_attention_window_f32 for one pool type.
 template <typename Cache>
 int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key, int64_t k_row_stride,
                     const float* value, int64_t v_row_stride, const int64_t* slots, Cache* key_cache,
@@ -844,20 +844,6 @@ int paged_attention_window_f32(const float* query, int64_t q_row_stride, int64_t
     case 2: return attend_in(static_cast<int8_t*>(key_cache), static_cast<int8_t*>(value_cache));
     default: return 1;
   }
-}
-
-// paged_attention_window_f32 over the whole context (the fused decoder stack's entry point).
-int paged_attention_f32(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key,
-                        int64_t k_row_stride, const float* value, int64_t v_row_stride, const int64_t* slots,
-                        void* key_cache, void* value_cache, int64_t num_blocks, int64_t block_size,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables,
-                        int64_t num_requests, int64_t max_blocks, const int64_t* queries, int64_t num_queries,
-                        const int64_t* chunks, int64_t num_chunks, float scale, float* out, int64_t out_row_stride,
-                        int num_threads, int kv_cache_format) {
-  return paged_attention_window_f32(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots,
-                                    key_cache, value_cache, num_blocks, block_size, num_heads, num_kv_heads, head_dim,
-                                    block_tables, num_requests, max_blocks, queries, num_queries, chunks, num_chunks,
-                                    scale, 0, out, out_row_stride, num_threads, kv_cache_format);
 }
 
 }  // extern "C"

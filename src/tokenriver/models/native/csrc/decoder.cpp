@@ -1,12 +1,21 @@
-// A whole Llama-family decoder stack for one step in one call: every layer's norms, quantized products, rotary
-// positions, paged attention and SwiGLU, in the order models/llama.py runs them.
+// A whole decoder stack for one step in one call: every layer's norms, quantized products, rotary positions, paged
+// attention and gated MLP, in the order the model page runs them. One loop serves three layer layouts, each part
+// a layer lacks being a null pointer or zero:
+// - Llama (models/llama.py): input norm, attention, post-attention norm, SwiGLU MLP;
+// - Qwen3 (models/qwen3.py): the same, with an RMSNorm over each query and key head before rotary, and a sliding
+//   window where the layer has one;
+// - Gemma 3 (models/gemma.py; not Gemma 2's soft-capped attention): Qwen3's parts, norms also on the attention and
+//   MLP outputs before each is added to the residual stream, GeGLU instead of SwiGLU (per decoder) and, on the
+//   sliding layers, rotary tables of their own base (per layer). Its norms multiply by (1 + weight): the caller
+//   passes those sums.
 //
 // A single-stream decode step is ~240 small operations (8 per layer, 30 layers), each a few microseconds of
 // arithmetic. Run from Python, each also pays module dispatch, argument checks, a tensor allocation and a ctypes
 // call, which together took about as long as the arithmetic. Here the Python side makes one call per step.
 //
 // Nothing new is computed: each operation is the extern "C" function the module path calls (gemv.cpp, gemm.cpp,
-// ops.cpp, attention.cpp), with the same arguments, so the results equal the module path's bit for bit.
+// ops.cpp, attention.cpp), with the same arguments, so the results equal the module path's bit for bit. (The q/k
+// norms run in place on the qkv rows, head_rms_norm_f32, where the modules normalize a copy: the same arithmetic.)
 
 #include <omp.h>
 #include <stdint.h>
@@ -46,11 +55,13 @@ void int8_gemm_int8x_swiglu(const int8_t*, const uint16_t*, int64_t, int64_t, in
 void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
 void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
                 int);
+void head_rms_norm_f32(float*, int64_t, int64_t, const float*, int64_t, int64_t, float, int);
 void silu_mul_f32(const float*, int64_t, int64_t, float*, int);
-int paged_attention_f32(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t,
-                        const int64_t*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
-                        int64_t, int64_t, const int64_t*, int64_t, const int64_t*, int64_t, float, float*, int64_t,
-                        int, int);
+void gelu_tanh_mul_f32(const float*, int64_t, int64_t, float*, int);
+int paged_attention_window_f32(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t,
+                               const int64_t*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               const int64_t*, int64_t, int64_t, const int64_t*, int64_t, const int64_t*, int64_t,
+                               float, int64_t, float*, int64_t, int, int);
 }
 
 namespace {
@@ -69,18 +80,32 @@ struct Linear {
   int32_t gemm_rounding;    // the GEMM: 0 exact, 1 activations to int8, 2 bfloat16 tiles (set only where it exists)
 };
 
-// One decoder layer's weights (native.py's LayerSpec).
+// One decoder layer's weights (native.py's LayerSpec). The parts after the projections are Qwen3's and Gemma's:
+// null (or 0) where a layer has none.
 struct Layer {
-  const float* input_norm;            // [H]
-  const float* post_attention_norm;   // [H]
+  const float* input_norm;          // [H] adds the previous layer's output into the stream, normalizes the sum
+  const float* pre_mlp_norm;        // [H] adds the attention output in, normalizes the MLP's input (Llama's
+                                    // post_attention_layernorm, Gemma's pre_feedforward_layernorm)
   Linear qkv, o, gate_up, down;
+  const float* q_norm;              // [head_dim] RMSNorm of each query head before rotary, or null
+  const float* k_norm;              // [head_dim] of each key head; set with q_norm
+  const float* attention_out_norm;  // [H] on the attention output before it is added (Gemma's
+                                    // post_attention_layernorm), or null
+  const float* mlp_out_norm;        // [H] on the MLP output before it is added (post_feedforward_layernorm), or null
+  int64_t window;                   // sliding window: each token sees its last `window` positions (0: all)
+  int32_t local_rope;               // rotates with the step's local tables (Gemma 3's sliding layers)
 };
+
+// The gated MLP's activation (Decoder.activation).
+constexpr int32_t kSiLU = 0;       // SwiGLU: silu(gate) * up
+constexpr int32_t kGeluTanh = 1;   // GeGLU: gelu(gate, tanh approximation) * up
 
 // The stack's shapes and weights (native.py's DecoderSpec).
 struct Decoder {
   const Layer* layers;
   int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
   float rms_norm_eps, scale;
+  int32_t activation;  // kSiLU or kGeluTanh
 };
 
 // This step's tensors (native.py's StepSpec); the int64 arrays are AttentionMetadata's.
@@ -91,6 +116,8 @@ struct Step {
   int64_t num_tokens;
   const float* cos;         // [T, head_dim / 2]
   const float* sin;         // [T, head_dim / 2]
+  const float* local_cos;   // [T, head_dim / 2] for layers with local_rope (may equal cos)
+  const float* local_sin;   // [T, head_dim / 2]
   const int64_t* slots;     // [T]
   const int64_t* block_tables;  // [num_requests, max_blocks]
   int64_t num_requests, max_blocks;
@@ -169,12 +196,33 @@ void swiglu_feature_major(const Linear& l, const float* x, int64_t M, float* y, 
 }
 #endif
 
+// The layer's gated MLP on normed [T, H] into out [T, H]; gate_up [T, 2I] and activation [T, I] are scratch.
+void run_mlp(const Decoder* d, const Layer& layer, const float* normed, int64_t T, float* gate_up, float* activation,
+             float* out, int threads) {
+  const int64_t I = d->intermediate_size;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // The GEMM's fused activation is SwiGLU's only.
+  if (d->activation == kSiLU && mlp_feature_major(layer, T, I)) {
+    swiglu_feature_major(layer.gate_up, normed, T, activation, threads);
+    linear_from_feature_major(layer.down, activation, T, T, out, threads);
+    return;
+  }
+#endif
+  linear(layer.gate_up, normed, T, gate_up, threads);
+  if (d->activation == kGeluTanh)
+    gelu_tanh_mul_f32(gate_up, T, I, activation, threads);
+  else
+    silu_mul_f32(gate_up, T, I, activation, threads);
+  linear(layer.down, activation, T, out, threads);
+}
+
 // Every layer over all of the step's rows; returns paged attention's status.
 int run_layers(const Decoder* d, const Step* s) {
   const int64_t T = s->num_tokens, H = d->hidden_size, hd = d->head_dim;
   const int64_t q_width = d->num_heads * hd, kv_width = d->num_kv_heads * hd;
   const int64_t qkv_width = q_width + 2 * kv_width;
   const int threads = s->num_threads;
+  const float eps = d->rms_norm_eps;
   // The step's intermediates, in scratch of the calling thread kept between steps: fresh vectors were zero-filled
   // (1.7 MB for 64 rows of the embedded model) and, past malloc's threshold, page-faulted in again every step.
   thread_local std::vector<float> scratch;
@@ -198,33 +246,33 @@ int run_layers(const Decoder* d, const Step* s) {
     const Layer& layer = d->layers[i];
     // The first layer's residual stream is the embeddings; later ones add the previous MLP output first.
     if (i == 0)
-      rms_norm_f32(s->residual, nullptr, layer.input_norm, T, H, d->rms_norm_eps, normed, threads);
+      rms_norm_f32(s->residual, nullptr, layer.input_norm, T, H, eps, normed, threads);
     else
-      rms_norm_f32(s->out, s->residual, layer.input_norm, T, H, d->rms_norm_eps, normed, threads);
+      rms_norm_f32(s->out, s->residual, layer.input_norm, T, H, eps, normed, threads);
     linear(layer.qkv, normed, T, qkv, threads);
     float* query = qkv;
     float* key = query + q_width;
     float* value = key + kv_width;
-    rotary_f32(query, qkv_width, d->num_heads, key, qkv_width, d->num_kv_heads, s->cos, s->sin, T, hd, threads);
-    const int status = paged_attention_f32(
+    if (layer.q_norm != nullptr) {
+      head_rms_norm_f32(query, qkv_width, d->num_heads, layer.q_norm, T, hd, eps, threads);
+      head_rms_norm_f32(key, qkv_width, d->num_kv_heads, layer.k_norm, T, hd, eps, threads);
+    }
+    const float* cos = layer.local_rope ? s->local_cos : s->cos;
+    const float* sin = layer.local_rope ? s->local_sin : s->sin;
+    rotary_f32(query, qkv_width, d->num_heads, key, qkv_width, d->num_kv_heads, cos, sin, T, hd, threads);
+    const int status = paged_attention_window_f32(
         query, qkv_width, T, key, qkv_width, value, qkv_width, s->slots, s->key_caches[i], s->value_caches[i],
         s->num_blocks, s->block_size, d->num_heads, d->num_kv_heads, hd, s->block_tables, s->num_requests,
-        s->max_blocks, s->queries, s->num_queries, s->chunks, s->num_chunks, d->scale, attention, q_width,
-        threads, s->kv_cache_format);
+        s->max_blocks, s->queries, s->num_queries, s->chunks, s->num_chunks, d->scale, layer.window, attention,
+        q_width, threads, s->kv_cache_format);
     if (status != 0) return status;
     linear(layer.o, attention, T, s->out, threads);
-    rms_norm_f32(s->out, s->residual, layer.post_attention_norm, T, H, d->rms_norm_eps, normed, threads);
-    const int64_t I = d->intermediate_size;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (mlp_feature_major(layer, T, I)) {
-      swiglu_feature_major(layer.gate_up, normed, T, activation, threads);
-      linear_from_feature_major(layer.down, activation, T, T, s->out, threads);
-      continue;
-    }
-#endif
-    linear(layer.gate_up, normed, T, gate_up, threads);
-    silu_mul_f32(gate_up, T, I, activation, threads);
-    linear(layer.down, activation, T, s->out, threads);
+    // Normalized in place: each value is read before it is written.
+    if (layer.attention_out_norm != nullptr)
+      rms_norm_f32(s->out, nullptr, layer.attention_out_norm, T, H, eps, s->out, threads);
+    rms_norm_f32(s->out, s->residual, layer.pre_mlp_norm, T, H, eps, normed, threads);
+    run_mlp(d, layer, normed, T, gate_up, activation, s->out, threads);
+    if (layer.mlp_out_norm != nullptr) rms_norm_f32(s->out, nullptr, layer.mlp_out_norm, T, H, eps, s->out, threads);
   }
   return 0;
 }
@@ -261,6 +309,8 @@ Step slice_rows(const Step& s, int64_t H, int64_t head_dim, int64_t r0, int64_t 
   slice.num_tokens = r1 - r0;
   slice.cos = s.cos + r0 * (head_dim / 2);
   slice.sin = s.sin + r0 * (head_dim / 2);
+  slice.local_cos = s.local_cos + r0 * (head_dim / 2);
+  slice.local_sin = s.local_sin + r0 * (head_dim / 2);
   slice.slots = s.slots + r0;
   slice.queries = queries.empty() ? nullptr : queries.data();
   slice.num_queries = static_cast<int64_t>(queries.size()) / 3;
@@ -367,7 +417,7 @@ extern "C" {
 // compiled in). Every layer sees the same step, so the first layer's attention finds any such error, before
 // the cache is written; out and residual are then partly written. A step of more than kRowsPerPass rows runs in
 // slices of rows (an error in a later slice leaves the earlier slices' cache entries written).
-int llama_decoder_f32(const Decoder* d, const Step* s) {
+int decoder_f32(const Decoder* d, const Step* s) {
   if (runs_in_row_groups(d, *s)) return run_row_groups(d, *s);
   if (s->num_tokens <= kRowsPerPass) return run_layers(d, s);
   std::vector<int64_t> queries, chunks;

@@ -1,6 +1,6 @@
 // The small per-layer operations of a decoder step, each one pass over its rows: RMSNorm with the residual add
-// fused in, rotary positions applied in place, and silu(gate) * up; and the two reductions the sampler needs of
-// every logits row, its argmax and its log-sum-exp.
+// fused in (and per head, for q/k norms), rotary positions applied in place, silu(gate) * up and gelu_tanh(gate) *
+// up; and the two reductions the sampler needs of every logits row, its argmax and its log-sum-exp.
 //
 // On a decode step these run on one to a few rows of a few hundred floats, so their cost in PyTorch is op
 // dispatch (about 40 small ops per layer), not arithmetic; here each is one call. They reproduce the arithmetic
@@ -58,7 +58,33 @@ inline void silu_mul_run(const float* gate, const float* up, int64_t n, float* o
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-// out = weight * (row * 1 / sqrt(mean(row^2) + eps)), PyTorch's order of roundings for the float32 case.
+// out[i] = gelu_tanh(gate[i]) * up[i] for i < n, 8 at a time (a short tail padded to 8, so that every value takes
+// the same operations). gelu_tanh(g) = g/2 * (1 + tanh(u)), u = sqrt(2/pi) * (g + 0.044715 g^3), computed as
+// g / (1 + e^(-2u)): the same function without tanh's cancellation near -1 (PyTorch's form loses most of its
+// relative precision there), so within ~1e-6 relative of PyTorch's float32 result wherever that one is precise.
+inline __m256 gelu_tanh_times(__m256 g, __m256 up) {
+  const __m256 g_cubed = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5)),
+                                     _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), g_cubed)));
+  const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), inner));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
+}
+
+inline void gelu_tanh_mul_run(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, gelu_tanh_times(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  if (i < n) {
+    alignas(32) float g[8] = {}, u[8] = {}, y[8];
+    std::copy(gate + i, gate + n, g);
+    std::copy(up + i, up + n, u);
+    _mm256_store_ps(y, gelu_tanh_times(_mm256_load_ps(g), _mm256_load_ps(u)));
+    std::copy(y, y + (n - i), out + i);
+  }
+}
+
+// out = weight * (row * 1 / sqrt(mean(row^2) + eps)), PyTorch's order of roundings for the float32 case. out may
+// be row (each value is read before it is written).
 void normalize_row(const float* row, const float* weight, int64_t K, float eps, float* out) {
   __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t k = 0;
@@ -175,6 +201,19 @@ void rms_norm_f32(const float* x, float* residual, const float* weight, int64_t 
   });
 }
 
+// RMSNorm of each head of x [T rows, row_stride floats apart, of num_heads * head_dim], in place, with one weight
+// [head_dim] for every head: Qwen3's and Gemma 3's q/k norms on the query or key part of the fused qkv rows. Each
+// head is normalized as rms_norm_f32 normalizes a row of head_dim values, so the results are the same bits.
+void head_rms_norm_f32(float* x, int64_t row_stride, int64_t num_heads, const float* weight, int64_t T,
+                       int64_t head_dim, float eps, int num_threads) {
+  for_rows(T, T * num_heads * head_dim, num_threads, [&](int64_t t) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* head = x + t * row_stride + h * head_dim;
+      normalize_row(head, weight, head_dim, eps, head);
+    }
+  });
+}
+
 // Rotary positions on query [T, num_q_heads, head_dim] and key [T, num_k_heads, head_dim] in place (rows
 // q_row_stride / k_row_stride floats apart, heads contiguous); cos, sin [T, head_dim / 2] per token.
 void rotary_f32(float* query, int64_t q_row_stride, int64_t num_q_heads, float* key, int64_t k_row_stride,
@@ -191,6 +230,12 @@ void rotary_f32(float* query, int64_t q_row_stride, int64_t num_q_heads, float* 
 void silu_mul_f32(const float* gate_up, int64_t M, int64_t I, float* out, int num_threads) {
   for_rows(M, M * I, num_threads,
            [&](int64_t m) { silu_mul_run(gate_up + m * 2 * I, gate_up + m * 2 * I + I, I, out + m * I); });
+}
+
+// out [M, I] = gelu_tanh(gate) * up (GeGLU, Gemma's MLP), gate_up [M, 2I] as for silu_mul_f32.
+void gelu_tanh_mul_f32(const float* gate_up, int64_t M, int64_t I, float* out, int num_threads) {
+  for_rows(M, M * I, num_threads,
+           [&](int64_t m) { gelu_tanh_mul_run(gate_up + m * 2 * I, gate_up + m * 2 * I + I, I, out + m * I); });
 }
 
 // Per row of logits [N, V]: argmax[n], max[n] and lse[n] (see argmax_logsumexp_row); rows split across threads.
