@@ -7,6 +7,12 @@ in another order), and the packed 4-bit default the same greedy tokens.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -56,6 +62,53 @@ class _FakeGroup(TensorParallelGroup):
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+
+# An engine with two ranks that prints its spawned rank's pid as soon as it exists (argv[1] == "starting") or once
+# the engine can serve, then waits to be killed.
+_ENGINE_THEN_WAIT = """
+import multiprocessing, sys, threading, time
+from tokenriver.engine.llm import LLM
+
+def report():
+    while not multiprocessing.active_children():
+        time.sleep(0.01)
+    print(*(child.pid for child in multiprocessing.active_children()), flush=True)
+
+if sys.argv[1] == "starting":
+    threading.Thread(target=report, daemon=True).start()
+llm = LLM(tensor_parallel_size=2, num_threads=1, max_num_kv_tokens=512)
+report()
+time.sleep(600)
+"""
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_a_killed_engine_takes_its_ranks_with_it(when):
+    """SIGKILL runs no exit handler in the engine. The rank it spawned must still end, whether it was loading and
+    about to join the group (it would wait out the rendezvous timeout) or waiting for the next plan."""
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_THEN_WAIT, when], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        ranks = [int(pid) for pid in engine.stdout.readline().split()]
+        assert ranks, "the engine spawned no rank"
+        assert all(_is_running(pid) for pid in ranks)
+    finally:
+        engine.send_signal(signal.SIGKILL)
+        engine.wait()
+    deadline = time.monotonic() + 30
+    while any(_is_running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_is_running(pid) for pid in ranks)
 
 
 def test_partition_is_contiguous_and_covers_everything():

@@ -17,6 +17,8 @@ import atexit
 import contextlib
 import multiprocessing
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +77,7 @@ def _spawn(config: EngineConfig, ranks: range, init_method: str, ranks_here: int
     context = multiprocessing.get_context("spawn")
     processes = []
     for rank in ranks:
-        process = context.Process(target=worker_main, args=(config, rank, init_method, ranks_here),
+        process = context.Process(target=worker_main, args=(config, rank, init_method, ranks_here, os.getpid()),
                                   name=f"tokenriver-tp-rank{rank}", daemon=True)
         process.start()
         processes.append(process)
@@ -115,8 +117,13 @@ def _close_quietly(runner: TensorParallelRunner) -> None:
         runner.close()
 
 
-def worker_main(config: EngineConfig, rank: int, init_method: str, ranks_here: int) -> None:
-    """A rank other than 0, in its own process: load, join, shard, then run rank 0's plans until told to stop."""
+def worker_main(config: EngineConfig, rank: int, init_method: str, ranks_here: int,
+                parent_pid: int | None = None) -> None:
+    """A rank other than 0, in its own process: load, join, shard, then run rank 0's plans until told to stop.
+
+    parent_pid: the process that spawned this one, whose end this rank does not outlive (_exit_with_parent)."""
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     device = _rank_device(config, rank, ranks_here)
     torch.set_num_threads(_threads_per_rank(config, ranks_here))
     loaded = load_model(config.model, config.dtype, device, config.quantization,
@@ -129,6 +136,20 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, ranks_here: i
         serve_steps(ModelRunner(loaded.model, kv_cache, device, config.seed), group)
     finally:
         group.close()
+
+
+def _exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """End this process once parent_pid, the one that spawned it, is gone. A killed engine (SIGKILL, a crash) runs
+    no exit handler to stop its ranks, and a rank joining the group or waiting for a plan would wait for it until
+    the rendezvous times out, or forever, holding its memory and threads. The parent's end shows as another
+    parent id (the orphan is adopted), even if it came before this process got this far."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tokenriver-tp-parent-watch", daemon=True).start()
 
 
 def run_worker_node(config: EngineConfig) -> int | None:
