@@ -25,6 +25,7 @@ from tokenriver.models.gemma import GemmaForCausalLM
 from tokenriver.models.moe import Qwen3MoeForCausalLM
 from tokenriver.models.native.kernels import load_kernels
 from tokenriver.models.llama import LlamaForCausalLM
+from tokenriver.models.phi3 import Phi3ForCausalLM
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 from tokenriver.models.native.decoder import NativeDecoder
 from tokenriver.models.native.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
@@ -298,18 +299,25 @@ def test_the_embedded_model_decodes_natively_with_equal_results(loaded_packed):
 
 # Sliding layers see their last 8 positions: far fewer than the 80-token requests.
 WINDOW = 8
-FAMILIES = ["qwen3", "gemma3"]
+FAMILIES = ["qwen3", "phi3", "gemma3"]
 
 
 def family_tiny_model(family: str, int8_activations: bool = False) -> torch.nn.Module:
-    """Four layers of Qwen3, Gemma 3 or Gemma 2 with q/k norms (not Gemma 2) and sliding layers (0 and 2) of
-    window 8; Gemma 3's sliding layers turn with their own rope base, its global ones with linear scaling; Gemma 2
-    soft-caps. Weights as quantized_tiny_model's."""
+    """Four layers of Qwen3, Phi-4-mini-style Phi-3, Gemma 3 or Gemma 2 with q/k norms (Qwen3, Gemma 3) and
+    sliding layers (0 and 2) of window 8; Phi-3 rotates part of each head with LongRoPE factors; Gemma 3's sliding
+    layers turn with their own rope base, its global ones with linear scaling; Gemma 2 soft-caps. Weights as
+    quantized_tiny_model's."""
     torch.manual_seed(0)
     sizes = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                  head_dim=32, sliding_window=WINDOW, layer_types=("sliding_attention", "full_attention") * 2)
     if family == "qwen3":
         model = Qwen3ForCausalLM(ModelConfig(architecture="qwen3", qk_norm=True, **sizes))
+    elif family == "phi3":
+        # Phi-4-mini's partial rotary (24 of 32 values turn) and LongRoPE, whose long factors start at position 40.
+        longrope = {"rope_type": "longrope", "short_factor": [1.0 + i / 12 for i in range(12)],
+                    "long_factor": [2.0 + i / 6 for i in range(12)], "original_max_position_embeddings": 40}
+        model = Phi3ForCausalLM(ModelConfig(architecture="phi3", partial_rotary_factor=0.75, rope_scaling=longrope,
+                                            **sizes))
     else:
         gemma = dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24, tie_word_embeddings=True)
         if family == "gemma3":

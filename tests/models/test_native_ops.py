@@ -117,6 +117,21 @@ def test_rotary_in_place_equals_definition(num_tokens, num_heads, num_kv_heads, 
     assert torch.equal(qkv[:, num_heads + num_kv_heads:], value_before)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_partial_rotary_turns_only_the_first_values_of_each_head(num_tokens):
+    """Phi-4-mini's partial rotary: the views of the first 24 of 32 values of each head turn as the definition
+    says, in place, and the last 8 of each head stay as they were."""
+    torch.manual_seed(num_tokens)
+    cos, sin = RotaryEmbedding(24, 10000.0, None, 4096)(torch.randint(0, 500, (num_tokens,)), torch.float32)
+    qkv = torch.randn(num_tokens, 6 + 2 * 2, 32)
+    query, key, _ = qkv.split((6, 2, 2), dim=1)
+    want_query, want_key = apply_rotary(query[..., :24], cos, sin), apply_rotary(key[..., :24], cos, sin)
+    before = qkv.clone()
+    apply_rotary_(query[..., :24], key[..., :24], cos, sin)
+    assert torch.equal(query[..., :24], want_query) and torch.equal(key[..., :24], want_key)
+    assert torch.equal(qkv[..., 24:], before[..., 24:]) and torch.equal(qkv[:, 8:], before[:, 8:])
+
+
 def test_rotary_falls_back_for_bfloat16():
     torch.manual_seed(0)
     cos, sin = RotaryEmbedding(64, 10000.0, None, 4096)(torch.arange(6), torch.bfloat16)

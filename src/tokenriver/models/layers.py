@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenriver.models.native.kernels import is_contiguous_f32, is_f32_rows, load_kernels
+from tokenriver.models.native.kernels import is_contiguous_f32, load_kernels
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -155,17 +155,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _is_f32_heads(tensor: torch.Tensor) -> bool:
+    """[T, heads, d] float32 on the CPU, each head's d values contiguous and the heads evenly spaced in each row:
+    heads packed in a row, or the first d values of wider heads (a partial-rotary view)."""
+    return (tensor.dtype == torch.float32 and tensor.is_cpu and tensor.dim() == 3 and tensor.stride(2) == 1
+            and tensor.stride(1) >= tensor.shape[2])
+
+
 def apply_rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """`apply_rotary` on query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim], in place.
 
-    cos, sin: [T, 1, head_dim // 2] from RotaryEmbedding. query and key may be views into one qkv tensor.
+    cos, sin: [T, 1, head_dim // 2] from RotaryEmbedding. query and key may be views into one qkv tensor, and the
+    first rotary_dim values of each head under partial rotary (cos, sin then [T, 1, rotary_dim // 2]).
     """
     kernels = load_kernels()
-    if (kernels is not None and not torch.is_grad_enabled() and is_f32_rows(query) and is_f32_rows(key)
+    if (kernels is not None and not torch.is_grad_enabled() and _is_f32_heads(query) and _is_f32_heads(key)
             and is_contiguous_f32(cos) and is_contiguous_f32(sin)):
-        num_tokens, _, head_dim = query.shape
-        if (cos.shape == sin.shape and cos.shape[0] == num_tokens and 2 * cos.shape[-1] == head_dim
-                and key.shape[0] == num_tokens and key.shape[2] == head_dim):
+        num_tokens, _, rotary_dim = query.shape
+        if (cos.shape == sin.shape and cos.shape[0] == num_tokens and 2 * cos.shape[-1] == rotary_dim
+                and key.shape[0] == num_tokens and key.shape[2] == rotary_dim and key.stride(1) == query.stride(1)):
             kernels.rotary_(query, key, cos, sin)
             return
     query.copy_(apply_rotary(query, cos, sin))

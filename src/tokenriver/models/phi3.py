@@ -117,11 +117,26 @@ class Phi3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
+        hidden, rope = self.embed(input_ids, positions)
+        hidden, residual = self.run_layers(rope, hidden, kv_cache, metadata)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """[T] token ids and positions → (embeddings [T, hidden], rope: cos, sin [T, 1, rotary_dim // 2] each)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary_emb(positions, hidden.dtype)
+        return hidden, self.rotary_emb(positions, hidden.dtype)
+
+    def run_layers(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
+                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer in turn: (last layer's MLP output, the residual stream before it), [T, hidden] each."""
         residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        return hidden, residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Adds the last layer's output to the residual stream and normalizes: [T, hidden]."""
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 
@@ -130,6 +145,8 @@ class Phi3ForCausalLM(nn.Module):
     """The decoder plus its output projection (tied to the embedding in Phi-4-mini)."""
 
     fused_projections: dict[str, tuple[str, ...]] = {}
+    # Every layer is a Phi3DecoderLayer: a layout the runner may run in one native call (runner/native_stack.py).
+    layer_layout = "phi3"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

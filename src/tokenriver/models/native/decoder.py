@@ -1,4 +1,5 @@
-"""A decoder stack's step in one native call (models/native/csrc/decoder.cpp): Llama, dense Qwen3 and Gemma layers.
+"""A decoder stack's step in one native call (models/native/csrc/decoder.cpp): Llama, dense Qwen3, Phi-3 and Gemma
+layers.
 
 A single-stream decode step is ~240 small operations; run layer by layer from Python, each pays module dispatch,
 argument checks, an output allocation and a ctypes call, which together cost about as much as the arithmetic.
@@ -6,7 +7,8 @@ This runs the same operations, through the same kernels in the same order, from 
 the module path's bit for bit.
 
 Which parts a layer has is read off its type, one small function per layout (`LAYOUTS`): Llama's pre-norm block;
-Qwen3's adds q/k norms and a per-layer sliding window; Gemma's adds norms on the attention and MLP outputs, GeGLU,
+Qwen3's adds q/k norms and a per-layer sliding window; Phi-3's is Llama's with a window and, in Phi-4-mini, partial
+rotary (the first rotary_dim values of each head turn); Gemma's adds norms on the attention and MLP outputs, GeGLU,
 its (1 + weight) norms (bound as those sums, computed here once) and, on Gemma 3's sliding layers, the local rope
 tables (Gemma's `rope` is a (global, local) pair of tables).
 
@@ -43,9 +45,10 @@ from tokenriver.models.native.kernels import (ROUNDINGS, DecoderSpec, LayerSpec,
                                               StepSpec, is_contiguous_f32, is_native_kv_pool, kv_cache_format,
                                               load_kernels)
 from tokenriver.models.native.quant import Int4Linear, Int8Linear
+from tokenriver.models.phi3 import Phi3DecoderLayer
 from tokenriver.models.qwen3 import Qwen3DecoderLayer
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim // 2]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotary_dim // 2]
 
 
 def _linear_spec(linear: nn.Module) -> LinearSpec | None:
@@ -86,6 +89,11 @@ def _qwen3_parts(layer: Qwen3DecoderLayer) -> LayerParts | None:
                        "q_norm": attention.q_norm, "k_norm": attention.k_norm}, window=attention.window)
 
 
+def _phi3_parts(layer: Phi3DecoderLayer) -> LayerParts:
+    return LayerParts({"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.post_attention_layernorm},
+                      window=layer.self_attn.window)
+
+
 def _gemma_parts(layer: GemmaDecoderLayer) -> LayerParts | None:
     attention = layer.self_attn
     if attention.softcap is not None:
@@ -111,6 +119,7 @@ LAYOUTS: dict[type[nn.Module], Layout] = {
     LlamaDecoderLayer: Layout(_llama_parts, "silu"),
     Qwen3DecoderLayer: Layout(_qwen3_parts, "silu"),
     GemmaDecoderLayer: Layout(_gemma_parts, "gelu_tanh", has_local_rope=True),
+    Phi3DecoderLayer: Layout(_phi3_parts, "silu"),
 }
 
 
@@ -162,7 +171,8 @@ class NativeDecoder:
         self._decoder = DecoderSpec(self._specs, len(specs), attention.o_proj.out_features, attention.num_heads,
                                     attention.num_kv_heads, attention.head_dim,
                                     first.mlp.down_proj.in_features, first.input_layernorm.eps, attention.scale,
-                                    ACTIVATIONS.index(layout.activation))
+                                    ACTIVATIONS.index(layout.activation),
+                                    getattr(attention, "rotary_dim", attention.head_dim))
         self._step = StepSpec()
         # The cache the pointers below belong to, held weakly: binding a model must not keep an engine's pool alive.
         self._cache: weakref.ref[KVCache] | None = None
@@ -199,6 +209,7 @@ class NativeDecoder:
         index_arrays += [a for a in (metadata.kernel_queries, metadata.kernel_chunks) if a is not None]
         return (not torch.is_grad_enabled()
                 and hidden.dim() == 2 and is_contiguous_f32(hidden) and all(map(is_contiguous_f32, tables))
+                and all(table.numel() == hidden.shape[0] * (self._decoder.rotary_dim // 2) for table in tables)
                 and metadata.slot_mapping.shape[0] == hidden.shape[0]
                 and all(a.dtype == torch.int64 and a.is_cpu and a.is_contiguous() for a in index_arrays)
                 and len(kv_cache) == len(self._specs) and is_native_kv_pool(key_cache, value_cache)

@@ -146,7 +146,8 @@ class DecoderSpec(ctypes.Structure):
 
     _fields_ = [("layers", ctypes.POINTER(LayerSpec)), ("num_layers", _i64), ("hidden_size", _i64),
                 ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate_size", _i64),
-                ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int32)]
+                ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int32),
+                ("rotary_dim", _i64)]
 
 
 class StepSpec(ctypes.Structure):
@@ -178,7 +179,7 @@ class NativeKernels:
             "int4_dequantize": ([ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
             "int8_dequantize": ([ptr, ptr, i64, i64, i64, ptr, c_int], None),
             "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
-            "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, c_int], None),
+            "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, c_int], None),
             "silu_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
             "gelu_tanh_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
             "argmax_logsumexp_f32": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
@@ -380,12 +381,15 @@ class NativeKernels:
         return out
 
     def rotary_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim] in place (rotate_half layout).
+        """Rotate query [T, num_heads, rotary_dim] and key [T, num_kv_heads, rotary_dim] in place (rotate_half
+        layout): heads stride(1) floats apart, so a partial-rotary view (the first rotary_dim of each wider head)
+        turns in place and the rest of each head stays.
 
-        cos, sin: [T, head_dim // 2] values, contiguous (a [T, 1, head_dim // 2] view is fine).
+        cos, sin: [T, rotary_dim // 2] values, contiguous (a [T, 1, rotary_dim // 2] view is fine).
         """
         self._rotary(query.data_ptr(), query.stride(0), query.shape[1], key.data_ptr(), key.stride(0), key.shape[1],
-                     cos.data_ptr(), sin.data_ptr(), query.shape[0], query.shape[2], torch.get_num_threads())
+                     cos.data_ptr(), sin.data_ptr(), query.shape[0], query.stride(1), query.shape[2],
+                     torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2I] contiguous (gate, then up) → silu(gate) * up, [M, I]."""

@@ -1,9 +1,11 @@
 // A whole decoder stack for one step in one call: every layer's norms, quantized products, rotary positions, paged
-// attention and gated MLP, in the order the model page runs them. One loop serves three layer layouts, each part
+// attention and gated MLP, in the order the model page runs them. One loop serves four layer layouts, each part
 // a layer lacks being a null pointer or zero:
 // - Llama (models/llama.py): input norm, attention, post-attention norm, SwiGLU MLP;
 // - Qwen3 (models/qwen3.py): the same, with an RMSNorm over each query and key head before rotary, and a sliding
 //   window where the layer has one;
+// - Phi-3 / Phi-4-mini (models/phi3.py): Llama's block with a window and, in Phi-4-mini, partial rotary (per
+//   decoder: only the first rotary_dim values of each head turn);
 // - Gemma 3 (models/gemma.py; not Gemma 2's soft-capped attention): Qwen3's parts, norms also on the attention and
 //   MLP outputs before each is added to the residual stream, GeGLU instead of SwiGLU (per decoder) and, on the
 //   sliding layers, rotary tables of their own base (per layer). Its norms multiply by (1 + weight): the caller
@@ -54,7 +56,7 @@ void int8_gemm_int8x_swiglu(const int8_t*, const uint16_t*, int64_t, int64_t, in
 #endif
 void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
 void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
-                int);
+                int64_t, int);
 void head_rms_norm_f32(float*, int64_t, int64_t, const float*, int64_t, int64_t, float, int);
 void silu_mul_f32(const float*, int64_t, int64_t, float*, int);
 void gelu_tanh_mul_f32(const float*, int64_t, int64_t, float*, int);
@@ -106,6 +108,8 @@ struct Decoder {
   int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
   float rms_norm_eps, scale;
   int32_t activation;  // kSiLU or kGeluTanh
+  int64_t rotary_dim;  // the first rotary_dim values of each query and key head turn (head_dim but under partial
+                       // rotary: Phi-4-mini)
 };
 
 // This step's tensors (native.py's StepSpec); the int64 arrays are AttentionMetadata's.
@@ -114,10 +118,10 @@ struct Step {
   float* out;               // [T, H] the last layer's MLP output
   float* residual;          // [T, H] the residual stream before that output is added
   int64_t num_tokens;
-  const float* cos;         // [T, head_dim / 2]
-  const float* sin;         // [T, head_dim / 2]
-  const float* local_cos;   // [T, head_dim / 2] for layers with local_rope (may equal cos)
-  const float* local_sin;   // [T, head_dim / 2]
+  const float* cos;         // [T, rotary_dim / 2]
+  const float* sin;         // [T, rotary_dim / 2]
+  const float* local_cos;   // [T, rotary_dim / 2] for layers with local_rope (may equal cos)
+  const float* local_sin;   // [T, rotary_dim / 2]
   const int64_t* slots;     // [T]
   const int64_t* block_tables;  // [num_requests, max_blocks]
   int64_t num_requests, max_blocks;
@@ -259,7 +263,8 @@ int run_layers(const Decoder* d, const Step* s) {
     }
     const float* cos = layer.local_rope ? s->local_cos : s->cos;
     const float* sin = layer.local_rope ? s->local_sin : s->sin;
-    rotary_f32(query, qkv_width, d->num_heads, key, qkv_width, d->num_kv_heads, cos, sin, T, hd, threads);
+    rotary_f32(query, qkv_width, d->num_heads, key, qkv_width, d->num_kv_heads, cos, sin, T, hd, d->rotary_dim,
+               threads);
     const int status = paged_attention_window_f32(
         query, qkv_width, T, key, qkv_width, value, qkv_width, s->slots, s->key_caches[i], s->value_caches[i],
         s->num_blocks, s->block_size, d->num_heads, d->num_kv_heads, hd, s->block_tables, s->num_requests,
@@ -288,7 +293,7 @@ constexpr int64_t kRowsPerPass = 256;
 // The part of step s that concerns rows [r0, r1): its rows, the single query tokens among them and the parts of
 // prompt chunks they hold (a chunk cut at r1 sees the context its last kept token sees). The index arrays go into
 // `queries` and `chunks`.
-Step slice_rows(const Step& s, int64_t H, int64_t head_dim, int64_t r0, int64_t r1, std::vector<int64_t>& queries,
+Step slice_rows(const Step& s, int64_t H, int64_t rotary_dim, int64_t r0, int64_t r1, std::vector<int64_t>& queries,
                 std::vector<int64_t>& chunks) {
   queries.clear();
   chunks.clear();
@@ -307,10 +312,10 @@ Step slice_rows(const Step& s, int64_t H, int64_t head_dim, int64_t r0, int64_t 
   slice.out = s.out + r0 * H;
   slice.residual = s.residual + r0 * H;
   slice.num_tokens = r1 - r0;
-  slice.cos = s.cos + r0 * (head_dim / 2);
-  slice.sin = s.sin + r0 * (head_dim / 2);
-  slice.local_cos = s.local_cos + r0 * (head_dim / 2);
-  slice.local_sin = s.local_sin + r0 * (head_dim / 2);
+  slice.cos = s.cos + r0 * (rotary_dim / 2);
+  slice.sin = s.sin + r0 * (rotary_dim / 2);
+  slice.local_cos = s.local_cos + r0 * (rotary_dim / 2);
+  slice.local_sin = s.local_sin + r0 * (rotary_dim / 2);
   slice.slots = s.slots + r0;
   slice.queries = queries.empty() ? nullptr : queries.data();
   slice.num_queries = static_cast<int64_t>(queries.size()) / 3;
@@ -397,7 +402,7 @@ int run_row_groups(const Decoder* d, const Step& s) {
   std::vector<Step> slices;
   for (int g = 0; g < groups; ++g) {
     const int64_t r0 = s.num_tokens * g / groups, r1 = s.num_tokens * (g + 1) / groups;
-    slices.push_back(slice_rows(s, d->hidden_size, d->head_dim, r0, r1, queries[g], chunks[g]));
+    slices.push_back(slice_rows(s, d->hidden_size, d->rotary_dim, r0, r1, queries[g], chunks[g]));
     slices.back().num_threads = 1;
   }
   std::vector<int> status(groups, 0);
@@ -423,7 +428,7 @@ int decoder_f32(const Decoder* d, const Step* s) {
   std::vector<int64_t> queries, chunks;
   for (int64_t r0 = 0; r0 < s->num_tokens; r0 += kRowsPerPass) {
     const int64_t r1 = std::min(r0 + kRowsPerPass, s->num_tokens);
-    const Step slice = slice_rows(*s, d->hidden_size, d->head_dim, r0, r1, queries, chunks);
+    const Step slice = slice_rows(*s, d->hidden_size, d->rotary_dim, r0, r1, queries, chunks);
     const int status = run_layers(d, &slice);
     if (status != 0) return status;
   }

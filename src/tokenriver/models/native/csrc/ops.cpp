@@ -109,9 +109,11 @@ void normalize_row(const float* row, const float* weight, int64_t K, float eps, 
   for (; k < K; ++k) out[k] = weight[k] * (row[k] * inv_rms);
 }
 
-// x1 * cos - x2 * sin, x2 * cos + x1 * sin on the two halves of each head of one token, in place.
-void rotate_heads(float* x, int64_t num_heads, int64_t head_dim, const float* cos, const float* sin) {
-  const int64_t half = head_dim / 2;
+// x1 * cos - x2 * sin, x2 * cos + x1 * sin on the two halves of the first rotary_dim values of each head of one
+// token (heads head_dim apart; the rest of a head, under partial rotary, is left as it is), in place.
+void rotate_heads(float* x, int64_t num_heads, int64_t head_dim, int64_t rotary_dim, const float* cos,
+                  const float* sin) {
+  const int64_t half = rotary_dim / 2;
   for (int64_t h = 0; h < num_heads; ++h) {
     float* x1 = x + h * head_dim;
     float* x2 = x1 + half;
@@ -215,13 +217,15 @@ void head_rms_norm_f32(float* x, int64_t row_stride, int64_t num_heads, const fl
 }
 
 // Rotary positions on query [T, num_q_heads, head_dim] and key [T, num_k_heads, head_dim] in place (rows
-// q_row_stride / k_row_stride floats apart, heads contiguous); cos, sin [T, head_dim / 2] per token.
+// q_row_stride / k_row_stride floats apart, heads contiguous): the first rotary_dim values of each head turn
+// (rotary_dim = head_dim but under partial rotary); cos, sin [T, rotary_dim / 2] per token.
 void rotary_f32(float* query, int64_t q_row_stride, int64_t num_q_heads, float* key, int64_t k_row_stride,
-                int64_t num_k_heads, const float* cos, const float* sin, int64_t T, int64_t head_dim, int num_threads) {
-  const int64_t half = head_dim / 2;
-  for_rows(T, T * (num_q_heads + num_k_heads) * head_dim, num_threads, [&](int64_t t) {
-    rotate_heads(query + t * q_row_stride, num_q_heads, head_dim, cos + t * half, sin + t * half);
-    rotate_heads(key + t * k_row_stride, num_k_heads, head_dim, cos + t * half, sin + t * half);
+                int64_t num_k_heads, const float* cos, const float* sin, int64_t T, int64_t head_dim,
+                int64_t rotary_dim, int num_threads) {
+  const int64_t half = rotary_dim / 2;
+  for_rows(T, T * (num_q_heads + num_k_heads) * rotary_dim, num_threads, [&](int64_t t) {
+    rotate_heads(query + t * q_row_stride, num_q_heads, head_dim, rotary_dim, cos + t * half, sin + t * half);
+    rotate_heads(key + t * k_row_stride, num_k_heads, head_dim, rotary_dim, cos + t * half, sin + t * half);
   });
 }
 
