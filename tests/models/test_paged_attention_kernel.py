@@ -94,7 +94,8 @@ RAGGED = [
 ]
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (4, 1, 256)])
 def test_native_equals_torch_on_a_ragged_batch(num_heads, num_kv_heads, head_dim):
     batch = Batch(RAGGED, num_heads, num_kv_heads, head_dim)
     got, got_keys, got_values = batch.run(paged_attention)
@@ -178,7 +179,7 @@ def test_float16_cache_is_within_its_rounding_of_the_float32_cache():
     assert 0 < error < 2e-2, error
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 1, 80)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 1, 80), (4, 1, 256)])
 def test_int8_cache_native_equals_torch(num_heads, num_kv_heads, head_dim):
     batch = Batch(RAGGED, num_heads, num_kv_heads, head_dim, seed=10, cache_dtype=torch.int8)
     got, got_keys, got_values = batch.run(paged_attention)

@@ -87,6 +87,16 @@ def test_native_window_equals_torch(num_heads, num_kv_heads, head_dim, window):
 
 
 @pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
+def test_native_window_on_an_int8_cache_equals_torch():
+    """Gemma 3's shape (head_dim 256, four query heads on one kv head) on the int8 pool, a window of 40 cutting
+    through a tile of 32 keys: the torch path attends over the dequantized cache."""
+    batch = Batch(WINDOWED, 4, 1, 256, seed=3, cache_dtype=torch.int8)
+    native, *_ = batch.run(lambda *args: paged_attention(*args, window=40))
+    torch_path, *_ = batch.run(lambda *args: paged_attention_torch(*args, window=40))
+    assert_close(native, torch_path)
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
 def test_a_window_as_long_as_the_context_changes_nothing():
     batch = Batch(WINDOWED, 8, 2, 32, seed=3)
     whole, *_ = batch.run(paged_attention)

@@ -567,61 +567,130 @@ void run_split(const Problem<Cache>& p, int64_t num_queries, int threads) {
 }
 
 // Prompt chunks: many query tokens of one request against the same keys, so the work is arranged like a matrix
-// product. Per work item (a chunk, one kv head, kQueryBlock consecutive query tokens) and per tile of kTile context
-// tokens, the tile's keys of that kv head are transposed once into [head_dim, kTile], and every (query token,
-// query head) row of the item takes its kTile scores as four vectors, a broadcast query element times a row of
-// the transposed keys per FMA, up to three heads at a time (twelve accumulators, the keys taken from L1 as FMA
-// operands): no horizontal sums. Each value vector loaded serves the three heads. Causal: the
+// product (flash attention's blocks). A work item is a chunk, one kv head and kQueryBlock consecutive query tokens;
+// its rows are the (query token, query head of that kv head) pairs, their queries packed once into [rows, head_dim].
+// Per tile of kTile context tokens, the tile's keys are transposed (int8 ones times their scales) once into
+// [head_dim, kTile] and values not already float32 are widened once into [kTile, head_dim]; then three passes over
+// the rows that see the tile: scores, kScoreRows rows at a time (a broadcast query element times a row of the
+// transposed keys per FMA: no horizontal sums); each row's online-softmax update; values, kValueRows rows ×
+// kValueVectors vectors of head dimensions at a time (each value vector loaded serves those rows). Causal: the
 // token at position pos sees positions 0..pos, so a tile is skipped by the tokens it lies wholly after and masked
-// (-inf scores) where it straddles them.
+// (-inf scores) where it straddles them. A row's arithmetic and its order do not depend on the vector width or on
+// which rows share a pass: a score is one FMA chain over the head dimensions in order, an output one chain over
+// the tile's tokens in order.
 constexpr int64_t kQueryBlock = 32;
 
-// scores[hh * kTile + j] = q_hh . k_j * scale for the HC query rows q (head_dim apart) and the tile's keys,
-// transposed: keys_t[d * kTile + j].
-template <int ND, int HC>
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// 16 lanes, 32 registers: 8 rows × 2 vectors of scores, 4 rows × 4 vectors of outputs.
+struct ChunkVector {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V broadcast(float x) { return _mm512_set1_ps(x); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
+constexpr int kScoreRows = 8, kValueRows = 4, kValueVectors = 4;
+#else
+// 8 lanes, 16 registers: 3 rows × 4 vectors of scores (the keys taken from L1 as FMA operands), 3 rows × 3 vectors
+// of outputs (four vectors spilled an accumulator to the stack).
+struct ChunkVector {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V broadcast(float x) { return _mm256_set1_ps(x); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+constexpr int kScoreRows = 3, kValueRows = 3, kValueVectors = 3;
+#endif
+
+// scores[r * kTile + j] = q_r . k_j * scale for kScoreRows packed query rows q ([kScoreRows, head_dim]) and the
+// tile's keys, transposed: keys_t[d * kTile + j].
+template <int ND>
 inline void chunk_scores(const float* q, const float* keys_t, float scale, float* scores) {
+  using Vec = ChunkVector;
   constexpr int64_t D = ND * 8;
-  constexpr int kVectors = kTile / 8;
-  __m256 sums[HC][kVectors];
-  for (int hh = 0; hh < HC; ++hh)
-    for (int v = 0; v < kVectors; ++v) sums[hh][v] = _mm256_setzero_ps();
+  constexpr int kVectors = kTile / Vec::kWidth;
+  typename Vec::V sums[kScoreRows][kVectors];
+  for (int r = 0; r < kScoreRows; ++r)
+    for (int v = 0; v < kVectors; ++v) sums[r][v] = Vec::zero();
   for (int64_t d = 0; d < D; ++d) {
-    __m256 keys[kVectors];
-    for (int v = 0; v < kVectors; ++v) keys[v] = _mm256_loadu_ps(keys_t + d * kTile + 8 * v);
-    for (int hh = 0; hh < HC; ++hh) {
-      const __m256 element = _mm256_broadcast_ss(q + hh * D + d);
-      for (int v = 0; v < kVectors; ++v) sums[hh][v] = _mm256_fmadd_ps(element, keys[v], sums[hh][v]);
+    typename Vec::V keys[kVectors];
+    for (int v = 0; v < kVectors; ++v) keys[v] = Vec::load(keys_t + d * kTile + Vec::kWidth * v);
+    for (int r = 0; r < kScoreRows; ++r) {
+      const typename Vec::V element = Vec::broadcast(q[r * D + d]);
+      for (int v = 0; v < kVectors; ++v) sums[r][v] = Vec::fmadd(element, keys[v], sums[r][v]);
     }
   }
-  const __m256 factor = _mm256_set1_ps(scale);
-  for (int hh = 0; hh < HC; ++hh)
-    for (int v = 0; v < kVectors; ++v) _mm256_store_ps(scores + hh * kTile + 8 * v, _mm256_mul_ps(sums[hh][v], factor));
+  const typename Vec::V factor = Vec::broadcast(scale);
+  for (int r = 0; r < kScoreRows; ++r)
+    for (int v = 0; v < kVectors; ++v) Vec::store(scores + r * kTile + Vec::kWidth * v, Vec::mul(sums[r][v], factor));
 }
 
-// One tile for HC query heads of one token that sees tokens [hidden, visible) of the tile's n tokens (those before
-// `hidden` lie outside its sliding window, those from `visible` on after it): scores, the online-softmax update of
-// m, l and acc ([HC][D], not normalized).
-template <int ND, int HC, typename Cache>
-void chunk_heads(const float* q, const float* keys_t, const Cache* const* value_rows, const float* value_scales,
-                 int64_t hidden, int64_t visible, float scale, float* m, float* l, float* acc) {
-  // Keys are widened with their scales into keys_t; values keep theirs (scale_by_values).
-  alignas(32) float scores[HC * kTile];
-  float rescale[HC];
-  chunk_scores<ND, HC>(q, keys_t, scale, scores);
-  for (int hh = 0; hh < HC; ++hh) {
-    float* s = scores + hh * kTile;
-    for (int64_t j = 0; j < hidden; ++j) s[j] = -INFINITY;
-    for (int64_t j = visible; j < kTile; ++j) s[j] = -INFINITY;
-    // hidden < visible, so the max is finite.
-    rescale[hh] = online_softmax(s, kTile, m[hh], l[hh]);
+// acc_r = acc_r * rescale[r] + sum over the tile's n tokens of weights_r[j] * value row j, for kValueRows rows
+// (acc[r], weights[r]) and head dimensions [W * c0, W * (c0 + CW)), W the vector width.
+template <int ND, int CW>
+inline void chunk_values(const float* const* value_rows, int64_t n, const float* const* weights, const float* rescale,
+                         int c0, float* const* acc) {
+  using Vec = ChunkVector;
+  constexpr int W = Vec::kWidth;
+  typename Vec::V sum[kValueRows][CW];
+  for (int r = 0; r < kValueRows; ++r)
+    for (int c = 0; c < CW; ++c) sum[r][c] = Vec::mul(Vec::load(acc[r] + W * (c0 + c)), Vec::broadcast(rescale[r]));
+  for (int64_t j = 0; j < n; ++j) {
+    typename Vec::V values[CW];
+    for (int c = 0; c < CW; ++c) values[c] = Vec::load(value_rows[j] + W * (c0 + c));
+    for (int r = 0; r < kValueRows; ++r) {
+      const typename Vec::V weight = Vec::broadcast(weights[r][j]);
+      for (int c = 0; c < CW; ++c) sum[r][c] = Vec::fmadd(weight, values[c], sum[r][c]);
+    }
   }
-  scale_by_values<HC, Cache>(value_scales, visible, scores);
-  // Three vectors of head dimensions per pass: 3 heads × 3 accumulators, 3 value vectors and a weight fit the 16
-  // registers (four per pass spilled an accumulator to the stack, 1.25x slower).
+  for (int r = 0; r < kValueRows; ++r)
+    for (int c = 0; c < CW; ++c) Vec::store(acc[r] + W * (c0 + c), sum[r][c]);
+}
+
+// chunk_values over all head dimensions: kValueVectors vectors per pass, then the rest.
+template <int ND>
+inline void chunk_values_all(const float* const* value_rows, int64_t n, const float* const* weights,
+                             const float* rescale, float* const* acc) {
+  constexpr int kVectors = ND * 8 / ChunkVector::kWidth;
   int c0 = 0;
-  for (; c0 + 3 <= ND; c0 += 3) chunk_values<ND, HC, 3, Cache>(value_rows, visible, scores, rescale, c0, acc);
-  if (ND - c0 == 2) chunk_values<ND, HC, 2, Cache>(value_rows, visible, scores, rescale, c0, acc);
-  if (ND - c0 == 1) chunk_values<ND, HC, 1, Cache>(value_rows, visible, scores, rescale, c0, acc);
+  for (; c0 + kValueVectors <= kVectors; c0 += kValueVectors)
+    chunk_values<ND, kValueVectors>(value_rows, n, weights, rescale, c0, acc);
+  if (kVectors - c0 == 3) chunk_values<ND, 3>(value_rows, n, weights, rescale, c0, acc);
+  if (kVectors - c0 == 2) chunk_values<ND, 2>(value_rows, n, weights, rescale, c0, acc);
+  if (kVectors - c0 == 1) chunk_values<ND, 1>(value_rows, n, weights, rescale, c0, acc);
+}
+
+// rows[0..7] transposed in place: lane e of rows[k] becomes lane k of rows[e].
+inline void transpose8(__m256 rows[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(rows[0], rows[1]), t1 = _mm256_unpackhi_ps(rows[0], rows[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(rows[2], rows[3]), t3 = _mm256_unpackhi_ps(rows[2], rows[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(rows[4], rows[5]), t5 = _mm256_unpackhi_ps(rows[4], rows[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(rows[6], rows[7]), t7 = _mm256_unpackhi_ps(rows[6], rows[7]);
+  // s0 = lanes 0 and 4 of rows 0-3, s1 = lanes 1 and 5, s2 = lanes 2 and 6, s3 = lanes 3 and 7; s4-s7 likewise
+  // of rows 4-7.
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  rows[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  rows[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  rows[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  rows[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  rows[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  rows[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  rows[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  rows[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
 // Query tokens [i0, i1) of prompt chunk `chunk` (rows: first row, request index, number of new tokens, context
@@ -629,23 +698,40 @@ void chunk_heads(const float* q, const float* keys_t, const Cache* const* value_
 template <int ND, typename Cache>
 void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int64_t i0, int64_t i1) {
   constexpr int64_t D = ND * 8;
+  constexpr bool kIsFloat = std::is_same<Cache, float>::value;
   const int64_t G = p.num_heads / p.num_kv_heads;
   const int64_t entry = D + kEntryExtra<Cache>;
   const int64_t token_stride = p.num_kv_heads * entry;
   const int64_t first_row = chunk[0], query_len = chunk[2], context = chunk[3];
   const int64_t* blocks = p.block_tables + chunk[1] * p.max_blocks;
   const int64_t first_position = context - query_len;  // position of the chunk's token 0
-  const int64_t num_rows = (i1 - i0) * G;
-  std::vector<float> state(num_rows * (D + 2));  // per (token, head of kv): acc[D], then m and l
-  float* acc = state.data();
-  float* m = acc + num_rows * D;
+  const int64_t num_rows = (i1 - i0) * G;               // row r: token i0 + r / G, head kv * G + r % G
+  // A score pass may run past the last row: kScoreRows - 1 padding rows of queries (zeros) and scores.
+  const int64_t padded_rows = num_rows + kScoreRows - 1;
+  // One 64-byte aligned buffer: transposed keys [D, kTile], widened values [kTile, D], queries [padded_rows, D],
+  // scores [padded_rows, kTile], acc [num_rows, D], a spare acc row [D] and a row of kTile zero weights (for passes
+  // past the rows that see a tile), then m, l and the rescale factors [num_rows] each.
+  struct alignas(64) Line {
+    float values[16];
+  };
+  const int64_t num_floats = (2 * kTile + padded_rows) * D + padded_rows * kTile + num_rows * D + D + kTile;
+  std::vector<Line> buffer((num_floats + 3 * num_rows + 15) / 16);
+  float* keys_t = buffer.data()->values;
+  float* values_w = keys_t + D * kTile;
+  float* queries = values_w + kTile * D;
+  float* scores = queries + padded_rows * D;
+  float* acc = scores + padded_rows * kTile;
+  float* spare = acc + num_rows * D;
+  const float* zeros = spare + D;
+  float* m = spare + D + kTile;
   float* l = m + num_rows;
+  float* rescale = l + num_rows;
   for (int64_t r = 0; r < num_rows; ++r) {
+    memcpy(queries + r * D, p.query + (first_row + i0 + r / G) * p.q_row_stride + (kv * G + r % G) * D,
+           D * sizeof(float));
     m[r] = -INFINITY;
-    l[r] = 0.0f;
   }
-  alignas(32) float keys_t[D * kTile];
-  const Cache* value_rows[kTile];
+  const float* value_rows[kTile];
   alignas(32) float value_scales[kTile];  // int8 entries' scales
   const int64_t last_position = first_position + i1 - 1;
   // Tiles stay aligned to multiples of kTile from position 0 (a token's numbers do not depend on its chunk);
@@ -654,57 +740,76 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
       p.window > 0 && first_position + i0 + 1 > p.window ? first_position + i0 + 1 - p.window : 0;
   for (int64_t tile = first_seen / kTile * kTile; tile <= last_position; tile += kTile) {
     const int64_t n = last_position + 1 - tile < kTile ? last_position + 1 - tile : kTile;
-    for (int64_t j = 0; j < kTile; ++j) {
-      if (j >= n) {
-        for (int64_t d = 0; d < D; ++d) keys_t[d * kTile + j] = 0.0f;
-        continue;
-      }
+    // The tokens that see the tile: [ia, ib), those at or after its start whose window reaches into it.
+    int64_t ia = tile > first_position + i0 ? tile - first_position : i0, ib = i1;
+    if (p.window > 0) {
+      while (ib > ia && first_position + ib - p.window >= tile + n) --ib;
+    }
+    if (ia >= ib) continue;
+    const Cache* key_entries[kTile];
+    const Cache* value_entries[kTile];
+    alignas(32) float key_scales[kTile];
+    for (int64_t j = 0; j < n; ++j) {
       const int64_t t = tile + j;
       const int64_t offset = (blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride + kv * entry;
-      value_rows[j] = p.value_cache + offset;
-      const Cache* key = p.key_cache + offset;
-      const __m256 key_scale = _mm256_set1_ps(entry_scale(key, D));
-      for (int64_t d = 0; d < D; d += 8) {
-        alignas(32) float k8[8];
-        _mm256_store_ps(k8, kEntryExtra<Cache> > 0 ? _mm256_mul_ps(load8(key + d), key_scale) : load8(key + d));
-        for (int e = 0; e < 8; ++e) keys_t[(d + e) * kTile + j] = k8[e];
+      key_entries[j] = p.key_cache + offset;
+      value_entries[j] = p.value_cache + offset;
+      if constexpr (kIsFloat) {
+        value_rows[j] = value_entries[j];
+      } else {
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(values_w + j * D + d, load8(value_entries[j] + d));
+        value_rows[j] = values_w + j * D;
       }
     }
-    if (kEntryExtra<Cache> > 0) gather_scales(value_rows, n, D, value_scales);
-    for (int64_t i = i0; i < i1; ++i) {
+    if (kEntryExtra<Cache> > 0) gather_scales(key_entries, n, D, key_scales);
+    // The keys (int8 ones times their scales) transposed eight tokens × eight head dimensions at a time; tokens past
+    // the tile's n are zeros.
+    for (int64_t j0 = 0; j0 < kTile; j0 += 8)
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 rows[8];
+        for (int e = 0; e < 8; ++e) {
+          const int64_t j = j0 + e;
+          rows[e] = j >= n                 ? _mm256_setzero_ps()
+                    : kEntryExtra<Cache> > 0 ? _mm256_mul_ps(load8(key_entries[j] + d), _mm256_set1_ps(key_scales[j]))
+                                             : load8(key_entries[j] + d);
+        }
+        transpose8(rows);
+        for (int e = 0; e < 8; ++e) _mm256_store_ps(keys_t + (d + e) * kTile + j0, rows[e]);
+      }
+    if (kEntryExtra<Cache> > 0) gather_scales(value_entries, n, D, value_scales);
+    const int64_t ra = (ia - i0) * G, rb = (ib - i0) * G;
+    for (int64_t r = ra; r < rb; r += kScoreRows)
+      chunk_scores<ND>(queries + r * D, keys_t, p.scale, scores + r * kTile);
+    for (int64_t i = ia; i < ib; ++i) {
       const int64_t position = first_position + i;
-      if (position < tile) continue;
       const int64_t visible = position + 1 - tile < n ? position + 1 - tile : n;
       const int64_t window_start = p.window > 0 && position + 1 > p.window ? position + 1 - p.window : 0;
-      if (window_start >= tile + n) continue;
       const int64_t hidden = window_start > tile ? window_start - tile : 0;
-      const float* q_row = p.query + (first_row + i) * p.q_row_stride;
-      const int64_t r0 = (i - i0) * G;
-      for (int64_t h = 0; h < G; h += 3) {
-        const float* q = q_row + (kv * G + h) * D;
-        float* a = acc + (r0 + h) * D;
-        switch (G - h) {
-          case 1:
-            chunk_heads<ND, 1, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h,
-                                     l + r0 + h, a);
-            break;
-          case 2:
-            chunk_heads<ND, 2, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h,
-                                     l + r0 + h, a);
-            break;
-          default:
-            chunk_heads<ND, 3, Cache>(q, keys_t, value_rows, value_scales, hidden, visible, p.scale, m + r0 + h,
-                                     l + r0 + h, a);
-        }
+      for (int64_t r = (i - i0) * G; r < (i - i0 + 1) * G; ++r) {
+        float* s = scores + r * kTile;
+        for (int64_t j = 0; j < hidden; ++j) s[j] = -INFINITY;
+        for (int64_t j = visible; j < kTile; ++j) s[j] = -INFINITY;
+        // hidden < visible, so the max is finite.
+        rescale[r] = online_softmax(s, kTile, m[r], l[r]);
+        scale_by_values<1, Cache>(value_scales, n, s);
       }
     }
-  }
-  for (int64_t i = i0; i < i1; ++i) {
-    float* out = p.out + (first_row + i) * p.out_row_stride + kv * G * D;
-    for (int64_t h = 0; h < G; ++h) {
-      const int64_t r = (i - i0) * G + h;
-      for (int64_t d = 0; d < D; ++d) out[h * D + d] = acc[r * D + d] / l[r];
+    for (int64_t r = ra; r < rb; r += kValueRows) {
+      const float* weights[kValueRows];
+      float* rows[kValueRows];
+      float factors[kValueRows];
+      for (int k = 0; k < kValueRows; ++k) {
+        const bool is_row = r + k < rb;
+        weights[k] = is_row ? scores + (r + k) * kTile : zeros;
+        rows[k] = is_row ? acc + (r + k) * D : spare;
+        factors[k] = is_row ? rescale[r + k] : 0.0f;
+      }
+      chunk_values_all<ND>(value_rows, n, weights, factors, rows);
     }
+  }
+  for (int64_t r = 0; r < num_rows; ++r) {
+    float* out = p.out + (first_row + i0 + r / G) * p.out_row_stride + (kv * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = acc[r * D + d] / l[r];
   }
 }
 
