@@ -305,6 +305,9 @@ void int4_pair_tile(const int8_t* lo, const int8_t* hi, const float* xscale, con
       const float second_weight_scale = single ? 0.0f : half_to_float(row_scales[block_group[b0 + 1]]);
       alignas(32) uint8_t padded[32] = {};
       const uint8_t* bytes = qweight + (n0 + r) * row_bytes + at;
+      // The rows' last bytes too: rows whose length is not a multiple of 256 bytes would otherwise leave a line
+      // of every row unprefetched, a DRAM stall per row.
+      _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T1);
       if (single) {
         memcpy(padded, bytes, 16);
         bytes = padded;
