@@ -126,6 +126,21 @@ def test_quantize_int8_error_is_at_most_half_a_step(group_size: int | None) -> N
     assert size == (256 if group_size is None else 32)
 
 
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+def test_native_int8_groups_match_the_torch_rule() -> None:
+    """The loader's native quantizer gives quantize_int8's codes: ties, zero groups and values at the clamp."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(67, 320, generator=generator) * 0.05
+    weight[3, :32] = 0.0  # a zero group: scale 0, codes 0
+    weight[5, :32] = torch.arange(32) - 15.5  # halves after scaling, rounded to even
+    groups = weight.reshape(67, -1, 32)
+    scales = (groups.abs().amax(dim=-1) / 127).to(torch.float16)
+    safe = torch.where(scales > 0, scales.float(), 1.0)[:, :, None]
+    expected = torch.round(groups / safe).clamp(-127, 127).to(torch.int8).reshape(67, -1)
+    q, native_scales = load_kernels().quantize_int8_groups(weight, 2)
+    assert torch.equal(native_scales, scales) and torch.equal(q, expected)
+
+
 def make_layer(kind: str, out_features: int, in_features: int, backend: str, bias: bool = False,
                max_gemv_rows: int = 16, int8_activations: bool = False) -> Int4Linear | Int8Linear:
     generator = torch.Generator().manual_seed(out_features * 7 + in_features)

@@ -20,7 +20,7 @@ from torch import nn
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.native.quant import (Int4Linear, Int4Weight, Int8Linear, Int8Weight, QuantizedEmbedding,
-                                     concatenate, quantize_int4, quantize_int8)
+                                     concatenate, dequantize_packed, quantize_int4, quantize_int8)
 from tokenriver.models.registry import model_class
 
 QuantWeight = Int4Weight | Int8Weight
@@ -94,7 +94,7 @@ def _stack(parts: list[Weight]) -> Weight:
 def _as_int8(weight: Weight) -> Int8Weight:
     if isinstance(weight, Int8Weight) and weight.group_size == INT8_GROUP_SIZE:
         return weight
-    matrix = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+    matrix = weight if isinstance(weight, torch.Tensor) else dequantize_packed(weight)
     return quantize_int8(matrix.float(), INT8_GROUP_SIZE)
 
 

@@ -27,6 +27,7 @@ import json
 import os
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
@@ -272,16 +273,31 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     """Merges a SentencePiece vocabulary implies: every split of a token into two tokens, best score first.
 
     SentencePiece's BPE merges the pair whose joined piece has the highest score; ranking the pairs by that
-    score makes `tokenizers`' BPE do the same (the recipe of transformers' `generate_merges`).
+    score makes `tokenizers`' BPE do the same (the recipe of transformers' `generate_merges`). Ties go to the
+    longer left piece, then the longer right one, then the token that comes first; one token's splits differ
+    in their left length, so that order is complete. One sort of arrays, not of tuples: a 262k vocabulary has
+    half a million splits.
     """
     ids = {token: index for index, token in enumerate(tokens)}
-    candidates: list[tuple[str, str, float]] = []
-    for token, score in dict(zip(tokens, scores)).items():
-        local = [(token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in ids and token[i:] in ids]
-        local.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
-        candidates.extend(local)
-    candidates.sort(key=lambda pair: (pair[2], len(pair[0]), len(pair[1])), reverse=True)
-    return [(left, right) for left, right, _ in candidates]
+    pieces: list[tuple[str, str]] = []
+    split_at: list[int] = []
+    owner: list[int] = []
+    unique = dict(zip(tokens, scores))
+    for position, token in enumerate(unique):
+        for i in range(1, len(token)):
+            left = token[:i]
+            if left in ids:
+                right = token[i:]
+                if right in ids:
+                    pieces.append((left, right))
+                    split_at.append(i)
+                    owner.append(position)
+    owner_array = np.array(owner, dtype=np.int64)
+    left_length = np.array(split_at, dtype=np.int64)
+    right_length = np.array([len(token) for token in unique], dtype=np.int64)[owner_array] - left_length
+    score = np.array(list(unique.values()), dtype=np.float64)[owner_array]
+    order = np.lexsort((owner_array, -right_length, -left_length, -score))
+    return [pieces[index] for index in order]
 
 
 def _sentencepiece_bpe(tokens: list[str], fields: dict[str, object]) -> BackendTokenizer:

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenriver.config import default_num_threads
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.native.kernels import NativeKernels, Reductions, load_kernels
 
@@ -179,11 +180,26 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
     group_size = weight.shape[-1] if group_size is None else group_size
     _check_float_weight(weight, group_size)
     num_rows = weight.shape[0]
+    kernels = load_kernels() if group_size == GGUF_BLOCK and weight.is_cpu else None
+    if kernels is not None:
+        qweight, scales = kernels.quantize_int8_groups(weight.detach().float().contiguous(), default_num_threads())
+        return Int8Weight(qweight, scales, group_size)
     groups = weight.detach().float().reshape(num_rows, -1, group_size)  # [N, K // G, G]
     scales = (groups.abs().amax(dim=-1) / 127).to(torch.float16)  # [N, K // G]
     safe = torch.where(scales > 0, scales.float(), 1.0)[:, :, None]  # [N, K // G, 1]
     qweight = torch.round(groups / safe).clamp(-127, 127).to(torch.int8)  # [N, K // G, G]
     return Int8Weight(qweight.reshape(num_rows, -1).contiguous(), scales.contiguous(), group_size)
+
+
+def dequantize_packed(weight: Int4Weight | Int8Weight) -> torch.Tensor:
+    """The float32 matrix [N, K] of a packed weight: the native decoding where it runs (the same values as
+    dequantize(), tested), which the loader needs when it re-packs a part to fuse it with parts of another type."""
+    kernels = load_kernels() if weight.qweight.is_cpu else None
+    if kernels is None:
+        return weight.dequantize()
+    if isinstance(weight, Int4Weight):
+        return kernels.int4_dequantize(weight.qweight, weight.scales, weight.mins, weight.group_size)
+    return kernels.int8_dequantize(weight.qweight, weight.scales, weight.group_size)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:

@@ -124,15 +124,35 @@ int decode_block(int type, const uint8_t* b, float* w) {
 }
 
 // 32 floats → int8 codes and their float16 scale: max|w| / 127 rounded to float16 first, q = round(w / scale)
-// half to even (quant.py's quantize_int8 rule).
+// half to even (quant.py's quantize_int8 rule). Vector max, division and rounding are the scalar IEEE operations
+// lane by lane, so the codes are the same; a NaN weight is left out of the maximum and clamps to -127.
 inline void requantize_group(const float* w, int8_t* q, uint16_t* scale) {
-  float amax = 0.0f;
-  for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(w[i]));
-  *scale = float_to_half(amax / 127.0f);
-  const float s = half_to_float(*scale);
-  for (int i = 0; i < 32; ++i) {
-    q[i] = s > 0.0f ? int8_t(std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint(w[i] / s)))) : 0;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(w + 8 * i);
+    amax = _mm256_max_ps(_mm256_and_ps(v[i], magnitude), amax);
   }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  *scale = float_to_half(_mm_cvtss_f32(m) / 127.0f);
+  const float s = half_to_float(*scale);
+  if (!(s > 0.0f)) {
+    std::memset(q, 0, 32);
+    return;
+  }
+  const __m256 divisor = _mm256_set1_ps(s), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+  __m256i codes[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 rounded = _mm256_round_ps(_mm256_div_ps(v[i], divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    codes[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, low), high));
+  }
+  // packs interleave the 128-bit lanes; the permutation puts the 4-byte runs back in column order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 // An exactly mapped int8 block → codes and float16 scales; returns the weights per block.
@@ -227,6 +247,14 @@ int convert_to_int8(const uint8_t* src, int type, int64_t N, int64_t K, int8_t* 
     }
   }
   return status;
+}
+
+// Float rows w [N, K] → int8 codes q [N, K] and float16 scales [N, K / 32] by requantize_group: quant.py's
+// quantize_int8 with groups of 32, the same codes, for the loader's fusions of parts stored in different types.
+void quantize_int8_groups(const float* w, int64_t N, int64_t K, int8_t* q, uint16_t* scales, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < K / 32; ++g) requantize_group(w + n * K + 32 * g, q + n * K + 32 * g, scales + n * (K / 32) + g);
 }
 
 // Q4_K src [N, K / 256 * 144] → qweight [N, K / 2] (Q4_0's nibble order per 32), scales and mins [N, K / 32]
