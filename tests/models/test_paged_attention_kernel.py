@@ -62,7 +62,8 @@ class Batch:
         self.split = (num_heads, num_kv_heads, num_kv_heads)
         self.scale = head_dim ** -0.5
 
-    def run(self, function, tables: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, function, tables: list[list[int]] | None = None, softcap: float | None = None,
+            window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output, key cache, value cache) after one call on fresh copies of the caches."""
         metadata = AttentionMetadata.build(self.query_lens, self.seq_lens, tables or self.tables, BLOCK_SIZE)
         kv_cache = (self.key_cache.clone(), self.value_cache.clone())
@@ -70,7 +71,7 @@ class Batch:
         if function is paged_attention:
             native = self.qkv.dtype == torch.float32 and self.key_cache.dtype != torch.bfloat16
             assert (_native_kernels_for(query, key, value, kv_cache) is not None) == native
-        return function(query, key, value, kv_cache, metadata, self.scale), *kv_cache
+        return function(query, key, value, kv_cache, metadata, self.scale, window, softcap), *kv_cache
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
@@ -103,6 +104,19 @@ def test_native_equals_torch_on_a_ragged_batch(num_heads, num_kv_heads, head_dim
     assert got.shape == want.shape == (batch.qkv.shape[0], num_heads, head_dim)
     assert_close(got, want)
     assert torch.equal(got_keys, want_keys) and torch.equal(got_values, want_values)
+
+
+@pytest.mark.parametrize("softcap,window", [(5.0, 0), (50.0, 0), (2.0, 40)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=["float32", "int8"])
+def test_soft_capped_scores_equal_torch(softcap, window, cache_dtype):
+    """Gemma 2's cap on the scores, in the per-token and the chunk path, alone and with a window: scores of the
+    batch's scale (~3 to 10 in magnitude) are squeezed hard by a cap of 2 or 5 and barely by one of 50."""
+    batch = Batch(RAGGED, 4, 1, 256, seed=5, cache_dtype=cache_dtype)
+    got, *_ = batch.run(paged_attention, softcap=softcap, window=window)
+    want, *_ = batch.run(paged_attention_torch, softcap=softcap, window=window)
+    assert_close(got, want, rtol=1e-4 if cache_dtype == torch.int8 else 1e-5)
+    uncapped, *_ = batch.run(paged_attention, window=window)
+    assert not torch.allclose(got, uncapped)
 
 
 def test_many_decodes_take_the_threaded_path():

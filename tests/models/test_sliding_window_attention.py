@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenriver.models.attention import AttentionMetadata, _native_kernels_for, paged_attention, paged_attention_torch
+from tokenriver.models.attention import AttentionMetadata, paged_attention, paged_attention_torch
 from tokenriver.models.native.kernels import load_kernels
 
 from test_paged_attention_kernel import BLOCK_SIZE, Batch, assert_close
@@ -69,10 +69,10 @@ def test_torch_path_equals_a_dense_windowed_softmax(softcap):
     query, key, value = batch.qkv.split(batch.split, dim=1)
     metadata = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.tables, BLOCK_SIZE)
     kv_cache = (batch.key_cache.clone(), batch.value_cache.clone())
-    got = paged_attention(query, key, value, kv_cache, metadata, batch.scale, window=19, softcap=softcap)
-    if softcap is not None:  # soft-capping runs in torch only
-        assert _native_kernels_for(query, key, value, kv_cache, softcap) is None
+    got = paged_attention_torch(query, key, value, kv_cache, metadata, batch.scale, window=19, softcap=softcap)
     assert_close(got, dense_reference(batch, 19, softcap), rtol=1e-5)
+    native = paged_attention(query, key, value, kv_cache, metadata, batch.scale, window=19, softcap=softcap)
+    assert_close(native, dense_reference(batch, 19, softcap), rtol=1e-5)
 
 
 @pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
@@ -80,8 +80,8 @@ def test_torch_path_equals_a_dense_windowed_softmax(softcap):
                                                                     (9, 3, 64, 200)])
 def test_native_window_equals_torch(num_heads, num_kv_heads, head_dim, window):
     batch = Batch(WINDOWED, num_heads, num_kv_heads, head_dim, seed=2)
-    native, *_ = batch.run(lambda *args: paged_attention(*args, window=window))
-    torch_path, *_ = batch.run(lambda *args: paged_attention_torch(*args, window=window))
+    native, *_ = batch.run(paged_attention, window=window)
+    torch_path, *_ = batch.run(paged_attention_torch, window=window)
     assert_close(native, torch_path)
     assert_close(native, dense_reference(batch, window, None), rtol=1e-5)
 
@@ -91,8 +91,8 @@ def test_native_window_on_an_int8_cache_equals_torch():
     """Gemma 3's shape (head_dim 256, four query heads on one kv head) on the int8 pool, a window of 40 cutting
     through a tile of 32 keys: the torch path attends over the dequantized cache."""
     batch = Batch(WINDOWED, 4, 1, 256, seed=3, cache_dtype=torch.int8)
-    native, *_ = batch.run(lambda *args: paged_attention(*args, window=40))
-    torch_path, *_ = batch.run(lambda *args: paged_attention_torch(*args, window=40))
+    native, *_ = batch.run(paged_attention, window=40)
+    torch_path, *_ = batch.run(paged_attention_torch, window=40)
     assert_close(native, torch_path)
 
 
@@ -100,5 +100,5 @@ def test_native_window_on_an_int8_cache_equals_torch():
 def test_a_window_as_long_as_the_context_changes_nothing():
     batch = Batch(WINDOWED, 8, 2, 32, seed=3)
     whole, *_ = batch.run(paged_attention)
-    windowed, *_ = batch.run(lambda *args: paged_attention(*args, window=1100))
+    windowed, *_ = batch.run(paged_attention, window=1100)
     assert torch.equal(whole, windowed)

@@ -25,8 +25,7 @@ path in benchmarks/results/attention.md):
 Two variants some architectures need (Gemma 2 and 3, Mistral): a sliding window (`window` > 0: a token sees only
 the last `window` positions up to its own), applied as a mask on every path, native and torch, over the same blocks
 (the cache keeps every block; a prefix-cache hit is the same whatever the window), and attention-logit
-soft-capping (`softcap`: scores become softcap * tanh(scores / softcap) before the softmax), which only the torch
-path computes.
+soft-capping (`softcap`: scores become softcap * tanh(scores / softcap) before the softmax), on every path too.
 
 The cache may be stored in a narrower dtype than the model computes in (a float16 or int8 pool under a float32
 model, `kv_cache_dtype`; kv/cache.py has the int8 format): keys and values are rounded once, when stored, and widened
@@ -148,11 +147,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tenso
 
 
 def _native_kernels_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor],
-                        softcap: float | None = None) -> NativeKernels | None:
+                        kv_cache: tuple[torch.Tensor, torch.Tensor]) -> NativeKernels | None:
     """The native kernels if they can run this call as laid out, else None."""
-    if softcap is not None:
-        return None
     kernels = load_kernels()
     key_cache, value_cache = kv_cache
     if (kernels is None or torch.is_grad_enabled() or not is_native_kv_pool(key_cache, value_cache)
@@ -174,14 +170,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim] (each may be a view
     into a wider row, such as the fused qkv projection). Returns [num_tokens, num_heads, head_dim].
     """
-    kernels = _native_kernels_for(query, key, value, kv_cache, softcap)
+    kernels = _native_kernels_for(query, key, value, kv_cache)
     if kernels is None:
         return paged_attention_torch(query, key, value, kv_cache, metadata, scale, window, softcap)
     key_cache, value_cache = kv_cache
     output = torch.empty(query.shape, dtype=query.dtype)  # [num_tokens, num_heads, head_dim]
     # Writes every token's K/V, then attends: the short requests token by token, the prompt chunks causally.
     kernels.paged_attention(query, key, value, metadata.slot_mapping, key_cache, value_cache, metadata.block_tables,
-                            metadata.kernel_queries, metadata.kernel_chunks, scale, output, window)
+                            metadata.kernel_queries, metadata.kernel_chunks, scale, output, window, softcap)
     return output
 
 

@@ -25,7 +25,7 @@ from tokenriver.models.native.kernels import Reductions
 # Layer layouts decoder.cpp runs (models/native/decoder.py's LAYOUTS): "llama" is LlamaDecoderLayer's pre-norm
 # residual-stream block (fused qkv and gate/up projections, RMSNorm, SwiGLU); "qwen3" adds per-head q/k norms and
 # sliding windows (dense MLPs only); "phi3" is Llama's with a window and partial rotary; "gemma" adds norms on each
-# block's output, GeGLU and per-layer rope tables (not Gemma 2's soft-capped attention).
+# block's output, GeGLU, per-layer rope tables and Gemma 2's soft-capped attention scores.
 NATIVE_LAYOUTS = frozenset({"llama", "qwen3", "phi3", "gemma"})
 
 

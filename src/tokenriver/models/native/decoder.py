@@ -9,12 +9,12 @@ the module path's bit for bit.
 Which parts a layer has is read off its type, one small function per layout (`LAYOUTS`): Llama's pre-norm block;
 Qwen3's adds q/k norms and a per-layer sliding window; Phi-3's is Llama's with a window and, in Phi-4-mini, partial
 rotary (the first rotary_dim values of each head turn); Gemma's adds norms on the attention and MLP outputs, GeGLU,
-its (1 + weight) norms (bound as those sums, computed here once) and, on Gemma 3's sliding layers, the local rope
-tables (Gemma's `rope` is a (global, local) pair of tables).
+its (1 + weight) norms (bound as those sums, computed here once), Gemma 2's soft-capped attention scores and, on
+Gemma 3's sliding layers, the local rope tables (Gemma's `rope` is a (global, local) pair of tables).
 
 Contract: `NativeDecoder.build(layers)` returns None unless every layer can run natively (layers of one layout,
 every projection a quantized linear on the native backend, float32 norm weights, one eps, a head size the attention
-kernel is compiled for; not a mixture-of-experts MLP, not Gemma 2's soft-capped attention scores). `supports(...)`
+kernel is compiled for; not a mixture-of-experts MLP). `supports(...)`
 says whether one step can: float32 activations, a float32, float16 or int8 cache, all on the CPU, autograd off
 (decodes, verification and prompt chunks alike: the attention kernel takes them all). The caller runs the modules
 otherwise. The weights' pointers are taken at build time: the owner drops this object when its buffers move
@@ -96,8 +96,6 @@ def _phi3_parts(layer: Phi3DecoderLayer) -> LayerParts:
 
 def _gemma_parts(layer: GemmaDecoderLayer) -> LayerParts | None:
     attention = layer.self_attn
-    if attention.softcap is not None:
-        return None  # Gemma 2's soft-capped scores: the native attention kernel has no soft-capping
     return LayerParts({"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.pre_feedforward_layernorm,
                        "q_norm": attention.q_norm, "k_norm": attention.k_norm,
                        "attention_out_norm": layer.post_attention_layernorm,
@@ -172,7 +170,8 @@ class NativeDecoder:
                                     attention.num_kv_heads, attention.head_dim,
                                     first.mlp.down_proj.in_features, first.input_layernorm.eps, attention.scale,
                                     ACTIVATIONS.index(layout.activation),
-                                    getattr(attention, "rotary_dim", attention.head_dim))
+                                    getattr(attention, "rotary_dim", attention.head_dim),
+                                    getattr(attention, "softcap", None) or 0.0)
         self._step = StepSpec()
         # The cache the pointers below belong to, held weakly: binding a model must not keep an engine's pool alive.
         self._cache: weakref.ref[KVCache] | None = None

@@ -147,7 +147,7 @@ class DecoderSpec(ctypes.Structure):
     _fields_ = [("layers", ctypes.POINTER(LayerSpec)), ("num_layers", _i64), ("hidden_size", _i64),
                 ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate_size", _i64),
                 ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int32),
-                ("rotary_dim", _i64)]
+                ("rotary_dim", _i64), ("softcap", ctypes.c_float)]
 
 
 class StepSpec(ctypes.Structure):
@@ -190,7 +190,8 @@ class NativeKernels:
             "quantize_int8_groups": ([ptr, i64, i64, ptr, ptr, c_int], None),
             "decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
             "paged_attention_window_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                                            ptr, i64, i64, ptr, i64, ptr, i64, c_float, i64, ptr, i64, c_int, c_int],
+                                            ptr, i64, i64, ptr, i64, ptr, i64, c_float, i64, c_float, ptr, i64, c_int,
+                                            c_int],
                                            c_int),
         }
         self._functions = {}
@@ -437,7 +438,7 @@ class NativeKernels:
     def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_tables: torch.Tensor, queries: torch.Tensor | None, chunks: torch.Tensor | None,
-                        scale: float, out: torch.Tensor, window: int = 0) -> None:
+                        scale: float, out: torch.Tensor, window: int = 0, softcap: float | None = None) -> None:
         """Write this step's keys/values into their slots, then attend for the listed query tokens into out.
 
         query, out [T, num_heads, head_dim] and key, value [T, num_kv_heads, head_dim] are float32 rows (views into
@@ -447,7 +448,8 @@ class NativeKernels:
         in block_tables, how many tokens it sees); chunks [c, 4] int64 contiguous, one row per prompt chunk whose
         tokens attend causally: (its first row, its request's row, its number of tokens, the request's context
         length after it). Either may be None. Out's other rows are left untouched. window > 0: each token sees only
-        the last `window` positions up to its own (sliding-window attention); 0: its whole context.
+        the last `window` positions up to its own (sliding-window attention); 0: its whole context. softcap: the
+        scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2); None: as they are.
         """
         num_tokens = query.shape[0]
         if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0] == num_tokens):
@@ -468,7 +470,7 @@ class NativeKernels:
             block_size, query.shape[1], num_kv_heads, head_dim, block_tables.data_ptr(), block_tables.shape[0],
             block_tables.shape[1], None if queries is None else queries.data_ptr(),
             0 if queries is None else queries.shape[0], None if chunks is None else chunks.data_ptr(),
-            0 if chunks is None else chunks.shape[0], scale, window, out.data_ptr(), out.stride(0),
+            0 if chunks is None else chunks.shape[0], scale, window, softcap or 0.0, out.data_ptr(), out.stride(0),
             torch.get_num_threads(), kv_cache_format(key_cache))
         _raise_for_attention_status(status, head_dim)
 

@@ -130,6 +130,8 @@ struct Problem {
   float scale;
   // Sliding window: a token sees only the last `window` positions up to itself (0: the whole context).
   int64_t window;
+  // Soft-capping (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax (0: none).
+  float softcap;
 
   // First context position query token qi sees: its window's start.
   int64_t first_visible(int64_t qi) const {
@@ -148,6 +150,19 @@ inline __m256 sum_each(const __m256 v[8]) {
   const __m256 quads0 = _mm256_hadd_ps(pairs0, pairs1), quads1 = _mm256_hadd_ps(pairs2, pairs3);
   // quads0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low half | high half), quads1 likewise for v[4..7].
   return _mm256_add_ps(_mm256_permute2f128_ps(quads0, quads1, 0x20), _mm256_permute2f128_ps(quads0, quads1, 0x31));
+}
+
+// Soft-capped scores in place, s = cap * tanh(s / cap) (Gemma 2's attention; cap > 0), for count scores, a
+// multiple of 8: tanh |x| = (1 - e) / (1 + e) with e = exp(-2 |x|), and x's sign; exp256's accuracy.
+inline void soft_cap(float* scores, int64_t count, float cap) {
+  const __m256 inverse = _mm256_set1_ps(1.0f / cap), factor = _mm256_set1_ps(cap);
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), minus_two = _mm256_set1_ps(-2.0f);
+  for (int64_t j = 0; j < count; j += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(scores + j), inverse);
+    const __m256 e = exp256(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign, x)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(scores + j, _mm256_mul_ps(factor, _mm256_or_ps(t, _mm256_and_ps(sign, x))));
+  }
 }
 
 // One head's online-softmax update over a tile's scores (count of them, a multiple of 8; padding lanes -inf):
@@ -278,7 +293,7 @@ inline void scale_by_values(const float* value_scales, int64_t n, float* weights
 // call, the queued requests stalled it).
 template <int ND, int HC, typename Cache, typename Prefetch>
 void tile_heads(const float* q, const Cache* const* keys, const Cache* const* values, const float* key_scales,
-                const float* value_scales, int64_t n, float scale, float* m, float* l, float* acc,
+                const float* value_scales, int64_t n, float scale, float softcap, float* m, float* l, float* acc,
                 Prefetch& prefetch) {
   constexpr int64_t D = ND * 8;
   alignas(32) float scores[HC * kTile];
@@ -325,6 +340,7 @@ void tile_heads(const float* q, const Cache* const* keys, const Cache* const* va
   for (int hh = 0; hh < HC; ++hh) {
     // Padding lanes of the last vector of scores: -inf, so they add e^-inf = 0 and never raise the max.
     float* s = scores + hh * kTile;
+    if (softcap > 0.0f) soft_cap(s, (n + 7) / 8 * 8, softcap);  // the padding lanes are set below
     for (int64_t k = n; k < (n + 7) / 8 * 8; ++k) s[k] = -INFINITY;
     rescale[hh] = online_softmax(s, (n + 7) / 8 * 8, m[hh], l[hh]);
   }
@@ -415,15 +431,15 @@ void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, floa
         float* head_acc = acc + h * D;
         switch ((kv + 1) * G - h) {
           case 1:
-            tile_heads<ND, 1>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, m + h, l + h, head_acc,
+            tile_heads<ND, 1>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, p.softcap, m + h, l + h, head_acc,
                               prefetch);
             break;
           case 2:
-            tile_heads<ND, 2>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, m + h, l + h, head_acc,
+            tile_heads<ND, 2>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, p.softcap, m + h, l + h, head_acc,
                               prefetch);
             break;
           default:
-            tile_heads<ND, 3>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, m + h, l + h, head_acc,
+            tile_heads<ND, 3>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, p.softcap, m + h, l + h, head_acc,
                               prefetch);
         }
       }
@@ -780,6 +796,7 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
     const int64_t ra = (ia - i0) * G, rb = (ib - i0) * G;
     for (int64_t r = ra; r < rb; r += kScoreRows)
       chunk_scores<ND>(queries + r * D, keys_t, p.scale, scores + r * kTile);
+    if (p.softcap > 0.0f) soft_cap(scores + ra * kTile, (rb - ra) * kTile, p.softcap);
     for (int64_t i = ia; i < ib; ++i) {
       const int64_t position = first_position + i;
       const int64_t visible = position + 1 - tile < n ? position + 1 - tile : n;
@@ -865,10 +882,10 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
                     Cache* value_cache, int64_t num_blocks, int64_t block_size, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables, int64_t num_requests,
                     int64_t max_blocks, const int64_t* queries, int64_t num_queries, const int64_t* chunks,
-                    int64_t num_chunks, float scale, int64_t window, float* out, int64_t out_row_stride,
-                    int num_threads) {
+                    int64_t num_chunks, float scale, int64_t window, float softcap, float* out,
+                    int64_t out_row_stride, int num_threads) {
   if (!supported_head_dim(head_dim)) return 2;
-  if (window < 0) return 1;
+  if (window < 0 || !(softcap >= 0.0f) || isinf(softcap)) return 1;
   if (num_heads % num_kv_heads != 0) return 1;
   for (int64_t t = 0; t < num_rows; ++t)
     if (slots[t] < 0 || slots[t] >= num_blocks * block_size) return 1;
@@ -899,7 +916,7 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
   }
   const Problem<Cache> p{query,     q_row_stride, out,          out_row_stride, key_cache, value_cache, num_heads,
                          num_kv_heads, block_size, block_tables, max_blocks,   queries,   scale,
-                         window};
+                         window,    softcap};
   switch (head_dim) {
     case 32: run<4, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
     case 64: run<8, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
@@ -928,20 +945,21 @@ int paged_attention_supports(int64_t head_dim) { return supported_head_dim(head_
 //   int64: prompt chunks (first token row, request index, number of tokens, context length after them), whose
 //   tokens attend causally.
 //   window: sliding-window attention, each token sees only the last `window` positions up to itself (0: all).
-// Returns 0, or 1 if a slot, row, request, context length, block id or the window is out of range (nothing is
-// written or computed then), or 2 if head_dim is not supported.
+//   softcap: scores soft-capped to softcap * tanh(scores / softcap) before the softmax (Gemma 2; 0: none).
+// Returns 0, or 1 if a slot, row, request, context length, block id, the window or softcap is out of range
+// (nothing is written or computed then), or 2 if head_dim is not supported.
 int paged_attention_window_f32(const float* query, int64_t q_row_stride, int64_t num_rows, const float* key,
                         int64_t k_row_stride, const float* value, int64_t v_row_stride, const int64_t* slots,
                         void* key_cache, void* value_cache, int64_t num_blocks, int64_t block_size,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const int64_t* block_tables,
                         int64_t num_requests, int64_t max_blocks, const int64_t* queries, int64_t num_queries,
-                        const int64_t* chunks, int64_t num_chunks, float scale, int64_t window, float* out,
-                        int64_t out_row_stride, int num_threads, int kv_cache_format) {
+                        const int64_t* chunks, int64_t num_chunks, float scale, int64_t window, float softcap,
+                        float* out, int64_t out_row_stride, int num_threads, int kv_cache_format) {
   const auto attend_in = [&](auto* key_pool, auto* value_pool) {
     return paged_attention(query, q_row_stride, num_rows, key, k_row_stride, value, v_row_stride, slots, key_pool,
                            value_pool, num_blocks, block_size, num_heads, num_kv_heads, head_dim, block_tables,
-                           num_requests, max_blocks, queries, num_queries, chunks, num_chunks, scale, window, out,
-                           out_row_stride, num_threads);
+                           num_requests, max_blocks, queries, num_queries, chunks, num_chunks, scale, window, softcap,
+                           out, out_row_stride, num_threads);
   };
   switch (kv_cache_format) {
     case 0: return attend_in(static_cast<float*>(key_cache), static_cast<float*>(value_cache));

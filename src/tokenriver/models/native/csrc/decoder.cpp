@@ -6,10 +6,10 @@
 //   window where the layer has one;
 // - Phi-3 / Phi-4-mini (models/phi3.py): Llama's block with a window and, in Phi-4-mini, partial rotary (per
 //   decoder: only the first rotary_dim values of each head turn);
-// - Gemma 3 (models/gemma.py; not Gemma 2's soft-capped attention): Qwen3's parts, norms also on the attention and
-//   MLP outputs before each is added to the residual stream, GeGLU instead of SwiGLU (per decoder) and, on the
-//   sliding layers, rotary tables of their own base (per layer). Its norms multiply by (1 + weight): the caller
-//   passes those sums.
+// - Gemma 2 and 3 (models/gemma.py): Qwen3's parts, norms also on the attention and MLP outputs before each is
+//   added to the residual stream, GeGLU instead of SwiGLU (per decoder), Gemma 2's soft-capped attention scores
+//   (per decoder) and, on Gemma 3's sliding layers, rotary tables of their own base (per layer). Its norms multiply
+//   by (1 + weight): the caller passes those sums.
 //
 // A single-stream decode step is ~240 small operations (8 per layer, 30 layers), each a few microseconds of
 // arithmetic. Run from Python, each also pays module dispatch, argument checks, a tensor allocation and a ctypes
@@ -63,7 +63,7 @@ void gelu_tanh_mul_f32(const float*, int64_t, int64_t, float*, int);
 int paged_attention_window_f32(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t,
                                const int64_t*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t,
                                const int64_t*, int64_t, int64_t, const int64_t*, int64_t, const int64_t*, int64_t,
-                               float, int64_t, float*, int64_t, int, int);
+                               float, int64_t, float, float*, int64_t, int, int);
 }
 
 namespace {
@@ -110,6 +110,7 @@ struct Decoder {
   int32_t activation;  // kSiLU or kGeluTanh
   int64_t rotary_dim;  // the first rotary_dim values of each query and key head turn (head_dim but under partial
                        // rotary: Phi-4-mini)
+  float softcap;       // attention scores soft-capped at softcap (Gemma 2), 0: none
 };
 
 // This step's tensors (native.py's StepSpec); the int64 arrays are AttentionMetadata's.
@@ -268,8 +269,8 @@ int run_layers(const Decoder* d, const Step* s) {
     const int status = paged_attention_window_f32(
         query, qkv_width, T, key, qkv_width, value, qkv_width, s->slots, s->key_caches[i], s->value_caches[i],
         s->num_blocks, s->block_size, d->num_heads, d->num_kv_heads, hd, s->block_tables, s->num_requests,
-        s->max_blocks, s->queries, s->num_queries, s->chunks, s->num_chunks, d->scale, layer.window, attention,
-        q_width, threads, s->kv_cache_format);
+        s->max_blocks, s->queries, s->num_queries, s->chunks, s->num_chunks, d->scale, layer.window, d->softcap,
+        attention, q_width, threads, s->kv_cache_format);
     if (status != 0) return status;
     linear(layer.o, attention, T, s->out, threads);
     // Normalized in place: each value is read before it is written.
