@@ -22,11 +22,11 @@ from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.gemma import GemmaForCausalLM
-from tokenriver.models.moe import Qwen3MoeForCausalLM
 from tokenriver.models.native.kernels import load_kernels
 from tokenriver.models.llama import LlamaForCausalLM
 from tokenriver.models.phi3 import Phi3ForCausalLM
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
+from tokenriver.models.registry import model_class
 from tokenriver.models.native.decoder import NativeDecoder
 from tokenriver.models.native.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.runner.native_stack import NativeStack
@@ -383,8 +383,53 @@ def test_families_in_row_groups_and_long_steps_keep_their_bits(family):
     assert_native_equals_modules(model, requests, [[300, 0], [1, 270], [1, 1]])
 
 
-def test_a_mixture_of_experts_stays_on_the_module_path():
-    config = ModelConfig(architecture="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=128,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=64)
-    assert NativeDecoder.build(Qwen3MoeForCausalLM(config).model.layers) is None
+MOE_FAMILIES = {
+    "qwen3_moe": dict(qk_norm=True),
+    "qwen2_moe": dict(attention_bias=True, norm_topk_prob=False, shared_expert_intermediate_size=96),
+    "mixtral": dict(),
+}
+
+
+def moe_tiny_model(family: str, int8_activations: bool = False) -> torch.nn.Module:
+    """Two layers of eight experts, two per token (Qwen2-MoE with a gated shared expert), every projection
+    quantized (int4 and int8 alternating) and the router and shared gate float, as the loader keeps them."""
+    torch.manual_seed(0)
+    config = ModelConfig(architecture=family, vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=64, **MOE_FAMILIES[family])
+    model = model_class(family)(config).float()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.05)
+        for norm in (m for m in model.modules() if type(m).__name__ == "RMSNorm"):
+            norm.weight.add_(1.0)
+    options = dict(int8_activations=int8_activations)
+    owners = [(layer.self_attn, name) for layer in model.model.layers for name in ("qkv_proj", "o_proj")]
+    for layer in model.model.layers:
+        mlps = [*layer.mlp.experts] + ([layer.mlp.shared_expert] if layer.mlp.shared_expert is not None else [])
+        owners += [(mlp, name) for mlp in mlps for name in ("gate_up_proj", "down_proj")]
+    for i, (owner, name) in enumerate(owners):
+        linear = getattr(owner, name)
+        quantized = (Int4Linear(quantize_int4(linear.weight), linear.bias, **options) if i % 2
+                     else Int8Linear(quantize_int8(linear.weight, 32), linear.bias, **options))
+        setattr(owner, name, quantized)
+    return model.eval()
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["exact", "int8-activations"])
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_mixtures_of_experts_run_natively_with_the_module_paths_bits(family, int8_activations):
+    """Prompt chunks, decodes and multi-token steps; then 21 decoding requests, so that some experts get enough
+    rows for the GEMM."""
+    model = moe_tiny_model(family, int8_activations)
+    assert NativeDecoder.build(model.model.layers) is not None
+    assert_native_equals_modules(model, REQUESTS, STEPS)
+    requests = [[(5 * i + 3 * r) % 96 for i in range(14)] for r in range(21)]
+    assert_native_equals_modules(model, requests, [[8] * 21, [1] * 21, [1] * 21, [3] * 21])
+
+
+def test_a_mixture_of_experts_with_a_quantized_router_stays_on_the_module_path():
+    model = moe_tiny_model("qwen3_moe")
+    layer = model.model.layers[1]
+    layer.mlp.gate = Int8Linear(quantize_int8(layer.mlp.gate.weight, 32))
+    assert NativeDecoder.build(model.model.layers) is None

@@ -32,6 +32,9 @@ INT4_GROUP_SIZE = 32
 INT8_GROUP_SIZE = 32
 _EMBEDDING = "model.embed_tokens.weight"
 _OUTPUT = "lm_head.weight"
+# A mixture of experts' router and shared-expert gate: small, and they decide which experts run, so they stay float
+# in every quantization mode, as llama.cpp keeps them (and the native decoder routes with float gates).
+_ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
 
 
 def check_quantization(quantization: str) -> None:
@@ -50,6 +53,8 @@ def build_model(config: ModelConfig, weights: dict[str, Weight], device: str | t
     if config.tie_word_embeddings and _EMBEDDING in weights:
         weights[_OUTPUT] = weights[_EMBEDDING]
     weights = _fuse(weights, getattr(cls, "fused_projections", {}))
+    for name in [n for n in weights if n.endswith(_ROUTERS) and not isinstance(weights[n], torch.Tensor)]:
+        weights[name] = dequantize_packed(weights[name])
     if quantization in ("int8", "int4"):
         weights = _quantize_all(weights, quantization)
     with torch.device("meta"):
@@ -103,7 +108,7 @@ def _quantize_all(weights: dict[str, Weight], quantization: str) -> dict[str, We
     format dequantized and quantized again; the output projection (and a tied embedding with it) goes to int8."""
     out = dict(weights)
     for name, weight in weights.items():
-        if name == _EMBEDDING or (isinstance(weight, torch.Tensor) and weight.dim() != 2):
+        if name == _EMBEDDING or name.endswith(_ROUTERS) or (isinstance(weight, torch.Tensor) and weight.dim() != 2):
             continue
         target = Int8Weight if name == _OUTPUT or quantization == "int8" else Int4Weight
         if isinstance(weight, target) or weight.shape[1] % INT4_GROUP_SIZE:

@@ -5,7 +5,8 @@ with a QKV bias) with the MLP replaced by a sparse block: a router (`gate`, one 
 top num_experts_per_tok experts by softmax probability, renormalizes the chosen probabilities to sum to one where
 the architecture does (norm_topk_prob: Mixtral always, the Qwens per config), and the token's output is the
 weighted sum of those experts' SwiGLU MLPs. Qwen2-MoE adds a shared expert every token goes through, scaled by
-sigmoid(shared_expert_gate(x)).
+sigmoid(shared_expert_gate(x)). Routing (the router's logits, softmax and top-k, and the shared gate) runs in the
+native ops the native decoder runs (models/native/decoder.py) where they apply, so both paths choose alike.
 
 In a ragged batch the (token, expert) pairs are sorted by expert, so each expert multiplies only the rows of the
 tokens routed to it, once, as one matrix; experts no token chose cost nothing. Each expert is an ordinary
@@ -21,6 +22,7 @@ from torch import nn
 
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.layers import SwiGLUMLP
+from tokenriver.models.native.kernels import NativeKernels, is_contiguous_f32, load_kernels
 from tokenriver.models.qwen3 import FUSED_PROJECTIONS as DENSE_FUSED_PROJECTIONS
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 
@@ -44,8 +46,27 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
+    def routing_kernels(self) -> NativeKernels | None:
+        """The native kernels if this block's gates can route there (ops.cpp, as the native decoder routes): float32
+        gates without bias on the CPU (the loader keeps them float, as llama.cpp does)."""
+        kernels = load_kernels()
+        gates = [self.gate] if self.shared_expert_gate is None else [self.gate, self.shared_expert_gate]
+        if (kernels is None or len(self.experts) > kernels.MAX_EXPERTS
+                or not all(type(g) is nn.Linear and g.bias is None and is_contiguous_f32(g.weight) for g in gates)):
+            return None
+        return kernels
+
+    def native_routing(self, x: torch.Tensor) -> NativeKernels | None:
+        """routing_kernels() if x can take them too: float32 rows on the CPU, autograd off."""
+        if torch.is_grad_enabled() or x.dim() != 2 or not is_contiguous_f32(x):
+            return None
+        return self.routing_kernels()
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → (chosen experts [T, top_k] int64, their weights [T, top_k] in x's dtype)."""
+        kernels = self.native_routing(x)
+        if kernels is not None:
+            return kernels.moe_route(kernels.row_dots(x, self.gate.weight), self.top_k, self.norm_topk_prob)
         probabilities = torch.softmax(self.gate(x).float(), dim=-1)  # [T, num_experts]
         weights, experts = probabilities.topk(self.top_k, dim=-1)  # [T, top_k] each
         if self.norm_topk_prob:
@@ -68,7 +89,10 @@ class SparseMoeBlock(nn.Module):
                 out.index_add_(0, rows, expert(x.index_select(0, rows)) * pair_weights[start:start + count])
             start += count
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, hidden]
+            kernels = self.native_routing(x)
+            gate = (torch.sigmoid(self.shared_expert_gate(x)) if kernels is None  # [T, 1]
+                    else kernels.sigmoid_gate(x, self.shared_expert_gate.weight[0]))
+            out += gate * self.shared_expert(x)  # [T, 1] * [T, hidden]
         return out
 
 

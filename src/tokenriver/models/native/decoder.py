@@ -7,14 +7,15 @@ This runs the same operations, through the same kernels in the same order, from 
 the module path's bit for bit.
 
 Which parts a layer has is read off its type, one small function per layout (`LAYOUTS`): Llama's pre-norm block;
-Qwen3's adds q/k norms and a per-layer sliding window; Phi-3's is Llama's with a window and, in Phi-4-mini, partial
+Qwen3's adds q/k norms, a per-layer sliding window and, in its mixtures of experts (Qwen3-MoE, Qwen2-MoE,
+Mixtral), a router and per-expert MLPs in place of the MLP; Phi-3's is Llama's with a window and, in Phi-4-mini, partial
 rotary (the first rotary_dim values of each head turn); Gemma's adds norms on the attention and MLP outputs, GeGLU,
 its (1 + weight) norms (bound as those sums, computed here once), Gemma 2's soft-capped attention scores and, on
 Gemma 3's sliding layers, the local rope tables (Gemma's `rope` is a (global, local) pair of tables).
 
 Contract: `NativeDecoder.build(layers)` returns None unless every layer can run natively (layers of one layout,
 every projection a quantized linear on the native backend, float32 norm weights, one eps, a head size the attention
-kernel is compiled for; not a mixture-of-experts MLP). `supports(...)`
+kernel is compiled for; a mixture of experts with float32 router and shared gate and native expert projections). `supports(...)`
 says whether one step can: float32 activations, a float32, float16 or int8 cache, all on the CPU, autograd off
 (decodes, verification and prompt chunks alike: the attention kernel takes them all). The caller runs the modules
 otherwise. The weights' pointers are taken at build time: the owner drops this object when its buffers move
@@ -39,9 +40,9 @@ from torch import nn
 from tokenriver.kv.cache import KVCache, head_dim_of
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.gemma import GemmaDecoderLayer
-from tokenriver.models.layers import SwiGLUMLP
 from tokenriver.models.llama import LlamaDecoderLayer
-from tokenriver.models.native.kernels import (ROUNDINGS, DecoderSpec, LayerSpec, LinearSpec, NativeKernels,
+from tokenriver.models.moe import SparseMoeBlock
+from tokenriver.models.native.kernels import (ROUNDINGS, DecoderSpec, LayerSpec, LinearSpec, MoeSpec, NativeKernels,
                                               StepSpec, is_contiguous_f32, is_native_kv_pool, kv_cache_format,
                                               load_kernels)
 from tokenriver.models.native.quant import Int4Linear, Int8Linear
@@ -82,8 +83,6 @@ def _llama_parts(layer: LlamaDecoderLayer) -> LayerParts:
 
 
 def _qwen3_parts(layer: Qwen3DecoderLayer) -> LayerParts | None:
-    if not isinstance(layer.mlp, SwiGLUMLP):
-        return None  # a mixture of experts (models/moe.py)
     attention = layer.self_attn
     return LayerParts({"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.post_attention_layernorm,
                        "q_norm": attention.q_norm, "k_norm": attention.k_norm}, window=attention.window)
@@ -121,9 +120,34 @@ LAYOUTS: dict[type[nn.Module], Layout] = {
 }
 
 
-def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[torch.Tensor]) -> LayerSpec | None:
+def _moe_spec(moe: SparseMoeBlock, keep: list[object]) -> MoeSpec | None:
+    """A mixture of experts as decoder.cpp runs it, or None if a part has no native form (gates as
+    SparseMoeBlock.routing_kernels takes them, every expert projection a native quantized linear); the ctypes
+    structures it points into go into `keep`."""
+    if moe.routing_kernels() is None:
+        return None
+    gate_ups = [_linear_spec(expert.gate_up_proj) for expert in moe.experts]
+    downs = [_linear_spec(expert.down_proj) for expert in moe.experts]
+    shared = [] if moe.shared_expert is None else [_linear_spec(moe.shared_expert.gate_up_proj),
+                                                   _linear_spec(moe.shared_expert.down_proj)]
+    if any(spec is None for spec in (*gate_ups, *downs, *shared)):
+        return None
+    arrays = [(LinearSpec * len(gate_ups))(*gate_ups), (LinearSpec * len(downs))(*downs), *shared]
+    keep.extend(arrays)
+    spec = MoeSpec(moe.gate.weight.data_ptr(), len(moe.experts), moe.top_k, int(moe.norm_topk_prob),
+                   moe.experts[0].down_proj.in_features, ctypes.addressof(arrays[0]), ctypes.addressof(arrays[1]))
+    if moe.shared_expert is not None:
+        spec.shared_gate_up, spec.shared_down = ctypes.addressof(arrays[2]), ctypes.addressof(arrays[3])
+        spec.shared_intermediate_size = moe.shared_expert.down_proj.in_features
+        spec.shared_gate = moe.shared_expert_gate.weight.data_ptr()
+    keep.append(spec)
+    return spec
+
+
+def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[object]) -> LayerSpec | None:
     """The layer as decoder.cpp runs it, or None if a part has no native kernel; norm weights it computes (Gemma's
-    sums) go into `computed`, which the decoder keeps alive."""
+    sums) and the ctypes structures a mixture of experts points into go into `computed`, which the decoder keeps
+    alive."""
     norms: dict[str, int | None] = {}
     for name, norm in parts.norms.items():
         if norm is None:
@@ -139,13 +163,21 @@ def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[
     if (norms.get("q_norm") is None) != (norms.get("k_norm") is None):
         return None
     attention, mlp = layer.self_attn, layer.mlp
-    projections = [_linear_spec(module) for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
-                                                         mlp.down_proj)]
+    moe = None
+    if isinstance(mlp, SparseMoeBlock):
+        moe = _moe_spec(mlp, computed)
+        if moe is None:
+            return None
+        projections = [_linear_spec(attention.qkv_proj), _linear_spec(attention.o_proj), LinearSpec(), LinearSpec()]
+    else:
+        projections = [_linear_spec(module) for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
+                                                             mlp.down_proj)]
     if any(spec is None for spec in projections):
         return None
     return LayerSpec(norms["input_norm"], norms["pre_mlp_norm"], *projections, q_norm=norms.get("q_norm"),
                      k_norm=norms.get("k_norm"), attention_out_norm=norms.get("attention_out_norm"),
-                     mlp_out_norm=norms.get("mlp_out_norm"), window=parts.window, local_rope=int(parts.local_rope))
+                     mlp_out_norm=norms.get("mlp_out_norm"), window=parts.window, local_rope=int(parts.local_rope),
+                     moe=None if moe is None else ctypes.addressof(moe))
 
 
 class NativeDecoder:
@@ -154,21 +186,23 @@ class NativeDecoder:
     threading: str = "auto"  # one of THREADINGS (module docstring)
 
     def __init__(self, kernels: NativeKernels, layers: nn.ModuleList, specs: list[LayerSpec], layout: Layout,
-                 computed: list[torch.Tensor]) -> None:
+                 computed: list[object]) -> None:
         self._kernels = kernels
         self._layers = layers
         # Every tensor the specs point into, held by its storage (the computed norm weights too): a layer whose
         # weights move after binding leaves this decoder stale (its owner binds again), never pointing into freed
         # memory.
         self._tensors = [tensor.detach() for layer in layers for tensor in (*layer.parameters(), *layer.buffers())]
-        self._tensors += computed
+        self._tensors += computed  # and the ctypes structures of mixtures of experts
         self._specs = (LayerSpec * len(specs))(*specs)
         self._has_local_rope = layout.has_local_rope
         first = layers[0]
         attention = first.self_attn
         self._decoder = DecoderSpec(self._specs, len(specs), attention.o_proj.out_features, attention.num_heads,
                                     attention.num_kv_heads, attention.head_dim,
-                                    first.mlp.down_proj.in_features, first.input_layernorm.eps, attention.scale,
+                                    max((layer.mlp.down_proj.in_features for layer in layers
+                                         if not isinstance(layer.mlp, SparseMoeBlock)), default=0),
+                                    first.input_layernorm.eps, attention.scale,
                                     ACTIVATIONS.index(layout.activation),
                                     getattr(attention, "rotary_dim", attention.head_dim),
                                     getattr(attention, "softcap", None) or 0.0)
@@ -190,7 +224,7 @@ class NativeDecoder:
             return None
         eps = layers[0].input_layernorm.eps
         specs: list[LayerSpec] = []
-        computed: list[torch.Tensor] = []
+        computed: list[object] = []
         for layer in layers:
             parts = layout.parts(layer) if type(layer) is layer_type else None
             spec = None if parts is None else _layer_spec(layer, parts, eps, computed)

@@ -138,7 +138,16 @@ class LayerSpec(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("pre_mlp_norm", _ptr), ("qkv", LinearSpec), ("o", LinearSpec),
                 ("gate_up", LinearSpec), ("down", LinearSpec), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("attention_out_norm", _ptr), ("mlp_out_norm", _ptr), ("window", _i64),
-                ("local_rope", ctypes.c_int32)]
+                ("local_rope", ctypes.c_int32), ("moe", _ptr)]
+
+
+class MoeSpec(ctypes.Structure):
+    """A mixture-of-experts MLP (decoder.cpp's Moe): float32 router and shared gate, per-expert projections as
+    arrays of LinearSpec, the shared expert's as pointers to one each (null without one)."""
+
+    _fields_ = [("router", _ptr), ("num_experts", _i64), ("top_k", _i64), ("normalize", ctypes.c_int32),
+                ("intermediate_size", _i64), ("gate_ups", _ptr), ("downs", _ptr), ("shared_gate_up", _ptr),
+                ("shared_down", _ptr), ("shared_intermediate_size", _i64), ("shared_gate", _ptr)]
 
 
 class DecoderSpec(ctypes.Structure):
@@ -188,6 +197,9 @@ class NativeKernels:
             "convert_to_int8": ([ptr, c_int, i64, i64, ptr, ptr, c_int], c_int),
             "convert_q4_k": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
             "quantize_int8_groups": ([ptr, i64, i64, ptr, ptr, c_int], None),
+            "row_dots_f32": ([ptr, i64, i64, ptr, i64, ptr, c_int], None),
+            "moe_route_f32": ([ptr, i64, i64, i64, c_int, ptr, ptr, c_int], None),
+            "sigmoid_gate_f32": ([ptr, i64, i64, ptr, ptr, c_int], None),
             "decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
             "paged_attention_window_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                             ptr, i64, i64, ptr, i64, ptr, i64, c_float, i64, c_float, ptr, i64, c_int,
@@ -355,6 +367,34 @@ class NativeKernels:
         status = self._functions["convert_to_int8"](blocks.ctypes.data, gguf_type, num_rows, in_features,
                                                     q.data_ptr(), scales.data_ptr(), num_threads)
         return None if status else (q, scales)
+
+    # A mixture of experts' routing (ops.cpp), shared by the model page and the native decoder so that both pick
+    # the same experts with the same weights. Float32 CPU tensors, contiguous.
+
+    MAX_EXPERTS = 1024  # moe_route_f32's per-row buffer
+
+    def row_dots(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]ᵀ → [M, N] in one fixed summation order (a router's logits)."""
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [M, N]
+        self._functions["row_dots_f32"](x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+                                        out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [M, E] (E ≤ MAX_EXPERTS) → (experts [M, top_k] int64, weights [M, top_k] float32): the
+        softmax's top_k, largest first, the chosen probabilities renormalized to sum to one if `normalize`."""
+        experts = torch.empty(logits.shape[0], top_k, dtype=torch.int64)  # [M, top_k]
+        weights = torch.empty(logits.shape[0], top_k, dtype=torch.float32)  # [M, top_k]
+        self._functions["moe_route_f32"](logits.data_ptr(), logits.shape[0], logits.shape[1], top_k, int(normalize),
+                                         experts.data_ptr(), weights.data_ptr(), torch.get_num_threads())
+        return experts, weights
+
+    def sigmoid_gate(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x [M, K] . weight [K]) → [M, 1] (Qwen2-MoE's shared-expert gate)."""
+        out = torch.empty(x.shape[0], 1, dtype=torch.float32)  # [M, 1]
+        self._functions["sigmoid_gate_f32"](x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), out.data_ptr(),
+                                            torch.get_num_threads())
+        return out
 
     def quantize_int8_groups(self, weight: torch.Tensor, num_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Finite float32 rows [N, K] (contiguous, K a multiple of 32) → int8 codes [N, K] and float16 scales

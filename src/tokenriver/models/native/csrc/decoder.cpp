@@ -1,11 +1,13 @@
 // A whole decoder stack for one step in one call: every layer's norms, quantized products, rotary positions, paged
-// attention and gated MLP, in the order the model page runs them. One loop serves four layer layouts, each part
+// attention and gated MLP, in the order the model page runs them. One loop serves four layer layouts and mixtures of experts, each part
 // a layer lacks being a null pointer or zero:
 // - Llama (models/llama.py): input norm, attention, post-attention norm, SwiGLU MLP;
 // - Qwen3 (models/qwen3.py): the same, with an RMSNorm over each query and key head before rotary, and a sliding
 //   window where the layer has one;
 // - Phi-3 / Phi-4-mini (models/phi3.py): Llama's block with a window and, in Phi-4-mini, partial rotary (per
 //   decoder: only the first rotary_dim values of each head turn);
+// - mixtures of experts (models/moe.py: Qwen3-MoE, Qwen2-MoE, Mixtral): Qwen3's attention and, in place of the
+//   MLP, a router and per-expert SwiGLU MLPs over the rows routed to each, plus Qwen2-MoE's gated shared expert;
 // - Gemma 2 and 3 (models/gemma.py): Qwen3's parts, norms also on the attention and MLP outputs before each is
 //   added to the residual stream, GeGLU instead of SwiGLU (per decoder), Gemma 2's soft-capped attention scores
 //   (per decoder) and, on Gemma 3's sliding layers, rotary tables of their own base (per layer). Its norms multiply
@@ -60,6 +62,9 @@ void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*
 void head_rms_norm_f32(float*, int64_t, int64_t, const float*, int64_t, int64_t, float, int);
 void silu_mul_f32(const float*, int64_t, int64_t, float*, int);
 void gelu_tanh_mul_f32(const float*, int64_t, int64_t, float*, int);
+void row_dots_f32(const float*, int64_t, int64_t, const float*, int64_t, float*, int);
+void moe_route_f32(const float*, int64_t, int64_t, int64_t, int, int64_t*, float*, int);
+void sigmoid_gate_f32(const float*, int64_t, int64_t, const float*, float*, int);
 int paged_attention_window_f32(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t,
                                const int64_t*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t,
                                const int64_t*, int64_t, int64_t, const int64_t*, int64_t, const int64_t*, int64_t,
@@ -82,6 +87,21 @@ struct Linear {
   int32_t gemm_rounding;    // the GEMM: 0 exact, 1 activations to int8, 2 bfloat16 tiles (set only where it exists)
 };
 
+// A mixture-of-experts MLP (models/moe.py's SparseMoeBlock; native.py's MoeSpec): a float32 router, each expert's
+// fused gate/up and down projections, and an optional shared expert with its float32 gate.
+struct Moe {
+  const float* router;              // [E, H]
+  int64_t num_experts, top_k;
+  int32_t normalize;                // the chosen probabilities renormalized to sum to one
+  int64_t intermediate_size;        // each expert's
+  const Linear* gate_ups;           // [E]: [2I, H] each
+  const Linear* downs;              // [E]: [H, I] each
+  const Linear* shared_gate_up;     // [2I_s, H], or null: no shared expert
+  const Linear* shared_down;        // [H, I_s]
+  int64_t shared_intermediate_size;
+  const float* shared_gate;         // [H]: the shared expert's output is scaled by sigmoid(x . shared_gate)
+};
+
 // One decoder layer's weights (native.py's LayerSpec). The parts after the projections are Qwen3's and Gemma's:
 // null (or 0) where a layer has none.
 struct Layer {
@@ -96,6 +116,7 @@ struct Layer {
   const float* mlp_out_norm;        // [H] on the MLP output before it is added (post_feedforward_layernorm), or null
   int64_t window;                   // sliding window: each token sees its last `window` positions (0: all)
   int32_t local_rope;               // rotates with the step's local tables (Gemma 3's sliding layers)
+  const Moe* moe;                   // a mixture of experts in place of gate_up and down, or null
 };
 
 // The gated MLP's activation (Decoder.activation).
@@ -221,6 +242,61 @@ void run_mlp(const Decoder* d, const Layer& layer, const float* normed, int64_t 
   linear(layer.down, activation, T, out, threads);
 }
 
+// A SwiGLU MLP on rows x [M, H] into y [M, H], row after row as the model page's SwiGLUMLP runs it: gate_up [M, 2I]
+// and activation [M, I] are scratch.
+void swiglu_rows(const Linear& gate_up, const Linear& down, const float* x, int64_t M, float* gate_up_out,
+                 float* activation, float* y, int threads) {
+  linear(gate_up, x, M, gate_up_out, threads);
+  silu_mul_f32(gate_up_out, M, gate_up.out_features / 2, activation, threads);
+  linear(down, activation, M, y, threads);
+}
+
+// The mixture of experts on normed [T, H] into out [T, H], as SparseMoeBlock.forward computes it: route, then per
+// expert (in expert order) the rows of the tokens that chose it (in token order), its MLP, each output row times
+// its routing weight added to its token's row; then the shared expert's output times its gate. Experts no token
+// chose cost nothing.
+void run_moe(const Moe& m, const float* normed, int64_t T, int64_t H, float* out, int threads) {
+  const int64_t E = m.num_experts, k = m.top_k, I = std::max(m.intermediate_size, m.shared_intermediate_size);
+  thread_local std::vector<float> logits, weights, rows, gate_up, activation, y, gates;
+  thread_local std::vector<int64_t> experts, pairs, starts;
+  logits.resize(T * E);
+  weights.resize(T * k);
+  experts.resize(T * k);
+  rows.resize(T * H);
+  gate_up.resize(T * 2 * I);
+  activation.resize(T * I);
+  y.resize(T * H);
+  row_dots_f32(normed, T, H, m.router, E, logits.data(), threads);
+  moe_route_f32(logits.data(), T, E, k, m.normalize, experts.data(), weights.data(), threads);
+  // The (token, choice) pairs grouped by expert, in pair order within each: a stable counting sort.
+  starts.assign(E + 1, 0);
+  for (int64_t p = 0; p < T * k; ++p) ++starts[experts[p] + 1];
+  for (int64_t e = 0; e < E; ++e) starts[e + 1] += starts[e];
+  pairs.resize(T * k);
+  std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  for (int64_t p = 0; p < T * k; ++p) pairs[next[experts[p]]++] = p;
+  memset(out, 0, T * H * sizeof(float));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t count = starts[e + 1] - starts[e];
+    if (count == 0) continue;
+    const int64_t* chosen = pairs.data() + starts[e];
+    for (int64_t i = 0; i < count; ++i) memcpy(rows.data() + i * H, normed + chosen[i] / k * H, H * sizeof(float));
+    swiglu_rows(m.gate_ups[e], m.downs[e], rows.data(), count, gate_up.data(), activation.data(), y.data(), threads);
+    for (int64_t i = 0; i < count; ++i) {
+      const float weight = weights[chosen[i]];
+      float* row = out + chosen[i] / k * H;
+      const float* expert_row = y.data() + i * H;
+      for (int64_t h = 0; h < H; ++h) row[h] += expert_row[h] * weight;
+    }
+  }
+  if (m.shared_gate_up == nullptr) return;
+  gates.resize(T);
+  sigmoid_gate_f32(normed, T, H, m.shared_gate, gates.data(), threads);
+  swiglu_rows(*m.shared_gate_up, *m.shared_down, normed, T, gate_up.data(), activation.data(), y.data(), threads);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) out[t * H + h] += gates[t] * y[t * H + h];
+}
+
 // Every layer over all of the step's rows; returns paged attention's status.
 int run_layers(const Decoder* d, const Step* s) {
   const int64_t T = s->num_tokens, H = d->hidden_size, hd = d->head_dim;
@@ -277,7 +353,10 @@ int run_layers(const Decoder* d, const Step* s) {
     if (layer.attention_out_norm != nullptr)
       rms_norm_f32(s->out, nullptr, layer.attention_out_norm, T, H, eps, s->out, threads);
     rms_norm_f32(s->out, s->residual, layer.pre_mlp_norm, T, H, eps, normed, threads);
-    run_mlp(d, layer, normed, T, gate_up, activation, s->out, threads);
+    if (layer.moe != nullptr)
+      run_moe(*layer.moe, normed, T, H, s->out, threads);
+    else
+      run_mlp(d, layer, normed, T, gate_up, activation, s->out, threads);
     if (layer.mlp_out_norm != nullptr) rms_norm_f32(s->out, nullptr, layer.mlp_out_norm, T, H, eps, s->out, threads);
   }
   return 0;
@@ -390,6 +469,8 @@ bool runs_in_row_groups(const Decoder* d, const Step& s) {
   const int64_t rows = s.num_tokens / s.num_threads;
   for (int64_t i = 0; i < d->num_layers; ++i) {
     const Layer& layer = d->layers[i];
+    // An expert's rows are the tokens routed to it: in groups, fewer of them, perhaps few enough for the GEMV.
+    if (layer.moe != nullptr) return false;
     for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
       if (rows <= l->max_gemv_rows) return false;
   }

@@ -181,6 +181,16 @@ void argmax_logsumexp_row(const float* row, int64_t V, int64_t* argmax, float* m
   *lse = has_nan ? NAN : max_value + logf(total);
 }
 
+// x . w over K floats: eight running sums, then their horizontal sum, then the tail; one fixed order.
+inline float dot_row(const float* x, const float* w, int64_t K) {
+  __m256 sum = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), sum);
+  float total = horizontal_sum(sum);
+  for (; k < K; ++k) total += x[k] * w[k];
+  return total;
+}
+
 }  // namespace
 
 extern "C" {
@@ -252,6 +262,48 @@ int argmax_logsumexp_f32(const float* logits, int64_t N, int64_t V, int64_t* arg
   int num_not_finite = 0;
   for (int64_t n = 0; n < N; ++n) num_not_finite += !isfinite(lse[n]);
   return num_not_finite;
+}
+
+// Float32 rows x [M, K] against float32 rows w [N, K] into out [M, N] (dot_row each): a mixture of experts' router
+// and shared-expert gate, small float matrices that the model page and the native decoder both compute here, so
+// that the two pick the same experts with the same weights.
+void row_dots_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* out, int num_threads) {
+  for_rows(M, M * N * K / 8, num_threads, [&](int64_t m) {
+    for (int64_t n = 0; n < N; ++n) out[m * N + n] = dot_row(x + m * K, w + n * K, K);
+  });
+}
+
+// Per row of router logits [M, E]: the softmax over the E experts (float32, expf, summed in expert order), then the
+// top_k probabilities, largest first and the lower expert first among equals, into experts [M, top_k] and weights
+// [M, top_k]; with normalize, the chosen probabilities divided by their sum (in the order chosen).
+void moe_route_f32(const float* logits, int64_t M, int64_t E, int64_t top_k, int normalize, int64_t* experts,
+                   float* weights, int num_threads) {
+  for_rows(M, M * E * top_k, num_threads, [&](int64_t m) {
+    const float* row = logits + m * E;
+    float largest = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) largest = fmaxf(largest, row[e]);
+    float probabilities[1024];
+    float total = 0.0f;
+    for (int64_t e = 0; e < E; ++e) total += probabilities[e] = expf(row[e] - largest);
+    for (int64_t e = 0; e < E; ++e) probabilities[e] /= total;
+    float chosen_total = 0.0f;
+    for (int64_t j = 0; j < top_k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (probabilities[e] >= 0.0f && (best < 0 || probabilities[e] > probabilities[best])) best = e;
+      experts[m * top_k + j] = best;
+      weights[m * top_k + j] = probabilities[best];
+      chosen_total += probabilities[best];
+      probabilities[best] = -1.0f;  // taken
+    }
+    if (normalize)
+      for (int64_t j = 0; j < top_k; ++j) weights[m * top_k + j] /= chosen_total;
+  });
+}
+
+// out [M] = sigmoid(x . w) per row of x [M, K] (Qwen2-MoE's shared-expert gate), 1 / (1 + e^-z).
+void sigmoid_gate_f32(const float* x, int64_t M, int64_t K, const float* w, float* out, int num_threads) {
+  for_rows(M, M * K / 8, num_threads, [&](int64_t m) { out[m] = 1.0f / (1.0f + expf(-dot_row(x + m * K, w, K))); });
 }
 
 }  // extern "C"
