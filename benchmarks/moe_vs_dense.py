@@ -27,11 +27,11 @@ from pathlib import Path
 
 from common import RESULTS, machine_line, markdown_table
 
-NOTES = """Where the difference comes from: the dense model runs its decoder stack in one native call per step, the
-MoE model its model page module by module (models/moe.py: the router, then each chosen expert's products on the rows
-routed to it; the native decoder has no expert routing yet). Per token both do the same arithmetic, but a decode
-step of one request reads 4 experts' weights per layer in 4 separate products, and a step of 32 requests touches
-most of the 32 experts, reading about 6x the dense model's weights."""
+NOTES = """Where the difference comes from: both run their decoder stack in one native call per step (the MoE
+model's layers route each token natively and multiply each chosen expert by the rows routed to it). Per token both
+do the same arithmetic, but a decode step of one request reads its 4 experts per layer in 4 pairs of small products
+instead of one pair, each a fork and join of the threads, and a step of 32 requests touches most of the 32 experts:
+it reads about 6x the dense model's weights, each expert for only a few rows."""
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
              max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
