@@ -28,10 +28,10 @@ from pathlib import Path
 from common import RESULTS, machine_line, markdown_table
 
 NOTES = """Where the difference comes from: both run their decoder stack in one native call per step (the MoE
-model's layers route each token natively and multiply each chosen expert by the rows routed to it). Per token both
-do the same arithmetic, but a decode step of one request reads its 4 experts per layer in 4 pairs of small products
-instead of one pair, each a fork and join of the threads, and a step of 32 requests touches most of the 32 experts:
-it reads about 6x the dense model's weights, each expert for only a few rows."""
+model's layers route each token natively and multiply each chosen expert by the rows routed to it, the chosen
+experts shared out among the threads). Per token both do the same arithmetic, but a decode step of one request
+reads its 4 experts per layer as 4 pairs of small products instead of one pair of larger ones, and a step of 32
+requests touches most of the 32 experts: it reads about 6x the dense model's weights, each expert for a few rows."""
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
              max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True)
 

@@ -252,20 +252,19 @@ void swiglu_rows(const Linear& gate_up, const Linear& down, const float* x, int6
 }
 
 // The mixture of experts on normed [T, H] into out [T, H], as SparseMoeBlock.forward computes it: route, then per
-// expert (in expert order) the rows of the tokens that chose it (in token order), its MLP, each output row times
-// its routing weight added to its token's row; then the shared expert's output times its gate. Experts no token
-// chose cost nothing.
+// expert the rows of the tokens that chose it (in token order) through its MLP, and each output row times its
+// routing weight added to its token's row, expert after expert in order; then the shared expert's output times its
+// gate. Experts no token chose cost nothing. The chosen experts are shared out among the threads, each running its
+// experts' products alone: a decode step's experts are small products, and one fork for all of them beats one per
+// product. Which thread runs an expert changes none of its bits, and the sums are added in expert order after.
 void run_moe(const Moe& m, const float* normed, int64_t T, int64_t H, float* out, int threads) {
-  const int64_t E = m.num_experts, k = m.top_k, I = std::max(m.intermediate_size, m.shared_intermediate_size);
-  thread_local std::vector<float> logits, weights, rows, gate_up, activation, y, gates;
-  thread_local std::vector<int64_t> experts, pairs, starts;
+  const int64_t E = m.num_experts, k = m.top_k;
+  thread_local std::vector<float> logits, weights, outputs, gates, shared_gate_up, shared_activation, shared_out;
+  thread_local std::vector<int64_t> experts, pairs, starts, active;
   logits.resize(T * E);
   weights.resize(T * k);
   experts.resize(T * k);
-  rows.resize(T * H);
-  gate_up.resize(T * 2 * I);
-  activation.resize(T * I);
-  y.resize(T * H);
+  outputs.resize(T * k * H);
   row_dots_f32(normed, T, H, m.router, E, logits.data(), threads);
   moe_route_f32(logits.data(), T, E, k, m.normalize, experts.data(), weights.data(), threads);
   // The (token, choice) pairs grouped by expert, in pair order within each: a stable counting sort.
@@ -275,26 +274,52 @@ void run_moe(const Moe& m, const float* normed, int64_t T, int64_t H, float* out
   pairs.resize(T * k);
   std::vector<int64_t> next(starts.begin(), starts.end() - 1);
   for (int64_t p = 0; p < T * k; ++p) pairs[next[experts[p]]++] = p;
-  memset(out, 0, T * H * sizeof(float));
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t count = starts[e + 1] - starts[e];
-    if (count == 0) continue;
-    const int64_t* chosen = pairs.data() + starts[e];
+  active.clear();
+  for (int64_t e = 0; e < E; ++e)
+    if (starts[e + 1] > starts[e]) active.push_back(e);
+  const int64_t I = m.intermediate_size;
+  // The caller's buffers, by pointer: inside the parallel region a thread_local name means each worker's own.
+  const int64_t* const first = starts.data();
+  const int64_t* const grouped = pairs.data();
+  float* const expert_outputs = outputs.data();
+  const auto run_expert = [&m, normed, H, k, I, first, grouped, expert_outputs](int64_t e, int inner_threads) {
+    thread_local std::vector<float> rows, gate_up, activation;  // each running thread's own
+    const int64_t count = first[e + 1] - first[e];
+    rows.resize(count * H);
+    gate_up.resize(count * 2 * I);
+    activation.resize(count * I);
+    const int64_t* chosen = grouped + first[e];
     for (int64_t i = 0; i < count; ++i) memcpy(rows.data() + i * H, normed + chosen[i] / k * H, H * sizeof(float));
-    swiglu_rows(m.gate_ups[e], m.downs[e], rows.data(), count, gate_up.data(), activation.data(), y.data(), threads);
-    for (int64_t i = 0; i < count; ++i) {
-      const float weight = weights[chosen[i]];
-      float* row = out + chosen[i] / k * H;
-      const float* expert_row = y.data() + i * H;
-      for (int64_t h = 0; h < H; ++h) row[h] += expert_row[h] * weight;
-    }
+    swiglu_rows(m.gate_ups[e], m.downs[e], rows.data(), count, gate_up.data(), activation.data(),
+                expert_outputs + first[e] * H, inner_threads);
+  };
+  const int64_t* const order = active.data();
+  const int64_t num_active = static_cast<int64_t>(active.size());
+  if (threads > 1 && num_active > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t a = 0; a < num_active; ++a) run_expert(order[a], 1);
+  } else {
+    for (int64_t a = 0; a < num_active; ++a) run_expert(order[a], threads);
+  }
+  memset(out, 0, T * H * sizeof(float));
+  for (int64_t p = 0; p < T * k; ++p) {
+    const int64_t pair = pairs[p];
+    const float weight = weights[pair];
+    float* row = out + pair / k * H;
+    const float* expert_row = outputs.data() + p * H;
+    for (int64_t h = 0; h < H; ++h) row[h] += expert_row[h] * weight;
   }
   if (m.shared_gate_up == nullptr) return;
+  const int64_t shared_I = m.shared_intermediate_size;
   gates.resize(T);
+  shared_gate_up.resize(T * 2 * shared_I);
+  shared_activation.resize(T * shared_I);
+  shared_out.resize(T * H);
   sigmoid_gate_f32(normed, T, H, m.shared_gate, gates.data(), threads);
-  swiglu_rows(*m.shared_gate_up, *m.shared_down, normed, T, gate_up.data(), activation.data(), y.data(), threads);
+  swiglu_rows(*m.shared_gate_up, *m.shared_down, normed, T, shared_gate_up.data(), shared_activation.data(),
+              shared_out.data(), threads);
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) out[t * H + h] += gates[t] * y[t * H + h];
+    for (int64_t h = 0; h < H; ++h) out[t * H + h] += gates[t] * shared_out[t * H + h];
 }
 
 // Every layer over all of the step's rows; returns paged attention's status.
