@@ -360,7 +360,7 @@ def test_families_over_an_int8_kv_pool_equal_the_module_path(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_families_run_gemm_sized_batches(family, int8_activations):
     """21 requests decoding: every projection takes the GEMM; with int8 activations on AVX512-VNNI, Qwen3's MLP
-    takes the fused SwiGLU GEMM and Gemma's GeGLU the row-major products."""
+    takes the fused SwiGLU GEMM and Gemma's MLP the fused GeGLU one."""
     model = family_tiny_model(family, int8_activations)
     requests = [[(5 * i + 3 * r) % 96 for i in range(14)] for r in range(21)]
     assert_native_equals_modules(model, requests, [[8] * 21, [1] * 21, [1] * 21, [3] * 21, [1] * 21])

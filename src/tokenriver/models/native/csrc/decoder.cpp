@@ -55,6 +55,10 @@ void int4_gemm_int8x_swiglu(const uint8_t*, const uint16_t*, const uint16_t*, in
                             int64_t, float*, int);
 void int8_gemm_int8x_swiglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                             int);
+void int4_gemm_int8x_geglu(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
+                           int64_t, float*, int);
+void int8_gemm_int8x_geglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
+                           int);
 #endif
 void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
 void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
@@ -190,11 +194,11 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
 }
 
 // Whether the layer's MLP keeps its intermediate feature-major: both products on gemm.cpp's int8-activation GEMM,
-// which then applies SwiGLU to the gate/up sums in its tiles and writes silu(gate) * up transposed ([I, T]: no
-// transposes out of its tiles, no [2I, T] product and no pass of SwiGLU over it), and the down product packs its
-// input from it without transposing either. Every value goes through the same operations as row after row (SiLU's
-// 8- and 16-wide forms agree bit for bit; I a multiple of 8), so the output is the same, without writing out the
-// [2I, T] gate/up product and reading it back for SwiGLU (benchmarks/HISTORY.md, "fused SwiGLU").
+// which then applies SwiGLU (or GeGLU) to the gate/up sums in its tiles and writes silu(gate) * up transposed ([I, T]:
+// no transposes out of its tiles, no [2I, T] product and no pass of the activation over it), and the down product
+// packs its input from it without transposing either. Every value goes through the same operations as row after
+// row (the activations' 8- and 16-wide forms agree bit for bit; I a multiple of 8), so the output is the same,
+// without writing out the [2I, T] gate/up product and reading it back (benchmarks/HISTORY.md, "fused SwiGLU").
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
   const Linear& gate_up = layer.gate_up;
@@ -212,13 +216,16 @@ void linear_from_feature_major(const Linear& l, const float* x, int64_t M, int64
     int8_gemm_int8x_strided(reinterpret_cast<const int8_t*>(l.qweight), l.scales, N, K, G, x, M, x_ld, y, threads);
 }
 
-// silu(gate) * up into y [I, M] (feature-major) from the fused gate/up layer ([2I, K]) on x [M, K].
-void swiglu_feature_major(const Linear& l, const float* x, int64_t M, float* y, int threads) {
+// silu(gate) * up (gelu_tanh(gate) * up if gelu) into y [I, M] (feature-major) from the fused gate/up layer
+// ([2I, K]) on x [M, K].
+void gated_feature_major(const Linear& l, bool gelu, const float* x, int64_t M, float* y, int threads) {
   const int64_t I = l.out_features / 2, K = l.in_features, G = l.group_size;
+  const auto int4_product = gelu ? int4_gemm_int8x_geglu : int4_gemm_int8x_swiglu;
+  const auto int8_product = gelu ? int8_gemm_int8x_geglu : int8_gemm_int8x_swiglu;
   if (l.is_int4)
-    int4_gemm_int8x_swiglu(l.qweight, l.scales, l.mins, I, K, G, x, M, y, threads);
+    int4_product(l.qweight, l.scales, l.mins, I, K, G, x, M, y, threads);
   else
-    int8_gemm_int8x_swiglu(reinterpret_cast<const int8_t*>(l.qweight), l.scales, I, K, G, x, M, y, threads);
+    int8_product(reinterpret_cast<const int8_t*>(l.qweight), l.scales, I, K, G, x, M, y, threads);
 }
 #endif
 
@@ -227,9 +234,8 @@ void run_mlp(const Decoder* d, const Layer& layer, const float* normed, int64_t 
              float* out, int threads) {
   const int64_t I = d->intermediate_size;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  // The GEMM's fused activation is SwiGLU's only.
-  if (d->activation == kSiLU && mlp_feature_major(layer, T, I)) {
-    swiglu_feature_major(layer.gate_up, normed, T, activation, threads);
+  if (mlp_feature_major(layer, T, I)) {
+    gated_feature_major(layer.gate_up, d->activation == kGeluTanh, normed, T, activation, threads);
     linear_from_feature_major(layer.down, activation, T, T, out, threads);
     return;
   }

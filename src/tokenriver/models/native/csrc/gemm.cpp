@@ -450,7 +450,7 @@ struct TilePrefetch {
 template <bool IS_INT4, int RT, bool PER_ROW = false>
 void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int64_t K, const uint32_t* quads,
                const float* x_scales, const float* x_terms, int valid, float* y, int64_t N, int64_t m0, int64_t n0,
-               float* columns_out, int64_t y_ld, const TilePrefetch& prefetch) {
+               float* columns_out, int64_t y_ld, const TilePrefetch& prefetch, bool gelu = false) {
   static_assert(!(IS_INT4 && PER_ROW), "int4 weights keep a scale and a min per group");
   const int64_t num_blocks = K / 32;
   const int64_t lines_per_block = (prefetch.lines + num_blocks - 1) / num_blocks;
@@ -488,12 +488,14 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
   }
   if (PER_ROW)
     for (int r = 0; r < RT; ++r) acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(w_scales[r]));
-  // SwiGLU into y feature-major ([N, y_ld]): rows r < RT / 2 are gates and the rest their ups, and row n0 + r of y
-  // (activation rows m0.. of it) is silu(gate r) * up r.
+  // SwiGLU (GeGLU if gelu) into y feature-major ([N, y_ld]): rows r < RT / 2 are gates and the rest their ups, and
+  // row n0 + r of y (activation rows m0.. of it) is silu(gate r) * up r (gelu_tanh(gate r) * up r).
   if (y_ld > 0) {
     const __mmask16 lanes = static_cast<__mmask16>(valid >= kPanel ? 0xFFFF : (1u << valid) - 1);
     for (int r = 0; r < RT / 2; ++r)
-      _mm512_mask_storeu_ps(y + (n0 + r) * y_ld + m0, lanes, tokenriver::silu_times(acc[r], acc[r + RT / 2]));
+      _mm512_mask_storeu_ps(y + (n0 + r) * y_ld + m0, lanes,
+                            gelu ? tokenriver::gelu_tanh_times(acc[r], acc[r + RT / 2])
+                                 : tokenriver::silu_times(acc[r], acc[r + RT / 2]));
     return;
   }
   // For row reductions instead of y: weight row r's 16 sums at columns_out + 16 r.
@@ -529,7 +531,8 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
 template <bool IS_INT4>
 void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
                const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads,
-               const RowReductions* reductions = nullptr, int64_t x_ld = 0, int64_t swiglu_up = 0) {
+               const RowReductions* reductions = nullptr, int64_t x_ld = 0, int64_t swiglu_up = 0,
+               bool gelu = false) {
   const int64_t y_ld = swiglu_up > 0 ? M : 0;
   const int64_t num_blocks = K / 32, panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
   const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
@@ -638,7 +641,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
               int8_tile<IS_INT4, RT, decltype(per_row_tile)::value>(
                   w.data(), w_scales.data(), w_mins.data(), K, quads + p * panel_words, x_scales + p * panel_blocks,
                   x_terms + p * panel_blocks, static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m,
-                  n0, columns, y_ld, p == 0 ? prefetch : TilePrefetch{});
+                  n0, columns, y_ld, p == 0 ? prefetch : TilePrefetch{}, gelu);
             };
             // per_row is never true for int4; the constant keeps the int4 build from instantiating PER_ROW.
             if (per_row)
@@ -763,6 +766,18 @@ void int8_gemm_int8x_swiglu(const int8_t* qweight, const uint16_t* scales, int64
                             const float* x, int64_t M, float* y, int num_threads) {
   gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, I, group_size, y,
                    num_threads, nullptr, 0, I);
+}
+
+// The same with GeGLU, gelu_tanh(gate) * up (Gemma's MLP): ops.cpp's GeGLU on int4_gemm_int8x's values.
+void int4_gemm_int8x_geglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t I,
+                           int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
+  gemm_int8<true>(x, M, K, qweight, scales, mins, I, group_size, y, num_threads, nullptr, 0, I, true);
+}
+
+void int8_gemm_int8x_geglu(const int8_t* qweight, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
+                           const float* x, int64_t M, float* y, int num_threads) {
+  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, I, group_size, y,
+                   num_threads, nullptr, 0, I, true);
 }
 
 int gemm_int8x_supported() { return 1; }

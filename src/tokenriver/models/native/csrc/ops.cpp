@@ -58,27 +58,17 @@ inline void silu_mul_run(const float* gate, const float* up, int64_t n, float* o
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-// out[i] = gelu_tanh(gate[i]) * up[i] for i < n, 8 at a time (a short tail padded to 8, so that every value takes
-// the same operations). gelu_tanh(g) = g/2 * (1 + tanh(u)), u = sqrt(2/pi) * (g + 0.044715 g^3), computed as
-// g / (1 + e^(-2u)): the same function without tanh's cancellation near -1 (PyTorch's form loses most of its
-// relative precision there), so within ~1e-6 relative of PyTorch's float32 result wherever that one is precise.
-inline __m256 gelu_tanh_times(__m256 g, __m256 up) {
-  const __m256 g_cubed = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
-  const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5)),
-                                     _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), g_cubed)));
-  const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), inner));
-  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
-}
-
+// out[i] = gelu_tanh(gate[i]) * up[i] for i < n (vec.h's gelu_tanh_times), 8 at a time (a short tail padded to 8,
+// so that every value takes the same operations).
 inline void gelu_tanh_mul_run(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, gelu_tanh_times(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    _mm256_storeu_ps(out + i, tokenriver::gelu_tanh_times(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
   if (i < n) {
     alignas(32) float g[8] = {}, u[8] = {}, y[8];
     std::copy(gate + i, gate + n, g);
     std::copy(up + i, up + n, u);
-    _mm256_store_ps(y, gelu_tanh_times(_mm256_load_ps(g), _mm256_load_ps(u)));
+    _mm256_store_ps(y, tokenriver::gelu_tanh_times(_mm256_load_ps(g), _mm256_load_ps(u)));
     std::copy(y, y + (n - i), out + i);
   }
 }
