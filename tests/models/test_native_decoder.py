@@ -46,14 +46,20 @@ def quantized_tiny_model(attention_bias: bool, int8_activations: bool = False,
     return quantize_projections(LlamaForCausalLM(config), int8_activations)
 
 
-def quantize_projections(model: torch.nn.Module, int8_activations: bool) -> torch.nn.Module:
-    """Random weights (norms around one, Gemma's around zero: it adds one); projections alternate int4 and int8."""
+def randomize(model: torch.nn.Module) -> torch.nn.Module:
+    """Random float32 weights: norms around one (Gemma's around zero: it adds one), the rest around zero."""
     model = model.float()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.05)
         for norm in (m for m in model.modules() if type(m).__name__ == "RMSNorm"):
             norm.weight.add_(1.0)
+    return model
+
+
+def quantize_projections(model: torch.nn.Module, int8_activations: bool) -> torch.nn.Module:
+    """randomize()'s weights; projections alternate int4 and int8."""
+    model = randomize(model)
     options = dict(int8_activations=int8_activations)
     for i, layer in enumerate(model.model.layers):
         attention, mlp = layer.self_attn, layer.mlp
@@ -397,12 +403,7 @@ def moe_tiny_model(family: str, int8_activations: bool = False) -> torch.nn.Modu
     config = ModelConfig(architecture=family, vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=64, **MOE_FAMILIES[family])
-    model = model_class(family)(config).float()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.05)
-        for norm in (m for m in model.modules() if type(m).__name__ == "RMSNorm"):
-            norm.weight.add_(1.0)
+    model = randomize(model_class(family)(config))
     options = dict(int8_activations=int8_activations)
     owners = [(layer.self_attn, name) for layer in model.model.layers for name in ("qkv_proj", "o_proj")]
     for layer in model.model.layers:
