@@ -80,7 +80,7 @@ def test_native_products_on_converted_weights_match_the_reference(qtype, num_row
     torch.testing.assert_close(native(x), reference(x), rtol=1e-4, atol=1e-4)
 
 
-NATIVE_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+NATIVE_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 
 
 @pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda t: t.name)

@@ -37,7 +37,7 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer.to_json(), tokenizer.vocab_size, tokenizer.eos_token_ids)
+    return GrammarCompiler(tokenizer.to_json, tokenizer.vocab_size, tokenizer.eos_token_ids)
 
 
 def _reference_mask(compiler: GrammarCompiler, spec: StructuredOutput, token_ids: list[int]) -> torch.Tensor:

@@ -59,7 +59,7 @@ class Checker:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.compiler = GrammarCompiler(tokenizer.to_json(), tokenizer.vocab_size, tokenizer.eos_token_ids)
+        self.compiler = GrammarCompiler(tokenizer.to_json, tokenizer.vocab_size, tokenizer.eos_token_ids)
 
     def special_token_id(self, text: str) -> int | None:  # as EngineCore.special_token_id
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)

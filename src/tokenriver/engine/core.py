@@ -152,7 +152,7 @@ class EngineCore:
                                    recompute_every_step=not config.use_kv_cache,
                                    num_scheduler_steps=config.num_scheduler_steps)
         # Structured output: compiled grammars, shared with the threads that submit requests (compile()).
-        self.grammar = GrammarCompiler(self.tokenizer.to_json(), model_config.vocab_size,
+        self.grammar = GrammarCompiler(self.tokenizer.to_json, model_config.vocab_size,
                                        list(self.tokenizer.eos_token_ids))
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed,
                                   GrammarMatchers(self.grammar))

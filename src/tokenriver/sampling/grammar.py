@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import llguidance
 import torch
@@ -55,8 +56,10 @@ def grammar_text(spec: StructuredOutput) -> str:
 class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
-        # tokenizer_json: the tokenizer in Hugging Face `tokenizers` JSON; vocab_size: the model's logits width.
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int]) -> None:
+        # tokenizer_json: makes the tokenizer's Hugging Face `tokenizers` JSON, called on first use (a 262k
+        # vocabulary takes a noticeable part of a second to serialize, and most engines never constrain);
+        # vocab_size: the model's logits width.
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer_json = tokenizer_json
@@ -69,7 +72,7 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary, built on first use (it scans every token)."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
                                                          eos_token=self.eos_token_ids or None)
             return self._tokenizer
 

@@ -10,7 +10,7 @@
 // nibbles), Q5_K 176 (Q4_K's header, 32 bytes of fifth bits, 128 of nibbles), Q6_K 210 (128 bytes of low
 // nibbles, 64 of two high bits, 16 int8 scales, f16 d), Q3_K 110 (32 bytes of high bits, 64 of two low bits,
 // 12 of 6-bit scales, f16 d), Q2_K 84 (16 bytes of 4-bit scale and min, 64 of two bits, f16 d, f16 dmin),
-// Q5_0 22 per 32, Q5_1 24 per 32, IQ4_NL 18 per 32, IQ4_XS 136 per 256.
+// Q5_0 22 per 32, Q5_1 24 per 32, Q8_0 34 per 32 (f16 d, 32 int8), IQ4_NL 18 per 32, IQ4_XS 136 per 256.
 
 #include <immintrin.h>
 
@@ -25,7 +25,7 @@ namespace {
 using tokenriver::half_to_float;
 
 // GGUF type codes (gguf.GGMLQuantizationType).
-enum : int { Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum : int { Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
 
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -158,6 +158,10 @@ inline void requantize_group(const float* w, int8_t* q, uint16_t* scale) {
 // An exactly mapped int8 block → codes and float16 scales; returns the weights per block.
 int exact_int8_block(int type, const uint8_t* b, int8_t* q, uint16_t* scales) {
   switch (type) {
+    case Q8_0:
+      std::memcpy(scales, b, 2);
+      std::memcpy(q, b + 2, 32);
+      return 32;
     case Q5_0: {
       uint32_t qh;
       std::memcpy(&qh, b + 2, 4);
@@ -198,6 +202,7 @@ int exact_int8_block(int type, const uint8_t* b, int8_t* q, uint16_t* scales) {
 int block_bytes(int type) {
   switch (type) {
     case Q5_0: return 22;
+    case Q8_0: return 34;
     case Q5_1: return 24;
     case Q2_K: return 84;
     case Q3_K: return 110;
@@ -210,9 +215,9 @@ int block_bytes(int type) {
   }
 }
 
-int block_weights(int type) { return type == Q5_0 || type == Q5_1 || type == IQ4_NL ? 32 : 256; }
+int block_weights(int type) { return type == Q5_0 || type == Q5_1 || type == Q8_0 || type == IQ4_NL ? 32 : 256; }
 
-bool is_exact_int8(int type) { return type == Q5_0 || type == IQ4_NL || type == IQ4_XS; }
+bool is_exact_int8(int type) { return type == Q5_0 || type == Q8_0 || type == IQ4_NL || type == IQ4_XS; }
 
 bool is_finite_half(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
 
