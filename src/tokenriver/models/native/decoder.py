@@ -7,16 +7,16 @@ This runs the same operations, through the same kernels in the same order, from 
 the module path's bit for bit.
 
 Which parts a layer has is read off its type, one small function per layout (`LAYOUTS`): Llama's pre-norm block;
-Qwen3's adds q/k norms, a per-layer sliding window and, in its mixtures of experts (Qwen3-MoE, Qwen2-MoE,
-Mixtral), a router and per-expert MLPs in place of the MLP; Phi-3's is Llama's with a window and, in Phi-4-mini, partial
+Qwen3's adds q/k norms, a per-layer sliding window and, in its mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral),
+a router and per-expert MLPs in place of the MLP; Phi-3's is Llama's with a window and, in Phi-4-mini, partial
 rotary (the first rotary_dim values of each head turn); Gemma's adds norms on the attention and MLP outputs, GeGLU,
 its (1 + weight) norms (bound as those sums, computed here once), Gemma 2's soft-capped attention scores and, on
 Gemma 3's sliding layers, the local rope tables (Gemma's `rope` is a (global, local) pair of tables).
 
 Contract: `NativeDecoder.build(layers)` returns None unless every layer can run natively (layers of one layout,
 every projection a quantized linear on the native backend, float32 norm weights, one eps, a head size the attention
-kernel is compiled for; a mixture of experts with float32 router and shared gate and native expert projections). `supports(...)`
-says whether one step can: float32 activations, a float32, float16 or int8 cache, all on the CPU, autograd off
+kernel is compiled for; a mixture of experts with a float32 router and shared gate). `supports(...)` says whether one
+step can: float32 activations, a float32, float16 or int8 cache, all on the CPU, autograd off
 (decodes, verification and prompt chunks alike: the attention kernel takes them all). The caller runs the modules
 otherwise. The weights' pointers are taken at build time: the owner drops this object when its buffers move
 (Gemma's norm sums are copies: weights changed in place after binding are not seen).
