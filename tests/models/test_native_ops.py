@@ -243,3 +243,25 @@ def test_argmax_logsumexp_declines_what_it_cannot_compute():
     assert kernels.argmax_logsumexp(with_nan) is None
     assert kernels.argmax_logsumexp(torch.randn(4, 10).t()) is None  # not contiguous
     assert kernels.argmax_logsumexp(torch.randn(4, 10, dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="native kernels unavailable")
+def test_moe_routing_matches_softmax_top_k_and_survives_a_damaged_router():
+    """The router's softmax, top-k (largest first) and renormalization, as PyTorch computes them; a row of NaN
+    logits still names valid, distinct experts, so no expert index can run out of bounds."""
+    kernels = load_kernels()
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 16, generator=generator)
+    experts, weights = kernels.moe_route(logits, 4, True)
+    probabilities = torch.softmax(logits, dim=-1)
+    want_weights, want_experts = probabilities.topk(4, dim=-1)
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(weights, want_weights / want_weights.sum(dim=-1, keepdim=True))
+    logits[2] = float("nan")
+    logits[3, 5] = float("nan")
+    experts, _ = kernels.moe_route(logits, 4, False)
+    assert bool(((experts >= 0) & (experts < 16)).all())
+    assert all(len(set(row.tolist())) == 4 for row in experts)
+    assert 5 not in experts[3].tolist()
+    with pytest.raises(ValueError, match="top_k"):
+        kernels.moe_route(logits, 17, False)

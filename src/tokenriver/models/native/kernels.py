@@ -384,6 +384,8 @@ class NativeKernels:
     def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [M, E] (E ≤ MAX_EXPERTS) → (experts [M, top_k] int64, weights [M, top_k] float32): the
         softmax's top_k, largest first, the chosen probabilities renormalized to sum to one if `normalize`."""
+        if not 0 < top_k <= logits.shape[1] <= self.MAX_EXPERTS:
+            raise ValueError(f"moe_route: top_k {top_k} of {logits.shape[1]} experts (at most {self.MAX_EXPERTS})")
         experts = torch.empty(logits.shape[0], top_k, dtype=torch.int64)  # [M, top_k]
         weights = torch.empty(logits.shape[0], top_k, dtype=torch.float32)  # [M, top_k]
         self._functions["moe_route_f32"](logits.data_ptr(), logits.shape[0], logits.shape[1], top_k, int(normalize),

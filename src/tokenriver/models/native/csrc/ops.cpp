@@ -276,15 +276,20 @@ void moe_route_f32(const float* logits, int64_t M, int64_t E, int64_t top_k, int
     float total = 0.0f;
     for (int64_t e = 0; e < E; ++e) total += probabilities[e] = expf(row[e] - largest);
     for (int64_t e = 0; e < E; ++e) probabilities[e] /= total;
+    // Each pick is a valid expert whatever the values: a NaN (a damaged router) is taken only when nothing else is
+    // left, and spreads to the output.
+    bool taken[1024] = {};
     float chosen_total = 0.0f;
     for (int64_t j = 0; j < top_k; ++j) {
       int64_t best = -1;
       for (int64_t e = 0; e < E; ++e)
-        if (probabilities[e] >= 0.0f && (best < 0 || probabilities[e] > probabilities[best])) best = e;
+        if (!taken[e] && (best < 0 || probabilities[e] > probabilities[best] ||
+                          (isnan(probabilities[best]) && !isnan(probabilities[e]))))
+          best = e;
+      taken[best] = true;
       experts[m * top_k + j] = best;
       weights[m * top_k + j] = probabilities[best];
       chosen_total += probabilities[best];
-      probabilities[best] = -1.0f;  // taken
     }
     if (normalize)
       for (int64_t j = 0; j < top_k; ++j) weights[m * top_k + j] /= chosen_total;
