@@ -8,6 +8,8 @@ on construction, so model code can trust it. Stdlib only.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +131,10 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
                             f"num_experts={self.num_experts}")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, name)
+            if cap is not None and not 0.0 < cap < math.inf:
+                problems.append(f"{name}={cap} must be a positive finite number (or absent: no capping)")
         if problems:
             raise ModelLoadError("the model's configuration is inconsistent: " + "; ".join(problems))
 

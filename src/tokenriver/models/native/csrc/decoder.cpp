@@ -266,7 +266,7 @@ void swiglu_rows(const Linear& gate_up, const Linear& down, const float* x, int6
 void run_moe(const Moe& m, const float* normed, int64_t T, int64_t H, float* out, int threads) {
   const int64_t E = m.num_experts, k = m.top_k;
   thread_local std::vector<float> logits, weights, outputs, gates, shared_gate_up, shared_activation, shared_out;
-  thread_local std::vector<int64_t> experts, pairs, starts, active;
+  thread_local std::vector<int64_t> experts, pairs, starts, next, active;
   logits.resize(T * E);
   weights.resize(T * k);
   experts.resize(T * k);
@@ -278,7 +278,7 @@ void run_moe(const Moe& m, const float* normed, int64_t T, int64_t H, float* out
   for (int64_t p = 0; p < T * k; ++p) ++starts[experts[p] + 1];
   for (int64_t e = 0; e < E; ++e) starts[e + 1] += starts[e];
   pairs.resize(T * k);
-  std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  next.assign(starts.begin(), starts.end() - 1);
   for (int64_t p = 0; p < T * k; ++p) pairs[next[experts[p]]++] = p;
   active.clear();
   for (int64_t e = 0; e < E; ++e)
