@@ -1,8 +1,8 @@
 """Tensor parallelism: two gloo ranks on this machine compute what one process does.
 
 Rank 0 is the engine in this test process; rank 1 is a spawned process. The reference numerics (weights
-dequantized to float32) must give logprobs equal to one process's within float rounding (the partial sums are added
-in another order), and the packed 4-bit default the same greedy tokens.
+dequantized to float32), and the packed 4-bit weights with exact activations, must give logprobs equal to one
+process's within float rounding (the partial sums are added in another order) and the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from tokenriver.params import SamplingParams
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
-def _run(quantization: str, tensor_parallel_size: int, max_tokens: int) -> list:
+def _run(quantization: str, tensor_parallel_size: int, max_tokens: int, **options) -> list:
     llm = LLM(quantization=quantization, tensor_parallel_size=tensor_parallel_size, num_threads=1,
-              max_num_kv_tokens=2048)
+              max_num_kv_tokens=2048, **options)
     try:
         return llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3),
                             use_tqdm=False)
@@ -37,9 +37,7 @@ def _run(quantization: str, tensor_parallel_size: int, max_tokens: int) -> list:
         llm.engine.close()
 
 
-def test_two_ranks_match_one_process_in_reference_numerics():
-    single = _run("none", 1, 8)
-    parallel = _run("none", 2, 8)
+def _assert_same_tokens_and_logprobs(single: list, parallel: list) -> None:
     for one, two in zip(single, parallel):
         assert two.outputs[0].token_ids == one.outputs[0].token_ids
         for position_one, position_two in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
@@ -48,10 +46,15 @@ def test_two_ranks_match_one_process_in_reference_numerics():
                 assert position_two[token_id].logprob == pytest.approx(logprob.logprob, abs=2e-4)
 
 
-def test_two_ranks_give_the_same_greedy_tokens_with_packed_weights():
-    single = _run("auto", 1, 16)
-    parallel = _run("auto", 2, 16)
-    assert [o.outputs[0].token_ids for o in parallel] == [o.outputs[0].token_ids for o in single]
+def test_two_ranks_match_one_process_in_reference_numerics():
+    _assert_same_tokens_and_logprobs(_run("none", 1, 8), _run("none", 2, 8))
+
+
+def test_two_ranks_match_one_process_with_packed_weights():
+    # Exact activations: the default's int8 rounding turns the partial sums' other order into flipped rounding
+    # steps, whose logprob changes (up to ~0.1 here) can swap near-tied tokens, so only exact sums compare.
+    options = {"int8_activations": False}
+    _assert_same_tokens_and_logprobs(_run("auto", 1, 16, **options), _run("auto", 2, 16, **options))
 
 
 class _FakeGroup(TensorParallelGroup):

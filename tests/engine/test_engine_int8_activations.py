@@ -1,5 +1,5 @@
-"""int8_activations: the 4-bit layers round decode activations to int8, as llama.cpp does (and every quantized layer
-those of larger products where the CPU has the instructions).
+"""int8_activations: every quantized layer rounds decode activations to int8, as llama.cpp does, and those of larger
+products where the CPU has the instructions.
 
 The setting is chosen at load time and must reach every 4-bit layer and the one-call native decoder; the greedy
 continuation follows the exact engine's for a while, its log-probabilities close to the exact ones; a setting
@@ -30,12 +30,12 @@ def loaded_int8_activations(default_model_path):
     return load_model(default_model_path, quantization="auto", int8_activations=True)
 
 
-def test_every_4bit_layer_rounds_and_the_int8_output_layer_only_in_large_products(loaded_int8_activations):
+def test_every_quantized_layer_rounds_the_int8_output_layer_included(loaded_int8_activations):
     model = loaded_int8_activations.model
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert int4 and all(m.int8_activations for m in int4)
-    assert int8 and all(not m.int8_activations for m in int8)
+    assert model.lm_head in int8 and all(m.int8_activations for m in int8)
     kernels = load_kernels()
     expected = None if kernels is None else "bfloat16" if kernels.gemm_amx else "int8" if kernels.gemm_int8 else None
     assert all(m.gemm_rounding == expected for m in int4 + int8)
@@ -48,8 +48,8 @@ def test_greedy_follows_the_exact_engine(loaded_packed, loaded_int8_activations)
     engine = LLM.from_loaded(loaded_int8_activations)
     rounded = engine.generate(PROMPTS, params, use_tqdm=False)
     assert engine.engine.runner.forward.native is not None  # the one-call decoder ran it
-    # Measured at the time of writing over 6 prompts x 64 tokens: greedy agreed for the first 15-34 tokens, each
-    # agreeing token's log-probability off by 0.013-0.037 on average and 0.23 at most.
+    # Measured at the time of writing over 6 prompts x 64 tokens: greedy agreed for the first 5-64 tokens, each
+    # agreeing token's log-probability off by 0.037 on average (0.052 on these three prompts) and 0.19 at most.
     deviations = []
     for a, b in zip(exact, rounded):
         for step, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)):
@@ -57,7 +57,7 @@ def test_greedy_follows_the_exact_engine(loaded_packed, loaded_int8_activations)
                 break
             deviations.append(abs(a.outputs[0].logprobs[step][x].logprob - b.outputs[0].logprobs[step][y].logprob))
     assert len(deviations) >= 3 * 12
-    assert max(deviations) <= 0.3 and sum(deviations) / len(deviations) <= 0.05, deviations
+    assert max(deviations) <= 0.3 and sum(deviations) / len(deviations) <= 0.08, deviations
 
 
 def test_a_long_prompt_scores_like_the_exact_engine(loaded_packed, loaded_int8_activations):

@@ -96,7 +96,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     quantization (loader/assemble.py): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed and float weights float;
     "none" dequantizes everything; "int8"/"int4" also quantize float weights at load.
     int8_activations: the quantized layers round decode-sized activations to int8 and those of larger products too
-    where the CPU has it (models/native/quant.py); an int8 output projection rounds only the latter. True with a model
+    where the CPU has it (models/native/quant.py), the output projection included. True with a model
     that has no quantized layer is refused rather than loaded without the setting taking effect; None turns it on
     exactly where the model has quantized layers (the engine's default).
     cache_dir: where a GGUF file's header index is cached (loader/gguf_cache.py; None: $XDG_CACHE_HOME/tokenriver
@@ -110,9 +110,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         loaded = _load(path, _DTYPES[dtype], device, quantization, cache_dir)
     if int8_activations is False:
         return loaded
-    output = getattr(loaded.model, "lm_head", None)
-    layers = [m for m in loaded.model.modules()
-              if isinstance(m, Int4Linear) or (isinstance(m, Int8Linear) and m is not output)]
+    layers = [m for m in loaded.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     if not layers:
         if int8_activations is None:
             return loaded
@@ -121,10 +119,6 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
                                     f"quantize it", param="int8_activations")
     for layer in layers:
         layer.set_int8_activations(True)
-    # An int8 output projection already streams at memory speed in decode steps, so it keeps float32
-    # activations there; its many-row products, a fifth of a 64-sequence step's arithmetic, round too.
-    if isinstance(output, Int8Linear):
-        output.set_rounded_gemm(True)
     return dataclasses.replace(loaded, int8_activations=True)
 
 

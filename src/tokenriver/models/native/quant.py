@@ -25,8 +25,8 @@ Outputs have the activations' dtype (float32 or bfloat16); the sums are float32 
 `int8_activations=True` trades exactness for speed on decode-sized products (at most `max_gemv_rows` rows): the
 activations are rounded to int8 per 32 columns (scale max|x| / 127), as llama.cpp does on CPUs, and the native
 kernel multiplies integers: for int4 weights about a third of the vector operations per weight byte, so the
-products keep up with memory (benchmarks/results/kernels.md); int8 weights already stream at memory speed either
-way. The engine sets it with `load_model(..., int8_activations=True)`. The int4 min term uses the
+products keep up with memory (benchmarks/results/kernels.md); for int8 weights it saves the conversion of each
+weight byte to float32, about a quarter of a large GEMV's time. The engine sets it with `load_model(..., int8_activations=True)`. The int4 min term uses the
 rounded activations too: the error is then W · (x̂ - x) with W's centred values, not a shared offset from the 0..15
 codes. Larger products (prefill, batched decode) are bound by arithmetic, not by reading weights, and with the same
 setting they round too, by what the CPU does fastest (`gemm_rounding`):
