@@ -26,9 +26,9 @@ Outputs have the activations' dtype (float32 or bfloat16); the sums are float32 
 activations are rounded to int8 per 32 columns (scale max|x| / 127), as llama.cpp does on CPUs, and the native
 kernel multiplies integers: for int4 weights about a third of the vector operations per weight byte, so the
 products keep up with memory (benchmarks/results/kernels.md); for int8 weights it saves the conversion of each
-weight byte to float32, about a quarter of a large GEMV's time. The engine sets it with `load_model(..., int8_activations=True)`. The int4 min term uses the
-rounded activations too: the error is then W · (x̂ - x) with W's centred values, not a shared offset from the 0..15
-codes. Larger products (prefill, batched decode) are bound by arithmetic, not by reading weights, and with the same
+weight byte to float32, about a quarter of a large GEMV's time. The engine sets it with
+`load_model(..., int8_activations=True)`. The int4 min term uses the rounded activations too: the error is then
+W · (x̂ - x) with W's centred values, not a shared offset from the 0..15 codes. Larger products (prefill, batched decode) are bound by arithmetic, not by reading weights, and with the same
 setting they round too, by what the CPU does fastest (`gemm_rounding`):
 - "bfloat16" where it has AMX tiles (gemm_amx.cpp): the activations and the decoded weights rounded to bfloat16,
   float32 sums; one tile instruction adds 8,192 products, and no per-block scaling follows it.
