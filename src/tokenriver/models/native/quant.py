@@ -28,8 +28,9 @@ kernel multiplies integers: for int4 weights about a third of the vector operati
 products keep up with memory (benchmarks/results/kernels.md); for int8 weights it saves the conversion of each
 weight byte to float32, about a quarter of a large GEMV's time. The engine sets it with
 `load_model(..., int8_activations=True)`. The int4 min term uses the rounded activations too: the error is then
-W · (x̂ - x) with W's centred values, not a shared offset from the 0..15 codes. Larger products (prefill, batched decode) are bound by arithmetic, not by reading weights, and with the same
-setting they round too, by what the CPU does fastest (`gemm_rounding`):
+W · (x̂ - x) with W's centred values, not a shared offset from the 0..15 codes. Larger products (prefill, batched
+decode) are bound by arithmetic, not by reading weights, and with the same setting they round too, by what the CPU
+does fastest (`gemm_rounding`):
 - "bfloat16" where it has AMX tiles (gemm_amx.cpp): the activations and the decoded weights rounded to bfloat16,
   float32 sums; one tile instruction adds 8,192 products, and no per-block scaling follows it.
 - "int8" where it has AVX512-VNNI (gemm.cpp): the activations rounded to int8 per 32 columns as in decode steps, so
@@ -333,8 +334,8 @@ class _QuantizedLinear(nn.Module):
     def argmax_logsumexp(self, x: torch.Tensor) -> Reductions | None:
         """Per row of forward(x): (argmax, largest value, log-sum-exp) without writing the [M, N] output, where this
         layer has such a product: the rounded mode's (int8 activations on AVX512-VNNI, bfloat16 tiles on AMX), for
-        2-D float32 rows more than a GEMV's and no bias. None otherwise, or when an output is NaN or infinite: the caller then takes forward's output.
-        The argmax and largest value are those of forward(x) bit for bit."""
+        2-D float32 rows more than a GEMV's and no bias. None otherwise, or when an output is NaN or infinite: the
+        caller then takes forward's output. The argmax and largest value are those of forward(x) bit for bit."""
         argmax = self._native_argmax
         if (argmax is None or x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous()
                 or x.shape[0] <= self.max_gemv_rows or x.shape[1] != self.in_features or self.bias is not None):
