@@ -32,6 +32,7 @@ from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.gguf_blocks import conversion_of
 from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
+from tokenriver.loader.weight_memory import move_weights_to_huge_pages
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.native.quant import Int4Linear, Int8Linear
 from tokenriver.tokenizer.tokenizer import Tokenizer
@@ -137,6 +138,9 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
     else:
         raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
                              f"(config.json + *.safetensors), or nothing for the default model", path=path)
+    if torch.device(device).type == "cpu":
+        checkpoint.weights.clear()  # the model holds what it needs; the rest would keep the old copies alive
+        move_weights_to_huge_pages(model)
     num_parameters, bytes_by_format = _count_weights(model)
     stored_types: dict[str, tuple[int, str]] = {}
     for name in getattr(checkpoint, "stored_types", {}).values():

@@ -1,0 +1,113 @@
+"""Weights moved into one huge-page mapping after a load: the same values, tied tensors still one copy, kernels
+bound to the new addresses, and a mapping the kernel may back with 2 MiB pages."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from loader_gguf_writing import tiny_llama_tensors, write_gguf
+
+from tokenriver.kv.cache import KVCache
+from tokenriver.loader.assemble import build_model
+from tokenriver.loader.gguf import read_gguf
+from tokenriver.loader.load import load_model
+from tokenriver.loader.weight_memory import huge_pages_available, move_weights_to_huge_pages
+from tokenriver.models.attention import AttentionMetadata
+from tokenriver.models.native.quant import Int4Linear, Int8Linear
+
+Q = gguf.GGMLQuantizationType
+IDS = [3, 17, 5, 29, 11, 0, 8, 21, 13, 2, 30, 7]
+# A Q4_K_M file's mix: q/k at 4 bits and v at 6 (a fused projection of two formats), a tied Q8_0 embedding.
+TYPES = [Q.Q8_0, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q4_K, Q.Q4_0, Q.Q5_0, Q.Q6_K]
+
+# A 32-token SentencePiece vocabulary (the tiny model's size), so that load_model can read the file.
+_PIECES = ["<unk>", "<s>", "</s>", "▁"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["▁a", "▁b"]
+VOCABULARY = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": _PIECES,
+              "tokenizer.ggml.scores": [-float(i) for i in range(len(_PIECES))],
+              "tokenizer.ggml.token_type": [2, 3, 3] + [1] * (len(_PIECES) - 3),
+              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+
+pytestmark = pytest.mark.skipif(not huge_pages_available(), reason="this platform has no transparent huge pages")
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("weights") / "tiny.gguf")
+    rng = np.random.default_rng(7)
+    write_gguf(path, tiny_llama_tensors(TYPES, rng), rng=rng, extra=VOCABULARY)
+    return path
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    config = model.config
+    cache = KVCache(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim, torch.float32)
+    metadata = AttentionMetadata.build([len(IDS)], [len(IDS)], [[0]], 16)
+    with torch.no_grad():
+        hidden = model(torch.tensor(IDS), torch.arange(len(IDS)), cache, metadata)  # [T, hidden]
+        return model.compute_logits(hidden)  # [T, vocab]
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_moved_weights_compute_the_same_logits_through_rebound_kernels(tiny_file, int8_activations):
+    checkpoint = read_gguf(tiny_file, keep_quantized=True)
+    model = build_model(checkpoint.config, checkpoint.weights, "cpu", tiny_file, "auto")
+    del checkpoint
+    layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert layers and all(layer.backend == "native" for layer in layers)
+    for layer in layers:
+        layer.set_int8_activations(int8_activations)
+    before = _logits(model)
+    # Single rows take the decode GEMV, all rows the GEMM: both kernels must see the new addresses.
+    first_row_before = model.compute_logits(model(torch.tensor(IDS[:1]), torch.arange(1), *_one_token_cache(model)))
+
+    moved = move_weights_to_huge_pages(model)
+
+    tensors = [*model.parameters(), *model.buffers()]
+    assert {t.untyped_storage().data_ptr() for t in tensors} == {tensors[0].untyped_storage().data_ptr()}
+    assert moved == tensors[0].untyped_storage().nbytes()
+    assert moved >= sum(t.numel() * t.element_size() for t in tensors)
+    assert all(layer.int8_activations == int8_activations for layer in layers)
+    assert torch.equal(_logits(model), before)
+    first_row_after = model.compute_logits(model(torch.tensor(IDS[:1]), torch.arange(1), *_one_token_cache(model)))
+    assert torch.equal(first_row_after, first_row_before)
+
+
+def _one_token_cache(model: torch.nn.Module) -> tuple[KVCache, AttentionMetadata]:
+    config = model.config
+    return (KVCache(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim, torch.float32),
+            AttentionMetadata.build([1], [1], [[0]], 16))
+
+
+def test_a_tied_embedding_stays_one_copy(tiny_file):
+    model = load_model(tiny_file).model
+    assert model.model.embed_tokens.table is model.lm_head
+    packed = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    assert len(packed) == 1
+
+
+def test_the_mapping_asks_for_huge_pages():
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    smaps = Path("/proc/self/smaps")
+    if not setting.exists() or not smaps.exists() or "[never]" in setting.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    module = torch.nn.Linear(1024, 2048)  # 8 MiB of weights: several whole 2 MiB pages
+    weight = module.weight.detach().clone()
+    move_weights_to_huge_pages(module)
+    assert torch.equal(module.weight, weight)
+    assert _smaps_field(smaps.read_text(), module.weight.data_ptr(), "THPeligible") == 1
+
+
+def _smaps_field(text: str, address: int, field: str) -> int:
+    inside = False
+    for line in text.splitlines():
+        mapping = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if mapping:
+            inside = int(mapping.group(1), 16) <= address < int(mapping.group(2), 16)
+        elif inside and line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for address {address:#x}")
