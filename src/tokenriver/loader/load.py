@@ -109,6 +109,8 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     path = default_model_path() if path is None else os.fspath(path)
     with _one_thread(), _without_gc():
         loaded = _load(path, _DTYPES[dtype], device, quantization, cache_dir)
+    if torch.device(device).type == "cpu":
+        move_weights_to_huge_pages(loaded.model)  # on every thread: the copy is one large memcpy per storage
     if int8_activations is False:
         return loaded
     layers = [m for m in loaded.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
@@ -138,9 +140,7 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
     else:
         raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
                              f"(config.json + *.safetensors), or nothing for the default model", path=path)
-    if torch.device(device).type == "cpu":
-        checkpoint.weights.clear()  # the model holds what it needs; the rest would keep the old copies alive
-        move_weights_to_huge_pages(model)
+    checkpoint.weights.clear()  # the model holds what it needs; the rest would keep old copies of weights alive
     num_parameters, bytes_by_format = _count_weights(model)
     stored_types: dict[str, tuple[int, str]] = {}
     for name in getattr(checkpoint, "stored_types", {}).values():
