@@ -13,6 +13,7 @@ import torch
 from loader_gguf_writing import tiny_llama_tensors, write_gguf
 
 from tokenriver.kv.cache import KVCache
+from tokenriver.loader import weight_memory
 from tokenriver.loader.assemble import build_model
 from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.load import load_model
@@ -111,3 +112,24 @@ def _smaps_field(text: str, address: int, field: str) -> int:
         elif inside and line.startswith(field + ":"):
             return int(line.split()[1])
     raise AssertionError(f"no {field} for address {address:#x}")
+
+
+def test_the_move_on_a_second_thread_ends_with_the_block_and_keeps_the_thread_count():
+    module = torch.nn.Linear(256, 512)
+    weight = module.weight.detach().clone()
+    address = module.weight.data_ptr()
+    threads = torch.get_num_threads()
+    with weight_memory.moving_to_huge_pages(module):
+        pass
+    assert module.weight.data_ptr() != address and torch.equal(module.weight, weight)
+    assert torch.get_num_threads() == threads
+
+
+def test_an_error_of_the_move_is_raised_in_the_callers_thread(monkeypatch):
+    def fail(model):
+        raise MemoryError("no memory for the mapping")
+
+    monkeypatch.setattr(weight_memory, "move_weights_to_huge_pages", fail)
+    with pytest.raises(MemoryError, match="no memory for the mapping"):
+        with weight_memory.moving_to_huge_pages(torch.nn.Linear(4, 4)):
+            pass

@@ -32,7 +32,7 @@ from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.gguf_blocks import conversion_of
 from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
-from tokenriver.loader.weight_memory import move_weights_to_huge_pages
+from tokenriver.loader.weight_memory import moving_to_huge_pages
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.native.quant import Int4Linear, Int8Linear
 from tokenriver.tokenizer.tokenizer import Tokenizer
@@ -109,8 +109,6 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     path = default_model_path() if path is None else os.fspath(path)
     with _one_thread(), _without_gc():
         loaded = _load(path, _DTYPES[dtype], device, quantization, cache_dir)
-    if torch.device(device).type == "cpu":
-        move_weights_to_huge_pages(loaded.model)  # on every thread: the copy is one large memcpy per storage
     if int8_activations is False:
         return loaded
     layers = [m for m in loaded.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
@@ -128,19 +126,22 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
 def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, cache_dir: str | None) -> LoadedModel:
     if os.path.isdir(path):
         checkpoint = read_hf_folder(path, torch_dtype)
-        model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
-        tokenizer = tokenizer_from_folder(path)
     elif os.path.isfile(path):
         checkpoint = read_gguf(path, torch_dtype, keep_quantized=quantization != "none", cache_dir=cache_dir)
-        model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
-        try:
-            tokenizer = tokenizer_from_gguf_fields(checkpoint.tokenizer_fields)
-        except ModelLoadError as error:  # The tokenizer sees only fields: say which file they came from.
-            raise ModelLoadError(f"{path}: {error.message}", path=path) from error
     else:
         raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
                              f"(config.json + *.safetensors), or nothing for the default model", path=path)
+    model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
     checkpoint.weights.clear()  # the model holds what it needs; the rest would keep old copies of weights alive
+    moving = moving_to_huge_pages(model) if torch.device(device).type == "cpu" else contextlib.nullcontext()
+    with moving:
+        if os.path.isdir(path):
+            tokenizer = tokenizer_from_folder(path)
+        else:
+            try:
+                tokenizer = tokenizer_from_gguf_fields(checkpoint.tokenizer_fields)
+            except ModelLoadError as error:  # The tokenizer sees only fields: say which file they came from.
+                raise ModelLoadError(f"{path}: {error.message}", path=path) from error
     num_parameters, bytes_by_format = _count_weights(model)
     stored_types: dict[str, tuple[int, str]] = {}
     for name in getattr(checkpoint, "stored_types", {}).values():
