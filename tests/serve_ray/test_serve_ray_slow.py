@@ -40,7 +40,7 @@ def _live_replicas(client: httpx.Client, count: int, without: str | None = None)
 def test_killing_a_replica_mid_load_loses_no_unstreamed_request(base_url):
     deploy(2, "round_robin")
     prompts = [f"Item {i}: the colour of the sky is" for i in range(24)]
-    reference = LLM(max_num_kv_tokens=4096, num_threads=1).generate(
+    reference = LLM(max_num_kv_tokens=4096, num_threads=1, reference_numerics=True).generate(
         prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
     with httpx.Client(base_url=base_url, timeout=120) as client:
         victim = _live_replicas(client, 2)[0]
