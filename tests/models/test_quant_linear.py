@@ -369,6 +369,19 @@ def test_errors_name_the_parameter() -> None:
     assert info.value.param == "x"
 
 
+@pytest.mark.parametrize("quantizer", [quantize_int4, quantize_int8])
+def test_a_weight_with_nan_or_inf_is_refused_and_a_large_finite_one_is_not(quantizer) -> None:
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        weight = torch.randn(16, 64)
+        weight[3, 17] = bad
+        with pytest.raises(InvalidParameterError, match="inf or nan") as info:
+            quantizer(weight)
+        assert info.value.param == "weight"
+    # Finite, but its sum overflows float32: the element-wise check must still let it through.
+    huge = torch.full((16, 64), 3e38)
+    quantizer(huge)
+
+
 def test_auto_backend_picks_native_when_available() -> None:
     layer = Int4Linear(quantize_int4(torch.randn(16, 64)))
     assert layer.backend == ("native" if HAS_NATIVE else "reference")

@@ -168,7 +168,9 @@ def _check_float_weight(weight: torch.Tensor, group_size: int) -> None:
         raise InvalidParameterError(
             f"group_size must be a positive multiple of 32 that divides in_features ({weight.shape[1]}), "
             f"got {group_size}", param="group_size")
-    if not bool(torch.isfinite(weight).all()):
+    # A sum is a single pass that nan and inf reach; only a sum that is not finite (or a finite weight large enough
+    # to overflow it) takes the element-wise check, which allocates a mask as large as the weight.
+    if not bool(torch.isfinite(weight.sum())) and not bool(torch.isfinite(weight).all()):
         raise InvalidParameterError("weight has inf or nan values; quantize a finite weight", param="weight")
 
 
