@@ -46,26 +46,22 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     """
     if not huge_pages_available():
         return 0
-    tensors = [t for t in _tensors(model) if t.device.type == "cpu" and t.untyped_storage().nbytes() > 0]
-    storages: dict[int, torch.UntypedStorage] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        storages.setdefault(storage.data_ptr(), storage)
-    if not storages:
+    # Storage address → the tensors viewing it: each storage is copied once, and all its views follow it.
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for tensor in _tensors(model):
+        if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() > 0:
+            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+    if not by_storage:
         return 0
     offsets: dict[int, int] = {}
     total = 0
-    for pointer, storage in storages.items():
+    for pointer, views in by_storage.items():
         offsets[pointer] = total
-        total += -(-storage.nbytes() // _ALIGNMENT) * _ALIGNMENT
+        total += -(-views[0].untyped_storage().nbytes() // _ALIGNMENT) * _ALIGNMENT
     mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory has no THP
     mapping.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(mapping, dtype=torch.uint8)  # [total] uint8; keeps the mapping alive
     arena_storage = arena.untyped_storage()
-    by_storage: dict[int, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
-    del storages
     trim = _malloc_trim()
     trim()  # what the load freed before, first
     freed = 0
