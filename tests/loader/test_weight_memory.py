@@ -133,3 +133,15 @@ def test_an_error_of_the_move_is_raised_in_the_callers_thread(monkeypatch):
     with pytest.raises(MemoryError, match="no memory for the mapping"):
         with weight_memory.moving_to_huge_pages(torch.nn.Linear(4, 4)):
             pass
+
+
+def test_without_huge_pages_from_the_kernel_the_weights_stay(monkeypatch):
+    class NoHugePages:
+        def __init__(self, *args, **kwargs):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(weight_memory.mmap, "mmap", NoHugePages)
+    module = torch.nn.Linear(64, 32)
+    address = module.weight.data_ptr()
+    assert weight_memory.move_weights_to_huge_pages(module) == 0
+    assert module.weight.data_ptr() == address

@@ -58,8 +58,11 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     for pointer, views in by_storage.items():
         offsets[pointer] = total
         total += -(-views[0].untyped_storage().nbytes() // _ALIGNMENT) * _ALIGNMENT
-    mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory has no THP
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory has no THP
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without THP, or no address space: the weights stay where they are
+        return 0
     arena = torch.frombuffer(mapping, dtype=torch.uint8)  # [total] uint8; keeps the mapping alive
     arena_storage = arena.untyped_storage()
     trim = _malloc_trim()
