@@ -10,6 +10,16 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cuda skip, saying why, where PyTorch sees no GPU (CI); benchmarks/gpu_check.sh runs them."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m cuda` (or benchmarks/gpu_check.sh) on one")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:  # not item.keywords: that holds folder names too
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     from tokenriver.loader.load import default_model_path

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tokenriver.cli import build_parser, main
 from tokenriver.engine.llm import LLM
@@ -87,3 +88,10 @@ def test_bad_values_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_device_without_a_gpu_is_a_one_line_error(capsys):
+    assert main(["generate", "hi", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "sees no CUDA GPU" in err and "--device cpu" in err

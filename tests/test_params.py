@@ -87,8 +87,23 @@ def test_kv_cache_dtype_auto_is_int8_with_fast_numerics_and_the_compute_dtype_ot
     assert EngineConfig(dtype="bfloat16", reference_numerics=True).resolved_kv_cache_dtype == "bfloat16"
     assert EngineConfig(int8_activations=False).resolved_kv_cache_dtype == "float32"
     assert EngineConfig(quantization="none").resolved_kv_cache_dtype == "float32"
-    assert EngineConfig(device="cuda").resolved_kv_cache_dtype == "float32"
+    assert EngineConfig(device="cuda").resolved_kv_cache_dtype == "bfloat16"
+    assert EngineConfig(device="cuda", dtype="float32").resolved_kv_cache_dtype == "float32"
     assert EngineConfig(kv_cache_dtype="float16").resolved_kv_cache_dtype == "float16"
+
+
+def test_the_compute_dtype_is_float32_on_the_cpu_and_bfloat16_on_a_gpu_unless_asked():
+    assert EngineConfig().resolved_dtype == "float32"
+    assert EngineConfig(device="cuda").resolved_dtype == "bfloat16"
+    assert EngineConfig(device="cuda:1", dtype="float32").resolved_dtype == "float32"
+    assert EngineConfig(dtype="bfloat16").resolved_dtype == "bfloat16"
+
+
+def test_a_gpu_turns_the_int8_rounding_off_and_refuses_it_when_asked():
+    assert EngineConfig(device="cuda").resolved_int8_activations is False
+    with pytest.raises(InvalidParameterError) as caught:
+        EngineConfig(device="cuda", int8_activations=True)
+    assert caught.value.param == "int8_activations"
 
 
 def test_reference_numerics_turns_the_rounding_off_and_refuses_int8_activations():

@@ -50,8 +50,10 @@ class EngineConfig:
     model: str | None = option(
         None, "GGUF file or Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct Q4_1)",
         metavar="PATH")
-    # Compute dtype: "float32" or "bfloat16".
-    dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
+    # Compute dtype: "float32" or "bfloat16"; "auto" is float32 on the CPU and bfloat16 on a GPU, where the tensor
+    # cores and the memory bus are built for it (transformers and vLLM default to it there too).
+    dtype: str = option("auto", "compute dtype (default: float32 on cpu, bfloat16 on a GPU)",
+                        choices=("auto", "float32", "bfloat16"))
     # Weight format: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed (4/8-bit kernels) and float weights float;
     # "none" dequantizes everything to dtype; "int8" / "int4" also quantize float weights at load.
     quantization: str = option(
@@ -59,12 +61,13 @@ class EngineConfig:
         "int8/int4 quantize float weights at load", choices=("auto", "none", "int8", "int4"))
     # Quantized weights multiply activations rounded to int8 per 32 columns, as llama.cpp does (models/native/quant.py),
     # in decode-sized products and, where the CPU has AVX512-VNNI, in larger ones. None (the default) = on wherever
-    # the weights are quantized, unless reference_numerics; perplexity stays within 1% of float32
+    # the weights are quantized on the CPU, unless reference_numerics (a GPU multiplies them with its compute dtype's
+    # activations: models/cuda/quant_matmul.py); perplexity stays within 1% of float32
     # (tests/models/test_quant_perplexity.py).
     int8_activations: bool | None = option(
         None,
         "quantized weights multiply activations rounded to int8, as llama.cpp does: faster decode, prefill and "
-        "batches, perplexity within 1% of exact float32 (default: on where the weights are quantized)")
+        "batches, perplexity within 1% of exact float32 (default: on where the weights are quantized, on the CPU)")
     # Exact float32 arithmetic on the stored weights, and a KV pool in the compute dtype: the numerics that match
     # transformers, for tests and comparisons. Off by default: the fast settings above are what users run.
     reference_numerics: bool = option(
@@ -79,10 +82,11 @@ class EngineConfig:
         "what the KV pool stores: auto (int8 with the fast numerics, else --dtype), float32, bfloat16, float16 "
         "(half the memory per token of float32) or int8 (about a quarter: one scale per token and kv head); keys "
         "and values rounded once when stored", choices=KV_CACHE_DTYPES)
-    # Bytes for the paged KV pool; None = max_num_kv_tokens if given, else 2 GiB capped at what max_num_seqs full
-    # contexts could use (engine/core.py, kv_pool_blocks).
+    # Bytes for the paged KV pool; None = max_num_kv_tokens if given, else 2 GiB on the CPU (a GPU's free memory
+    # after the weights, less headroom), capped at what max_num_seqs full contexts could use (engine/core.py).
     kv_cache_memory: int | None = option(
-        None, "KV pool size, e.g. 2GiB or 512MiB (default: 2GiB, capped at what --max-num-seqs contexts need); "
+        None, "KV pool size, e.g. 2GiB or 512MiB (default: 2GiB on cpu, the free memory on a GPU, capped at what "
+        "--max-num-seqs contexts need); "
         "not with --max-num-kv-tokens", metavar="SIZE", type=str)
     # KV pool size in tokens, used instead of kv_cache_memory; None = size the pool by memory.
     max_num_kv_tokens: int | None = option(
@@ -117,6 +121,11 @@ class EngineConfig:
     use_kv_cache: bool = option(
         True, "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
         flag="kv-cache")
+    # On a GPU, replay decode steps from recorded CUDA graphs (runner/cuda_graphs.py); off = every step launches
+    # its kernels one by one from Python (vLLM's --enforce-eager). No effect on the CPU.
+    cuda_graphs: bool = option(
+        True, "on a GPU, replay decode steps from CUDA graphs (--no-cuda-graphs launches every kernel from Python)",
+        flag="cuda-graphs")
     # CPU threads for torch; None = the cores available.
     num_threads: int | None = option(None, "CPU threads (default: the cores available)", flag="threads",
                                      metavar="N")
@@ -158,12 +167,16 @@ class EngineConfig:
         if self.int8_activations and self.reference_numerics:
             raise InvalidParameterError("int8_activations rounds activations and reference_numerics asks for exact "
                                         "arithmetic: set one of them", param="int8_activations")
+        if self.int8_activations and self.device != "cpu":
+            raise InvalidParameterError(f"int8_activations is the CPU kernels' arithmetic; on device={self.device!r} "
+                                        "quantized weights multiply activations in the compute dtype: drop it",
+                                        param="int8_activations")
         if self.int8_activations and self.quantization == "none":
             raise InvalidParameterError("int8_activations applies to quantized weights, and quantization='none' "
                                         "leaves none: use quantization 'auto' (a GGUF's packed weights), 'int4' or "
                                         "'int8'", param="int8_activations")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise InvalidParameterError(f"dtype={self.dtype!r} is not supported: use 'float32' or 'bfloat16'",
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise InvalidParameterError(f"dtype={self.dtype!r} is not supported: use 'auto', 'float32' or 'bfloat16'",
                                         param="dtype")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidParameterError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: use "
@@ -199,17 +212,24 @@ class EngineConfig:
                 param="max_num_batched_tokens")
 
     @property
+    def resolved_dtype(self) -> str:
+        """The compute dtype ("auto" resolved by device)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
     def resolved_kv_cache_dtype(self) -> str:
         """The dtype name the KV pool is allocated in ("auto" resolved)."""
         if self.kv_cache_dtype != "auto":
             return self.kv_cache_dtype
-        return "int8" if self.device == "cpu" and self.resolved_int8_activations is not False else self.dtype
+        return "int8" if self.device == "cpu" and self.resolved_int8_activations is not False else self.resolved_dtype
 
     @property
     def resolved_int8_activations(self) -> bool | None:
         """int8_activations with reference_numerics applied: False, True, or None (on where weights are
         quantized, decided at load)."""
-        if self.reference_numerics or self.quantization == "none":
+        if self.reference_numerics or self.quantization == "none" or self.device != "cpu":
             return False
         return self.int8_activations
 

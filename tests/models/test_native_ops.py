@@ -211,8 +211,8 @@ def test_model_equals_itself_without_native_kernels(dtype, monkeypatch):
     token_ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     chunks = [20, 3, 16, 1, 1, 17, 1, 1]  # SDPA prefill, kernel chunks at the limit, decodes across blocks
     native = run_chunks(model, token_ids, chunks)
-    monkeypatch.setattr(layers, "load_kernels", lambda: None)
-    monkeypatch.setattr(attention, "load_kernels", lambda: None)
+    monkeypatch.setattr(layers, "kernels_for", lambda tensor: None)
+    monkeypatch.setattr(attention, "kernels_for", lambda tensor: None)
     torch_only = run_chunks(model, token_ids, chunks)
     if dtype == torch.float32:
         assert_close(native, torch_only)

@@ -120,7 +120,7 @@ class DraftModelProposer:
                 f"speculative_draft={path!r} is neither 'ngram', 'self:N' nor an existing model file or folder",
                 param="speculative_draft")
         quantization = "auto" if config.quantization == "none" else config.quantization
-        draft = load_model(path, config.dtype, config.device, quantization)
+        draft = load_model(path, config.resolved_dtype, config.device, quantization)
         check_same_vocabulary(draft, target)
         return cls(draft.model, draft.config.num_layers, draft.config.num_kv_heads, draft.config.head_dim, config,
                    num_kv_blocks)

@@ -39,6 +39,9 @@ from tokenriver.sched.request import Request
 from tokenriver.sched.scheduler import Scheduler
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+# On a GPU the pool takes what is free after the weights, less this share of the card (at least 1 GiB) for a step's
+# activations and the CUDA graphs: the pool is what lets a GPU batch, and nothing else lives there.
+GPU_HEADROOM_FRACTION = 0.1
 
 
 @dataclass
@@ -99,6 +102,33 @@ class PassRow:
 PASS_LOG_LENGTH = 512
 
 
+def default_kv_cache_memory(device: str) -> int:
+    """The pool's bytes when none are asked for: 2 GiB on the CPU; on a GPU, its free memory after the weights less
+    the headroom above (vLLM sizes its pool the same way, from gpu_memory_utilization)."""
+    if torch.device(device).type != "cuda":
+        return DEFAULT_KV_CACHE_MEMORY
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return max(0, free - max(int(total * GPU_HEADROOM_FRACTION), 1024**3))
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this PyTorch cannot run on, before any weight is read."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise InvalidParameterError(f"device={device!r} is not a torch device: use cpu or cuda (cuda:N for the "
+                                    f"N-th GPU)", param="device") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError(f"device={device!r} but this PyTorch ({torch.__version__}) sees no CUDA GPU: "
+                                    "install a CUDA build of torch on a machine with an NVIDIA driver, or use "
+                                    "--device cpu", param="device")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise InvalidParameterError(f"device={device!r}: this machine has {torch.cuda.device_count()} GPU(s), "
+                                    f"numbered from 0", param="device")
+    if parsed.type not in ("cpu", "cuda"):
+        raise InvalidParameterError(f"device={device!r}: tokenriver runs on cpu or cuda", param="device")
+
+
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
     """Blocks in the KV pool: from kv_cache_memory, or max_num_kv_tokens, or the 2 GiB default."""
     model_config = loaded.config
@@ -108,7 +138,7 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int
     if config.max_num_kv_tokens is not None:
         num_blocks = -(-config.max_num_kv_tokens // config.block_size)
     else:
-        memory = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+        memory = config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(config.device)
         num_blocks = memory // per_block
         if config.kv_cache_memory is None:
             # Unasked-for memory is capped at what max_num_seqs full contexts could ever use.
@@ -126,9 +156,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.num_threads or default_num_threads())
+        check_device(config.device)
         int8_activations = config.resolved_int8_activations
         self.loaded = loaded if loaded is not None else load_model(
-            config.model, config.dtype, config.device, config.quantization, int8_activations=int8_activations)
+            config.model, config.resolved_dtype, config.device, config.quantization, int8_activations=int8_activations)
         if int8_activations is not None and self.loaded.int8_activations != int8_activations:
             raise InvalidParameterError(
                 f"int8_activations={int8_activations} but the given model was loaded with "
@@ -142,8 +173,10 @@ class EngineCore:
                 f"max_model_len={self.max_model_len} exceeds the model's context length "
                 f"({model_config.max_position_embeddings}); lower it", param="max_model_len")
         num_blocks = kv_pool_blocks(config, self.loaded, self.max_model_len)
+        use_graphs = config.cuda_graphs and torch.device(config.device).type == "cuda"
         self.kv_cache = KVCache(model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads,
-                                model_config.head_dim, getattr(torch, config.resolved_kv_cache_dtype), config.device)
+                                model_config.head_dim, getattr(torch, config.resolved_kv_cache_dtype), config.device,
+                                padding_block=use_graphs)
         use_prefix_cache = config.enable_prefix_caching and config.use_kv_cache
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=use_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -155,7 +188,9 @@ class EngineCore:
         self.grammar = GrammarCompiler(self.tokenizer.to_json, model_config.vocab_size,
                                        list(self.tokenizer.eos_token_ids))
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed,
-                                  GrammarMatchers(self.grammar))
+                                  GrammarMatchers(self.grammar),
+                                  max_graph_batch=config.max_num_seqs if use_graphs else 0,
+                                  max_model_len=self.max_model_len)
         if config.tensor_parallel_size > 1:
             # This process becomes rank 0: the model is sharded in place, the cache holds this rank's kv heads.
             self.kv_cache, self.runner = start_tensor_parallel(config, self.loaded, num_blocks)
@@ -166,7 +201,7 @@ class EngineCore:
         self.model_info = ModelInfo(
             path=self.loaded.path, vocab_size=model_config.vocab_size, max_model_len=self.max_model_len,
             num_parameters=self.loaded.num_parameters, num_bytes=self.loaded.num_bytes,
-            weights=self.loaded.describe(), dtype=config.dtype,
+            weights=self.loaded.describe(), dtype=config.resolved_dtype,
             kv_cache_dtype=config.resolved_kv_cache_dtype,
             block_size=config.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=self.kv_cache.num_bytes,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,

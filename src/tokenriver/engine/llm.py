@@ -46,7 +46,7 @@ def _engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
 class LLM:
     """Load a model once, then generate for many prompts at a time."""
 
-    def __init__(self, model: str | None = None, dtype: str = "float32", **engine_options: Any) -> None:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
         if (engine_options.get("speculative_draft") is None and engine_options.get("use_kv_cache", True)
                 and "num_scheduler_steps" not in engine_options):
             engine_options["num_scheduler_steps"] = OFFLINE_SCHEDULER_STEPS

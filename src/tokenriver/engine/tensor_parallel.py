@@ -126,7 +126,7 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, ranks_here: i
         _exit_with_parent(parent_pid)
     device = _rank_device(config, rank, ranks_here)
     torch.set_num_threads(_threads_per_rank(config, ranks_here))
-    loaded = load_model(config.model, config.dtype, device, config.quantization,
+    loaded = load_model(config.model, config.resolved_dtype, device, config.quantization,
                         int8_activations=config.resolved_int8_activations)
     group = TensorParallelGroup.connect(rank, config.tensor_parallel_size, init_method, device)
     try:

@@ -61,10 +61,14 @@ class KVCache:
     """Per-layer key/value block pools."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", padding_block: bool = False) -> None:
+        """padding_block: one block more than num_blocks, which the block manager never hands out: the slot padded
+        rows of a recorded CUDA graph write to (runner/cuda_graphs.py)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, entry_size(head_dim, dtype))
+        # Flat slot of the padding block's first token, or None without one.
+        self.padding_slot: int | None = num_blocks * block_size if padding_block else None
+        shape = (num_blocks + int(padding_block), block_size, num_kv_heads, entry_size(head_dim, dtype))
         # One (key, value) pair per layer, each [num_blocks, block_size, num_kv_heads, entry_size].
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)

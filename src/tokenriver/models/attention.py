@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenriver.kv.cache import decode_entries, encode_int8, head_dim_of
-from tokenriver.models.native.kernels import NativeKernels, is_f32_rows, is_native_kv_pool, load_kernels
+from tokenriver.models.native.kernels import NativeKernels, is_f32_rows, is_native_kv_pool, kernels_for
 
 # Requests with at most this many new tokens attend token by token in the native kernel, longer ones through its
 # chunk path: at one token the former is faster, at two they are even (benchmarks/results/attention.md).
@@ -67,11 +67,11 @@ class AttentionMetadata:
     prefill_indices: list[int]
     # One row per token of the requests with at most MAX_KERNEL_QUERY_LEN new tokens, for the native kernel:
     # (its flat token row, its request's index, the context length it sees) [num_kernel_tokens, 3] int64; None if
-    # there are no such requests.
+    # there are no such requests, or off the CPU.
     kernel_queries: torch.Tensor | None
     # One row per request with more new tokens than that (a prompt chunk), for the native kernel's chunk path:
     # (its first flat token row, its index, its number of new tokens, its context length after them)
-    # [num_chunks, 4] int64; None if there are none.
+    # [num_chunks, 4] int64; None if there are none, or off the CPU.
     kernel_chunks: torch.Tensor | None
 
     @cached_property
@@ -91,12 +91,31 @@ class AttentionMetadata:
         return self.block_tables.index_select(0, rows)[:, :num_blocks]
 
     @cached_property
+    def decode_lengths(self) -> torch.Tensor:
+        """[len(decode_indices)] int64 context length of each decode request (torch path only)."""
+        return torch.tensor([self.seq_lens[i] for i in self.decode_indices], device=self.block_tables.device)
+
+    @cached_property
     def decode_mask(self) -> torch.Tensor:
         """[len(decode_indices), max_decode_blocks * block_size] bool: which gathered slots are real tokens."""
-        device = self.block_tables.device
-        lengths = torch.tensor([self.seq_lens[i] for i in self.decode_indices], device=device)
         num_slots = self.decode_block_tables.shape[1] * self.block_size
-        return torch.arange(num_slots, device=device)[None, :] < lengths[:, None]
+        slots = torch.arange(num_slots, device=self.block_tables.device)
+        return slots[None, :] < self.decode_lengths[:, None]
+
+    @classmethod
+    def for_decode_graph(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         block_size: int) -> "AttentionMetadata":
+        """A batch of one-token decodes described by tensors alone, for a CUDA graph (runner/cuda_graphs.py): a
+        graph replays the kernels it recorded on whatever its input buffers hold, so no length may be read back to
+        the host. slot_mapping, seq_lens [B] and block_tables [B, num_blocks] are those buffers; the Python lists
+        hold the batch's shape, each length as its upper bound num_blocks * block_size."""
+        batch, num_blocks = block_tables.shape
+        metadata = cls(slot_mapping=slot_mapping, query_lens=[1] * batch, seq_lens=[num_blocks * block_size] * batch,
+                       block_tables=block_tables, block_size=block_size, decode_indices=list(range(batch)),
+                       prefill_indices=[], kernel_queries=None, kernel_chunks=None)
+        metadata.decode_block_tables = block_tables
+        metadata.decode_lengths = seq_lens
+        return metadata
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -120,6 +139,7 @@ class AttentionMetadata:
             else:
                 kernel_chunks.append((row, i, query_len, seq_len))
             row += query_len
+        on_cpu = torch.device(device).type == "cpu"
         max_blocks = max((len(b) for b in block_tables), default=0)
         padded = [b + [0] * (max_blocks - len(b)) for b in block_tables]
         return cls(
@@ -130,8 +150,9 @@ class AttentionMetadata:
             block_size=block_size,
             decode_indices=[i for i, q in enumerate(query_lens) if q == 1],
             prefill_indices=[i for i, q in enumerate(query_lens) if q != 1],
-            kernel_queries=torch.tensor(kernel_queries, dtype=torch.long, device=device) if kernel_queries else None,
-            kernel_chunks=torch.tensor(kernel_chunks, dtype=torch.long, device=device) if kernel_chunks else None,
+            # Only the native (CPU) kernels read these: elsewhere they would be two copies to the device per step.
+            kernel_queries=torch.tensor(kernel_queries, dtype=torch.long) if kernel_queries and on_cpu else None,
+            kernel_chunks=torch.tensor(kernel_chunks, dtype=torch.long) if kernel_chunks and on_cpu else None,
         )
 
 
@@ -149,7 +170,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tenso
 def _native_kernels_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         kv_cache: tuple[torch.Tensor, torch.Tensor]) -> NativeKernels | None:
     """The native kernels if they can run this call as laid out, else None."""
-    kernels = load_kernels()
+    kernels = kernels_for(query)
     key_cache, value_cache = kv_cache
     if (kernels is None or torch.is_grad_enabled() or not is_native_kv_pool(key_cache, value_cache)
             or not (is_f32_rows(query) and is_f32_rows(key) and is_f32_rows(value))):
@@ -190,8 +211,11 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
     num_kv_heads, entry = key_cache.shape[2], key_cache.shape[3]
     output = torch.empty_like(query, memory_format=torch.contiguous_format)  # [num_tokens, num_heads, head_dim]
     if metadata.decode_indices:
+        # Every token a decode (a decode batch, a CUDA graph's): their rows are the query's rows, no gather.
+        all_decodes = len(metadata.decode_indices) == len(metadata.query_lens)
         starts = metadata.query_start_loc
-        rows = torch.tensor([starts[i] for i in metadata.decode_indices], dtype=torch.long, device=query.device)
+        rows = None if all_decodes else torch.tensor([starts[i] for i in metadata.decode_indices], dtype=torch.long,
+                                                     device=query.device)
         tables = metadata.decode_block_tables
         num_decodes, num_blocks = tables.shape
         flat_tables = tables.flatten()
@@ -201,13 +225,16 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
             num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), query.dtype).transpose(1, 2)
         values = decode_entries(value_cache.index_select(0, flat_tables).view(
             num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), query.dtype).transpose(1, 2)
-        q = query.index_select(0, rows).unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+        q = (query if rows is None else query.index_select(0, rows)).unsqueeze(2)  # [num_decodes, num_heads, 1, hd]
         mask = metadata.decode_mask  # [num_decodes, S]
         if window > 0:
-            lengths = torch.tensor([metadata.seq_lens[i] for i in metadata.decode_indices], device=query.device)
+            lengths = metadata.decode_lengths
             mask = mask & (torch.arange(mask.shape[1], device=query.device)[None, :] >= lengths[:, None] - window)
         out = _attend(q, keys, values, mask[:, None, None, :], scale, softcap)
-        output.index_copy_(0, rows, out.squeeze(2))
+        if rows is None:
+            output.copy_(out.squeeze(2))
+        else:
+            output.index_copy_(0, rows, out.squeeze(2))
     for i in metadata.prefill_indices:
         _attend_prompt(query, kv_cache, metadata, i, scale, output, window, softcap)
     return output

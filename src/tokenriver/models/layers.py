@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenriver.models.native.kernels import is_contiguous_f32, load_kernels
+from tokenriver.models.native.kernels import is_contiguous_f32, kernels_for
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -45,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     With `residual`: residual += x in place first, and the norm is of that sum (the residual add that ends one
     block, fused into the norm that starts the next).
     """
-    kernels = load_kernels()
+    kernels = kernels_for(x)
     if (kernels is not None and not torch.is_grad_enabled() and x.dim() == 2 and is_contiguous_f32(x)
             and is_contiguous_f32(weight) and weight.shape == x.shape[1:]
             and (residual is None or (is_contiguous_f32(residual) and residual.shape == x.shape))):
@@ -135,13 +135,21 @@ class RotaryEmbedding(nn.Module):
             self._cos, self._sin = freqs.cos(), freqs.sin()
         return self._cos, self._sin
 
+    def reserve(self, num_positions: int, device: torch.device) -> None:
+        """Build the table on `device` for positions 0..num_positions - 1 now (before a CUDA graph is captured)."""
+        self._cos_sin(num_positions - 1, device)
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each token's angles: positions [num_tokens] → two [num_tokens, 1, head_dim // 2].
 
         Computed once per step and shared by every layer (the `1` broadcasts over heads).
         """
-        max_position = int(positions.max()) if positions.numel() else 0
-        cos_table, sin_table = self._cos_sin(max_position, positions.device)
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            # A CUDA graph cannot read the positions back; its runner reserved the table for every position first.
+            cos_table, sin_table = self._cos, self._sin
+        else:
+            max_position = int(positions.max()) if positions.numel() else 0
+            cos_table, sin_table = self._cos_sin(max_position, positions.device)
         # index_select rather than table[positions]: advanced indexing is far slower on CPU.
         cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)  # [T, head_dim // 2]
         if dtype != cos.dtype:
@@ -168,7 +176,7 @@ def apply_rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin
     cos, sin: [T, 1, head_dim // 2] from RotaryEmbedding. query and key may be views into one qkv tensor, and the
     first rotary_dim values of each head under partial rotary (cos, sin then [T, 1, rotary_dim // 2]).
     """
-    kernels = load_kernels()
+    kernels = kernels_for(query)
     if (kernels is not None and not torch.is_grad_enabled() and _is_f32_heads(query) and _is_f32_heads(key)
             and is_contiguous_f32(cos) and is_contiguous_f32(sin)):
         num_tokens, _, rotary_dim = query.shape
@@ -188,7 +196,7 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, where gate_up [num_tokens, 2 * intermediate] is gate_proj's output, then up_proj's."""
-    kernels = load_kernels()
+    kernels = kernels_for(gate_up)
     if (kernels is not None and not torch.is_grad_enabled() and gate_up.dim() == 2
             and is_contiguous_f32(gate_up)):
         return kernels.silu_mul(gate_up)
@@ -218,7 +226,7 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
     The native kernel is the one the fused decoder stack runs (models/native/decoder.py), so both paths give the
     same bits."""
-    kernels = load_kernels()
+    kernels = kernels_for(gate_up)
     if (kernels is not None and not torch.is_grad_enabled() and gate_up.dim() == 2
             and is_contiguous_f32(gate_up)):
         return kernels.gelu_tanh_mul(gate_up)

@@ -13,7 +13,8 @@ A step whose rows are all plain greedy (Sampler.takes_raw_argmax) asks the model
 for each row's argmax, largest logit and log-sum-exp instead of its logits, where
 its output layer computes those without writing the logits (greedy_reductions).
 The model runs through NativeStack (runner/native_stack.py), which hands its decoder
-layers to the native decoder where they can run there.
+layers to the native decoder where they can run there; on a GPU a batch of one-token decodes
+replays a recorded CUDA graph of the same pass instead (runner/cuda_graphs.py).
 A multi-step step (SchedulerOutput.num_decode_passes > 1, only plain greedy decodes)
 runs its further passes here, each feeding every request the token it just sampled.
 A request with structured output gets its grammar's allowed-token mask with every
@@ -35,6 +36,7 @@ from torch import nn
 
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.native.kernels import load_kernels
+from tokenriver.runner.cuda_graphs import DecodeGraphs
 from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
 from tokenriver.runner.native_stack import NativeStack
 from tokenriver.sampling.grammar import GrammarMatchers, GrammarRow
@@ -46,10 +48,14 @@ class ModelRunner:
     """Turns a SchedulerOutput into sampled tokens."""
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str, seed: int = 0,
-                 grammar: GrammarMatchers | None = None) -> None:
+                 grammar: GrammarMatchers | None = None, max_graph_batch: int = 0, max_model_len: int = 0) -> None:
+        """max_graph_batch > 0 (a CUDA device and a pool with a padding block): decode batches up to that size
+        replay CUDA graphs (runner/cuda_graphs.py) recorded for contexts up to max_model_len."""
         self.model = model
         # Calls like the model; runs its layers in one native call where it can.
         self.forward = NativeStack(model)
+        self.graphs = (DecodeGraphs(self.forward, model, kv_cache, max_graph_batch, max_model_len)
+                       if max_graph_batch > 0 else None)
         # The matchers of requests with structured output; None = such requests are refused before they get here.
         self.grammar = grammar
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="tokenriver-grammar") if grammar else None
@@ -145,9 +151,7 @@ class ModelRunner:
         inputs = prepare_inputs(scheduler_output, self.kv_cache.block_size, self.device)
         states = [self._state(request) for request in inputs.sampling_requests]
         pending_masks = self._start_masks(inputs.sampling_requests, states)
-        # [num_tokens, hidden_size]
-        hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
-        self.num_forward_passes += 1
+        hidden = self._run_model(inputs)  # [num_tokens, hidden_size]
         results: dict[str, RequestStepResult] = {}
         self._score_prompts(inputs, hidden, results)
         draft_rows = [row for rows in inputs.draft_rows for row in rows]
@@ -192,6 +196,14 @@ class ModelRunner:
         self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
         return RunnerOutput(results=results)
 
+    def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
+        """One forward pass: replayed from a CUDA graph where one applies, else run by NativeStack."""
+        self.num_forward_passes += 1
+        hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata) if self.graphs else None
+        if hidden is None:
+            hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+        return hidden
+
     def _decode_ahead(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
                       results: dict[str, RequestStepResult]) -> None:
         """num_passes more forward passes of a multi-step step, each decoding the token every request sampled in
@@ -202,8 +214,7 @@ class ModelRunner:
             requests = inputs.sampling_requests
             sampled = [results[request.request_id].token_ids[-1] for request in requests]
             inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
-            hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
-            self.num_forward_passes += 1
+            hidden = self._run_model(inputs)
             if any(state.grammar is not None for state in states):
                 for state in states:
                     state.allowed_token_mask = None  # a refused row's mask from the pass before

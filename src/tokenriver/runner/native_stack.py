@@ -7,6 +7,8 @@ models/native/decoder.py when that decoder can bind them and run the step, else 
 `run_layers`, and ends with the model's final norm. Both paths give the same hidden states bit for bit
 (tests/models/test_native_decoder.py).
 
+A model on another device (a GPU) runs its own `forward`: the native decoder is CPU code.
+
 An architecture opts in by naming its layer layout (`layer_layout`, a class attribute of the model) among
 NATIVE_LAYOUTS and by giving its decoder (`model.model`) `embed`, `layers`, `run_layers` and `final_norm`; any
 other model runs its own `forward`.
@@ -49,7 +51,7 @@ class NativeStack:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                  metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 → final-norm hidden states [num_tokens, hidden_size]."""
-        decoder = self._decoder()
+        decoder = self._decoder() if input_ids.is_cpu else None
         if decoder is None:
             return self.model(input_ids, positions, kv_cache, metadata)
         hidden, rope = decoder.embed(input_ids, positions)  # [T, hidden]; the model's rotary tables

@@ -29,11 +29,11 @@ import torch.nn.functional as F
 TOP_P_SEARCH_SIZES: tuple[int, ...] = (256, 4096)
 
 
-def pad_token_ids(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
+def pad_token_ids(rows: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Ragged id lists → one `[N, max_len]` tensor padded with `vocab_size`, the id every processor ignores."""
     max_len = max((len(ids) for ids in rows), default=0)
     padded = [ids + [vocab_size] * (max_len - len(ids)) for ids in rows]
-    return torch.tensor(padded, dtype=torch.int64).reshape(len(rows), max_len)  # [N, max_len]
+    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(rows), max_len)  # [N, max_len]
 
 
 def count_tokens(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -44,7 +44,7 @@ def count_tokens(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """
     num_rows = token_ids.shape[0]
     ids = token_ids.clamp(max=vocab_size)  # [N, L]
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int32)  # [N, V + 1]
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int32, device=token_ids.device)  # [N, V + 1]
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
     return counts[:, :vocab_size]  # [N, V]
 
@@ -91,7 +91,7 @@ def apply_logit_bias(logits: torch.Tensor, token_ids: torch.Tensor, biases: torc
     A bias of -100 makes a token practically impossible without forcing it to -inf (OpenAI's meaning).
     """
     is_real = token_ids < logits.shape[1]  # [N, M], False on padding
-    rows = torch.arange(logits.shape[0]).unsqueeze(1).expand_as(token_ids)  # [N, M]
+    rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1).expand_as(token_ids)  # [N, M]
     biased = logits.clone()
     biased.index_put_((rows[is_real], token_ids[is_real]), biases[is_real].to(logits.dtype), accumulate=True)
     return biased
@@ -105,7 +105,7 @@ def apply_min_tokens(
     """
     is_too_short = (num_output_tokens < min_tokens).unsqueeze(1)  # [N, 1]
     is_blocked = (blocked_ids < logits.shape[1]) & is_too_short  # [N, M], False on padding
-    rows = torch.arange(logits.shape[0]).unsqueeze(1).expand_as(blocked_ids)  # [N, M]
+    rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1).expand_as(blocked_ids)  # [N, M]
     blocked = logits.clone()
     blocked[rows[is_blocked], blocked_ids[is_blocked]] = float("-inf")
     return blocked
@@ -119,7 +119,7 @@ def allows(mask: torch.Tensor, token_id: int) -> bool:
 def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Unpack grammar bitmasks ([N, W] int32, bit i of word w allows token 32 * w + i) into [N, vocab_size] bool.
     Tokens past the mask's 32 * W bits are not allowed."""
-    bits = torch.arange(32, dtype=torch.int32)  # [32]
+    bits = torch.arange(32, dtype=torch.int32, device=masks.device)  # [32]
     allowed = ((masks.unsqueeze(2) >> bits) & 1).bool().reshape(masks.shape[0], -1)  # [N, 32 * W]
     if allowed.shape[1] < vocab_size:
         allowed = F.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
@@ -162,7 +162,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     num_rows, vocab_size = logits.shape
     probs = logits.softmax(dim=1)  # [N, V]
     # Per row, the probability of the least likely kept token; 0 keeps the whole row.
-    min_kept_prob = torch.zeros(num_rows, 1, dtype=probs.dtype)  # [N, 1]
+    min_kept_prob = torch.zeros(num_rows, 1, dtype=probs.dtype, device=probs.device)  # [N, 1]
     pending = torch.nonzero(top_p < 1).squeeze(1)  # [n] rows whose cut is not found yet
     for size in (*TOP_P_SEARCH_SIZES, vocab_size):
         if pending.numel() == 0:

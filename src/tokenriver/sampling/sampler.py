@@ -165,7 +165,7 @@ class Sampler:
         tracer = Tracer(logits, traced_rows, states) if traced_rows else None
         processed, modified_rows = self.process_logits(logits, states, tracer)
 
-        token_ids = torch.empty(num_rows, dtype=torch.int64)  # [N]
+        token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)  # [N]
         greedy_rows = [i for i, state in enumerate(states) if state.params.is_greedy]
         sampled_rows = [i for i, state in enumerate(states) if not state.params.is_greedy]
         # A greedy row no stage changed takes the raw argmax when the reductions gave it; the rest take processed's.
@@ -262,7 +262,7 @@ class Sampler:
         self, logits: torch.Tensor, states: list[SamplingState], tracer: Tracer | None
     ) -> tuple[torch.Tensor, set[int]]:
         """Run the stages; returns the logits to pick from and the rows penalties, bias or min_tokens changed."""
-        vocab_size = logits.shape[1]
+        vocab_size, device = logits.shape[1], logits.device
         work = _Logits(logits)
         modified_rows: set[int] = set()
 
@@ -278,17 +278,17 @@ class Sampler:
         rows = [i for i, s in enumerate(states) if _has_repetition_penalty(s)]
         if rows:
             history = processors.pad_token_ids(
-                [states[i].prompt_token_ids + states[i].output_token_ids for i in rows], vocab_size
+                [states[i].prompt_token_ids + states[i].output_token_ids for i in rows], vocab_size, device
             )  # [n, L]
-            penalty = torch.tensor([states[i].params.repetition_penalty for i in rows])  # [n]
+            penalty = torch.tensor([states[i].params.repetition_penalty for i in rows], device=device)  # [n]
             run("penalty", rows, lambda x: processors.apply_repetition_penalty(x, history, penalty))
             modified_rows.update(rows)
 
         rows = [i for i, s in enumerate(states) if _has_presence_or_frequency_penalty(s)]
         if rows:
-            generated = processors.pad_token_ids([states[i].output_token_ids for i in rows], vocab_size)  # [n, L]
-            presence = torch.tensor([states[i].params.presence_penalty for i in rows])  # [n]
-            frequency = torch.tensor([states[i].params.frequency_penalty for i in rows])  # [n]
+            generated = processors.pad_token_ids([states[i].output_token_ids for i in rows], vocab_size, device)  # [n, L]
+            presence = torch.tensor([states[i].params.presence_penalty for i in rows], device=device)  # [n]
+            frequency = torch.tensor([states[i].params.frequency_penalty for i in rows], device=device)  # [n]
             run("penalty", rows,
                 lambda x: processors.apply_presence_frequency_penalties(x, generated, presence, frequency))
             modified_rows.update(rows)
@@ -296,10 +296,10 @@ class Sampler:
         rows = [i for i, s in enumerate(states) if _has_logit_bias(s)]
         if rows:
             biases = [states[i].params.logit_bias or {} for i in rows]
-            bias_ids = processors.pad_token_ids([list(b) for b in biases], vocab_size)  # [n, M]
+            bias_ids = processors.pad_token_ids([list(b) for b in biases], vocab_size, device)  # [n, M]
             width = bias_ids.shape[1]
             bias_values = torch.tensor(
-                [list(b.values()) + [0.0] * (width - len(b)) for b in biases], dtype=logits.dtype
+                [list(b.values()) + [0.0] * (width - len(b)) for b in biases], dtype=logits.dtype, device=device
             )  # [n, M], the padding adds 0 to the dropped column
             run("bias", rows, lambda x: processors.apply_logit_bias(x, bias_ids, bias_values))
             modified_rows.update(rows)
@@ -310,10 +310,10 @@ class Sampler:
         rows = [i for i, s in enumerate(states) if _blocks_stop_tokens(s)]
         if rows:
             blocked = processors.pad_token_ids(
-                [states[i].eos_token_ids + states[i].params.stop_token_ids for i in rows], vocab_size
+                [states[i].eos_token_ids + states[i].params.stop_token_ids for i in rows], vocab_size, device
             )  # [n, M]
-            num_output = torch.tensor([len(states[i].output_token_ids) for i in rows])  # [n]
-            min_tokens = torch.tensor([states[i].params.min_tokens for i in rows])  # [n]
+            num_output = torch.tensor([len(states[i].output_token_ids) for i in rows], device=device)  # [n]
+            min_tokens = torch.tensor([states[i].params.min_tokens for i in rows], device=device)  # [n]
             run("min_tokens", rows, lambda x: processors.apply_min_tokens(x, blocked, num_output, min_tokens))
             modified_rows.update(rows)
 
@@ -330,35 +330,36 @@ class Sampler:
 
         rows = [i for i, p in sampled if p.temperature != 1.0]
         if rows:
-            temperature = torch.tensor([states[i].params.temperature for i in rows])  # [n]
+            temperature = torch.tensor([states[i].params.temperature for i in rows], device=device)  # [n]
             run("temperature", rows, lambda x: processors.apply_temperature(x, temperature))
 
         rows = [i for i, p in sampled if 0 < p.top_k < vocab_size]
         if rows:
-            top_k = torch.tensor([states[i].params.top_k for i in rows])  # [n]
+            top_k = torch.tensor([states[i].params.top_k for i in rows], device=device)  # [n]
             run("top_k", rows, lambda x: processors.apply_top_k(x, top_k))
 
         rows = [i for i, p in sampled if p.top_p < 1.0]
         if rows:
-            top_p = torch.tensor([states[i].params.top_p for i in rows])  # [n]
+            top_p = torch.tensor([states[i].params.top_p for i in rows], device=device)  # [n]
             run("top_p", rows, lambda x: processors.apply_top_p(x, top_p))
 
         rows = [i for i, p in sampled if p.min_p > 0.0]
         if rows:
-            min_p = torch.tensor([states[i].params.min_p for i in rows])  # [n]
+            min_p = torch.tensor([states[i].params.min_p for i in rows], device=device)  # [n]
             run("min_p", rows, lambda x: processors.apply_min_p(x, min_p))
 
         return work.tensor, modified_rows
 
     def uniforms(self, states: list[SamplingState]) -> torch.Tensor:
         """One uniform in [0, 1) per row: from the row's own generator if it has one, else the default stream."""
-        uniforms = torch.empty(len(states))  # [n]
+        device = self.default_generator.device  # the runner's: where the logits are
+        uniforms = torch.empty(len(states), device=device)  # [n]
         default_rows = [j for j, state in enumerate(states) if state.generator is None]
         if default_rows:
-            uniforms[default_rows] = torch.rand(len(default_rows), generator=self.default_generator)
+            uniforms[default_rows] = torch.rand(len(default_rows), generator=self.default_generator, device=device)
         for j, state in enumerate(states):
             if state.generator is not None:
-                uniforms[j] = torch.rand(1, generator=state.generator)[0]
+                uniforms[j] = torch.rand(1, generator=state.generator, device=device)[0]
         return uniforms
 
 

@@ -92,7 +92,7 @@ def verify(logits: torch.Tensor, checks: list[DraftCheck], process: ProcessLogit
             chosen = accept_greedy(greedy_ids[first:first + num_rows], check.draft_token_ids)
         else:
             chosen = accept_sampled(probs[first:first + num_rows], check, uniforms)
-        token_ids[first:first + len(chosen)] = torch.tensor(chosen, dtype=torch.int64)
+        token_ids[first:first + len(chosen)] = torch.tensor(chosen, dtype=torch.int64, device=token_ids.device)
         emitted += [(index, row) for row in range(first, first + len(chosen))]
         num_accepted.append(len(chosen) - 1)
         first += num_rows

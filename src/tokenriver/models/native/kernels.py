@@ -70,6 +70,10 @@ def _cache_dir() -> Path:
     return Path.home() / ".cache" / "tokenriver" / "kernels"
 
 
+# Set to 0 to run without the native kernels: no compiler call (a GPU machine's CUDA path never uses them).
+NATIVE_KERNELS_VARIABLE = "TOKENRIVER_NATIVE_KERNELS"
+
+
 def _build(compiler: str, flags: set[str]) -> Path:
     """Compile the sources unless a build of these exact sources for this CPU and compiler is cached."""
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
@@ -536,9 +540,19 @@ def _raise_for_attention_status(status: int, head_dim: int) -> None:
         raise ValueError(f"paged attention: head_dim {head_dim} is not compiled in (see attention_head_dims)")
 
 
+def kernels_for(tensor: torch.Tensor) -> NativeKernels | None:
+    """load_kernels() where `tensor` lives on the CPU; None on any other device, where they never run (nor get
+    built: a GPU machine need not compile CPU code it will not call)."""
+    return load_kernels() if tensor.is_cpu else None
+
+
 @functools.cache
 def load_kernels() -> NativeKernels | None:
-    """The compiled kernels, or None (with the reason logged once) where they cannot run."""
+    """The compiled kernels, or None (with the reason logged once) where they cannot run or
+    TOKENRIVER_NATIVE_KERNELS=0 turns them off (everything then runs the PyTorch definitions)."""
+    if os.environ.get(NATIVE_KERNELS_VARIABLE, "1") == "0":
+        logger.info("native kernels off: %s=0", NATIVE_KERNELS_VARIABLE)
+        return None
     flags = _cpu_flags()
     missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
     if platform.machine() not in ("x86_64", "AMD64") or missing:

@@ -18,8 +18,11 @@ Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation
   `max_gemv_rows` activation rows); for more rows models/native/csrc/gemm.cpp, which decodes a few weight rows at a
   time into a small buffer and multiplies them with every activation row there (compute-bound, and no float32
   copy of the model is kept; benchmarks/results/gemm.md compares it with MKL's sgemm on such a copy).
+- "triton": on a GPU, models/cuda/quant_matmul.py, which decodes the packed weights inside a tiled matrix product in
+  the activations' dtype (bfloat16 there), so a 4-bit file stays 4-bit in GPU memory.
 - "reference": dequantize with torch ops, then F.linear. Any device; the definition the others are tested against.
-"auto" picks "native" when the kernels build on this CPU and the tensors are on the CPU, else "reference".
+"auto" picks "native" when the weights are on a CPU the kernels build on, "triton" when they are on a CUDA GPU and
+Triton imports, else "reference".
 Outputs have the activations' dtype (float32 or bfloat16); the sums are float32 either way.
 
 `int8_activations=True` trades exactness for speed on decode-sized products (at most `max_gemv_rows` rows): the
@@ -51,10 +54,11 @@ from torch import nn
 
 from tokenriver.config import default_num_threads
 from tokenriver.errors import InvalidParameterError, ModelLoadError
+from tokenriver.models.cuda import quant_matmul
 from tokenriver.models.native.kernels import NativeKernels, Reductions, load_kernels
 
-Backend = Literal["auto", "native", "reference"]
-BACKENDS = ("auto", "native", "reference")
+Backend = Literal["auto", "native", "triton", "reference"]
+BACKENDS = ("auto", "native", "triton", "reference")
 # Above this many activation rows the native path runs the GEMM: up to here the GEMV is as fast, beyond it the GEMM
 # is faster (benchmarks/kernels.py measures both; benchmarks/results/kernels.md).
 DEFAULT_MAX_GEMV_ROWS = 10
@@ -270,8 +274,10 @@ def gemm_rounding(rounded_arithmetic: bool, in_features: int) -> str | None:
     """How many-row products round (module docstring): None unless asked for; else "bfloat16" where this CPU's
     kernels have AMX tiles, "int8" where they have AVX512-VNNI, else None. Both kernels take the columns in runs
     of 32 (group sizes are multiples of 32 already)."""
+    if not rounded_arithmetic or in_features % GGUF_BLOCK:
+        return None
     kernels = load_kernels()
-    if not rounded_arithmetic or kernels is None or in_features % GGUF_BLOCK:
+    if kernels is None:
         return None
     if kernels.gemm_amx:
         return "bfloat16"
@@ -287,7 +293,7 @@ class _QuantizedLinear(nn.Module):
     """What Int4Linear and Int8Linear share: backend choice, bias, reshaping, output dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, backend: Backend,
-                 max_gemv_rows: int, int8_activations: bool) -> None:
+                 max_gemv_rows: int, int8_activations: bool, device: torch.device) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise InvalidParameterError(f"backend must be one of {BACKENDS}, got {backend!r}", param="backend")
@@ -297,12 +303,18 @@ class _QuantizedLinear(nn.Module):
         self.int8_activations = int8_activations
         self.gemm_rounding = gemm_rounding(int8_activations, in_features)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        self.kernels: NativeKernels | None = load_kernels() if backend in ("auto", "native") else None
+        on_cpu = device.type == "cpu"
+        self.kernels: NativeKernels | None = load_kernels() if backend in ("auto", "native") and on_cpu else None
         if backend == "native" and self.kernels is None:
             raise InvalidParameterError(
-                "backend 'native' needs an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler; "
+                "backend 'native' needs the weights on an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler; "
                 "use backend='auto' to fall back to 'reference'", param="backend")
-        self.backend: Backend = backend if backend != "auto" else ("native" if self.kernels else "reference")
+        has_triton = not on_cpu and backend in ("auto", "triton") and quant_matmul.available(device)
+        if backend == "triton" and not has_triton:
+            raise InvalidParameterError("backend 'triton' needs the weights on a CUDA GPU and Triton installed; "
+                                        "use backend='auto' to fall back to 'reference'", param="backend")
+        self.backend: Backend = backend if backend != "auto" else (
+            "native" if self.kernels else "triton" if has_triton else "reference")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] → [..., out_features] in x's dtype."""
@@ -324,6 +336,8 @@ class _QuantizedLinear(nn.Module):
             rows32 = rows if rows.dtype == torch.float32 else rows.float()
             rows32 = rows32 if rows32.is_contiguous() else rows32.contiguous()
             y = self._native_gemv(rows32) if is_gemv else self._native_gemm(rows32)  # [M, N]
+        elif self.backend == "triton" and rows.is_cuda and self.scales.is_cuda:
+            y = self._triton_matmul(rows)  # [M, N] in rows' dtype, float32 sums
         else:
             rounding = ("int8" if self.int8_activations else None) if is_gemv else self.gemm_rounding
             y = self._reference(rows.float(), rounding)  # [M, N]
@@ -368,6 +382,10 @@ class _QuantizedLinear(nn.Module):
         self._bind_native()
         return module
 
+    def _triton_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] on the GPU @ Wᵀ through the Triton kernel of this layer's format (the subclasses')."""
+        raise NotImplementedError
+
     def _reference(self, rows: torch.Tensor, rounding: str | None) -> torch.Tensor:
         """Dequantize with torch ops and F.linear, rounding as the native product would: any device, and the
         definition the kernels are tested against."""
@@ -390,7 +408,8 @@ class Int4Linear(_QuantizedLinear):
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, backend: Backend = "auto",
                  max_gemv_rows: int = DEFAULT_MAX_GEMV_ROWS, int8_activations: bool = False) -> None:
         out_features, in_features = weight.shape
-        super().__init__(in_features, out_features, bias, backend, max_gemv_rows, int8_activations)
+        super().__init__(in_features, out_features, bias, backend, max_gemv_rows, int8_activations,
+                         weight.qweight.device)
         self.group_size = weight.group_size
         self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K // 2] uint8
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
@@ -425,6 +444,9 @@ class Int4Linear(_QuantizedLinear):
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
 
+    def _triton_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return quant_matmul.int4_matmul(rows, self.qweight, self.scales, self.mins, self.group_size)
+
 
 class QuantizedEmbedding(nn.Module):
     """Token embedding looked up in a quantized matrix: only the rows of this step's tokens are dequantized.
@@ -448,7 +470,8 @@ class Int8Linear(_QuantizedLinear):
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, backend: Backend = "auto",
                  max_gemv_rows: int = DEFAULT_MAX_GEMV_ROWS, int8_activations: bool = False) -> None:
         out_features, in_features = weight.shape
-        super().__init__(in_features, out_features, bias, backend, max_gemv_rows, int8_activations)
+        super().__init__(in_features, out_features, bias, backend, max_gemv_rows, int8_activations,
+                         weight.qweight.device)
         self.group_size = weight.group_size
         self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K] int8
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
@@ -478,3 +501,6 @@ class Int8Linear(_QuantizedLinear):
 
     def _native_dequantize(self) -> torch.Tensor:
         return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)
+
+    def _triton_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return quant_matmul.int8_matmul(rows, self.qweight, self.scales, self.group_size)
