@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from tokenriver.kv.cache import KVCache
 from tokenriver.loader.load import load_model
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.native.quant import Int4Linear
-from tokenriver.params import SamplingParams
+from tokenriver.params import SamplingParams, StructuredOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 from arch_reference import random_ids, relative_error, widen  # noqa: E402
@@ -56,7 +57,8 @@ def folder(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny_llama_cuda")
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      tie_word_embeddings=False, rope_theta=10000.0)
+                                      tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=None,
+                                      eos_token_id=VOCAB - 1)
     torch.manual_seed(0)
     widen(transformers.LlamaForCausalLM(config), seed=1).save_pretrained(path, safe_serialization=True)
     _write_byte_tokenizer(path)
@@ -143,11 +145,21 @@ def test_seeded_sampling_with_every_stage_runs_on_the_gpu(folder):
     llm = _engine(folder)
     params = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
                             presence_penalty=0.2, frequency_penalty=0.1, logit_bias={5: 2.0}, seed=5, logprobs=3,
-                            ignore_eos=True)
+                            ignore_eos=True, trace=True)
     first = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0].outputs[0]
     again = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0].outputs[0]
     assert list(first.token_ids) == list(again.token_ids)
     assert len(first.token_ids) == 16 and all(len(entry) >= 3 for entry in first.logprobs)
+    assert first.trace is not None and len(first.trace) == 16
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_structured_output_masks_meet_the_logits_on_the_gpu(folder, temperature):
+    llm = _engine(folder)
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=3,
+                            structured_output=StructuredOutput.regex("[a-c]{3}-[0-9]{2}"))
+    (output,) = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", output.outputs[0].text)
 
 
 def test_bfloat16_is_the_default_on_the_gpu(folder):

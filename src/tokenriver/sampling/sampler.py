@@ -210,7 +210,8 @@ class Sampler:
         log_normalizer = torch.logsumexp(logits, dim=1, keepdim=True)  # [N, 1]
         masked_rows = [i for i, mask in enumerate(allowed_token_masks or []) if mask is not None]
         if masked_rows:
-            masks = torch.stack([allowed_token_masks[i] for i in masked_rows])  # [m, W]
+            # Grammars fill their masks on the host; they meet the logits where those are.
+            masks = torch.stack([allowed_token_masks[i] for i in masked_rows]).to(logits.device)  # [m, W]
             logits = logits.clone()
             index = torch.tensor(masked_rows, dtype=torch.int64)  # [m]
             allowed = processors.allowed_tokens(masks, logits.shape[1])  # [m, V]
@@ -319,7 +320,7 @@ class Sampler:
 
         rows = [i for i, s in enumerate(states) if s.allowed_token_mask is not None]
         if rows:
-            masks = torch.stack([states[i].allowed_token_mask for i in rows])  # [n, W]
+            masks = torch.stack([states[i].allowed_token_mask for i in rows]).to(device)  # [n, W], from the host
             allowed = processors.allowed_tokens(masks, vocab_size)  # [n, V]
             if tracer:
                 tracer.note_grammar(rows, select_rows(work.tensor, rows), allowed)

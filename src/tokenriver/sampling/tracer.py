@@ -17,7 +17,7 @@ class Tracer:
 
     def __init__(self, raw: torch.Tensor, rows: list[int], states: list[SamplingState]) -> None:
         self.rows = rows
-        self.index = torch.tensor(rows, dtype=torch.int64)  # [T]
+        self.index = torch.tensor(rows, dtype=torch.int64, device=raw.device)  # [T]
         self.raw = select_rows(raw, rows).clone()  # [T, V]
         self.processed = self.raw  # [T, V], replaced after penalties and bias
         num_candidates = min(max(states[i].params.trace_top for i in rows), raw.shape[1])
