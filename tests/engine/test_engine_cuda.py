@@ -37,18 +37,21 @@ VOCAB = 257  # 256 bytes and <|endoftext|>
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def _write_byte_tokenizer(folder: Path) -> None:
-    """A byte-level BPE with no merges: every byte one token, <|endoftext|> the last id."""
+def _write_byte_tokenizer(folder: Path, with_eos: bool = True) -> None:
+    """A byte-level BPE with no merges: every byte one token, then <|endoftext|> (the last byte stands for it in a
+    256-token model's vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {piece: i for i, piece in enumerate(alphabet)} | {"<|endoftext|>": len(alphabet)}
+    eos = "<|endoftext|>" if with_eos else alphabet[-1]
+    vocab = {piece: i for i, piece in enumerate(alphabet)} | ({eos: len(alphabet)} if with_eos else {})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(["<|endoftext|>"])
+    if with_eos:
+        tokenizer.add_special_tokens([eos])
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +187,28 @@ def test_the_kv_pool_takes_the_free_gpu_memory_up_to_what_the_contexts_need(fold
     cache = llm.engine.kv_cache
     assert cache[0][0].is_cuda
     assert cache.num_blocks == 8 * 512 // 16  # 8 full contexts of 512 tokens: the cap, well inside free memory
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3_moe"])
+def test_windows_soft_capping_and_experts_match_transformers(kind, tmp_path):
+    """Sliding windows shorter than the prompts and soft-capped scores inside the recorded graphs (Gemma); a mixture
+    of experts, whose step cannot be recorded, falling back to eager steps."""
+    from test_gemma_reference import tiny_gemma
+    from test_moe_reference import tiny
+
+    reference = tiny_gemma(kind) if kind.startswith("gemma") else tiny(kind)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    _write_byte_tokenizer(tmp_path, with_eos=False)
+    reference = reference.to(DEVICE)
+    llm = _engine(str(tmp_path), quantization="none")  # float experts, as transformers has them
+    prompts = [ids[:40] for ids in PROMPTS[2:]]
+    for ids, tokens in zip(prompts, _generate(llm, prompts)):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=GREEDY.max_tokens,
+                                     min_new_tokens=GREEDY.max_tokens, do_sample=False)
+        assert tokens == out[0, len(ids):].tolist()
+    graphs = llm.engine.runner.graphs
+    assert graphs.num_graphs > 0 if kind.startswith("gemma") else not graphs.enabled
 
 
 def test_no_native_cpu_kernel_is_built_or_called_on_the_gpu_path(folder):
