@@ -140,6 +140,9 @@ class SideResult:
     # the KV cache per token of context (keys and values of every layer).
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
+    # Seconds the GPU spent running kernels during one single-stream generate of decode_tokens tokens, per token
+    # (the profiler's kernel time): against the wall time per token it says whether a step waits on the host.
+    gpu_busy_per_token: float | None = None
     error: str | None = None
 
 
@@ -155,6 +158,24 @@ def timed(device: str, run: Callable[[], object]) -> float:
     run()
     synchronize(device)
     return time.perf_counter() - started
+
+
+def kernel_seconds(device: str, run: Callable[[], object]) -> float | None:
+    """Seconds of GPU kernel time during one call, from the profiler (kernels replayed from CUDA graphs included);
+    None off CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            run()
+            synchronize(device)
+        events = profiler.key_averages()
+    except RuntimeError as error:  # a profiler that cannot attach costs this row, not the side's figures
+        print(f"  profiler: {error}", flush=True)
+        return None
+    return sum(getattr(event, "self_device_time_total", 0.0) for event in events) / 1e6
 
 
 def free_memory(device: str) -> None:
@@ -306,6 +327,8 @@ def measure_transformers(model, prompts: Prompts, workload: Workload, repeats: i
         whole = run([prompts.single], n)
         result.decode.append((n - 1) / (whole - first))
         result.prefill.append(workload.prefill_len / run([prompts.long], 1))
+    busy = kernel_seconds(device, lambda: run([prompts.single], n))
+    result.gpu_busy_per_token = None if busy is None else busy / n
     # The sweep: each batch size once. torch.OutOfMemoryError is what CUDA raises; skip that size.
     for size in workload.hf_batch_sizes:
         if size > len(prompts.batch):
@@ -370,6 +393,8 @@ def measure_tokenriver(case: ModelCase, options: dict[str, object], prompts: Pro
             result.prefill.append(workload.prefill_len / run([prompts.long], 1))
             for count in workload.num_prompts:
                 result.throughput.setdefault(count, []).append(count * n / run(prompts.batch[:count], n))
+        busy = kernel_seconds(device, lambda: run([prompts.single], n))
+        result.gpu_busy_per_token = None if busy is None else busy / n
     finally:
         close = getattr(llm.engine, "close", None)
         if close is not None:
@@ -453,6 +478,13 @@ def table_rows(results: list[ModelResult], workload: Workload, bandwidth: float)
                 decode = median(side.decode)
                 shares.append(f"{100 * decode / floor:.0f}% of {figure(floor)}" if decode and floor else "—")
             rows.append([name, "single-stream decode as a share of its bandwidth floor (tokens/s)", *shares, "—"])
+            busy = []
+            for side in (ours, hf):
+                decode = median(side.decode)
+                busy.append(f"{1e3 * side.gpu_busy_per_token:.2f} of {1e3 / decode:.2f}"
+                            if side.gpu_busy_per_token is not None and decode else "—")
+            rows.append([name, "single-stream decode: GPU kernel time per token, of the wall time per token (ms)",
+                         *busy, "—"])
     return rows
 
 
@@ -557,6 +589,9 @@ def write_report(results: list[ModelResult], workload: Workload, bandwidth: floa
         f"context), with each side's weights as loaded (packed bytes for packed weights) and its KV cache's "
         f"bytes per token. Activations and the per-step launch overhead are left out: the floor is a bound, not "
         f"a target.",
+        f"- GPU kernel time per token: the profiler's kernel time (replays of CUDA graphs included) during one "
+        f"single-stream {n}-token generate, divided by {n}; beside the wall time per token of the decode row, it "
+        f"says how much of a step the GPU spends waiting on the host.",
         "- tokenriver's packed rows ('packed (default)' on the GGUF, 'int4' on random weights) keep 4-bit "
         "matrices packed, so they read fewer bytes than transformers' bf16 weights (a GGUF dequantized by "
         "transformers' GGUF loader): they compare configurations as users run them, the 'bf16' rows like for like.",
