@@ -130,7 +130,8 @@ def check_device(device: str) -> None:
 
 
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
-    """Blocks in the KV pool: from kv_cache_memory, or max_num_kv_tokens, or the 2 GiB default."""
+    """Blocks in the KV pool: from kv_cache_memory, or max_num_kv_tokens, or the device's default memory
+    (default_kv_cache_memory)."""
     model_config = loaded.config
     dtype = getattr(torch, config.resolved_kv_cache_dtype)
     per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
@@ -138,7 +139,8 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int
     if config.max_num_kv_tokens is not None:
         num_blocks = -(-config.max_num_kv_tokens // config.block_size)
     else:
-        memory = config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(config.device)
+        memory = (config.kv_cache_memory if config.kv_cache_memory is not None
+                  else default_kv_cache_memory(config.device))
         num_blocks = memory // per_block
         if config.kv_cache_memory is None:
             # Unasked-for memory is capped at what max_num_seqs full contexts could ever use.

@@ -287,7 +287,8 @@ class Sampler:
 
         rows = [i for i, s in enumerate(states) if _has_presence_or_frequency_penalty(s)]
         if rows:
-            generated = processors.pad_token_ids([states[i].output_token_ids for i in rows], vocab_size, device)  # [n, L]
+            outputs = [states[i].output_token_ids for i in rows]
+            generated = processors.pad_token_ids(outputs, vocab_size, device)  # [n, L]
             presence = torch.tensor([states[i].params.presence_penalty for i in rows], device=device)  # [n]
             frequency = torch.tensor([states[i].params.frequency_penalty for i in rows], device=device)  # [n]
             run("penalty", rows,
