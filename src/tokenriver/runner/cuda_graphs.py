@@ -110,14 +110,15 @@ class DecodeGraphs:
         return graph.output[:batch]
 
     def _capture(self, batch: int, num_blocks: int) -> _Graph | None:
-        """Record the decode step of `batch` rows over `num_blocks` blocks; None (and eager from now on) if the
-        model's step cannot be recorded."""
+        """Record the decode step of `batch` rows over `num_blocks` blocks; None if it cannot be: that shape runs
+        eagerly from now on when it does not fit in memory, every step when the model's step cannot be recorded."""
         device = self.device
         input_ids = torch.zeros(batch, dtype=torch.long, device=device)
         positions = torch.zeros(batch, dtype=torch.long, device=device)
         slot_mapping = torch.full((batch,), self.kv_cache.padding_slot, dtype=torch.long, device=device)
         block_tables = torch.zeros(batch, num_blocks, dtype=torch.long, device=device)
         seq_lens = torch.ones(batch, dtype=torch.long, device=device)
+
         def metadata() -> AttentionMetadata:
             # A fresh one per pass: what it derives from the buffers (the length mask) is computed once per
             # instance, and the recorded pass must compute it inside the graph, from the buffers as they are then.
