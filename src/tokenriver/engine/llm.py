@@ -74,8 +74,11 @@ class LLM:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             # Checked with every other prompt in EngineCore.add_request (prompts.check_prompt).
             return prompt.get("prompt"), prompt["prompt_token_ids"]
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
         raise InvalidParameterError(
-            f"prompts[{index}] must be a string or a dict with 'prompt_token_ids', not {type(prompt).__name__}",
+            f"prompts[{index}] must be a string, or a dict with 'prompt' (a string) or 'prompt_token_ids', not "
+            f"{type(prompt).__name__}" + (f" with keys {sorted(prompt)}" if isinstance(prompt, dict) else ""),
             param="prompts")
 
     def _add(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams],

@@ -1,0 +1,34 @@
+"""LLM.generate's prompt forms: vLLM's (a string, {"prompt": ...}, {"prompt_token_ids": ...}) and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenriver.engine.llm import LLM
+from tokenriver.errors import InvalidParameterError
+from tokenriver.params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_packed) -> LLM:
+    return LLM.from_loaded(loaded_packed, max_num_seqs=4)
+
+
+def test_a_text_prompt_dict_runs_like_the_string_and_its_token_ids(llm):
+    text = "The river flows"
+    ids = llm.get_tokenizer().encode(text)
+    from_string, from_dict, from_ids = llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}], GREEDY,
+                                                    use_tqdm=False)
+    assert from_dict.prompt == text and from_dict.prompt_token_ids == ids
+    assert from_string.outputs[0].token_ids == from_dict.outputs[0].token_ids == from_ids.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, match", [({"text": "hi"}, r"prompts\[1\].*keys \['text'\]"),
+                                           ({"prompt": 3}, r"prompts\[1\].*'prompt' \(a string\)"),
+                                           (7, r"prompts\[1\].*not int")])
+def test_a_prompt_of_another_form_is_refused_and_nothing_stays_queued(llm, prompt, match):
+    with pytest.raises(InvalidParameterError, match=match):
+        llm.generate(["fine", prompt], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
