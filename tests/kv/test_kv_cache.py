@@ -3,6 +3,9 @@ requested dtype and shape, independent per layer, and block copies move whole bl
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 
@@ -33,3 +36,34 @@ def test_copy_blocks_copies_every_layer() -> None:
     for layer, (key, value) in enumerate(cache.layers):
         assert key[3].eq(layer + 1.0).all() and value[3].eq(-(layer + 1.0)).all()
         assert not key[2].any()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_a_large_pool_takes_no_memory_until_written_and_is_not_on_huge_pages() -> None:
+    """8 MiB per layer tensor: past numpy's calloc threshold, which would ask for 2 MiB pages (each layer's pool
+    then faults in 2 MiB at its first token)."""
+    cache = KVCache(num_layers=1, num_blocks=256, block_size=16, num_kv_heads=4, head_dim=128, dtype=torch.float32)
+    key = cache[0][0]
+    middle = key[128]  # calloc's advice starts at the page after the array's first byte
+    middle[0] = 1.0  # one page touched
+    start = middle.data_ptr()
+    for header, fields in _smaps():
+        low, high = (int(part, 16) for part in header.split()[0].split("-"))
+        if low <= start < high:
+            assert "hg" not in fields["VmFlags"].split()
+            assert int(fields["Rss"].split()[0]) < 1024  # kB: the written page, not the 8 MiB
+            return
+    pytest.fail("the pool's mapping is not in /proc/self/smaps")
+
+
+def _smaps() -> list[tuple[str, dict[str, str]]]:
+    """(header line, its fields) per mapping of this process."""
+    mappings: list[tuple[str, dict[str, str]]] = []
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                mappings.append((line, {}))
+            elif mappings:
+                name, _, rest = line.partition(":")
+                mappings[-1][1][name] = rest.strip()
+    return mappings

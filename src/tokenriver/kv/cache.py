@@ -15,7 +15,9 @@ float16's 128, with a rounding error of at most s / 2 per value.
 
 from __future__ import annotations
 
-import numpy as np
+import math
+import mmap
+
 import torch
 
 
@@ -96,12 +98,14 @@ class KVCache:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zero-filled pool tensor. On the CPU it comes from calloc (numpy), whose pages the OS hands out
-    already zeroed and only when first touched: a 2 GiB pool costs nothing at start-up, where torch.zeros
-    writes every byte (seconds on this machine). Zeros, not garbage: a slot never written is still read
-    (masked) by attention, and NaN garbage times a zero weight would poison the sum."""
-    if torch.device(device).type != "cpu":
+    """A zero-filled pool tensor. On the CPU it is an anonymous mapping, whose pages the OS hands out already
+    zeroed and only when first touched: a 2 GiB pool costs nothing at start-up, where torch.zeros writes every byte
+    (seconds on this machine). Zeros, not garbage: a slot never written is still read (masked) by attention, and
+    NaN garbage times a zero weight would poison the sum. Not numpy's calloc: it asks for 2 MiB pages for every
+    array of 4 MiB or more, so each layer's pool would fault in 2 MiB at its first token (resident memory, and a
+    slow fault where the host backs fresh memory lazily); the pool is on the system's default pages."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    element_size = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros((*shape[:-1], shape[-1] * element_size), dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)  # keeps the mapping alive
