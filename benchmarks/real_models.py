@@ -254,7 +254,8 @@ def report(results: dict, ppl_rows: list[list[object]], files: dict[str, str], a
     import llama_cpp
     lines = ["# tokenriver vs llama.cpp on real GGUF files, default settings on both sides", "",
              f"Machine: {machine_line()}; {args.threads} threads each; llama-cpp-python {llama_cpp.__version__}.",
-             f"Command: `python benchmarks/real_models.py --threads {args.threads} --repeats {args.repeats}`", "",
+             f"Command: `python benchmarks/real_models.py --threads {args.threads} --repeats {args.repeats}"
+             f"{' --no-perplexity' if args.no_perplexity else ''}`", "",
              f"Medians of {args.repeats} alternating runs, each (file, engine) in a fresh process. Tokens/s; "
              "decode after a chat prompt, 128 tokens; prefill of 512 tokens; 32 chat prompts x 128 tokens "
              "(llama.cpp: 32 sequences decoded together, as its server's 32 slots do). Peak RSS includes the "
