@@ -7,8 +7,7 @@ tokens) is longer than the model's 512-token sliding window, so the sliding laye
 prefill. Compared: the final hidden states (relative error), the greedy next token at every position, and a greedy
 continuation of a short prompt; the default load (quantization="auto") is scored too. The perplexities are printed
 (run with -s). Measured at the time of writing (1,318 tokens): perplexity 73.078, transformers 73.078, greedy
-next token equal at every position; quantization="auto" 73.078 (until K-quants stay packed it keeps only the Q8_0
-tensors packed, which compute the same values).
+next token equal at every position.
 
 Slow (loading dequantizes ~270M K-quant weights twice): `make test-slow`, or pytest -m slow on this file.
 """

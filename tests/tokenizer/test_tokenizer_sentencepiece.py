@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
+from tokenriver.loader import tokenizer_files
 from tokenriver.loader.tokenizer_files import tokenizer_from_gguf_fields
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
@@ -124,3 +126,54 @@ def test_merges_listed_in_the_file_are_used(spm_model, spm_tokenizer):
     tokenizer = tokenizer_from_gguf_fields({**without_scores, "tokenizer.ggml.merges": pairs})
     for text in TEXTS:
         assert tokenizer.encode(text) == spm_tokenizer.encode(text), text
+
+
+def _cached_entries(cache_dir) -> list:
+    return sorted((cache_dir / "merges").glob("*.npy"))
+
+
+def test_derived_merges_are_cached_and_read_back(spm_model, tmp_path, monkeypatch):
+    processor, fields = spm_model
+    first = tokenizer_from_gguf_fields(fields, cache_dir=str(tmp_path))
+    (entry,) = _cached_entries(tmp_path)
+
+    def not_again(*args):
+        raise AssertionError("the merges were derived again instead of read from the cache")
+
+    monkeypatch.setattr(tokenizer_files, "_merges_from_scores", not_again)
+    second = tokenizer_from_gguf_fields(fields, cache_dir=str(tmp_path))
+    for text in TEXTS:
+        assert second.encode(text) == first.encode(text) == [1, *processor.encode(text)]
+    assert _cached_entries(tmp_path) == [entry]
+
+
+@pytest.mark.parametrize("content", [b"not an array", "out of range"])
+def test_an_unusable_merges_entry_is_derived_and_written_again(spm_model, tmp_path, content):
+    processor, fields = spm_model
+    tokenizer_from_gguf_fields(fields, cache_dir=str(tmp_path))
+    (entry,) = _cached_entries(tmp_path)
+    good = entry.read_bytes()
+    if content == "out of range":
+        np.save(entry, np.array([[0, len(fields["tokenizer.ggml.tokens"])]], dtype=np.int32))
+    else:
+        entry.write_bytes(content)
+    tokenizer = tokenizer_from_gguf_fields(fields, cache_dir=str(tmp_path))
+    assert tokenizer.encode(TEXTS[1]) == [1, *processor.encode(TEXTS[1])]
+    assert entry.read_bytes() == good
+
+
+def test_another_vocabulary_gets_its_own_merges_entry(spm_model, tmp_path):
+    _, fields = spm_model
+    tokenizer_from_gguf_fields(fields, cache_dir=str(tmp_path))
+    scores = list(fields["tokenizer.ggml.scores"])
+    scores[-1] -= 1.0
+    tokenizer_from_gguf_fields({**fields, "tokenizer.ggml.scores": scores}, cache_dir=str(tmp_path))
+    assert len(_cached_entries(tmp_path)) == 2
+
+
+def test_an_unwritable_cache_directory_still_gives_the_tokenizer(spm_model, tmp_path):
+    processor, fields = spm_model
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    tokenizer = tokenizer_from_gguf_fields(fields, cache_dir=str(blocked))
+    assert tokenizer.encode(TEXTS[1]) == [1, *processor.encode(TEXTS[1])]

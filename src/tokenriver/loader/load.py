@@ -139,7 +139,7 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
             tokenizer = tokenizer_from_folder(path)
         else:
             try:
-                tokenizer = tokenizer_from_gguf_fields(checkpoint.tokenizer_fields)
+                tokenizer = tokenizer_from_gguf_fields(checkpoint.tokenizer_fields, cache_dir)
             except ModelLoadError as error:  # The tokenizer sees only fields: say which file they came from.
                 raise ModelLoadError(f"{path}: {error.message}", path=path) from error
     num_parameters, bytes_by_format = _count_weights(model)

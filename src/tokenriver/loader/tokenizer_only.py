@@ -24,6 +24,6 @@ def load_tokenizer(path: str | None = None, cache_dir: str | None = None) -> Tok
         raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder",
                              path=path)
     try:
-        return tokenizer_from_gguf_fields(read_tokenizer_fields(path, cache_dir))
+        return tokenizer_from_gguf_fields(read_tokenizer_fields(path, cache_dir), cache_dir)
     except ModelLoadError as error:
         raise ModelLoadError(f"{path}: {error.message}", path=path) from error
