@@ -117,20 +117,24 @@ def store_index(path: str, index: GGUFIndex, header: bytes, stat: os.stat_result
         "tensors": [[t.name, int(t.tensor_type), list(t.shape), t.data_offset, t.n_bytes] for t in index.tensors],
     }
     try:
-        text = json.dumps(entry, separators=(",", ":"))
-        os.makedirs(os.path.dirname(cache_file), exist_ok=True)
-        # Write beside the target and rename: a reader never sees half an entry, even with two writers.
-        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(cache_file), suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as file:
-                file.write(text)
-            os.replace(temporary, cache_file)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        write_atomically(cache_file, json.dumps(entry, separators=(",", ":")).encode("utf-8"))
     except (OSError, ValueError, TypeError) as error:  # unwritable directory, or a field JSON cannot hold
         logger.info("could not cache the GGUF index of %s at %s (%s: %s); the next load parses it again",
                     path, cache_file, type(error).__name__, error)
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write `data` beside `path` and rename it there (creating the folder): a reader never sees half an entry,
+    even with two writers. OSError if the folder is not writable."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
 
 
 def tensor_array(mapped: np.ndarray, tensor: TensorEntry) -> np.ndarray:

@@ -24,10 +24,10 @@ post-processor, which transformers v5 also follows).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from tokenriver.errors import ModelLoadError
-from tokenriver.loader.gguf_cache import default_cache_dir
+from tokenriver.loader.gguf_cache import default_cache_dir, write_atomically
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -333,17 +333,10 @@ def _cached_merges_from_scores(tokens: list[str], scores: list[float], cache_dir
     merges = _merges_from_scores(tokens, scores)
     ids = {token: index for index, token in enumerate(tokens)}
     pairs = np.array([(ids[left], ids[right]) for left, right in merges], dtype=np.int32).reshape(-1, 2)
+    buffer = io.BytesIO()
+    np.save(buffer, pairs, allow_pickle=False)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # Write beside the target and rename: a reader never sees half an entry, even with two writers.
-        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        try:
-            with os.fdopen(handle, "wb") as file:
-                np.save(file, pairs, allow_pickle=False)
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        write_atomically(path, buffer.getvalue())
     except OSError as error:
         logger.info("could not cache the merges at %s (%s); the next load derives them again", path, error)
     return merges
