@@ -24,7 +24,9 @@
 // (to nearest, ties to even) when stored, exactly as PyTorch's .to(torch.float16) rounds them. An int8 entry (one
 // token's vector for one kv head) is head_dim values q and then its float32 scale s, 4 bytes: the vector is s * q,
 // with s = max|x| / 127 and q = x / s rounded to nearest, ties to even (kv/cache.py's encode_int8, the same
-// operations in the same order). Scores are q . k_q * s_k, values enter as weight * s_v * v_q.
+// operations in the same order). Scores are q . k_q * s_k, values enter as weight * s_v * v_q. Where the CPU has
+// AVX512-BF16, an int8 pool's prompt chunks multiply in bfloat16 (kPairProducts): the integers are exact there, and
+// the queries and softmax weights are rounded, as llama.cpp rounds them to float16 for its float16 cache.
 
 #include <math.h>
 #include <omp.h>
@@ -593,7 +595,8 @@ void run_split(const Problem<Cache>& p, int64_t num_queries, int threads) {
 // token at position pos sees positions 0..pos, so a tile is skipped by the tokens it lies wholly after and masked
 // (-inf scores) where it straddles them. A row's arithmetic and its order do not depend on the vector width or on
 // which rows share a pass: a score is one FMA chain over the head dimensions in order, an output one chain over
-// the tile's tokens in order.
+// the tile's tokens in order. An int8 pool on a CPU with AVX512-BF16 runs the same passes on bfloat16 pairs
+// (kPairProducts): dimension pairs in the scores, token pairs in the values.
 constexpr int64_t kQueryBlock = 32;
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -683,6 +686,97 @@ inline void chunk_values_all(const float* const* value_rows, int64_t n, const fl
   if (kVectors - c0 == 1) chunk_values<ND, 1>(value_rows, n, weights, rescale, c0, acc);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// An int8 pool's chunk path multiplies in bfloat16 pairs (vdpbf16ps: 32 products per instruction, twice a float32
+// FMA's 16). The stored integers (|q| <= 127) are exact in bfloat16, so only the queries and the softmax weights
+// are rounded, to nearest even (within 2^-8 relative); every product is exact and every sum float32. Keys enter
+// unscaled: a score is (q . k_q) * scale * s_k. Head dimensions must come 16 at a time (head_dim % 16 == 0).
+template <typename Cache, int ND>
+constexpr bool kPairProducts = std::is_same<Cache, int8_t>::value && ND % 2 == 0;
+
+// Pairs of bfloat16 (element 2i in the low half of 32-bit lane i, 2i + 1 in the high half) from two vectors of
+// floats that are exact in bfloat16 (small integers): their high halves, no rounding needed.
+inline __m256i pair_exact(__m256 low, __m256 high) {
+  return _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(high), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))),
+                         _mm256_srli_epi32(_mm256_castps_si256(low), 16));
+}
+inline __m512i pair_exact(__m512 low, __m512 high) {
+  return _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(high), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))),
+                         _mm512_srli_epi32(_mm512_castps_si512(low), 16));
+}
+
+// count floats (a multiple of 32) rounded to bfloat16 in place: the first count / 2 floats' bytes hold them.
+inline void round_to_bf16(float* values, int64_t count) {
+  for (int64_t j = 0; j < count; j += 32) {
+    const __m256bh low = _mm512_cvtneps_pbh(_mm512_loadu_ps(values + j));
+    const __m256bh high = _mm512_cvtneps_pbh(_mm512_loadu_ps(values + j + 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + j / 2), (__m256i)low);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + j / 2 + 8), (__m256i)high);
+  }
+}
+
+// chunk_scores in pairs: scores[r * kTile + j] = (q_r . k_j) * factors[j] for kScoreRows rows of bfloat16 queries
+// (q_pairs[r * D / 2 + i]: dimensions 2i, 2i + 1) and the tile's keys as pairs, key_pairs[i * kTile + j].
+template <int ND>
+inline void chunk_scores_pairs(const uint32_t* q_pairs, const uint32_t* key_pairs, const float* factors,
+                               float* scores) {
+  constexpr int64_t P = ND * 4;
+  constexpr int kVectors = kTile / 16;
+  __m512 sums[kScoreRows][kVectors];
+  for (int r = 0; r < kScoreRows; ++r)
+    for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < P; ++i) {
+    __m512bh keys[kVectors];
+    for (int v = 0; v < kVectors; ++v) keys[v] = (__m512bh)_mm512_loadu_si512(key_pairs + i * kTile + 16 * v);
+    for (int r = 0; r < kScoreRows; ++r) {
+      const __m512bh element = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[r * P + i]));
+      for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], element, keys[v]);
+    }
+  }
+  for (int r = 0; r < kScoreRows; ++r)
+    for (int v = 0; v < kVectors; ++v)
+      _mm512_storeu_ps(scores + r * kTile + 16 * v, _mm512_mul_ps(sums[r][v], _mm512_loadu_ps(factors + 16 * v)));
+}
+
+// chunk_values in pairs: acc_r = acc_r * rescale[r] + sum over the tile's token pairs i of weights_r's pair i
+// (bfloat16) times value_pairs row i ([D] lanes, each the two tokens' values of one head dimension), for head
+// dimensions [16 * c0, 16 * (c0 + CW)).
+template <int ND, int CW>
+inline void chunk_values_pairs(const uint32_t* value_pairs, int64_t pairs, const uint32_t* const* weights,
+                               const float* rescale, int c0, float* const* acc) {
+  constexpr int64_t D = ND * 8;
+  __m512 sum[kValueRows][CW];
+  for (int r = 0; r < kValueRows; ++r)
+    for (int c = 0; c < CW; ++c)
+      sum[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + c)), _mm512_set1_ps(rescale[r]));
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh values[CW];
+    for (int c = 0; c < CW; ++c) values[c] = (__m512bh)_mm512_loadu_si512(value_pairs + i * D + 16 * (c0 + c));
+    for (int r = 0; r < kValueRows; ++r) {
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r][i]));
+      for (int c = 0; c < CW; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], weight, values[c]);
+    }
+  }
+  for (int r = 0; r < kValueRows; ++r)
+    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(acc[r] + 16 * (c0 + c), sum[r][c]);
+}
+
+template <int ND>
+inline void chunk_values_pairs_all(const uint32_t* value_pairs, int64_t pairs, const uint32_t* const* weights,
+                                   const float* rescale, float* const* acc) {
+  constexpr int kVectors = ND / 2;
+  int c0 = 0;
+  for (; c0 + kValueVectors <= kVectors; c0 += kValueVectors)
+    chunk_values_pairs<ND, kValueVectors>(value_pairs, pairs, weights, rescale, c0, acc);
+  if (kVectors - c0 == 3) chunk_values_pairs<ND, 3>(value_pairs, pairs, weights, rescale, c0, acc);
+  if (kVectors - c0 == 2) chunk_values_pairs<ND, 2>(value_pairs, pairs, weights, rescale, c0, acc);
+  if (kVectors - c0 == 1) chunk_values_pairs<ND, 1>(value_pairs, pairs, weights, rescale, c0, acc);
+}
+#else
+template <typename Cache, int ND>
+constexpr bool kPairProducts = false;
+#endif
+
 // rows[0..7] transposed in place: lane e of rows[k] becomes lane k of rows[e].
 inline void transpose8(__m256 rows[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(rows[0], rows[1]), t1 = _mm256_unpackhi_ps(rows[0], rows[1]);
@@ -709,12 +803,41 @@ inline void transpose8(__m256 rows[8]) {
   rows[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// A tile's keys and values as bfloat16 pairs (kPairProducts): key_pairs[i * kTile + j] holds dimensions 2i, 2i + 1
+// of key j, unscaled (tokens past n: zeros); value_pairs[i * D + d] holds dimension d of tokens 2i and 2i + 1 (a
+// missing last token: zero). factors[kTile] comes in as the keys' scales and leaves as scale times them (zero past
+// n), what the pair scores are multiplied by.
+template <int ND>
+inline void pair_tile(const int8_t* const* keys, const int8_t* const* values, int64_t n, float scale, float* factors,
+                      uint32_t* key_pairs, uint32_t* value_pairs) {
+  constexpr int64_t D = ND * 8;
+  for (int64_t j = 0; j < kTile; ++j) factors[j] = j < n ? factors[j] * scale : 0.0f;
+  for (int64_t j0 = 0; j0 < kTile; j0 += 8)
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 rows[8];
+      for (int e = 0; e < 8; ++e) rows[e] = j0 + e < n ? load8(keys[j0 + e] + d) : _mm256_setzero_ps();
+      transpose8(rows);
+      for (int e = 0; e < 8; e += 2)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(key_pairs + (d + e) / 2 * kTile + j0),
+                            pair_exact(rows[e], rows[e + 1]));
+    }
+  for (int64_t i = 0; 2 * i < n; ++i)
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 low = load16(values[2 * i] + d);
+      const __m512 high = 2 * i + 1 < n ? load16(values[2 * i + 1] + d) : _mm512_setzero_ps();
+      _mm512_storeu_si512(value_pairs + i * D + d, pair_exact(low, high));
+    }
+}
+#endif
+
 // Query tokens [i0, i1) of prompt chunk `chunk` (rows: first row, request index, number of new tokens, context
 // length), the query heads of kv head kv; writes their output rows.
 template <int ND, typename Cache>
 void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int64_t i0, int64_t i1) {
   constexpr int64_t D = ND * 8;
   constexpr bool kIsFloat = std::is_same<Cache, float>::value;
+  constexpr bool kPairs = kPairProducts<Cache, ND>;
   const int64_t G = p.num_heads / p.num_kv_heads;
   const int64_t entry = D + kEntryExtra<Cache>;
   const int64_t token_stride = p.num_kv_heads * entry;
@@ -743,8 +866,17 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
   float* l = m + num_rows;
   float* rescale = l + num_rows;
   for (int64_t r = 0; r < num_rows; ++r) {
-    memcpy(queries + r * D, p.query + (first_row + i0 + r / G) * p.q_row_stride + (kv * G + r % G) * D,
-           D * sizeof(float));
+    const float* query = p.query + (first_row + i0 + r / G) * p.q_row_stride + (kv * G + r % G) * D;
+    if constexpr (kPairs) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      // Pair mode: the rows are bfloat16 ([padded_rows, D] of them in the first half of the queries' space).
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(queries) + r * D + d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(query + d)));
+#endif
+    } else {
+      memcpy(queries + r * D, query, D * sizeof(float));
+    }
     m[r] = -INFINITY;
   }
   const float* value_rows[kTile];
@@ -772,30 +904,48 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
       value_entries[j] = p.value_cache + offset;
       if constexpr (kIsFloat) {
         value_rows[j] = value_entries[j];
-      } else {
+      } else if constexpr (!kPairs) {
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(values_w + j * D + d, load8(value_entries[j] + d));
         value_rows[j] = values_w + j * D;
       }
     }
     if (kEntryExtra<Cache> > 0) gather_scales(key_entries, n, D, key_scales);
-    // The keys (int8 ones times their scales) transposed eight tokens × eight head dimensions at a time; tokens past
-    // the tile's n are zeros.
-    for (int64_t j0 = 0; j0 < kTile; j0 += 8)
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 rows[8];
-        for (int e = 0; e < 8; ++e) {
-          const int64_t j = j0 + e;
-          rows[e] = j >= n                 ? _mm256_setzero_ps()
-                    : kEntryExtra<Cache> > 0 ? _mm256_mul_ps(load8(key_entries[j] + d), _mm256_set1_ps(key_scales[j]))
-                                             : load8(key_entries[j] + d);
+    if constexpr (kPairs) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      pair_tile<ND>(key_entries, value_entries, n, p.scale, key_scales, reinterpret_cast<uint32_t*>(keys_t),
+                    reinterpret_cast<uint32_t*>(values_w));
+#endif
+    } else {
+      // The keys (int8 ones times their scales) transposed eight tokens × eight head dimensions at a time; tokens
+      // past the tile's n are zeros.
+      for (int64_t j0 = 0; j0 < kTile; j0 += 8)
+        for (int64_t d = 0; d < D; d += 8) {
+          __m256 rows[8];
+          for (int e = 0; e < 8; ++e) {
+            const int64_t j = j0 + e;
+            if (j >= n)
+              rows[e] = _mm256_setzero_ps();
+            else if (kEntryExtra<Cache> > 0)
+              rows[e] = _mm256_mul_ps(load8(key_entries[j] + d), _mm256_set1_ps(key_scales[j]));
+            else
+              rows[e] = load8(key_entries[j] + d);
+          }
+          transpose8(rows);
+          for (int e = 0; e < 8; ++e) _mm256_store_ps(keys_t + (d + e) * kTile + j0, rows[e]);
         }
-        transpose8(rows);
-        for (int e = 0; e < 8; ++e) _mm256_store_ps(keys_t + (d + e) * kTile + j0, rows[e]);
-      }
+    }
     if (kEntryExtra<Cache> > 0) gather_scales(value_entries, n, D, value_scales);
     const int64_t ra = (ia - i0) * G, rb = (ib - i0) * G;
-    for (int64_t r = ra; r < rb; r += kScoreRows)
-      chunk_scores<ND>(queries + r * D, keys_t, p.scale, scores + r * kTile);
+    for (int64_t r = ra; r < rb; r += kScoreRows) {
+      if constexpr (kPairs) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        chunk_scores_pairs<ND>(reinterpret_cast<const uint32_t*>(queries) + r * D / 2,
+                               reinterpret_cast<const uint32_t*>(keys_t), key_scales, scores + r * kTile);
+#endif
+      } else {
+        chunk_scores<ND>(queries + r * D, keys_t, p.scale, scores + r * kTile);
+      }
+    }
     if (p.softcap > 0.0f) soft_cap(scores + ra * kTile, (rb - ra) * kTile, p.softcap);
     for (int64_t i = ia; i < ib; ++i) {
       const int64_t position = first_position + i;
@@ -809,6 +959,9 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
         // hidden < visible, so the max is finite.
         rescale[r] = online_softmax(s, kTile, m[r], l[r]);
         scale_by_values<1, Cache>(value_scales, n, s);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if constexpr (kPairs) round_to_bf16(s, kTile);
+#endif
       }
     }
     for (int64_t r = ra; r < rb; r += kValueRows) {
@@ -821,7 +974,16 @@ void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int
         rows[k] = is_row ? acc + (r + k) * D : spare;
         factors[k] = is_row ? rescale[r + k] : 0.0f;
       }
-      chunk_values_all<ND>(value_rows, n, weights, factors, rows);
+      if constexpr (kPairs) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        const uint32_t* pair_weights[kValueRows];
+        for (int k = 0; k < kValueRows; ++k) pair_weights[k] = reinterpret_cast<const uint32_t*>(weights[k]);
+        chunk_values_pairs_all<ND>(reinterpret_cast<const uint32_t*>(values_w), (n + 1) / 2, pair_weights, factors,
+                                   rows);
+#endif
+      } else {
+        chunk_values_all<ND>(value_rows, n, weights, factors, rows);
+      }
     }
   }
   for (int64_t r = 0; r < num_rows; ++r) {
