@@ -126,7 +126,9 @@ class RotaryEmbedding(nn.Module):
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
 
-    def _cos_sin(self, max_position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, max_position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables [num_positions, head_dim // 2] on `device`, grown to cover max_position; a
+        native loop that walks positions itself reads them directly (models/native/greedy.py)."""
         if self._cos is None or self._cos.device != device or self._cos.shape[0] <= max_position:
             while self.num_cached_positions <= max_position:
                 self.num_cached_positions *= 2
@@ -137,7 +139,7 @@ class RotaryEmbedding(nn.Module):
 
     def reserve(self, num_positions: int, device: torch.device) -> None:
         """Build the table on `device` for positions 0..num_positions - 1 now (before a CUDA graph is captured)."""
-        self._cos_sin(num_positions - 1, device)
+        self.tables(num_positions - 1, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each token's angles: positions [num_tokens] → two [num_tokens, 1, head_dim // 2].
@@ -149,7 +151,7 @@ class RotaryEmbedding(nn.Module):
             cos_table, sin_table = self._cos, self._sin
         else:
             max_position = int(positions.max()) if positions.numel() else 0
-            cos_table, sin_table = self._cos_sin(max_position, positions.device)
+            cos_table, sin_table = self.tables(max_position, positions.device)
         # index_select rather than table[positions]: advanced indexing is far slower on CPU.
         cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)  # [T, head_dim // 2]
         if dtype != cos.dtype:

@@ -209,8 +209,13 @@ class ModelRunner:
         """num_passes more forward passes of a multi-step step, each decoding the token every request sampled in
         the pass before. The scheduler grants them to plain greedy decodes only, whose sampling reads nothing the
         passes change but a grammar's state: every pass samples with the first pass's states, each constrained
-        row asking its grammar after the grown output."""
-        for _ in range(num_passes):
+        row asking its grammar after the grown output. Without grammars, the model's native loop may run the
+        passes in one call (NativeStack.greedy_passes); any it leaves run here."""
+        finished = self._native_greedy_passes(num_passes, inputs, states, results)
+        for done in range(finished, 0, -1):  # the inputs of the last pass it ran
+            sampled = [results[request.request_id].token_ids[-1 - done] for request in inputs.sampling_requests]
+            inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
+        for _ in range(num_passes - finished):
             requests = inputs.sampling_requests
             sampled = [results[request.request_id].token_ids[-1] for request in requests]
             inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
@@ -226,6 +231,31 @@ class ModelRunner:
             samples = self.sampler.sample(self.model.compute_logits(hidden), states)
             for request, sample in zip(requests, samples):
                 _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
+
+    def _native_greedy_passes(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
+                              results: dict[str, RequestStepResult]) -> int:
+        """_decode_ahead's passes run by the model's native greedy loop, where it has one and every row takes
+        its raw argmax without a grammar: their tokens appended to results, the same as the passes run one by one
+        give. Returns how many passes it ran (0: none, the caller runs them all)."""
+        greedy_passes = getattr(self.forward, "greedy_passes", None)
+        if (num_passes == 0 or greedy_passes is None or self.graphs is not None
+                or any(state.grammar is not None for state in states) or not self.sampler.takes_raw_argmax(states)):
+            return 0
+        requests = inputs.sampling_requests
+        tables = [request.block_ids for request in requests]
+        width = max(len(table) for table in tables)
+        block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.long)
+        reduced = greedy_passes(num_passes, [results[request.request_id].token_ids[-1] for request in requests],
+                                (inputs.positions + 1).tolist(), block_tables, self.kv_cache)
+        if reduced is None:
+            return 0
+        argmax, max_logits, log_normalizers = reduced
+        for p in range(argmax.shape[0]):
+            self.num_forward_passes += 1
+            samples = self.sampler.sample_reduced((argmax[p], max_logits[p], log_normalizers[p]), states)
+            for request, sample in zip(requests, samples):
+                _append(results[request.request_id], [sample])
+        return argmax.shape[0]
 
     def _sample_greedy(self, inputs: ModelInputs, states: list[SamplingState], hidden: torch.Tensor,
                        results: dict[str, RequestStepResult]) -> bool:

@@ -9,6 +9,10 @@ models/native/decoder.py when that decoder can bind them and run the step, else 
 
 A model on another device (a GPU) runs its own `forward`: the native decoder is CPU code.
 
+`greedy_passes` runs the later passes of a multi-step decode in one native call (models/native/greedy.py): the
+embedding, the stack, the final norm, the output layer and each row's argmax, pass after pass, with the same kernels
+as the runner's own loop over `__call__` and the output layer.
+
 An architecture opts in by naming its layer layout (`layer_layout`, a class attribute of the model) among
 NATIVE_LAYOUTS and by giving its decoder (`model.model`) `embed`, `layers`, `run_layers` and `final_norm`; any
 other model runs its own `forward`.
@@ -22,6 +26,7 @@ from torch import nn
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.native.decoder import NativeDecoder
+from tokenriver.models.native.greedy import GreedyLoop, PassReductions
 from tokenriver.models.native.kernels import Reductions
 
 # Layer layouts decoder.cpp runs (models/native/decoder.py's LAYOUTS): "llama" is LlamaDecoderLayer's pre-norm
@@ -41,6 +46,9 @@ class NativeStack:
         # again when the list is replaced or the weights moved (.to(), .share_memory_() give the parameters new
         # data; the decoder holds what it bound, so a missed move reads stale weights, never freed memory).
         self._binding: tuple[nn.ModuleList, list[nn.Parameter], list[int], NativeDecoder | None] | None = None
+        # (the decoder and output projection address it was bound with, the greedy loop or None), bound at the
+        # first multi-step pass and again with the decoder.
+        self._greedy: tuple[NativeDecoder, int, GreedyLoop | None] | None = None
 
     @property
     def native(self) -> NativeDecoder | None:
@@ -71,6 +79,26 @@ class NativeStack:
             return None  # Soft-capped logits (Gemma 2): the projection's log-sum-exp is not theirs.
         reductions = getattr(getattr(self.model, "lm_head", None), "argmax_logsumexp", None)
         return reductions(hidden) if reductions is not None else None
+
+    @torch.inference_mode()
+    def greedy_passes(self, num_passes: int, token_ids: list[int], positions: list[int], block_tables: torch.Tensor,
+                      kv_cache: KVCache) -> PassReductions | None:
+        """The greedy passes of a multi-step decode in one native call (models/native/greedy.py): request b's pass p
+        decodes token_ids[b] (p = 0) or its argmax of pass p - 1 at position positions[b] + p. Per pass and row,
+        (argmax, largest logit, log-sum-exp) of the passes it finished, [finished, B] each; None where the model's
+        parts or the number of rows do not allow it. Each row's logits are those compute_logits gives."""
+        decoder = self._decoder() if block_tables.is_cpu else None
+        native = self._bind(decoder.layers) if decoder is not None else None
+        if native is None:
+            return None
+        head = getattr(getattr(self.model, "lm_head", None), "qweight", None)
+        address = head.data_ptr() if head is not None else 0
+        if self._greedy is None or self._greedy[0] is not native or self._greedy[1] != address:
+            self._greedy = (native, address, GreedyLoop.build(self.model, native))
+        loop = self._greedy[2]
+        if loop is None or len(token_ids) > loop.max_rows:
+            return None
+        return loop.run(num_passes, token_ids, positions, block_tables, kv_cache)
 
     def _decoder(self) -> nn.Module | None:
         if getattr(self.model, "layer_layout", None) not in NATIVE_LAYOUTS:

@@ -42,9 +42,9 @@ from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.gemma import GemmaDecoderLayer
 from tokenriver.models.llama import LlamaDecoderLayer
 from tokenriver.models.moe import SparseMoeBlock
-from tokenriver.models.native.kernels import (ROUNDINGS, DecoderSpec, LayerSpec, LinearSpec, MoeSpec, NativeKernels,
-                                              StepSpec, is_contiguous_f32, is_native_kv_pool, kv_cache_format,
-                                              load_kernels)
+from tokenriver.models.native.kernels import (ROUNDINGS, DecoderSpec, GreedyLoopSpec, LayerSpec, LinearSpec, MoeSpec,
+                                              NativeKernels, StepSpec, is_contiguous_f32, is_native_kv_pool,
+                                              kv_cache_format, load_kernels)
 from tokenriver.models.native.quant import Int4Linear, Int8Linear
 from tokenriver.models.phi3 import Phi3DecoderLayer
 from tokenriver.models.qwen3 import Qwen3DecoderLayer
@@ -52,7 +52,7 @@ from tokenriver.models.qwen3 import Qwen3DecoderLayer
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotary_dim // 2]
 
 
-def _linear_spec(linear: nn.Module) -> LinearSpec | None:
+def linear_spec(linear: nn.Module) -> LinearSpec | None:
     """The layer as decoder.cpp runs it, or None if it has no native kernel."""
     if not isinstance(linear, (Int4Linear, Int8Linear)) or linear.backend != "native" or not linear.qweight.is_cpu:
         return None
@@ -61,6 +61,10 @@ def _linear_spec(linear: nn.Module) -> LinearSpec | None:
                       None if linear.bias is None else linear.bias.data_ptr(), linear.out_features,
                       linear.in_features, linear.group_size, linear.max_gemv_rows, int(is_int4),
                       int(linear.int8_activations), ROUNDINGS.index(linear.gemm_rounding))
+
+
+def _is_index_array(array: torch.Tensor) -> bool:
+    return array.dtype == torch.int64 and array.is_cpu and array.is_contiguous()
 
 
 THREADINGS = ("auto", "split", "row_groups")  # decoder.cpp's Step.threading codes 0, 1, 2
@@ -126,10 +130,10 @@ def _moe_spec(moe: SparseMoeBlock, keep: list[object]) -> MoeSpec | None:
     structures it points into go into `keep`."""
     if moe.routing_kernels() is None:
         return None
-    gate_ups = [_linear_spec(expert.gate_up_proj) for expert in moe.experts]
-    downs = [_linear_spec(expert.down_proj) for expert in moe.experts]
-    shared = [] if moe.shared_expert is None else [_linear_spec(moe.shared_expert.gate_up_proj),
-                                                   _linear_spec(moe.shared_expert.down_proj)]
+    gate_ups = [linear_spec(expert.gate_up_proj) for expert in moe.experts]
+    downs = [linear_spec(expert.down_proj) for expert in moe.experts]
+    shared = [] if moe.shared_expert is None else [linear_spec(moe.shared_expert.gate_up_proj),
+                                                   linear_spec(moe.shared_expert.down_proj)]
     if any(spec is None for spec in (*gate_ups, *downs, *shared)):
         return None
     arrays = [(LinearSpec * len(gate_ups))(*gate_ups), (LinearSpec * len(downs))(*downs), *shared]
@@ -168,9 +172,9 @@ def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[
         moe = _moe_spec(mlp, computed)
         if moe is None:
             return None
-        projections = [_linear_spec(attention.qkv_proj), _linear_spec(attention.o_proj), LinearSpec(), LinearSpec()]
+        projections = [linear_spec(attention.qkv_proj), linear_spec(attention.o_proj), LinearSpec(), LinearSpec()]
     else:
-        projections = [_linear_spec(module) for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
+        projections = [linear_spec(module) for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
                                                              mlp.down_proj)]
     if any(spec is None for spec in projections):
         return None
@@ -237,16 +241,18 @@ class NativeDecoder:
                  metadata: AttentionMetadata) -> bool:
         """Whether this step can run natively (see the module docstring)."""
         tables = [table for pair in self._rope_tables(rope) for table in pair]
-        key_cache, value_cache = kv_cache[0]
         index_arrays = [metadata.slot_mapping, metadata.block_tables]
         index_arrays += [a for a in (metadata.kernel_queries, metadata.kernel_chunks) if a is not None]
-        return (not torch.is_grad_enabled()
-                and hidden.dim() == 2 and is_contiguous_f32(hidden) and all(map(is_contiguous_f32, tables))
+        return (hidden.dim() == 2 and is_contiguous_f32(hidden) and all(map(is_contiguous_f32, tables))
                 and all(table.numel() == hidden.shape[0] * (self._decoder.rotary_dim // 2) for table in tables)
                 and metadata.slot_mapping.shape[0] == hidden.shape[0]
-                and all(a.dtype == torch.int64 and a.is_cpu and a.is_contiguous() for a in index_arrays)
-                and len(kv_cache) == len(self._specs) and is_native_kv_pool(key_cache, value_cache)
-                and key_cache.shape[2] == self._decoder.num_kv_heads
+                and all(_is_index_array(a) for a in index_arrays) and self.supports_cache(kv_cache))
+
+    def supports_cache(self, kv_cache: KVCache) -> bool:
+        """Whether a step can run on this cache (one native pool per layer, of the stack's heads), autograd off."""
+        key_cache, value_cache = kv_cache[0]
+        return (not torch.is_grad_enabled() and len(kv_cache) == len(self._specs)
+                and is_native_kv_pool(key_cache, value_cache) and key_cache.shape[2] == self._decoder.num_kv_heads
                 and head_dim_of(key_cache) == self._decoder.head_dim)
 
     def __call__(self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache,
@@ -255,18 +261,33 @@ class NativeDecoder:
         output, residual stream before it)."""
         out = torch.empty_like(hidden)  # [T, hidden]
         residual = torch.empty_like(hidden)  # [T, hidden]
-        keys, values = self._pointers(kv_cache)
         (cos, sin), (local_cos, local_sin) = self._rope_tables(rope)
-        tables, queries, chunks = metadata.block_tables, metadata.kernel_queries, metadata.kernel_chunks
-        step = self._step
+        queries, chunks = metadata.kernel_queries, metadata.kernel_chunks
+        step = self._cache_step(self._step, kv_cache, metadata.block_tables)
         step.hidden, step.out, step.residual = hidden.data_ptr(), out.data_ptr(), residual.data_ptr()
         step.num_tokens = hidden.shape[0]
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         step.local_cos, step.local_sin = local_cos.data_ptr(), local_sin.data_ptr()
         step.slots = metadata.slot_mapping.data_ptr()
-        step.block_tables, step.num_requests, step.max_blocks = tables.data_ptr(), tables.shape[0], tables.shape[1]
         step.queries, step.num_queries = (None, 0) if queries is None else (queries.data_ptr(), queries.shape[0])
         step.chunks, step.num_chunks = (None, 0) if chunks is None else (chunks.data_ptr(), chunks.shape[0])
+        self._kernels.decoder(self._decoder, step)
+        return out, residual
+
+    def greedy_passes(self, loop: GreedyLoopSpec, kv_cache: KVCache, block_tables: torch.Tensor) -> int:
+        """loop.num_passes greedy passes (models/native/greedy.py) of block_tables.shape[0] one-token requests,
+        block_tables [B, max_blocks] int64 covering every pass's position: how many passes finished (0 where the
+        cache or the tables do not suit the stack)."""
+        if not (self.supports_cache(kv_cache) and _is_index_array(block_tables) and block_tables.dim() == 2):
+            return 0
+        step = self._cache_step(StepSpec(), kv_cache, block_tables)
+        return self._kernels.decoder_greedy(self._decoder, step, loop)
+
+    def _cache_step(self, step: StepSpec, kv_cache: KVCache, block_tables: torch.Tensor) -> StepSpec:
+        """step with its cache, block tables and threads filled in."""
+        keys, values = self._pointers(kv_cache)
+        step.block_tables, step.num_requests = block_tables.data_ptr(), block_tables.shape[0]
+        step.max_blocks = block_tables.shape[1]
         step.key_caches, step.value_caches = ctypes.addressof(keys), ctypes.addressof(values)
         step.num_blocks, step.block_size = kv_cache.num_blocks, kv_cache.block_size
         step.num_threads = torch.get_num_threads()
@@ -274,8 +295,7 @@ class NativeDecoder:
         if self.threading not in THREADINGS:
             raise ValueError(f"NativeDecoder.threading must be one of {THREADINGS}, got {self.threading!r}")
         step.threading = THREADINGS.index(self.threading)
-        self._kernels.decoder(self._decoder, step)
-        return out, residual
+        return step
 
     def _rope_tables(self, rope: Rope | tuple[Rope, Rope]) -> tuple[Rope, Rope]:
         """(global, local) tables: Gemma's embed gives both, the other layouts one table for every layer."""

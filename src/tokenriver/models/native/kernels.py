@@ -174,6 +174,18 @@ class StepSpec(ctypes.Structure):
                 ("kv_cache_format", ctypes.c_int32), ("threading", ctypes.c_int32)]
 
 
+class GreedyLoopSpec(ctypes.Structure):
+    """Greedy passes of a multi-step decode: the embedding, rotary tables, final norm and output projection the
+    passes run around the stack, their first tokens and positions, and their outputs (decoder.cpp's GreedyLoop)."""
+
+    _fields_ = [("table", ctypes.POINTER(LinearSpec)), ("float_table", _ptr), ("vocab_size", _i64),
+                ("embed_scale", ctypes.c_float), ("cos_table", _ptr), ("sin_table", _ptr), ("local_cos_table", _ptr),
+                ("local_sin_table", _ptr), ("num_positions", _i64), ("final_norm", _ptr),
+                ("final_norm_eps", ctypes.c_float), ("lm_head", ctypes.POINTER(LinearSpec)), ("num_passes", _i64),
+                ("first_tokens", _ptr), ("first_positions", _ptr), ("tokens", _ptr), ("max_logits", _ptr),
+                ("log_normalizers", _ptr)]
+
+
 class NativeKernels:
     """Typed wrappers around the compiled functions; every tensor argument must be contiguous and on the CPU.
 
@@ -205,6 +217,8 @@ class NativeKernels:
             "moe_route_f32": ([ptr, i64, i64, i64, c_int, ptr, ptr, c_int], None),
             "sigmoid_gate_f32": ([ptr, i64, i64, ptr, ptr, c_int], None),
             "decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
+            "decoder_greedy_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec),
+                                    ctypes.POINTER(GreedyLoopSpec)], c_int),
             "paged_attention_window_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                             ptr, i64, i64, ptr, i64, ptr, i64, c_float, i64, c_float, ptr, i64, c_int,
                                             c_int],
@@ -529,6 +543,11 @@ class NativeKernels:
         kernel's own range checks are raised as paged_attention raises them.
         """
         _raise_for_attention_status(self._decoder(ctypes.byref(decoder), ctypes.byref(step)), decoder.head_dim)
+
+    def decoder_greedy(self, decoder: DecoderSpec, step: StepSpec, loop: GreedyLoopSpec) -> int:
+        """Run loop.num_passes greedy passes of the stack (decoder.cpp's decoder_greedy_f32) and return how many
+        it finished; the caller has checked every pointer and shape and runs the passes left its own way."""
+        return self._functions["decoder_greedy_f32"](ctypes.byref(decoder), ctypes.byref(step), ctypes.byref(loop))
 
 
 def _raise_for_attention_status(status: int, head_dim: int) -> None:

@@ -61,6 +61,9 @@ void int8_gemm_int8x_geglu(const int8_t*, const uint16_t*, int64_t, int64_t, int
                            int);
 #endif
 void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
+void int4_dequantize(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, int);
+void int8_dequantize(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, int);
+int argmax_logsumexp_f32(const float*, int64_t, int64_t, int64_t*, float*, float*, int);
 void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
                 int64_t, int);
 void head_rms_norm_f32(float*, int64_t, int64_t, const float*, int64_t, int64_t, float, int);
@@ -162,6 +165,31 @@ struct Step {
   int32_t kv_cache_format;     // the pools hold 0: float32, 1: float16, 2: int8 (attention.cpp)
   int32_t threading;           // 0: measured per step (runs_in_row_groups), 1: every operation split across the
                                // threads, 2: one group of rows per thread where the step allows it
+};
+
+// Greedy passes of a multi-step decode (native.py's GreedyLoopSpec; runner/native_stack.py): what the runner does
+// around the stack between two passes, for rows that take their raw argmax. Each pass embeds the token the pass
+// before chose, runs the stack, the final norm and the output projection, and takes each row's argmax, largest
+// logit and log-sum-exp, with the functions and arguments the Python side calls, so the same bits come out.
+struct GreedyLoop {
+  const Linear* table;          // the embedding matrix as a quantized layer (a tied output projection), or null
+  const float* float_table;     // [V, H] float32 rows, where table is null
+  int64_t vocab_size;           // rows of the embedding matrix
+  float embed_scale;            // embeddings times this (Gemma's, rounded to float32), or 0: not scaled
+  const float* cos_table;       // [num_positions, rotary_dim / 2] the rotary tables by position
+  const float* sin_table;
+  const float* local_cos_table; // Gemma 3's sliding layers' tables (the global ones where they share them)
+  const float* local_sin_table;
+  int64_t num_positions;
+  const float* final_norm;      // [H] the final norm's weight (Gemma's 1 + weight)
+  float final_norm_eps;
+  const Linear* lm_head;        // [V_out, H] without bias, run as a GEMV (the step's rows are few enough)
+  int64_t num_passes;
+  const int64_t* first_tokens;    // [B] the tokens the first pass decodes, one per request
+  const int64_t* first_positions; // [B] their positions
+  int64_t* tokens;                // [num_passes, B] out: each pass's argmax
+  float* max_logits;              // [num_passes, B] out: its logit
+  float* log_normalizers;         // [num_passes, B] out: its row's log-sum-exp
 };
 
 void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
@@ -546,6 +574,72 @@ int decoder_f32(const Decoder* d, const Step* s) {
     if (status != 0) return status;
   }
   return 0;
+}
+
+// num_passes greedy passes of B one-token requests (base: the step's cache, block tables [B, max_blocks] covering
+// every pass's position, threads; its per-token fields are this function's own). Returns how many passes it
+// finished: fewer when a pass cannot run here (a position past the rotary table or the block table, an attention
+// error) or a row's logits are not all finite. The caller runs the rest its own way; a pass cut short wrote only
+// the keys and values that pass writes again.
+int decoder_greedy_f32(const Decoder* d, const Step* base, const GreedyLoop* g) {
+  const int64_t B = base->num_requests, H = d->hidden_size, half = d->rotary_dim / 2;
+  const int64_t V = g->lm_head->out_features;
+  const int threads = base->num_threads;
+  std::vector<float> hidden(B * H), out(B * H), residual(B * H), normed(B * H), logits(B * V);
+  std::vector<float> cos(B * half), sin(B * half), local_cos(B * half), local_sin(B * half);
+  std::vector<int64_t> slots(B), queries(3 * B);
+  Step s = *base;
+  s.hidden = hidden.data();
+  s.out = out.data();
+  s.residual = residual.data();
+  s.num_tokens = B;
+  s.cos = cos.data();
+  s.sin = sin.data();
+  s.local_cos = local_cos.data();
+  s.local_sin = local_sin.data();
+  s.slots = slots.data();
+  s.queries = queries.data();
+  s.num_queries = B;
+  s.chunks = nullptr;
+  s.num_chunks = 0;
+  for (int64_t pass = 0; pass < g->num_passes; ++pass) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t token = pass == 0 ? g->first_tokens[b] : g->tokens[(pass - 1) * B + b];
+      const int64_t position = g->first_positions[b] + pass;
+      if (token < 0 || token >= g->vocab_size || position < 0 || position >= g->num_positions ||
+          position / s.block_size >= s.max_blocks)
+        return static_cast<int>(pass);
+      float* row = hidden.data() + b * H;
+      if (g->table == nullptr) {
+        memcpy(row, g->float_table + token * H, H * sizeof(float));
+      } else if (g->table->is_int4) {
+        const int64_t groups = H / g->table->group_size;
+        int4_dequantize(g->table->qweight + token * (H / 2), g->table->scales + token * groups,
+                        g->table->mins + token * groups, 1, H, g->table->group_size, row, threads);
+      } else {
+        int8_dequantize(reinterpret_cast<const int8_t*>(g->table->qweight) + token * H,
+                        g->table->scales + token * (H / g->table->group_size), 1, H, g->table->group_size, row,
+                        threads);
+      }
+      if (g->embed_scale != 0.0f)
+        for (int64_t h = 0; h < H; ++h) row[h] *= g->embed_scale;
+      memcpy(cos.data() + b * half, g->cos_table + position * half, half * sizeof(float));
+      memcpy(sin.data() + b * half, g->sin_table + position * half, half * sizeof(float));
+      memcpy(local_cos.data() + b * half, g->local_cos_table + position * half, half * sizeof(float));
+      memcpy(local_sin.data() + b * half, g->local_sin_table + position * half, half * sizeof(float));
+      slots[b] = s.block_tables[b * s.max_blocks + position / s.block_size] * s.block_size + position % s.block_size;
+      queries[3 * b] = b;
+      queries[3 * b + 1] = b;
+      queries[3 * b + 2] = position + 1;
+    }
+    if (decoder_f32(d, &s) != 0) return static_cast<int>(pass);
+    rms_norm_f32(out.data(), residual.data(), g->final_norm, B, H, g->final_norm_eps, normed.data(), threads);
+    linear(*g->lm_head, normed.data(), B, logits.data(), threads);
+    if (argmax_logsumexp_f32(logits.data(), B, V, g->tokens + pass * B, g->max_logits + pass * B,
+                             g->log_normalizers + pass * B, threads) != 0)
+      return static_cast<int>(pass);
+  }
+  return static_cast<int>(g->num_passes);
 }
 
 }  // extern "C"
