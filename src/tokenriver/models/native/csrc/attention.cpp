@@ -673,17 +673,24 @@ inline void chunk_values(const float* const* value_rows, int64_t n, const float*
     for (int c = 0; c < CW; ++c) Vec::store(acc[r] + W * (c0 + c), sum[r][c]);
 }
 
-// chunk_values over all head dimensions: kValueVectors vectors per pass, then the rest.
+// pass(std::integral_constant<int, CW>{}, c0) over kVectors vectors of head dimensions: kValueVectors per pass
+// (c0 the first), then the rest in one pass.
+template <int kVectors, typename Pass>
+inline void in_value_passes(const Pass& pass) {
+  int c0 = 0;
+  for (; c0 + kValueVectors <= kVectors; c0 += kValueVectors) pass(std::integral_constant<int, kValueVectors>{}, c0);
+  if (kVectors - c0 == 3) pass(std::integral_constant<int, 3>{}, c0);
+  if (kVectors - c0 == 2) pass(std::integral_constant<int, 2>{}, c0);
+  if (kVectors - c0 == 1) pass(std::integral_constant<int, 1>{}, c0);
+}
+
+// chunk_values over all head dimensions.
 template <int ND>
 inline void chunk_values_all(const float* const* value_rows, int64_t n, const float* const* weights,
                              const float* rescale, float* const* acc) {
-  constexpr int kVectors = ND * 8 / ChunkVector::kWidth;
-  int c0 = 0;
-  for (; c0 + kValueVectors <= kVectors; c0 += kValueVectors)
-    chunk_values<ND, kValueVectors>(value_rows, n, weights, rescale, c0, acc);
-  if (kVectors - c0 == 3) chunk_values<ND, 3>(value_rows, n, weights, rescale, c0, acc);
-  if (kVectors - c0 == 2) chunk_values<ND, 2>(value_rows, n, weights, rescale, c0, acc);
-  if (kVectors - c0 == 1) chunk_values<ND, 1>(value_rows, n, weights, rescale, c0, acc);
+  in_value_passes<ND * 8 / ChunkVector::kWidth>([&](auto width, int c0) {
+    chunk_values<ND, decltype(width)::value>(value_rows, n, weights, rescale, c0, acc);
+  });
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -764,13 +771,9 @@ inline void chunk_values_pairs(const uint32_t* value_pairs, int64_t pairs, const
 template <int ND>
 inline void chunk_values_pairs_all(const uint32_t* value_pairs, int64_t pairs, const uint32_t* const* weights,
                                    const float* rescale, float* const* acc) {
-  constexpr int kVectors = ND / 2;
-  int c0 = 0;
-  for (; c0 + kValueVectors <= kVectors; c0 += kValueVectors)
-    chunk_values_pairs<ND, kValueVectors>(value_pairs, pairs, weights, rescale, c0, acc);
-  if (kVectors - c0 == 3) chunk_values_pairs<ND, 3>(value_pairs, pairs, weights, rescale, c0, acc);
-  if (kVectors - c0 == 2) chunk_values_pairs<ND, 2>(value_pairs, pairs, weights, rescale, c0, acc);
-  if (kVectors - c0 == 1) chunk_values_pairs<ND, 1>(value_pairs, pairs, weights, rescale, c0, acc);
+  in_value_passes<ND / 2>([&](auto width, int c0) {
+    chunk_values_pairs<ND, decltype(width)::value>(value_pairs, pairs, weights, rescale, c0, acc);
+  });
 }
 #else
 template <typename Cache, int ND>
