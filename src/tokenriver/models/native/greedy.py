@@ -36,13 +36,12 @@ PassReductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class GreedyLoop:
     """A model's embedding, rotary tables, final norm and output projection, bound once for its greedy passes."""
 
-    def __init__(self, native: NativeDecoder, decoder: nn.Module, table: LinearSpec | None, float_table: torch.Tensor
-                 | None, vocab_size: int, embed_scale: float, final_norm: torch.Tensor, eps: float,
-                 lm_head: LinearSpec, lm_head_rows: int, keep: list[object]) -> None:
+    def __init__(self, native: NativeDecoder, decoder: nn.Module, table: LinearSpec | None,
+                 float_table: torch.Tensor | None, vocab_size: int, embed_scale: float, final_norm: torch.Tensor,
+                 eps: float, lm_head: LinearSpec, lm_head_rows: int, keep: list[object]) -> None:
         self._native = native
         self._rotary = (decoder.rotary_emb, getattr(decoder, "rotary_emb_local", None))
-        self._table = table
-        self._lm_head = lm_head
+        self._linears = (table, lm_head)  # the structures the spec's pointers point to
         self.max_rows = lm_head_rows  # more rows take the output projection's GEMM, which the loop does not run
         self._keep = keep  # every tensor the specs point into
         self._spec = GreedyLoopSpec(None if table is None else ctypes.pointer(table),
