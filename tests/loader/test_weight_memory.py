@@ -4,6 +4,7 @@ bound to the new addresses, and a mapping the kernel may back with 2 MiB pages."
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import gguf
@@ -145,3 +146,66 @@ def test_without_huge_pages_from_the_kernel_the_weights_stay(monkeypatch):
     address = module.weight.data_ptr()
     assert weight_memory.move_weights_to_huge_pages(module) == 0
     assert module.weight.data_ptr() == address
+
+
+def _mapping_rss_kib(address: int) -> int:
+    return _smaps_field(Path("/proc/self/smaps").read_text(), address, "Rss")
+
+
+def test_a_load_makes_the_kept_packed_weights_in_the_arena_and_fuses_into_it(tiny_file):
+    arena = weight_memory.WeightArena(64 * 2**20)
+    checkpoint = read_gguf(tiny_file, keep_quantized=True, empty=arena.empty)
+    in_arena = {name for name, weight in checkpoint.weights.items()
+                if not isinstance(weight, torch.Tensor) and arena.holds(weight.qweight)}
+    # q/k are reordered and fused, v and gate/up are fused: they are copied again, so they are made elsewhere.
+    assert "model.layers.0.self_attn.o_proj.weight" in in_arena
+    assert not any(part in name for name in in_arena for part in ("q_proj", "k_proj", "v_proj", "gate_", "up_"))
+    model = build_model(checkpoint.config, checkpoint.weights, "cpu", tiny_file, "auto", empty=arena.empty)
+    assert arena.holds(model.model.layers[0].self_attn.qkv_proj.qweight)
+    assert arena.holds(model.model.layers[0].mlp.gate_up_proj.qweight)
+    reference_checkpoint = read_gguf(tiny_file, keep_quantized=True)
+    reference = build_model(reference_checkpoint.config, reference_checkpoint.weights, "cpu", tiny_file, "auto")
+    assert torch.equal(_logits(model), _logits(reference))
+
+    assert arena.adopt(model)
+    tensors = [*model.parameters(), *model.buffers()]
+    assert all(arena.holds(t) for t in tensors)
+    assert torch.equal(_logits(model), _logits(reference))
+    arena.close()
+
+
+def test_an_arena_full_or_closed_makes_tensors_in_ordinary_memory():
+    arena = weight_memory.WeightArena(4096)
+    inside = arena.empty((24, 32), torch.float32)  # 3 KiB
+    outside = arena.empty((24, 32), torch.float32)  # past the capacity
+    assert arena.holds(inside) and not arena.holds(outside)
+    assert inside.shape == outside.shape == (24, 32) and inside.is_contiguous()
+    arena.close()
+    assert not arena.holds(arena.empty((2,), torch.int8))
+
+
+def test_weights_that_do_not_fit_move_to_a_mapping_of_their_own():
+    module = torch.nn.Linear(64, 32)
+    weight = module.weight.detach().clone()
+    arena = weight_memory.WeightArena(4096)  # less than the 8 KiB weight
+    assert not arena.adopt(module)
+    with weight_memory.moving_to_huge_pages(module, arena):
+        pass
+    assert not arena.holds(module.weight) and torch.equal(module.weight, weight)
+    assert module.weight.untyped_storage().data_ptr() == module.bias.untyped_storage().data_ptr()
+
+
+def test_pages_are_faulted_in_ahead_of_the_tensors_and_handed_back_at_close():
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps to read a mapping's resident size from")
+    arena = weight_memory.WeightArena(256 * 2**20, populate=True)
+    tensor = arena.empty((2**20,), torch.uint8)
+    for _ in range(500):  # up to 5 s for the faulting thread to get ahead of the 1 MiB tensor
+        if _mapping_rss_kib(tensor.data_ptr()) >= 32 * 1024:
+            break
+        time.sleep(0.01)
+    assert _mapping_rss_kib(tensor.data_ptr()) >= 32 * 1024
+    tensor.fill_(7)
+    arena.close()
+    assert _mapping_rss_kib(tensor.data_ptr()) <= 2 * 1024  # the page that holds the tensor
+    assert torch.all(tensor == 7)

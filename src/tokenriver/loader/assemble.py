@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.native.kernels import Allocate, heap_empty
 from tokenriver.models.native.quant import (Int4Linear, Int4Weight, Int8Linear, Int8Weight, QuantizedEmbedding,
                                      concatenate, dequantize_packed, quantize_int4, quantize_int8)
 from tokenriver.models.registry import model_class
@@ -45,14 +46,18 @@ def check_quantization(quantization: str) -> None:
 
 
 def build_model(config: ModelConfig, weights: dict[str, Weight], device: str | torch.device, path: str = "",
-                quantization: str = "auto", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Instantiate config.architecture's class without a random init and give it `weights` (HF names)."""
+                quantization: str = "auto", dtype: torch.dtype = torch.float32,
+                empty: Allocate = heap_empty) -> nn.Module:
+    """Instantiate config.architecture's class without a random init and give it `weights` (HF names).
+
+    empty: makes the fused projections (the loader's weight arena).
+    """
     check_quantization(quantization)
     cls = model_class(config.architecture)
     weights = dict(weights)
     if config.tie_word_embeddings and _EMBEDDING in weights:
         weights[_OUTPUT] = weights[_EMBEDDING]
-    weights = _fuse(weights, getattr(cls, "fused_projections", {}))
+    weights = _fuse(weights, getattr(cls, "fused_projections", {}), empty)
     for name in [n for n in weights if n.endswith(_ROUTERS) and not isinstance(weights[n], torch.Tensor)]:
         weights[name] = dequantize_packed(weights[name])
     if quantization in ("int8", "int4"):
@@ -70,7 +75,13 @@ def build_model(config: ModelConfig, weights: dict[str, Weight], device: str | t
     return model.eval()
 
 
-def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]]) -> dict[str, Weight]:
+def is_fused_part(architecture: str, name: str) -> bool:
+    """Whether the weight `name` (HF) is one of the parts build_model stacks into a fused projection."""
+    fused = getattr(model_class(architecture), "fused_projections", {})
+    return any(name.endswith(f".{part}.weight") for parts in fused.values() for part in parts)
+
+
+def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]], empty: Allocate) -> dict[str, Weight]:
     """Stack each fused module's parts (weights and biases) in every layer that has them all."""
     for target, parts in fused.items():
         suffix = f".{parts[0]}.weight"
@@ -79,21 +90,21 @@ def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]]) -> dict
             for kind in ("weight", "bias"):
                 names = [f"{prefix}.{part}.{kind}" for part in parts]
                 if all(n in weights for n in names):
-                    weights[f"{prefix}.{target}.{kind}"] = _stack([weights.pop(n) for n in names])
+                    weights[f"{prefix}.{target}.{kind}"] = _stack([weights.pop(n) for n in names], empty)
     return weights
 
 
-def _stack(parts: list[Weight]) -> Weight:
+def _stack(parts: list[Weight], empty: Allocate) -> Weight:
     """Concatenate along out_features. Parts stored alike stay as they are. Parts in different formats (a
     Q4_K_M file keeps q and k at 4 bits and v at 6 in some layers) meet as int8 per 32, the packed format that
     holds each of them closest, so the fused projection stays packed."""
     first = parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts)
+        return torch.cat(parts, out=empty((sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype))
     if all(not isinstance(p, torch.Tensor) and type(p) is type(first) and p.group_size == first.group_size
            for p in parts):
-        return concatenate(parts)
-    return concatenate([_as_int8(p) for p in parts])
+        return concatenate(parts, empty)
+    return concatenate([_as_int8(p) for p in parts], empty)
 
 
 def _as_int8(weight: Weight) -> Int8Weight:

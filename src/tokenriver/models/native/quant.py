@@ -55,7 +55,7 @@ from torch import nn
 from tokenriver.config import default_num_threads
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.cuda import quant_matmul
-from tokenriver.models.native.kernels import NativeKernels, Reductions, load_kernels
+from tokenriver.models.native.kernels import Allocate, NativeKernels, Reductions, heap_empty, load_kernels
 
 Backend = Literal["auto", "native", "triton", "reference"]
 BACKENDS = ("auto", "native", "triton", "reference")
@@ -145,21 +145,26 @@ def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
     return (rounded * scale).reshape(x.shape)
 
 
-def concatenate(weights: list[Int4Weight] | list[Int8Weight]) -> Int4Weight | Int8Weight:
+def concatenate(weights: list[Int4Weight] | list[Int8Weight], empty: Allocate = heap_empty,
+                ) -> Int4Weight | Int8Weight:
     """Stack weights along out_features, e.g. q/k/v or gate/up into one layer: one kernel call instead of several.
 
     All must be of one kind, with the same in_features and group_size. The output of the stacked layer is the
-    outputs of the parts side by side, [..., sum of out_features].
+    outputs of the parts side by side, [..., sum of out_features]. `empty` makes the stacked tensors.
     """
     first = weights[0]
     if any(type(w) is not type(first) or w.shape[1] != first.shape[1] or w.group_size != first.group_size
            for w in weights):
         raise InvalidParameterError("concatenate needs weights of one kind with equal in_features and group_size",
                                     param="weights")
-    qweight = torch.cat([w.qweight for w in weights])  # [sum N, K // 2] or [sum N, K]
-    scales = torch.cat([w.scales for w in weights])  # [sum N, K // G]
+    def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+        out = empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), tensors[0].dtype)
+        return torch.cat(tensors, out=out)
+
+    qweight = stack([w.qweight for w in weights])  # [sum N, K // 2] or [sum N, K]
+    scales = stack([w.scales for w in weights])  # [sum N, K // G]
     if isinstance(first, Int4Weight):
-        return Int4Weight(qweight, scales, torch.cat([w.mins for w in weights]), first.group_size)
+        return Int4Weight(qweight, scales, stack([w.mins for w in weights]), first.group_size)
     return Int8Weight(qweight, scales, first.group_size)
 
 
