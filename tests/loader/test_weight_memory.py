@@ -4,6 +4,7 @@ bound to the new addresses, and a mapping the kernel may back with 2 MiB pages."
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from loader_gguf_writing import tiny_llama_tensors, write_gguf
 
+from tokenriver.errors import ModelLoadError
 from tokenriver.kv.cache import KVCache
 from tokenriver.loader import weight_memory
 from tokenriver.loader.assemble import build_model
@@ -209,3 +211,13 @@ def test_pages_are_faulted_in_ahead_of_the_tensors_and_handed_back_at_close():
     arena.close()
     assert _mapping_rss_kib(tensor.data_ptr()) <= 2 * 1024  # the page that holds the tensor
     assert torch.all(tensor == 7)
+
+
+def test_a_load_that_fails_stops_the_faulting_thread(tmp_path):
+    path = str(tmp_path / "q8_1.gguf")
+    tensors = tiny_llama_tensors([Q.F32] * 8, np.random.default_rng(0))
+    tensors["blk.0.ffn_up.weight"] = (tensors["blk.0.ffn_up.weight"][0], Q.Q8_1)  # a type no rule converts
+    write_gguf(path, tensors, extra=VOCABULARY)
+    with pytest.raises(ModelLoadError, match="Q8_1"):
+        load_model(path)
+    assert not [thread for thread in threading.enumerate() if thread.name == "tokenriver-weight-pages"]
