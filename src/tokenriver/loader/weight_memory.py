@@ -93,6 +93,7 @@ class WeightArena:
         return self._bytes[start:start + nbytes].view(dtype).view(tuple(shape))
 
     def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lives in the arena (empty() may have made it elsewhere)."""
         return tensor.untyped_storage().data_ptr() == self.storage.data_ptr()
 
     def adopt(self, model: nn.Module) -> bool:
@@ -102,11 +103,7 @@ class WeightArena:
         Tensors that share a storage (a tied embedding and output projection, views of a fused matrix) keep
         sharing it. Native kernels bound by the quantized layers are bound again to the new addresses.
         """
-        # Storage address → the tensors viewing it: each storage is copied once, and all its views follow it.
-        by_storage: dict[int, list[torch.Tensor]] = {}
-        for tensor in _tensors(model):
-            if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() > 0 and not self.holds(tensor):
-                by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+        by_storage = _by_storage(model, outside=self)
         if not by_storage:
             return True
         if self._closed or -(-self.used // _ALIGNMENT) * _ALIGNMENT + _aligned_bytes(by_storage) > self.capacity:
@@ -171,10 +168,7 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     Call it before anything keeps raw pointers into the weights: the native kernels bound by the quantized layers
     are bound again here, and nothing else binds before the engine starts.
     """
-    by_storage: dict[int, list[torch.Tensor]] = {}
-    for tensor in _tensors(model):
-        if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() > 0:
-            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+    by_storage = _by_storage(model)
     if not by_storage or not huge_pages_available():
         return 0
     try:
@@ -224,6 +218,17 @@ def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 yield tensor
+
+
+def _by_storage(model: nn.Module, outside: WeightArena | None = None) -> dict[int, list[torch.Tensor]]:
+    """Storage address → the CPU tensors of `model` viewing it (those not in `outside`): each storage is copied
+    once, and all its views follow it."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for tensor in _tensors(model):
+        if (tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() > 0
+                and (outside is None or not outside.holds(tensor))):
+            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+    return by_storage
 
 
 def _aligned_bytes(by_storage: dict[int, list[torch.Tensor]]) -> int:
