@@ -21,7 +21,7 @@ from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.native.kernels import Allocate, heap_empty
 from tokenriver.models.native.quant import (Int4Linear, Int4Weight, Int8Linear, Int8Weight, QuantizedEmbedding,
-                                     concatenate, dequantize_packed, quantize_int4, quantize_int8)
+                                     cat_rows, concatenate, dequantize_packed, quantize_int4, quantize_int8)
 from tokenriver.models.registry import model_class
 
 QuantWeight = Int4Weight | Int8Weight
@@ -75,10 +75,19 @@ def build_model(config: ModelConfig, weights: dict[str, Weight], device: str | t
     return model.eval()
 
 
-def is_fused_part(architecture: str, name: str) -> bool:
-    """Whether the weight `name` (HF) is one of the parts build_model stacks into a fused projection."""
-    fused = getattr(model_class(architecture), "fused_projections", {})
-    return any(name.endswith(f".{part}.weight") for parts in fused.values() for part in parts)
+def fused_groups(architecture: str, names: list[str]) -> list[list[str]]:
+    """The weights (HF names, from `names`) that build_model stacks into each fused projection, in stacking order:
+    one list per layer (and expert) that has all of its parts."""
+    names_present = set(names)
+    groups = []
+    for parts in getattr(model_class(architecture), "fused_projections", {}).values():
+        suffix = f".{parts[0]}.weight"
+        for name in names:
+            if name.endswith(suffix):
+                group = [f"{name[:-len(suffix)]}.{part}.weight" for part in parts]
+                if all(part in names_present for part in group):
+                    groups.append(group)
+    return groups
 
 
 def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]], empty: Allocate) -> dict[str, Weight]:
@@ -100,7 +109,7 @@ def _stack(parts: list[Weight], empty: Allocate) -> Weight:
     holds each of them closest, so the fused projection stays packed."""
     first = parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts, out=empty((sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype))
+        return cat_rows(parts, empty)
     if all(not isinstance(p, torch.Tensor) and type(p) is type(first) and p.group_size == first.group_size
            for p in parts):
         return concatenate(parts, empty)

@@ -37,8 +37,8 @@ import torch
 from tokenriver.errors import ModelLoadError
 from tokenriver.loader import gguf_arch as families
 from tokenriver.loader import gguf_cache
-from tokenriver.loader.assemble import is_fused_part
-from tokenriver.loader.gguf_blocks import CONVERSIONS, to_packed
+from tokenriver.loader.assemble import fused_groups
+from tokenriver.loader.gguf_blocks import CONVERSIONS, native_layout, to_packed
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.native.kernels import Allocate, heap_empty
 from tokenriver.models.native.quant import Int4Weight, Int8Weight
@@ -107,8 +107,10 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
 
     keep_quantized: quantized matrices come back packed (loader/gguf_blocks.py) instead of dequantized.
     cache_dir: where the header index is cached (None: $XDG_CACHE_HOME/tokenriver or ~/.cache/tokenriver).
-    empty: makes the packed tensors that the model will hold as they are (the loader's weight arena); the parts of
-    fused projections and rows still to be reordered, which are copied again, go to ordinary memory.
+    empty: makes the packed tensors the model will hold (the loader's weight arena). The parts of a fused
+    projection (q/k/v, gate/up) that convert to one packed format are converted straight into their rows of the
+    whole, which build_model then takes without a copy; parts of mixed formats, which it re-packs, go to ordinary
+    memory.
     """
     fields, tensor_list, mapped = _read_header(path, cache_dir)
     gguf_arch = fields.get("general.architecture")
@@ -118,16 +120,17 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     architecture = canonical_architecture(families.architecture_key(gguf_arch, fields), path)
     tensors = {tensor.name: tensor for tensor in tensor_list}
     config = _config(path, fields, gguf_arch, architecture, tensors)
+    named = {_hf_name(path, tensor.name, gguf_arch): tensor for tensor in _split_stacked_experts(tensor_list)
+             if tensor.name not in families.CONFIG_TENSORS}  # those are folded into config.rope_scaling
+    groups = fused_groups(config.architecture, list(named)) if keep_quantized else []
+    allocators = _fused_allocators(groups, named, empty)
+    parts = {name for group in groups for name in group}
     weights, stored_types = {}, {}
-    for tensor in _split_stacked_experts(tensor_list):
-        if tensor.name in families.CONFIG_TENSORS:
-            continue  # Folded into config.rope_scaling.
-        name = _hf_name(path, tensor.name, gguf_arch)
+    for name, tensor in named.items():
         stored_types[name] = tensor.tensor_type.name
         if keep_quantized and tensor.tensor_type in CONVERSIONS and len(tensor.shape) == 2:
-            kept_as_is = _permuted_heads(tensor.name, gguf_arch, config) is None and not is_fused_part(
-                config.architecture, name)
-            weights[name] = _repack(path, tensor, gguf_arch, config, empty if kept_as_is else heap_empty)
+            allocate = allocators.get(name, heap_empty if name in parts else empty)
+            weights[name] = _repack(path, tensor, gguf_arch, config, allocate)
         else:
             weights[name] = families.as_hf_shape(name, _dequantize(path, tensor, gguf_arch, config).to(dtype))
             if families.stores_norm_plus_one(gguf_arch, tensor.name):
@@ -346,20 +349,63 @@ def _dequantize(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig)
 
 def _repack(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig, empty: Allocate,
             ) -> Int4Weight | Int8Weight:
-    """One quantized matrix → packed weight, rows in PyTorch's order (groups run along a row, so moving
-    whole rows, as the q/k un-permutation does, leaves every block intact)."""
+    """One quantized matrix → packed weight, rows in PyTorch's order. Rows the q/k permutation moved are put back
+    before converting: groups run along a row, so moving whole rows of the file's blocks leaves every block intact."""
+    data = np.asarray(tensor.data)
+    heads = _permuted_heads(tensor.name, gguf_arch, config)
+    if heads is not None:
+        data = data[_unpermute_rope_rows(torch.arange(data.shape[0]), heads).numpy()]  # [N, row bytes], a copy
     try:
-        weight = to_packed(np.asarray(tensor.data), tensor.tensor_type, empty=empty)
+        return to_packed(data, tensor.tensor_type, empty=empty)
     except ModelLoadError as error:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {error.message}", path=path) from error
-    heads = _permuted_heads(tensor.name, gguf_arch, config)
-    if heads is None:
-        return weight
-    if isinstance(weight, Int4Weight):
-        return Int4Weight(_unpermute_rope_rows(weight.qweight, heads), _unpermute_rope_rows(weight.scales, heads),
-                          _unpermute_rope_rows(weight.mins, heads), weight.group_size)
-    return Int8Weight(_unpermute_rope_rows(weight.qweight, heads), _unpermute_rope_rows(weight.scales, heads),
-                      weight.group_size)
+
+
+def _fused_allocators(groups: list[list[str]], named: dict[str, _Tensor], empty: Allocate) -> dict[str, Allocate]:
+    """For each fused projection (`groups`: its parts' names) whose parts all convert natively to one packed format
+    over the same in_features: the allocator each part converts with, handing it its rows of the whole."""
+    allocators: dict[str, Allocate] = {}
+    for names in groups:
+        parts = [named[name] for name in names]
+        layouts = {native_layout(part.tensor_type) for part in parts}
+        if (None in layouts or len(layouts) > 1 or any(len(part.shape) != 2 for part in parts)
+                or len({part.shape[0] for part in parts}) > 1):  # GGUF order: shape[0] is in_features
+            continue
+        whole = _FusedRows([int(part.shape[1]) for part in parts], empty)
+        for index, name in enumerate(names):
+            allocators[name] = whole.allocator(index)
+    return allocators
+
+
+class _FusedRows:
+    """The tensors of one fused projection (qweight, scales, mins: as many as the converter asks for), made when
+    the first part asks, and handed out to each part as its rows.
+
+    A part whose native conversion declines (a scale float16 cannot hold) is made elsewhere, and build_model then
+    copies the parts as it would otherwise; its rows here stay unused.
+    """
+
+    def __init__(self, rows: list[int], empty: Allocate) -> None:
+        self._starts = [sum(rows[:index]) for index in range(len(rows))]
+        self._total = sum(rows)
+        self._empty = empty
+        self._tensors: list[torch.Tensor] = []
+
+    def allocator(self, index: int) -> Allocate:
+        """The allocator of part `index`: its k-th call returns the part's rows of the k-th tensor."""
+        calls = 0
+
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            nonlocal calls
+            if calls == len(self._tensors):
+                self._tensors.append(self._empty((self._total, *shape[1:]), dtype))
+            whole = self._tensors[calls]
+            calls += 1
+            if whole.dtype != dtype or whole.shape[1:] != tuple(shape[1:]):
+                return heap_empty(shape, dtype)
+            return whole[self._starts[index]:self._starts[index] + shape[0]]
+
+        return allocate
 
 
 def _permuted_heads(name: str, gguf_arch: str, config: ModelConfig) -> int | None:

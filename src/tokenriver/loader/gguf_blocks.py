@@ -187,13 +187,15 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
     bit, in one pass over the bytes); the numpy one otherwise.
     empty: makes the native rule's output tensors (the loader's weight arena); the numpy rules make their own.
     """
-    kernels = load_kernels() if native else None
+    layout = native_layout(tensor_type) if native else None
+    kernels = load_kernels()
     data = np.asarray(data)
-    if kernels is not None and data.dtype == np.uint8 and data.ndim == 2 and data.flags.c_contiguous:
+    if layout is not None and kernels is not None and data.dtype == np.uint8 and data.ndim == 2 \
+            and data.flags.c_contiguous:
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
         in_features = data.shape[1] // block_bytes * block_size
-        if data.shape[1] % block_bytes == 0 and (tensor_type == Q.Q4_K or kernels.converts_to_int8(tensor_type)):
-            if tensor_type == Q.Q4_K:
+        if data.shape[1] % block_bytes == 0:
+            if layout is Int4Weight:
                 converted = kernels.convert_q4_k(data, in_features, default_num_threads(), empty)
                 if converted is not None:
                     return Int4Weight(*converted, GROUP)
@@ -204,6 +206,17 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
                     return Int8Weight(*converted, GROUP)
             # A scale float16 cannot hold: the numpy rule raises the error that names it.
     return CONVERSIONS[tensor_type][0](data)
+
+
+def native_layout(tensor_type: gguf.GGMLQuantizationType) -> type[Int4Weight] | type[Int8Weight] | None:
+    """The packed weight that convert.cpp makes of this GGUF type, in groups of 32 with float16 scales (Q4_K: int4;
+    the types convert_to_int8 takes: int8); None where a numpy rule converts it, or there are no native kernels."""
+    kernels = load_kernels()
+    if kernels is None:
+        return None
+    if tensor_type == Q.Q4_K:
+        return Int4Weight
+    return Int8Weight if kernels.converts_to_int8(tensor_type) else None
 
 
 def conversion_of(type_name: str) -> str:

@@ -157,15 +157,26 @@ def concatenate(weights: list[Int4Weight] | list[Int8Weight], empty: Allocate = 
            for w in weights):
         raise InvalidParameterError("concatenate needs weights of one kind with equal in_features and group_size",
                                     param="weights")
-    def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-        out = empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), tensors[0].dtype)
-        return torch.cat(tensors, out=out)
-
-    qweight = stack([w.qweight for w in weights])  # [sum N, K // 2] or [sum N, K]
-    scales = stack([w.scales for w in weights])  # [sum N, K // G]
+    qweight = cat_rows([w.qweight for w in weights], empty)  # [sum N, K // 2] or [sum N, K]
+    scales = cat_rows([w.scales for w in weights], empty)  # [sum N, K // G]
     if isinstance(first, Int4Weight):
-        return Int4Weight(qweight, scales, stack([w.mins for w in weights]), first.group_size)
+        return Int4Weight(qweight, scales, cat_rows([w.mins for w in weights], empty), first.group_size)
     return Int8Weight(qweight, scales, first.group_size)
+
+
+def cat_rows(tensors: list[torch.Tensor], empty: Allocate = heap_empty) -> torch.Tensor:
+    """torch.cat along dim 0 into a tensor `empty` makes; or, when the tensors already lie one after the other in
+    one storage (a loader converted each part straight into its rows of the whole), a view of them, no copy."""
+    first = tensors[0]
+    rows = sum(t.shape[0] for t in tensors)
+    storage = first.untyped_storage().data_ptr()
+    if all(t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+           and t.untyped_storage().data_ptr() == storage for t in tensors) and all(
+            after.storage_offset() == before.storage_offset() + before.numel()
+            for before, after in zip(tensors, tensors[1:])):
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]),
+                                       first.stride())
+    return torch.cat(tensors, out=empty((rows, *first.shape[1:]), first.dtype))
 
 
 def _check_float_weight(weight: torch.Tensor, group_size: int) -> None:
