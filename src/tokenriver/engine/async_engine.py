@@ -72,17 +72,28 @@ class AsyncEngine:
     """Thread-backed engine for asyncio servers."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.core = EngineCore(config, loaded)
-        self.tokenizer = self.core.tokenizer
-        self.model_info: ModelInfo = self.core.model_info
-        self._snapshot = self._take_snapshot()
+        """Build the engine core on the engine thread (load errors are raised here) and start its loop.
+
+        Why on that thread: OpenMP keeps a pool of worker threads per thread that starts parallel work, and libgomp
+        lets its workers spin between parallel regions only while it manages no more threads than there are cores.
+        A load on this thread and steps on another made two pools, and every parallel region of a step then woke
+        its workers from sleep: single-stream decode ran at less than half the speed of the same engine stepped on
+        the thread that loaded it.
+        """
         self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="tokenriver-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(config, loaded), name="tokenriver-engine",
+                                        daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
 
     @property
     def max_model_len(self) -> int:
@@ -178,7 +189,17 @@ class AsyncEngine:
             return
         self._streams[command.request_id] = command.stream
 
-    def _run(self) -> None:
+    def _run(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        try:
+            self.core = EngineCore(config, loaded)
+            self.tokenizer = self.core.tokenizer
+            self.model_info: ModelInfo = self.core.model_info
+            self._snapshot = self._take_snapshot()
+        except BaseException as error:  # raised by __init__, in the caller's thread
+            self._build_error = error
+            return
+        finally:
+            self._built.set()
         try:
             while not self._stopping:
                 idle = not self.core.has_unfinished_requests()
