@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 from tokenriver.engine.async_engine import EngineSnapshot
 from tokenriver.engine.core import ModelInfo
 from tokenriver.errors import EngineOverloadedError
+from tokenriver.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from tokenriver.sched.output import SchedulerStats
 from tokenriver.server.app import build_app
 from tokenriver.server.config import ServerConfig
@@ -186,3 +188,30 @@ def test_a_full_waiting_queue_is_429_with_retry_after_and_counted():
     text = client.get("/metrics").text
     assert "tokenriver_requests_rejected_total 2.0" in text
     assert 'finish_reason="abort"' not in text  # a refusal is not an abort
+
+
+def test_streamed_text_with_unicode_line_separators_stays_one_event_per_line():
+    # JSON leaves U+0085, U+2028 and U+2029 raw, and line readers built on str.splitlines (httpx's) split on them.
+    text = "a\x85b\u2028c\u2029d"
+
+    async def generate(prompt_token_ids, params, request_id=None, prompt=None, priority=0):
+        for index, token in enumerate(text):
+            finished = index == len(text) - 1
+            yield RequestOutput(
+                request_id=request_id or "r", prompt=prompt, prompt_token_ids=list(prompt_token_ids),
+                outputs=[CompletionOutput(index=0, text=text[:index + 1],
+                                          token_ids=[ord(c) for c in text[:index + 1]], delta_text=token,
+                                          delta_token_ids=[ord(token)],
+                                          finish_reason=FinishReason.LENGTH if finished else None)],
+                finished=finished, metrics=RequestMetrics(arrival_time=0.0))
+
+    engine = _engine()
+    engine.generate = generate
+    engine.abort = lambda request_id: None
+    client = TestClient(build_app(engine, ServerConfig()), raise_server_exceptions=False)
+    body = {"prompt": "hi", "max_tokens": len(text), "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(choice["text"] for event in events for choice in event["choices"]) == text

@@ -266,14 +266,24 @@ def _sse(chunks: AsyncIterator[Any], request_id: str) -> StreamingResponse:
         try:
             async with aclosing(chunks):
                 async for chunk in chunks:
-                    yield f"data: {chunk.model_dump_json()}\n\n"
+                    yield _sse_event(chunk)
         except Exception as error:
             _, body = error_payload(error, request_id)
-            yield f"data: {body.model_dump_json()}\n\n"
+            yield _sse_event(body)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# Characters that SSE leaves inside a line but that line readers built on str.splitlines (httpx's iter_lines among
+# them) take for line breaks; JSON does not escape them, so a token holding one would cut an event in two.
+_LINE_BREAKS_FOR_SPLITLINES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _sse_event(body: Any) -> str:
+    """One `data: {json}` event, with the characters str.splitlines breaks on escaped (the same JSON value)."""
+    return f"data: {body.model_dump_json().translate(_LINE_BREAKS_FOR_SPLITLINES)}\n\n"
 
 
 def served_model_name(engine: AsyncEngine, config: ServerConfig) -> str:
