@@ -245,3 +245,22 @@ def test_a_load_that_fails_stops_the_faulting_thread(tmp_path):
     with pytest.raises(ModelLoadError, match="Q8_1"):
         load_model(path)
     assert not [thread for thread in threading.enumerate() if thread.name == "tokenriver-weight-pages"]
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int8", "int4", "none"])
+def test_the_arena_holds_only_the_weights_the_model_keeps(tiny_file, monkeypatch, quantization):
+    # "int8"/"int4" quantize again what the reader made: had the reader made it in the arena, it would stay there.
+    arenas: list[weight_memory.WeightArena] = []
+    made = weight_memory.WeightArena.__init__
+
+    def recording(self, *args, **kwargs) -> None:
+        made(self, *args, **kwargs)
+        arenas.append(self)
+
+    monkeypatch.setattr(weight_memory.WeightArena, "__init__", recording)
+    model = load_model(tiny_file, quantization=quantization).model
+    (arena,) = arenas
+    tensors = {t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(): t.numel() * t.element_size()
+               for t in (*model.parameters(), *model.buffers())}
+    assert all(arena.holds(t) for t in (*model.parameters(), *model.buffers()))
+    assert arena.used <= sum(tensors.values()) + 64 * len(tensors)  # each tensor aligned to 64 bytes, nothing more

@@ -132,7 +132,8 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
         raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
                              f"(config.json + *.safetensors), or nothing for the default model", path=path)
     arena = _weight_arena(path) if torch.device(device).type == "cpu" else None
-    empty = arena.empty if arena is not None else heap_empty
+    # "int8" and "int4" quantize again what the reader makes: made in the arena, those first copies would stay there.
+    empty = arena.empty if arena is not None and quantization not in ("int8", "int4") else heap_empty
     try:
         if os.path.isdir(path):
             checkpoint = read_hf_folder(path, torch_dtype)
