@@ -17,7 +17,8 @@ Measured on each side (medians of --repeats; greedy, every request made to produ
 - prefill: a 512-token prompt, max 1 token; 512 / time;
 - throughput: 64 and 256 prompts of 32 tokens x 128 new tokens, all submitted at once (tokenriver's continuous
   batching); transformers runs `generate` at batch sizes 1-256 once each, and its best batch of at most that
-  many prompts is the reference (timed again to make the median);
+  many prompts is the reference, timed --repeats more times for the median (a size's first `generate` is slower,
+  so the sweep's own run stays out of it);
 - the bandwidth floor of single-stream decode: the bytes a step reads (weights, and the KV cache of the context)
   / the GPU's memory bandwidth, measured in this run by a large device-to-device copy.
 The sides cannot share the GPU (tokenriver sizes its KV pool from the free memory), so they run one after the
@@ -339,7 +340,8 @@ def measure_transformers(model, prompts: Prompts, workload: Workload, repeats: i
             result.sweep[size] = None
             free_memory(device)
         print(f"  transformers batch {size}: {result.sweep[size] or 'out of memory'} tokens/s", flush=True)
-    # The best batch for each prompt count, timed again for a median.
+    # The best batch for each prompt count, timed again for a median; the sweep's run was that size's first, slower
+    # one (the allocator and cuBLAS meeting its shapes), so it is left out.
     extra: dict[int, list[float]] = {}
     for count in workload.num_prompts:
         fits = {size: rate for size, rate in result.sweep.items() if rate is not None and size <= count}
@@ -348,7 +350,7 @@ def measure_transformers(model, prompts: Prompts, workload: Workload, repeats: i
         best = max(fits, key=fits.get)
         result.best_batch[count] = best
         if best not in extra:
-            extra[best] = [fits[best]] + [best * n / run(prompts.batch[:best], n) for _ in range(repeats - 1)]
+            extra[best] = [best * n / run(prompts.batch[:best], n) for _ in range(repeats)]
         result.throughput[count] = extra[best]
     return result
 
@@ -581,8 +583,8 @@ def write_report(results: list[ModelResult], workload: Workload, bandwidth: floa
         f"prompt.",
         f"- Throughput: all prompts handed to tokenriver in one `generate` (continuous batching); transformers "
         f"at each batch size once (table below), each batch's tokens/s standing for the rate of running the "
-        f"prompts in batches of that size; its best batch of at most that many prompts is the reference "
-        f"(timed {args.repeats} time(s) in all).",
+        f"prompts in batches of that size; its best batch of at most that many prompts is the reference, timed "
+        f"{args.repeats} more time(s) for its median (the sweep's run, that size's first, is slower and left out).",
         f"- Bandwidth floor: a decode step reads every weight once (a tied embedding once, as the output layer) "
         f"and the KV cache of its context, so it cannot take less than those bytes / bandwidth; the floor in "
         f"tokens/s is bandwidth / (weight bytes + KV bytes per token x {workload.prompt_len + n // 2}, the mean "
@@ -681,6 +683,7 @@ def main() -> int:
 
     transformers.logging.set_verbosity_error()  # generation-config warnings, once per generate call
     transformers.logging.disable_progress_bar()  # loading and saving bars would bury the figures in the log
+    started = time.perf_counter()
     workload = QUICK if args.quick else Workload()
     header = device_line(args.device)
     print(header, flush=True)
@@ -698,6 +701,7 @@ def main() -> int:
                 traceback.print_exc()
                 failed = True
             free_memory(args.device)
+            print(f"  ({time.perf_counter() - started:.0f} s since the start)", flush=True)
             if results:
                 text = write_report(results, workload, bandwidth, args, header)
     failed = failed or any(m.transformers.error or any(s.error for s in m.tokenriver.values()) for m in results)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, run from the repository root on a machine with an NVIDIA GPU and no network:
 #   1. the tests marked `cuda` (python3 -m pytest -m cuda tests);
-#   2. benchmarks/gpu.py, tokenriver against transformers on the same GPU.
+#   2. benchmarks/gpu.py, tokenriver against transformers on the same GPU (arguments given to this script go to it,
+#      e.g. `bash benchmarks/gpu_check.sh --repeats 2` where less GPU time is at hand).
 # Both always run; the exit status is non-zero if either failed.
 #
 # tokenriver runs from the source tree (PYTHONPATH=src), not pip-installed. Python packages the machine's image
@@ -49,10 +50,10 @@ if [ "$tests_status" -eq 5 ]; then
     echo "pytest collected no test marked cuda" | tee -a "$log"
 fi
 
-echo "== benchmarks/gpu.py" | tee -a "$log"
+echo "== benchmarks/gpu.py (${SECONDS} s into the check)" | tee -a "$log"
 bench_status=0
-timeout "${GPU_CHECK_BENCH_TIMEOUT:-420}" python3 benchmarks/gpu.py --out-dir "$log_dir" 2>&1 \
+timeout "${GPU_CHECK_BENCH_TIMEOUT:-420}" python3 benchmarks/gpu.py --out-dir "$log_dir" "$@" 2>&1 \
     | tee -a "$log" || bench_status=$?
 
-echo "== tests: exit $tests_status, benchmark: exit $bench_status (124: timed out)" | tee -a "$log"
+echo "== tests: exit $tests_status, benchmark: exit $bench_status (124: timed out), ${SECONDS} s in all" | tee -a "$log"
 [ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]

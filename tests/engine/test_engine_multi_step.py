@@ -56,6 +56,29 @@ def test_multi_step_with_int8_activations_and_kv(default_model_path):
     assert multi == single
 
 
+def test_queued_passes_give_the_tokens_and_logprobs_of_single_steps(default_model_path, monkeypatch):
+    # bfloat16 on the CPU: no native decoder, so the later passes run as on a GPU, queued on the device with each
+    # argmax fed to the next pass without coming back to the host.
+    loaded = load_model(default_model_path, dtype="bfloat16", quantization="none")
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=m != 9) for m in (6, 11, 9, 3)]
+    single = LLM.from_loaded(loaded, max_num_kv_tokens=4096, num_scheduler_steps=1)
+    queued = LLM.from_loaded(loaded, max_num_kv_tokens=4096, num_scheduler_steps=4)
+    runner = queued.engine.runner
+    runner.queue_greedy_passes = True
+    queued_passes = []
+    run_queued = runner._queued_greedy_passes
+    monkeypatch.setattr(runner, "_queued_greedy_passes", lambda *args: queued_passes.append(run_queued(*args))
+                        or queued_passes[-1])
+    expected, got = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (single, queued))
+    assert sum(queued_passes) > 0
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        assert have.outputs[0].text == want.outputs[0].text
+        assert have.outputs[0].finish_reason == want.outputs[0].finish_reason
+        assert have.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-3)
+    assert queued.engine.scheduler.stats().num_blocks_used == 0
+
+
 @pytest.mark.parametrize("options, message", [
     ({"num_scheduler_steps": 0}, "num_scheduler_steps=0 must be an integer >= 1"),
     ({"num_scheduler_steps": 4, "speculative_draft": "ngram"}, "does not combine with speculative decoding"),

@@ -7,8 +7,8 @@ import torch
 
 from tokenriver.errors import ModelLoadError
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.layers import (RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, rope_inv_freq,
-                                      silu_and_mul_torch)
+from tokenriver.models.layers import (RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, apply_rotary_,
+                                      rope_inv_freq, silu_and_mul_torch)
 from tokenriver.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from tokenriver.models.registry import canonical_architecture, model_class
 
@@ -57,6 +57,19 @@ def test_rotary_embedding_equals_transformers():
     rope = ours(positions, torch.float32)
     assert torch.equal(apply_rotary(query, *rope), want_q[0].transpose(0, 1))
     assert torch.equal(apply_rotary(key, *rope), want_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotating_split_qkv_heads_in_place_rotates_query_and_key_only(dtype):
+    # q and k split from one qkv row are rotated as one view (bfloat16 takes the PyTorch ops, as on a GPU):
+    # the same bits as each on its own, and v untouched.
+    torch.manual_seed(0)
+    qkv = torch.randn(6, 4 + 2 * 2, 64).to(dtype)
+    query, key, value = qkv.split((4, 2, 2), dim=1)
+    cos, sin = RotaryEmbedding(64, 10000.0, None, 512)(torch.tensor([0, 3, 1, 9, 40, 7]), dtype)
+    want_q, want_k, want_v = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value.clone()
+    apply_rotary_(query, key, cos, sin)
+    assert torch.equal(query, want_q) and torch.equal(key, want_k) and torch.equal(value, want_v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -48,6 +48,16 @@ from tokenriver.models.native.kernels import NativeKernels, is_f32_rows, is_nati
 MAX_KERNEL_QUERY_LEN = 2
 
 
+def to_device(values: list, device: torch.device | str) -> torch.Tensor:
+    """An int64 tensor of `values` (a list, or a list of equal-length lists) on `device`. To a GPU it goes through
+    pinned memory without waiting: a plain copy would first wait for every kernel queued on the device, so the host
+    could never prepare a step while the GPU runs the one before."""
+    tensor = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each one may attend to."""
@@ -87,13 +97,13 @@ class AttentionMetadata:
         """[len(decode_indices), max_decode_blocks] block ids of the decode requests (torch path only)."""
         max_len = max(self.seq_lens[i] for i in self.decode_indices)
         num_blocks = (max_len + self.block_size - 1) // self.block_size
-        rows = torch.tensor(self.decode_indices, dtype=torch.long, device=self.block_tables.device)
+        rows = to_device(self.decode_indices, self.block_tables.device)
         return self.block_tables.index_select(0, rows)[:, :num_blocks]
 
     @cached_property
     def decode_lengths(self) -> torch.Tensor:
         """[len(decode_indices)] int64 context length of each decode request (torch path only)."""
-        return torch.tensor([self.seq_lens[i] for i in self.decode_indices], device=self.block_tables.device)
+        return to_device([self.seq_lens[i] for i in self.decode_indices], self.block_tables.device)
 
     @cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -143,10 +153,10 @@ class AttentionMetadata:
         max_blocks = max((len(b) for b in block_tables), default=0)
         padded = [b + [0] * (max_blocks - len(b)) for b in block_tables]
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=to_device(slots, device),
             query_lens=list(query_lens),
             seq_lens=list(seq_lens),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            block_tables=to_device(padded, device),
             block_size=block_size,
             decode_indices=[i for i, q in enumerate(query_lens) if q == 1],
             prefill_indices=[i for i, q in enumerate(query_lens) if q != 1],
@@ -214,8 +224,7 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
         # Every token a decode (a decode batch, a CUDA graph's): their rows are the query's rows, no gather.
         all_decodes = len(metadata.decode_indices) == len(metadata.query_lens)
         starts = metadata.query_start_loc
-        rows = None if all_decodes else torch.tensor([starts[i] for i in metadata.decode_indices], dtype=torch.long,
-                                                     device=query.device)
+        rows = None if all_decodes else to_device([starts[i] for i in metadata.decode_indices], query.device)
         tables = metadata.decode_block_tables
         num_decodes, num_blocks = tables.shape
         flat_tables = tables.flatten()
@@ -225,16 +234,23 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
             num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), query.dtype).transpose(1, 2)
         values = decode_entries(value_cache.index_select(0, flat_tables).view(
             num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), query.dtype).transpose(1, 2)
-        q = (query if rows is None else query.index_select(0, rows)).unsqueeze(2)  # [num_decodes, num_heads, 1, hd]
+        q = query if rows is None else query.index_select(0, rows)  # [num_decodes, num_heads, head_dim]
         mask = metadata.decode_mask  # [num_decodes, S]
         if window > 0:
             lengths = metadata.decode_lengths
             mask = mask & (torch.arange(mask.shape[1], device=query.device)[None, :] >= lengths[:, None] - window)
-        out = _attend(q, keys, values, mask[:, None, None, :], scale, softcap)
-        if rows is None:
-            output.copy_(out.squeeze(2))
+        if softcap is None:
+            # Each kv head's group of query heads as its query rows: plain attention with a mask, which a GPU's
+            # memory-efficient kernel takes (grouped heads with a mask leave SDPA only its unfused math path).
+            grouped = q.reshape(num_decodes, num_kv_heads, -1, q.shape[2])  # [num_decodes, num_kv_heads, group, hd]
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :],
+                                                 scale=scale).reshape(q.shape)
         else:
-            output.index_copy_(0, rows, out.squeeze(2))
+            out = _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap).squeeze(2)
+        if rows is None:
+            output.copy_(out)
+        else:
+            output.index_copy_(0, rows, out)
     for i in metadata.prefill_indices:
         _attend_prompt(query, kv_cache, metadata, i, scale, output, window, softcap)
     return output

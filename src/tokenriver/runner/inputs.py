@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenriver.models.attention import AttentionMetadata
+from tokenriver.models.attention import AttentionMetadata, to_device
 from tokenriver.sched.output import ScheduledRequest, SchedulerOutput
 
 
@@ -104,8 +104,8 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
                 num_top=num_top,
             ))
     return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=to_device(input_ids, device),
+        positions=to_device(positions, device),
         metadata=AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device),
         sampling_requests=sampling_requests,
         sample_rows=sample_rows,
@@ -117,17 +117,18 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
     )
 
 
-def advance_decode(inputs: ModelInputs, token_ids: list[int], block_size: int,
+def advance_decode(inputs: ModelInputs, token_ids: list[int] | torch.Tensor, block_size: int,
                    device: torch.device | str) -> ModelInputs:
     """The next forward pass of a multi-step step (SchedulerOutput.num_decode_passes): each request of `inputs`
     (one token each, every one sampled) computes token_ids[i], one position further. Its slot is in the blocks the
-    scheduler took for all of the step's passes (the requests' block_ids)."""
+    scheduler took for all of the step's passes (the requests' block_ids). token_ids may be a [B] int64 tensor on
+    the device, the pass before's argmax, which then never comes back to the host in between."""
     requests = inputs.sampling_requests
     if (len(token_ids) != len(requests) or inputs.sample_rows != list(range(len(requests))) or inputs.draft_requests
             or inputs.beam_requests or inputs.prompt_logprob_rows):
         raise ValueError("advance_decode continues a batch of one-token decodes that all sample, with one token each")
     return ModelInputs(
-        input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+        input_ids=token_ids if isinstance(token_ids, torch.Tensor) else to_device(token_ids, device),
         positions=inputs.positions + 1,
         metadata=AttentionMetadata.build([1] * len(requests), [n + 1 for n in inputs.metadata.seq_lens],
                                          [request.block_ids for request in requests], block_size, device),

@@ -17,6 +17,10 @@ layers to the native decoder where they can run there; on a GPU a batch of one-t
 replays a recorded CUDA graph of the same pass instead (runner/cuda_graphs.py).
 A multi-step step (SchedulerOutput.num_decode_passes > 1, only plain greedy decodes)
 runs its further passes here, each feeding every request the token it just sampled.
+Off the CPU those passes are queued on the device one after the other: each pass's
+argmax stays there as the next pass's input, and the tokens of all of them come back
+in one copy at the end, so the host prepares a pass while the GPU runs the one before
+instead of waiting for every pass's tokens.
 A request with structured output gets its grammar's allowed-token mask with every
 row the sampler sees (sampling/grammar.py); its drafts are cut at the first token the
 grammar rejects, and beam candidates are ranked among the allowed tokens only. The
@@ -35,12 +39,13 @@ import torch
 from torch import nn
 
 from tokenriver.kv.cache import KVCache
+from tokenriver.models.attention import to_device
 from tokenriver.models.native.kernels import load_kernels
 from tokenriver.runner.cuda_graphs import DecodeGraphs
 from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
 from tokenriver.runner.native_stack import NativeStack
 from tokenriver.sampling.grammar import GrammarMatchers, GrammarRow
-from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState
+from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState, torch_row_reductions
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -64,7 +69,11 @@ class ModelRunner:
         default_generator = torch.Generator(device=self.device)
         default_generator.manual_seed(seed)
         kernels = load_kernels() if self.device.type == "cpu" else None
-        self.sampler = Sampler(default_generator, kernels.argmax_logsumexp if kernels is not None else None)
+        self.sampler = Sampler(default_generator,
+                               kernels.argmax_logsumexp if kernels is not None else torch_row_reductions)
+        # Queue a multi-step step's greedy passes on the device (_queued_greedy_passes): what a GPU gains, the CPU,
+        # where a pass's tokens are on the host as soon as it ends, would only pay for in reductions.
+        self.queue_greedy_passes = self.device.type != "cpu"
         self._generators: dict[str, torch.Generator] = {}
         # Forward passes run so far (the visualizer's "one pass per token").
         self.num_forward_passes = 0
@@ -159,7 +168,7 @@ class ModelRunner:
         if not all_rows:
             return RunnerOutput(results=results)
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
-            hidden = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
+            hidden = hidden.index_select(0, to_device(all_rows, self.device))
         self._add_grammars(inputs.sampling_requests, states, pending_masks)
         if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, states, hidden, results):
             self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
@@ -211,7 +220,10 @@ class ModelRunner:
         passes change but a grammar's state: every pass samples with the first pass's states, each constrained
         row asking its grammar after the grown output. Without grammars, the model's native loop may run the
         passes in one call (NativeStack.greedy_passes); any it leaves run here."""
-        finished = self._native_greedy_passes(num_passes, inputs, states, results)
+        finished = (self._native_greedy_passes(num_passes, inputs, states, results)
+                    or self._queued_greedy_passes(num_passes, inputs, states, results))
+        if finished == num_passes:
+            return
         for done in range(finished, 0, -1):  # the inputs of the last pass it ran
             sampled = [results[request.request_id].token_ids[-1 - done] for request in inputs.sampling_requests]
             inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
@@ -256,6 +268,31 @@ class ModelRunner:
             for request, sample in zip(requests, samples):
                 _append(results[request.request_id], [sample])
         return argmax.shape[0]
+
+    def _queued_greedy_passes(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
+                              results: dict[str, RequestStepResult]) -> int:
+        """_decode_ahead's passes queued on the device without reading anything back in between, where
+        queue_greedy_passes is set and every row takes its raw argmax without a grammar: pass p + 1 decodes pass p's
+        argmax straight from the device, and the (argmax, largest logit, log-sum-exp) rows of all passes come back
+        together at the end, their tokens appended to results as the passes run one by one give them. Returns how
+        many passes it ran (0: none, the caller runs them all)."""
+        if (num_passes == 0 or not self.queue_greedy_passes or any(state.grammar is not None for state in states)
+                or not self.sampler.takes_raw_argmax(states)):
+            return 0
+        requests = inputs.sampling_requests
+        token_ids: list[int] | torch.Tensor = [results[request.request_id].token_ids[-1] for request in requests]
+        passes = []
+        for _ in range(num_passes):
+            inputs = advance_decode(inputs, token_ids, self.kv_cache.block_size, self.device)
+            reduced = torch_row_reductions(self.model.compute_logits(self._run_model(inputs)))
+            passes.append(reduced)
+            token_ids = reduced[0]
+        argmax, max_logits, log_normalizers = (torch.stack(rows).cpu() for rows in zip(*passes))  # [P, B] each
+        for p in range(num_passes):
+            samples = self.sampler.sample_reduced((argmax[p], max_logits[p], log_normalizers[p]), states)
+            for request, sample in zip(requests, samples):
+                _append(results[request.request_id], [sample])
+        return num_passes
 
     def _sample_greedy(self, inputs: ModelInputs, states: list[SamplingState], hidden: torch.Tensor,
                        results: dict[str, RequestStepResult]) -> bool:
