@@ -20,7 +20,9 @@ Measured on each side (medians of --repeats; greedy, every request made to produ
   many prompts is the reference, timed --repeats more times for the median (a size's first `generate` is slower,
   so the sweep's own run stays out of it);
 - the bandwidth floor of single-stream decode: the bytes a step reads (weights, and the KV cache of the context)
-  / the GPU's memory bandwidth, measured in this run by a large device-to-device copy.
+  / the GPU's memory bandwidth, measured in this run by a large device-to-device copy;
+- the profiler's GPU kernel time of a single-stream generate and (tokenriver) of a 64-prompt one, against their wall
+  time, and that run's heaviest kernels: whether a step waits on the host, and where the GPU's time goes.
 The sides cannot share the GPU (tokenriver sizes its KV pool from the free memory), so they run one after the
 other, each after a warm-up (CUDA graph capture, cuBLAS and Triton initialisation), with the memory freed in
 between; on a GPU, timings move far less from run to run than on a shared CPU.
@@ -76,6 +78,8 @@ ID_MARGIN = 100
 # Longest sequence tokenriver is configured for: the 512-token prompt plus room; it bounds what the engine sizes
 # by context length (the 1B shape allows 131,072 positions).
 MAX_MODEL_LEN = 1024
+# Kernels listed per model in the report's profile of a batched run.
+TOP_KERNELS = 12
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,10 @@ class SideResult:
     # Seconds the GPU spent running kernels during one single-stream generate of decode_tokens tokens, per token
     # (the profiler's kernel time): against the wall time per token it says whether a step waits on the host.
     gpu_busy_per_token: float | None = None
+    # tokenriver: the same for one generate of the smallest throughput batch, per pass (decode_tokens passes), and
+    # its kernels by total time: (name, milliseconds per pass, launches per pass), the heaviest first.
+    gpu_busy_per_pass: float | None = None
+    top_kernels: list[tuple[str, float, float]] = field(default_factory=list)
     error: str | None = None
 
 
@@ -161,9 +169,9 @@ def timed(device: str, run: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def kernel_seconds(device: str, run: Callable[[], object]) -> float | None:
-    """Seconds of GPU kernel time during one call, from the profiler (kernels replayed from CUDA graphs included);
-    None off CUDA."""
+def kernel_profile(device: str, run: Callable[[], object]) -> tuple[float, list[tuple[str, float, int]]] | None:
+    """Seconds of GPU kernel time during one call, from the profiler (kernels replayed from CUDA graphs included),
+    and each kernel's (name, seconds, launches), the heaviest first; None off CUDA."""
     if torch.device(device).type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -176,7 +184,16 @@ def kernel_seconds(device: str, run: Callable[[], object]) -> float | None:
     except RuntimeError as error:  # a profiler that cannot attach costs this row, not the side's figures
         print(f"  profiler: {error}", flush=True)
         return None
-    return sum(getattr(event, "self_device_time_total", 0.0) for event in events) / 1e6
+    kernels = sorted(((event.key, getattr(event, "self_device_time_total", 0.0) / 1e6, event.count)
+                      for event in events if getattr(event, "self_device_time_total", 0.0) > 0),
+                     key=lambda kernel: -kernel[1])
+    return sum(seconds for _, seconds, _ in kernels), kernels
+
+
+def kernel_seconds(device: str, run: Callable[[], object]) -> float | None:
+    """kernel_profile's total alone."""
+    profiled = kernel_profile(device, run)
+    return None if profiled is None else profiled[0]
 
 
 def free_memory(device: str) -> None:
@@ -397,6 +414,16 @@ def measure_tokenriver(case: ModelCase, options: dict[str, object], prompts: Pro
                 result.throughput.setdefault(count, []).append(count * n / run(prompts.batch[:count], n))
         busy = kernel_seconds(device, lambda: run([prompts.single], n))
         result.gpu_busy_per_token = None if busy is None else busy / n
+        # Where a batched pass's time goes: its kernels, against its wall time in the throughput row.
+        try:
+            profiled = kernel_profile(device, lambda: run(prompts.batch[:min(workload.num_prompts)], n))
+        except Exception:  # noqa: BLE001 - the profile is extra: its failure must not cost the side's figures
+            traceback.print_exc()
+            profiled = None
+        if profiled is not None:
+            result.gpu_busy_per_pass = profiled[0] / n
+            result.top_kernels = [(name[:90], 1e3 * seconds / n, count / n)
+                                  for name, seconds, count in profiled[1][:TOP_KERNELS]]
     finally:
         close = getattr(llm.engine, "close", None)
         if close is not None:
@@ -487,6 +514,22 @@ def table_rows(results: list[ModelResult], workload: Workload, bandwidth: float)
                             if side.gpu_busy_per_token is not None and decode else "—")
             rows.append([name, "single-stream decode: GPU kernel time per token, of the wall time per token (ms)",
                          *busy, "—"])
+            count = min(workload.num_prompts)
+            rate = median(ours.throughput.get(count, []))
+            if ours.gpu_busy_per_pass is not None and rate:
+                rows.append([name, f"{count} x {workload.decode_tokens}: GPU kernel time per pass, of the wall time "
+                                   f"per pass (ms)",
+                             f"{1e3 * ours.gpu_busy_per_pass:.2f} of {1e3 * count / rate:.2f}", "—", "—"])
+    return rows
+
+
+def kernel_rows(results: list[ModelResult]) -> list[list[object]]:
+    rows = []
+    for model in results:
+        for variant, ours in model.tokenriver.items():
+            for name, milliseconds, launches in ours.top_kernels:
+                rows.append([f"{model.case.label}, tokenriver {variant}", f"`{name}`", f"{milliseconds:.3f}",
+                             f"{launches:.1f}"])
     return rows
 
 
@@ -605,6 +648,18 @@ def write_report(results: list[ModelResult], workload: Workload, bandwidth: floa
         markdown_table(["model", "batch", "generated tokens/s"], sweep_rows(results)),
         "",
     ]
+    kernels = kernel_rows(results)
+    if kernels:
+        count = min(workload.num_prompts)
+        report += [
+            f"## tokenriver's heaviest GPU kernels in a {count} x {n} run",
+            "",
+            f"The profiler's kernels during one `generate` of {count} prompts x {n} tokens (prompt step included), "
+            f"by total time, per pass ({n} passes): where a batched decode step's GPU time goes.",
+            "",
+            markdown_table(["model", "kernel", "ms per pass", "launches per pass"], kernels),
+            "",
+        ]
     text = "\n".join(report)
     (out_dir / "gpu.md").write_text(text)
     return text
