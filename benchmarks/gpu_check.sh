@@ -10,7 +10,7 @@
 # download them); they are installed into /tmp/tokenriver-site, without network or dependency resolution.
 #
 # The log (and gpu.md, gpu.png) go to $GPU_CHECK_LOG_DIR, default benchmarks/results. The two timeouts
-# ($GPU_CHECK_TEST_TIMEOUT, default 150 s; $GPU_CHECK_BENCH_TIMEOUT, default 420 s) keep the whole check under
+# ($GPU_CHECK_TEST_TIMEOUT, default 120 s; $GPU_CHECK_BENCH_TIMEOUT, default 450 s) keep the whole check under
 # ten minutes.
 set -euo pipefail
 
@@ -44,7 +44,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "(CUDA", t
 
 echo "== tests marked cuda" | tee -a "$log"
 tests_status=0
-timeout "${GPU_CHECK_TEST_TIMEOUT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 \
+timeout "${GPU_CHECK_TEST_TIMEOUT:-120}" python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 \
     | tee -a "$log" || tests_status=$?
 if [ "$tests_status" -eq 5 ]; then
     echo "pytest collected no test marked cuda" | tee -a "$log"
@@ -52,7 +52,7 @@ fi
 
 echo "== benchmarks/gpu.py (${SECONDS} s into the check)" | tee -a "$log"
 bench_status=0
-timeout "${GPU_CHECK_BENCH_TIMEOUT:-420}" python3 benchmarks/gpu.py --out-dir "$log_dir" "$@" 2>&1 \
+timeout "${GPU_CHECK_BENCH_TIMEOUT:-450}" python3 benchmarks/gpu.py --out-dir "$log_dir" "$@" 2>&1 \
     | tee -a "$log" || bench_status=$?
 
 echo "== tests: exit $tests_status, benchmark: exit $bench_status (124: timed out), ${SECONDS} s in all" | tee -a "$log"
