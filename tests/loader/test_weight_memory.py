@@ -179,16 +179,17 @@ def test_a_load_makes_the_kept_packed_weights_in_the_arena_and_fuses_into_it(tin
 def test_parts_of_one_format_are_converted_into_their_rows_of_the_fused_projection(tmp_path):
     path = str(tmp_path / "one_format.gguf")
     rng = np.random.default_rng(3)
-    # q/k/v all Q4_K (int4), gate Q5_0 and up Q6_K (both int8): each fused projection has one packed format.
-    write_gguf(path, tiny_llama_tensors([Q.Q8_0, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q4_K], rng),
+    # q/k/v all Q4_K (int4), gate and up Q5_0 (int4 with fifth bits): each fused projection has one packed format.
+    write_gguf(path, tiny_llama_tensors([Q.Q8_0, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q5_0, Q.Q5_0, Q.Q4_K], rng),
                rng=rng, extra=VOCABULARY)
     arena = weight_memory.WeightArena(64 * 2**20)
     checkpoint = read_gguf(path, keep_quantized=True, empty=arena.empty)
     layer = "model.layers.0"
     q, k, v = (checkpoint.weights[f"{layer}.self_attn.{part}_proj.weight"] for part in "qkv")
     gate, up = (checkpoint.weights[f"{layer}.mlp.{part}_proj.weight"] for part in ("gate", "up"))
+    assert gate.high_bits is not None and q.high_bits is None
     for before, after in ((q, k), (k, v), (gate, up)):
-        for field in ("qweight", "scales"):
+        for field in ("qweight", "scales", "mins") + (("high_bits",) if before is gate else ()):
             first, second = getattr(before, field), getattr(after, field)
             assert arena.holds(first) and second.data_ptr() == first.data_ptr() + first.numel() * first.element_size()
     model = build_model(checkpoint.config, checkpoint.weights, "cpu", path, "auto", empty=arena.empty)

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
+from tokenriver.loader.gguf_blocks import repack_q5_0
 from tokenriver.models.native.kernels import load_kernels
 from tokenriver.models.native.quant import (
     Int4Linear,
@@ -28,6 +29,7 @@ from tokenriver.models.native.quant import (
     Int8Linear,
     Int8Weight,
     concatenate,
+    exact_int8,
     pack_int4,
     quantize_int4,
     quantize_int8,
@@ -155,6 +157,8 @@ def make_layer(kind: str, out_features: int, in_features: int, backend: str, bia
         return Int4Linear(quantize_int4(weight, 128), **options)
     if kind == "int8-channel":
         return Int8Linear(quantize_int8(weight), **options)
+    if kind == "q5_0":  # 5-bit codes: int4 nibbles plus fifth bits
+        return Int4Linear(repack_q5_0(quantize(weight.numpy(), GGMLQuantizationType.Q5_0)), **options)
     blocks = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)  # [N, K // 32 * 34]
     return Int8Linear(repack_q8_0(blocks), **options)
 
@@ -170,7 +174,7 @@ def assert_matches_reference(layer: Int4Linear | Int8Linear, x: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_linear_matches_dequantized_reference(backend: str, kind: str, dtype: torch.dtype) -> None:
     layer = make_layer(kind, 192, 576, backend)
@@ -179,7 +183,7 @@ def test_linear_matches_dequantized_reference(backend: str, kind: str, dtype: to
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0", "q5_0"])
 def test_native_handles_odd_shapes_bias_and_leading_dims(kind: str) -> None:
     # 37 outputs: tiles of 4 (GEMV) or 6 (GEMM) rows plus a remainder; 3-D input; bias; the GEMM above max_gemv_rows.
     layer = make_layer(kind, 37, 96, "native", bias=True, max_gemv_rows=4)
@@ -191,7 +195,7 @@ def test_native_handles_odd_shapes_bias_and_leading_dims(kind: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
 def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
     native = make_layer(kind, 76, 576, "native", bias=True, max_gemv_rows=8, int8_activations=True)
     reference = make_layer(kind, 76, 576, "reference", bias=True, max_gemv_rows=8, int8_activations=True)
@@ -216,6 +220,10 @@ def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
     ("int4-g32", 1536),   # 48 blocks, runs of 8 only
     ("int4-g64", 448),    # 14 blocks: group scales shared by pairs, a tail of 6
     ("int4-g128", 1024),  # a group spans a whole pair and more
+    ("q5_0", 32),         # 5-bit codes: a lone odd block takes half of its fifth-bit word in each half
+    ("q5_0", 96),
+    ("q5_0", 288),
+    ("q5_0", 1536),
 ])
 def test_int8_activations_int4_pairs_match_reference_rounding(kind: str, in_features: int) -> None:
     """The paired int4 kernel against the reference backend's identical rounding, across every block layout."""
@@ -227,9 +235,10 @@ def test_int8_activations_int4_pairs_match_reference_rounding(kind: str, in_feat
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-def test_int8_activations_int4_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("kind", ["int4-g32", "q5_0"])
+def test_int8_activations_int4_rows_do_not_depend_on_the_batch(kind: str) -> None:
     """Each row's bits are the same alone, in any tile of a small batch, and through the bound kernel at 300 rows."""
-    layer = make_layer("int4-g32", 38, 576, "native", max_gemv_rows=8, int8_activations=True)
+    layer = make_layer(kind, 38, 576, "native", max_gemv_rows=8, int8_activations=True)
     product = layer._native_gemv  # the int8-activation kernel, called here past max_gemv_rows too
     rows = torch.randn(300, 576)
     alone = torch.cat([product(rows[i:i + 1]) for i in range(300)])
@@ -242,7 +251,8 @@ def bind_gemm(layer: Int4Linear | Int8Linear, rounding: str | None):
     """The layer's many-row native product with the given rounding, whichever one the layer itself would pick."""
     kernels = load_kernels()
     if isinstance(layer, Int4Linear):
-        return kernels.bind_int4(layer.qweight, layer.scales, layer.mins, layer.group_size, rounding, many_rows=True)
+        return kernels.bind_int4(layer.qweight, layer.scales, layer.mins, layer.group_size, rounding, many_rows=True,
+                                 high_bits=layer.high_bits)
     return kernels.bind_int8(layer.qweight, layer.scales, layer.group_size, rounding, many_rows=True)
 
 
@@ -276,7 +286,7 @@ def test_rounded_layers_pick_the_fastest_rounding_of_this_cpu() -> None:
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("rounding", [pytest.param(None, id="f32"), INT8_GEMM, BF16_GEMM])
-@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0", "q5_0"])
 def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | None) -> None:
     # 40 outputs: six-row weight tiles plus a remainder of 4 (float32, int8), or 16-row tiles plus 8 (bfloat16).
     # K = 1536: 80 float32 activation rows per pass, 336 in int8, 320 in bfloat16, so 1000 rows take one to
@@ -296,7 +306,7 @@ def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("rounding", [INT8_GEMM, BF16_GEMM])
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int4-g128", "int8-channel", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int4-g128", "int8-channel", "q8_0", "q5_0"])
 @pytest.mark.parametrize("out_features, in_features", [(45, 576), (45, 1536), (45, 128), (16, 32), (77, 96)])
 def test_rounded_gemm_matches_the_reference_rounding(kind: str, out_features: int, in_features: int,
                                                       rounding: str) -> None:
@@ -320,7 +330,7 @@ def test_rounded_gemm_matches_the_reference_rounding(kind: str, out_features: in
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
 def test_rounded_layer_matches_the_reference_backend(kind: str) -> None:
     """A layer with int8_activations: the GEMV rounds to int8, the GEMM as this CPU does; bias included."""
     native = make_layer(kind, 45, 576, "native", bias=True, max_gemv_rows=8, int8_activations=True)
@@ -332,7 +342,7 @@ def test_rounded_layer_matches_the_reference_backend(kind: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI")
-@pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])
 def test_int8_gemm_and_gemv_round_a_row_alike(kind: str) -> None:
     """A row decoded alone (GEMV) and in a batch (GEMM) gets the same integer sums: results agree to float order."""
     layer = make_layer(kind, 40, 576, "native", max_gemv_rows=8, int8_activations=True)
@@ -351,13 +361,13 @@ def test_int8_activations_rounding_matches_its_definition() -> None:
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])
 def test_native_dequantize_equals_torch_dequantize(kind: str) -> None:
     layer = make_layer(kind, 64, 128, "native")
     assert torch.equal(layer._native_dequantize(), layer.dequantize())
 
 
-@pytest.mark.parametrize("kind", ["int4-g32", "q8_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])
 @pytest.mark.parametrize("backend", ["reference", pytest.param(
     "native", marks=pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable"))])
 def test_dequantize_rows_is_a_row_lookup(kind: str, backend: str) -> None:
@@ -463,3 +473,24 @@ def test_argmax_logsumexp_declines_what_it_does_not_compute() -> None:
     assert exact.argmax_logsumexp(torch.randn(12, 64)) is None  # exact float32 products have no such kernel
     biased = make_layer("q8_0", 100, 64, "native", bias=True, max_gemv_rows=10, int8_activations=True)
     assert biased.argmax_logsumexp(torch.randn(12, 64)) is None
+
+
+def test_q5_0_keeps_its_bytes_as_five_bit_codes_and_converts_exactly_to_int8() -> None:
+    weight = torch.randn(24, 96) * 0.05
+    blocks = quantize(weight.numpy(), GGMLQuantizationType.Q5_0)  # [N, K // 32 * 22]
+    expected = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q5_0)).reshape(24, 96)
+    packed = repack_q5_0(blocks)
+    assert isinstance(packed, Int4Weight) and packed.high_bits is not None
+    assert bool((packed.high_bits != 0).any())  # the fifth bits are in use, not all zero
+    assert torch.equal(packed.dequantize(), expected)
+    as_int8 = exact_int8(packed)
+    assert as_int8 is not None and torch.equal(as_int8.dequantize(), expected)
+    assert exact_int8(quantize_int4(weight)) is None  # 4-bit codes with free mins have no exact int8 form
+
+
+def test_a_fused_layer_of_four_and_five_bit_parts_equals_its_parts() -> None:
+    four = quantize_int4(torch.randn(16, 64) * 0.05)
+    five = repack_q5_0(quantize((torch.randn(8, 64) * 0.05).numpy(), GGMLQuantizationType.Q5_0))
+    fused = concatenate([four, five])
+    assert fused.high_bits is not None and not bool(fused.high_bits[:16].any())
+    assert torch.equal(fused.dequantize(), torch.cat([four.dequantize(), five.dequantize()]))

@@ -70,8 +70,9 @@ def take_rows(layer: nn.Module, runs: list[tuple[int, int]]) -> nn.Module:
     index = torch.cat([torch.arange(start, end) for start, end in runs]).to(_weight_device(layer))  # [rows]
     bias = None if layer.bias is None else layer.bias.detach().index_select(0, index)
     if isinstance(layer, Int4Linear):
+        high_bits = None if layer.high_bits is None else layer.high_bits.index_select(0, index)
         weight = Int4Weight(layer.qweight.index_select(0, index), layer.scales.index_select(0, index),
-                            layer.mins.index_select(0, index), layer.group_size)
+                            layer.mins.index_select(0, index), layer.group_size, high_bits)
         return _quantized_like(layer, weight, bias)
     if isinstance(layer, Int8Linear):
         weight = Int8Weight(layer.qweight.index_select(0, index), layer.scales.index_select(0, index),
@@ -100,8 +101,10 @@ def take_columns(layer: nn.Module, start: int, end: int, keep_bias: bool) -> nn.
         if isinstance(layer, Int4Linear):
             # Within each 32-column run, byte j holds columns j and j + 16: a run of 32 columns is 16 whole bytes.
             mins = layer.mins if per_channel else layer.mins[:, start // unit:end // unit]
+            # The fifth bits are a word per 32 columns, and unit is a multiple of 32.
+            high_bits = None if layer.high_bits is None else layer.high_bits[:, start // 32:end // 32].contiguous()
             weight = Int4Weight(layer.qweight[:, start // 2:end // 2].contiguous(), scales.contiguous(),
-                                mins.contiguous(), group_size)
+                                mins.contiguous(), group_size, high_bits)
         else:
             weight = Int8Weight(layer.qweight[:, start:end].contiguous(), scales.contiguous(), group_size)
         return _quantized_like(layer, weight, bias)

@@ -21,7 +21,8 @@ from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.native.kernels import Allocate, heap_empty
 from tokenriver.models.native.quant import (Int4Linear, Int4Weight, Int8Linear, Int8Weight, QuantizedEmbedding,
-                                     cat_rows, concatenate, dequantize_packed, quantize_int4, quantize_int8)
+                                            cat_rows, concatenate, dequantize_packed, exact_int8, quantize_int4,
+                                            quantize_int8)
 from tokenriver.models.registry import model_class
 
 QuantWeight = Int4Weight | Int8Weight
@@ -119,6 +120,9 @@ def _stack(parts: list[Weight], empty: Allocate) -> Weight:
 def _as_int8(weight: Weight) -> Int8Weight:
     if isinstance(weight, Int8Weight) and weight.group_size == INT8_GROUP_SIZE:
         return weight
+    exact = exact_int8(weight) if isinstance(weight, Int4Weight) else None
+    if exact is not None:
+        return exact
     matrix = weight if isinstance(weight, torch.Tensor) else dequantize_packed(weight)
     return quantize_int8(matrix.float(), INT8_GROUP_SIZE)
 
@@ -161,9 +165,13 @@ def _install_quantized(model: nn.Module, weights: dict[str, Weight], device: str
 def _quantized_linear(weight: QuantWeight, bias: torch.Tensor | None,
                       device: str | torch.device) -> Int4Linear | Int8Linear:
     bias = None if bias is None else bias.to(device)
+    if isinstance(weight, Int4Weight) and weight.high_bits is not None and torch.device(device).type != "cpu":
+        # The GPU kernel reads 4-bit codes: 5-bit ones (Q5_0) go there as the int8 codes they equal.
+        weight = exact_int8(weight) or _as_int8(weight)
     if isinstance(weight, Int4Weight):
+        high_bits = None if weight.high_bits is None else weight.high_bits.to(device)
         return Int4Linear(Int4Weight(weight.qweight.to(device), weight.scales.to(device), weight.mins.to(device),
-                                     weight.group_size), bias)
+                                     weight.group_size, high_bits), bias)
     return Int8Linear(Int8Weight(weight.qweight.to(device), weight.scales.to(device), weight.group_size), bias)
 
 

@@ -7,8 +7,9 @@ VNNI path. So each type is mapped once, at load, onto one of those, rows kept, w
 
 | GGUF type                  | becomes                        | how                                                       |
 |----------------------------|--------------------------------|-----------------------------------------------------------|
-| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/native/quant.py's repack_*): exact              |
-| Q5_0, IQ4_NL               | Int8, groups of 32             | values widened to int8 under the block's own scale: exact |
+| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/native/quant.py's repack_*): exact      |
+| Q5_0                       | Int4 + fifth bits (5-bit)      | byte copy, min -16·d: exact                               |
+| IQ4_NL                     | Int8, groups of 32             | values widened to int8 under the block's own scale: exact |
 | Q4_K                       | Int4, groups of 32             | sub-block scale d·sc and minimum -dmin·m as float16       |
 | IQ4_XS                     | Int8, groups of 32             | table values as int8, sub-block scale d·(ls - 32) as f16  |
 | Q5_1, Q2_K, Q3_K, Q5_K,    | Int8, groups of 32             | dequantized, then rounded to int8 per 32 (max|w| / 127)   |
@@ -78,13 +79,29 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
 
 
-def repack_q5_0(data: np.ndarray) -> Int8Weight:
-    """Q5_0 (22 bytes per 32: f16 d, 32 high bits, 16 bytes of low nibbles; w = d * (q - 16)) → int8 q - 16."""
+def repack_q5_0(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight | Int8Weight:
+    """Q5_0 (22 bytes per 32: f16 d, 32 high bits, 16 bytes of low nibbles; w = d * (q - 16)) → 5-bit Int4Weight:
+    the nibbles and high-bit words as stored, scale d, min -16 d (exact: a power-of-two multiple), in tensors
+    `empty` makes. A scale too large for its min to fit in float16 keeps int8 q - 16 under d."""
     blocks = _blocks(data, 22, "Q5_0")
-    high_bits = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")  # [N, B, 1]
-    high = ((high_bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, B, 32]
-    values = (_nibbles(blocks[:, :, 6:22]) | (high << 4)).astype(np.int8) - np.int8(16)  # [N, B, 32]
-    return _int8_weight(values, _f16(blocks, 0), "Q5_0")
+    if np.abs(_f16(blocks, 0)).max(initial=0.0) * 16 > FLOAT16_MAX:
+        high_words = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")  # [N, B, 1]
+        high = ((high_words >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, B, 32]
+        values = (_nibbles(blocks[:, :, 6:22]) | (high << 4)).astype(np.int8) - np.int8(16)  # [N, B, 32]
+        return _int8_weight(values, _f16(blocks, 0), "Q5_0")
+    num_rows, num_blocks = blocks.shape[:2]
+    scales = _f16(blocks, 0)  # [N, B, 1]
+    fields = ((blocks[:, :, 6:22], (num_rows, 16 * num_blocks), torch.uint8),  # nibbles
+              (_to_float16(scales, "Q5_0"), (num_rows, num_blocks), torch.float16),
+              (_to_float16(-16 * scales, "Q5_0"), (num_rows, num_blocks), torch.float16),
+              (np.ascontiguousarray(blocks[:, :, 2:6]).view("<i4"), (num_rows, num_blocks), torch.int32))
+    tensors = []
+    for values, shape, dtype in fields:
+        tensor = empty(shape, dtype)
+        tensor.copy_(torch.as_tensor(np.ascontiguousarray(values)).reshape(shape))
+        tensors.append(tensor)
+    qweight, scale_tensor, mins, high_bits = tensors
+    return Int4Weight(qweight, scale_tensor, mins, GROUP, high_bits)
 
 
 def repack_iq4_nl(data: np.ndarray) -> Int8Weight:
@@ -190,6 +207,8 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
     layout = native_layout(tensor_type) if native else None
     kernels = load_kernels()
     data = np.asarray(data)
+    if tensor_type == Q.Q5_0:
+        return repack_q5_0(data, empty)
     if layout is not None and kernels is not None and data.dtype == np.uint8 and data.ndim == 2 \
             and data.flags.c_contiguous:
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
@@ -209,12 +228,13 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
 
 
 def native_layout(tensor_type: gguf.GGMLQuantizationType) -> type[Int4Weight] | type[Int8Weight] | None:
-    """The packed weight that convert.cpp makes of this GGUF type, in groups of 32 with float16 scales (Q4_K: int4;
-    the types convert_to_int8 takes: int8); None where a numpy rule converts it, or there are no native kernels."""
+    """The packed weight that to_packed makes of this GGUF type into the tensors its allocator hands out, in groups
+    of 32 with float16 scales (Q4_K: int4, Q5_0: int4 with fifth bits; the types convert_to_int8 takes: int8);
+    None where a numpy rule converts it, or there are no native kernels."""
     kernels = load_kernels()
     if kernels is None:
         return None
-    if tensor_type == Q.Q4_K:
+    if tensor_type in (Q.Q4_K, Q.Q5_0):  # Q5_0: 5 bits, by repack_q5_0's copy of its bytes
         return Int4Weight
     return Int8Weight if kernels.converts_to_int8(tensor_type) else None
 

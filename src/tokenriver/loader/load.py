@@ -167,6 +167,12 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
                        bytes_by_format=bytes_by_format, stored_types=stored_types)
 
 
+def _bits(module: Int4Linear | Int8Linear) -> str:
+    if isinstance(module, Int8Linear):
+        return "int8"
+    return "int4" if module.high_bits is None else "int5"
+
+
 def _count_weights(model: nn.Module) -> tuple[int, dict[str, int]]:
     """Parameters (a packed matrix counts out × in, a tied matrix once) and bytes per in-memory format."""
     seen: set[int] = set()
@@ -174,12 +180,14 @@ def _count_weights(model: nn.Module) -> tuple[int, dict[str, int]]:
     bytes_by_format: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear)):
-            packed = [module.qweight, module.scales, *([module.mins] if isinstance(module, Int4Linear) else [])]
+            packed = [module.qweight, module.scales]
+            if isinstance(module, Int4Linear):
+                packed += [module.mins] + ([] if module.high_bits is None else [module.high_bits])
             if module.qweight.data_ptr() in seen:
                 continue
             seen.add(module.qweight.data_ptr())
             num_parameters += module.in_features * module.out_features
-            kind = f"{'int4' if isinstance(module, Int4Linear) else 'int8'} per {module.group_size}"
+            kind = f"{_bits(module)} per {module.group_size}"
             bytes_by_format[kind] = bytes_by_format.get(kind, 0) + sum(t.numel() * t.element_size() for t in packed)
             tensors = [] if module.bias is None else [module.bias]
         else:

@@ -57,7 +57,9 @@ def linear_spec(linear: nn.Module) -> LinearSpec | None:
     if not isinstance(linear, (Int4Linear, Int8Linear)) or linear.backend != "native" or not linear.qweight.is_cpu:
         return None
     is_int4 = isinstance(linear, Int4Linear)
+    high_bits = linear.high_bits if is_int4 else None
     return LinearSpec(linear.qweight.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr() if is_int4 else None,
+                      None if high_bits is None else high_bits.data_ptr(),
                       None if linear.bias is None else linear.bias.data_ptr(), linear.out_features,
                       linear.in_features, linear.group_size, linear.max_gemv_rows, int(is_int4),
                       int(linear.int8_activations), ROUNDINGS.index(linear.gemm_rounding))

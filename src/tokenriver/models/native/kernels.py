@@ -136,7 +136,8 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 class LinearSpec(ctypes.Structure):
     """A quantized linear layer: weight pointers, sizes, and which product runs it (decoder.cpp's Linear)."""
 
-    _fields_ = [("qweight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr), ("out_features", _i64),
+    _fields_ = [("qweight", _ptr), ("scales", _ptr), ("mins", _ptr), ("high_bits", _ptr), ("bias", _ptr),
+                ("out_features", _i64),
                 ("in_features", _i64), ("group_size", _i64), ("max_gemv_rows", _i64), ("is_int4", ctypes.c_int32),
                 ("int8_activations", ctypes.c_int32), ("gemm_rounding", ctypes.c_int32)]
 
@@ -201,13 +202,13 @@ class NativeKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        int4_args = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]
+        int4_args = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]  # qweight, scales, mins, high bits...
         int8_args = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]
         signatures = {
             "int4_linear_f32": (int4_args, None), "int4_linear_int8x": (int4_args, None),
             "int8_linear_f32": (int8_args, None), "int8_linear_int8x": (int8_args, None),
             "int4_gemm_f32": (int4_args, None), "int8_gemm_f32": (int8_args, None),
-            "int4_dequantize": ([ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
+            "int4_dequantize": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
             "int8_dequantize": ([ptr, ptr, i64, i64, i64, ptr, c_int], None),
             "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
             "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, c_int], None),
@@ -285,20 +286,22 @@ class NativeKernels:
         return self._functions[f"{kind}_linear_{'int8x' if rounding else 'f32'}"]
 
     def bind_int4(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                  rounding: str | None = None, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+                  rounding: str | None = None, many_rows: bool = False,
+                  high_bits: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [M, K] float32 ↦ x @ dequantized int4 weight [N, K]ᵀ, [M, N] float32.
 
         rounding "int8" rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact; K and
         the group size multiples of 32. many_rows picks the GEMM (gemm.cpp) over the GEMV: for more rows than a
         decode step has, where the product is bound by arithmetic rather than by reading the weights; with "int8"
         only where gemm_int8 is True, and "bfloat16" (x and the decoded weights rounded to bfloat16, float32 sums:
-        gemm_amx.cpp) only there and only where gemm_amx is True. The function keeps the tensors alive; rebind after
-        moving or replacing them.
+        gemm_amx.cpp) only there and only where gemm_amx is True. high_bits [N, K / 32] int32 makes the weight 5-bit
+        (quant.py's Int4Weight). The function keeps the tensors alive; rebind after moving or replacing them.
         """
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
         function = self._product("int4", rounding, many_rows)
-        weight = (qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out_features, in_features, group_size)
-        tensors = (qweight, scales, mins)
+        weight = (qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                  None if high_bits is None else high_bits.data_ptr(), out_features, in_features, group_size)
+        tensors = (qweight, scales, mins, high_bits)
 
         def linear(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(x.shape[0], out_features, dtype=torch.float32)  # [M, N]
@@ -324,13 +327,14 @@ class NativeKernels:
         linear.tensors = tensors  # the closure holds raw pointers: keep the tensors they point into alive
         return linear
 
-    def bind_argmax(self, kind: str, rounding: str,
-                    *weight: torch.Tensor | int) -> Callable[[torch.Tensor], Reductions | None]:
+    def bind_argmax(self, kind: str, rounding: str, *weight: torch.Tensor | int,
+                    high_bits: torch.Tensor | None = None) -> Callable[[torch.Tensor], Reductions | None]:
         """x [M, K] float32 ↦ per row of y = x @ Wᵀ, computed as bind_int4 / bind_int8 with this rounding and
         many_rows compute it (the same values): its argmax (first of equal maxima, as torch.argmax), largest value
         and log(sum(exp(row))), without writing y (reductions.h). Or None when some value of y is NaN or infinite,
         cases the caller leaves to PyTorch. kind "int4" with (qweight, scales, mins, group_size), "int8" with
-        (qweight, scales, group_size); rounding "int8" only where gemm_int8 is True, "bfloat16" where gemm_amx is.
+        (qweight, scales, group_size), high_bits with int4 as in bind_int4; rounding "int8" only where gemm_int8 is
+        True, "bfloat16" where gemm_amx is.
         """
         if kind not in ("int4", "int8"):
             raise ValueError(f"kind must be 'int4' or 'int8', got {kind!r}")
@@ -344,7 +348,11 @@ class NativeKernels:
         qweight = tensors[0]
         out_features, in_features = qweight.shape[0], qweight.shape[1] * (2 if kind == "int4" else 1)
         function = self._functions[f"{kind}_argmax_{'int8x' if rounding == 'int8' else 'bf16_amx'}"]
-        arguments = (*(t.data_ptr() for t in tensors), out_features, in_features, group_size)
+        pointers = [t.data_ptr() for t in tensors]
+        if kind == "int4":
+            pointers.append(None if high_bits is None else high_bits.data_ptr())
+            tensors.append(high_bits)
+        arguments = (*pointers, out_features, in_features, group_size)
 
         def reductions(x: torch.Tensor) -> Reductions | None:
             num_rows = x.shape[0]
@@ -359,11 +367,12 @@ class NativeKernels:
         return reductions
 
     def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                        group_size: int) -> torch.Tensor:
+                        group_size: int, high_bits: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight [N, K], decoded as the products decode it."""
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
         out = torch.empty(out_features, in_features, dtype=torch.float32)  # [N, K]
-        self._functions["int4_dequantize"](qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out_features,
+        self._functions["int4_dequantize"](qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                                           None if high_bits is None else high_bits.data_ptr(), out_features,
                                            in_features, group_size, out.data_ptr(), torch.get_num_threads())
         return out
 

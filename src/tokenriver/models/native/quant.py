@@ -8,6 +8,9 @@ Formats (an [out_features N, in_features K] matrix, groups of `group_size` conse
 - `Int4Weight`: qweight [N, K / 2] uint8, scales and mins [N, K / group_size] float16,
   w = scale * q + min with q in 0..15. Within each run of 32 columns, byte j holds column j in its low nibble and
   column j + 16 in its high nibble: GGUF's Q4_0/Q4_1 order, so GGUF blocks repack without touching a nibble.
+  With `high_bits` [N, K / 32] int32 it holds 5-bit codes: bit j of word b is bit 4 of column 32 b + j's code,
+  w = scale * (q + 16 * bit) + min (GGUF's Q5_0, whose per-block word it is as stored: 6 bits a weight where int8
+  took 8.5).
 - `Int8Weight`: qweight [N, K] int8, scales [N, K / group_size] float16, w = scale * q. group_size == K is one
   scale per output channel; 32 is GGUF's Q8_0.
 Float16 scales are what GGUF stores, so repacking Q4_0, Q4_1 and Q8_0 is exact: the dequantized weights equal
@@ -72,12 +75,13 @@ FLOAT16_MAX = 65504.0
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """4-bit group-wise weight, w = scale * q + min (format in the module docstring)."""
+    """4-bit group-wise weight, w = scale * q + min, or 5-bit with high_bits (format in the module docstring)."""
 
     qweight: torch.Tensor  # [N, K // 2] uint8
     scales: torch.Tensor  # [N, K // group_size] float16
     mins: torch.Tensor  # [N, K // group_size] float16
     group_size: int
+    high_bits: torch.Tensor | None = None  # [N, K // 32] int32
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,7 +89,7 @@ class Int4Weight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K]."""
-        return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
+        return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size, self.high_bits)
 
 
 @dataclass(frozen=True)
@@ -119,10 +123,21 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(num_rows, -1)  # [N, K // 2]
 
 
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
-    """scale * q + min as float32 [N, K], with torch ops on any device."""
+def unpack_high_bits(high_bits: torch.Tensor) -> torch.Tensor:
+    """Words [N, K // 32] int32 → bits [N, K] uint8 in column order (bit j of word b is column 32 b + j)."""
+    shifts = torch.arange(GGUF_BLOCK, dtype=torch.int32, device=high_bits.device)
+    return ((high_bits[:, :, None] >> shifts) & 1).to(torch.uint8).reshape(high_bits.shape[0], -1)  # [N, K]
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                    high_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """scale * q + min (q with its fifth bit where high_bits is given) as float32 [N, K], with torch ops on any
+    device."""
     num_rows = qweight.shape[0]
-    values = unpack_int4(qweight).reshape(num_rows, -1, group_size).float()  # [N, K // G, G]
+    codes = unpack_int4(qweight)  # [N, K]
+    if high_bits is not None:
+        codes = codes | (unpack_high_bits(high_bits) << 4)
+    values = codes.reshape(num_rows, -1, group_size).float()  # [N, K // G, G]
     weight = values * scales.float()[:, :, None] + mins.float()[:, :, None]  # [N, K // G, G]
     return weight.reshape(num_rows, -1)
 
@@ -160,8 +175,26 @@ def concatenate(weights: list[Int4Weight] | list[Int8Weight], empty: Allocate = 
     qweight = cat_rows([w.qweight for w in weights], empty)  # [sum N, K // 2] or [sum N, K]
     scales = cat_rows([w.scales for w in weights], empty)  # [sum N, K // G]
     if isinstance(first, Int4Weight):
-        return Int4Weight(qweight, scales, cat_rows([w.mins for w in weights], empty), first.group_size)
+        mins = cat_rows([w.mins for w in weights], empty)  # [sum N, K // G]
+        if all(w.high_bits is None for w in weights):
+            return Int4Weight(qweight, scales, mins, first.group_size)
+        # 4-bit parts among 5-bit ones: their fifth bits are zero.
+        high_bits = cat_rows([w.high_bits if w.high_bits is not None
+                              else torch.zeros(w.shape[0], w.shape[1] // GGUF_BLOCK, dtype=torch.int32)
+                              for w in weights], empty)  # [sum N, K // 32]
+        return Int4Weight(qweight, scales, mins, first.group_size, high_bits)
     return Int8Weight(qweight, scales, first.group_size)
+
+
+def exact_int8(weight: Int4Weight) -> Int8Weight | None:
+    """The same weights as int8 codes under the same scales, where each group's min is -16 * scale (Q5_0's 5-bit
+    codes centred: q + 16 * bit - 16); None otherwise. A fused projection whose other parts are int8 (a file that
+    keeps v at Q8_0 beside Q5_0 q and k) then takes these exactly."""
+    if weight.high_bits is None or weight.group_size != GGUF_BLOCK or not torch.equal(
+            weight.mins.float(), -16 * weight.scales.float()):
+        return None
+    codes = unpack_int4(weight.qweight) | (unpack_high_bits(weight.high_bits) << 4)  # [N, K] 0..31
+    return Int8Weight((codes.to(torch.int16) - 16).to(torch.int8), weight.scales, GGUF_BLOCK)
 
 
 def cat_rows(tensors: list[torch.Tensor], empty: Allocate = heap_empty) -> torch.Tensor:
@@ -221,7 +254,8 @@ def dequantize_packed(weight: Int4Weight | Int8Weight) -> torch.Tensor:
     if kernels is None:
         return weight.dequantize()
     if isinstance(weight, Int4Weight):
-        return kernels.int4_dequantize(weight.qweight, weight.scales, weight.mins, weight.group_size)
+        return kernels.int4_dequantize(weight.qweight, weight.scales, weight.mins, weight.group_size,
+                                       weight.high_bits)
     return kernels.int8_dequantize(weight.qweight, weight.scales, weight.group_size)
 
 
@@ -430,37 +464,45 @@ class Int4Linear(_QuantizedLinear):
         self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K // 2] uint8
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
         self.register_buffer("mins", weight.mins.contiguous())  # [N, K // G] float16
+        high_bits = None if weight.high_bits is None else weight.high_bits.contiguous()
+        self.register_buffer("high_bits", high_bits)  # [N, K // 32] int32 for 5-bit codes, or None
         self._bind_native()
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], with torch ops (any device)."""
-        return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
+        return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size, self.high_bits)
 
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows [len(row_ids), K] of the weight: the lookup of a tied embedding, without the whole matrix."""
         # index_select, not advanced indexing: on the CPU the latter is far slower for row gathers.
         qweight, scales = self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids)
         mins = self.mins.index_select(0, row_ids)
+        high_bits = None if self.high_bits is None else self.high_bits.index_select(0, row_ids)
         if self.backend == "native" and qweight.is_cpu:
             # One call instead of eight tensor ops per decode step; the same values (tested).
-            return self.kernels.int4_dequantize(qweight, scales, mins, self.group_size)
-        return dequantize_int4(qweight, scales, mins, self.group_size)
+            return self.kernels.int4_dequantize(qweight, scales, mins, self.group_size, high_bits)
+        return dequantize_int4(qweight, scales, mins, self.group_size, high_bits)
 
     def _bind_native(self) -> None:
         super()._bind_native()
         if self.backend == "native" and self.qweight.is_cpu:
             self._native_gemv = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
-                                                       "int8" if self.int8_activations else None)
+                                                       "int8" if self.int8_activations else None,
+                                                       high_bits=self.high_bits)
             self._native_gemm = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
-                                                       self.gemm_rounding, many_rows=True)
+                                                       self.gemm_rounding, many_rows=True, high_bits=self.high_bits)
             if self.gemm_rounding is not None:
                 self._native_argmax = self.kernels.bind_argmax("int4", self.gemm_rounding, self.qweight,
-                                                               self.scales, self.mins, self.group_size)
+                                                               self.scales, self.mins, self.group_size,
+                                                               high_bits=self.high_bits)
 
     def _native_dequantize(self) -> torch.Tensor:
-        return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
+        return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size, self.high_bits)
 
     def _triton_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.high_bits is not None:
+            raise InvalidParameterError("the Triton kernel reads 4-bit codes only; move 5-bit weights to a GPU as "
+                                        "int8 (quant.exact_int8), as the loader does", param="weight")
         return quant_matmul.int4_matmul(rows, self.qweight, self.scales, self.mins, self.group_size)
 
 

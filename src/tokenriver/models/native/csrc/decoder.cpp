@@ -1,5 +1,6 @@
 // A whole decoder stack for one step in one call: every layer's norms, quantized products, rotary positions, paged
-// attention and gated MLP, in the order the model page runs them. One loop serves four layer layouts and mixtures of experts, each part
+// attention and gated MLP, in the order the model page runs them. One loop serves four layer layouts and mixtures of
+// experts, each part
 // a layer lacks being a null pointer or zero:
 // - Llama (models/llama.py): input norm, attention, post-attention norm, SwiGLU MLP;
 // - Qwen3 (models/qwen3.py): the same, with an RMSNorm over each query and key head before rotary, and a sliding
@@ -33,35 +34,35 @@
 #include "gemm_amx.h"
 
 extern "C" {
-void int4_linear_f32(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
-                     int64_t, float*, int);
-void int4_linear_int8x(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
-                       int64_t, float*, int);
-void int4_gemm_f32(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
-                   int64_t, float*, int);
+void int4_linear_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+                     const float*, int64_t, float*, int);
+void int4_linear_int8x(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+                       const float*, int64_t, float*, int);
+void int4_gemm_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+                   const float*, int64_t, float*, int);
 void int8_linear_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
-void int8_linear_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
-                       int);
+void int8_linear_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
 void int8_gemm_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-void int4_gemm_int8x(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
-                     int64_t, float*, int);
+void int4_gemm_int8x(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+                     const float*, int64_t, float*, int);
 void int8_gemm_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
-void int4_gemm_int8x_strided(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
-                             int64_t, int64_t, float*, int);
+void int4_gemm_int8x_strided(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t,
+                             int64_t, const float*, int64_t, int64_t, float*, int);
 void int8_gemm_int8x_strided(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
                              float*, int);
-void int4_gemm_int8x_swiglu(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
-                            int64_t, float*, int);
+void int4_gemm_int8x_swiglu(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t,
+                            int64_t, const float*, int64_t, float*, int);
 void int8_gemm_int8x_swiglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                             int);
-void int4_gemm_int8x_geglu(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*,
-                           int64_t, float*, int);
+void int4_gemm_int8x_geglu(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+                           const float*, int64_t, float*, int);
 void int8_gemm_int8x_geglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                            int);
 #endif
 void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
-void int4_dequantize(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, int);
+void int4_dequantize(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+                     float*, int);
 void int8_dequantize(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, int);
 int argmax_logsumexp_f32(const float*, int64_t, int64_t, int64_t*, float*, float*, int);
 void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
@@ -86,6 +87,7 @@ struct Linear {
   const uint8_t* qweight;   // int4 [N, K/2] or int8 [N, K]
   const uint16_t* scales;   // [N, K/G] float16
   const uint16_t* mins;     // [N, K/G] float16, int4 only
+  const uint32_t* high_bits;  // [N, K/32] int5's fifth bits (gemv.cpp), or null
   const float* bias;        // [N] or null
   int64_t out_features, in_features, group_size;
   int64_t max_gemv_rows;    // up to this many rows take the GEMV, more take the GEMM
@@ -211,7 +213,7 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
 #endif
   if (l.is_int4) {
     auto product = gemm ? int4_gemm : l.int8_activations ? int4_linear_int8x : int4_linear_f32;
-    product(l.qweight, l.scales, l.mins, N, K, G, x, M, y, threads);
+    product(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, x, M, y, threads);
   } else {
     auto product = gemm ? int8_gemm : l.int8_activations ? int8_linear_int8x : int8_linear_f32;
     product(reinterpret_cast<const int8_t*>(l.qweight), l.scales, N, K, G, x, M, y, threads);
@@ -239,7 +241,7 @@ bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
 void linear_from_feature_major(const Linear& l, const float* x, int64_t M, int64_t x_ld, float* y, int threads) {
   const int64_t N = l.out_features, K = l.in_features, G = l.group_size;
   if (l.is_int4)
-    int4_gemm_int8x_strided(l.qweight, l.scales, l.mins, N, K, G, x, M, x_ld, y, threads);
+    int4_gemm_int8x_strided(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, x, M, x_ld, y, threads);
   else
     int8_gemm_int8x_strided(reinterpret_cast<const int8_t*>(l.qweight), l.scales, N, K, G, x, M, x_ld, y, threads);
 }
@@ -251,7 +253,7 @@ void gated_feature_major(const Linear& l, bool gelu, const float* x, int64_t M, 
   const auto int4_product = gelu ? int4_gemm_int8x_geglu : int4_gemm_int8x_swiglu;
   const auto int8_product = gelu ? int8_gemm_int8x_geglu : int8_gemm_int8x_swiglu;
   if (l.is_int4)
-    int4_product(l.qweight, l.scales, l.mins, I, K, G, x, M, y, threads);
+    int4_product(l.qweight, l.scales, l.mins, l.high_bits, I, K, G, x, M, y, threads);
   else
     int8_product(reinterpret_cast<const int8_t*>(l.qweight), l.scales, I, K, G, x, M, y, threads);
 }
@@ -614,8 +616,10 @@ int decoder_greedy_f32(const Decoder* d, const Step* base, const GreedyLoop* g) 
         memcpy(row, g->float_table + token * H, H * sizeof(float));
       } else if (g->table->is_int4) {
         const int64_t groups = H / g->table->group_size;
+        const uint32_t* high_bits = g->table->high_bits;
         int4_dequantize(g->table->qweight + token * (H / 2), g->table->scales + token * groups,
-                        g->table->mins + token * groups, 1, H, g->table->group_size, row, threads);
+                        g->table->mins + token * groups, high_bits == nullptr ? nullptr : high_bits + token * (H / 32),
+                        1, H, g->table->group_size, row, threads);
       } else {
         int8_dequantize(reinterpret_cast<const int8_t*>(g->table->qweight) + token * H,
                         g->table->scales + token * (H / g->table->group_size), 1, H, g->table->group_size, row,

@@ -12,7 +12,8 @@
 // own accumulator lane: the result for a row does not depend on how many other rows are in the batch or where
 // it sits in it, so batching never changes a sequence's logits.
 //
-// Where the CPU has AVX512-VNNI a second product is compiled in for models/native/quant.py's rounded mode: the activations
+// Where the CPU has AVX512-VNNI a second product is compiled in for models/native/quant.py's rounded mode: the
+// activations
 // are rounded to int8 per 32 columns exactly as gemv.cpp's int8 path rounds them, and multiplied as integers (see
 // "Int8 activations" below), four times an FMA's products per instruction, and a decode step and a prefill of the
 // same row round alike. The tile's weight layout and vectorized block scales (tile_row, block_terms) keep every
@@ -55,7 +56,8 @@ constexpr int64_t kChunkBytes = 512 * 1024;
 
 // Weight row n, columns [0, K), decoded to float32.
 template <bool IS_INT4>
-inline void decode_row(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G,
+inline void decode_row(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                       int64_t K, int64_t G,
                        int64_t n, float* out) {
   const int64_t num_groups = K / G;
   for (int64_t k = 0; k < K; k += 32) {
@@ -63,7 +65,7 @@ inline void decode_row(const uint8_t* qweight, const uint16_t* scales, const uin
     const __m256 scale = _mm256_set1_ps(half_to_float(scales[at]));
     __m256 w[4];
     if (IS_INT4) {
-      decode_int4(qweight + n * (K / 2) + k / 2, w);
+      decode_int4(qweight + n * (K / 2) + k / 2, w, qh == nullptr ? nullptr : qh + n * (K / 32) + k / 32);
       const __m256 min = _mm256_set1_ps(half_to_float(mins[at]));
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + k + 8 * i, _mm256_fmadd_ps(scale, w[i], min));
     } else {
@@ -218,7 +220,7 @@ inline void pack_panel(const float* x, int64_t valid, int64_t K, const float* ze
 
 template <bool IS_INT4>
 void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-          const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
+          const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
   const int64_t fit = kChunkBytes / (K * static_cast<int64_t>(sizeof(float)));
   const int64_t chunk = std::max<int64_t>(kPanel, fit / kPanel * kPanel);
   const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
@@ -245,7 +247,7 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const ui
         const int64_t n0 = t * kRows;
         const int64_t count = std::min<int64_t>(kRows, N - n0);
         for (int64_t r = 0; r < count; ++r)
-          decode_row<IS_INT4>(qweight, scales, mins, K, G, n0 + r, w.data() + r * K);
+          decode_row<IS_INT4>(qweight, scales, mins, qh, K, G, n0 + r, w.data() + r * K);
         switch (count) {
           case 6: weight_rows<6>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
           case 5: weight_rows<5>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
@@ -397,11 +399,11 @@ void block_terms(const uint16_t* scales, const uint16_t* mins, int64_t K, int64_
   }
 }
 
-// Weight row n as the int8 tile reads it: its K columns as unsigned bytes in order (int4: the 0..15 codes; int8:
-// q + 128), block b (32 columns) at out + 32 * kRows * b, so that the tile's rows of a block sit together at fixed
-// offsets.
+// Weight row n as the int8 tile reads it: its K columns as unsigned bytes in order (int4: the 0..15 codes, int5 the
+// 0..31 codes with their high bits qh; int8: q + 128), block b (32 columns) at out + 32 * kRows * b, so that the
+// tile's rows of a block sit together at fixed offsets.
 template <bool IS_INT4>
-inline void tile_row(const uint8_t* qweight, int64_t K, int64_t n, uint8_t* out) {
+inline void tile_row(const uint8_t* qweight, const uint32_t* qh, int64_t K, int64_t n, uint8_t* out) {
   int64_t b = 0;
   if (IS_INT4) {
     // Four blocks at a time: their 64 bytes give the four blocks' low nibbles in the 128-bit lanes of lo and their
@@ -412,8 +414,15 @@ inline void tile_row(const uint8_t* qweight, int64_t K, int64_t n, uint8_t* out)
     for (; b + 4 <= K / 32; b += 4, out += 4 * 32 * kRows) {
       const __m512i raw = _mm512_loadu_si512(qweight + n * (K / 2) + 16 * b);
       const __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-      const __m512i first = _mm512_permutex2var_epi64(lo, blocks01, hi);
-      const __m512i second = _mm512_permutex2var_epi64(lo, blocks23, hi);
+      __m512i first = _mm512_permutex2var_epi64(lo, blocks01, hi);
+      __m512i second = _mm512_permutex2var_epi64(lo, blocks23, hi);
+      if (qh != nullptr) {
+        // first holds blocks b and b + 1 in column order, second b + 2 and b + 3: each one high-bit word a block.
+        const uint32_t* words = qh + n * (K / 32) + b;
+        const __m512i fifth = _mm512_set1_epi8(0x10);
+        first = _mm512_or_si512(first, _mm512_maskz_mov_epi8(words[0] | uint64_t{words[1]} << 32, fifth));
+        second = _mm512_or_si512(second, _mm512_maskz_mov_epi8(words[2] | uint64_t{words[3]} << 32, fifth));
+      }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_castsi512_si256(first));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * kRows), _mm512_extracti64x4_epi64(first, 1));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * kRows), _mm512_castsi512_si256(second));
@@ -424,8 +433,14 @@ inline void tile_row(const uint8_t* qweight, int64_t K, int64_t n, uint8_t* out)
     if (IS_INT4) {
       const __m128i nibble = _mm_set1_epi8(0x0F);
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qweight + n * (K / 2) + 16 * b));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_and_si128(raw, nibble));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+      __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+      if (qh != nullptr) {
+        const uint32_t word = qh[n * (K / 32) + b];
+        low = _mm_or_si128(low, _mm_maskz_mov_epi8(static_cast<__mmask16>(word), _mm_set1_epi8(0x10)));
+        high = _mm_or_si128(high, _mm_maskz_mov_epi8(static_cast<__mmask16>(word >> 16), _mm_set1_epi8(0x10)));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), low);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), high);
     } else {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qweight + n * K + 32 * b));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_xor_si256(q, _mm256_set1_epi8(-128)));
@@ -530,7 +545,7 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
 // the product row after row and ops.cpp's SwiGLU.
 template <bool IS_INT4>
 void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-               const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads,
+               const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads,
                const RowReductions* reductions = nullptr, int64_t x_ld = 0, int64_t swiglu_up = 0,
                bool gelu = false) {
   const int64_t y_ld = swiglu_up > 0 ? M : 0;
@@ -614,12 +629,12 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
           if (swiglu_up > 0) prefetch_group_terms<IS_INT4>(scales, mins, K, G, swiglu_up + later, later_rows);
         }
         block_terms<IS_INT4>(scales, mins, K, G, n0, count, w_scales.data(), w_mins.data());
-        for (int64_t r = 0; r < count; ++r) tile_row<IS_INT4>(qweight, K, n0 + r, w.data() + 32 * r);
+        for (int64_t r = 0; r < count; ++r) tile_row<IS_INT4>(qweight, qh, K, n0 + r, w.data() + 32 * r);
         if (swiglu_up > 0) {
           block_terms<IS_INT4>(scales, mins, K, G, swiglu_up + n0, count, w_scales.data() + count * row_terms,
                                w_mins.data() + count * row_terms);
           for (int64_t r = 0; r < count; ++r)
-            tile_row<IS_INT4>(qweight, K, swiglu_up + n0 + r, w.data() + 32 * (count + r));
+            tile_row<IS_INT4>(qweight, qh, K, swiglu_up + n0 + r, w.data() + 32 * (count + r));
         }
         const int64_t tile_rows = swiglu_up > 0 ? 2 * count : count;
         if (reductions != nullptr) {
@@ -670,20 +685,21 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
 // then not to be used).
 template <bool IS_INT4>
 int64_t argmax_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-                    const uint16_t* mins, int64_t N, int64_t G, int64_t* argmax, float* max, float* lse,
-                    int num_threads) {
+                    const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, int64_t* argmax, float* max,
+                    float* lse, int num_threads) {
   const auto product = [&](int threads, const RowReductions* reductions) {
-    gemm_int8<IS_INT4>(x, M, K, qweight, scales, mins, N, G, nullptr, threads, reductions);
+    gemm_int8<IS_INT4>(x, M, K, qweight, scales, mins, qh, N, G, nullptr, threads, reductions);
   };
   return tokenriver::reduce_rows(num_threads, M, product, argmax, max, lse);
 }
 #endif
 
 template <bool IS_INT4>
-void dequantize(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+void dequantize(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh, int64_t N,
+                int64_t K,
                 int64_t G, float* out, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t n = 0; n < N; ++n) decode_row<IS_INT4>(qweight, scales, mins, K, G, n, out + n * K);
+  for (int64_t n = 0; n < N; ++n) decode_row<IS_INT4>(qweight, scales, mins, qh, K, G, n, out + n * K);
 }
 
 }  // namespace
@@ -691,92 +707,102 @@ void dequantize(const uint8_t* qweight, const uint16_t* scales, const uint16_t* 
 extern "C" {
 
 // y [M, N] = x [M, K] @ dequantized weight [N, K]ᵀ; arguments in the order of gemv.cpp's int4_linear_f32.
-void int4_gemm_f32(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+void int4_gemm_f32(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                   int64_t N, int64_t K,
                    int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
+  gemm<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
 }
 
 void int8_gemm_f32(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                    const float* x, int64_t M, float* y, int num_threads) {
-  gemm<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y, num_threads);
+  gemm<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size, y,
+              num_threads);
 }
 
 // Float32 copy of the weights, [N, K], decoded exactly as the products decode them.
-void int4_dequantize(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+void int4_dequantize(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                     int64_t N, int64_t K,
                      int64_t group_size, float* out, int num_threads) {
-  dequantize<true>(qweight, scales, mins, N, K, group_size, out, num_threads);
+  dequantize<true>(qweight, scales, mins, qh, N, K, group_size, out, num_threads);
 }
 
 void int8_dequantize(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                      float* out, int num_threads) {
-  dequantize<false>(reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, K, group_size, out,
+  dequantize<false>(reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, K, group_size, out,
                     num_threads);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// The same products with the activations rounded to int8 per 32 columns (models/native/quant.py's rounded mode), where the
+// The same products with the activations rounded to int8 per 32 columns (models/native/quant.py's rounded mode), where
+// the
 // CPU has AVX512-VNNI; K a multiple of 32, groups a multiple of 32. Present only then: gemm_int8x_supported says.
-void int4_gemm_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+void int4_gemm_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                     int64_t N, int64_t K,
                      int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
+  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
 }
 
 void int8_gemm_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                      const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y,
+  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size, y,
                    num_threads);
 }
 
 // Per row of the int4_gemm_int8x / int8_gemm_int8x product, without writing it: argmax [M] (first of equal maxima),
 // max [M] and log-sum-exp [M]. Returns how many values of the product were NaN or infinite.
-int64_t int4_argmax_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+int64_t int4_argmax_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                          int64_t N, int64_t K,
                           int64_t group_size, const float* x, int64_t M, int64_t* argmax, float* max, float* lse,
                           int num_threads) {
-  return argmax_int8<true>(x, M, K, qweight, scales, mins, N, group_size, argmax, max, lse, num_threads);
+  return argmax_int8<true>(x, M, K, qweight, scales, mins, qh, N, group_size, argmax, max, lse, num_threads);
 }
 
 int64_t int8_argmax_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                           const float* x, int64_t M, int64_t* argmax, float* max, float* lse, int num_threads) {
-  return argmax_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size,
+  return argmax_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size,
                             argmax, max, lse, num_threads);
 }
 
 // int4_gemm_int8x / int8_gemm_int8x with x stored feature-major ([K, x_ld]): the native decoder's MLP keeps its
 // intermediate so, and the same values come out.
-void int4_gemm_int8x_strided(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N,
+void int4_gemm_int8x_strided(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                             int64_t N,
                              int64_t K, int64_t group_size, const float* x, int64_t M, int64_t x_ld, float* y,
                              int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads, nullptr, x_ld);
+  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads, nullptr, x_ld);
 }
 
 void int8_gemm_int8x_strided(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                              const float* x, int64_t M, int64_t x_ld, float* y, int num_threads) {
-  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y, num_threads,
+  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size, y,
+                   num_threads,
                    nullptr, x_ld);
 }
 
 // y [I, M] (feature-major) = silu(x Wᵀ [:, :I]) * x Wᵀ [:, I:2I] for a fused gate/up weight [2I, K]: the native
 // decoder's MLP intermediate, the values of int4_gemm_int8x and ops.cpp's SwiGLU.
-void int4_gemm_int8x_swiglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t I,
+void int4_gemm_int8x_swiglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                            int64_t I,
                             int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, I, group_size, y, num_threads, nullptr, 0, I);
+  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, I, group_size, y, num_threads, nullptr, 0, I);
 }
 
 void int8_gemm_int8x_swiglu(const int8_t* qweight, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
                             const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, I, group_size, y,
+  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, I, group_size, y,
                    num_threads, nullptr, 0, I);
 }
 
 // The same with GeGLU, gelu_tanh(gate) * up (Gemma's MLP): ops.cpp's GeGLU on int4_gemm_int8x's values.
-void int4_gemm_int8x_geglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t I,
+void int4_gemm_int8x_geglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                           int64_t I,
                            int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, I, group_size, y, num_threads, nullptr, 0, I, true);
+  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, I, group_size, y, num_threads, nullptr, 0, I, true);
 }
 
 void int8_gemm_int8x_geglu(const int8_t* qweight, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
                            const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, I, group_size, y,
+  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, I, group_size, y,
                    num_threads, nullptr, 0, I, true);
 }
 

@@ -124,7 +124,8 @@ inline void groups_to_float(const uint16_t* values, int64_t num_groups, int64_t 
 // its 16 values twice, so the bits above a nibble do not matter). About 7 vector operations per 32 weights against
 // 11 for converting and multiplying each weight.
 template <bool IS_INT4>
-void weight_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+void weight_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh, int64_t N,
+                  int64_t K,
                   int64_t G, int64_t n0, uint8_t* tiles, float* groups) {
   const int64_t num_blocks = K / 32, num_groups = K / G, blocks_per_group = G / 32;
   const int valid = static_cast<int>(std::min<int64_t>(kTile, N - n0));
@@ -142,11 +143,14 @@ void weight_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t
     if (IS_INT4) groups_to_float(mins, num_groups, n, row_mins);
     for (int64_t g = 0; g < num_groups; ++g) {
       const __m512 scale = _mm512_set1_ps(row_scales[g]);
-      // int4: the group's 16 values, twice over (words 0-15 and 16-31).
+      // int4: the group's 16 values, twice over (words 0-15 and 16-31); int5: its 32 values.
       __m512i table = _mm512_setzero_si512();
       if (IS_INT4) {
-        const __m512 values = _mm512_fmadd_ps(codes, scale, _mm512_set1_ps(row_mins[g]));
-        table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(values, values));
+        const __m512 min = _mm512_set1_ps(row_mins[g]);
+        const __m512 values = _mm512_fmadd_ps(codes, scale, min);
+        const __m512 upper = qh == nullptr ? values
+                                           : _mm512_fmadd_ps(_mm512_add_ps(codes, _mm512_set1_ps(16.0f)), scale, min);
+        table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(upper, values));
       }
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
         __m512i values;
@@ -155,7 +159,11 @@ void weight_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t
           // nibbles: columns 16-31), each widened to a word.
           const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qweight + n * (K / 2) + 16 * b));
           const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
-          values = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), table);
+          __m512i indices = _mm512_cvtepu8_epi16(both);
+          if (qh != nullptr)  // the nibble alone, then the fifth bit (vpermw reads five bits)
+            indices = _mm512_or_si512(_mm512_and_si512(indices, _mm512_set1_epi16(0x0F)),
+                                      _mm512_maskz_mov_epi16(qh[n * num_blocks + b], _mm512_set1_epi16(0x10)));
+          values = _mm512_permutexvar_epi16(indices, table);
         } else {
           const __m128i* q = reinterpret_cast<const __m128i*>(qweight + n * K + 32 * b);
           const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), scale);
@@ -273,9 +281,10 @@ inline uint8_t* aligned_scratch(std::vector<uint8_t>& scratch, size_t bytes) {
 // Weight rows [n0, n0 + 16) as column-operand tiles: weight_tiles' row-operand tiles, each transposed as 16 × 16
 // pairs of columns, so that row p holds every weight row's columns 2p and 2p + 1.
 template <bool IS_INT4>
-void weight_column_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+void weight_column_tiles(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                         int64_t N, int64_t K,
                          int64_t G, int64_t n0, uint8_t* tiles, float* groups) {
-  weight_tiles<IS_INT4>(qweight, scales, mins, N, K, G, n0, tiles, groups);
+  weight_tiles<IS_INT4>(qweight, scales, mins, qh, N, K, G, n0, tiles, groups);
   for (int64_t b = 0; b < K / 32; ++b) {
     __m512i pairs[kTile];
     for (int r = 0; r < kTile; ++r) pairs[r] = _mm512_load_si512(tiles + b * kTileBytes + 64 * r);
@@ -311,7 +320,7 @@ constexpr int64_t kRowOperandRows = 128;
 // same bits (tests/models/test_quant_linear.py checks).
 template <bool IS_INT4, bool ROWS_ARE_ACTIVATIONS>
 void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-              const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads,
+              const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads,
               const RowReductions* reductions = nullptr) {
   const int64_t num_blocks = K / 32, tile_row_bytes = num_blocks * kTileBytes;
   // Activation rows per pass, a whole number of tile pairs, as bfloat16 kept in L2.
@@ -353,9 +362,9 @@ void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, cons
         for (int w = 0; w < weight_tiles_here; ++w) {
           uint8_t* tiles = weights + w * tile_row_bytes;
           if (ROWS_ARE_ACTIVATIONS)
-            weight_column_tiles<IS_INT4>(qweight, scales, mins, N, K, G, n0 + w * kTile, tiles, groups.data());
+            weight_column_tiles<IS_INT4>(qweight, scales, mins, qh, N, K, G, n0 + w * kTile, tiles, groups.data());
           else
-            weight_tiles<IS_INT4>(qweight, scales, mins, N, K, G, n0 + w * kTile, tiles, groups.data());
+            weight_tiles<IS_INT4>(qweight, scales, mins, qh, N, K, G, n0 + w * kTile, tiles, groups.data());
         }
         float* y_chunk = y != nullptr ? y + m0 * N : nullptr;  // null: reductions instead of y
         for (int64_t r = 0; r < row_tiles; r += 2) {
@@ -395,11 +404,11 @@ void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, cons
 
 template <bool IS_INT4>
 void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-              const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
+              const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
   if (M >= kRowOperandRows)
-    gemm_amx<IS_INT4, true>(x, M, K, qweight, scales, mins, N, G, y, num_threads);
+    gemm_amx<IS_INT4, true>(x, M, K, qweight, scales, mins, qh, N, G, y, num_threads);
   else
-    gemm_amx<IS_INT4, false>(x, M, K, qweight, scales, mins, N, G, y, num_threads);
+    gemm_amx<IS_INT4, false>(x, M, K, qweight, scales, mins, qh, N, G, y, num_threads);
 }
 
 // Per activation row of y = x Wᵀ (the transposed product's arithmetic, so y's values are those of the gemm_amx
@@ -407,10 +416,10 @@ void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, cons
 // were NaN or infinite (the results are then not to be used).
 template <bool IS_INT4>
 int64_t argmax_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-                   const uint16_t* mins, int64_t N, int64_t G, int64_t* argmax, float* max, float* lse,
-                   int num_threads) {
+                   const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, int64_t* argmax, float* max,
+                   float* lse, int num_threads) {
   const auto product = [&](int threads, const RowReductions* reductions) {
-    gemm_amx<IS_INT4, false>(x, M, K, qweight, scales, mins, N, G, nullptr, threads, reductions);
+    gemm_amx<IS_INT4, false>(x, M, K, qweight, scales, mins, qh, N, G, nullptr, threads, reductions);
   };
   return tokenriver::reduce_rows(num_threads, M, product, argmax, max, lse);
 }
@@ -424,26 +433,28 @@ int gemm_bf16_amx_supported() {
   return ready ? 1 : 0;
 }
 
-void int4_gemm_bf16_amx(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
+void int4_gemm_bf16_amx(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                        int64_t N, int64_t K,
                         int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_amx<true>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
+  gemm_amx<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
 }
 
 void int8_gemm_bf16_amx(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                         const float* x, int64_t M, float* y, int num_threads) {
-  gemm_amx<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y,
+  gemm_amx<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size, y,
                   num_threads);
 }
 
-int64_t int4_argmax_bf16_amx(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N,
+int64_t int4_argmax_bf16_amx(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                             int64_t N,
                              int64_t K, int64_t group_size, const float* x, int64_t M, int64_t* argmax, float* max,
                              float* lse, int num_threads) {
-  return argmax_amx<true>(x, M, K, qweight, scales, mins, N, group_size, argmax, max, lse, num_threads);
+  return argmax_amx<true>(x, M, K, qweight, scales, mins, qh, N, group_size, argmax, max, lse, num_threads);
 }
 
 int64_t int8_argmax_bf16_amx(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                              const float* x, int64_t M, int64_t* argmax, float* max, float* lse, int num_threads) {
-  return argmax_amx<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size,
+  return argmax_amx<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size,
                            argmax, max, lse, num_threads);
 }
 

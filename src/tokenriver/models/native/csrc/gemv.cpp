@@ -9,6 +9,8 @@
 //   int4: qweight [N, K/2] uint8. Each run of 32 columns is 16 bytes; byte j holds column j in its low nibble and
 //         column j+16 in its high nibble (GGUF's Q4_0/Q4_1 order). scales, mins [N, K/G] float16:
 //         w[n, k] = scale[n, k/G] * q[n, k] + min[n, k/G].
+//   int5: int4 plus high bits [N, K/32] uint32, bit j of word b the fifth bit of column 32 b + j's code:
+//         w[n, k] = scale * (q[n, k] + 16 * bit) + min (GGUF's Q5_0, its qh word per block as it is).
 //   int8: qweight [N, K] int8, scales [N, K/G] float16: w[n, k] = scale[n, k/G] * q[n, k].
 // Activations x [M, K] and outputs y [M, N] are float32, row-major and contiguous.
 //
@@ -55,6 +57,7 @@ struct AlignedAllocator {
 
 using tokenriver::decode_int4;
 using tokenriver::decode_int8;
+using tokenriver::fifth_bits;
 using tokenriver::half_to_float;
 using tokenriver::horizontal_sum;
 using tokenriver::quantize_activations;
@@ -107,7 +110,7 @@ inline float min_term(const uint16_t* row_mins, const float* row_xsum, int64_t n
 // product done once at the end.
 template <bool IS_INT4, int RT, int MT>
 void tile(const float* x, int64_t K, const float* xsum, const uint8_t* qweight, const uint16_t* scales,
-          const uint16_t* mins, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
+          const uint16_t* mins, const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
   const int64_t num_groups = K / G;
   const int64_t row_bytes = IS_INT4 ? K / 2 : K;
   const int64_t blocks_per_group = G / 32;
@@ -128,7 +131,7 @@ void tile(const float* x, int64_t K, const float* xsum, const uint8_t* qweight, 
         _mm_prefetch(reinterpret_cast<const char*>(row + (IS_INT4 ? k / 2 : k)) + kPrefetchBytes, _MM_HINT_T1);
         __m256 w[4];
         if (IS_INT4)
-          decode_int4(row + k / 2, w);
+          decode_int4(row + k / 2, w, qh == nullptr ? nullptr : qh + (n0 + r) * (K / 32) + k / 32);
         else
           decode_int8(reinterpret_cast<const int8_t*>(row + k), w);
         const __m256 scale = _mm256_set1_ps(scale_of_row[r]);
@@ -218,11 +221,19 @@ void pair_activations(const int8_t* xq, int64_t K, int8_t* lo, int8_t* hi) {
 // Two int4 blocks (32 bytes) against their paired activations: 8 int32 sums as floats, lanes 0-3 over the first
 // block's columns, 4-7 over the second's. Each 16-bit pair sum is at most 2 * 15 * 127, the sum of the low and
 // high halves twice that: no saturation.
-inline __m256 pair_sums(const uint8_t* bytes, const int8_t* lo, const int8_t* hi) {
+// HIGH (int5): low_bits and high_bits are the fifth bits of low's and high's 32 codes, in their order; the sums
+// stay within int16 (2 * (31 * 127) * 2 < 32768).
+template <bool HIGH = false>
+inline __m256 pair_sums(const uint8_t* bytes, const int8_t* lo, const int8_t* hi, uint32_t low_bits = 0,
+                        uint32_t high_bits = 0) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
-  const __m256i low = _mm256_and_si256(raw, nibble);
-  const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  __m256i low = _mm256_and_si256(raw, nibble);
+  __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  if (HIGH) {
+    low = _mm256_or_si256(low, fifth_bits(low_bits));
+    high = _mm256_or_si256(high, fifth_bits(high_bits));
+  }
   const __m256i xl = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
   const __m256i xh = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -242,10 +253,15 @@ inline __m256 pair_sums(const uint8_t* bytes, const int8_t* lo, const int8_t* hi
 // element j of each 128-bit half, an in-lane broadcast. block_group[b] is block b's group (no division per row).
 // The result for an (output row, activation row) pair is the same whatever RT and MT: the tile shape only decides
 // which loads are shared.
-template <int RT, int MT>
+// HIGH: int5 weights, qh their high bits. A pair's low codes are columns 0-15 of both blocks, its high codes
+// columns 16-31 of both (pair_activations), so each takes half of either block's word.
+template <int RT, int MT, bool HIGH>
 void int4_pair_tile(const int8_t* lo, const int8_t* hi, const float* xscale, const float* xsum,
                     const int32_t* block_group, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-                    const uint16_t* mins, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
+                    const uint16_t* mins, const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y,
+                    int64_t N) {
+  const auto low_bits = [](uint32_t first, uint32_t second) { return (first & 0xFFFFu) | (second << 16); };
+  const auto high_bits = [](uint32_t first, uint32_t second) { return (first >> 16) | (second & 0xFFFF0000u); };
   const int64_t num_blocks = K / 32, num_groups = K / G, pair_bytes = 32 * ((num_blocks + 1) / 2);
   const int64_t row_bytes = K / 2;
   const __m256i by_pair = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -282,9 +298,16 @@ void int4_pair_tile(const int8_t* lo, const int8_t* hi, const float* xscale, con
       for (int r = 0; r < RT; ++r) {
         const uint8_t* bytes = qweight + (n0 + r) * row_bytes + at;
         _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T1);
+        uint32_t first_bits = 0, second_bits = 0;
+        if (HIGH) {
+          const uint32_t* words = qh + (n0 + r) * num_blocks + b0 + 2 * decltype(j)::value;
+          first_bits = low_bits(words[0], words[1]);
+          second_bits = high_bits(words[0], words[1]);
+        }
 #pragma GCC unroll 8
         for (int m = 0; m < MT; ++m) {
-          const __m256 sums = pair_sums(bytes, lo_rows + m * pair_bytes + at, hi_rows + m * pair_bytes + at);
+          const __m256 sums = pair_sums<HIGH>(bytes, lo_rows + m * pair_bytes + at, hi_rows + m * pair_bytes + at,
+                                              first_bits, second_bits);
           const __m256 scale = _mm256_permute_ps(_mm256_load_ps(block_scale[r][m]), kBroadcast);
           acc[r][m] = _mm256_fmadd_ps(sums, scale, acc[r][m]);
         }
@@ -312,11 +335,19 @@ void int4_pair_tile(const int8_t* lo, const int8_t* hi, const float* xscale, con
         memcpy(padded, bytes, 16);
         bytes = padded;
       }
+      uint32_t first_bits = 0, second_bits = 0;
+      if (HIGH) {
+        const uint32_t* words = qh + (n0 + r) * num_blocks + b0;
+        const uint32_t second_word = single ? 0u : words[1];
+        first_bits = low_bits(words[0], second_word);
+        second_bits = high_bits(words[0], second_word);
+      }
       for (int m = 0; m < MT; ++m) {
         const float* xs = xscale_rows + m * num_blocks + b0;
         const float first = first_weight_scale * xs[0], second = single ? 0.0f : second_weight_scale * xs[1];
         const __m256 scale = _mm256_setr_ps(first, first, first, first, second, second, second, second);
-        const __m256 sums = pair_sums(bytes, lo_rows + m * pair_bytes + at, hi_rows + m * pair_bytes + at);
+        const __m256 sums = pair_sums<HIGH>(bytes, lo_rows + m * pair_bytes + at, hi_rows + m * pair_bytes + at,
+                                            first_bits, second_bits);
         acc[r][m] = _mm256_fmadd_ps(sums, scale, acc[r][m]);
       }
     }
@@ -338,19 +369,19 @@ struct Activations {
 
 template <bool IS_INT4, bool INT8_X, int RT, int MT>
 inline void run_tile(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
-                     int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
+                     const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
   static_assert(!(IS_INT4 && INT8_X), "int4 weights with int8 activations run int4_linear_pairs");
   if (INT8_X)
     tile_q8<RT, MT>(a.xq, a.xscale, a.K, qweight, scales, G, n0, m0, y, N);
   else
-    tile<IS_INT4, RT, MT>(a.x, a.K, a.xsum, qweight, scales, mins, G, n0, m0, y, N);
+    tile<IS_INT4, RT, MT>(a.x, a.K, a.xsum, qweight, scales, mins, qh, G, n0, m0, y, N);
 }
 
 // Four output rows of one activation-row count MT: each decoded weight vector feeds all MT activation rows.
 template <bool IS_INT4, bool INT8_X, int MT>
 inline void four_rows_of(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
-                         int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
-  for (int r = 0; r < 4; ++r) run_tile<IS_INT4, INT8_X, 1, MT>(a, qweight, scales, mins, G, n0 + r, m0, y, N);
+                         const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
+  for (int r = 0; r < 4; ++r) run_tile<IS_INT4, INT8_X, 1, MT>(a, qweight, scales, mins, qh, G, n0 + r, m0, y, N);
 }
 
 // Four output rows starting at n0 against every activation row. Eight activation rows at a time, then the rest in
@@ -359,19 +390,20 @@ inline void four_rows_of(const Activations& a, const uint8_t* qweight, const uin
 // loaded once for all four), two take 2 × 2.
 template <bool IS_INT4, bool INT8_X>
 void four_rows(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
-               int64_t G, int64_t n0, float* y, int64_t N) {
+               const uint32_t* qh, int64_t G, int64_t n0, float* y, int64_t N) {
   int64_t m0 = 0;
-  for (; m0 + 8 <= a.M; m0 += 8) four_rows_of<IS_INT4, INT8_X, 8>(a, qweight, scales, mins, G, n0, m0, y, N);
+  for (; m0 + 8 <= a.M; m0 += 8) four_rows_of<IS_INT4, INT8_X, 8>(a, qweight, scales, mins, qh, G, n0, m0, y, N);
   switch (a.M - m0) {
-    case 1: run_tile<IS_INT4, INT8_X, 4, 1>(a, qweight, scales, mins, G, n0, m0, y, N); break;
+    case 1: run_tile<IS_INT4, INT8_X, 4, 1>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
     case 2:
-      for (int r = 0; r < 4; r += 2) run_tile<IS_INT4, INT8_X, 2, 2>(a, qweight, scales, mins, G, n0 + r, m0, y, N);
+      for (int r = 0; r < 4; r += 2)
+        run_tile<IS_INT4, INT8_X, 2, 2>(a, qweight, scales, mins, qh, G, n0 + r, m0, y, N);
       break;
-    case 3: four_rows_of<IS_INT4, INT8_X, 3>(a, qweight, scales, mins, G, n0, m0, y, N); break;
-    case 4: four_rows_of<IS_INT4, INT8_X, 4>(a, qweight, scales, mins, G, n0, m0, y, N); break;
-    case 5: four_rows_of<IS_INT4, INT8_X, 5>(a, qweight, scales, mins, G, n0, m0, y, N); break;
-    case 6: four_rows_of<IS_INT4, INT8_X, 6>(a, qweight, scales, mins, G, n0, m0, y, N); break;
-    case 7: four_rows_of<IS_INT4, INT8_X, 7>(a, qweight, scales, mins, G, n0, m0, y, N); break;
+    case 3: four_rows_of<IS_INT4, INT8_X, 3>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 4: four_rows_of<IS_INT4, INT8_X, 4>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 5: four_rows_of<IS_INT4, INT8_X, 5>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 6: four_rows_of<IS_INT4, INT8_X, 6>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 7: four_rows_of<IS_INT4, INT8_X, 7>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
     default: break;
   }
 }
@@ -410,12 +442,13 @@ struct PairedActivations {
 };
 
 // Activation rows [m_begin, m_end) against RT weight rows from n0, three activation rows per tile.
-template <int RT>
+template <int RT, bool HIGH>
 void pair_rows(const PairedActivations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
-               int64_t n0, int64_t m_begin, int64_t m_end, float* y, int64_t N) {
+               const uint32_t* qh, int64_t n0, int64_t m_begin, int64_t m_end, float* y, int64_t N) {
   const auto tile = [&](auto rows, int64_t m0) {
-    int4_pair_tile<RT, decltype(rows)::value>(a.lo.data(), a.hi.data(), a.xscale.data(), a.xsum.data(),
-                                              a.block_group.data(), a.K, qweight, scales, mins, a.G, n0, m0, y, N);
+    int4_pair_tile<RT, decltype(rows)::value, HIGH>(a.lo.data(), a.hi.data(), a.xscale.data(), a.xsum.data(),
+                                                    a.block_group.data(), a.K, qweight, scales, mins, qh, a.G, n0,
+                                                    m0, y, N);
   };
   int64_t m0 = m_begin;
   for (; m0 + 3 <= m_end; m0 += 3) tile(std::integral_constant<int, 3>{}, m0);
@@ -429,21 +462,24 @@ constexpr int64_t kPairChunkBytes = 256 * 1024;
 // Int4 weights with int8 activations, any number of rows. Every output is int4_pair_tile's arithmetic on its own
 // (weight row, activation row) pair, in the same order whatever the tile shape, so a row's result does not depend
 // on how many rows came with it: one row (decode) and 2,048 (prefill) give the same bits for the same row.
+template <bool HIGH>
 void int4_linear_pairs(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-                       const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
+                       const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
   const PairedActivations a(x, M, K, G, num_threads);
   const int64_t chunk = std::max<int64_t>(3, kPairChunkBytes / (2 * a.pair_bytes) / 3 * 3);
   for (int64_t m_begin = 0; m_begin < M; m_begin += chunk) {
     const int64_t m_end = std::min(M, m_begin + chunk);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < N / 4; ++t) pair_rows<4>(a, qweight, scales, mins, 4 * t, m_begin, m_end, y, N);
-    for (int64_t n = 4 * (N / 4); n < N; ++n) pair_rows<1>(a, qweight, scales, mins, n, m_begin, m_end, y, N);
+    for (int64_t t = 0; t < N / 4; ++t)
+      pair_rows<4, HIGH>(a, qweight, scales, mins, qh, 4 * t, m_begin, m_end, y, N);
+    for (int64_t n = 4 * (N / 4); n < N; ++n)
+      pair_rows<1, HIGH>(a, qweight, scales, mins, qh, n, m_begin, m_end, y, N);
   }
 }
 
 template <bool IS_INT4, bool INT8_X>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-            const uint16_t* mins, int64_t N, int64_t G, float* y, int num_threads) {
+            const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
   std::vector<int8_t> xq;
   std::vector<float> xscale;
   if (INT8_X) {
@@ -457,37 +493,43 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const 
   // Tiles of 4 output rows, then the remainder one row at a time.
   const int64_t num_tiles = N / 4;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t t = 0; t < num_tiles; ++t) four_rows<IS_INT4, INT8_X>(a, qweight, scales, mins, G, 4 * t, y, N);
+  for (int64_t t = 0; t < num_tiles; ++t) four_rows<IS_INT4, INT8_X>(a, qweight, scales, mins, qh, G, 4 * t, y, N);
   for (int64_t n = 4 * num_tiles; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) run_tile<IS_INT4, INT8_X, 1, 1>(a, qweight, scales, mins, G, n, m, y, N);
+    for (int64_t m = 0; m < M; ++m) run_tile<IS_INT4, INT8_X, 1, 1>(a, qweight, scales, mins, qh, G, n, m, y, N);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Arguments start with the weight's (fixed per layer, bound once in Python) and end with the call's.
-void int4_linear_f32(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
-                     int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  linear<true, false>(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
+// Arguments start with the weight's (fixed per layer, bound once in Python) and end with the call's. The int4
+// products take int5 weights too: qh their high bits, or null for int4.
+void int4_linear_f32(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                     int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, float* y,
+                     int num_threads) {
+  linear<true, false>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
 }
 
 void int8_linear_f32(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                      const float* x, int64_t M, float* y, int num_threads) {
-  linear<false, false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y,
-                       num_threads);
+  linear<false, false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size,
+                       y, num_threads);
 }
 
 // The same products with activations rounded to int8 per 32 columns (quantize_activations).
-void int4_linear_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
-                       int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  int4_linear_pairs(x, M, K, qweight, scales, mins, N, group_size, y, num_threads);
+void int4_linear_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
+                       int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, float* y,
+                       int num_threads) {
+  if (qh == nullptr)
+    int4_linear_pairs<false>(x, M, K, qweight, scales, mins, nullptr, N, group_size, y, num_threads);
+  else
+    int4_linear_pairs<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
 }
 
 void int8_linear_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                        const float* x, int64_t M, float* y, int num_threads) {
-  linear<false, true>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, N, group_size, y,
-                      num_threads);
+  linear<false, true>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size,
+                      y, num_threads);
 }
 
 }  // extern "C"

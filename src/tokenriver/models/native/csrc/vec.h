@@ -128,14 +128,36 @@ inline void prefetch_weight_rows(const uint8_t* qweight, const uint16_t* scales,
 
 // 32 int4 columns (16 bytes) → four vectors of 8 floats: columns 0-7, 8-15, 16-23, 24-31.
 // Bytes 0-7 widened to 32-bit lanes hold columns 0-7 in their low nibbles and 16-23 in their high nibbles.
-inline void decode_int4(const uint8_t* bytes, __m256 w[4]) {
+// With `high` (5-bit codes), bit j of *high is bit 4 of column j's code.
+inline void decode_int4(const uint8_t* bytes, __m256 w[4], const uint32_t* high = nullptr) {
   const __m256i mask = _mm256_set1_epi32(0x0F);
   __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
   __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
-  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, mask));
-  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, mask));
-  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
-  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
+  __m256i codes[4] = {_mm256_and_si256(first, mask), _mm256_and_si256(second, mask), _mm256_srli_epi32(first, 4),
+                      _mm256_srli_epi32(second, 4)};
+  if (high != nullptr) {
+    const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(*high >> (8 * i))), shifts);
+      codes[i] = _mm256_or_si256(codes[i], _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(1)), 4));
+    }
+  }
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtepi32_ps(codes[i]);
+}
+
+// 32 bits → 32 bytes, byte j 0x10 where bit j is set and 0 elsewhere: a 5-bit code's fifth bit in place.
+inline __m256i fifth_bits(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_mov_epi8(static_cast<__mmask32>(bits), _mm256_set1_epi8(0x10));
+#else
+  // Byte j takes the mask byte j / 8, then tests its own bit of it.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+#endif
 }
 
 // 32 int8 columns → four vectors of 8 floats.
