@@ -494,3 +494,11 @@ def test_a_fused_layer_of_four_and_five_bit_parts_equals_its_parts() -> None:
     fused = concatenate([four, five])
     assert fused.high_bits is not None and not bool(fused.high_bits[:16].any())
     assert torch.equal(fused.dequantize(), torch.cat([four.dequantize(), five.dequantize()]))
+
+
+def test_fifth_bits_of_the_wrong_shape_or_type_are_refused() -> None:
+    five = repack_q5_0(quantize((torch.randn(8, 64) * 0.05).numpy(), GGMLQuantizationType.Q5_0))
+    for high_bits in (five.high_bits[:, :1], five.high_bits.to(torch.int64)):
+        bad = Int4Weight(five.qweight, five.scales, five.mins, 32, high_bits)
+        with pytest.raises(InvalidParameterError, match="high_bits must be int32 \\[8, 2\\]"):
+            Int4Linear(bad)

@@ -167,7 +167,7 @@ def _quantized_linear(weight: QuantWeight, bias: torch.Tensor | None,
     bias = None if bias is None else bias.to(device)
     if isinstance(weight, Int4Weight) and weight.high_bits is not None and torch.device(device).type != "cpu":
         # The GPU kernel reads 4-bit codes: 5-bit ones (Q5_0) go there as the int8 codes they equal.
-        weight = exact_int8(weight) or _as_int8(weight)
+        weight = _as_int8(weight)
     if isinstance(weight, Int4Weight):
         high_bits = None if weight.high_bits is None else weight.high_bits.to(device)
         return Int4Linear(Int4Weight(weight.qweight.to(device), weight.scales.to(device), weight.mins.to(device),

@@ -84,13 +84,13 @@ def repack_q5_0(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight | 
     the nibbles and high-bit words as stored, scale d, min -16 d (exact: a power-of-two multiple), in tensors
     `empty` makes. A scale too large for its min to fit in float16 keeps int8 q - 16 under d."""
     blocks = _blocks(data, 22, "Q5_0")
-    if np.abs(_f16(blocks, 0)).max(initial=0.0) * 16 > FLOAT16_MAX:
+    scales = _f16(blocks, 0)  # [N, B, 1]
+    if np.abs(scales).max(initial=0.0) * 16 > FLOAT16_MAX:
         high_words = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")  # [N, B, 1]
         high = ((high_words >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, B, 32]
         values = (_nibbles(blocks[:, :, 6:22]) | (high << 4)).astype(np.int8) - np.int8(16)  # [N, B, 32]
-        return _int8_weight(values, _f16(blocks, 0), "Q5_0")
+        return _int8_weight(values, scales, "Q5_0")
     num_rows, num_blocks = blocks.shape[:2]
-    scales = _f16(blocks, 0)  # [N, B, 1]
     fields = ((blocks[:, :, 6:22], (num_rows, 16 * num_blocks), torch.uint8),  # nibbles
               (_to_float16(scales, "Q5_0"), (num_rows, num_blocks), torch.float16),
               (_to_float16(-16 * scales, "Q5_0"), (num_rows, num_blocks), torch.float16),

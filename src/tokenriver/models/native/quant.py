@@ -464,7 +464,21 @@ class Int4Linear(_QuantizedLinear):
         self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K // 2] uint8
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
         self.register_buffer("mins", weight.mins.contiguous())  # [N, K // G] float16
-        high_bits = None if weight.high_bits is None else weight.high_bits.contiguous()
+        high_bits = weight.high_bits
+        if high_bits is not None:
+            expected = (out_features, in_features // GGUF_BLOCK)
+            if (high_bits.dtype != torch.int32 or tuple(high_bits.shape) != expected
+                    or high_bits.device != weight.qweight.device):
+                raise InvalidParameterError(
+                    f"high_bits must be int32 {list(expected)} (a word per 32 columns) on the weight's device, got "
+                    f"{high_bits.dtype} {list(high_bits.shape)} on {high_bits.device}", param="high_bits")
+            if self.backend == "triton":
+                if backend == "triton":
+                    raise InvalidParameterError("the Triton kernel reads 4-bit codes only; pass 5-bit weights to "
+                                                "a GPU as int8 (quant.exact_int8), as the loader does",
+                                                param="backend")
+                self.backend = "reference"
+            high_bits = high_bits.contiguous()
         self.register_buffer("high_bits", high_bits)  # [N, K // 32] int32 for 5-bit codes, or None
         self._bind_native()
 
@@ -500,9 +514,6 @@ class Int4Linear(_QuantizedLinear):
         return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size, self.high_bits)
 
     def _triton_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.high_bits is not None:
-            raise InvalidParameterError("the Triton kernel reads 4-bit codes only; move 5-bit weights to a GPU as "
-                                        "int8 (quant.exact_int8), as the loader does", param="weight")
         return quant_matmul.int4_matmul(rows, self.qweight, self.scales, self.mins, self.group_size)
 
 

@@ -1,7 +1,6 @@
 // A whole decoder stack for one step in one call: every layer's norms, quantized products, rotary positions, paged
 // attention and gated MLP, in the order the model page runs them. One loop serves four layer layouts and mixtures of
-// experts, each part
-// a layer lacks being a null pointer or zero:
+// experts, each part a layer lacks being a null pointer or zero:
 // - Llama (models/llama.py): input norm, attention, post-attention norm, SwiGLU MLP;
 // - Qwen3 (models/qwen3.py): the same, with an RMSNorm over each query and key head before rotary, and a sliding
 //   window where the layer has one;
