@@ -55,20 +55,22 @@ def test_packed_values_are_ggufs_dequantization(qtype, rows):
         assert np.all(np.abs(got - reference) <= bound), qtype.name
 
 
-def test_q4_k_keeps_its_nibbles_and_is_exact_where_scales_fit_float16():
-    """With sub-scales whose products are float16 numbers, the Q4_K mapping is exact: only scales can round."""
+@pytest.mark.parametrize("qtype, block_bytes", [(Q.Q4_K, 144), (Q.Q5_K, 176)], ids=["Q4_K", "Q5_K"])
+def test_k_quants_keep_their_codes_and_are_exact_where_scales_fit_float16(qtype, block_bytes):
+    """With sub-scales whose products are float16 numbers, the Q4_K and Q5_K mappings are exact: only scales can
+    round."""
     rng = np.random.default_rng(3)
-    data = _stored(Q.Q4_K, 4, 256)
-    blocks = data.reshape(4, -1, 144).copy()
+    data = _stored(qtype, 4, 256)
+    blocks = data.reshape(4, -1, block_bytes).copy()
     blocks[:, :, 0:2] = np.array([2.0**-8], dtype=np.float16).view(np.uint8)  # d: a power of two
     blocks[:, :, 2:4] = np.array([2.0**-9], dtype=np.float16).view(np.uint8)  # dmin
     blocks[:, :, 4:16] = rng.integers(0, 256, size=(4, 1, 12), dtype=np.uint8)
     data = blocks.reshape(4, -1)
-    reference = np.asarray(gguf.quants.dequantize(data, Q.Q4_K), dtype=np.float32)
-    np.testing.assert_array_equal(to_packed(data, Q.Q4_K).dequantize().numpy(), reference)
+    reference = np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
+    np.testing.assert_array_equal(to_packed(data, qtype).dequantize().numpy(), reference)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.IQ4_XS], ids=lambda t: t.name)
 @pytest.mark.parametrize("num_rows", [1, 3, 11, 17])
 def test_native_products_on_converted_weights_match_the_reference(qtype, num_rows):
     if load_kernels() is None:
@@ -80,7 +82,7 @@ def test_native_products_on_converted_weights_match_the_reference(qtype, num_row
     torch.testing.assert_close(native(x), reference(x), rtol=1e-4, atol=1e-4)
 
 
-NATIVE_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+NATIVE_TYPES = [Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 
 
 @pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda t: t.name)

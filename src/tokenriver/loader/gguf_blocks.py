@@ -8,16 +8,17 @@ VNNI path. So each type is mapped once, at load, onto one of those, rows kept, w
 | GGUF type                  | becomes                        | how                                                       |
 |----------------------------|--------------------------------|-----------------------------------------------------------|
 | Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/native/quant.py's repack_*): exact      |
-| Q5_0                       | Int4 + fifth bits (5-bit)      | byte copy, min -16·d: exact                               |
+| Q5_0, Q5_1                 | Int4 + fifth bits (5-bit)      | byte copy (Q5_0's min -16·d): exact                       |
+| Q5_K                       | Int4 + fifth bits (5-bit)      | regrouped as Q4_K, scale d·sc and min -dmin·m as float16  |
 | IQ4_NL                     | Int8, groups of 32             | values widened to int8 under the block's own scale: exact |
 | Q4_K                       | Int4, groups of 32             | sub-block scale d·sc and minimum -dmin·m as float16       |
 | IQ4_XS                     | Int8, groups of 32             | table values as int8, sub-block scale d·(ls - 32) as f16  |
-| Q5_1, Q2_K, Q3_K, Q5_K,    | Int8, groups of 32             | dequantized, then rounded to int8 per 32 (max|w| / 127)   |
+| Q2_K, Q3_K,                | Int8, groups of 32             | dequantized, then rounded to int8 per 32 (max|w| / 127)   |
 | Q6_K, other IQ types       |                                |                                                           |
 
 "float16" rows: the product of two stored factors is rounded once to float16 (relative error at most 2^-11 of
-the scale, far below the format's own step). "Dequantized, then rounded": the types whose groups are 16 wide, or
-that carry a minimum next to more than 4 bits, do not fit either layout exactly; rounding their values to int8
+the scale, far below the format's own step). "Dequantized, then rounded": the types whose groups are 16 wide do
+not fit either layout exactly; rounding their values to int8
 per 32 adds at most half a step of max|w| / 127 per group (benchmarks/results/gguf_types.md measures the
 perplexity of each). `CONVERSIONS` says which rule each type gets; the loader logs it at startup.
 """
@@ -90,18 +91,44 @@ def repack_q5_0(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight | 
         high = ((high_words >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, B, 32]
         values = (_nibbles(blocks[:, :, 6:22]) | (high << 4)).astype(np.int8) - np.int8(16)  # [N, B, 32]
         return _int8_weight(values, scales, "Q5_0")
-    num_rows, num_blocks = blocks.shape[:2]
-    fields = ((blocks[:, :, 6:22], (num_rows, 16 * num_blocks), torch.uint8),  # nibbles
-              (_to_float16(scales, "Q5_0"), (num_rows, num_blocks), torch.float16),
-              (_to_float16(-16 * scales, "Q5_0"), (num_rows, num_blocks), torch.float16),
-              (np.ascontiguousarray(blocks[:, :, 2:6]).view("<i4"), (num_rows, num_blocks), torch.int32))
+    return _int5_weight(blocks[:, :, 6:22], _to_float16(scales, "Q5_0"), _to_float16(-16 * scales, "Q5_0"),
+                        blocks[:, :, 2:6], empty)
+
+
+def repack_q5_1(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight:
+    """Q5_1 (24 bytes per 32: f16 d, f16 m, 32 high bits, 16 bytes of low nibbles; w = d * q + m) → 5-bit
+    Int4Weight with scale d and min m: the bytes as stored, exact."""
+    blocks = _blocks(data, 24, "Q5_1")
+    return _int5_weight(blocks[:, :, 8:24], _to_float16(_f16(blocks, 0), "Q5_1"),
+                        _to_float16(_f16(blocks, 2), "Q5_1"), blocks[:, :, 4:8], empty)
+
+
+def repack_q5_k(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight:
+    """Q5_K (176 bytes per 256: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins, 32 bytes of high
+    bits, 128 bytes of nibbles; w = d * sc * q - dmin * m per 32) → 5-bit Int4Weight, scale d * sc and min
+    -dmin * m per 32 (Q4_K's rule). Byte l of the high bits holds bit 4 of value l of each sub-block i in its bit i."""
+    blocks = _blocks(data, 176, "Q5_K")
+    nibbles, scales, mins = _k_quant_runs(blocks, 48, "Q5_K")
+    planes = blocks[:, :, None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None] & 1  # [N, B, sub-block, 32]
+    words = np.bitwise_or.reduce(planes.astype(np.uint32) << np.arange(32, dtype=np.uint32), axis=-1)  # [N, B, 8]
+    return _int5_weight(nibbles, scales, mins, words.view(np.uint8), empty)
+
+
+def _int5_weight(nibbles: np.ndarray, scales: torch.Tensor, mins: torch.Tensor, high_words: np.ndarray,
+                 empty: Allocate) -> Int4Weight:
+    """Nibbles in Q4_0's order [N, ..., 16 per 32], float16 scales and mins [N, K // 32] and the fifth-bit words
+    as little-endian bytes [N, ..., 4 per 32] → an Int4Weight with high_bits, in tensors `empty` makes."""
+    num_rows, num_groups = scales.shape
+    fields = ((nibbles, (num_rows, 16 * num_groups), torch.uint8), (scales, (num_rows, num_groups), torch.float16),
+              (mins, (num_rows, num_groups), torch.float16),
+              (np.ascontiguousarray(high_words).view("<i4"), (num_rows, num_groups), torch.int32))
     tensors = []
     for values, shape, dtype in fields:
         tensor = empty(shape, dtype)
         tensor.copy_(torch.as_tensor(np.ascontiguousarray(values)).reshape(shape))
         tensors.append(tensor)
-    qweight, scale_tensor, mins, high_bits = tensors
-    return Int4Weight(qweight, scale_tensor, mins, GROUP, high_bits)
+    qweight, scale_tensor, min_tensor, high_bits = tensors
+    return Int4Weight(qweight, scale_tensor, min_tensor, GROUP, high_bits)
 
 
 def repack_iq4_nl(data: np.ndarray) -> Int8Weight:
@@ -145,16 +172,23 @@ def repack_q4_k(data: np.ndarray) -> Int4Weight:
     next); Int4Weight wants each 32-run as Q4_0 stores it, so the nibbles are regrouped, not changed.
     """
     blocks = _blocks(data, 144, "Q4_K")
+    nibbles, scales, mins = _k_quant_runs(blocks, 16, "Q4_K")
+    return Int4Weight(torch.from_numpy(nibbles), scales, mins, GROUP)
+
+
+def _k_quant_runs(blocks: np.ndarray, nibbles_at: int, kind: str) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K blocks [N, B, bytes] → nibbles in Q4_0's order [N, K // 2] and the float16 scales d * sc and
+    mins -dmin * m per 32 [N, K // 32]."""
     num_rows, num_blocks = blocks.shape[:2]
     sub_scales, sub_mins = k_quant_scales(blocks[:, :, 4:16])  # [N, B, 8] each
     scales = _f16(blocks, 0) * sub_scales  # [N, B, 8]
     mins = -_f16(blocks, 2) * sub_mins  # [N, B, 8]
-    chunks = blocks[:, :, 16:144].reshape(num_rows, num_blocks, 4, 32)  # [N, B, chunk, byte]
+    chunks = blocks[:, :, nibbles_at:nibbles_at + 128].reshape(num_rows, num_blocks, 4, 32)  # [N, B, chunk, byte]
     low, high = chunks & 0x0F, chunks >> 4  # each [N, B, 4, 32]: sub-blocks 2c and 2c + 1
     # Q4_0 order within a 32-run: byte j holds value j (low nibble) and value j + 16 (high nibble).
     runs = np.stack((low[..., :16] | (low[..., 16:] << 4), high[..., :16] | (high[..., 16:] << 4)), axis=3)
-    qweight = torch.from_numpy(np.ascontiguousarray(runs.reshape(num_rows, -1)))  # [N, K // 2]
-    return Int4Weight(qweight, _to_float16(scales, "Q4_K"), _to_float16(mins, "Q4_K"), GROUP)
+    nibbles = np.ascontiguousarray(runs.reshape(num_rows, -1))  # [N, K // 2]
+    return nibbles, _to_float16(scales, kind), _to_float16(mins, kind)
 
 
 def requantize_int8(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> Int8Weight:
@@ -187,13 +221,18 @@ CONVERSIONS: dict[gguf.GGMLQuantizationType, tuple[Callable[[np.ndarray], Packed
     Q.Q4_1: (repack_q4_1, EXACT),
     Q.Q8_0: (repack_q8_0, EXACT),
     Q.Q5_0: (repack_q5_0, EXACT),
+    Q.Q5_1: (repack_q5_1, EXACT),
     Q.IQ4_NL: (repack_iq4_nl, EXACT),
     Q.Q4_K: (repack_q4_k, SCALES_FLOAT16),
+    Q.Q5_K: (repack_q5_k, SCALES_FLOAT16),
     Q.IQ4_XS: (repack_iq4_xs, SCALES_FLOAT16),
     **{t: (_requantizer(t), REQUANTIZED) for t in (
-        Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q6_K,
+        Q.Q2_K, Q.Q3_K, Q.Q6_K,
         Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)},
 }
+# The 5-bit types: kept as Int4Weight with fifth bits, written into the tensors the loader's allocator hands out.
+FIVE_BIT: dict[gguf.GGMLQuantizationType, Callable[[np.ndarray, Allocate], PackedWeight]] = {
+    Q.Q5_0: repack_q5_0, Q.Q5_1: repack_q5_1, Q.Q5_K: repack_q5_k}
 
 
 def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: bool = True,
@@ -207,8 +246,8 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
     layout = native_layout(tensor_type) if native else None
     kernels = load_kernels()
     data = np.asarray(data)
-    if tensor_type == Q.Q5_0:
-        return repack_q5_0(data, empty)
+    if tensor_type in FIVE_BIT:
+        return FIVE_BIT[tensor_type](data, empty)
     if layout is not None and kernels is not None and data.dtype == np.uint8 and data.ndim == 2 \
             and data.flags.c_contiguous:
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
@@ -234,7 +273,7 @@ def native_layout(tensor_type: gguf.GGMLQuantizationType) -> type[Int4Weight] | 
     kernels = load_kernels()
     if kernels is None:
         return None
-    if tensor_type in (Q.Q4_K, Q.Q5_0):  # Q5_0: 5 bits, by repack_q5_0's copy of its bytes
+    if tensor_type == Q.Q4_K or tensor_type in FIVE_BIT:  # the 5-bit types by FIVE_BIT's numpy rules
         return Int4Weight
     return Int8Weight if kernels.converts_to_int8(tensor_type) else None
 

@@ -387,8 +387,7 @@ class NativeKernels:
     # GGUF blocks → packed weights (convert.cpp): the loader's fast path for loader/gguf_blocks.py's rules.
 
     def converts_to_int8(self, gguf_type: int) -> bool:
-        """Whether convert_to_int8 takes this GGUF type code (Q5_0/1, Q8_0, Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL,
-        IQ4_XS)."""
+        """Whether convert_to_int8 takes this GGUF type code (Q8_0, Q2_K, Q3_K, Q6_K, IQ4_NL, IQ4_XS)."""
         return bool(self._functions["convert_to_int8_supports"](gguf_type))
 
     def convert_to_int8(self, blocks: np.ndarray, gguf_type: int, in_features: int, num_threads: int,

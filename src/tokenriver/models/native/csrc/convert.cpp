@@ -7,10 +7,10 @@
 // is built with -ffp-contract=off), so the float values are gguf's exactly.
 //
 // Layouts (ggml-common.h): Q4_K 144 bytes per 256 (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 of
-// nibbles), Q5_K 176 (Q4_K's header, 32 bytes of fifth bits, 128 of nibbles), Q6_K 210 (128 bytes of low
-// nibbles, 64 of two high bits, 16 int8 scales, f16 d), Q3_K 110 (32 bytes of high bits, 64 of two low bits,
-// 12 of 6-bit scales, f16 d), Q2_K 84 (16 bytes of 4-bit scale and min, 64 of two bits, f16 d, f16 dmin),
-// Q5_0 22 per 32, Q5_1 24 per 32, Q8_0 34 per 32 (f16 d, 32 int8), IQ4_NL 18 per 32, IQ4_XS 136 per 256.
+// nibbles), Q6_K 210 (128 bytes of low nibbles, 64 of two high bits, 16 int8 scales, f16 d), Q3_K 110 (32 bytes
+// of high bits, 64 of two low bits, 12 of 6-bit scales, f16 d), Q2_K 84 (16 bytes of 4-bit scale and min, 64 of
+// two bits, f16 d, f16 dmin), Q8_0 34 per 32 (f16 d, 32 int8), IQ4_NL 18 per 32, IQ4_XS 136 per 256. The 5-bit
+// types keep their bytes (gguf_blocks.py's numpy rules copy them).
 
 #include <immintrin.h>
 
@@ -25,7 +25,7 @@ namespace {
 using tokenriver::half_to_float;
 
 // GGUF type codes (gguf.GGMLQuantizationType).
-enum : int { Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum : int { Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
 
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -36,7 +36,7 @@ inline float load_half(const uint8_t* p) {
   return half_to_float(h);
 }
 
-// Q4_K / Q5_K's (scale, min) of sub-block j from their 12 packed bytes (ggml's get_scale_min_k4).
+// Q4_K's (scale, min) of sub-block j from their 12 packed bytes (ggml's get_scale_min_k4).
 inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
   if (j < 4) {
     *scale = q[j] & 63;
@@ -50,16 +50,6 @@ inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
 // One block of a re-quantized type → its float values (gguf's dequantization); returns the weights per block.
 int decode_block(int type, const uint8_t* b, float* w) {
   switch (type) {
-    case Q5_1: {
-      const float d = load_half(b), m = load_half(b + 2);
-      uint32_t qh;
-      std::memcpy(&qh, b + 4, 4);
-      for (int j = 0; j < 32; ++j) {
-        const int low = j < 16 ? b[8 + j] & 0x0F : b[8 + j - 16] >> 4;
-        w[j] = d * float(low | (((qh >> j) & 1) << 4)) + m;
-      }
-      return 32;
-    }
     case Q2_K: {
       const float d = load_half(b + 80), dmin = load_half(b + 82);
       for (int e = 0; e < 256; ++e) {
@@ -84,21 +74,6 @@ int decode_block(int type, const uint8_t* b, float* w) {
         const int half = e / 128, shift = 2 * ((e % 128) / 32), l = e % 32;
         const int q = ((qs[half * 32 + l] >> shift) & 3) - (((hmask[l] >> (e / 32)) & 1) ? 0 : 4);
         w[e] = dl[e / 16] * float(q);
-      }
-      return 256;
-    }
-    case Q5_K: {
-      const float d = load_half(b), dmin = load_half(b + 2);
-      const uint8_t* qh = b + 16;
-      const uint8_t* qs = b + 48;
-      for (int g = 0; g < 8; ++g) {
-        int scale, min;
-        scale_min_k4(g, b + 4, &scale, &min);
-        const float dl = d * float(scale), ml = dmin * float(min);
-        for (int l = 0; l < 32; ++l) {
-          const int low = g % 2 ? qs[(g / 2) * 32 + l] >> 4 : qs[(g / 2) * 32 + l] & 0x0F;
-          w[g * 32 + l] = dl * float(low | (((qh[l] >> g) & 1) << 4)) - ml;
-        }
       }
       return 256;
     }
@@ -162,16 +137,6 @@ int exact_int8_block(int type, const uint8_t* b, int8_t* q, uint16_t* scales) {
       std::memcpy(scales, b, 2);
       std::memcpy(q, b + 2, 32);
       return 32;
-    case Q5_0: {
-      uint32_t qh;
-      std::memcpy(&qh, b + 2, 4);
-      for (int j = 0; j < 32; ++j) {
-        const int low = j < 16 ? b[6 + j] & 0x0F : b[6 + j - 16] >> 4;
-        q[j] = int8_t((low | (((qh >> j) & 1) << 4)) - 16);
-      }
-      std::memcpy(scales, b, 2);
-      return 32;
-    }
     case IQ4_NL:
       for (int j = 0; j < 16; ++j) {
         q[j] = kIq4Values[b[2 + j] & 0x0F];
@@ -201,13 +166,10 @@ int exact_int8_block(int type, const uint8_t* b, int8_t* q, uint16_t* scales) {
 
 int block_bytes(int type) {
   switch (type) {
-    case Q5_0: return 22;
     case Q8_0: return 34;
-    case Q5_1: return 24;
     case Q2_K: return 84;
     case Q3_K: return 110;
     case Q4_K: return 144;
-    case Q5_K: return 176;
     case Q6_K: return 210;
     case IQ4_NL: return 18;
     case IQ4_XS: return 136;
@@ -215,9 +177,9 @@ int block_bytes(int type) {
   }
 }
 
-int block_weights(int type) { return type == Q5_0 || type == Q5_1 || type == Q8_0 || type == IQ4_NL ? 32 : 256; }
+int block_weights(int type) { return type == Q8_0 || type == IQ4_NL ? 32 : 256; }
 
-bool is_exact_int8(int type) { return type == Q5_0 || type == Q8_0 || type == IQ4_NL || type == IQ4_XS; }
+bool is_exact_int8(int type) { return type == Q8_0 || type == IQ4_NL || type == IQ4_XS; }
 
 bool is_finite_half(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
 
