@@ -82,7 +82,7 @@ def test_native_products_on_converted_weights_match_the_reference(qtype, num_row
     torch.testing.assert_close(native(x), reference(x), rtol=1e-4, atol=1e-4)
 
 
-NATIVE_TYPES = [Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+NATIVE_TYPES = [Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 
 
 @pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda t: t.name)
@@ -96,3 +96,6 @@ def test_native_conversion_equals_the_numpy_rule_bit_for_bit(qtype):
     torch.testing.assert_close(native.scales, portable.scales, rtol=0, atol=0)
     if isinstance(native, Int4Weight):
         torch.testing.assert_close(native.mins, portable.mins, rtol=0, atol=0)
+        assert (native.high_bits is None) == (portable.high_bits is None)
+        if native.high_bits is not None:
+            torch.testing.assert_close(native.high_bits, portable.high_bits, rtol=0, atol=0)

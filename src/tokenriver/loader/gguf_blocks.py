@@ -110,8 +110,8 @@ def repack_q5_k(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight:
     blocks = _blocks(data, 176, "Q5_K")
     nibbles, scales, mins = _k_quant_runs(blocks, 48, "Q5_K")
     planes = blocks[:, :, None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None] & 1  # [N, B, sub-block, 32]
-    words = np.bitwise_or.reduce(planes.astype(np.uint32) << np.arange(32, dtype=np.uint32), axis=-1)  # [N, B, 8]
-    return _int5_weight(nibbles, scales, mins, words.view(np.uint8), empty)
+    words = np.packbits(planes, axis=-1, bitorder="little")  # [N, B, 8, 4]: each sub-block's word, little-endian
+    return _int5_weight(nibbles, scales, mins, words, empty)
 
 
 def _int5_weight(nibbles: np.ndarray, scales: torch.Tensor, mins: torch.Tensor, high_words: np.ndarray,
@@ -246,6 +246,12 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
     layout = native_layout(tensor_type) if native else None
     kernels = load_kernels()
     data = np.asarray(data)
+    if tensor_type == Q.Q5_K and native and kernels is not None and data.dtype == np.uint8 and data.ndim == 2 \
+            and data.flags.c_contiguous and data.shape[1] % 176 == 0:
+        converted = kernels.convert_q5_k(data, data.shape[1] // 176 * 256, default_num_threads(), empty)
+        if converted is not None:
+            qweight, scales, mins, high_bits = converted
+            return Int4Weight(qweight, scales, mins, GROUP, high_bits)
     if tensor_type in FIVE_BIT:
         return FIVE_BIT[tensor_type](data, empty)
     if layout is not None and kernels is not None and data.dtype == np.uint8 and data.ndim == 2 \

@@ -219,6 +219,7 @@ class NativeKernels:
             "convert_to_int8_supports": ([c_int], c_int),
             "convert_to_int8": ([ptr, c_int, i64, i64, ptr, ptr, c_int], c_int),
             "convert_q4_k": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
+            "convert_q5_k": ([ptr, i64, i64, ptr, ptr, ptr, ptr, c_int], c_int),
             "quantize_int8_groups": ([ptr, i64, i64, ptr, ptr, c_int], None),
             "row_dots_f32": ([ptr, i64, i64, ptr, i64, ptr, c_int], None),
             "moe_route_f32": ([ptr, i64, i64, i64, c_int, ptr, ptr, c_int], None),
@@ -452,6 +453,20 @@ class NativeKernels:
         status = self._functions["convert_q4_k"](blocks.ctypes.data, num_rows, in_features, qweight.data_ptr(),
                                                  scales.data_ptr(), mins.data_ptr(), num_threads)
         return None if status else (qweight, scales, mins)
+
+    def convert_q5_k(self, blocks: np.ndarray, in_features: int, num_threads: int, empty: Allocate = heap_empty,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Q5_K bytes [N, K / 256 * 176] uint8 (C-contiguous) → convert_q4_k's three tensors and the fifth bits
+        [N, K / 32] int32, made by `empty`; None if a scale or min is not finite in float16."""
+        num_rows = blocks.shape[0]
+        qweight = empty((num_rows, in_features // 2), torch.uint8)  # [N, K / 2]
+        scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
+        mins = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
+        high_bits = empty((num_rows, in_features // 32), torch.int32)  # [N, K / 32]
+        status = self._functions["convert_q5_k"](blocks.ctypes.data, num_rows, in_features, qweight.data_ptr(),
+                                                 scales.data_ptr(), mins.data_ptr(), high_bits.data_ptr(),
+                                                 num_threads)
+        return None if status else (qweight, scales, mins, high_bits)
 
     # The small ops of a layer (ops.cpp). Float32 CPU tensors; "rows" may be views with a row stride, but the
     # values inside a row (heads and head dimensions) must be contiguous.

@@ -183,6 +183,45 @@ bool is_exact_int8(int type) { return type == Q8_0 || type == IQ4_NL || type == 
 
 bool is_finite_half(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
 
+// Q4_K blocks (high_bits null) or Q5_K blocks (Q4_K's header, 32 bytes of fifth bits, then the nibbles) → nibbles
+// in Q4_0's order per 32, float16 scales d * sc and mins -dmin * m per 32 and, for Q5_K, each group's fifth bits as
+// one word (bit l: bit g of high-bit byte l). Returns 1 if a scale or min is not finite in float16.
+int convert_k_quant(const uint8_t* src, int64_t N, int64_t K, uint8_t* qweight, uint16_t* scales, uint16_t* mins,
+                    uint32_t* high_bits, int num_threads) {
+  const int64_t blocks = K / 256;
+  const int block_bytes = high_bits == nullptr ? 144 : 176;
+  int status = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : status)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* b = src + (n * blocks + i) * block_bytes;
+      const float d = load_half(b), dmin = load_half(b + 2);
+      const uint8_t* qs = b + (high_bits == nullptr ? 16 : 48);
+      for (int g = 0; g < 8; ++g) {
+        int scale, min;
+        scale_min_k4(g, b + 4, &scale, &min);
+        const int64_t group = n * (K / 32) + i * 8 + g;
+        scales[group] = float_to_half(d * float(scale));
+        mins[group] = float_to_half(-(dmin * float(min)));
+        status |= !is_finite_half(scales[group]) | !is_finite_half(mins[group]);
+        const uint8_t* chunk = qs + (g / 2) * 32;
+        const int shift = 4 * (g % 2);
+        uint8_t* out = qweight + group * 16;
+        for (int j = 0; j < 16; ++j) {
+          out[j] = uint8_t(((chunk[j] >> shift) & 0x0F) | (((chunk[j + 16] >> shift) & 0x0F) << 4));
+        }
+        if (high_bits != nullptr) {
+          uint32_t word = 0;
+          for (int l = 0; l < 32; ++l) word |= uint32_t((b[16 + l] >> g) & 1) << l;
+          high_bits[group] = word;
+        }
+      }
+    }
+  }
+  return status;
+}
+
+
 }  // namespace
 
 extern "C" {
@@ -228,31 +267,14 @@ void quantize_int8_groups(const float* w, int64_t N, int64_t K, int8_t* q, uint1
 // float16 (d * sc and -dmin * m). Returns 0, or 1 if one is not finite in float16.
 int convert_q4_k(const uint8_t* src, int64_t N, int64_t K, uint8_t* qweight, uint16_t* scales, uint16_t* mins,
                  int num_threads) {
-  const int64_t blocks = K / 256;
-  int status = 0;
-#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : status)
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t i = 0; i < blocks; ++i) {
-      const uint8_t* b = src + (n * blocks + i) * 144;
-      const float d = load_half(b), dmin = load_half(b + 2);
-      const uint8_t* qs = b + 16;
-      for (int g = 0; g < 8; ++g) {
-        int scale, min;
-        scale_min_k4(g, b + 4, &scale, &min);
-        const int64_t group = n * (K / 32) + i * 8 + g;
-        scales[group] = float_to_half(d * float(scale));
-        mins[group] = float_to_half(-(dmin * float(min)));
-        status |= !is_finite_half(scales[group]) | !is_finite_half(mins[group]);
-        const uint8_t* chunk = qs + (g / 2) * 32;
-        const int shift = 4 * (g % 2);
-        uint8_t* out = qweight + group * 16;
-        for (int j = 0; j < 16; ++j) {
-          out[j] = uint8_t(((chunk[j] >> shift) & 0x0F) | (((chunk[j + 16] >> shift) & 0x0F) << 4));
-        }
-      }
-    }
-  }
-  return status;
+  return convert_k_quant(src, N, K, qweight, scales, mins, nullptr, num_threads);
+}
+
+// Q5_K src [N, K / 256 * 176] → convert_q4_k's outputs and the fifth bits high_bits [N, K / 32]
+// (loader/gguf_blocks.py's repack_q5_k).
+int convert_q5_k(const uint8_t* src, int64_t N, int64_t K, uint8_t* qweight, uint16_t* scales, uint16_t* mins,
+                 uint32_t* high_bits, int num_threads) {
+  return convert_k_quant(src, N, K, qweight, scales, mins, high_bits, num_threads);
 }
 
 }  // extern "C"
