@@ -9,6 +9,12 @@ import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels (models/cuda) run in Triton's interpreter, on CPU tensors. Triton reads this
+    # when it is first imported (its own library functions, tl.sum among them, are made then), so it is set here,
+    # before any test imports it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked cuda skip, saying why, where PyTorch sees no GPU (CI); benchmarks/gpu_check.sh runs them."""

@@ -18,9 +18,11 @@ path in benchmarks/results/attention.md):
   on which of the two computes it, not on the rest of its chunk or what it was batched with.
 - Without the native kernels (bfloat16 cache, other devices, no compiler, autograd
   on), decode tokens of all requests go through one batched SDPA call over their block tables
-  gathered into a padded [B, max_len] view with a length mask, and every other
-  request through `scaled_dot_product_attention` (PyTorch's flash-attention CPU kernel) over its
-  gathered blocks.
+  gathered into a padded [B, max_len] view with a length mask; on an NVIDIA GPU with Triton, through
+  one kernel that reads their blocks in place instead (models/cuda/paged_decode.py). Prompt chunks
+  with nothing cached before them (fresh prompts) take one causal SDPA call together, right-padded
+  to the longest, with their keys and values taken from the step itself; every other request goes
+  through `scaled_dot_product_attention` over its gathered blocks.
 
 Two variants some architectures need (Gemma 2 and 3, Mistral): a sliding window (`window` > 0: a token sees only
 the last `window` positions up to its own), applied as a mask on every path, native and torch, over the same blocks
@@ -111,6 +113,27 @@ class AttentionMetadata:
         num_slots = self.decode_block_tables.shape[1] * self.block_size
         slots = torch.arange(num_slots, device=self.block_tables.device)
         return slots[None, :] < self.decode_lengths[:, None]
+
+    @cached_property
+    def fresh_prompts(self) -> "FreshPrompts":
+        """The prompt chunks with nothing cached before them, for one padded attention call (torch path only)."""
+        indices = [i for i in self.prefill_indices if self.query_lens[i] == self.seq_lens[i]]
+        max_len = max((self.query_lens[i] for i in indices), default=0)
+        if len(indices) < 2 or len(indices) * max_len > 2 * sum(self.query_lens[i] for i in indices):
+            # One prompt, or lengths so uneven that padding would be most of the work: one call per prompt.
+            return FreshPrompts(indices, frozenset(indices), max_len, None, None, None)
+        starts = self.query_start_loc
+        rows: list[int] = []
+        padded_rows: list[int] = []
+        gather: list[int] = []
+        for b, i in enumerate(indices):
+            length = self.query_lens[i]
+            rows.extend(range(starts[i], starts[i] + length))
+            padded_rows.extend(range(b * max_len, b * max_len + length))
+            gather.extend(starts[i] + min(j, length - 1) for j in range(max_len))
+        device = self.block_tables.device
+        return FreshPrompts(indices, frozenset(indices), max_len, to_device(rows, device),
+                            to_device(padded_rows, device), to_device(gather, device))
 
     @classmethod
     def for_decode_graph(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -218,42 +241,108 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """`paged_attention` in PyTorch ops: any dtype and device (see the module docstring)."""
     write_kv(key, value, kv_cache, metadata.slot_mapping)
     key_cache, value_cache = kv_cache
-    num_kv_heads, entry = key_cache.shape[2], key_cache.shape[3]
     output = torch.empty_like(query, memory_format=torch.contiguous_format)  # [num_tokens, num_heads, head_dim]
     if metadata.decode_indices:
         # Every token a decode (a decode batch, a CUDA graph's): their rows are the query's rows, no gather.
         all_decodes = len(metadata.decode_indices) == len(metadata.query_lens)
         starts = metadata.query_start_loc
         rows = None if all_decodes else to_device([starts[i] for i in metadata.decode_indices], query.device)
-        tables = metadata.decode_block_tables
-        num_decodes, num_blocks = tables.shape
-        flat_tables = tables.flatten()
-        # index_select, not key_cache[tables]: advanced indexing on CPU walks the whole pool (ms instead of µs).
-        # [num_decodes, num_blocks * block_size, num_kv_heads, entry] -> [num_decodes, num_kv_heads, S, head_dim]
-        keys = decode_entries(key_cache.index_select(0, flat_tables).view(
-            num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), query.dtype).transpose(1, 2)
-        values = decode_entries(value_cache.index_select(0, flat_tables).view(
-            num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), query.dtype).transpose(1, 2)
         q = query if rows is None else query.index_select(0, rows)  # [num_decodes, num_heads, head_dim]
-        mask = metadata.decode_mask  # [num_decodes, S]
-        if window > 0:
-            lengths = metadata.decode_lengths
-            mask = mask & (torch.arange(mask.shape[1], device=query.device)[None, :] >= lengths[:, None] - window)
-        if softcap is None:
-            # Each kv head's group of query heads as its query rows: plain attention with a mask, which a GPU's
-            # memory-efficient kernel takes (grouped heads with a mask leave SDPA only its unfused math path).
-            grouped = q.reshape(num_decodes, num_kv_heads, -1, q.shape[2])  # [num_decodes, num_kv_heads, group, hd]
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :],
-                                                 scale=scale).reshape(q.shape)
+        decode = _paged_decode(query, key_cache)
+        if decode is not None:
+            out = decode.paged_decode_attention(q, key_cache, value_cache, metadata.decode_block_tables,
+                                                metadata.decode_lengths, scale, window, softcap)
         else:
-            out = _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap).squeeze(2)
+            out = _attend_decodes_gathered(q, kv_cache, metadata, scale, window, softcap)
         if rows is None:
             output.copy_(out)
         else:
             output.index_copy_(0, rows, out)
-    for i in metadata.prefill_indices:
-        _attend_prompt(query, kv_cache, metadata, i, scale, output, window, softcap)
+    _attend_prompts(query, key, value, kv_cache, metadata, scale, output, window, softcap)
     return output
+
+
+def _attend_decodes_gathered(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                             metadata: AttentionMetadata, scale: float, window: int,
+                             softcap: float | None) -> torch.Tensor:
+    """The decode tokens q [num_decodes, num_heads, head_dim] over their blocks gathered into a padded view, with a
+    length mask, in one SDPA call."""
+    key_cache, value_cache = kv_cache
+    num_kv_heads, entry = key_cache.shape[2], key_cache.shape[3]
+    tables = metadata.decode_block_tables
+    num_decodes, num_blocks = tables.shape
+    flat_tables = tables.flatten()
+    # index_select, not key_cache[tables]: advanced indexing on CPU walks the whole pool (ms instead of µs).
+    # [num_decodes, num_blocks * block_size, num_kv_heads, entry] -> [num_decodes, num_kv_heads, S, head_dim]
+    keys = decode_entries(key_cache.index_select(0, flat_tables).view(
+        num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), q.dtype).transpose(1, 2)
+    values = decode_entries(value_cache.index_select(0, flat_tables).view(
+        num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), q.dtype).transpose(1, 2)
+    mask = metadata.decode_mask  # [num_decodes, S]
+    if window > 0:
+        lengths = metadata.decode_lengths
+        mask = mask & (torch.arange(mask.shape[1], device=q.device)[None, :] >= lengths[:, None] - window)
+    if softcap is None:
+        # Each kv head's group of query heads as its query rows: plain attention with a mask, which a GPU's
+        # memory-efficient kernel takes (grouped heads with a mask leave SDPA only its unfused math path).
+        grouped = q.reshape(num_decodes, num_kv_heads, -1, q.shape[2])  # [num_decodes, num_kv_heads, group, hd]
+        return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :],
+                                              scale=scale).reshape(q.shape)
+    return _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap).squeeze(2)
+
+
+def _paged_decode(query: torch.Tensor, key_cache: torch.Tensor):
+    """models/cuda/paged_decode.py where it takes this layer's decode tokens (a CUDA tensor, Triton, a cache in the
+    query's dtype), else None. Imported on first use: a CPU run never loads Triton."""
+    if not query.is_cuda or torch.is_grad_enabled():
+        return None
+    from tokenriver.models.cuda import paged_decode
+
+    return paged_decode if paged_decode.triton is not None and paged_decode.fits(query, key_cache) else None
+
+
+def _attend_prompts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata, scale: float,
+                    output: torch.Tensor, window: int, softcap: float | None) -> None:
+    """The step's prompt chunks: the fresh ones (no cached prefix) in one padded SDPA call where that applies
+    (`_attend_fresh_prompts`), every other one over its gathered blocks."""
+    fresh = metadata.fresh_prompts
+    batched = (fresh.rows is not None and softcap is None and (window <= 0 or window >= fresh.max_len)
+               and kv_cache[0].dtype == query.dtype and query.dim() == 3)
+    if batched:
+        _attend_fresh_prompts(query, key, value, fresh, scale, output)
+    for i in metadata.prefill_indices:
+        if not (batched and i in fresh.index_set):
+            _attend_prompt(query, kv_cache, metadata, i, scale, output, window, softcap)
+
+
+@dataclass
+class FreshPrompts:
+    """The prompt chunks of a step that start at position 0, laid out for one padded batch: B requests, each
+    right-padded to the longest (L tokens). Causal attention from the top-left never lets a real token see the
+    padding after it, so padded rows are computed and dropped."""
+
+    indices: list[int]  # requests, in the step's order
+    index_set: frozenset[int]
+    max_len: int
+    # None where they run one call each (a single prompt, or padding that would outweigh the prompts).
+    rows: torch.Tensor | None  # [num_fresh_tokens] their flat rows
+    padded_rows: torch.Tensor | None  # [num_fresh_tokens] each one's row in the [B * L] padded batch
+    gather: torch.Tensor | None  # [B * L] the flat row each padded row copies (a padding row copies its last token)
+
+
+def _attend_fresh_prompts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fresh: FreshPrompts,
+                          scale: float, output: torch.Tensor) -> None:
+    """Causal SDPA of every fresh prompt in one call: their keys and values are this step's own (nothing before
+    them is cached), so they come from `key` and `value` directly, not from the pool."""
+    batch, length = len(fresh.indices), fresh.max_len
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, heads, d] -> [B, heads, L, d]
+        return x.index_select(0, fresh.gather).view(batch, length, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    out = _attend(padded(query), padded(key), padded(value), None, scale, None)  # [B, heads, L, d]
+    out = out.transpose(1, 2).reshape(batch * length, query.shape[1], query.shape[2])
+    output.index_copy_(0, fresh.rows, out.index_select(0, fresh.padded_rows))
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,

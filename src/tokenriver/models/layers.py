@@ -10,10 +10,12 @@ dispatch (a dozen small ops per layer), not arithmetic. Where the native kernels
 are built (models/native, x86-64 with AVX2) and the tensors are float32 on the
 CPU, `rms_norm`, `apply_rotary_`, `silu_and_mul` and `gelu_tanh_and_mul` run as one native call each,
 computing the same arithmetic (equal to the torch definitions within ~1e-6
-relative: sums are added in another order and exp is a polynomial). Anything
-else (bfloat16, other devices, no compiler) takes the torch definitions, and so
-does any call with autograd on (`torch.is_grad_enabled()`): the kernels record
-no gradients.
+relative: sums are added in another order and exp is a polynomial). On an
+NVIDIA GPU with Triton, `rms_norm`, `apply_rotary_`, `silu_and_mul` and
+`gelu_tanh_and_mul` run as one Triton kernel each (models/cuda/fused_ops.py), rounding where the torch
+definitions round. Anything else (bfloat16 on the CPU, other devices, no
+compiler) takes the torch definitions, and so does any call with autograd on
+(`torch.is_grad_enabled()`): the kernels record no gradients.
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenriver.models.native.kernels import is_contiguous_f32, kernels_for
+
+
+def _fused_ops(x: torch.Tensor) -> Any:
+    """The Triton kernel module for a CUDA tensor outside autograd where Triton imports, else None. Imported on
+    first use: a CPU run never loads Triton."""
+    if not x.is_cuda or torch.is_grad_enabled():
+        return None
+    from tokenriver.models.cuda import fused_ops
+
+    return fused_ops if fused_ops.available(x.device) else None
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -50,6 +62,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             and is_contiguous_f32(weight) and weight.shape == x.shape[1:]
             and (residual is None or (is_contiguous_f32(residual) and residual.shape == x.shape))):
         return kernels.rms_norm(x, weight, eps, residual)
+    fused = _fused_ops(x)
+    if (fused is not None and fused.fits_rows(x) and weight.dim() == 1 and weight.is_contiguous()
+            and weight.shape[0] == x.shape[1] <= fused.MAX_NORM_COLUMNS
+            and (residual is None or (fused.fits_rows(residual) and residual.shape == x.shape
+                                      and residual.dtype == x.dtype))):
+        return fused.rms_norm(x, weight, eps, residual)
     return rms_norm_torch(x, weight, eps, residual)
 
 
@@ -187,6 +205,14 @@ def apply_rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin
             kernels.rotary_(query, key, cos, sin)
             return
     both = _adjacent_heads(query, key)
+    fused = _fused_ops(query)
+    if fused is not None and cos.dtype == query.dtype == key.dtype and sin.dtype == cos.dtype:
+        targets = [both] if both is not None else [query, key]
+        if all(fused.fits_heads(x) and x.shape[0] == cos.shape[0] and x.shape[2] == 2 * cos.shape[-1]
+               for x in targets):
+            for x in targets:
+                fused.rotary_(x, cos, sin)
+            return
     if both is not None:  # one set of ops for both: half the small launches of a GPU's decode step
         both.copy_(apply_rotary(both, cos, sin))
         return
@@ -217,6 +243,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if (kernels is not None and not torch.is_grad_enabled() and gate_up.dim() == 2
             and is_contiguous_f32(gate_up)):
         return kernels.silu_mul(gate_up)
+    fused = _fused_ops(gate_up)
+    if fused is not None and fused.fits_rows(gate_up) and gate_up.shape[1] % 2 == 0:
+        return fused.silu_and_mul(gate_up)
     return silu_and_mul_torch(gate_up)
 
 
@@ -247,4 +276,7 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if (kernels is not None and not torch.is_grad_enabled() and gate_up.dim() == 2
             and is_contiguous_f32(gate_up)):
         return kernels.gelu_tanh_mul(gate_up)
+    fused = _fused_ops(gate_up)
+    if fused is not None and fused.fits_rows(gate_up) and gate_up.shape[1] % 2 == 0:
+        return fused.gelu_tanh_and_mul(gate_up)
     return gelu_tanh_and_mul_torch(gate_up)

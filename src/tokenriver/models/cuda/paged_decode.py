@@ -1,0 +1,117 @@
+"""Decode attention over the paged KV cache on NVIDIA GPUs, in one Triton kernel.
+
+A decode token attends to every cached key of its request. Through PyTorch ops that means gathering each request's
+blocks into a padded copy of its context (keys and values written once and read twice more), building a length
+mask, then SDPA: several kernels, and memory traffic that grows with the batch's longest context. This kernel reads
+each request's keys and values straight from its blocks, through its block table, once.
+
+One program per (request, kv head) serves the query heads of that kv head's group (grouped-query attention) from
+every key it loads. It walks the context from position 0 in tiles of positions, with an online softmax in
+float32: a request's result depends on its own context only, never on the batch around it. The scores and the
+weighted sum are float32 sums of products, without tensor cores: a decode step reads far more bytes than it
+multiplies, and float32 caches stay exact. The walk's length is the block table's width rounded up to a power of
+two (a compile-time bound, so a few widths share one compiled kernel); tiles past a request's context, and before
+a sliding window's first tile, are skipped. Soft-capping applies softcap * tanh(score / softcap) before the softmax.
+
+A long context in a small batch runs on few programs (no split over the context): decode batches and short
+contexts are what it is for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+# Elements of the [group, tile, head_dim] product one loop iteration holds: the tile of context positions is as
+# long as keeps it in registers, between MIN_TILE and MAX_TILE positions.
+TILE_ELEMENTS = 8192
+MIN_TILE, MAX_TILE = 16, 64
+# The window of a layer without one: longer than any context.
+NO_WINDOW = 2**31 - 1
+
+
+def fits(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes this call: the cache in the query's dtype (not int8), whole heads, and the query's
+    heads a multiple of the cache's."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    return (query.dim() == 3 and query.stride(2) == 1 and key_cache.dtype == query.dtype
+            and query.dtype in (torch.float32, torch.float16, torch.bfloat16) and query.shape[2] == head_dim
+            and query.shape[1] % num_kv_heads == 0 and key_cache.is_contiguous())
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
+                           softcap: float | None = None) -> torch.Tensor:
+    """query [B, num_heads, head_dim] (one token per request); key_cache, value_cache [num_blocks, block_size,
+    num_kv_heads, head_dim]; block_tables [B, max_blocks] and seq_lens [B] int64 on the GPU (the context each
+    token sees, itself included). Returns [B, num_heads, head_dim] in the query's dtype."""
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    group_pad, dim_pad = max(2, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
+    tile = min(MAX_TILE, max(MIN_TILE, triton.next_power_of_2(TILE_ELEMENTS // (group_pad * dim_pad))))
+    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if batch == 0:
+        return out
+    _decode_kernel[(batch, num_kv_heads)](
+        query, key_cache, value_cache, block_tables, seq_lens, out, scale, window if window > 0 else NO_WINDOW,
+        softcap or 0.0,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), block_size, group, head_dim,
+        GROUP=group_pad, DIM=dim_pad, TILE=tile,
+        MAX_LEN=max(tile, triton.next_power_of_2(block_tables.shape[1] * block_size)),
+        HAS_SOFTCAP=softcap is not None, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, window, softcap,
+                       q_stride_token, q_stride_head, cache_stride_block, cache_stride_slot, cache_stride_head,
+                       table_stride, out_stride_token, out_stride_head, block_size, group, head_dim,
+                       GROUP: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, MAX_LEN: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr):
+        request = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        g = tl.arange(0, GROUP)
+        d = tl.arange(0, DIM)
+        n = tl.arange(0, TILE)
+        g_mask = g < group
+        d_mask = d < head_dim
+        heads = kv_head * group + g  # [GROUP] query heads served
+        q = tl.load(q_ptr + request * q_stride_token + heads[:, None] * q_stride_head + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [GROUP, DIM]
+        seq_len = tl.load(lens_ptr + request)
+        first = tl.maximum(seq_len - window, 0)  # the window's first position
+        m = tl.full((GROUP,), -1.0e30, tl.float32)  # finite: a fully masked tile leaves every sum unchanged
+        total = tl.zeros((GROUP,), tl.float32)
+        acc = tl.zeros((GROUP, DIM), tl.float32)
+        for tile in range(0, MAX_LEN, TILE):
+            if (tile < seq_len) & (tile + TILE > first):  # tiles past the context or before the window: skipped
+                position = tile + n  # [TILE]
+                valid = (position < seq_len) & (position >= first)
+                block = tl.load(tables_ptr + request * table_stride + position // block_size, mask=valid, other=0)
+                slot = (block * cache_stride_block + (position % block_size) * cache_stride_slot
+                        + kv_head * cache_stride_head)  # [TILE]
+                kv_mask = valid[:, None] & d_mask[None, :]
+                k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+                scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP, TILE]
+                if HAS_SOFTCAP:
+                    scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))  # softcap * tanh(s / cap)
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                p = tl.exp(scores - m_new[:, None])
+                alpha = tl.exp(m - m_new)
+                total = total * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [GROUP, DIM]
+                m = m_new
+        out = acc / total[:, None]
+        tl.store(out_ptr + request * out_stride_token + heads[:, None] * out_stride_head + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])

@@ -1,0 +1,166 @@
+"""The Triton kernels of a layer's small ops (models/cuda/fused_ops.py) and of decode attention
+(models/cuda/paged_decode.py) against their PyTorch definitions.
+
+On a machine with an NVIDIA GPU they compile and run there, bfloat16 included. Without one they run in Triton's
+interpreter on CPU tensors (float32 and float16: the interpreter has no bfloat16), which checks the indexing, the
+masks of odd shapes, the strided views and the rounding points, not speed.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenriver.models.layers import apply_rotary, gelu_tanh_and_mul_torch, rms_norm_torch, silu_and_mul_torch
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# exp overflows to inf on purpose where an activation saturates; the interpreter's NumPy warns about it.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+NEEDS_GPU = [pytest.mark.cuda, pytest.mark.skipif(not ON_GPU, reason="the interpreter has no bfloat16")]
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=NEEDS_GPU)]
+
+
+def _load(name: str):
+    """The kernel module; without a GPU, tests/conftest.py has put Triton in its interpreter before any import."""
+    pytest.importorskip("triton", reason="triton is not installed: the CUDA kernels are untested")
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return _load("tokenriver.models.cuda.fused_ops")
+
+
+@pytest.fixture(scope="module")
+def decode():
+    return _load("tokenriver.models.cuda.paged_decode")
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(DEVICE)
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's roundoff at the values' size."""
+    eps = torch.finfo(want.dtype).eps
+    diff = (got.double() - want.double()).abs()
+    return float((diff / (want.double().abs() * eps + torch.finfo(want.dtype).tiny)).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("columns", [7, 100, 576])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_its_definition(ops, dtype, columns, with_residual):
+    wide = _rand(5, columns + 3, dtype=dtype, seed=columns)
+    x = wide[:, :columns]  # rows spaced apart, as a view into a wider tensor
+    weight = _rand(columns, dtype=dtype, seed=1)
+    residual = _rand(5, columns, dtype=dtype, seed=2) if with_residual else None
+    want_residual = None if residual is None else residual.clone()
+    want = rms_norm_torch(x.clone(), weight, 1e-5, want_residual)
+    got = ops.rms_norm(x, weight, 1e-5, residual)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if residual is not None:
+        assert torch.equal(residual, want_residual)  # the add rounds once, as residual.add_ does
+    # The sum of squares is added in another order: a 16-bit result may land one rounding away.
+    assert _ulps(got, want) <= (16.0 if dtype == torch.float32 else 2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_float32_weight_on_16_bit_rows_promotes_as_torch_does(ops, dtype):
+    x, weight = _rand(3, 64, dtype=dtype, seed=3), _rand(64, dtype=torch.float32, seed=4)
+    got, want = ops.rms_norm(x, weight, 1e-6), rms_norm_torch(x, weight, 1e-6)
+    assert got.dtype == want.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, rotary_dim", [(4, 2, 64, 64), (3, 1, 80, 80),
+                                                                          (4, 4, 96, 32)])
+def test_rotary_in_place_on_views_of_the_qkv_row(ops, dtype, num_heads, num_kv_heads, head_dim, rotary_dim):
+    tokens = 6
+    qkv = _rand(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=head_dim)
+    heads = qkv.view(tokens, -1, head_dim)[:, :num_heads + num_kv_heads, :rotary_dim]  # query and key heads
+    angles = torch.rand(tokens, 1, rotary_dim // 2, generator=torch.Generator().manual_seed(5)) * 6
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    want = apply_rotary(heads.clone(), cos, sin)
+    untouched = qkv.view(tokens, -1, head_dim)[:, num_heads + num_kv_heads:].clone()  # the value heads
+    rest = qkv.view(tokens, -1, head_dim)[:, :, rotary_dim:].clone()
+    ops.rotary_(heads, cos, sin)
+    assert torch.equal(qkv.view(tokens, -1, head_dim)[:, num_heads + num_kv_heads:], untouched)
+    assert torch.equal(qkv.view(tokens, -1, head_dim)[:, :, rotary_dim:], rest)
+    if dtype == torch.float32:
+        assert torch.allclose(heads, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(heads, want)  # each product and sum rounded where PyTorch's ops round them
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("columns", [5, 1536, 1500])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_activations_match_their_definitions(ops, dtype, columns, activation):
+    gate_up = _rand(4, 2 * columns, dtype=dtype, seed=columns, scale=3.0)
+    kernel, definition = ((ops.silu_and_mul, silu_and_mul_torch) if activation == "silu" else
+                          (ops.gelu_tanh_and_mul, gelu_tanh_and_mul_torch))
+    got, want = kernel(gate_up), definition(gate_up)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # Within the exponential's last bits. Where gelu's output is tiny (a large negative gate) PyTorch's
+    # 0.5 g (1 + tanh) cancels, off by up to ~eps |g| before the product with up; the kernel's sigmoid form does not.
+    eps = torch.finfo(dtype).eps
+    gate, up = (half.double().abs() for half in gate_up.chunk(2, dim=-1))
+    error = (got.double() - want.double()).abs()
+    bound = (16 if dtype == torch.float32 else 1) * eps * want.double().abs() + 2 * eps * gate * up
+    assert bool((error <= bound).all())
+
+
+def _reference_decode(query, key_cache, value_cache, tables, lengths, scale, window=0, softcap=None):
+    """Each token over its gathered context in float64."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for b, length in enumerate(lengths.tolist()):
+        slots = [tables[b, p // block_size].item() * block_size + p % block_size for p in range(length)]
+        keys = key_cache.reshape(-1, num_kv_heads, key_cache.shape[3])[slots].double().cpu()  # [S, kv, d]
+        values = value_cache.reshape(-1, num_kv_heads, key_cache.shape[3])[slots].double().cpu()
+        q = query[b].double().cpu()  # [heads, d]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,shd->hs", q, keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if window > 0:
+            scores[:, :max(0, length - window)] = float("-inf")
+        out[b] = torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), values)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 64), (6, 2, 80), (2, 2, 32), (8, 1, 64)])
+@pytest.mark.parametrize("window, softcap", [(0, None), (20, None), (0, 30.0), (7, 5.0)])
+def test_paged_decode_attention_matches_the_gathered_context(decode, dtype, num_heads, num_kv_heads, head_dim,
+                                                             window, softcap):
+    block_size, num_blocks = 16, 24
+    key_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=1)
+    value_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=2)
+    lengths = torch.tensor([1, 16, 17, 70, 33], device=DEVICE)  # one slot, a whole block, past one, several
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
+    tables = torch.stack([order[b * 4:b * 4 + 6] for b in range(len(lengths))]).to(DEVICE)  # blocks out of order
+    wide = _rand(len(lengths), num_heads + 2, head_dim, dtype=dtype, seed=4)
+    query = wide[:, :num_heads]  # rows spaced apart, as a view of the qkv row
+    got = decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window,
+                                        softcap)
+    want = _reference_decode(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window, softcap)
+    assert got.dtype == dtype and got.shape == query.shape
+    error = (got.double().cpu() - want).norm() / want.norm()
+    assert error < (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+def test_paged_decode_attention_takes_only_what_it_can_read(decode):
+    query = torch.zeros(2, 4, 64)
+    assert decode.fits(query, torch.zeros(3, 16, 2, 64))
+    assert not decode.fits(query, torch.zeros(3, 16, 2, 64, dtype=torch.float16))  # another dtype: rounded cache
+    assert not decode.fits(query, torch.zeros(3, 16, 3, 64))  # 4 heads over 3 kv heads
+    assert not decode.fits(query, torch.zeros(3, 16, 2, 68, dtype=torch.int8))  # the int8 layout
