@@ -84,10 +84,17 @@ def main() -> int:
                         help="a second configuration, NAME=INT engine options joined by commas ('' for none)")
     parser.add_argument("--top", type=int, default=25, help="kernels and host calls listed (default 25)")
     args = parser.parse_args()
+    compare: dict[str, int] = {}
+    for item in filter(None, args.compare.split(",")):
+        name, _, value = item.partition("=")
+        if not name or not value.lstrip("-").isdigit():
+            parser.error(f"--compare: {item!r} is not NAME=INT (e.g. num_scheduler_steps=32)")
+        compare[name] = int(value)
+    if args.prompts < 1 or args.tokens < 2 or args.prompt_len < 1:
+        parser.error("--prompts and --prompt-len must be at least 1, --tokens at least 2")
+    configurations = [("default", {})] + ([(args.compare, compare)] if compare else [])
     if not torch.cuda.is_available():
         parser.error(f"this torch ({torch.__version__}) sees no CUDA GPU")
-    compare = dict(item.split("=") for item in args.compare.split(",") if item)
-    configurations = [("default", {})] + ([(args.compare, {k: int(v) for k, v in compare.items()})] if compare else [])
 
     from tokenriver import LLM
 
