@@ -193,6 +193,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tenso
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values in their slots."""
     key_cache, value_cache = kv_cache
+    writer = _kv_writer(key, value, key_cache)
+    if writer is not None:
+        writer.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        return
     num_kv_heads, entry = key_cache.shape[2], key_cache.shape[3]
     encode = encode_int8 if key_cache.dtype == torch.int8 else (lambda x: x.to(key_cache.dtype))
     # [num_blocks * block_size, num_kv_heads, entry] views of the pools.
@@ -251,13 +255,14 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
         decode = _paged_decode(query, key_cache)
         if decode is not None:
             out = decode.paged_decode_attention(q, key_cache, value_cache, metadata.decode_block_tables,
-                                                metadata.decode_lengths, scale, window, softcap)
+                                                metadata.decode_lengths, scale, window, softcap,
+                                                out=output if rows is None else None)
         else:
             out = _attend_decodes_gathered(q, kv_cache, metadata, scale, window, softcap)
-        if rows is None:
-            output.copy_(out)
-        else:
+        if rows is not None:
             output.index_copy_(0, rows, out)
+        elif out is not output:
+            output.copy_(out)
     _attend_prompts(query, key, value, kv_cache, metadata, scale, output, window, softcap)
     return output
 
@@ -299,6 +304,16 @@ def _paged_decode(query: torch.Tensor, key_cache: torch.Tensor):
     from tokenriver.models.cuda import paged_decode
 
     return paged_decode if paged_decode.triton is not None and paged_decode.fits(query, key_cache) else None
+
+
+def _kv_writer(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor):
+    """models/cuda/kv_write.py where it takes this layer's cache write (a CUDA tensor, Triton, a cache in the
+    keys' dtype), else None. Imported on first use: a CPU run never loads Triton."""
+    if not key.is_cuda or torch.is_grad_enabled():
+        return None
+    from tokenriver.models.cuda import kv_write
+
+    return kv_write if kv_write.triton is not None and kv_write.fits(key, value, key_cache) else None
 
 
 def _attend_prompts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -156,6 +156,18 @@ def test_paged_decode_attention_matches_the_gathered_context(decode, dtype, num_
     assert got.dtype == dtype and got.shape == query.shape
     error = (got.double().cpu() - want).norm() / want.norm()
     assert error < (1e-5 if dtype == torch.float32 else 5e-3)
+    into = torch.full(query.shape, float("nan"), dtype=dtype, device=DEVICE)  # the caller's buffer, written in place
+    assert decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window,
+                                         softcap, out=into) is into
+    assert torch.equal(into, got)
+
+
+def test_paged_decode_attention_refuses_an_output_buffer_it_cannot_fill(decode):
+    query, cache = torch.zeros(2, 4, 64), torch.zeros(3, 16, 2, 64)
+    tables, lengths = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    for out in (torch.zeros(2, 4, 32), torch.zeros(2, 4, 64, dtype=torch.float16), torch.zeros(2, 64, 4).mT):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            decode.paged_decode_attention(query, cache, cache, tables, lengths, 0.125, out=out)
 
 
 def test_paged_decode_attention_takes_only_what_it_can_read(decode):
@@ -164,3 +176,35 @@ def test_paged_decode_attention_takes_only_what_it_can_read(decode):
     assert not decode.fits(query, torch.zeros(3, 16, 2, 64, dtype=torch.float16))  # another dtype: rounded cache
     assert not decode.fits(query, torch.zeros(3, 16, 3, 64))  # 4 heads over 3 kv heads
     assert not decode.fits(query, torch.zeros(3, 16, 2, 68, dtype=torch.int8))  # the int8 layout
+
+
+@pytest.fixture(scope="module")
+def kv_write():
+    return _load("tokenriver.models.cuda.kv_write")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 64), (6, 3, 80), (8, 1, 256)])
+def test_kv_write_stores_each_token_in_its_slot(kv_write, dtype, num_heads, num_kv_heads, head_dim):
+    """As attention.write_kv's index_copy_ does, from the key and value views of a qkv row."""
+    block_size, num_blocks = 16, 6
+    key_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=1)
+    value_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=2)
+    want_keys, want_values = key_cache.clone(), value_cache.clone()
+    qkv = _rand(5, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, seed=3)
+    _, key, value = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+    slots = torch.tensor([0, 17, 95, 40, 41], device=DEVICE)  # a block's first and last, out of order
+    assert kv_write.fits(key, value, key_cache)
+    kv_write.write_kv(key, value, key_cache, value_cache, slots)
+    want_keys.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    want_values.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+    assert torch.equal(key_cache, want_keys) and torch.equal(value_cache, want_values)
+
+
+def test_kv_write_takes_only_what_it_can_store(kv_write):
+    key, cache = torch.zeros(3, 2, 64), torch.zeros(4, 16, 2, 64)
+    assert kv_write.fits(key, key, cache)
+    assert not kv_write.fits(key, key, cache.half())  # a cache in another dtype rounds: PyTorch's path
+    assert not kv_write.fits(key, key, torch.zeros(4, 16, 2, 68, dtype=torch.int8))  # int8 entries with a scale
+    assert not kv_write.fits(key, key, torch.zeros(4, 16, 1, 64))  # other heads
+    assert not kv_write.fits(key.mT.contiguous().mT, key, cache)  # a head's values spaced apart

@@ -3,8 +3,8 @@
 Where no GPU is at hand the kernels run in Triton's interpreter on CPU tensors: the layers' and attention's
 dispatch is pointed at them for CPU tensors, and a tiny model's greedy outputs (float32, widened random weights:
 logits far apart) must be the ones the PyTorch path gives. Llama covers RMSNorm, rotary on the fused qkv view,
-SiLU, decode attention and batched fresh prompts beside a prefix-cache hit; Gemma 3 sliding windows, q/k norms and
-GeLU; Gemma 2 soft-capped scores. On a GPU the `cuda` tests run the same kernels for real (tests/engine).
+SiLU, the cache writes, decode attention and batched fresh prompts beside a prefix-cache hit; Gemma 3 sliding
+windows, q/k norms and GeLU; Gemma 2 soft-capped scores. On a GPU the `cuda` tests run the same kernels for real (tests/engine).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def _kernels_on_cpu(monkeypatch) -> dict[str, int]:
 
     fused_ops = importlib.import_module("tokenriver.models.cuda.fused_ops")
     paged_decode = importlib.import_module("tokenriver.models.cuda.paged_decode")
+    kv_write = importlib.import_module("tokenriver.models.cuda.kv_write")
     calls: dict[str, int] = {}
 
     def counted(name, function):
@@ -48,9 +49,12 @@ def _kernels_on_cpu(monkeypatch) -> dict[str, int]:
         monkeypatch.setattr(fused_ops, name, counted(name, getattr(fused_ops, name)))
     monkeypatch.setattr(paged_decode, "paged_decode_attention",
                         counted("decode", paged_decode.paged_decode_attention))
+    monkeypatch.setattr(kv_write, "write_kv", counted("kv_write", kv_write.write_kv))
     monkeypatch.setattr(layers, "_fused_ops", lambda x: None if torch.is_grad_enabled() else fused_ops)
     monkeypatch.setattr(attention, "_paged_decode",
                         lambda query, key_cache: paged_decode if paged_decode.fits(query, key_cache) else None)
+    monkeypatch.setattr(attention, "_kv_writer",
+                        lambda key, value, key_cache: kv_write if kv_write.fits(key, value, key_cache) else None)
     return calls
 
 
@@ -73,9 +77,9 @@ def _model(kind: str, folder: Path) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("kind, used", [("llama", {"rms_norm", "rotary_", "silu_and_mul", "decode"}),
-                                        ("gemma3", {"rms_norm", "rotary_", "gelu_tanh_and_mul", "decode"}),
-                                        ("gemma2", {"rms_norm", "rotary_", "gelu_tanh_and_mul", "decode"})])
+@pytest.mark.parametrize("kind, used", [("llama", {"rms_norm", "rotary_", "silu_and_mul", "decode", "kv_write"}),
+                                        ("gemma3", {"rms_norm", "rotary_", "gelu_tanh_and_mul", "decode", "kv_write"}),
+                                        ("gemma2", {"rms_norm", "rotary_", "gelu_tanh_and_mul", "decode", "kv_write"})])
 def test_greedy_outputs_equal_the_pytorch_path(kind, used, tmp_path, monkeypatch, request):
     pytest.importorskip("triton", reason="triton is not installed: the CUDA kernels are untested")
     if torch.cuda.is_available():

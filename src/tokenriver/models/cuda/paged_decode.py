@@ -46,16 +46,21 @@ def fits(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, num_heads, head_dim] (one token per request); key_cache, value_cache [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables [B, max_blocks] and seq_lens [B] int64 on the GPU (the context each
-    token sees, itself included). Returns [B, num_heads, head_dim] in the query's dtype."""
+    token sees, itself included). Returns [B, num_heads, head_dim] in the query's dtype: `out` where given (a
+    contiguous tensor of that shape and dtype, written in place: no copy into the caller's buffer after)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     group_pad, dim_pad = max(2, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
     tile = min(MAX_TILE, max(MIN_TILE, triton.next_power_of_2(TILE_ELEMENTS // (group_pad * dim_pad))))
-    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     if batch == 0:
         return out
     _decode_kernel[(batch, num_kv_heads)](
