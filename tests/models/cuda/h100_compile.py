@@ -63,10 +63,12 @@ def _layer_kernels(dtype: torch.dtype, hidden: int, intermediate: int, heads: in
     cache = torch.empty(32, 16, kv_heads, head_dim, dtype=dtype)
     kv_write.write_kv(qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], cache, cache,
                       torch.zeros(tokens, dtype=torch.int64))
-    tables, lengths = torch.zeros(tokens, 64, dtype=torch.int64), torch.ones(tokens, dtype=torch.int64)
-    paged_decode.paged_decode_attention(qkv[:, :heads], cache, cache, tables, lengths, head_dim**-0.5)
-    paged_decode.paged_decode_attention(qkv[:, :heads], cache, cache, tables, lengths, head_dim**-0.5, window=512,
-                                        softcap=50.0)
+    lengths = torch.ones(tokens, dtype=torch.int64)
+    for width in (8, 64):  # contexts of one partition, and split ones with their merge
+        tables = torch.zeros(tokens, width, dtype=torch.int64)
+        paged_decode.paged_decode_attention(qkv[:, :heads], cache, cache, tables, lengths, head_dim**-0.5)
+        paged_decode.paged_decode_attention(qkv[:, :heads], cache, cache, tables, lengths, head_dim**-0.5,
+                                            window=512, softcap=50.0)
 
 
 def _quantized_kernels(dtype: torch.dtype, rows: int) -> None:

@@ -162,6 +162,47 @@ def test_paged_decode_attention_matches_the_gathered_context(decode, dtype, num_
     assert torch.equal(into, got)
 
 
+def _long_contexts(dtype, num_heads, num_kv_heads, head_dim, width):
+    """Contexts around and past one partition, blocks out of order, tables `width` blocks wide."""
+    block_size, lengths = 16, [1, 511, 512, 513, 1300]
+    num_blocks = len(lengths) * width
+    key_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=1)
+    value_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=2)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
+    tables = order.view(len(lengths), width).to(DEVICE)
+    query = _rand(len(lengths), num_heads, head_dim, dtype=dtype, seed=4)
+    return query, key_cache, value_cache, tables, torch.tensor(lengths, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 64), (8, 1, 32)])
+@pytest.mark.parametrize("window, softcap", [(0, None), (700, None), (0, 30.0)])
+def test_paged_decode_attention_splits_long_contexts(decode, dtype, num_heads, num_kv_heads, head_dim, window,
+                                                     softcap):
+    """Contexts past PARTITION positions are split and merged; with a window the first partitions hold nothing."""
+    query, key_cache, value_cache, tables, lengths = _long_contexts(dtype, num_heads, num_kv_heads, head_dim, 100)
+    got = decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window,
+                                        softcap)
+    want = _reference_decode(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window, softcap)
+    for row in range(len(lengths)):
+        error = (got[row].double().cpu() - want[row]).norm() / want[row].norm()
+        assert error < (1e-5 if dtype == torch.float32 else 5e-3), (row, float(error))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_result_does_not_depend_on_the_batch(decode, dtype):
+    """A request alone, with a table just wide enough for it (one partition up to PARTITION positions), gets the
+    bits it gets in a batch whose tables are wider (more partitions, the extra ones empty)."""
+    query, key_cache, value_cache, tables, lengths = _long_contexts(dtype, 4, 2, 64, 200)
+    scale = 64 ** -0.5
+    batched = decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, window=600)
+    for row, length in enumerate(lengths.tolist()):
+        blocks = -(-length // 16)
+        alone = decode.paged_decode_attention(query[row:row + 1], key_cache, value_cache,
+                                              tables[row:row + 1, :blocks], lengths[row:row + 1], scale, window=600)
+        assert torch.equal(alone[0], batched[row]), row
+
+
 def test_paged_decode_attention_refuses_an_output_buffer_it_cannot_fill(decode):
     query, cache = torch.zeros(2, 4, 64), torch.zeros(3, 16, 2, 64)
     tables, lengths = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)

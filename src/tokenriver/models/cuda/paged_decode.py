@@ -1,20 +1,23 @@
-"""Decode attention over the paged KV cache on NVIDIA GPUs, in one Triton kernel.
+"""Decode attention over the paged KV cache on NVIDIA GPUs, in Triton kernels.
 
 A decode token attends to every cached key of its request. Through PyTorch ops that means gathering each request's
 blocks into a padded copy of its context (keys and values written once and read twice more), building a length
 mask, then SDPA: several kernels, and memory traffic that grows with the batch's longest context. This kernel reads
 each request's keys and values straight from its blocks, through its block table, once.
 
-One program per (request, kv head) serves the query heads of that kv head's group (grouped-query attention) from
-every key it loads. It walks the context from position 0 in tiles of positions, with an online softmax in
-float32: a request's result depends on its own context only, never on the batch around it. The scores and the
-weighted sum are float32 sums of products, without tensor cores: a decode step reads far more bytes than it
-multiplies, and float32 caches stay exact. The walk's length is the block table's width rounded up to a power of
-two (a compile-time bound, so a few widths share one compiled kernel); tiles past a request's context, and before
-a sliding window's first tile, are skipped. Soft-capping applies softcap * tanh(score / softcap) before the softmax.
+One program per (request, kv head, partition) serves the query heads of that kv head's group (grouped-query
+attention) from every key it loads. A partition is PARTITION consecutive positions of the context, walked in tiles
+with an online softmax in float32. The scores and the weighted sum are float32 sums of products, without tensor
+cores: a decode step reads far more bytes than it multiplies, and float32 caches stay exact. Tiles past a
+request's context, and before a sliding window's first position, are skipped. Soft-capping applies
+softcap * tanh(score / softcap) before the softmax.
 
-A long context in a small batch runs on few programs (no split over the context): decode batches and short
-contexts are what it is for.
+Contexts longer than one partition are split so that a long context in a small batch (one user, a long chat) still
+spreads over the GPU's multiprocessors: each partition writes its running maximum, sum and weighted values, and a
+second kernel merges the partitions in order. The partition size is fixed, never chosen from the batch, so a
+request's result depends on its own context only: a partition with no position of the context merges as an exact
+no-op, and a context of one partition gets the same bits whether its batch was split or not. The block table's
+width, rounded up to a power of two, is a compile-time bound (a few widths share one compiled kernel).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ except ImportError:  # CPU-only installs
 # long as keeps it in registers, between MIN_TILE and MAX_TILE positions.
 TILE_ELEMENTS = 8192
 MIN_TILE, MAX_TILE = 16, 64
+# Positions of a partition (module docstring): a multiple of MAX_TILE. Fixed: results must not depend on the batch.
+PARTITION = 512
 # The window of a layer without one: longer than any context.
 NO_WINDOW = 2**31 - 1
 
@@ -63,27 +68,41 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                          f"{out.dtype} {tuple(out.shape)}")
     if batch == 0:
         return out
-    _decode_kernel[(batch, num_kv_heads)](
-        query, key_cache, value_cache, block_tables, seq_lens, out, scale, window if window > 0 else NO_WINDOW,
-        softcap or 0.0,
+    max_len = max(tile, triton.next_power_of_2(block_tables.shape[1] * block_size))
+    span = min(PARTITION, max_len)  # positions a program walks
+    partitions = max_len // span
+    # One partition: the final values straight into out. Several: each partition's running maximum and sum [B,
+    # heads, partitions] and weighted values [B, heads, partitions, head_dim], merged by _merge_kernel.
+    split = partitions > 1
+    maxima = sums = values = out  # unread with one partition
+    if split:
+        maxima = torch.empty((batch, num_heads, partitions), dtype=torch.float32, device=query.device)
+        sums = torch.empty_like(maxima)
+        values = torch.empty((batch, num_heads, partitions, head_dim), dtype=torch.float32, device=query.device)
+    _decode_kernel[(batch, num_kv_heads, partitions)](
+        query, key_cache, value_cache, block_tables, seq_lens, out, maxima, sums, values, scale,
+        window if window > 0 else NO_WINDOW, softcap or 0.0,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), block_size, group, head_dim,
-        GROUP=group_pad, DIM=dim_pad, TILE=tile,
-        MAX_LEN=max(tile, triton.next_power_of_2(block_tables.shape[1] * block_size)),
-        HAS_SOFTCAP=softcap is not None, num_warps=4)
+        GROUP=group_pad, DIM=dim_pad, TILE=tile, SPAN=span, HAS_SOFTCAP=softcap is not None, SPLIT=split,
+        num_warps=4)
+    if split:
+        _merge_kernel[(batch, num_heads)](maxima, sums, values, out, out.stride(0), out.stride(1), head_dim,
+                                          DIM=dim_pad, PARTITIONS=partitions, num_warps=1)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, window, softcap,
-                       q_stride_token, q_stride_head, cache_stride_block, cache_stride_slot, cache_stride_head,
-                       table_stride, out_stride_token, out_stride_head, block_size, group, head_dim,
-                       GROUP: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr, MAX_LEN: tl.constexpr,
-                       HAS_SOFTCAP: tl.constexpr):
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, maxima_ptr, sums_ptr, values_ptr, scale,
+                       window, softcap, q_stride_token, q_stride_head, cache_stride_block, cache_stride_slot,
+                       cache_stride_head, table_stride, out_stride_token, out_stride_head, block_size, group,
+                       head_dim, GROUP: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
+                       SPAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr):
         request = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
+        partition = tl.program_id(2)
         g = tl.arange(0, GROUP)
         d = tl.arange(0, DIM)
         n = tl.arange(0, TILE)
@@ -97,7 +116,9 @@ if triton is not None:
         m = tl.full((GROUP,), -1.0e30, tl.float32)  # finite: a fully masked tile leaves every sum unchanged
         total = tl.zeros((GROUP,), tl.float32)
         acc = tl.zeros((GROUP, DIM), tl.float32)
-        for tile in range(0, MAX_LEN, TILE):
+        begin = partition * SPAN
+        for offset in range(0, SPAN, TILE):
+            tile = begin + offset
             if (tile < seq_len) & (tile + TILE > first):  # tiles past the context or before the window: skipped
                 position = tile + n  # [TILE]
                 valid = (position < seq_len) & (position >= first)
@@ -117,6 +138,38 @@ if triton is not None:
                 v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [GROUP, DIM]
                 m = m_new
-        out = acc / total[:, None]
-        tl.store(out_ptr + request * out_stride_token + heads[:, None] * out_stride_head + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        row_mask = g_mask[:, None] & d_mask[None, :]
+        if SPLIT:
+            # [B, heads, partitions] rows of the partials
+            partial = (request * tl.num_programs(1) * group + heads) * tl.num_programs(2) + partition  # [GROUP]
+            tl.store(maxima_ptr + partial, m, mask=g_mask)
+            tl.store(sums_ptr + partial, total, mask=g_mask)
+            tl.store(values_ptr + partial[:, None] * head_dim + d[None, :], acc, mask=row_mask)
+        else:
+            out = acc / total[:, None]
+            tl.store(out_ptr + request * out_stride_token + heads[:, None] * out_stride_head + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def _merge_kernel(maxima_ptr, sums_ptr, values_ptr, out_ptr, out_stride_token, out_stride_head, head_dim,
+                      DIM: tl.constexpr, PARTITIONS: tl.constexpr):
+        """One head of one request: its partitions merged in order, as the online softmax merges tiles. A partition
+        with no position (maximum -1e30, sums 0) scales the others by exp(0) = 1 and adds 0: an exact no-op."""
+        request = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        d = tl.arange(0, DIM)
+        d_mask = d < head_dim
+        row = (request * tl.num_programs(1) + head) * PARTITIONS
+        m = tl.full((1,), -1.0e30, tl.float32)
+        total = tl.zeros((1,), tl.float32)
+        acc = tl.zeros((DIM,), tl.float32)
+        for partition in range(0, PARTITIONS):
+            m_part = tl.load(maxima_ptr + row + partition + tl.zeros((1,), tl.int32))
+            m_new = tl.maximum(m, m_part)
+            alpha, beta = tl.exp(m - m_new), tl.exp(m_part - m_new)
+            total = total * alpha + tl.load(sums_ptr + row + partition + tl.zeros((1,), tl.int32)) * beta
+            part = tl.load(values_ptr + (row + partition) * head_dim + d, mask=d_mask, other=0.0)
+            acc = acc * alpha + part * beta
+            m = m_new
+        tl.store(out_ptr + request * out_stride_token + head * out_stride_head + d,
+                 (acc / total).to(out_ptr.dtype.element_ty), mask=d_mask)
