@@ -19,7 +19,8 @@ path in benchmarks/results/attention.md):
 - Without the native kernels (bfloat16 cache, other devices, no compiler, autograd
   on), decode tokens of all requests go through one batched SDPA call over their block tables
   gathered into a padded [B, max_len] view with a length mask; on an NVIDIA GPU with Triton, through
-  one kernel that reads their blocks in place instead (models/cuda/paged_decode.py). Prompt chunks
+  one kernel that reads their blocks in place instead (models/cuda/paged_decode.py), after one that
+  writes the step's keys and values (models/cuda/kv_write.py). Prompt chunks
   with nothing cached before them (fresh prompts) take one causal SDPA call together, right-padded
   to the longest, with their keys and values taken from the step itself; every other request goes
   through `scaled_dot_product_attention` over its gathered blocks.
