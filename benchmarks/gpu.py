@@ -8,7 +8,8 @@ Models, made without a download:
   random-weights model of SmolLM2-135M's shape, saved as a Hugging Face folder both sides load, tokenriver's
   packed row then coming from quantization="int4" (the weights quantized to 4 bits at load).
 - llama-1b: a random-weights model of Llama-3.2-1B's shape (llama3 rope scaling, tied embeddings), saved the same
-  way: the size where a GPU's memory bandwidth, not Python, should set the decode speed.
+  way: the size where a GPU's memory bandwidth, not Python, should set the decode speed. tokenriver runs it in bf16
+  and with quantization="int4" (packed 4-bit weights, the GGUF path's kernels).
 Prompts are random token ids, the same on both sides, so tokenizers play no part.
 
 Measured on each side (medians of --repeats; greedy, every request made to produce exactly its max tokens):
@@ -73,6 +74,9 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 256})
 MODELS = ("smollm2", "llama-1b")
+# tokenriver's configurations on a random-weights model: like for like with transformers, and packed 4-bit weights
+# standing in for a GGUF's (the same packed-weight kernels, from weights quantized at load).
+PACKED_VARIANTS = [("bf16", {}), ("int4 (quantization='int4')", {"quantization": "int4"})]
 # Ids drawn from [ID_MARGIN, vocab - ID_MARGIN): clear of the special tokens at either end of a vocabulary.
 ID_MARGIN = 100
 # Longest sequence tokenriver is configured for: the 512-token prompt plus room; it bounds what the engine sizes
@@ -281,9 +285,11 @@ def model_cases(args: argparse.Namespace, workdir: Path) -> list[Callable[[], Mo
         elif key == "llama-1b":
             shape, label = ((TINY_SHAPE, "tiny Llama, random weights") if args.quick else
                             (LLAMA_1B_SHAPE, "Llama-3.2-1B shape, random weights"))
-            description = f"random weights (normal, std 0.02), saved as bf16 safetensors: {shape_text(shape)}"
+            description = (f"random weights (normal, std 0.02), saved as bf16 safetensors: {shape_text(shape)}; "
+                           f"tokenriver 'int4' = `quantization='int4'`, the weights quantized to 4 bits at load and "
+                           f"kept packed, as a Q4 GGUF's are")
             builders.append(lambda s=shape, l=label, d=description: random_case(
-                "llama-1b", l, d, s, workdir / "llama-1b", args.device))
+                "llama-1b", l, d, s, workdir / "llama-1b", args.device, PACKED_VARIANTS))
     return builders
 
 
@@ -295,9 +301,7 @@ def smollm2_random(args: argparse.Namespace, workdir: Path) -> ModelCase:
                    f"(not found, or transformers could not load it): {shape_text(shape)}; tokenriver 'int4' = "
                    f"`quantization='int4'`, the weights quantized to 4 bits at load and kept packed, as the "
                    f"GGUF's would be")
-    # The packed row stands in for the GGUF's: the same packed-weight kernels, from weights quantized at load.
-    variants = [("bf16", {}), ("int4 (quantization='int4')", {"quantization": "int4"})]
-    return random_case("smollm2", label, description, shape, workdir / "smollm2", args.device, variants)
+    return random_case("smollm2", label, description, shape, workdir / "smollm2", args.device, PACKED_VARIANTS)
 
 
 # ---------------------------------------------------------------------------------------------------------------

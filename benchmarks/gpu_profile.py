@@ -10,7 +10,9 @@ records the CUDA graphs, it prints:
 - the first step (the prompts' prefill) and the later steps (multi-step decode passes) in wall time: a slow first
   step points at the prompt path, a step far above its kernels' time at the host;
 - from the profiler, the GPU's kernel time per decode pass and the heaviest kernels, then the host's heaviest calls
-  (time inside cudaGraphLaunch or a device-to-host copy is the host waiting for the GPU).
+  (time inside cudaGraphLaunch or a device-to-host copy is the host waiting for the GPU);
+- from Python's own profiler, the engine's heaviest Python functions in one generate: what the host spends its
+  time on between the GPU's work.
 
 It runs a second configuration for comparison (`--compare`, default `num_scheduler_steps=32`), so a change of
 the engine's knobs is measured in the same process.
@@ -73,6 +75,25 @@ def profile(llm, prompts: list[list[int]], max_tokens: int, top: int) -> None:
     for name, us, count in sorted(((e.key, e.self_cpu_time_total, e.count) for e in events),
                                   key=lambda call: -call[1])[:top]:
         print(f"    {us / 1e3:8.2f} ms {count:7d}x  {name[:110]}")
+    python_profile(llm, prompts, max_tokens, top)
+
+
+def python_profile(llm, prompts: list[list[int]], max_tokens: int, top: int) -> None:
+    """The heaviest Python functions of one generate, by their own time and by time with their callees (the
+    profiler's overhead inflates both, evenly enough to rank them)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    generate(llm, prompts, max_tokens)
+    profiler.disable()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        print(f"  Python, by {order}:")
+        print("\n".join("    " + line for line in text.getvalue().splitlines() if line.strip()))
 
 
 def main() -> int:

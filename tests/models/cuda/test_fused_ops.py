@@ -99,6 +99,30 @@ def test_rotary_in_place_on_views_of_the_qkv_row(ops, dtype, num_heads, num_kv_h
         assert torch.equal(heads, want)  # each product and sum rounded where PyTorch's ops round them
 
 
+def test_rounding_to_bfloat16_on_the_bits_matches_torch(ops):
+    """The kernels' bfloat16 rounding, run where the interpreter has no bfloat16: float32 in, float32 out, against
+    PyTorch's cast. Ties (both parities), carries into the exponent, overflow to inf, subnormals and signs."""
+    import triton
+    import triton.language as tl
+
+    global _fused_ops  # a Triton kernel resolves the functions it calls among its module's globals
+    _fused_ops = ops
+
+    @triton.jit
+    def round_kernel(x_ptr, out_ptr, count, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < count
+        tl.store(out_ptr + offsets, _fused_ops._rounded(tl.load(x_ptr + offsets, mask=mask), tl.bfloat16), mask=mask)
+
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3FFF8000, 0x7F7FFFFF, 0x00018000, 0x80018001,
+                         0x00000000, 0x80000000, 0xBF7FC000], dtype=torch.int64).to(torch.int32)
+    special = bits.view(torch.float32)
+    x = torch.cat([special, _rand(1000, dtype=torch.float32, seed=9).cpu() * 1e3]).to(DEVICE)
+    out = torch.empty_like(x)
+    round_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    assert torch.equal(out, x.to(torch.bfloat16).to(torch.float32))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("columns", [5, 1536, 1500])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])

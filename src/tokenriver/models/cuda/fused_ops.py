@@ -6,7 +6,9 @@ multiplies and a cast), and on a decode step every one of them is tiny: launchin
 a GPU's step spends its time on, even replayed from a CUDA graph. Each kernel here reads its inputs once and writes
 its outputs once, and rounds where the PyTorch definition rounds (models/layers.py, the `*_torch` functions): a
 16-bit input's intermediate results are rounded to its dtype at the same points, so the outputs agree up to the
-order of the RMSNorm sum and the exponential's last bit.
+order of the RMSNorm sum and the exponential's last bit. A round to bfloat16 is written out on the float's bits
+(`_rounded`): written as a cast to bfloat16 and back, the compiled kernel for an H100 gave rotary results up to two
+units of the last place away from PyTorch's, so the rounding did not happen where it was written.
 
 layers.py calls these for CUDA tensors whose layout they take (`fits_rows`, `fits_heads`); anything else keeps the
 PyTorch definitions. Triton is optional: without it this module still imports and `available()` is False.
@@ -97,6 +99,18 @@ def _warps(columns: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _rounded(x, dtype: tl.constexpr):
+        """float32 x rounded to dtype (to nearest, ties to even) and widened back to float32. bfloat16 keeps a
+        float32's top 16 bits: add half of the dropped part's range (one less on an even kept bit, so that ties go
+        to even), then clear it; on bits, no compiler pass can fold the rounding away."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return x.to(dtype).to(tl.float32)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, columns, x_stride, residual_stride, out_stride,
                          eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -109,7 +123,7 @@ if triton is not None:
             tl.store(residual_ptr + row * residual_stride + cols, x, mask=mask)
         x32 = x.to(tl.float32)
         mean_square = tl.sum(x32 * x32, axis=0) / columns
-        normed = (x32 * tl.rsqrt(mean_square + eps)).to(x.dtype).to(tl.float32)
+        normed = _rounded(x32 * tl.rsqrt(mean_square + eps), x.dtype)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * out_stride + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -128,8 +142,8 @@ if triton is not None:
         dtype = x1.dtype
         a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
         # x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product and each sum rounded as PyTorch's ops round them.
-        out1 = ((a1 * cos).to(dtype).to(tl.float32) - (a2 * sin).to(dtype).to(tl.float32)).to(dtype)
-        out2 = ((a2 * cos).to(dtype).to(tl.float32) + (a1 * sin).to(dtype).to(tl.float32)).to(dtype)
+        out1 = (_rounded(a1 * cos, dtype) - _rounded(a2 * sin, dtype)).to(dtype)
+        out2 = (_rounded(a2 * cos, dtype) + _rounded(a1 * sin, dtype)).to(dtype)
         tl.store(first, out1, mask=mask)
         tl.store(first + half, out2, mask=mask)
 
@@ -147,5 +161,5 @@ if triton is not None:
             act = g / (1.0 + tl.exp(-2.0 * inner))
         else:
             act = g / (1.0 + tl.exp(-g))
-        act = act.to(gate.dtype).to(tl.float32)  # the activation rounds to the input dtype, as PyTorch's does
+        act = _rounded(act, gate.dtype)  # the activation rounds to the input dtype, as PyTorch's does
         tl.store(out_ptr + row * out_stride + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)

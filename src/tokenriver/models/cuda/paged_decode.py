@@ -7,9 +7,12 @@ each request's keys and values straight from its blocks, through its block table
 
 One program per (request, kv head, partition) serves the query heads of that kv head's group (grouped-query
 attention) from every key it loads. A partition is PARTITION consecutive positions of the context, walked in tiles
-with an online softmax in float32. The scores and the weighted sum are float32 sums of products, without tensor
-cores: a decode step reads far more bytes than it multiplies, and float32 caches stay exact. Tiles past a
-request's context, and before a sliding window's first position, are skipped. Soft-capping applies
+with an online softmax in float32. A 16-bit cache goes through the tensor cores: the group's query heads, padded
+to the 16 rows an MMA takes, against a tile of keys (scores accumulated in float32), then the tile's probabilities,
+rounded to the cache's dtype as flash attention rounds them, against its values. Through CUDA cores the same
+products are a broadcast and a reduction across threads per tile, which made a batch's decode attention the step's
+heaviest kernel. A float32 cache keeps float32 sums of products on the CUDA cores, exact. Tiles past a request's
+context, and before a sliding window's first position, are skipped. Soft-capping applies
 softcap * tanh(score / softcap) before the softmax.
 
 Contexts longer than one partition are split so that a long context in a small batch (one user, a long chat) still
@@ -30,10 +33,14 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-# Elements of the [group, tile, head_dim] product one loop iteration holds: the tile of context positions is as
-# long as keeps it in registers, between MIN_TILE and MAX_TILE positions.
+# Elements of the [group, tile, head_dim] product one loop iteration holds on the CUDA cores: the tile of context
+# positions is as long as keeps it in registers, between MIN_TILE and MAX_TILE positions.
 TILE_ELEMENTS = 8192
 MIN_TILE, MAX_TILE = 16, 64
+# Rows of a tensor-core product (the group's query heads padded to it), and the elements of a [tile, head_dim] key
+# or value tile a program holds there.
+MMA_ROWS = 16
+MMA_TILE_ELEMENTS = 8192
 # Positions of a partition (module docstring): a multiple of MAX_TILE. Fixed: results must not depend on the batch.
 PARTITION = 512
 # The window of a layer without one: longer than any context.
@@ -59,8 +66,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    group_pad, dim_pad = max(2, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
-    tile = min(MAX_TILE, max(MIN_TILE, triton.next_power_of_2(TILE_ELEMENTS // (group_pad * dim_pad))))
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    on_tensor_cores = key_cache.dtype in (torch.float16, torch.bfloat16)
+    if on_tensor_cores:
+        group_pad = max(MMA_ROWS, triton.next_power_of_2(group))
+        tile = min(MAX_TILE, max(MIN_TILE, MMA_TILE_ELEMENTS // dim_pad))
+    else:
+        group_pad = max(2, triton.next_power_of_2(group))
+        tile = min(MAX_TILE, max(MIN_TILE, triton.next_power_of_2(TILE_ELEMENTS // (group_pad * dim_pad))))
     if out is None:
         out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
     elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
@@ -85,7 +98,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), block_size, group, head_dim,
         GROUP=group_pad, DIM=dim_pad, TILE=tile, SPAN=span, HAS_SOFTCAP=softcap is not None, SPLIT=split,
-        num_warps=4)
+        ON_TENSOR_CORES=on_tensor_cores, num_warps=4)
     if split:
         _merge_kernel[(batch, num_heads)](maxima, sums, values, out, out.stride(0), out.stride(1), head_dim,
                                           DIM=dim_pad, PARTITIONS=partitions, num_warps=1)
@@ -99,7 +112,8 @@ if triton is not None:
                        window, softcap, q_stride_token, q_stride_head, cache_stride_block, cache_stride_slot,
                        cache_stride_head, table_stride, out_stride_token, out_stride_head, block_size, group,
                        head_dim, GROUP: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
-                       SPAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr):
+                       SPAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
+                       ON_TENSOR_CORES: tl.constexpr):
         request = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         partition = tl.program_id(2)
@@ -110,7 +124,9 @@ if triton is not None:
         d_mask = d < head_dim
         heads = kv_head * group + g  # [GROUP] query heads served
         q = tl.load(q_ptr + request * q_stride_token + heads[:, None] * q_stride_head + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [GROUP, DIM]
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP, DIM]
+        if not ON_TENSOR_CORES:
+            q = q.to(tl.float32)
         seq_len = tl.load(lens_ptr + request)
         first = tl.maximum(seq_len - window, 0)  # the window's first position
         m = tl.full((GROUP,), -1.0e30, tl.float32)  # finite: a fully masked tile leaves every sum unchanged
@@ -126,8 +142,11 @@ if triton is not None:
                 slot = (block * cache_stride_block + (position % block_size) * cache_stride_slot
                         + kv_head * cache_stride_head)  # [TILE]
                 kv_mask = valid[:, None] & d_mask[None, :]
-                k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-                scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP, TILE]
+                k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE, DIM]
+                if ON_TENSOR_CORES:
+                    scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP, TILE] float32
+                else:
+                    scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
                 if HAS_SOFTCAP:
                     scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))  # softcap * tanh(s / cap)
                 scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -135,8 +154,11 @@ if triton is not None:
                 p = tl.exp(scores - m_new[:, None])
                 alpha = tl.exp(m - m_new)
                 total = total * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [GROUP, DIM]
+                v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE, DIM]
+                if ON_TENSOR_CORES:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [GROUP, DIM]
+                else:
+                    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
                 m = m_new
         row_mask = g_mask[:, None] & d_mask[None, :]
         if SPLIT:
