@@ -4,7 +4,7 @@ Shapes of SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, a float32 KV cac
 request's block table is a random sample of the pool, as after many requests have come and gone. A call is what
 the model does per layer: write this step's keys and values into their slots, then attend.
 
-- "native": models/attention.py `paged_attention` on the native kernel (models/native/csrc/attention.cpp), which reads
+- "native": models/attention.py `paged_attention` on the native kernel (models/cpu/csrc/attention.cpp), which reads
   keys and values straight from the blocks.
 - "torch": `paged_attention_torch`, the path without native kernels: gather every decode request's blocks into
   a padded batch (index_select), one masked SDPA call; prompt chunks one SDPA (flash) call per request.
@@ -35,7 +35,7 @@ import torch
 from common import RESULTS, machine_line, markdown_table
 
 from tokenriver.models.attention import MAX_KERNEL_QUERY_LEN, AttentionMetadata, paged_attention, paged_attention_torch
-from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.cpu.kernels import load_kernels
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM ** -0.5

@@ -43,8 +43,8 @@ def machine_line() -> str:
 
 def rounded_products() -> str:
     """How this machine's kernels run the rounded mode's (`int8_activations=True`) products of more than
-    max_gemv_rows rows (models/native/quant.py): the words the benchmark reports use."""
-    from tokenriver.models.native.kernels import load_kernels
+    max_gemv_rows rows (models/cpu/quant.py): the words the benchmark reports use."""
+    from tokenriver.models.cpu.kernels import load_kernels
 
     kernels = load_kernels()
     if kernels is not None and kernels.gemm_amx:

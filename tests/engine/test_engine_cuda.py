@@ -24,7 +24,7 @@ from tokenriver.engine.llm import LLM
 from tokenriver.kv.cache import KVCache
 from tokenriver.loader.load import load_model
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.native.quant import Int4Linear
+from tokenriver.models.cpu.quant import Int4Linear
 from tokenriver.params import SamplingParams, StructuredOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
@@ -216,7 +216,7 @@ def test_no_native_cpu_kernel_is_built_or_called_on_the_gpu_path(folder):
         "import sys; from tokenriver.engine.llm import LLM; from tokenriver.params import SamplingParams\n"
         f"llm = LLM({folder!r}, device='cuda', max_num_kv_tokens=4096)\n"
         "llm.generate([{'prompt_token_ids': [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0.7, seed=1))\n"
-        "from tokenriver.models.native.kernels import load_kernels\n"
+        "from tokenriver.models.cpu.kernels import load_kernels\n"
         "sys.exit(load_kernels.cache_info().currsize)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ.copy(),
                             timeout=300)

@@ -1,4 +1,4 @@
-"""The decoder stack in one native call (models/native/decoder.py, through runner/native_stack.py) against the same
+"""The decoder stack in one native call (models/cpu/decoder.py, through runner/native_stack.py) against the same
 layers run one module at a time (the model's own forward).
 
 Both paths call the same kernels in the same order, so every step's hidden states must be equal bit for bit:
@@ -22,13 +22,13 @@ from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.gemma import GemmaForCausalLM
-from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.llama import LlamaForCausalLM
 from tokenriver.models.phi3 import Phi3ForCausalLM
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 from tokenriver.models.registry import model_class
-from tokenriver.models.native.decoder import NativeDecoder
-from tokenriver.models.native.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from tokenriver.models.cpu.decoder import NativeDecoder
+from tokenriver.models.cpu.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.runner.native_stack import NativeStack
 
 pytestmark = pytest.mark.skipif(load_kernels() is None,

@@ -1,4 +1,4 @@
-"""The greedy passes of a multi-step decode in one native call (models/native/greedy.py, through
+"""The greedy passes of a multi-step decode in one native call (models/cpu/greedy.py, through
 runner/native_stack.py and the runner's _decode_ahead) against the same passes run one at a time from Python.
 
 Both call the same kernels with the same arguments, so each pass's argmax, largest logit and log-sum-exp, and the
@@ -17,10 +17,10 @@ import torch
 from tokenriver.engine.llm import LLM
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.native.decoder import NativeDecoder
-from tokenriver.models.native.greedy import GreedyLoop
-from tokenriver.models.native.kernels import load_kernels
-from tokenriver.models.native.quant import Int4Linear, Int8Linear, QuantizedEmbedding, quantize_int4, quantize_int8
+from tokenriver.models.cpu.decoder import NativeDecoder
+from tokenriver.models.cpu.greedy import GreedyLoop
+from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.cpu.quant import Int4Linear, Int8Linear, QuantizedEmbedding, quantize_int4, quantize_int8
 from tokenriver.params import SamplingParams
 from tokenriver.runner.native_stack import NativeStack
 

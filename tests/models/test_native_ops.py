@@ -1,4 +1,4 @@
-"""The native small ops of a layer (models/native/csrc/ops.cpp) against their PyTorch definitions in models/layers.py.
+"""The native small ops of a layer (models/cpu/csrc/ops.cpp) against their PyTorch definitions in models/layers.py.
 
 Each dispatching function (`rms_norm`, `apply_rotary_`, `silu_and_mul`, `gelu_tanh_and_mul`) takes the native
 kernel for float32 CPU tensors; the `*_torch` functions (and `apply_rotary`) are the definitions it must reproduce.
@@ -16,7 +16,7 @@ from tokenriver.kv.cache import KVCache
 from tokenriver.models import attention, layers
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.layers import (RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_, gelu_tanh_and_mul,
                                       gelu_tanh_and_mul_torch, rms_norm, rms_norm_torch, silu_and_mul,
                                       silu_and_mul_torch)

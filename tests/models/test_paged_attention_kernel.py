@@ -1,4 +1,4 @@
-"""The native paged attention kernel (models/native/csrc/attention.cpp) against the PyTorch path of attention.py.
+"""The native paged attention kernel (models/cpu/csrc/attention.cpp) against the PyTorch path of attention.py.
 
 `paged_attention` (native for float32 and float16 CPU caches) must equal `paged_attention_torch` (gather + SDPA)
 within float32 rounding on ragged batches: decodes and the shortest chunks (the per-token kernel), longer chunks
@@ -24,7 +24,7 @@ import torch
 from tokenriver.kv.cache import decode_entries, encode_int8
 from tokenriver.models.attention import (MAX_KERNEL_QUERY_LEN, AttentionMetadata, _native_kernels_for, paged_attention,
                                          paged_attention_torch)
-from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.cpu.kernels import load_kernels
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
 

@@ -22,8 +22,8 @@ from gguf.quants import dequantize, quantize
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.loader.gguf_blocks import repack_q5_0
-from tokenriver.models.native.kernels import load_kernels
-from tokenriver.models.native.quant import (
+from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.cpu.quant import (
     Int4Linear,
     Int4Weight,
     Int8Linear,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenriver.models.attention import AttentionMetadata, paged_attention, paged_attention_torch
-from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.cpu.kernels import load_kernels
 
 from test_paged_attention_kernel import BLOCK_SIZE, Batch, assert_close, assert_int8_close
 

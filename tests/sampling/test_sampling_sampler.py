@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sampling_helpers import make_state, random_logits
-from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.params import SamplingParams
 from tokenriver.sampling import processors
 from tokenriver.sampling.sampler import Sampler, SamplingState

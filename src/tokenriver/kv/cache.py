@@ -37,7 +37,7 @@ def head_dim_of(pool: torch.Tensor) -> int:
 
 def encode_int8(vectors: torch.Tensor) -> torch.Tensor:
     """[..., head_dim] float → int8 entries [..., head_dim + 4] (see the module docstring). Computed in float32:
-    the native kernel (models/native/csrc/attention.cpp) stores the same bytes."""
+    the native kernel (models/cpu/csrc/attention.cpp) stores the same bytes."""
     x = vectors.float()
     scale = x.abs().amax(dim=-1, keepdim=True) / 127  # [..., 1]
     q = torch.round(x / torch.where(scale > 0, scale, 1.0)).to(torch.int8)  # [..., head_dim]

@@ -1,4 +1,4 @@
-"""GGUF block formats → the two packed layouts the native kernels run (models/native/quant.py's Int4Weight, Int8Weight).
+"""GGUF block formats → the two packed layouts the native kernels run (models/cpu/quant.py's Int4Weight, Int8Weight).
 
 Why re-encode rather than write a kernel per format: every GGUF type is "a few bits per weight, a scale (and
 maybe a minimum) per run of 16-32 weights", and the kernels already stream 4-bit groups with a scale and a
@@ -7,7 +7,7 @@ VNNI path. So each type is mapped once, at load, onto one of those, rows kept, w
 
 | GGUF type                  | becomes                        | how                                                       |
 |----------------------------|--------------------------------|-----------------------------------------------------------|
-| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/native/quant.py's repack_*): exact      |
+| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/cpu/quant.py's repack_*): exact      |
 | Q5_0, Q5_1                 | Int4 + fifth bits (5-bit)      | byte copy (Q5_0's min -16·d): exact                       |
 | Q5_K                       | Int4 + fifth bits (5-bit)      | regrouped as Q4_K, scale d·sc and min -dmin·m as float16  |
 | IQ4_NL                     | Int8, groups of 32             | values widened to int8 under the block's own scale: exact |
@@ -33,8 +33,8 @@ import torch
 
 from tokenriver.config import default_num_threads
 from tokenriver.errors import ModelLoadError
-from tokenriver.models.native.kernels import Allocate, heap_empty
-from tokenriver.models.native.quant import (Int4Weight, Int8Weight, load_kernels, repack_q4_0, repack_q4_1,
+from tokenriver.models.cpu.kernels import Allocate, heap_empty
+from tokenriver.models.cpu.quant import (Int4Weight, Int8Weight, load_kernels, repack_q4_0, repack_q4_1,
                                      repack_q8_0)
 
 Q = gguf.GGMLQuantizationType
@@ -239,7 +239,7 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
               empty: Allocate = heap_empty) -> PackedWeight:
     """One quantized matrix's raw bytes [N, row bytes] → its packed weight [N, K] (rows in the file's order).
 
-    native: take models/native/csrc/convert.cpp's version of the rule where it has one (the same values, bit for
+    native: take models/cpu/csrc/convert.cpp's version of the rule where it has one (the same values, bit for
     bit, in one pass over the bytes); the numpy one otherwise.
     empty: makes the native rule's output tensors (the loader's weight arena); the numpy rules make their own.
     """

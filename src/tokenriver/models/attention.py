@@ -5,7 +5,7 @@ chunk, or one decode token) and attends to `seq_lens[i]` tokens in all: its
 cached prefix plus itself. Token t of request i sits at position
 `seq_lens[i] - query_lens[i] + t` and may see positions 0..that position.
 
-Kernel choice (CPU), with a float32, float16 or int8 cache (models/native/csrc/attention.cpp; measured against the torch
+Kernel choice (CPU), with a float32, float16 or int8 cache (models/cpu/csrc/attention.cpp; measured against the torch
 path in benchmarks/results/attention.md):
 - Requests with at most `MAX_KERNEL_QUERY_LEN` new tokens (decode, short speculative
   verification): the native paged kernel one query token at a time, reading the request's keys
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenriver.kv.cache import decode_entries, encode_int8, head_dim_of
-from tokenriver.models.native.kernels import NativeKernels, is_f32_rows, is_native_kv_pool, kernels_for
+from tokenriver.models.cpu.kernels import NativeKernels, is_f32_rows, is_native_kv_pool, kernels_for
 
 # Requests with at most this many new tokens attend token by token in the native kernel, longer ones through its
 # chunk path: at one token the former is faster, at two they are even (benchmarks/results/attention.md).

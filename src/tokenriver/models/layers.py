@@ -7,7 +7,7 @@ functions are those definitions in PyTorch ops.
 
 On a decode step these ops see one row per request, so in PyTorch their cost is
 dispatch (a dozen small ops per layer), not arithmetic. Where the native kernels
-are built (models/native, x86-64 with AVX2) and the tensors are float32 on the
+are built (models/cpu, x86-64 with AVX2) and the tensors are float32 on the
 CPU, `rms_norm`, `apply_rotary_`, `silu_and_mul` and `gelu_tanh_and_mul` run as one native call each,
 computing the same arithmetic (equal to the torch definitions within ~1e-6
 relative: sums are added in another order and exp is a polynomial). On an
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenriver.models.native.kernels import is_contiguous_f32, kernels_for
+from tokenriver.models.cpu.kernels import is_contiguous_f32, kernels_for
 
 
 def _fused_ops(x: torch.Tensor) -> Any:
@@ -146,7 +146,7 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, max_position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos and sin tables [num_positions, head_dim // 2] on `device`, grown to cover max_position; a
-        native loop that walks positions itself reads them directly (models/native/greedy.py)."""
+        native loop that walks positions itself reads them directly (models/cpu/greedy.py)."""
         if self._cos is None or self._cos.device != device or self._cos.shape[0] <= max_position:
             while self.num_cached_positions <= max_position:
                 self.num_cached_positions *= 2
@@ -270,7 +270,7 @@ def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate, tanh approximation) * up (GeGLU), gate_up [num_tokens, 2 * intermediate] as for silu_and_mul.
 
-    The native kernel is the one the fused decoder stack runs (models/native/decoder.py), so both paths give the
+    The native kernel is the one the fused decoder stack runs (models/cpu/decoder.py), so both paths give the
     same bits."""
     kernels = kernels_for(gate_up)
     if (kernels is not None and not torch.is_grad_enabled() and gate_up.dim() == 2

@@ -6,7 +6,7 @@ top num_experts_per_tok experts by softmax probability, renormalizes the chosen 
 the architecture does (norm_topk_prob: Mixtral always, the Qwens per config), and the token's output is the
 weighted sum of those experts' SwiGLU MLPs. Qwen2-MoE adds a shared expert every token goes through, scaled by
 sigmoid(shared_expert_gate(x)). Routing (the router's logits, softmax and top-k, and the shared gate) runs in the
-native ops the native decoder runs (models/native/decoder.py) where they apply, so both paths choose alike.
+native ops the native decoder runs (models/cpu/decoder.py) where they apply, so both paths choose alike.
 
 In a ragged batch the (token, expert) pairs are sorted by expert, so each expert multiplies only the rows of the
 tokens routed to it, once, as one matrix; experts no token chose cost nothing. Each expert is an ordinary
@@ -22,7 +22,7 @@ from torch import nn
 
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.layers import SwiGLUMLP
-from tokenriver.models.native.kernels import NativeKernels, is_contiguous_f32, load_kernels
+from tokenriver.models.cpu.kernels import NativeKernels, is_contiguous_f32, load_kernels
 from tokenriver.models.qwen3 import FUSED_PROJECTIONS as DENSE_FUSED_PROJECTIONS
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import to_device
-from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.runner.cuda_graphs import DecodeGraphs
 from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
 from tokenriver.runner.native_stack import NativeStack

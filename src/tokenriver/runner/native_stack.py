@@ -3,13 +3,13 @@
 The model files (models/llama.py, qwen3.py, gemma.py) are plain PyTorch and define what a step computes. Run layer
 by layer from Python, a small model's decode step spends about as long in module dispatch as in arithmetic, so the
 runner calls the model through this wrapper: it embeds with the model's own modules, runs the layers through
-models/native/decoder.py when that decoder can bind them and run the step, else through the model's own
+models/cpu/decoder.py when that decoder can bind them and run the step, else through the model's own
 `run_layers`, and ends with the model's final norm. Both paths give the same hidden states bit for bit
 (tests/models/test_native_decoder.py).
 
 A model on another device (a GPU) runs its own `forward`: the native decoder is CPU code.
 
-`greedy_passes` runs the later passes of a multi-step decode in one native call (models/native/greedy.py): the
+`greedy_passes` runs the later passes of a multi-step decode in one native call (models/cpu/greedy.py): the
 embedding, the stack, the final norm, the output layer and each row's argmax, pass after pass, with the same kernels
 as the runner's own loop over `__call__` and the output layer.
 
@@ -25,11 +25,11 @@ from torch import nn
 
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.native.decoder import NativeDecoder
-from tokenriver.models.native.greedy import GreedyLoop, PassReductions
-from tokenriver.models.native.kernels import Reductions
+from tokenriver.models.cpu.decoder import NativeDecoder
+from tokenriver.models.cpu.greedy import GreedyLoop, PassReductions
+from tokenriver.models.cpu.kernels import Reductions
 
-# Layer layouts decoder.cpp runs (models/native/decoder.py's LAYOUTS): "llama" is LlamaDecoderLayer's pre-norm
+# Layer layouts decoder.cpp runs (models/cpu/decoder.py's LAYOUTS): "llama" is LlamaDecoderLayer's pre-norm
 # residual-stream block (fused qkv and gate/up projections, RMSNorm, SwiGLU); "qwen3" adds per-head q/k norms and
 # sliding windows (dense MLPs only); "phi3" is Llama's with a window and partial rotary; "gemma" adds norms on each
 # block's output, GeGLU, per-layer rope tables and Gemma 2's soft-capped attention scores.
@@ -73,7 +73,7 @@ class NativeStack:
     @torch.inference_mode()
     def greedy_reductions(self, hidden: torch.Tensor) -> Reductions | None:
         """Per row of compute_logits(hidden): (argmax, largest logit, log-sum-exp), without writing the logits,
-        where the output projection can (quantized, rounded mode on VNNI or AMX: models/native/quant.py); else
+        where the output projection can (quantized, rounded mode on VNNI or AMX: models/cpu/quant.py); else
         None. A greedy step that reports nothing but the chosen tokens' logprobs needs only these."""
         if getattr(self.model.config, "final_logit_softcapping", None) is not None:
             return None  # Soft-capped logits (Gemma 2): the projection's log-sum-exp is not theirs.
@@ -83,7 +83,7 @@ class NativeStack:
     @torch.inference_mode()
     def greedy_passes(self, num_passes: int, token_ids: list[int], positions: list[int], block_tables: torch.Tensor,
                       kv_cache: KVCache) -> PassReductions | None:
-        """The greedy passes of a multi-step decode in one native call (models/native/greedy.py): request b's pass p
+        """The greedy passes of a multi-step decode in one native call (models/cpu/greedy.py): request b's pass p
         decodes token_ids[b] (p = 0) or its argmax of pass p - 1 at position positions[b] + p. Per pass and row,
         (argmax, largest logit, log-sum-exp) of the passes it finished, [finished, B] each; None where the model's
         parts or the number of rows do not allow it. Each row's logits are those compute_logits gives."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tokenriver.engine.llm import LLM
-from tokenriver.models.native.kernels import load_kernels
+from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -17,8 +17,8 @@ Float16 scales are what GGUF stores, so repacking Q4_0, Q4_1 and Q8_0 is exact: 
 gguf's own dequantization bit for bit (Q4_0's min is -8 * scale, exact in float16).
 
 Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation, through one of two backends:
-- "native": models/native/csrc/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
-  `max_gemv_rows` activation rows); for more rows models/native/csrc/gemm.cpp, which decodes a few weight rows at a
+- "native": models/cpu/csrc/gemv.cpp, AVX2 GEMV that decodes in registers (the fast path for up to
+  `max_gemv_rows` activation rows); for more rows models/cpu/csrc/gemm.cpp, which decodes a few weight rows at a
   time into a small buffer and multiplies them with every activation row there (compute-bound, and no float32
   copy of the model is kept; benchmarks/results/gemm.md compares it with MKL's sgemm on such a copy).
 - "triton": on a GPU, models/cuda/quant_matmul.py, which decodes the packed weights inside a tiled matrix product in
@@ -58,7 +58,7 @@ from torch import nn
 from tokenriver.config import default_num_threads
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.cuda import quant_matmul
-from tokenriver.models.native.kernels import Allocate, NativeKernels, Reductions, heap_empty, load_kernels
+from tokenriver.models.cpu.kernels import Allocate, NativeKernels, Reductions, heap_empty, load_kernels
 
 Backend = Literal["auto", "native", "triton", "reference"]
 BACKENDS = ("auto", "native", "triton", "reference")

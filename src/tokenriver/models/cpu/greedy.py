@@ -1,4 +1,4 @@
-"""The greedy passes of a multi-step decode in one native call (models/native/csrc/decoder.cpp's decoder_greedy_f32).
+"""The greedy passes of a multi-step decode in one native call (models/cpu/csrc/decoder.cpp's decoder_greedy_f32).
 
 A multi-step decode (`num_scheduler_steps`) runs several forward passes for plain greedy requests, each decoding
 the token the pass before chose. Between two passes the runner embeds the tokens, gathers the rotary rows, builds
@@ -25,9 +25,9 @@ from torch import nn
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.gemma import GemmaRMSNorm
 from tokenriver.models.layers import RMSNorm, RotaryEmbedding
-from tokenriver.models.native.decoder import NativeDecoder, linear_spec
-from tokenriver.models.native.kernels import GreedyLoopSpec, LinearSpec, is_contiguous_f32
-from tokenriver.models.native.quant import QuantizedEmbedding
+from tokenriver.models.cpu.decoder import NativeDecoder, linear_spec
+from tokenriver.models.cpu.kernels import GreedyLoopSpec, LinearSpec, is_contiguous_f32
+from tokenriver.models.cpu.quant import QuantizedEmbedding
 
 # (argmax, largest logit, log-sum-exp) per pass and row: [passes, rows] each.
 PassReductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -1,4 +1,4 @@
-"""A decoder stack's step in one native call (models/native/csrc/decoder.cpp): Llama, dense Qwen3, Phi-3 and Gemma
+"""A decoder stack's step in one native call (models/cpu/csrc/decoder.cpp): Llama, dense Qwen3, Phi-3 and Gemma
 layers.
 
 A single-stream decode step is ~240 small operations; run layer by layer from Python, each pays module dispatch,
@@ -42,10 +42,10 @@ from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.gemma import GemmaDecoderLayer
 from tokenriver.models.llama import LlamaDecoderLayer
 from tokenriver.models.moe import SparseMoeBlock
-from tokenriver.models.native.kernels import (ROUNDINGS, DecoderSpec, GreedyLoopSpec, LayerSpec, LinearSpec, MoeSpec,
+from tokenriver.models.cpu.kernels import (ROUNDINGS, DecoderSpec, GreedyLoopSpec, LayerSpec, LinearSpec, MoeSpec,
                                               NativeKernels, StepSpec, is_contiguous_f32, is_native_kv_pool,
                                               kv_cache_format, load_kernels)
-from tokenriver.models.native.quant import Int4Linear, Int8Linear
+from tokenriver.models.cpu.quant import Int4Linear, Int8Linear
 from tokenriver.models.phi3 import Phi3DecoderLayer
 from tokenriver.models.qwen3 import Qwen3DecoderLayer
 
@@ -277,7 +277,7 @@ class NativeDecoder:
         return out, residual
 
     def greedy_passes(self, loop: GreedyLoopSpec, kv_cache: KVCache, block_tables: torch.Tensor) -> int:
-        """loop.num_passes greedy passes (models/native/greedy.py) of block_tables.shape[0] one-token requests,
+        """loop.num_passes greedy passes (models/cpu/greedy.py) of block_tables.shape[0] one-token requests,
         block_tables [B, max_blocks] int64 covering every pass's position: how many passes finished (0 where the
         cache or the tables do not suit the stack)."""
         if not (self.supports_cache(kv_cache) and _is_index_array(block_tables) and block_tables.dim() == 2):

@@ -11,7 +11,7 @@ here too, one call each. The sources are compiled once per machine with the syst
 flags, and called through ctypes: no PyTorch headers, so a build takes seconds, not minutes.
 
 Contract: `load_kernels()` returns `NativeKernels`, or None when the CPU lacks AVX2/FMA/F16C or no compiler
-works; callers then use the pure-PyTorch path, which computes the same thing (models/native/quant.py, layers.py,
+works; callers then use the pure-PyTorch path, which computes the same thing (models/cpu/quant.py, layers.py,
 attention.py). Nothing here knows about files or models: tensors in, tensors out, CPU only; the wrappers do not
 check dtypes or layouts, their callers do (see each method's docstring).
 """
@@ -46,7 +46,7 @@ REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
 # order of its kv_cache_format codes (0, 1, 2).
 NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
-# How a product rounds its inputs (models/native/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1, 2):
+# How a product rounds its inputs (models/cpu/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1, 2):
 # exact float32, activations to int8 per 32 columns, or activations and weights to bfloat16.
 ROUNDINGS = (None, "int8", "bfloat16")
 # Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
@@ -568,7 +568,7 @@ class NativeKernels:
         """Run every layer of the stack on one step (decoder.cpp): step.out and step.residual get the last layer's
         MLP output and the residual stream before it, as the model's decoder layer returns them.
 
-        The caller has checked every pointer and shape (models/native/decoder.py); errors found by the attention
+        The caller has checked every pointer and shape (models/cpu/decoder.py); errors found by the attention
         kernel's own range checks are raised as paged_attention raises them.
         """
         _raise_for_attention_status(self._decoder(ctypes.byref(decoder), ctypes.byref(step)), decoder.head_dim)
