@@ -6,8 +6,8 @@ the model does per layer: write this step's keys and values into their slots, th
 
 - "native": models/attention.py `paged_attention` on the native kernel (models/cpu/csrc/attention.cpp), which reads
   keys and values straight from the blocks.
-- "torch": `paged_attention_torch`, the path without native kernels: gather every decode request's blocks into
-  a padded batch (index_select), one masked SDPA call; prompt chunks one SDPA (flash) call per request.
+- "torch": `paged_attention_torch`, the definition the native kernel stands in for: each request's blocks
+  gathered (index_select), then one SDPA call per request.
 
 Two measurements: decode steps (batch 1, 16, 64; contexts 128 to 2048) and one request's prompt chunk of 1 to 64
 new tokens at the end of a longer context (the native kernel token by token, its chunk path, and SDPA on the
@@ -34,7 +34,8 @@ import torch
 
 from common import RESULTS, machine_line, markdown_table
 
-from tokenriver.models.attention import MAX_KERNEL_QUERY_LEN, AttentionMetadata, paged_attention, paged_attention_torch
+from tokenriver.models.attention import paged_attention, paged_attention_torch
+from tokenriver.models.attention_metadata import MAX_KERNEL_QUERY_LEN, AttentionMetadata
 from tokenriver.models.cpu.kernels import load_kernels
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

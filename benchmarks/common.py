@@ -43,7 +43,7 @@ def machine_line() -> str:
 
 def rounded_products() -> str:
     """How this machine's kernels run the rounded mode's (`int8_activations=True`) products of more than
-    max_gemv_rows rows (models/cpu/quant.py): the words the benchmark reports use."""
+    max_gemv_rows rows (models/quant.py): the words the benchmark reports use."""
     from tokenriver.models.cpu.kernels import load_kernels
 
     kernels = load_kernels()

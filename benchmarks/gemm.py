@@ -6,7 +6,7 @@ gemm.cpp decodes a few weight rows at a time into a small buffer instead, with n
 whole SmolLM2-135M step's products (30 layers of fused qkv 960×576, o 576×576, fused gate/up 3072×576, down
 576×1536, then the tied 49152×576 lm_head; Q4_1 and Q8_0 weights as in the GGUF file, random values):
 - exact float32: the native GEMM against MKL's sgemm on a float32 copy;
-- the rounded mode (models/cpu/quant.py, `int8_activations=True`), as this CPU runs it: int8 activations where it has
+- the rounded mode (models/quant.py, `int8_activations=True`), as this CPU runs it: int8 activations where it has
   AVX512-VNNI (gemm.cpp), bfloat16 tiles where it has AMX (gemm_amx.cpp), each where present; against F.linear on a
   bfloat16 copy (oneDNN, AMX where the CPU has it: what transformers runs in bfloat16).
 Every kind runs in interleaved rounds so that drift hits all alike; the best round counts (noise only adds time).
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from common import RESULTS, machine_line, markdown_table
 
 from tokenriver.models.cpu.kernels import load_kernels
-from tokenriver.models.cpu.quant import quantize_int4, quantize_int8
+from tokenriver.models.quant import quantize_int4, quantize_int8
 
 # [out_features N, in_features K] of one layer with the engine's fused projections, and the lm_head.
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from common import RESULTS, machine_line, markdown_table
 
 from tokenriver.models.cpu.kernels import load_kernels
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, unpack_int4
+from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, unpack_int4
 
 # [out_features N, in_features K]: SmolLM2-135M's q/o, gate/up, down, tied lm_head; and a 7B-class square matrix.
 SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576), (4096, 4096))

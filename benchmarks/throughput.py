@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--hf-dtypes", nargs="+", choices=["float32", "bfloat16"], default=None,
                         help="transformers' dtypes, each at every batch size (default: --dtype)")
     parser.add_argument("--int8-activations", action="store_true",
-                        help="tokenriver's rounded arithmetic (4-bit weights; see models/cpu/quant.py)")
+                        help="tokenriver's rounded arithmetic (4-bit weights; see models/quant.py)")
     parser.add_argument("--kv-cache-dtype", choices=["float32", "float16", "int8"], default=None,
                         help="tokenriver's KV pool dtype (default: the engine's)")
     parser.add_argument("--threads", type=int, default=2)

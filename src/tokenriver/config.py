@@ -59,7 +59,7 @@ class EngineConfig:
     quantization: str = option(
         "auto", "weights: auto keeps a GGUF's quantized matrices packed (every type), none dequantizes to --dtype, "
         "int8/int4 quantize float weights at load", choices=("auto", "none", "int8", "int4"))
-    # Quantized weights multiply activations rounded to int8 per 32 columns, as llama.cpp does (models/cpu/quant.py),
+    # Quantized weights multiply activations rounded to int8 per 32 columns, as llama.cpp does (models/quant.py),
     # in decode-sized products and, where the CPU has AVX512-VNNI, in larger ones. None (the default) = on wherever
     # the weights are quantized on the CPU, unless reference_numerics (a GPU multiplies them with its compute dtype's
     # activations: models/cuda/quant_matmul.py); perplexity stays within 1% of float32

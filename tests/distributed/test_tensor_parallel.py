@@ -21,7 +21,7 @@ from tokenriver.distributed.group import TensorParallelGroup
 from tokenriver.distributed.sharding import partition, shard_layout, take_columns, take_rows
 from tokenriver.engine.llm import LLM
 from tokenriver.errors import InvalidParameterError
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.params import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

@@ -24,7 +24,7 @@ from tokenriver.engine.llm import LLM
 from tokenriver.kv.cache import KVCache
 from tokenriver.loader.load import load_model
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.cpu.quant import Int4Linear
+from tokenriver.models.quant import Int4Linear
 from tokenriver.params import SamplingParams, StructuredOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))

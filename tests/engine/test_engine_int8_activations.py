@@ -18,7 +18,7 @@ from tokenriver.engine.llm import LLM
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.load import load_model
 from tokenriver.models.cpu.kernels import load_kernels
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear
+from tokenriver.models.quant import Int4Linear, Int8Linear
 from tokenriver.params import SamplingParams
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity_text.md"

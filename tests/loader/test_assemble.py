@@ -10,7 +10,7 @@ from tokenriver.errors import InvalidParameterError
 from tokenriver.kv.cache import KVCache
 from tokenriver.loader.load import load_model
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear, QuantizedEmbedding
+from tokenriver.models.quant import Int4Linear, Int8Linear, QuantizedEmbedding
 
 PROMPT = "The three primary colors are red, yellow and blue. Mixing two of them gives"
 

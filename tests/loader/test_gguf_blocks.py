@@ -11,7 +11,8 @@ import torch
 from loader_gguf_writing import ENCODERS, QUANTIZABLE, RANDOM_CODED, encode
 
 from tokenriver.loader.gguf_blocks import CONVERSIONS, EXACT, REQUANTIZED, SCALES_FLOAT16, to_packed
-from tokenriver.models.cpu.quant import Int4Linear, Int4Weight, Int8Linear, load_kernels
+from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.quant import Int4Linear, Int4Weight, Int8Linear
 
 Q = gguf.GGMLQuantizationType
 # The types of the popular GGUF files, each of which must stay packed.

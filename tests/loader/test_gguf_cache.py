@@ -16,7 +16,7 @@ from loader_gguf_writing import tiny_llama_tensors, write_gguf
 from tokenriver.loader import gguf_cache
 from tokenriver.loader.gguf import SUPPORTED_TYPES, read_gguf
 from tokenriver.loader.load import load_model
-from tokenriver.models.cpu.quant import Int4Weight, Int8Weight
+from tokenriver.models.quant import Int4Weight, Int8Weight
 
 Q = gguf.GGMLQuantizationType
 TEXTS = ["Hello, world!", "The capital of France is", "  spaces\tand\nnewlines 12345",

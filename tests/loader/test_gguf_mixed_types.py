@@ -17,7 +17,7 @@ from tokenriver.loader.assemble import QUANTIZATIONS, build_model
 from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.gguf_blocks import CONVERSIONS, EXACT
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear, QuantizedEmbedding
+from tokenriver.models.quant import Int4Linear, Int8Linear, QuantizedEmbedding
 
 Q = gguf.GGMLQuantizationType
 IDS = [3, 17, 5, 29, 11, 0, 8, 21, 13, 2, 30, 7]

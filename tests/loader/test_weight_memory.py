@@ -22,7 +22,7 @@ from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.load import load_model
 from tokenriver.loader.weight_memory import huge_pages_available, move_weights_to_huge_pages
 from tokenriver.models.attention import AttentionMetadata
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear
+from tokenriver.models.quant import Int4Linear, Int8Linear
 
 Q = gguf.GGMLQuantizationType
 IDS = [3, 17, 5, 29, 11, 0, 8, 21, 13, 2, 30, 7]

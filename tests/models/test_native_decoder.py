@@ -28,7 +28,7 @@ from tokenriver.models.phi3 import Phi3ForCausalLM
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 from tokenriver.models.registry import model_class
 from tokenriver.models.cpu.decoder import NativeDecoder
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.runner.native_stack import NativeStack
 
 pytestmark = pytest.mark.skipif(load_kernels() is None,

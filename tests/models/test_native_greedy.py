@@ -20,7 +20,7 @@ from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.cpu.decoder import NativeDecoder
 from tokenriver.models.cpu.greedy import GreedyLoop
 from tokenriver.models.cpu.kernels import load_kernels
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear, QuantizedEmbedding, quantize_int4, quantize_int8
+from tokenriver.models.quant import Int4Linear, Int8Linear, QuantizedEmbedding, quantize_int4, quantize_int8
 from tokenriver.params import SamplingParams
 from tokenriver.runner.native_stack import NativeStack
 

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from tokenriver.kv.cache import decode_entries, encode_int8
-from tokenriver.models.attention import (MAX_KERNEL_QUERY_LEN, AttentionMetadata, _native_kernels_for, paged_attention,
-                                         paged_attention_torch)
+from tokenriver.models.attention import paged_attention, paged_attention_torch
+from tokenriver.models.attention_metadata import MAX_KERNEL_QUERY_LEN, AttentionMetadata
+from tokenriver.models.cpu import fast_path as cpu_fast_path
 from tokenriver.models.cpu.kernels import load_kernels
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
@@ -73,7 +74,10 @@ class Batch:
         query, key, value = self.qkv.split(self.split, dim=1)
         if function is paged_attention:
             native = self.qkv.dtype == torch.float32 and self.key_cache.dtype != torch.bfloat16
-            assert (_native_kernels_for(query, key, value, kv_cache) is not None) == native
+            scratch = (kv_cache[0].clone(), kv_cache[1].clone())
+            took = cpu_fast_path.load().paged_attention(query, key, value, scratch, metadata, self.scale, window,
+                                                        softcap)
+            assert (took is not None) == native
         return function(query, key, value, kv_cache, metadata, self.scale, window, softcap), *kv_cache
 
 

@@ -22,8 +22,9 @@ from gguf.quants import dequantize, quantize
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.loader.gguf_blocks import repack_q5_0
+from tokenriver.models.cpu import fast_path as cpu_fast_path
 from tokenriver.models.cpu.kernels import load_kernels
-from tokenriver.models.cpu.quant import (
+from tokenriver.models.quant import (
     Int4Linear,
     Int4Weight,
     Int8Linear,
@@ -239,7 +240,7 @@ def test_int8_activations_int4_pairs_match_reference_rounding(kind: str, in_feat
 def test_int8_activations_int4_rows_do_not_depend_on_the_batch(kind: str) -> None:
     """Each row's bits are the same alone, in any tile of a small batch, and through the bound kernel at 300 rows."""
     layer = make_layer(kind, 38, 576, "native", max_gemv_rows=8, int8_activations=True)
-    product = layer._native_gemv  # the int8-activation kernel, called here past max_gemv_rows too
+    product = layer.packed.gemv  # the int8-activation kernel, called here past max_gemv_rows too
     rows = torch.randn(300, 576)
     alone = torch.cat([product(rows[i:i + 1]) for i in range(300)])
     for batch in (rows, rows[:2], rows[3:10], rows[100:181]):
@@ -347,7 +348,7 @@ def test_int8_gemm_and_gemv_round_a_row_alike(kind: str) -> None:
     """A row decoded alone (GEMV) and in a batch (GEMM) gets the same integer sums: results agree to float order."""
     layer = make_layer(kind, 40, 576, "native", max_gemv_rows=8, int8_activations=True)
     rows = torch.randn(64, 576)
-    alone = torch.cat([layer._native_gemv(rows[i:i + 1]) for i in range(64)])
+    alone = torch.cat([layer.packed.gemv(rows[i:i + 1]) for i in range(64)])
     batched = bind_gemm(layer, "int8")(rows)
     assert (batched - alone).abs().max().item() <= 2e-5 * alone.abs().max().item()
 
@@ -364,7 +365,11 @@ def test_int8_activations_rounding_matches_its_definition() -> None:
 @pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])
 def test_native_dequantize_equals_torch_dequantize(kind: str) -> None:
     layer = make_layer(kind, 64, 128, "native")
-    assert torch.equal(layer._native_dequantize(), layer.dequantize())
+    is_int4 = isinstance(layer, Int4Linear)
+    native = cpu_fast_path.load().dequantize(layer.qweight, layer.scales, layer.mins if is_int4 else None,
+                                             layer.group_size, layer.high_bits if is_int4 else None)
+    assert torch.equal(native, layer.dequantize())
+    assert torch.equal(layer.dequantize_rows(torch.tensor([5, 0, 63])), layer.dequantize()[[5, 0, 63]])
 
 
 @pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])

@@ -10,7 +10,7 @@ Embedding, norms, rotary tables and the output head stay whole on every rank: af
 holds the same hidden state, so they compute the same logits and, from the same plan, sample the same tokens.
 
 Heads need not divide evenly: the embedded model has 3 kv heads, so at 2 ranks one rank keeps 2 and the other 1.
-Quantized weights (models/cpu/quant.py) are cut as packed blocks, never dequantized: rows of qweight/scales/mins for
+Quantized weights (models/quant.py) are cut as packed blocks, never dequantized: rows of qweight/scales/mins for
 a column-parallel layer; for a row-parallel layer the input columns at a multiple of the group size (32 columns
 of a 4-bit weight are 16 bytes of nibbles), which also keeps the int8 activation rounding, per 32 columns, the same
 as on one rank. A row-parallel bias is added on rank 0 only.
@@ -26,7 +26,7 @@ from torch import nn
 
 from tokenriver.distributed.group import TensorParallelGroup
 from tokenriver.errors import InvalidParameterError
-from tokenriver.models.cpu.quant import Int4Linear, Int4Weight, Int8Linear, Int8Weight
+from tokenriver.models.quant import Int4Linear, Int4Weight, Int8Linear, Int8Weight
 
 # Row-parallel splits of an unquantized layer still fall on this many columns: the int8 activation rounding and the
 # packed layouts work in runs of 32.

@@ -1,7 +1,7 @@
 """Checkpoint tensors (Hugging Face names) → a model instance: fusing, quantizing, placing the weights.
 
 Readers hand over plain float tensors, or GGUF weights of any quantized type already repacked into
-models/cpu/quant.py's formats (loader/gguf_blocks.py). Here they become the model the engine runs:
+models/quant.py's formats (loader/gguf_blocks.py). Here they become the model the engine runs:
 - projections the model fuses (q/k/v, gate/up: the class's `fused_projections`) are stacked into one weight;
 - with quantization "int8" or "int4", every matrix is brought to that format now; the output projection goes to int8 in
   both modes (it is the largest matrix of a small model and the most sensitive one, as in llama.cpp's
@@ -19,8 +19,8 @@ from torch import nn
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.cpu.kernels import Allocate, heap_empty
-from tokenriver.models.cpu.quant import (Int4Linear, Int4Weight, Int8Linear, Int8Weight, QuantizedEmbedding,
+from tokenriver.models.buffers import Allocate, heap_empty
+from tokenriver.models.quant import (Int4Linear, Int4Weight, Int8Linear, Int8Weight, QuantizedEmbedding,
                                             cat_rows, concatenate, dequantize_packed, exact_int8, quantize_int4,
                                             quantize_int8)
 from tokenriver.models.registry import model_class

@@ -6,7 +6,7 @@ The only module that knows llama.cpp's naming: metadata keys
 architectures (Gemma, Qwen3, Phi-3, mixture-of-experts) name or store
 differently is in loader/gguf_arch.py. Quantized matrices of every type can
 stay packed (loader/gguf_blocks.py re-encodes each GGUF block format into
-models/cpu/quant.py's formats); every other tensor is dequantized by
+models/quant.py's formats); every other tensor is dequantized by
 `gguf.quants.dequantize`.
 The file is memory-mapped and parsed, never unpickled.
 
@@ -40,8 +40,8 @@ from tokenriver.loader import gguf_cache
 from tokenriver.loader.assemble import fused_groups
 from tokenriver.loader.gguf_blocks import CONVERSIONS, native_layout, to_packed
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.cpu.kernels import Allocate, heap_empty
-from tokenriver.models.cpu.quant import Int4Weight, Int8Weight
+from tokenriver.models.buffers import Allocate, heap_empty
+from tokenriver.models.quant import Int4Weight, Int8Weight
 from tokenriver.models.registry import canonical_architecture
 
 Q = gguf.GGMLQuantizationType

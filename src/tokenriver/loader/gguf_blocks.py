@@ -1,4 +1,4 @@
-"""GGUF block formats → the two packed layouts the native kernels run (models/cpu/quant.py's Int4Weight, Int8Weight).
+"""GGUF block formats → the two packed layouts the native kernels run (models/quant.py's Int4Weight, Int8Weight).
 
 Why re-encode rather than write a kernel per format: every GGUF type is "a few bits per weight, a scale (and
 maybe a minimum) per run of 16-32 weights", and the kernels already stream 4-bit groups with a scale and a
@@ -7,7 +7,7 @@ VNNI path. So each type is mapped once, at load, onto one of those, rows kept, w
 
 | GGUF type                  | becomes                        | how                                                       |
 |----------------------------|--------------------------------|-----------------------------------------------------------|
-| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/cpu/quant.py's repack_*): exact      |
+| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/quant.py's repack_*): exact      |
 | Q5_0, Q5_1                 | Int4 + fifth bits (5-bit)      | byte copy (Q5_0's min -16·d): exact                       |
 | Q5_K                       | Int4 + fifth bits (5-bit)      | regrouped as Q4_K, scale d·sc and min -dmin·m as float16  |
 | IQ4_NL                     | Int8, groups of 32             | values widened to int8 under the block's own scale: exact |
@@ -31,11 +31,10 @@ import gguf
 import numpy as np
 import torch
 
-from tokenriver.config import default_num_threads
 from tokenriver.errors import ModelLoadError
-from tokenriver.models.cpu.kernels import Allocate, heap_empty
-from tokenriver.models.cpu.quant import (Int4Weight, Int8Weight, load_kernels, repack_q4_0, repack_q4_1,
-                                     repack_q8_0)
+from tokenriver.models.buffers import Allocate, heap_empty
+from tokenriver.models.cpu import convert
+from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q4_0, repack_q4_1, repack_q8_0
 
 Q = gguf.GGMLQuantizationType
 PackedWeight = Int4Weight | Int8Weight
@@ -244,28 +243,27 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
     empty: makes the native rule's output tensors (the loader's weight arena); the numpy rules make their own.
     """
     layout = native_layout(tensor_type) if native else None
-    kernels = load_kernels()
+    converter = convert.load()
     data = np.asarray(data)
-    if tensor_type == Q.Q5_K and native and kernels is not None and data.dtype == np.uint8 and data.ndim == 2 \
+    if tensor_type == Q.Q5_K and native and converter is not None and data.dtype == np.uint8 and data.ndim == 2 \
             and data.flags.c_contiguous and data.shape[1] % 176 == 0:
-        converted = kernels.convert_q5_k(data, data.shape[1] // 176 * 256, default_num_threads(), empty)
+        converted = converter.q5_k(data, data.shape[1] // 176 * 256, empty)
         if converted is not None:
             qweight, scales, mins, high_bits = converted
             return Int4Weight(qweight, scales, mins, GROUP, high_bits)
     if tensor_type in FIVE_BIT:
         return FIVE_BIT[tensor_type](data, empty)
-    if layout is not None and kernels is not None and data.dtype == np.uint8 and data.ndim == 2 \
+    if layout is not None and converter is not None and data.dtype == np.uint8 and data.ndim == 2 \
             and data.flags.c_contiguous:
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
         in_features = data.shape[1] // block_bytes * block_size
         if data.shape[1] % block_bytes == 0:
             if layout is Int4Weight:
-                converted = kernels.convert_q4_k(data, in_features, default_num_threads(), empty)
+                converted = converter.q4_k(data, in_features, empty)
                 if converted is not None:
                     return Int4Weight(*converted, GROUP)
             else:
-                converted = kernels.convert_to_int8(data, int(tensor_type), in_features, default_num_threads(),
-                                                    empty)
+                converted = converter.to_int8(data, int(tensor_type), in_features, empty)
                 if converted is not None:
                     return Int8Weight(*converted, GROUP)
             # A scale float16 cannot hold: the numpy rule raises the error that names it.
@@ -276,12 +274,12 @@ def native_layout(tensor_type: gguf.GGMLQuantizationType) -> type[Int4Weight] | 
     """The packed weight that to_packed makes of this GGUF type into the tensors its allocator hands out, in groups
     of 32 with float16 scales (Q4_K: int4, Q5_0: int4 with fifth bits; the types convert_to_int8 takes: int8);
     None where a numpy rule converts it, or there are no native kernels."""
-    kernels = load_kernels()
-    if kernels is None:
+    converter = convert.load()
+    if converter is None:
         return None
     if tensor_type == Q.Q4_K or tensor_type in FIVE_BIT:  # the 5-bit types by FIVE_BIT's numpy rules
         return Int4Weight
-    return Int8Weight if kernels.converts_to_int8(tensor_type) else None
+    return Int8Weight if converter.converts_to_int8(tensor_type) else None
 
 
 def conversion_of(type_name: str) -> str:

@@ -34,9 +34,9 @@ from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
 from tokenriver.loader.weight_memory import (WeightArena, huge_pages_available, moving_to_huge_pages,
                                              release_freed_heap)
-from tokenriver.models.cpu.kernels import Allocate, heap_empty
+from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear
+from tokenriver.models.quant import Int4Linear, Int8Linear
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -101,7 +101,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     quantization (loader/assemble.py): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed and float weights float;
     "none" dequantizes everything; "int8"/"int4" also quantize float weights at load.
     int8_activations: the quantized layers round decode-sized activations to int8 and those of larger products too
-    where the CPU has it (models/cpu/quant.py), the output projection included. True with a model
+    where the CPU has it (models/quant.py), the output projection included. True with a model
     that has no quantized layer is refused rather than loaded without the setting taking effect; None turns it on
     exactly where the model has quantized layers (the engine's default).
     cache_dir: where a GGUF file's header index is cached (loader/gguf_cache.py; None: $XDG_CACHE_HOME/tokenriver

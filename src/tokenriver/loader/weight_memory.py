@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tokenriver.config import default_num_threads
+from tokenriver.models.quant import QuantizedLinear
 
 # Alignment of each tensor in the mapping: a cache line, and a multiple of every element size.
 _ALIGNMENT = 64
@@ -238,9 +239,8 @@ def _aligned_bytes(by_storage: dict[int, list[torch.Tensor]]) -> int:
 
 def _rebind_native(model: nn.Module) -> None:
     for module in model.modules():
-        rebind = getattr(module, "_bind_native", None)
-        if rebind is not None:
-            rebind()
+        if isinstance(module, QuantizedLinear):
+            module.rebind()
 
 
 def _libc_function(name: str) -> Callable[..., int] | None:

@@ -6,16 +6,13 @@ Hugging Face transformers counterpart (`LlamaRMSNorm`, `LlamaRotaryEmbedding` +
 functions are those definitions in PyTorch ops.
 
 On a decode step these ops see one row per request, so in PyTorch their cost is
-dispatch (a dozen small ops per layer), not arithmetic. Where the native kernels
-are built (models/cpu, x86-64 with AVX2) and the tensors are float32 on the
-CPU, `rms_norm`, `apply_rotary_`, `silu_and_mul` and `gelu_tanh_and_mul` run as one native call each,
-computing the same arithmetic (equal to the torch definitions within ~1e-6
-relative: sums are added in another order and exp is a polynomial). On an
-NVIDIA GPU with Triton, `rms_norm`, `apply_rotary_`, `silu_and_mul` and
-`gelu_tanh_and_mul` run as one Triton kernel each (models/cuda/fused_ops.py), rounding where the torch
-definitions round. Anything else (bfloat16 on the CPU, other devices, no
-compiler) takes the torch definitions, and so does any call with autograd on
-(`torch.is_grad_enabled()`): the kernels record no gradients.
+dispatch (a dozen small ops per layer), not arithmetic. `rms_norm`, `apply_rotary_`,
+`silu_and_mul` and `gelu_tanh_and_mul` first ask the fast path of their input's
+device (models/fast_path.py): one native call each for float32 on the CPU, one
+Triton kernel each on an NVIDIA GPU, computing the same arithmetic (on the CPU
+within ~1e-6 relative: sums are added in another order and exp is a polynomial;
+on the GPU rounding where the torch definitions round). Anything else takes the
+torch definitions.
 """
 
 from __future__ import annotations
@@ -27,17 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenriver.models.cpu.kernels import is_contiguous_f32, kernels_for
-
-
-def _fused_ops(x: torch.Tensor) -> Any:
-    """The Triton kernel module for a CUDA tensor outside autograd where Triton imports, else None. Imported on
-    first use: a CPU run never loads Triton."""
-    if not x.is_cuda or torch.is_grad_enabled():
-        return None
-    from tokenriver.models.cuda import fused_ops
-
-    return fused_ops if fused_ops.available(x.device) else None
+from tokenriver.models.fast_path import fast_path
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -57,17 +44,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     With `residual`: residual += x in place first, and the norm is of that sum (the residual add that ends one
     block, fused into the norm that starts the next).
     """
-    kernels = kernels_for(x)
-    if (kernels is not None and not torch.is_grad_enabled() and x.dim() == 2 and is_contiguous_f32(x)
-            and is_contiguous_f32(weight) and weight.shape == x.shape[1:]
-            and (residual is None or (is_contiguous_f32(residual) and residual.shape == x.shape))):
-        return kernels.rms_norm(x, weight, eps, residual)
-    fused = _fused_ops(x)
-    if (fused is not None and fused.fits_rows(x) and weight.dim() == 1 and weight.is_contiguous()
-            and weight.shape[0] == x.shape[1] <= fused.MAX_NORM_COLUMNS
-            and (residual is None or (fused.fits_rows(residual) and residual.shape == x.shape
-                                      and residual.dtype == x.dtype))):
-        return fused.rms_norm(x, weight, eps, residual)
+    fast = fast_path(x)
+    out = None if fast is None else fast.rms_norm(x, weight, eps, residual)
+    if out is not None:
+        return out
     return rms_norm_torch(x, weight, eps, residual)
 
 
@@ -183,36 +163,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _is_f32_heads(tensor: torch.Tensor) -> bool:
-    """[T, heads, d] float32 on the CPU, each head's d values contiguous and the heads evenly spaced in each row:
-    heads packed in a row, or the first d values of wider heads (a partial-rotary view)."""
-    return (tensor.dtype == torch.float32 and tensor.is_cpu and tensor.dim() == 3 and tensor.stride(2) == 1
-            and tensor.stride(1) >= tensor.shape[2])
-
-
 def apply_rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """`apply_rotary` on query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim], in place.
 
     cos, sin: [T, 1, head_dim // 2] from RotaryEmbedding. query and key may be views into one qkv tensor, and the
     first rotary_dim values of each head under partial rotary (cos, sin then [T, 1, rotary_dim // 2]).
     """
-    kernels = kernels_for(query)
-    if (kernels is not None and not torch.is_grad_enabled() and _is_f32_heads(query) and _is_f32_heads(key)
-            and is_contiguous_f32(cos) and is_contiguous_f32(sin)):
-        num_tokens, _, rotary_dim = query.shape
-        if (cos.shape == sin.shape and cos.shape[0] == num_tokens and 2 * cos.shape[-1] == rotary_dim
-                and key.shape[0] == num_tokens and key.shape[2] == rotary_dim and key.stride(1) == query.stride(1)):
-            kernels.rotary_(query, key, cos, sin)
-            return
-    both = _adjacent_heads(query, key)
-    fused = _fused_ops(query)
-    if fused is not None and cos.dtype == query.dtype == key.dtype and sin.dtype == cos.dtype:
-        targets = [both] if both is not None else [query, key]
-        if all(fused.fits_heads(x) and x.shape[0] == cos.shape[0] and x.shape[2] == 2 * cos.shape[-1]
-               for x in targets):
-            for x in targets:
-                fused.rotary_(x, cos, sin)
-            return
+    fast = fast_path(query)
+    if fast is not None and fast.rotary_(query, key, cos, sin):
+        return
+    both = adjacent_heads(query, key)
     if both is not None:  # one set of ops for both: half the small launches of a GPU's decode step
         both.copy_(apply_rotary(both, cos, sin))
         return
@@ -220,7 +180,7 @@ def apply_rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin
     key.copy_(apply_rotary(key, cos, sin))
 
 
-def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+def adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
     """query's and key's heads as one [T, num_heads + num_kv_heads, head_dim] view where key's heads follow
     query's in each row (both split from one qkv row, whole heads), else None."""
     if (query.dim() != 3 or query.stride() != key.stride() or query.dtype != key.dtype or query.shape[0] != key.shape[0]
@@ -239,13 +199,10 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, where gate_up [num_tokens, 2 * intermediate] is gate_proj's output, then up_proj's."""
-    kernels = kernels_for(gate_up)
-    if (kernels is not None and not torch.is_grad_enabled() and gate_up.dim() == 2
-            and is_contiguous_f32(gate_up)):
-        return kernels.silu_mul(gate_up)
-    fused = _fused_ops(gate_up)
-    if fused is not None and fused.fits_rows(gate_up) and gate_up.shape[1] % 2 == 0:
-        return fused.silu_and_mul(gate_up)
+    fast = fast_path(gate_up)
+    out = None if fast is None else fast.silu_and_mul(gate_up)
+    if out is not None:
+        return out
     return silu_and_mul_torch(gate_up)
 
 
@@ -268,15 +225,9 @@ def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate, tanh approximation) * up (GeGLU), gate_up [num_tokens, 2 * intermediate] as for silu_and_mul.
-
-    The native kernel is the one the fused decoder stack runs (models/cpu/decoder.py), so both paths give the
-    same bits."""
-    kernels = kernels_for(gate_up)
-    if (kernels is not None and not torch.is_grad_enabled() and gate_up.dim() == 2
-            and is_contiguous_f32(gate_up)):
-        return kernels.gelu_tanh_mul(gate_up)
-    fused = _fused_ops(gate_up)
-    if fused is not None and fused.fits_rows(gate_up) and gate_up.shape[1] % 2 == 0:
-        return fused.gelu_tanh_and_mul(gate_up)
+    """gelu(gate, tanh approximation) * up (GeGLU), gate_up [num_tokens, 2 * intermediate] as for silu_and_mul."""
+    fast = fast_path(gate_up)
+    out = None if fast is None else fast.gelu_tanh_and_mul(gate_up)
+    if out is not None:
+        return out
     return gelu_tanh_and_mul_torch(gate_up)

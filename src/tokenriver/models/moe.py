@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.fast_path import FastPath, fast_path
 from tokenriver.models.layers import SwiGLUMLP
-from tokenriver.models.cpu.kernels import NativeKernels, is_contiguous_f32, load_kernels
 from tokenriver.models.qwen3 import FUSED_PROJECTIONS as DENSE_FUSED_PROJECTIONS
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 
@@ -46,27 +46,22 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def routing_kernels(self) -> NativeKernels | None:
-        """The native kernels if this block's gates can route there (ops.cpp, as the native decoder routes): float32
-        gates without bias on the CPU (the loader keeps them float, as llama.cpp does)."""
-        kernels = load_kernels()
-        gates = [self.gate] if self.shared_expert_gate is None else [self.gate, self.shared_expert_gate]
-        if (kernels is None or len(self.experts) > kernels.MAX_EXPERTS
-                or not all(type(g) is nn.Linear and g.bias is None and is_contiguous_f32(g.weight) for g in gates)):
-            return None
-        return kernels
+    def gates(self) -> list[nn.Module]:
+        """The router, and the shared expert's gate where there is one."""
+        return [self.gate] if self.shared_expert_gate is None else [self.gate, self.shared_expert_gate]
 
-    def native_routing(self, x: torch.Tensor) -> NativeKernels | None:
-        """routing_kernels() if x can take them too: float32 rows on the CPU, autograd off."""
-        if torch.is_grad_enabled() or x.dim() != 2 or not is_contiguous_f32(x):
-            return None
-        return self.routing_kernels()
+    def fast_routing(self, x: torch.Tensor) -> FastPath | None:
+        """x's fast path where it routes this block (the native decoder routes the same way, with the same
+        kernels, so that both paths choose alike), else None."""
+        fast = fast_path(x)
+        return fast if fast is not None and fast.routes_moe(self.gates(), len(self.experts)) else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → (chosen experts [T, top_k] int64, their weights [T, top_k] in x's dtype)."""
-        kernels = self.native_routing(x)
-        if kernels is not None:
-            return kernels.moe_route(kernels.row_dots(x, self.gate.weight), self.top_k, self.norm_topk_prob)
+        fast = self.fast_routing(x)
+        routed = None if fast is None else fast.moe_route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        if routed is not None:
+            return routed
         probabilities = torch.softmax(self.gate(x).float(), dim=-1)  # [T, num_experts]
         weights, experts = probabilities.topk(self.top_k, dim=-1)  # [T, top_k] each
         if self.norm_topk_prob:
@@ -89,9 +84,10 @@ class SparseMoeBlock(nn.Module):
                 out.index_add_(0, rows, expert(x.index_select(0, rows)) * pair_weights[start:start + count])
             start += count
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            kernels = self.native_routing(x)
-            gate = (torch.sigmoid(self.shared_expert_gate(x)) if kernels is None  # [T, 1]
-                    else kernels.sigmoid_gate(x, self.shared_expert_gate.weight[0]))
+            fast = self.fast_routing(x)
+            gate = None if fast is None else fast.sigmoid_gate(x, self.shared_expert_gate.weight[0])  # [T, 1]
+            if gate is None:
+                gate = torch.sigmoid(self.shared_expert_gate(x))
             out += gate * self.shared_expert(x)  # [T, 1] * [T, hidden]
         return out
 

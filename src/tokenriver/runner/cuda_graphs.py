@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tokenriver.kv.cache import KVCache
-from tokenriver.models.attention import AttentionMetadata
+from tokenriver.models.attention_metadata import AttentionMetadata
 from tokenriver.models.layers import RotaryEmbedding
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenriver.models.attention import AttentionMetadata, to_device
+from tokenriver.models.attention_metadata import AttentionMetadata, to_device
 from tokenriver.sched.output import ScheduledRequest, SchedulerOutput
 
 

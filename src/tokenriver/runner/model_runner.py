@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from tokenriver.kv.cache import KVCache
-from tokenriver.models.attention import to_device
-from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.attention_metadata import to_device
+from tokenriver.models.fast_path import fast_path_for
 from tokenriver.runner.cuda_graphs import DecodeGraphs
 from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
 from tokenriver.runner.native_stack import NativeStack
@@ -68,9 +68,8 @@ class ModelRunner:
         self.device = torch.device(device)
         default_generator = torch.Generator(device=self.device)
         default_generator.manual_seed(seed)
-        kernels = load_kernels() if self.device.type == "cpu" else None
-        self.sampler = Sampler(default_generator,
-                               kernels.argmax_logsumexp if kernels is not None else torch_row_reductions)
+        fast = fast_path_for(self.device)
+        self.sampler = Sampler(default_generator, (fast and fast.row_reductions()) or torch_row_reductions)
         # Queue a multi-step step's greedy passes on the device (_queued_greedy_passes): what a GPU gains, the CPU,
         # where a pass's tokens are on the host as soon as it ends, would only pay for in reductions.
         self.queue_greedy_passes = self.device.type != "cpu"

@@ -30,13 +30,15 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 def _kernels_on_cpu(monkeypatch) -> dict[str, int]:
-    """Point the dispatch at the Triton kernels for CPU tensors; the calls each kernel gets, counted."""
-    import tokenriver.models.attention as attention
-    import tokenriver.models.layers as layers
+    """Make the GPU's fast path the one CPU tensors take, its Triton kernels included; the calls each kernel gets,
+    counted."""
+    import tokenriver.models.cpu.fast_path as cpu_fast_path
 
     fused_ops = importlib.import_module("tokenriver.models.cuda.fused_ops")
     paged_decode = importlib.import_module("tokenriver.models.cuda.paged_decode")
     kv_write = importlib.import_module("tokenriver.models.cuda.kv_write")
+    cuda_attention = importlib.import_module("tokenriver.models.cuda.attention")
+    cuda_fast_path = importlib.import_module("tokenriver.models.cuda.fast_path")
     calls: dict[str, int] = {}
 
     def counted(name, function):
@@ -50,11 +52,8 @@ def _kernels_on_cpu(monkeypatch) -> dict[str, int]:
     monkeypatch.setattr(paged_decode, "paged_decode_attention",
                         counted("decode", paged_decode.paged_decode_attention))
     monkeypatch.setattr(kv_write, "write_kv", counted("kv_write", kv_write.write_kv))
-    monkeypatch.setattr(layers, "_fused_ops", lambda x: None if torch.is_grad_enabled() else fused_ops)
-    monkeypatch.setattr(attention, "_paged_decode",
-                        lambda query, key_cache: paged_decode if paged_decode.fits(query, key_cache) else None)
-    monkeypatch.setattr(attention, "_kv_writer",
-                        lambda key, value, key_cache: kv_write if kv_write.fits(key, value, key_cache) else None)
+    monkeypatch.setattr(cpu_fast_path, "load", lambda: cuda_fast_path.CudaFastPath())
+    monkeypatch.setattr(cuda_attention, "_takes_triton", lambda x: True)
     return calls
 
 

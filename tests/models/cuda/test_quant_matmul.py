@@ -1,5 +1,5 @@
 """The Triton quantized matmul kernels (models/cuda/quant_matmul.py) against their definition: the reference
-dequantization of models/cpu/quant.py and F.linear in float64.
+dequantization of models/quant.py and F.linear in float64.
 
 On a machine with an NVIDIA GPU they compile and run there. Without one they run in Triton's interpreter, which
 executes the kernels with NumPy on CPU tensors: it checks the indexing, the nibble order, the per-group scales and
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenriver.errors import InvalidParameterError
-from tokenriver.models.cpu.quant import dequantize_int4, dequantize_int8
+from tokenriver.models.quant import dequantize_int4, dequantize_int8
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

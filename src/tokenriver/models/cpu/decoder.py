@@ -38,15 +38,16 @@ import torch
 from torch import nn
 
 from tokenriver.kv.cache import KVCache, head_dim_of
-from tokenriver.models.attention import AttentionMetadata
+from tokenriver.models.attention_metadata import AttentionMetadata
+from tokenriver.models.cpu import fast_path as cpu_fast_path
 from tokenriver.models.gemma import GemmaDecoderLayer
 from tokenriver.models.llama import LlamaDecoderLayer
 from tokenriver.models.moe import SparseMoeBlock
 from tokenriver.models.cpu.kernels import (ROUNDINGS, DecoderSpec, GreedyLoopSpec, LayerSpec, LinearSpec, MoeSpec,
                                               NativeKernels, StepSpec, is_contiguous_f32, is_native_kv_pool,
                                               kv_cache_format, load_kernels)
-from tokenriver.models.cpu.quant import Int4Linear, Int8Linear
 from tokenriver.models.phi3 import Phi3DecoderLayer
+from tokenriver.models.quant import Int4Linear, Int8Linear
 from tokenriver.models.qwen3 import Qwen3DecoderLayer
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotary_dim // 2]
@@ -127,10 +128,11 @@ LAYOUTS: dict[type[nn.Module], Layout] = {
 
 
 def _moe_spec(moe: SparseMoeBlock, keep: list[object]) -> MoeSpec | None:
-    """A mixture of experts as decoder.cpp runs it, or None if a part has no native form (gates as
-    SparseMoeBlock.routing_kernels takes them, every expert projection a native quantized linear); the ctypes
-    structures it points into go into `keep`."""
-    if moe.routing_kernels() is None:
+    """A mixture of experts as decoder.cpp runs it, or None if a part has no native form (gates the CPU's fast
+    path routes, every expert projection a native quantized linear); the ctypes structures it points into go into
+    `keep`."""
+    fast = cpu_fast_path.load()
+    if fast is None or not fast.routes_moe(moe.gates(), len(moe.experts)):
         return None
     gate_ups = [linear_spec(expert.gate_up_proj) for expert in moe.experts]
     downs = [linear_spec(expert.down_proj) for expert in moe.experts]

@@ -27,7 +27,7 @@ from tokenriver.models.gemma import GemmaRMSNorm
 from tokenriver.models.layers import RMSNorm, RotaryEmbedding
 from tokenriver.models.cpu.decoder import NativeDecoder, linear_spec
 from tokenriver.models.cpu.kernels import GreedyLoopSpec, LinearSpec, is_contiguous_f32
-from tokenriver.models.cpu.quant import QuantizedEmbedding
+from tokenriver.models.quant import QuantizedEmbedding
 
 # (argmax, largest logit, log-sum-exp) per pass and row: [passes, rows] each.
 PassReductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

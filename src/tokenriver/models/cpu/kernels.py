@@ -11,7 +11,7 @@ here too, one call each. The sources are compiled once per machine with the syst
 flags, and called through ctypes: no PyTorch headers, so a build takes seconds, not minutes.
 
 Contract: `load_kernels()` returns `NativeKernels`, or None when the CPU lacks AVX2/FMA/F16C or no compiler
-works; callers then use the pure-PyTorch path, which computes the same thing (models/cpu/quant.py, layers.py,
+works; the definitions then run as they are, computing the same thing (models/quant.py, layers.py,
 attention.py). Nothing here knows about files or models: tensors in, tensors out, CPU only; the wrappers do not
 check dtypes or layouts, their callers do (see each method's docstring).
 """
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from tokenriver.kv.cache import head_dim_of
+from tokenriver.models.buffers import Allocate, heap_empty
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +47,11 @@ REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
 # order of its kv_cache_format codes (0, 1, 2).
 NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
-# How a product rounds its inputs (models/cpu/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1, 2):
+# How a product rounds its inputs (models/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1, 2):
 # exact float32, activations to int8 per 32 columns, or activations and weights to bfloat16.
 ROUNDINGS = (None, "int8", "bfloat16")
 # Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
 Reductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-# Makes an uninitialized tensor of a shape and dtype: where a converter's output goes (the loader passes its arena).
-Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
@@ -93,10 +92,6 @@ def _build(compiler: str, flags: set[str]) -> Path:
                        text=True, check=True)
         os.replace(built, target)
     return target
-
-
-def heap_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
 
 
 def is_contiguous_f32(tensor: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """Weight-only quantized matrix products on NVIDIA GPUs: y = x @ dequantized(W)ᵀ with Triton kernels.
 
-The formats are those of models/cpu/quant.py (its module docstring): Int4 with GGUF's nibble order (byte j of
+The formats are those of models/quant.py (its module docstring): Int4 with GGUF's nibble order (byte j of
 each 32-column run holds column j low, column j + 16 high) and a float16 scale and min per group, Int8 with a
 float16 scale per group. Group sizes are multiples of 32, so every run of 32 columns lies inside one group.
 
@@ -80,7 +80,7 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gr
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:
     """The weight rows `rows` (a step-1 slice) [n, K] in `dtype`, decoded on the GPU: int4 when `mins` is given,
-    else int8. The same values as cpu/quant.py's dequantize_int4/int8, rounded once to `dtype`."""
+    else int8. The same values as models/quant.py's dequantize_int4/int8, rounded once to `dtype`."""
     _require_triton()
     start, stop, _ = rows.indices(qweight.shape[0])
     qweight, scales = qweight[start:stop].contiguous(), scales[start:stop].contiguous()

@@ -1,4 +1,4 @@
-// GGUF block formats → the packed layouts the products read (models/cpu/quant.py's Int4Weight, Int8Weight), at load.
+// GGUF block formats → the packed layouts the products read (models/quant.py's Int4Weight, Int8Weight), at load.
 //
 // The same rules as loader/gguf_blocks.py, which is the portable version and the reference these are tested
 // against bit for bit: numpy spends several passes over memory per field, and a 500 MB file must load in

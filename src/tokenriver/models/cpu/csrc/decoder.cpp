@@ -80,7 +80,7 @@ int paged_attention_window_f32(const float*, int64_t, int64_t, const float*, int
 
 namespace {
 
-// A quantized linear layer (models/cpu/quant.py): the weight in gemv.cpp's format and how the layer runs it.
+// A quantized linear layer (models/quant.py): the weight in gemv.cpp's format and how the layer runs it.
 // Mirrored field for field by native.py's LinearSpec.
 struct Linear {
   const uint8_t* qweight;   // int4 [N, K/2] or int8 [N, K]

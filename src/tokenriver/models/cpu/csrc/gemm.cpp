@@ -12,7 +12,7 @@
 // own accumulator lane: the result for a row does not depend on how many other rows are in the batch or where
 // it sits in it, so batching never changes a sequence's logits.
 //
-// Where the CPU has AVX512-VNNI a second product is compiled in for models/cpu/quant.py's rounded mode: the activations
+// Where the CPU has AVX512-VNNI a second product is compiled in for models/quant.py's rounded mode: the activations
 // are rounded to int8 per 32 columns exactly as gemv.cpp's int8 path rounds them, and multiplied as integers (see
 // "Int8 activations" below), four times an FMA's products per instruction, and a decode step and a prefill of the
 // same row round alike. The tile's weight layout and vectorized block scales (tile_row, block_terms) keep every
@@ -731,7 +731,7 @@ void int8_dequantize(const int8_t* qweight, const uint16_t* scales, int64_t N, i
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// The same products with the activations rounded to int8 per 32 columns (models/cpu/quant.py's rounded mode), where the
+// The same products with the activations rounded to int8 per 32 columns (models/quant.py's rounded mode), where the
 // CPU has AVX512-VNNI; K a multiple of 32, groups a multiple of 32. Present only then: gemm_int8x_supported says.
 void int4_gemm_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
                      int64_t N, int64_t K,

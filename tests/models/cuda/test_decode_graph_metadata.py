@@ -1,6 +1,6 @@
 """A CUDA graph's decode metadata (AttentionMetadata.for_decode_graph) describes its batch by tensors alone, padded
-to the graph's bucket: attention over it must equal attention over the step's own metadata. Checked on the CPU, with
-the PyTorch path every GPU step takes."""
+to the graph's bucket: the GPU's attention over it (models/cuda/attention.py) must equal the definition over the
+step's own metadata. Checked on the CPU, where the GPU's route takes its PyTorch form."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from tokenriver.kv.cache import KVCache
-from tokenriver.models.attention import AttentionMetadata, paged_attention_torch
+from tokenriver.models.attention import paged_attention_torch
+from tokenriver.models.attention_metadata import AttentionMetadata
+from tokenriver.models.cuda import attention as gpu_attention
 
 BLOCK = 4
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -30,7 +32,7 @@ def test_padded_graph_metadata_attends_like_the_steps_own(window):
     # The graph's buffers: two more columns of stale block ids, masked off by the lengths.
     padded = torch.tensor([t + [8] * (6 - len(t)) for t in tables])
     graph = AttentionMetadata.for_decode_graph(own.slot_mapping.clone(), padded, torch.tensor(lengths), BLOCK)
-    got = paged_attention_torch(query, key, value, cache[0], graph, 0.35, window)
+    got = gpu_attention.paged_attention(query, key, value, cache[0], graph, 0.35, window)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 

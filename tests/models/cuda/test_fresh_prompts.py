@@ -1,12 +1,14 @@
-"""Prompt chunks with nothing cached before them (fresh prompts) attend in one padded SDPA call on the torch path
-(attention.py, `_attend_fresh_prompts`): each must get what it gets attending alone, whatever else the step holds."""
+"""Prompt chunks with nothing cached before them (fresh prompts) attend in one padded SDPA call on a GPU
+(models/cuda/attention.py, `_attend_fresh_prompts`): each must get what it gets attending alone, whatever else the
+step holds. Checked on the CPU, where the GPU's route takes its PyTorch form."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenriver.models.attention import AttentionMetadata, paged_attention_torch
+from tokenriver.models.attention_metadata import AttentionMetadata
+from tokenriver.models.cuda import attention as gpu_attention
 
 BLOCK_SIZE = 16
 
@@ -30,7 +32,7 @@ def _attend(requests, tables, cache, qkv, rows=None, window=0):
     query, key, value = (x if rows is None else x[rows] for x in qkv)
     metadata = AttentionMetadata.build([q for q, _ in requests], [s for _, s in requests], tables, BLOCK_SIZE)
     kv_cache = (cache[0].clone(), cache[1].clone())
-    return paged_attention_torch(query, key, value, kv_cache, metadata, 0.3, window), metadata
+    return gpu_attention.paged_attention(query, key, value, kv_cache, metadata, 0.3, window), metadata
 
 
 @pytest.mark.parametrize("window", [0, 40])

@@ -25,7 +25,8 @@ Each layer computes y = x @ dequantized(W)ᵀ (+ bias) with float32 accumulation
   the activations' dtype (bfloat16 there), so a 4-bit file stays 4-bit in GPU memory.
 - "reference": dequantize with torch ops, then F.linear. Any device; the definition the others are tested against.
 "auto" picks "native" when the weights are on a CPU the kernels build on, "triton" when they are on a CUDA GPU and
-Triton imports, else "reference".
+Triton imports, else "reference". The first two are the fast paths of the weights' device (models/fast_path.py),
+which bind a layer's weights once (`rebind`); the layer's forward is the reference's wherever they do not apply.
 Outputs have the activations' dtype (float32 or bfloat16); the sums are float32 either way.
 
 `int8_activations=True` trades exactness for speed on decode-sized products (at most `max_gemv_rows` rows): the
@@ -55,10 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenriver.config import default_num_threads
 from tokenriver.errors import InvalidParameterError, ModelLoadError
-from tokenriver.models.cuda import quant_matmul
-from tokenriver.models.cpu.kernels import Allocate, NativeKernels, Reductions, heap_empty, load_kernels
+from tokenriver.models.buffers import Allocate, heap_empty
+from tokenriver.models.fast_path import PackedProducts, Reductions, fast_path_for
 
 Backend = Literal["auto", "native", "triton", "reference"]
 BACKENDS = ("auto", "native", "triton", "reference")
@@ -236,10 +236,10 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
     group_size = weight.shape[-1] if group_size is None else group_size
     _check_float_weight(weight, group_size)
     num_rows = weight.shape[0]
-    kernels = load_kernels() if group_size == GGUF_BLOCK and weight.is_cpu else None
-    if kernels is not None:
-        qweight, scales = kernels.quantize_int8_groups(weight.detach().float().contiguous(), default_num_threads())
-        return Int8Weight(qweight, scales, group_size)
+    fast = fast_path_for(weight.device) if group_size == GGUF_BLOCK else None
+    quantized = None if fast is None else fast.quantize_int8_groups(weight)
+    if quantized is not None:
+        return Int8Weight(*quantized, group_size)
     groups = weight.detach().float().reshape(num_rows, -1, group_size)  # [N, K // G, G]
     scales = (groups.abs().amax(dim=-1) / 127).to(torch.float16)  # [N, K // G]
     safe = torch.where(scales > 0, scales.float(), 1.0)[:, :, None]  # [N, K // G, 1]
@@ -250,13 +250,11 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
 def dequantize_packed(weight: Int4Weight | Int8Weight) -> torch.Tensor:
     """The float32 matrix [N, K] of a packed weight: the native decoding where it runs (the same values as
     dequantize(), tested), which the loader needs when it re-packs a part to fuse it with parts of another type."""
-    kernels = load_kernels() if weight.qweight.is_cpu else None
-    if kernels is None:
-        return weight.dequantize()
-    if isinstance(weight, Int4Weight):
-        return kernels.int4_dequantize(weight.qweight, weight.scales, weight.mins, weight.group_size,
-                                       weight.high_bits)
-    return kernels.int8_dequantize(weight.qweight, weight.scales, weight.group_size)
+    fast = fast_path_for(weight.qweight.device)
+    is_int4 = isinstance(weight, Int4Weight)
+    matrix = None if fast is None else fast.dequantize(weight.qweight, weight.scales, weight.mins if is_int4 else None,
+                                                      weight.group_size, weight.high_bits if is_int4 else None)
+    return weight.dequantize() if matrix is None else matrix
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
@@ -320,18 +318,11 @@ def repack_q8_0(blocks: torch.Tensor | np.ndarray) -> Int8Weight:
     return Int8Weight(_words_field(words, 1, 17, torch.int8), _words_field(words, 0, 1, torch.float16), GGUF_BLOCK)
 
 
-def gemm_rounding(rounded_arithmetic: bool, in_features: int) -> str | None:
-    """How many-row products round (module docstring): None unless asked for; else "bfloat16" where this CPU's
-    kernels have AMX tiles, "int8" where they have AVX512-VNNI, else None. Both kernels take the columns in runs
-    of 32 (group sizes are multiples of 32 already)."""
-    if not rounded_arithmetic or in_features % GGUF_BLOCK:
-        return None
-    kernels = load_kernels()
-    if kernels is None:
-        return None
-    if kernels.gemm_amx:
-        return "bfloat16"
-    return "int8" if kernels.gemm_int8 else None
+def gemm_rounding(rounded_arithmetic: bool, in_features: int, device: torch.device | str = "cpu") -> str | None:
+    """How many-row products on `device` round (module docstring): None unless asked for, or where the device's fast
+    path has no rounded product; on a CPU "bfloat16" where it has AMX tiles, "int8" where it has AVX512-VNNI."""
+    fast = fast_path_for(device)
+    return None if fast is None else fast.gemm_rounding(rounded_arithmetic, in_features)
 
 
 def round_bfloat16(x: torch.Tensor) -> torch.Tensor:
@@ -339,40 +330,28 @@ def round_bfloat16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
 
-class _QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module):
     """What Int4Linear and Int8Linear share: backend choice, bias, reshaping, output dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, backend: Backend,
                  max_gemv_rows: int, int8_activations: bool, device: torch.device) -> None:
         super().__init__()
-        if backend not in BACKENDS:
-            raise InvalidParameterError(f"backend must be one of {BACKENDS}, got {backend!r}", param="backend")
         self.in_features = in_features
         self.out_features = out_features
         self.max_gemv_rows = max_gemv_rows
         self.int8_activations = int8_activations
-        self.gemm_rounding = gemm_rounding(int8_activations, in_features)
+        self.gemm_rounding = gemm_rounding(int8_activations, in_features, device)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        on_cpu = device.type == "cpu"
-        self.kernels: NativeKernels | None = load_kernels() if backend in ("auto", "native") and on_cpu else None
-        if backend == "native" and self.kernels is None:
-            raise InvalidParameterError(
-                "backend 'native' needs the weights on an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler; "
-                "use backend='auto' to fall back to 'reference'", param="backend")
-        has_triton = not on_cpu and backend in ("auto", "triton") and quant_matmul.available(device)
-        if backend == "triton" and not has_triton:
-            raise InvalidParameterError("backend 'triton' needs the weights on a CUDA GPU and Triton installed; "
-                                        "use backend='auto' to fall back to 'reference'", param="backend")
-        self.backend: Backend = backend if backend != "auto" else (
-            "native" if self.kernels else "triton" if has_triton else "reference")
+        self.backend: Backend = _resolve_backend(backend, device)
+        self.packed: PackedProducts | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] → [..., out_features] in x's dtype."""
-        gemv = self._native_gemv
+        gemv = self._gemv
         # The decode hot path, ~200 calls per step: 2-D float32 rows on the CPU go straight to the kernel.
         if (gemv is not None and x.dim() == 2 and x.dtype == torch.float32 and self.bias is None
                 and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous()):
-            return gemv(x) if x.shape[0] <= self.max_gemv_rows else self._native_gemm(x)
+            return gemv(x) if x.shape[0] <= self.max_gemv_rows else self._gemm(x)
         return self._forward_any(x)
 
     def _forward_any(self, x: torch.Tensor) -> torch.Tensor:
@@ -380,15 +359,9 @@ class _QuantizedLinear(nn.Module):
             raise InvalidParameterError(
                 f"input has {x.shape[-1]} features, the layer expects {self.in_features}", param="x")
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, K]
-        is_gemv = rows.shape[0] <= self.max_gemv_rows
-        on_cpu = rows.is_cpu and self.scales.is_cpu
-        if self.backend == "native" and on_cpu:
-            rows32 = rows if rows.dtype == torch.float32 else rows.float()
-            rows32 = rows32 if rows32.is_contiguous() else rows32.contiguous()
-            y = self._native_gemv(rows32) if is_gemv else self._native_gemm(rows32)  # [M, N]
-        elif self.backend == "triton" and rows.is_cuda and self.scales.is_cuda:
-            y = self._triton_matmul(rows)  # [M, N] in rows' dtype, float32 sums
-        else:
+        y = None if self.packed is None else self.packed.matmul(rows)  # [M, N]
+        if y is None:
+            is_gemv = rows.shape[0] <= self.max_gemv_rows
             rounding = ("int8" if self.int8_activations else None) if is_gemv else self.gemm_rounding
             y = self._reference(rows.float(), rounding)  # [M, N]
         if self.bias is not None:
@@ -402,11 +375,14 @@ class _QuantizedLinear(nn.Module):
         layer has such a product: the rounded mode's (int8 activations on AVX512-VNNI, bfloat16 tiles on AMX), for
         2-D float32 rows more than a GEMV's and no bias. None otherwise, or when an output is NaN or infinite: the
         caller then takes forward's output. The argmax and largest value are those of forward(x) bit for bit."""
-        argmax = self._native_argmax
-        if (argmax is None or x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous()
-                or x.shape[0] <= self.max_gemv_rows or x.shape[1] != self.in_features or self.bias is not None):
+        if self.packed is None or self.bias is not None or x.dim() != 2 or x.shape[1] != self.in_features:
             return None
-        return argmax(x)
+        return self.packed.argmax_logsumexp(x)
+
+    def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows [len(row_ids), K] of the weight: the lookup of a tied embedding, without the whole matrix."""
+        rows = None if self.packed is None else self.packed.dequantize_rows(row_ids)
+        return self._dequantize_rows(row_ids) if rows is None else rows
 
     def set_int8_activations(self, enabled: bool) -> None:
         """Switch to the rounded arithmetic of the module docstring: int8 activations in decode-sized products,
@@ -417,24 +393,22 @@ class _QuantizedLinear(nn.Module):
     def set_rounded_gemm(self, enabled: bool) -> None:
         """Round the inputs of many-row products as this CPU does fastest (module docstring), or back to exact
         float32, whatever decode-sized products do."""
-        self.gemm_rounding = gemm_rounding(enabled, self.in_features)
-        self._bind_native()
+        self.gemm_rounding = gemm_rounding(enabled, self.in_features, self.qweight.device)
+        self.rebind()
 
-    def _bind_native(self) -> None:
-        """Give the native kernels this layer's weight pointers once (they change only when the buffers move)."""
-        self._native_gemv = None
-        self._native_gemm = None
-        self._native_argmax = None
+    def rebind(self) -> None:
+        """Bind the weights to their device's fast path (models/fast_path.py): the products hold raw pointers, so
+        whoever moves the buffers' data without .to() (the loader's arena) calls this again."""
+        fast = fast_path_for(self.qweight.device) if self.backend != "reference" else None
+        self.packed = None if fast is None else fast.bind_packed(self)
+        self._gemv = None if self.packed is None else self.packed.gemv
+        self._gemm = None if self.packed is None else self.packed.gemm
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         # .to(), .cpu(), .share_memory_()...: new buffer tensors, so the kernel must see the new pointers.
         module = super()._apply(fn, recurse)
-        self._bind_native()
+        self.rebind()
         return module
-
-    def _triton_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, K] on the GPU @ Wᵀ through the Triton kernel of this layer's format (the subclasses')."""
-        raise NotImplementedError
 
     def _reference(self, rows: torch.Tensor, rounding: str | None) -> torch.Tensor:
         """Dequantize with torch ops and F.linear, rounding as the native product would: any device, and the
@@ -452,7 +426,26 @@ class _QuantizedLinear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
-class Int4Linear(_QuantizedLinear):
+def _resolve_backend(backend: Backend, device: torch.device) -> Backend:
+    """The backend a layer on `device` runs (module docstring), refusing one the device cannot run."""
+    if backend not in BACKENDS:
+        raise InvalidParameterError(f"backend must be one of {BACKENDS}, got {backend!r}", param="backend")
+    fast = fast_path_for(device)
+    has_native = device.type == "cpu" and fast is not None
+    has_triton = device.type == "cuda" and fast is not None
+    if backend == "native" and not has_native:
+        raise InvalidParameterError(
+            "backend 'native' needs the weights on an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler; "
+            "use backend='auto' to fall back to 'reference'", param="backend")
+    if backend == "triton" and not has_triton:
+        raise InvalidParameterError("backend 'triton' needs the weights on a CUDA GPU and Triton installed; "
+                                    "use backend='auto' to fall back to 'reference'", param="backend")
+    if backend != "auto":
+        return backend
+    return "native" if has_native else "triton" if has_triton else "reference"
+
+
+class Int4Linear(QuantizedLinear):
     """Linear layer over an Int4Weight; see the module docstring for backends."""
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, backend: Backend = "auto",
@@ -480,41 +473,17 @@ class Int4Linear(_QuantizedLinear):
                 self.backend = "reference"
             high_bits = high_bits.contiguous()
         self.register_buffer("high_bits", high_bits)  # [N, K // 32] int32 for 5-bit codes, or None
-        self._bind_native()
+        self.rebind()
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], with torch ops (any device)."""
         return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size, self.high_bits)
 
-    def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """Float32 rows [len(row_ids), K] of the weight: the lookup of a tied embedding, without the whole matrix."""
+    def _dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
         # index_select, not advanced indexing: on the CPU the latter is far slower for row gathers.
-        qweight, scales = self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids)
-        mins = self.mins.index_select(0, row_ids)
         high_bits = None if self.high_bits is None else self.high_bits.index_select(0, row_ids)
-        if self.backend == "native" and qweight.is_cpu:
-            # One call instead of eight tensor ops per decode step; the same values (tested).
-            return self.kernels.int4_dequantize(qweight, scales, mins, self.group_size, high_bits)
-        return dequantize_int4(qweight, scales, mins, self.group_size, high_bits)
-
-    def _bind_native(self) -> None:
-        super()._bind_native()
-        if self.backend == "native" and self.qweight.is_cpu:
-            self._native_gemv = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
-                                                       "int8" if self.int8_activations else None,
-                                                       high_bits=self.high_bits)
-            self._native_gemm = self.kernels.bind_int4(self.qweight, self.scales, self.mins, self.group_size,
-                                                       self.gemm_rounding, many_rows=True, high_bits=self.high_bits)
-            if self.gemm_rounding is not None:
-                self._native_argmax = self.kernels.bind_argmax("int4", self.gemm_rounding, self.qweight,
-                                                               self.scales, self.mins, self.group_size,
-                                                               high_bits=self.high_bits)
-
-    def _native_dequantize(self) -> torch.Tensor:
-        return self.kernels.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size, self.high_bits)
-
-    def _triton_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return quant_matmul.int4_matmul(rows, self.qweight, self.scales, self.mins, self.group_size)
+        return dequantize_int4(self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids),
+                               self.mins.index_select(0, row_ids), self.group_size, high_bits)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -533,7 +502,7 @@ class QuantizedEmbedding(nn.Module):
         return self.table.dequantize_rows(token_ids).to(self.dtype)
 
 
-class Int8Linear(_QuantizedLinear):
+class Int8Linear(QuantizedLinear):
     """Linear layer over an Int8Weight; see the module docstring for backends."""
 
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, backend: Backend = "auto",
@@ -544,32 +513,12 @@ class Int8Linear(_QuantizedLinear):
         self.group_size = weight.group_size
         self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K] int8
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
-        self._bind_native()
+        self.rebind()
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], with torch ops (any device)."""
         return dequantize_int8(self.qweight, self.scales, self.group_size)
 
-    def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """Float32 rows [len(row_ids), K] of the weight: the lookup of a tied embedding, without the whole matrix."""
-        qweight, scales = self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids)
-        if self.backend == "native" and qweight.is_cpu:
-            return self.kernels.int8_dequantize(qweight, scales, self.group_size)  # as Int4Linear's
-        return dequantize_int8(qweight, scales, self.group_size)
-
-    def _bind_native(self) -> None:
-        super()._bind_native()
-        if self.backend == "native" and self.qweight.is_cpu:
-            self._native_gemv = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
-                                                       "int8" if self.int8_activations else None)
-            self._native_gemm = self.kernels.bind_int8(self.qweight, self.scales, self.group_size,
-                                                       self.gemm_rounding, many_rows=True)
-            if self.gemm_rounding is not None:
-                self._native_argmax = self.kernels.bind_argmax("int8", self.gemm_rounding, self.qweight,
-                                                               self.scales, self.group_size)
-
-    def _native_dequantize(self) -> torch.Tensor:
-        return self.kernels.int8_dequantize(self.qweight, self.scales, self.group_size)
-
-    def _triton_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return quant_matmul.int8_matmul(rows, self.qweight, self.scales, self.group_size)
+    def _dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_int8(self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids),
+                               self.group_size)

@@ -1,0 +1,196 @@
+"""The native CPU kernels as the CPU's fast path of the definitions (models/fast_path.py says how one is chosen).
+
+Each op checks that its kernel reads the call as it is laid out (float32 on the CPU, rows contiguous where the kernel
+needs them, a head size it was compiled for) and answers None where it does not, so that the definition runs. The
+kernels compute the definitions' arithmetic: bit for bit where the operations are the same, within float rounding
+where a sum is added in another order or exp is a polynomial (tests/models/test_native_ops.py and the others).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tokenriver.config import default_num_threads
+from tokenriver.kv.cache import head_dim_of
+from tokenriver.models.cpu.kernels import (NativeKernels, Reductions, is_contiguous_f32, is_f32_rows,
+                                           is_native_kv_pool, load_kernels)
+
+
+def _is_f32_heads(tensor: torch.Tensor) -> bool:
+    """[T, heads, d] float32 on the CPU, each head's d values contiguous and the heads evenly spaced in each row:
+    heads packed in a row, or the first d values of wider heads (a partial-rotary view)."""
+    return (tensor.dtype == torch.float32 and tensor.is_cpu and tensor.dim() == 3 and tensor.stride(2) == 1
+            and tensor.stride(1) >= tensor.shape[2])
+
+
+class CpuFastPath:
+    """The FastPath of models/fast_path.py on the native kernels."""
+
+    def __init__(self, kernels: NativeKernels) -> None:
+        self.kernels = kernels
+
+    # ----- a layer's small ops (ops.cpp) -----------------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None) -> torch.Tensor | None:
+        if (x.dim() == 2 and is_contiguous_f32(x) and is_contiguous_f32(weight) and weight.shape == x.shape[1:]
+                and (residual is None or (is_contiguous_f32(residual) and residual.shape == x.shape))):
+            return self.kernels.rms_norm(x, weight, eps, residual)
+        return None
+
+    def rotary_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        if not (_is_f32_heads(query) and _is_f32_heads(key) and is_contiguous_f32(cos) and is_contiguous_f32(sin)):
+            return False
+        num_tokens, _, rotary_dim = query.shape
+        if (cos.shape == sin.shape and cos.shape[0] == num_tokens and 2 * cos.shape[-1] == rotary_dim
+                and key.shape[0] == num_tokens and key.shape[2] == rotary_dim and key.stride(1) == query.stride(1)):
+            self.kernels.rotary_(query, key, cos, sin)
+            return True
+        return False
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        return self.kernels.silu_mul(gate_up) if gate_up.dim() == 2 and is_contiguous_f32(gate_up) else None
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """The kernel the native decoder stack runs too (models/cpu/decoder.py): both paths give the same bits."""
+        return self.kernels.gelu_tanh_mul(gate_up) if gate_up.dim() == 2 and is_contiguous_f32(gate_up) else None
+
+    # ----- attention (attention.cpp) ---------------------------------------------------------------------------
+
+    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], metadata, scale: float, window: int,
+                        softcap: float | None) -> torch.Tensor | None:
+        """The whole step in one call: every token's keys and values written, then the requests with at most
+        MAX_KERNEL_QUERY_LEN new tokens (decodes, short verification) attend token by token, reading their blocks in
+        place with an online softmax in float32 (a long context split across threads and merged), and prompt chunks
+        through the same kernel's flash loop over their blocks, causally. Both visit a context's tiles from position
+        0 in fixed steps, so a token's result depends only on which of the two computes it, never on its batch."""
+        key_cache, value_cache = kv_cache
+        if not (is_native_kv_pool(key_cache, value_cache) and is_f32_rows(query) and is_f32_rows(key)
+                and is_f32_rows(value)):
+            return None
+        num_kv_heads, head_dim = key_cache.shape[2], head_dim_of(key_cache)
+        if (head_dim not in self.kernels.attention_head_dims or query.shape[2] != head_dim
+                or key.shape[1:] != (num_kv_heads, head_dim) or value.shape[1:] != (num_kv_heads, head_dim)):
+            return None
+        output = torch.empty(query.shape, dtype=query.dtype)  # [num_tokens, num_heads, head_dim]
+        self.kernels.paged_attention(query, key, value, metadata.slot_mapping, key_cache, value_cache,
+                                     metadata.block_tables, metadata.kernel_queries, metadata.kernel_chunks, scale,
+                                     output, window, softcap)
+        return output
+
+    # ----- sampling's reductions and a mixture of experts' routing (ops.cpp, reductions.h) ---------------------
+
+    def row_reductions(self) -> Callable[[torch.Tensor], Reductions | None]:
+        return self.kernels.argmax_logsumexp
+
+    def routes_moe(self, gates: list[nn.Module], num_experts: int) -> bool:
+        """Whether a mixture of experts' gates route here (as the native decoder routes): float32 gates without bias
+        (the loader keeps them float, as llama.cpp does), at most MAX_EXPERTS experts."""
+        return num_experts <= self.kernels.MAX_EXPERTS and all(
+            type(g) is nn.Linear and g.bias is None and is_contiguous_f32(g.weight) for g in gates)
+
+    def moe_route(self, x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
+                  normalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if x.dim() != 2 or not is_contiguous_f32(x):
+            return None
+        return self.kernels.moe_route(self.kernels.row_dots(x, gate_weight), top_k, normalize)
+
+    def sigmoid_gate(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        return self.kernels.sigmoid_gate(x, weight) if x.dim() == 2 and is_contiguous_f32(x) else None
+
+    # ----- packed weights (gemv.cpp, gemm.cpp, gemm_amx.cpp, convert.cpp) --------------------------------------
+
+    def gemm_rounding(self, rounded_arithmetic: bool, in_features: int) -> str | None:
+        """"bfloat16" where this CPU has AMX tiles, "int8" where it has AVX512-VNNI, else None (exact float32); None
+        unless asked for. Both kernels take the columns in runs of 32."""
+        if not rounded_arithmetic or in_features % 32:
+            return None
+        if self.kernels.gemm_amx:
+            return "bfloat16"
+        return "int8" if self.kernels.gemm_int8 else None
+
+    def bind_packed(self, layer: nn.Module) -> NativePacked | None:
+        return NativePacked(self.kernels, layer) if layer.qweight.is_cpu else None
+
+    def quantize_int8_groups(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """quant.quantize_int8's codes and scales for groups of 32 on float32 rows, in one pass."""
+        return self.kernels.quantize_int8_groups(weight.detach().float().contiguous(), default_num_threads())
+
+    def dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                   high_bits: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight [N, K] of an Int4 (with mins) or Int8 (mins None) packing: the values of quant.py's
+        dequantize_int4 / dequantize_int8, in one call."""
+        if mins is None:
+            return self.kernels.int8_dequantize(qweight, scales, group_size)
+        return self.kernels.int4_dequantize(qweight, scales, mins, group_size, high_bits)
+
+
+class NativePacked:
+    """A quantized layer's weights bound to the native products (the PackedProducts of models/fast_path.py): the
+    weight's pointers go to C once, not on each of a decode step's ~200 calls. `gemv` and `gemm` take contiguous
+    float32 rows; the layer calls them straight from its forward (models/quant.py). Bound again whenever the layer's
+    buffers move: the functions hold raw pointers (and the tensors, alive)."""
+
+    def __init__(self, kernels: NativeKernels, layer: nn.Module) -> None:
+        self.kernels = kernels
+        self.max_gemv_rows = layer.max_gemv_rows
+        self.group_size = layer.group_size
+        self.is_int4 = layer.qweight.dtype == torch.uint8
+        # (qweight, scales, mins, high_bits) of an Int4 packing, (qweight, scales) of an Int8 one.
+        self.tensors = ((layer.qweight, layer.scales, layer.mins, layer.high_bits) if self.is_int4
+                        else (layer.qweight, layer.scales))
+        self.gemv = self._bind("int8" if layer.int8_activations else None, many_rows=False)
+        self.gemm = self._bind(layer.gemm_rounding, many_rows=True)
+        self.argmax = None
+        if layer.gemm_rounding is not None:
+            kind = "int4" if self.is_int4 else "int8"
+            *weight, high_bits = self.tensors if self.is_int4 else (*self.tensors, None)
+            self.argmax = kernels.bind_argmax(kind, layer.gemm_rounding, *weight, self.group_size,
+                                              **({"high_bits": high_bits} if self.is_int4 else {}))
+
+    def _bind(self, rounding: str | None, many_rows: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.is_int4:
+            qweight, scales, mins, high_bits = self.tensors
+            return self.kernels.bind_int4(qweight, scales, mins, self.group_size, rounding, many_rows=many_rows,
+                                          high_bits=high_bits)
+        qweight, scales = self.tensors
+        return self.kernels.bind_int8(qweight, scales, self.group_size, rounding, many_rows=many_rows)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """rows [M, K] on the CPU @ Wᵀ, [M, N] float32: the GEMV up to the layer's max_gemv_rows, else the GEMM."""
+        if not rows.is_cpu:
+            return None
+        rows32 = rows if rows.dtype == torch.float32 else rows.float()
+        rows32 = rows32 if rows32.is_contiguous() else rows32.contiguous()
+        return self.gemv(rows32) if rows32.shape[0] <= self.max_gemv_rows else self.gemm(rows32)
+
+    def argmax_logsumexp(self, rows: torch.Tensor) -> Reductions | None:
+        """The rounded GEMM's per-row reductions (reductions.h), for contiguous float32 rows above a GEMV's count."""
+        if self.argmax is None or rows.dim() != 2 or not is_contiguous_f32(rows) or rows.shape[0] <= self.max_gemv_rows:
+            return None
+        return self.argmax(rows)
+
+    def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor | None:
+        """One call instead of eight tensor ops per decode step; the same values (tested)."""
+        qweight, scales, *rest = (t if t is None else t.index_select(0, row_ids) for t in self.tensors)
+        if not self.is_int4:
+            return self.kernels.int8_dequantize(qweight, scales, self.group_size)
+        mins, high_bits = rest
+        return self.kernels.int4_dequantize(qweight, scales, mins, self.group_size, high_bits)
+
+
+def load() -> CpuFastPath | None:
+    """The CPU's fast path, or None where the native kernels do not build (models/cpu/kernels.py says why)."""
+    kernels = load_kernels()
+    return None if kernels is None else _fast_path(kernels)
+
+
+@functools.cache
+def _fast_path(kernels: NativeKernels) -> CpuFastPath:
+    # Keyed by the kernels: a test that turns them off and on again (load_kernels.cache_clear) gets a new path.
+    return CpuFastPath(kernels)
