@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _import_engine()
         if getattr(args, "engine_tensor_parallel_size", 1) > 1:
-            from tokenriver.engine.tensor_parallel import run_worker_node
+            from tokenriver.distributed.launch import run_worker_node
 
             code = run_worker_node(engine_config_from(args))  # None where this process runs the engine
             if code is not None:

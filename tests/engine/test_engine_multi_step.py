@@ -63,12 +63,11 @@ def test_queued_passes_give_the_tokens_and_logprobs_of_single_steps(default_mode
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=m != 9) for m in (6, 11, 9, 3)]
     single = LLM.from_loaded(loaded, max_num_kv_tokens=4096, num_scheduler_steps=1)
     queued = LLM.from_loaded(loaded, max_num_kv_tokens=4096, num_scheduler_steps=4)
-    runner = queued.engine.runner
-    runner.queue_greedy_passes = True
+    greedy = queued.engine.runner.greedy
+    greedy.queue_on_device = True
     queued_passes = []
-    run_queued = runner._queued_greedy_passes
-    monkeypatch.setattr(runner, "_queued_greedy_passes", lambda *args: queued_passes.append(run_queued(*args))
-                        or queued_passes[-1])
+    run_queued = greedy._queued
+    monkeypatch.setattr(greedy, "_queued", lambda *args: queued_passes.append(run_queued(*args)) or queued_passes[-1])
     expected, got = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (single, queued))
     assert sum(queued_passes) > 0
     for want, have in zip(expected, got):

@@ -89,7 +89,7 @@ def test_rms_norm_and_mlp_equal_transformers(dtype):
     with torch.no_grad():
         want = ref_mlp(x)
         # The PyTorch definition reproduces transformers bit for bit; the native silu kernel (float32 on the CPU,
-        # no autograd) computes e^x with a polynomial, so it matches to rounding (tests/models/test_native_ops.py).
+        # no autograd) computes e^x with a polynomial, so it matches to rounding (tests/models/cpu/test_native_ops.py).
         gate_up = mlp.gate_up_proj(x)
         assert torch.equal(mlp.down_proj(silu_and_mul_torch(gate_up)), want)
         torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-6)

@@ -8,13 +8,17 @@ equal a dense masked softmax written out here, with and without soft-capping.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from tokenriver.models.attention import AttentionMetadata, paged_attention, paged_attention_torch
 from tokenriver.models.cpu.kernels import load_kernels
 
-from test_paged_attention_kernel import BLOCK_SIZE, Batch, assert_close, assert_int8_close
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cpu"))
+from test_native_attention import BLOCK_SIZE, Batch, assert_close, assert_int8_close  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
-"""Tensor parallelism on torch.distributed: the process group and its collectives (group.py), and how a loaded
-model's layers are cut into per-rank shards (sharding.py).
+"""Tensor parallelism on torch.distributed, all of it here: the process group and its collectives (group.py), how a
+loaded model's layers are cut into per-rank shards (sharding.py), rank 0's runner that sends each step's plan to the
+other ranks and the loop they serve it in (runner.py), and how the ranks' processes start (launch.py).
 
-The runner sits above this package (runner/tensor_parallel.py sends each step's plan from rank 0 to the others);
-the engine starts the ranks (engine/tensor_parallel.py). Nothing here knows about requests or schedulers.
+It sits above the runner and the loader, whose ModelRunner and loaded model each rank runs, and below the engine,
+which starts it. Nothing here knows about requests or schedulers beyond the plain SchedulerOutput it broadcasts.
 """

@@ -25,7 +25,7 @@ from tokenriver.decoding.beam_groups import BeamGroups
 from tokenriver.decoding.speculative import Speculator, build_speculator
 from tokenriver.errors import InvalidParameterError, RequestNotFoundError
 from tokenriver.engine.output_processor import OutputProcessor
-from tokenriver.engine.tensor_parallel import start_tensor_parallel
+from tokenriver.distributed.launch import start_tensor_parallel
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache, bytes_per_block
 from tokenriver.loader.load import LoadedModel, load_model

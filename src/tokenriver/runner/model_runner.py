@@ -9,18 +9,13 @@ known token and of its drafts from the same forward pass, and the sampler's
 `verify` decides which drafts stand. The draft distributions a draft model
 proposed from come in with the step (`draft_probs`); n-gram drafts have none.
 A beam-search request gets its most likely next tokens instead of a sample.
-A step whose rows are all plain greedy (Sampler.takes_raw_argmax) asks the model
-for each row's argmax, largest logit and log-sum-exp instead of its logits, where
-its output layer computes those without writing the logits (greedy_reductions).
 The model runs through NativeStack (runner/native_stack.py), which hands its decoder
 layers to the native decoder where they can run there; on a GPU a batch of one-token decodes
 replays a recorded CUDA graph of the same pass instead (runner/cuda_graphs.py).
-A multi-step step (SchedulerOutput.num_decode_passes > 1, only plain greedy decodes)
-runs its further passes here, each feeding every request the token it just sampled.
-Off the CPU those passes are queued on the device one after the other: each pass's
-argmax stays there as the next pass's input, and the tokens of all of them come back
-in one copy at the end, so the host prepares a pass while the GPU runs the one before
-instead of waiting for every pass's tokens.
+A step whose rows are all plain greedy takes runner/greedy_passes.py's shortcuts: its tokens
+from the output layer's per-row reductions instead of its logits, and a multi-step step's
+further passes (SchedulerOutput.num_decode_passes > 1), each feeding every request the token
+it just sampled.
 A request with structured output gets its grammar's allowed-token mask with every
 row the sampler sees (sampling/grammar.py); its drafts are cut at the first token the
 grammar rejects, and beam candidates are ranked among the allowed tokens only. The
@@ -42,10 +37,11 @@ from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention_metadata import to_device
 from tokenriver.models.fast_path import fast_path_for
 from tokenriver.runner.cuda_graphs import DecodeGraphs
-from tokenriver.runner.inputs import ModelInputs, advance_decode, prepare_inputs
+from tokenriver.runner.greedy_passes import GreedyPasses, append_samples
+from tokenriver.runner.inputs import ModelInputs, prepare_inputs
 from tokenriver.runner.native_stack import NativeStack
 from tokenriver.sampling.grammar import GrammarMatchers, GrammarRow
-from tokenriver.sampling.sampler import DraftCheck, SampleResult, Sampler, SamplingState, torch_row_reductions
+from tokenriver.sampling.sampler import DraftCheck, Sampler, SamplingState, torch_row_reductions
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -70,12 +66,16 @@ class ModelRunner:
         default_generator.manual_seed(seed)
         fast = fast_path_for(self.device)
         self.sampler = Sampler(default_generator, (fast and fast.row_reductions()) or torch_row_reductions)
-        # Queue a multi-step step's greedy passes on the device (_queued_greedy_passes): what a GPU gains, the CPU,
-        # where a pass's tokens are on the host as soon as it ends, would only pay for in reductions.
-        self.queue_greedy_passes = self.device.type != "cpu"
         self._generators: dict[str, torch.Generator] = {}
-        # Forward passes run so far (the visualizer's "one pass per token").
-        self.num_forward_passes = 0
+        self._num_model_passes = 0
+        self.greedy = GreedyPasses(model, self.forward, self.sampler, kv_cache, self.device, self._run_model,
+                                   lambda requests, states, outputs: self._add_grammars(requests, states, None, outputs),
+                                   has_graphs=self.graphs is not None)
+
+    @property
+    def num_forward_passes(self) -> int:
+        """Forward passes run so far (the visualizer's "one pass per token")."""
+        return self._num_model_passes + self.greedy.num_native_passes
 
     def _generator_for(self, request: ScheduledRequest) -> torch.Generator | None:
         seed = request.sampling_params.seed
@@ -169,8 +169,8 @@ class ModelRunner:
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
             hidden = hidden.index_select(0, to_device(all_rows, self.device))
         self._add_grammars(inputs.sampling_requests, states, pending_masks)
-        if len(all_rows) == len(inputs.sample_rows) and self._sample_greedy(inputs, states, hidden, results):
-            self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
+        if len(all_rows) == len(inputs.sample_rows) and self.greedy.sample(inputs, states, hidden, results):
+            self.greedy.decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
             return RunnerOutput(results=results)
         # [num_sample_rows + num_draft_rows + num_beam_rows, vocab] float32
         logits = self.model.compute_logits(hidden)
@@ -185,7 +185,7 @@ class ModelRunner:
         if inputs.sampling_requests:
             samples = self.sampler.sample(logits[:num_sample_rows], states)
             for request, sample in zip(inputs.sampling_requests, samples):
-                _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
+                append_samples(results.setdefault(request.request_id, RequestStepResult()), [sample])
         if inputs.draft_requests:
             draft_probs = draft_probs or {}
             checks = [self._draft_check(request, draft_probs.get(request.request_id))
@@ -200,121 +200,17 @@ class ModelRunner:
             verdicts = self.sampler.verify(logits[kept_rows] if is_cut else logits[num_sample_rows:num_scored_rows],
                                            checks)
             for request, verdict in zip(inputs.draft_requests, verdicts):
-                _append(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
-        self._decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
+                append_samples(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
+        self.greedy.decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
         return RunnerOutput(results=results)
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         """One forward pass: replayed from a CUDA graph where one applies, else run by NativeStack."""
-        self.num_forward_passes += 1
+        self._num_model_passes += 1
         hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata) if self.graphs else None
         if hidden is None:
             hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         return hidden
-
-    def _decode_ahead(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
-                      results: dict[str, RequestStepResult]) -> None:
-        """num_passes more forward passes of a multi-step step, each decoding the token every request sampled in
-        the pass before. The scheduler grants them to plain greedy decodes only, whose sampling reads nothing the
-        passes change but a grammar's state: every pass samples with the first pass's states, each constrained
-        row asking its grammar after the grown output. Without grammars, the model's native loop may run the
-        passes in one call (NativeStack.greedy_passes); any it leaves run here."""
-        finished = (self._native_greedy_passes(num_passes, inputs, states, results)
-                    or self._queued_greedy_passes(num_passes, inputs, states, results))
-        if finished == num_passes:
-            return
-        for done in range(finished, 0, -1):  # the inputs of the last pass it ran
-            sampled = [results[request.request_id].token_ids[-1 - done] for request in inputs.sampling_requests]
-            inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
-        for _ in range(num_passes - finished):
-            requests = inputs.sampling_requests
-            sampled = [results[request.request_id].token_ids[-1] for request in requests]
-            inputs = advance_decode(inputs, sampled, self.kv_cache.block_size, self.device)
-            hidden = self._run_model(inputs)
-            if any(state.grammar is not None for state in states):
-                for state in states:
-                    state.allowed_token_mask = None  # a refused row's mask from the pass before
-                self._add_grammars(requests, states, None, [request.output_token_ids
-                                                            + results[request.request_id].token_ids
-                                                            for request in requests])
-            if self._sample_greedy(inputs, states, hidden, results):
-                continue
-            samples = self.sampler.sample(self.model.compute_logits(hidden), states)
-            for request, sample in zip(requests, samples):
-                _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
-
-    def _native_greedy_passes(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
-                              results: dict[str, RequestStepResult]) -> int:
-        """_decode_ahead's passes run by the model's native greedy loop, where it has one and every row takes
-        its raw argmax without a grammar: their tokens appended to results, the same as the passes run one by one
-        give. Returns how many passes it ran (0: none, the caller runs them all)."""
-        greedy_passes = getattr(self.forward, "greedy_passes", None)
-        if (num_passes == 0 or greedy_passes is None or self.graphs is not None
-                or any(state.grammar is not None for state in states) or not self.sampler.takes_raw_argmax(states)):
-            return 0
-        requests = inputs.sampling_requests
-        tables = [request.block_ids for request in requests]
-        width = max(len(table) for table in tables)
-        block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.long)
-        reduced = greedy_passes(num_passes, [results[request.request_id].token_ids[-1] for request in requests],
-                                (inputs.positions + 1).tolist(), block_tables, self.kv_cache)
-        if reduced is None:
-            return 0
-        argmax, max_logits, log_normalizers = reduced
-        for p in range(argmax.shape[0]):
-            self.num_forward_passes += 1
-            samples = self.sampler.sample_reduced((argmax[p], max_logits[p], log_normalizers[p]), states)
-            for request, sample in zip(requests, samples):
-                _append(results[request.request_id], [sample])
-        return argmax.shape[0]
-
-    def _queued_greedy_passes(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
-                              results: dict[str, RequestStepResult]) -> int:
-        """_decode_ahead's passes queued on the device without reading anything back in between, where
-        queue_greedy_passes is set and every row takes its raw argmax without a grammar: pass p + 1 decodes pass p's
-        argmax straight from the device, and the (argmax, largest logit, log-sum-exp) rows of all passes come back
-        together at the end, their tokens appended to results as the passes run one by one give them. Returns how
-        many passes it ran (0: none, the caller runs them all)."""
-        if (num_passes == 0 or not self.queue_greedy_passes or any(state.grammar is not None for state in states)
-                or not self.sampler.takes_raw_argmax(states)):
-            return 0
-        requests = inputs.sampling_requests
-        token_ids: list[int] | torch.Tensor = [results[request.request_id].token_ids[-1] for request in requests]
-        passes = []
-        for _ in range(num_passes):
-            inputs = advance_decode(inputs, token_ids, self.kv_cache.block_size, self.device)
-            reduced = torch_row_reductions(self.model.compute_logits(self._run_model(inputs)))
-            passes.append(reduced)
-            token_ids = reduced[0]
-        argmax, max_logits, log_normalizers = (torch.stack(rows).cpu() for rows in zip(*passes))  # [P, B] each
-        for p in range(num_passes):
-            samples = self.sampler.sample_reduced((argmax[p], max_logits[p], log_normalizers[p]), states)
-            for request, sample in zip(requests, samples):
-                _append(results[request.request_id], [sample])
-        return num_passes
-
-    def _sample_greedy(self, inputs: ModelInputs, states: list[SamplingState], hidden: torch.Tensor,
-                       results: dict[str, RequestStepResult]) -> bool:
-        """A batch of plain greedy rows (Sampler.takes_raw_argmax) from the model's per-row reductions, without
-        logits, where its output layer computes them (NativeStack.greedy_reductions): the same tokens as from the
-        logits, the logprobs within float rounding, without writing [rows, vocab] logits and reading them back
-        (docs/performance.md). Rows whose grammar refuses their argmax get their logits (those rows only) and the
-        sampler's masked argmax. False if it did not apply."""
-        if not self.sampler.takes_raw_argmax(states):
-            return False
-        reduced = self.forward.greedy_reductions(hidden)
-        if reduced is None:
-            return False
-        samples = self.sampler.sample_reduced(reduced, states)
-        refused = [i for i, sample in enumerate(samples) if sample is None]
-        if refused:
-            index = torch.tensor(refused, dtype=torch.long, device=self.device)  # [r]
-            logits = self.model.compute_logits(hidden.index_select(0, index))  # [r, vocab]
-            for i, sample in zip(refused, self.sampler.sample(logits, [states[i] for i in refused])):
-                samples[i] = sample
-        for request, sample in zip(inputs.sampling_requests, samples):
-            _append(results.setdefault(request.request_id, RequestStepResult()), [sample])
-        return True
 
     def _score_prompts(self, inputs: ModelInputs, hidden: torch.Tensor, results: dict[str, RequestStepResult]) -> None:
         """Log-probabilities of the actual prompt tokens, for requests that asked for prompt_logprobs."""
@@ -324,10 +220,3 @@ class ModelRunner:
             scored = self.sampler.prompt_logprobs(logits, entry.next_token_ids, entry.num_top)
             results.setdefault(entry.request_id, RequestStepResult()).prompt_logprobs.extend(scored)
 
-
-def _append(result: RequestStepResult, samples: list[SampleResult]) -> None:
-    for sample in samples:
-        result.token_ids.append(sample.token_id)
-        result.logprobs.append(sample.logprob)
-        if sample.trace is not None:
-            result.traces.append(sample.trace)

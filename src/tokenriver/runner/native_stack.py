@@ -5,7 +5,7 @@ by layer from Python, a small model's decode step spends about as long in module
 runner calls the model through this wrapper: it embeds with the model's own modules, runs the layers through
 models/cpu/decoder.py when that decoder can bind them and run the step, else through the model's own
 `run_layers`, and ends with the model's final norm. Both paths give the same hidden states bit for bit
-(tests/models/test_native_decoder.py).
+(tests/models/cpu/test_native_decoder.py).
 
 A model on another device (a GPU) runs its own `forward`: the native decoder is CPU code.
 

@@ -28,7 +28,7 @@ from tokenriver.loader.tokenizer_only import load_tokenizer
 from tokenriver.serve_ray.board import board_handle
 from tokenriver.serve_ray.messages import ForwardedRequest, ResponseHead, RoutingHint, stream_error_event
 from tokenriver.serve_ray.metrics import aggregate, label_replica
-from tokenriver.serve_ray.routing import prompt_block_hashes
+from tokenriver.serve_ray.replica_choice import prompt_block_hashes
 
 logger = logging.getLogger("tokenriver.serve_ray")
 

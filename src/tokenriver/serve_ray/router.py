@@ -1,6 +1,6 @@
 """Ray Serve request routers for engine replicas (ray.serve.request_router's RequestRouter API).
 
-`PrefixAwareRouter` ranks the live replicas with serve_ray/routing.py's rules from each request's RoutingHint (the
+`PrefixAwareRouter` ranks the live replicas with serve_ray/replica_choice.py's rules from each request's RoutingHint (the
 prompt's block hashes) and each replica's load. Load is Ray's own count of the
 requests ongoing at the replica where it has one, else what the replica last reported through
 `record_routing_stats` (its active requests; Ray Serve collects them every request_routing_stats_period_s) plus the
@@ -22,7 +22,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from tokenriver.serve_ray.messages import RoutingHint
-from tokenriver.serve_ray.routing import BalancePolicy, PrefixIndex, ReplicaLoad, rank_replicas
+from tokenriver.serve_ray.replica_choice import BalancePolicy, PrefixIndex, ReplicaLoad, rank_replicas
 
 
 def routing_hint(pending_request: PendingRequest | None) -> RoutingHint | None:
@@ -49,7 +49,7 @@ class _PatientProbes:
 
 
 class PrefixAwareRouter(_PatientProbes, RequestRouter):
-    """Longest cached prefix first, within balance thresholds (serve_ray/routing.py)."""
+    """Longest cached prefix first, within balance thresholds (serve_ray/replica_choice.py)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         """kwargs: BalancePolicy's fields (RequestRouterConfig.request_router_kwargs)."""

@@ -3,7 +3,7 @@
 Each op checks that its kernel reads the call as it is laid out (float32 on the CPU, rows contiguous where the kernel
 needs them, a head size it was compiled for) and answers None where it does not, so that the definition runs. The
 kernels compute the definitions' arithmetic: bit for bit where the operations are the same, within float rounding
-where a sum is added in another order or exp is a polynomial (tests/models/test_native_ops.py and the others).
+where a sum is added in another order or exp is a polynomial (tests/models/cpu/test_native_ops.py and the others).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the attention metadata, runs the final norm and the output projection, and takes
 microseconds of Python a pass, an eighth of a small model's decode step, and slower than its arithmetic suggests
 because the weights streamed by every pass have pushed Python's own data out of the caches. Here one call runs
 all the passes: the same kernels with the same arguments, so tokens and logprobs equal the runner's own loop bit for
-bit (tests/models/test_native_greedy.py).
+bit (tests/models/cpu/test_native_greedy.py).
 
 Contract: `GreedyLoop.build(model, decoder)` returns None unless the model's parts around the stack have a native
 form: an embedding that is a float32 table or a quantized layer on the native backend (scaled by a constant where

@@ -317,7 +317,7 @@ constexpr int64_t kRowOperandRows = 128;
 // The product, both ways round. ROWS_ARE_ACTIVATIONS false: yᵀ = W xᵀ, weight tiles against activation tiles
 // transposed as column operands; true: y = x Wᵀ, activation rows against transposed weight tiles. Either way each
 // output sums the same 16 × 16 × 32 tile instructions over the same blocks in the same order, so the two give the
-// same bits (tests/models/test_quant_linear.py checks).
+// same bits (tests/models/test_quant.py checks).
 template <bool IS_INT4, bool ROWS_ARE_ACTIVATIONS>
 void gemm_amx(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
               const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads,

@@ -1,5 +1,5 @@
 """The greedy passes of a multi-step decode in one native call (models/cpu/greedy.py, through
-runner/native_stack.py and the runner's _decode_ahead) against the same passes run one at a time from Python.
+runner/native_stack.py and runner/greedy_passes.py) against the same passes run one at a time from Python.
 
 Both call the same kernels with the same arguments, so each pass's argmax, largest logit and log-sum-exp, and the
 KV cache the passes leave, must be equal bit for bit: Llama, Qwen3 (q/k norms, windows the passes run past) and

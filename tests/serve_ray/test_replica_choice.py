@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.serve_ray.messages import stream_error_event
 from tokenriver.serve_ray.metrics import aggregate, label_replica
-from tokenriver.serve_ray.routing import BalancePolicy, PrefixIndex, ReplicaLoad, prompt_block_hashes, rank_replicas
+from tokenriver.serve_ray.replica_choice import BalancePolicy, PrefixIndex, ReplicaLoad, prompt_block_hashes, rank_replicas
 
 POLICY = BalancePolicy(balance_abs_threshold=8, balance_rel_threshold=1.5, hot_spill_threshold=4)
 

@@ -1,7 +1,7 @@
 """Starting the ranks of a tensor-parallel engine (`tensor_parallel_size` > 1), torchrun-style.
 
 One process per rank. Rank 0 is the engine (scheduler, tokenizer, server); ranks 1.. each load the model, keep
-their shard of it (distributed/sharding.py) and run the plans rank 0 broadcasts (runner/tensor_parallel.py).
+their shard of it (distributed/sharding.py) and run the plans rank 0 broadcasts (distributed/runner.py).
 How the processes come to exist:
 - one machine: rank 0 picks a free loopback port and spawns ranks 1..N-1 itself;
 - several machines (`nnodes` > 1): every machine runs the same command with its own `node_rank` and the head's
@@ -30,7 +30,7 @@ from tokenriver.errors import InvalidParameterError
 from tokenriver.kv.cache import KVCache
 from tokenriver.loader.load import LoadedModel, load_model
 from tokenriver.runner.model_runner import ModelRunner
-from tokenriver.runner.tensor_parallel import TensorParallelRunner, serve_steps
+from tokenriver.distributed.runner import TensorParallelRunner, serve_steps
 
 
 @dataclass(frozen=True)
