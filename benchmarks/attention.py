@@ -39,7 +39,7 @@ from tokenriver.models.attention_metadata import MAX_KERNEL_QUERY_LEN, Attention
 from tokenriver.models.cpu.kernels import load_kernels
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-SCALE = HEAD_DIM ** -0.5
+SCALE = HEAD_DIM**-0.5
 BATCHES = (1, 16, 64)
 CONTEXTS = (128, 256, 512, 1024, 2048)
 CHUNK_LENS = (1, 2, 4, 8, 16, 32, 64)
@@ -47,8 +47,9 @@ CHUNK_CONTEXTS = (128, 512, 2048)
 ROUND_SECONDS = 0.05
 
 
-def make_call(query_lens: list[int], seq_lens: list[int], native_query_len: int,
-              rng: random.Random) -> tuple[Callable[[], object], Callable[[], object]]:
+def make_call(
+    query_lens: list[int], seq_lens: list[int], native_query_len: int, rng: random.Random
+) -> tuple[Callable[[], object], Callable[[], object]]:
     """(native call, torch call) of one layer over a fresh pool; native_query_len as max_kernel_query_len."""
     blocks_per_request = [-(-seq_len // BLOCK_SIZE) for seq_len in seq_lens]
     num_blocks = sum(blocks_per_request) + 1
@@ -56,7 +57,7 @@ def make_call(query_lens: list[int], seq_lens: list[int], native_query_len: int,
     rng.shuffle(pool)
     tables, start = [], 0
     for count in blocks_per_request:
-        tables.append(pool[start:start + count])
+        tables.append(pool[start : start + count])
         start += count
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     kv_cache = (torch.randn(shape), torch.randn(shape))
@@ -66,8 +67,10 @@ def make_call(query_lens: list[int], seq_lens: list[int], native_query_len: int,
     query, key, value = qkv.split((NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS), dim=1)
     native = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, max_kernel_query_len=native_query_len)
     reference = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
-    return (lambda: paged_attention(query, key, value, kv_cache, native, SCALE),
-            lambda: paged_attention_torch(query, key, value, kv_cache, reference, SCALE))
+    return (
+        lambda: paged_attention(query, key, value, kv_cache, native, SCALE),
+        lambda: paged_attention_torch(query, key, value, kv_cache, reference, SCALE),
+    )
 
 
 def measure(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
@@ -88,21 +91,26 @@ def measure(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, t
     return {name: (min(times), statistics.median(times)) for name, times in rounds.items()}
 
 
-def measure_decode(batches: tuple[int, ...], contexts: tuple[int, ...], repeats: int,
-                   rng: random.Random) -> dict[tuple[int, int], dict[str, tuple[float, float]]]:
+def measure_decode(
+    batches: tuple[int, ...], contexts: tuple[int, ...], repeats: int, rng: random.Random
+) -> dict[tuple[int, int], dict[str, tuple[float, float]]]:
     results = {}
     for batch in batches:
         for context in contexts:
             native, reference = make_call([1] * batch, [context] * batch, 1, rng)
             results[(batch, context)] = measure({"native": native, "torch": reference}, repeats)
-            print(f"decode batch {batch} context {context}: " + ", ".join(
-                f"{name} {best * 1e6:.1f} us" for name, (best, _) in results[(batch, context)].items()), flush=True)
+            print(
+                f"decode batch {batch} context {context}: "
+                + ", ".join(f"{name} {best * 1e6:.1f} us" for name, (best, _) in results[(batch, context)].items()),
+                flush=True,
+            )
             del native, reference
     return results
 
 
-def measure_chunks(chunk_lens: tuple[int, ...], contexts: tuple[int, ...], repeats: int,
-                   rng: random.Random) -> dict[tuple[int, int], dict[str, tuple[float, float]]]:
+def measure_chunks(
+    chunk_lens: tuple[int, ...], contexts: tuple[int, ...], repeats: int, rng: random.Random
+) -> dict[tuple[int, int], dict[str, tuple[float, float]]]:
     """One request: chunk_len new tokens ending a context; the native kernel token by token, its chunk path, and
     gather + SDPA."""
     results = {}
@@ -110,25 +118,34 @@ def measure_chunks(chunk_lens: tuple[int, ...], contexts: tuple[int, ...], repea
         for chunk_len in chunk_lens:
             per_token, _ = make_call([chunk_len], [context], chunk_len, rng)
             chunk, sdpa = make_call([chunk_len], [context], 0, rng)
-            results[(chunk_len, context)] = measure(
-                {"per token": per_token, "chunk": chunk, "SDPA": sdpa}, repeats)
-            print(f"chunk {chunk_len} context {context}: " + ", ".join(
-                f"{name} {best * 1e6:.1f} us" for name, (best, _) in results[(chunk_len, context)].items()),
-                flush=True)
+            results[(chunk_len, context)] = measure({"per token": per_token, "chunk": chunk, "SDPA": sdpa}, repeats)
+            print(
+                f"chunk {chunk_len} context {context}: "
+                + ", ".join(f"{name} {best * 1e6:.1f} us" for name, (best, _) in results[(chunk_len, context)].items()),
+                flush=True,
+            )
     return results
 
 
 def plot(decode: dict, chunks: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     figure, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
     colors = plt.get_cmap("tab10")
     for index, batch in enumerate(sorted({b for b, _ in decode})):
         contexts = sorted(c for b, c in decode if b == batch)
         for name, style in (("native", "-"), ("torch", "--")):
-            left.plot(contexts, [decode[(batch, c)][name][0] * 1e6 for c in contexts], style, marker="o",
-                      color=colors(index), label=f"batch {batch}, {name}")
+            left.plot(
+                contexts,
+                [decode[(batch, c)][name][0] * 1e6 for c in contexts],
+                style,
+                marker="o",
+                color=colors(index),
+                label=f"batch {batch}, {name}",
+            )
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("context tokens per request")
@@ -138,8 +155,14 @@ def plot(decode: dict, chunks: dict, path: Path) -> None:
     for index, context in enumerate(sorted({c for _, c in chunks})):
         lengths = sorted(q for q, c in chunks if c == context)
         for name, style in (("per token", ":"), ("chunk", "-"), ("SDPA", "--")):
-            right.plot(lengths, [chunks[(q, context)][name][0] * 1e6 for q in lengths], style, marker="o",
-                       color=colors(index), label=f"context {context}, {name}")
+            right.plot(
+                lengths,
+                [chunks[(q, context)][name][0] * 1e6 for q in lengths],
+                style,
+                marker="o",
+                color=colors(index),
+                label=f"context {context}, {name}",
+            )
     right.axvline(MAX_KERNEL_QUERY_LEN, color="gray", linestyle=":", label="MAX_KERNEL_QUERY_LEN")
     right.set_xscale("log", base=2)
     right.set_yscale("log")
@@ -170,39 +193,82 @@ def main() -> None:
         chunks = measure_chunks(CHUNK_LENS, CHUNK_CONTEXTS[1:2] if args.quick else CHUNK_CONTEXTS, repeats, rng)
     load_end = os.getloadavg()
 
-    decode_rows = [[batch, context, f"{r['native'][0] * 1e6:.1f}", f"{r['native'][1] * 1e6:.1f}",
-                    f"{r['torch'][0] * 1e6:.1f}", f"{r['torch'][1] * 1e6:.1f}",
-                    f"{r['torch'][0] / r['native'][0]:.1f}x"]
-                   for (batch, context), r in decode.items()]
-    chunk_rows = [[context, chunk_len, f"{r['per token'][0] * 1e6:.1f}", f"{r['chunk'][0] * 1e6:.1f}",
-                   f"{r['chunk'][1] * 1e6:.1f}", f"{r['SDPA'][0] * 1e6:.1f}", f"{r['SDPA'][1] * 1e6:.1f}",
-                   f"{r['SDPA'][0] / r['chunk'][0]:.2f}x"]
-                  for (chunk_len, context), r in sorted(chunks.items(), key=lambda item: (item[0][1], item[0][0]))]
+    decode_rows = [
+        [
+            batch,
+            context,
+            f"{r['native'][0] * 1e6:.1f}",
+            f"{r['native'][1] * 1e6:.1f}",
+            f"{r['torch'][0] * 1e6:.1f}",
+            f"{r['torch'][1] * 1e6:.1f}",
+            f"{r['torch'][0] / r['native'][0]:.1f}x",
+        ]
+        for (batch, context), r in decode.items()
+    ]
+    chunk_rows = [
+        [
+            context,
+            chunk_len,
+            f"{r['per token'][0] * 1e6:.1f}",
+            f"{r['chunk'][0] * 1e6:.1f}",
+            f"{r['chunk'][1] * 1e6:.1f}",
+            f"{r['SDPA'][0] * 1e6:.1f}",
+            f"{r['SDPA'][1] * 1e6:.1f}",
+            f"{r['SDPA'][0] / r['chunk'][0]:.2f}x",
+        ]
+        for (chunk_len, context), r in sorted(chunks.items(), key=lambda item: (item[0][1], item[0][0]))
+    ]
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     plot(decode, chunks, output.with_suffix(".png"))
     command = "python benchmarks/attention.py" + (" --quick" if args.quick else f" --repeats {args.repeats}")
-    output.write_text("\n\n".join([
-        "# Paged attention measurements",
-        machine_line(),
-        f"Command: `{command}`. {repeats} interleaved rounds; µs per layer call (write this step's K/V, then "
-        f"attend), SmolLM2-135M shapes (9 heads, 3 KV heads, head_dim 64, float32 cache, blocks of 16, random "
-        f"block tables). Load average (1 min) {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end.",
-        f"![attention]({output.with_suffix('.png').name})",
-        "## Decode (one new token per request)\n\n"
-        "native = the paged kernel over the block tables; torch = gather the blocks with index_select, one "
-        "masked SDPA call for the batch.\n\n"
-        + markdown_table(["batch", "context", "native µs (best)", "native µs (median)", "torch µs (best)",
-                          "torch µs (median)", "torch / native"], decode_rows),
-        "## One request's prompt chunk\n\n"
-        f"The chunk's tokens end a context of the given length. per token = the native kernel one query token at "
-        f"a time over the blocks; chunk = its prompt-chunk path (a block of query tokens per pass over each tile of "
-        f"keys, causal); SDPA = the path without native kernels: gather the context, one flash SDPA call with a "
-        f"causal mask. Requests with at most MAX_KERNEL_QUERY_LEN = {MAX_KERNEL_QUERY_LEN} new tokens go token by "
-        f"token, longer ones as chunks.\n\n"
-        + markdown_table(["context", "new tokens", "per token µs (best)", "chunk µs (best)", "chunk µs (median)",
-                          "SDPA µs (best)", "SDPA µs (median)", "SDPA / chunk"], chunk_rows),
-    ]) + "\n")
+    output.write_text(
+        "\n\n".join(
+            [
+                "# Paged attention measurements",
+                machine_line(),
+                f"Command: `{command}`. {repeats} interleaved rounds; µs per layer call (write this step's K/V, then "
+                f"attend), SmolLM2-135M shapes (9 heads, 3 KV heads, head_dim 64, float32 cache, blocks of 16, random "
+                f"block tables). Load average (1 min) {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end.",
+                f"![attention]({output.with_suffix('.png').name})",
+                "## Decode (one new token per request)\n\n"
+                "native = the paged kernel over the block tables; torch = gather the blocks with index_select, one "
+                "masked SDPA call for the batch.\n\n"
+                + markdown_table(
+                    [
+                        "batch",
+                        "context",
+                        "native µs (best)",
+                        "native µs (median)",
+                        "torch µs (best)",
+                        "torch µs (median)",
+                        "torch / native",
+                    ],
+                    decode_rows,
+                ),
+                "## One request's prompt chunk\n\n"
+                f"The chunk's tokens end a context of the given length. per token = the native kernel one query token at "
+                f"a time over the blocks; chunk = its prompt-chunk path (a block of query tokens per pass over each tile of "
+                f"keys, causal); SDPA = the path without native kernels: gather the context, one flash SDPA call with a "
+                f"causal mask. Requests with at most MAX_KERNEL_QUERY_LEN = {MAX_KERNEL_QUERY_LEN} new tokens go token by "
+                f"token, longer ones as chunks.\n\n"
+                + markdown_table(
+                    [
+                        "context",
+                        "new tokens",
+                        "per token µs (best)",
+                        "chunk µs (best)",
+                        "chunk µs (median)",
+                        "SDPA µs (best)",
+                        "SDPA µs (median)",
+                        "SDPA / chunk",
+                    ],
+                    chunk_rows,
+                ),
+            ]
+        )
+        + "\n"
+    )
     print(f"wrote {output}")
 
 

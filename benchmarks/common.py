@@ -10,8 +10,10 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FILLER = ("The river carries tokens from the mountains to the sea, and every bend of it is a step of the model. "
-          "Engineers measure its flow, count the stones, and write down what they see. ")
+FILLER = (
+    "The river carries tokens from the mountains to the sea, and every bend of it is a step of the model. "
+    "Engineers measure its flow, count the stones, and write down what they see. "
+)
 
 
 def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
@@ -35,10 +37,13 @@ def machine_line() -> str:
         cpu += f" ({' '.join(flag for flag in VECTOR_FLAGS if flag in flags) or 'no AVX2'})"
     except (OSError, StopIteration):
         pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    return (f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-            f"{os.cpu_count()} cores visible, commit {commit or 'unknown'}")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
+    return (
+        f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores visible, commit {commit or 'unknown'}"
+    )
 
 
 def rounded_products() -> str:

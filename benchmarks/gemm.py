@@ -54,14 +54,16 @@ def step_products(kernels) -> tuple[dict[str, list], list]:
         else:
             q4 = quantize_int4(weight, 32)
             for rounding in roundings:
-                native[rounding].append(kernels.bind_int4(q4.qweight, q4.scales, q4.mins, 32, rounding,
-                                                          many_rows=True))
+                native[rounding].append(kernels.bind_int4(q4.qweight, q4.scales, q4.mins, 32, rounding, many_rows=True))
             dense.append(kernels.int4_dequantize(q4.qweight, q4.scales, q4.mins, 32))
     return native, dense
 
 
-NAMES = {None: "native GEMM, exact (gemm.cpp)", "int8": "native, int8 activations (gemm.cpp, VNNI)",
-         "bfloat16": "native, bfloat16 tiles (gemm_amx.cpp, AMX)"}
+NAMES = {
+    None: "native GEMM, exact (gemm.cpp)",
+    "int8": "native, int8 activations (gemm.cpp, VNNI)",
+    "bfloat16": "native, bfloat16 tiles (gemm_amx.cpp, AMX)",
+}
 MKL = "MKL sgemm on a float32 copy"
 ONEDNN = "F.linear on a bfloat16 copy (oneDNN)"
 
@@ -70,9 +72,10 @@ def measure(num_rows: int, native: dict, dense: list, dense_bf16: list, repeats:
     """Best seconds per step of each kind over interleaved rounds (the first round warms up)."""
     inputs = {576: torch.randn(num_rows, 576), 1536: torch.randn(num_rows, 1536)}
     inputs_bf16 = {size: x.bfloat16() for size, x in inputs.items()}
-    kinds = {NAMES[rounding]: (lambda products=products: [gemm(inputs[w.shape[1]]) for gemm, w in
-                                                           zip(products, dense)])
-             for rounding, products in native.items()}
+    kinds = {
+        NAMES[rounding]: (lambda products=products: [gemm(inputs[w.shape[1]]) for gemm, w in zip(products, dense)])
+        for rounding, products in native.items()
+    }
     kinds[MKL] = lambda: [F.linear(inputs[w.shape[1]], w) for w in dense]
     kinds[ONEDNN] = lambda: [F.linear(inputs_bf16[w.shape[1]], w) for w in dense_bf16]
     best = {kind: float("inf") for kind in kinds}
@@ -144,18 +147,27 @@ def main() -> None:
     for kind in rounded:
         headers += [f"{kind} ms / step", "oneDNN bf16 / it"]
     headers += ["oneDNN bf16 ms / step"]
-    text = "\n".join([
-        "# Many-row products: native GEMMs vs PyTorch on a float copy", "", machine_line(), "",
-        f"Command: `python benchmarks/gemm.py --repeats {args.repeats}`. One SmolLM2-135M step's products "
-        f"({flops_per_row / 1e6:.0f} MFLOP per row), best of {args.repeats} interleaved rounds. Load average "
-        f"(1 min) {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. The MKL column needs a "
-        f"float32 copy of the weights ({weight_mb:.0f} MB), the oneDNN one a bfloat16 copy ({weight_mb / 2:.0f} MB); "
-        "the native products read the packed Q4_1 / Q8_0 bytes. Exact: float32 sums of the float32 activations. "
-        "Rounded: the products `int8_activations=True` can run on this CPU (the engine takes the bfloat16 tiles where "
-        "the CPU has AMX), against F.linear in bfloat16 (activations and weights rounded to bfloat16, float32 "
-        "sums).", "",
-        f"![gemm]({output.name})", "",
-        markdown_table(headers, table), ""])
+    text = "\n".join(
+        [
+            "# Many-row products: native GEMMs vs PyTorch on a float copy",
+            "",
+            machine_line(),
+            "",
+            f"Command: `python benchmarks/gemm.py --repeats {args.repeats}`. One SmolLM2-135M step's products "
+            f"({flops_per_row / 1e6:.0f} MFLOP per row), best of {args.repeats} interleaved rounds. Load average "
+            f"(1 min) {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. The MKL column needs a "
+            f"float32 copy of the weights ({weight_mb:.0f} MB), the oneDNN one a bfloat16 copy ({weight_mb / 2:.0f} MB); "
+            "the native products read the packed Q4_1 / Q8_0 bytes. Exact: float32 sums of the float32 activations. "
+            "Rounded: the products `int8_activations=True` can run on this CPU (the engine takes the bfloat16 tiles where "
+            "the CPU has AMX), against F.linear in bfloat16 (activations and weights rounded to bfloat16, float32 "
+            "sums).",
+            "",
+            f"![gemm]({output.name})",
+            "",
+            markdown_table(headers, table),
+            "",
+        ]
+    )
     open(args.output, "w").write(text)
     print(f"wrote {args.output}")
 

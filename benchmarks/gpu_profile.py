@@ -54,8 +54,9 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
     from tokenriver import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return gpu.timed("cuda", lambda: llm.generate([{"prompt_token_ids": ids} for ids in prompts], params,
-                                                  use_tqdm=False))
+    return gpu.timed(
+        "cuda", lambda: llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    )
 
 
 def profile(llm, prompts: list[list[int]], max_tokens: int, top: int) -> None:
@@ -65,15 +66,18 @@ def profile(llm, prompts: list[list[int]], max_tokens: int, top: int) -> None:
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         generate(llm, prompts, max_tokens)
     events = profiler.key_averages()
-    kernels = sorted(((e.key, e.self_device_time_total, e.count) for e in events if e.self_device_time_total > 0),
-                     key=lambda kernel: -kernel[1])
+    kernels = sorted(
+        ((e.key, e.self_device_time_total, e.count) for e in events if e.self_device_time_total > 0),
+        key=lambda kernel: -kernel[1],
+    )
     total = sum(us for _, us, _ in kernels)
     print(f"  GPU kernel time {total / 1e3:.1f} ms in the run, {total / 1e3 / max_tokens:.3f} ms per pass")
     for name, us, count in kernels[:top]:
         print(f"    {us / 1e3:8.2f} ms {count:7d}x  {name[:110]}")
     print("  host, self time:")
-    for name, us, count in sorted(((e.key, e.self_cpu_time_total, e.count) for e in events),
-                                  key=lambda call: -call[1])[:top]:
+    for name, us, count in sorted(((e.key, e.self_cpu_time_total, e.count) for e in events), key=lambda call: -call[1])[
+        :top
+    ]:
         print(f"    {us / 1e3:8.2f} ms {count:7d}x  {name[:110]}")
     python_profile(llm, prompts, max_tokens, top)
 
@@ -101,8 +105,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=64, help="prompts in the batch (default 64)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens each one generates (default 128)")
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (default 32)")
-    parser.add_argument("--compare", default="num_scheduler_steps=32",
-                        help="a second configuration, NAME=INT engine options joined by commas ('' for none)")
+    parser.add_argument(
+        "--compare",
+        default="num_scheduler_steps=32",
+        help="a second configuration, NAME=INT engine options joined by commas ('' for none)",
+    )
     parser.add_argument("--top", type=int, default=25, help="kernels and host calls listed (default 25)")
     args = parser.parse_args()
     compare: dict[str, int] = {}
@@ -122,13 +129,22 @@ def main() -> int:
     print(gpu.device_line("cuda"), flush=True)
     rng = random.Random(0)
     vocab = int(gpu.LLAMA_1B_SHAPE["vocab_size"])
-    prompts = [[rng.randrange(gpu.ID_MARGIN, vocab - gpu.ID_MARGIN) for _ in range(args.prompt_len)]
-               for _ in range(args.prompts)]
+    prompts = [
+        [rng.randrange(gpu.ID_MARGIN, vocab - gpu.ID_MARGIN) for _ in range(args.prompt_len)]
+        for _ in range(args.prompts)
+    ]
     with tempfile.TemporaryDirectory(prefix="tokenriver-gpu-profile-") as folder:
         gpu.write_random_model(Path(folder), gpu.LLAMA_1B_SHAPE, "cuda")
         for label, options in configurations:
-            llm = LLM(folder, dtype="bfloat16", device="cuda", enable_prefix_caching=False,
-                      max_num_seqs=max(256, args.prompts), max_model_len=gpu.MAX_MODEL_LEN, **options)
+            llm = LLM(
+                folder,
+                dtype="bfloat16",
+                device="cuda",
+                enable_prefix_caching=False,
+                max_num_seqs=max(256, args.prompts),
+                max_model_len=gpu.MAX_MODEL_LEN,
+                **options,
+            )
             log = instrument(llm)
             generate(llm, prompts[:1], args.tokens)
             generate(llm, prompts, args.tokens)  # records the graphs of every block bucket the run reaches
@@ -138,13 +154,19 @@ def main() -> int:
                 totals.append(generate(llm, prompts, args.tokens))
             steps = list(log)
             single = generate(llm, prompts[:1], args.tokens) - min(generate(llm, prompts[:1], 1) for _ in range(3))
-            print(f"== {label}: {args.prompts} x {args.tokens} in {[round(t, 4) for t in totals]} s: "
-                  f"{args.prompts * args.tokens / statistics.median(totals):,.0f} tokens/s; single-stream decode "
-                  f"{(args.tokens - 1) / single:,.0f} tokens/s", flush=True)
+            print(
+                f"== {label}: {args.prompts} x {args.tokens} in {[round(t, 4) for t in totals]} s: "
+                f"{args.prompts * args.tokens / statistics.median(totals):,.0f} tokens/s; single-stream decode "
+                f"{(args.tokens - 1) / single:,.0f} tokens/s",
+                flush=True,
+            )
             rest = steps[1:]
-            print(f"  steps: {len(steps)}; the first {steps[0][0] * 1e3:.2f} ms ({steps[0][1]} pass); the others "
-                  f"{sum(s for s, _ in rest) * 1e3:.1f} ms over {sum(p for _, p in rest)} passes, e.g. "
-                  f"{[(round(s * 1e3, 2), p) for s, p in rest[:4]]} (ms, passes)", flush=True)
+            print(
+                f"  steps: {len(steps)}; the first {steps[0][0] * 1e3:.2f} ms ({steps[0][1]} pass); the others "
+                f"{sum(s for s, _ in rest) * 1e3:.1f} ms over {sum(p for _, p in rest)} passes, e.g. "
+                f"{[(round(s * 1e3, 2), p) for s, p in rest[:4]]} (ms, passes)",
+                flush=True,
+            )
             if label == "default":
                 profile(llm, prompts, args.tokens, args.top)
             del llm

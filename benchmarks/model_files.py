@@ -28,23 +28,47 @@ import numpy as np
 
 DEFAULT_DIR = Path.home() / ".cache" / "tokenriver" / "bench-models"
 # llama.cpp's LLAMA_FTYPE_* codes (llama.h).
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15,
-          "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
+FTYPES = {
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "Q2_K": 10,
+    "Q3_K_M": 12,
+    "Q4_K_M": 15,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
+    "IQ4_NL": 25,
+    "IQ4_XS": 30,
+}
 SMOLLM_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")
 LARGE_SHAPE = dict(arch="llama", name="random llama 0.8B", hidden=1536, layers=28, heads=24, kv_heads=6, ffn=4608)
 # Qwen2.5-0.5B-Instruct's shape: its 151,936-token vocabulary (tied to the output layer) is a third of its weights.
-QWEN_SHAPE = dict(arch="qwen2", name="random qwen2 0.5B", hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864,
-                  vocab=151936, tied=True, qkv_bias=True,
-                  keys={"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-6})
+QWEN_SHAPE = dict(
+    arch="qwen2",
+    name="random qwen2 0.5B",
+    hidden=896,
+    layers=24,
+    heads=14,
+    kv_heads=2,
+    ffn=4864,
+    vocab=151936,
+    tied=True,
+    qkv_bias=True,
+    keys={"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-6},
+)
 
 
 def embedded_model_path() -> str:
     from tokenriver.loader.load import default_model_path
+
     return default_model_path()
 
 
-def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, overrides: dict[str, object],
-                   rename: tuple[str, str] = ("", "")) -> set[str]:
+def _copy_metadata(
+    reader: gguf.GGUFReader, writer: gguf.GGUFWriter, overrides: dict[str, object], rename: tuple[str, str] = ("", "")
+) -> set[str]:
     """Every key of the source but the header's own and general.architecture (the writer sets those); a key
     starting with rename[0] is written under rename[1] instead (another architecture's prefix). Returns the
     names written."""
@@ -54,7 +78,7 @@ def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, overrides: 
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         if old_prefix and name.startswith(old_prefix):
-            name = new_prefix + name[len(old_prefix):]
+            name = new_prefix + name[len(old_prefix) :]
         value_type = field.types[0]
         value = overrides.get(name, field.contents())
         sub_type = field.types[1] if value_type == gguf.GGUFValueType.ARRAY else None
@@ -94,12 +118,22 @@ def write_random_model(source: str, target: Path, shape: dict, seed: int = 0) ->
     vocab = shape.get("vocab", len(tokens))
     token_types = list(reader.fields["tokenizer.ggml.token_type"].contents())
     unused = int(gguf.TokenType.UNUSED)
-    sizes = {"block_count": shape["layers"], "embedding_length": hidden, "feed_forward_length": ffn,
-             "attention.head_count": heads, "attention.head_count_kv": kv_heads, "rope.dimension_count": head_dim,
-             "vocab_size": vocab, **shape.get("keys", {})}
-    overrides = {"general.file_type": 1, **{f"{arch}.{key}": value for key, value in sizes.items()},
-                 "tokenizer.ggml.tokens": tokens + [f"<unused_{i}>" for i in range(len(tokens), vocab)],
-                 "tokenizer.ggml.token_type": token_types + [unused] * (vocab - len(tokens))}
+    sizes = {
+        "block_count": shape["layers"],
+        "embedding_length": hidden,
+        "feed_forward_length": ffn,
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv_heads,
+        "rope.dimension_count": head_dim,
+        "vocab_size": vocab,
+        **shape.get("keys", {}),
+    }
+    overrides = {
+        "general.file_type": 1,
+        **{f"{arch}.{key}": value for key, value in sizes.items()},
+        "tokenizer.ggml.tokens": tokens + [f"<unused_{i}>" for i in range(len(tokens), vocab)],
+        "tokenizer.ggml.token_type": token_types + [unused] * (vocab - len(tokens)),
+    }
     scratch = target.with_suffix(".partial")
     writer = gguf.GGUFWriter(str(scratch), arch)
     written = _copy_metadata(reader, writer, overrides, rename=("llama.", f"{arch}."))
@@ -119,9 +153,15 @@ def write_random_model(source: str, target: Path, shape: dict, seed: int = 0) ->
         prefix = f"blk.{layer}."
         writer.add_tensor(prefix + "attn_norm.weight", np.ones(hidden, dtype=np.float32))
         writer.add_tensor(prefix + "ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv_heads * head_dim, hidden),
-                                 ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, hidden),
-                                 ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+        for name, rows, cols in (
+            ("attn_q", hidden, hidden),
+            ("attn_k", kv_heads * head_dim, hidden),
+            ("attn_v", kv_heads * head_dim, hidden),
+            ("attn_output", hidden, hidden),
+            ("ffn_gate", ffn, hidden),
+            ("ffn_up", ffn, hidden),
+            ("ffn_down", hidden, ffn),
+        ):
             writer.add_tensor(prefix + name + ".weight", matrix(rows, cols))
             if shape.get("qkv_bias") and name in ("attn_q", "attn_k", "attn_v"):
                 writer.add_tensor(prefix + name + ".bias", rng.standard_normal(rows, dtype=np.float32) * 0.02)

@@ -32,8 +32,16 @@ model's layers route each token natively and multiply each chosen expert by the 
 experts shared out among the threads). Per token both do the same arithmetic, but a decode step of one request
 reads its 4 experts per layer as 4 pairs of small products instead of one pair of larger ones, and a step of 32
 requests touches most of the 32 experts: it reads about 6x the dense model's weights, each expert for a few rows."""
-SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-             max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True)
+SHAPE = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 
 
 def write_models(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
@@ -46,11 +54,18 @@ def write_models(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
     tokenizer_json = LLM().get_tokenizer().to_json()
     vocab_size = 49152
     configs = {
-        "MoE": transformers.Qwen3MoeConfig(**SHAPE, vocab_size=vocab_size, num_experts=args.experts,
-                                           num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_size,
-                                           intermediate_size=args.top_k * args.expert_size, norm_topk_prob=True),
-        "dense": transformers.Qwen3Config(**SHAPE, vocab_size=vocab_size,
-                                          intermediate_size=args.top_k * args.expert_size),
+        "MoE": transformers.Qwen3MoeConfig(
+            **SHAPE,
+            vocab_size=vocab_size,
+            num_experts=args.experts,
+            num_experts_per_tok=args.top_k,
+            moe_intermediate_size=args.expert_size,
+            intermediate_size=args.top_k * args.expert_size,
+            norm_topk_prob=True,
+        ),
+        "dense": transformers.Qwen3Config(
+            **SHAPE, vocab_size=vocab_size, intermediate_size=args.top_k * args.expert_size
+        ),
     }
     paths = {}
     for name, config in configs.items():
@@ -72,8 +87,7 @@ def measure(path: Path, batch: int, max_tokens: int) -> tuple[float, float]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)  # warm-up
     (single,) = llm.generate([prompt], params, use_tqdm=False)
-    decode = (len(single.outputs[0].token_ids) - 1) / (single.metrics.last_token_time
-                                                       - single.metrics.first_token_time)
+    decode = (len(single.outputs[0].token_ids) - 1) / (single.metrics.last_token_time - single.metrics.first_token_time)
     prompts = [{"prompt_token_ids": list(range(1000 + 7 * i, 1032 + 7 * i))} for i in range(batch)]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -101,6 +115,7 @@ def count_parameters(path: Path) -> tuple[int, int]:
 
 def plot(rows: dict[str, dict[str, list[float]]], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -122,8 +137,10 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    runs: dict[str, dict[str, list[float]]] = {"MoE": {"decode": [], "throughput": []},
-                                               "dense": {"decode": [], "throughput": []}}
+    runs: dict[str, dict[str, list[float]]] = {
+        "MoE": {"decode": [], "throughput": []},
+        "dense": {"decode": [], "throughput": []},
+    }
     with tempfile.TemporaryDirectory() as scratch:
         paths = write_models(Path(scratch), args)
         sizes = {name: count_parameters(path) for name, path in paths.items()}
@@ -138,22 +155,41 @@ def main() -> int:
     rows = []
     for name in ("MoE", "dense"):
         decode, throughput = (statistics.median(runs[name][key]) for key in ("decode", "throughput"))
-        rows.append([name, f"{sizes[name][0] / 1e6:.1f}M", f"{active[name] / 1e6:.1f}M", f"{decode:.1f}",
-                     f"{throughput:.1f}",
-                     " / ".join(f"{d:.0f}, {t:.0f}" for d, t in zip(runs[name]["decode"], runs[name]["throughput"]))])
-    ratio = [statistics.median(runs["MoE"][key]) / statistics.median(runs["dense"][key])
-             for key in ("decode", "throughput")]
-    table = markdown_table(["model", "layer parameters", "active per token", "decode tokens/s",
-                            f"{args.batch} x {args.max_tokens} tokens/s", "rounds (decode, throughput)"], rows)
-    text = (f"# Mixture of experts against a dense model of the same active size\n\n"
-            f"`python benchmarks/moe_vs_dense.py --experts {args.experts} --top-k {args.top_k} "
-            f"--expert-size {args.expert_size} --rounds {args.rounds}`\n\n{machine_line()}\n\n"
-            f"Qwen3-MoE ({args.experts} experts of {args.expert_size} features, {args.top_k} per token) and Qwen3 "
-            f"(one MLP of {args.top_k * args.expert_size} features), otherwise the same: hidden "
-            f"{SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, int4 weights, random values.\n\n"
-            f"![results](moe_vs_dense.png)\n\n{table}\n\n"
-            f"MoE / dense: decode {ratio[0]:.2f}x, {args.batch} x {args.max_tokens} throughput {ratio[1]:.2f}x.\n\n"
-            f"{NOTES}\n")
+        rows.append(
+            [
+                name,
+                f"{sizes[name][0] / 1e6:.1f}M",
+                f"{active[name] / 1e6:.1f}M",
+                f"{decode:.1f}",
+                f"{throughput:.1f}",
+                " / ".join(f"{d:.0f}, {t:.0f}" for d, t in zip(runs[name]["decode"], runs[name]["throughput"])),
+            ]
+        )
+    ratio = [
+        statistics.median(runs["MoE"][key]) / statistics.median(runs["dense"][key]) for key in ("decode", "throughput")
+    ]
+    table = markdown_table(
+        [
+            "model",
+            "layer parameters",
+            "active per token",
+            "decode tokens/s",
+            f"{args.batch} x {args.max_tokens} tokens/s",
+            "rounds (decode, throughput)",
+        ],
+        rows,
+    )
+    text = (
+        f"# Mixture of experts against a dense model of the same active size\n\n"
+        f"`python benchmarks/moe_vs_dense.py --experts {args.experts} --top-k {args.top_k} "
+        f"--expert-size {args.expert_size} --rounds {args.rounds}`\n\n{machine_line()}\n\n"
+        f"Qwen3-MoE ({args.experts} experts of {args.expert_size} features, {args.top_k} per token) and Qwen3 "
+        f"(one MLP of {args.top_k * args.expert_size} features), otherwise the same: hidden "
+        f"{SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, int4 weights, random values.\n\n"
+        f"![results](moe_vs_dense.png)\n\n{table}\n\n"
+        f"MoE / dense: decode {ratio[0]:.2f}x, {args.batch} x {args.max_tokens} throughput {ratio[1]:.2f}x.\n\n"
+        f"{NOTES}\n"
+    )
     (RESULTS / "moe_vs_dense.md").write_text(text)
     plot(runs, RESULTS / "moe_vs_dense.png")
     print(text)

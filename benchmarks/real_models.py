@@ -52,9 +52,12 @@ from common import RESULTS, machine_line, markdown_table, prompt_ids  # noqa: E4
 from model_files import DEFAULT_DIR, embedded_model_path, large_file, qwen_file, smollm_file  # noqa: E402
 
 PERPLEXITY_TEXT = BENCHMARKS.parent / "tests" / "data" / "perplexity_text.md"
-CHAT_MESSAGES = ["Write a short story about a river that carries words to the sea.",
-                 "Explain how a bicycle stays upright.", "List five uses of a paperclip.",
-                 "Describe the smell of rain to someone who has never smelled it."]
+CHAT_MESSAGES = [
+    "Write a short story about a river that carries words to the sea.",
+    "Explain how a bicycle stays upright.",
+    "List five uses of a paperclip.",
+    "Describe the smell of rain to someone who has never smelled it.",
+]
 ENGINES = ("tokenriver", "llama.cpp")
 PERPLEXITY_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")
 
@@ -80,15 +83,22 @@ def tokenriver_worker(path: str, threads: int, prompts: dict) -> dict:
     (single,) = llm.generate([{"prompt_token_ids": prompts["chat"]}], params, use_tqdm=False)
     per_token = single.metrics.time_per_output_token(len(single.outputs[0].token_ids))
     llm.reset_prefix_cache()
-    (prefill,) = llm.generate([{"prompt_token_ids": prompts["long"]}], SamplingParams(max_tokens=1, temperature=0),
-                              use_tqdm=False)
+    (prefill,) = llm.generate(
+        [{"prompt_token_ids": prompts["long"]}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False
+    )
     prefill_s = prefill.metrics.first_token_time - prefill.metrics.arrival_time
     llm.reset_prefix_cache()
     started = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts["batch"]], params, use_tqdm=False)
     throughput = sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - started)
-    return {"load_s": load_s, "decode": 1 / per_token, "prefill": len(prompts["long"]) / prefill_s,
-            "throughput": throughput, "peak_rss_mib": peak_rss_mib(), "tokens": list(single.outputs[0].token_ids)}
+    return {
+        "load_s": load_s,
+        "decode": 1 / per_token,
+        "prefill": len(prompts["long"]) / prefill_s,
+        "throughput": throughput,
+        "peak_rss_mib": peak_rss_mib(),
+        "tokens": list(single.outputs[0].token_ids),
+    }
 
 
 def llamacpp_worker(path: str, threads: int, prompts: dict) -> dict:
@@ -109,9 +119,14 @@ def llamacpp_worker(path: str, threads: int, prompts: dict) -> dict:
     prefill_s = time.perf_counter() - started
     llm.reset()
     throughput = _llamacpp_parallel(llm, prompts["batch"], prompts["max_tokens"], threads)
-    return {"load_s": load_s, "decode": (len(times) - 1) / (times[-1] - times[0]),
-            "prefill": len(prompts["long"]) / prefill_s, "throughput": throughput, "peak_rss_mib": peak_rss_mib(),
-            "tokens": tokens}
+    return {
+        "load_s": load_s,
+        "decode": (len(times) - 1) / (times[-1] - times[0]),
+        "prefill": len(prompts["long"]) / prefill_s,
+        "throughput": throughput,
+        "peak_rss_mib": peak_rss_mib(),
+        "tokens": tokens,
+    }
 
 
 def _llamacpp_parallel(llm, prompts: list[list[int]], max_tokens: int, threads: int) -> float:
@@ -147,7 +162,7 @@ def _llamacpp_parallel(llm, prompts: list[list[int]], max_tokens: int, threads: 
     for seq, prompt in enumerate(prompts):
         entries = [(token, pos, seq, pos == len(prompt) - 1) for pos, token in enumerate(prompt)]
         for start in range(0, len(entries), 512):
-            decode(entries[start:start + 512])
+            decode(entries[start : start + 512])
         last.append(argmax(len(entries) - 1 - (len(entries) - 1) // 512 * 512))
     generated = num_seqs
     for step in range(1, max_tokens):
@@ -173,8 +188,14 @@ def build_prompts(path: str, num_batch: int, max_tokens: int) -> dict:
     from tokenriver.loader.load import load_model
 
     tokenizer = load_model(path).tokenizer
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": f"{CHAT_MESSAGES[i % 4]} ({i + 1})"}],
-                                           add_generation_prompt=True, tokenize=True) for i in range(num_batch)]
+    chats = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{CHAT_MESSAGES[i % 4]} ({i + 1})"}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        for i in range(num_batch)
+    ]
     return {"chat": chats[0], "long": prompt_ids(tokenizer, 512), "batch": chats, "max_tokens": max_tokens}
 
 
@@ -189,8 +210,11 @@ def measure(files: dict[str, str], args: argparse.Namespace, work_dir: Path) -> 
         prompts_file = work_dir / f"prompts-{label}.json"
         prompts_file.write_text(json.dumps(build_prompts(path, args.batch, args.max_tokens)))
         # Warm the page cache and tokenriver's header index: every measured load is a warm one.
-        subprocess.run([sys.executable, "-c", f"from tokenriver.loader.load import load_model; "
-                        f"load_model({path!r})"], env=child_env(args.threads), check=True)
+        subprocess.run(
+            [sys.executable, "-c", f"from tokenriver.loader.load import load_model; load_model({path!r})"],
+            env=child_env(args.threads),
+            check=True,
+        )
         results[label] = {engine: [] for engine in ENGINES}
         for repeat in range(args.repeats):
             for engine in ENGINES:
@@ -202,8 +226,11 @@ def measure(files: dict[str, str], args: argparse.Namespace, work_dir: Path) -> 
                     continue
                 measured = json.loads(done.stdout.strip().splitlines()[-1])
                 results[label][engine].append(measured)
-                print(f"{label} {engine} #{repeat + 1}: " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in measured.items() if isinstance(v, float)), flush=True)
+                print(
+                    f"{label} {engine} #{repeat + 1}: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in measured.items() if isinstance(v, float)),
+                    flush=True,
+                )
     return results
 
 
@@ -234,8 +261,9 @@ def median(runs: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def report(results: dict, ppl_rows: list[list[object]], files: dict[str, str], args: argparse.Namespace,
-           out_dir: Path) -> None:
+def report(
+    results: dict, ppl_rows: list[list[object]], files: dict[str, str], args: argparse.Namespace, out_dir: Path
+) -> None:
     rows = []
     for label, runs in results.items():
         ours, theirs = runs["tokenriver"], runs["llama.cpp"]
@@ -245,31 +273,62 @@ def report(results: dict, ppl_rows: list[list[object]], files: dict[str, str], a
             a, b = median(ours, key), median(theirs, key)
             row += [_fmt(a, digits), _fmt(b, digits), f"{a / b:.2f}x" if a and b else "-"]
         for key in ("peak_rss_mib", "load_s"):
-            row += [_fmt(median(ours, key), 2 if key == "load_s" else 0),
-                    _fmt(median(theirs, key), 2 if key == "load_s" else 0)]
+            row += [
+                _fmt(median(ours, key), 2 if key == "load_s" else 0),
+                _fmt(median(theirs, key), 2 if key == "load_s" else 0),
+            ]
         rows.append(row)
-    headers = ["file", "MiB", "decode ours", "decode llama.cpp", "ratio", "prefill 512 ours", "prefill llama.cpp",
-               "ratio", "32x128 ours", "32x128 llama.cpp", "ratio", "peak RSS MiB ours", "peak RSS llama.cpp",
-               "load s ours", "load s llama.cpp"]
+    headers = [
+        "file",
+        "MiB",
+        "decode ours",
+        "decode llama.cpp",
+        "ratio",
+        "prefill 512 ours",
+        "prefill llama.cpp",
+        "ratio",
+        "32x128 ours",
+        "32x128 llama.cpp",
+        "ratio",
+        "peak RSS MiB ours",
+        "peak RSS llama.cpp",
+        "load s ours",
+        "load s llama.cpp",
+    ]
     import llama_cpp
-    lines = ["# tokenriver vs llama.cpp on real GGUF files, default settings on both sides", "",
-             f"Machine: {machine_line()}; {args.threads} threads each; llama-cpp-python {llama_cpp.__version__}.",
-             f"Command: `python benchmarks/real_models.py --threads {args.threads} --repeats {args.repeats}"
-             f"{' --no-perplexity' if args.no_perplexity else ''}`", "",
-             f"Medians of {args.repeats} alternating runs, each (file, engine) in a fresh process. Tokens/s; "
-             "decode after a chat prompt, 128 tokens; prefill of 512 tokens; 32 chat prompts x 128 tokens "
-             "(llama.cpp: 32 sequences decoded together, as its server's 32 slots do). Peak RSS includes the "
-             "load. Files: benchmarks/model_files.py.", "", "![results](real_models.png)", "",
-             markdown_table(headers, rows), ""]
+
+    lines = [
+        "# tokenriver vs llama.cpp on real GGUF files, default settings on both sides",
+        "",
+        f"Machine: {machine_line()}; {args.threads} threads each; llama-cpp-python {llama_cpp.__version__}.",
+        f"Command: `python benchmarks/real_models.py --threads {args.threads} --repeats {args.repeats}"
+        f"{' --no-perplexity' if args.no_perplexity else ''}`",
+        "",
+        f"Medians of {args.repeats} alternating runs, each (file, engine) in a fresh process. Tokens/s; "
+        "decode after a chat prompt, 128 tokens; prefill of 512 tokens; 32 chat prompts x 128 tokens "
+        "(llama.cpp: 32 sequences decoded together, as its server's 32 slots do). Peak RSS includes the "
+        "load. Files: benchmarks/model_files.py.",
+        "",
+        "![results](real_models.png)",
+        "",
+        markdown_table(headers, rows),
+        "",
+    ]
     (out_dir / "real_models.md").write_text("\n".join(lines))
     if ppl_rows:
-        ppl = ["# Perplexity per GGUF type (SmolLM2-135M-Instruct, tests/data/perplexity_text.md)", "",
-               f"Machine: {machine_line()}.", "",
-               "Each file made by llama.cpp's quantizer from the embedded model's weights. 'default' is tokenriver "
-               "as users run it (loader/gguf_blocks.py's packed layouts, int8-rounded activations, int8 KV pool); "
-               "'reference' is the same file dequantized to float32 with exact arithmetic. Their ratio is what "
-               "the packed layouts and rounding cost on each type.", "",
-               markdown_table(["file type", "default", "reference", "ratio"], ppl_rows), ""]
+        ppl = [
+            "# Perplexity per GGUF type (SmolLM2-135M-Instruct, tests/data/perplexity_text.md)",
+            "",
+            f"Machine: {machine_line()}.",
+            "",
+            "Each file made by llama.cpp's quantizer from the embedded model's weights. 'default' is tokenriver "
+            "as users run it (loader/gguf_blocks.py's packed layouts, int8-rounded activations, int8 KV pool); "
+            "'reference' is the same file dequantized to float32 with exact arithmetic. Their ratio is what "
+            "the packed layouts and rounding cost on each type.",
+            "",
+            markdown_table(["file type", "default", "reference", "ratio"], ppl_rows),
+            "",
+        ]
         (out_dir / "gguf_types.md").write_text("\n".join(ppl))
     plot(results, out_dir / "real_models.png")
 
@@ -280,6 +339,7 @@ def _fmt(value: float | None, digits: int) -> str:
 
 def plot(results: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -46,8 +46,11 @@ def decode_steps(tensor_parallel_size: int, num_threads: int, num_prompts: int, 
     prompts = [f"Request {i}: write a long story about the river and its stones." for i in range(num_prompts)]
     try:
         for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), engine.tokenizer.encode(prompt),
-                               SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
+            engine.add_request(
+                str(i),
+                engine.tokenizer.encode(prompt),
+                SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True),
+            )
         engine.step()  # the prompts' prefill
         times = getattr(getattr(engine.runner, "group", None), "times", None)
         reduce_before = times.all_reduce_seconds if times else 0.0
@@ -58,9 +61,13 @@ def decode_steps(tensor_parallel_size: int, num_threads: int, num_prompts: int, 
             engine.step()
             durations.append(time.perf_counter() - started)
         steps = len(durations)
-        return {"step_ms": 1000 * statistics.median(durations), "mean_ms": 1000 * sum(durations) / steps,
-                "reduce_ms": 1000 * (times.all_reduce_seconds - reduce_before) / steps if times else 0.0,
-                "reduces": (times.num_all_reduces - count_before) / steps if times else 0.0, "steps": steps}
+        return {
+            "step_ms": 1000 * statistics.median(durations),
+            "mean_ms": 1000 * sum(durations) / steps,
+            "reduce_ms": 1000 * (times.all_reduce_seconds - reduce_before) / steps if times else 0.0,
+            "reduces": (times.num_all_reduces - count_before) / steps if times else 0.0,
+            "steps": steps,
+        }
     finally:
         engine.close()
 
@@ -69,15 +76,38 @@ def run_tp(args: argparse.Namespace) -> str:
     rows = []
     for size, threads in ((1, 1), (1, 2), (2, 2)):
         result = decode_steps(size, threads, args.tp_batch, args.tp_tokens)
-        rows.append([size, f"{threads // size} per rank", args.tp_batch, result["steps"], result["step_ms"],
-                     result["mean_ms"], result["reduces"], result["reduce_ms"]])
-    return ("## Tensor parallel: decode step time\n\n"
-            f"{args.tp_batch} greedy requests decoding {args.tp_tokens} tokens each; one engine step = one forward "
-            "pass for all of them. TP=1: one process, 1 or 2 threads (the native one-call decoder). TP=2: two gloo "
-            "ranks on this machine, 1 thread each, the module path (sharded layers are not native-runnable). "
-            "All-reduce time is rank 0's wall time inside `dist.all_reduce`, waiting for rank 1 included.\n\n"
-            + markdown_table(["TP", "threads", "requests", "decode steps", "step p50 ms", "step mean ms",
-                              "all-reduces / step", "all-reduce ms / step"], rows))
+        rows.append(
+            [
+                size,
+                f"{threads // size} per rank",
+                args.tp_batch,
+                result["steps"],
+                result["step_ms"],
+                result["mean_ms"],
+                result["reduces"],
+                result["reduce_ms"],
+            ]
+        )
+    return (
+        "## Tensor parallel: decode step time\n\n"
+        f"{args.tp_batch} greedy requests decoding {args.tp_tokens} tokens each; one engine step = one forward "
+        "pass for all of them. TP=1: one process, 1 or 2 threads (the native one-call decoder). TP=2: two gloo "
+        "ranks on this machine, 1 thread each, the module path (sharded layers are not native-runnable). "
+        "All-reduce time is rank 0's wall time inside `dist.all_reduce`, waiting for rank 1 included.\n\n"
+        + markdown_table(
+            [
+                "TP",
+                "threads",
+                "requests",
+                "decode steps",
+                "step p50 ms",
+                "step mean ms",
+                "all-reduces / step",
+                "all-reduce ms / step",
+            ],
+            rows,
+        )
+    )
 
 
 # ----- Ray Serve ------------------------------------------------------------------------------------------------
@@ -93,8 +123,11 @@ def deploy(num_replicas: int, router: str) -> None:
     from tokenriver.serve_ray.app import build_application
 
     serve.delete("tokenriver")
-    serve.run(build_application(EngineConfig(max_num_kv_tokens=8192, num_threads=1), ServerConfig(), num_replicas,
-                                router), name="tokenriver", route_prefix="/")
+    serve.run(
+        build_application(EngineConfig(max_num_kv_tokens=8192, num_threads=1), ServerConfig(), num_replicas, router),
+        name="tokenriver",
+        route_prefix="/",
+    )
     time.sleep(2)  # first routing stats and board posts
 
 
@@ -108,9 +141,11 @@ async def completions(url: str, prompts: list[str], max_tokens: int, concurrency
             prompt = queue.pop(0)
             sent = time.perf_counter()
             first = None
-            async with http.stream("POST", "/v1/completions", json={
-                    "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True}) as response:
+            async with http.stream(
+                "POST",
+                "/v1/completions",
+                json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True},
+            ) as response:
                 assert response.status_code == 200, response.status_code
                 async for line in response.aiter_lines():
                     if first is None and line.startswith("data: {"):
@@ -138,20 +173,28 @@ def run_replicas(args: argparse.Namespace, url: str) -> str:
         deploy(replicas, "round_robin")
         wall, ttfts = asyncio.run(completions(url, prompts, args.replica_tokens, args.replica_concurrency))
         tokens = len(prompts) * args.replica_tokens
-        rows.append([replicas, len(prompts), args.replica_concurrency, wall, tokens / wall,
-                     1000 * statistics.median(ttfts)])
-    return ("## Replicas: 1 vs 2 (Ray Serve, one CPU and one thread per replica)\n\n"
-            f"{args.replica_requests} streamed completions of exactly {args.replica_tokens} tokens, "
-            f"{args.replica_concurrency} in flight, round-robin routing. The machine has 2 cores, shared with "
-            "the ingress, Ray's own processes and other work: two replicas can at best double one.\n\n"
-            + markdown_table(["replicas", "requests", "in flight", "wall s", "output tok/s", "TTFT p50 ms"], rows))
+        rows.append(
+            [replicas, len(prompts), args.replica_concurrency, wall, tokens / wall, 1000 * statistics.median(ttfts)]
+        )
+    return (
+        "## Replicas: 1 vs 2 (Ray Serve, one CPU and one thread per replica)\n\n"
+        f"{args.replica_requests} streamed completions of exactly {args.replica_tokens} tokens, "
+        f"{args.replica_concurrency} in flight, round-robin routing. The machine has 2 cores, shared with "
+        "the ingress, Ray's own processes and other work: two replicas can at best double one.\n\n"
+        + markdown_table(["replicas", "requests", "in flight", "wall s", "output tok/s", "TTFT p50 ms"], rows)
+    )
 
 
 def run_routing(args: argparse.Namespace, url: str) -> str:
-    systems = [f"System prompt {k}: you are the assistant of team {k} at a parcel company. "
-               + "Answer briefly, cite the policy, never guess a tracking number. " * 4 for k in range(8)]
-    prompts = [systems[user % 8] + f"User {user}: my parcel {1000 + user} has not arrived, what now?"
-               for user in range(args.routing_users)]
+    systems = [
+        f"System prompt {k}: you are the assistant of team {k} at a parcel company. "
+        + "Answer briefly, cite the policy, never guess a tracking number. " * 4
+        for k in range(8)
+    ]
+    prompts = [
+        systems[user % 8] + f"User {user}: my parcel {1000 + user} has not arrived, what now?"
+        for user in range(args.routing_users)
+    ]
     # Users arrive in a random (seeded) order: in strict rotation, round robin over an even number of replicas
     # would send each system prompt to the same replica every time by accident.
     random.Random(0).shuffle(prompts)
@@ -162,21 +205,31 @@ def run_routing(args: argparse.Namespace, url: str) -> str:
         hits = metric(url, "tokenriver_prefix_cache_hit_tokens_total")
         queried = metric(url, "tokenriver_prefix_cache_queried_tokens_total")
         ordered = sorted(ttfts)
-        rows.append([router, len(prompts), wall, 1000 * statistics.median(ttfts),
-                     1000 * ordered[int(0.9 * (len(ordered) - 1))], f"{100 * hits / queried:.1f}%"])
-    return ("## Routing: prefix-aware vs round robin (2 replicas)\n\n"
-            f"8 system prompts (~{len(prompts[0].split())} words each) x {args.routing_users} users in a seeded random "
-            f"order, "
-            f"{args.routing_concurrency} requests in flight, 4 output tokens each. Hit rate = prompt tokens served "
-            "from the replicas' prefix caches / prompt tokens looked up (aggregated /metrics).\n\n"
-            + markdown_table(["router", "requests", "wall s", "TTFT p50 ms", "TTFT p90 ms", "prefix-cache hit rate"],
-                             rows))
+        rows.append(
+            [
+                router,
+                len(prompts),
+                wall,
+                1000 * statistics.median(ttfts),
+                1000 * ordered[int(0.9 * (len(ordered) - 1))],
+                f"{100 * hits / queried:.1f}%",
+            ]
+        )
+    return (
+        "## Routing: prefix-aware vs round robin (2 replicas)\n\n"
+        f"8 system prompts (~{len(prompts[0].split())} words each) x {args.routing_users} users in a seeded random "
+        f"order, "
+        f"{args.routing_concurrency} requests in flight, 4 output tokens each. Hit rate = prompt tokens served "
+        "from the replicas' prefix caches / prompt tokens looked up (aggregated /metrics).\n\n"
+        + markdown_table(["router", "requests", "wall s", "TTFT p50 ms", "TTFT p90 ms", "prefix-cache hit rate"], rows)
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["tp", "replicas", "routing"],
-                        choices=["tp", "replicas", "routing"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["tp", "replicas", "routing"], choices=["tp", "replicas", "routing"]
+    )
     parser.add_argument("--tp-batch", type=int, default=4)
     parser.add_argument("--tp-tokens", type=int, default=32)
     parser.add_argument("--replica-requests", type=int, default=32)
@@ -186,8 +239,10 @@ def main() -> int:
     parser.add_argument("--routing-concurrency", type=int, default=4)
     parser.add_argument("--output", default=str(RESULTS / "scale_out.md"))
     args = parser.parse_args()
-    sections = [f"- machine: {machine_line()}; 1-minute load average {load_average()} at the start (a shared "
-                "machine: other people's work ran on the same 2 cores during these runs)"]
+    sections = [
+        f"- machine: {machine_line()}; 1-minute load average {load_average()} at the start (a shared "
+        "machine: other people's work ran on the same 2 cores during these runs)"
+    ]
     if "tp" in args.parts:
         sections.append(run_tp(args))
     if {"replicas", "routing"} & set(args.parts):
@@ -209,8 +264,10 @@ def main() -> int:
         finally:
             serve.shutdown()
             ray.shutdown()
-    text = ("# Scale-out: replicas, routing, tensor parallelism\n\n"
-            f"Command: `python benchmarks/scale_out.py --parts {' '.join(args.parts)}`\n\n" + "\n\n".join(sections) + "\n")
+    text = (
+        "# Scale-out: replicas, routing, tensor parallelism\n\n"
+        f"Command: `python benchmarks/scale_out.py --parts {' '.join(args.parts)}`\n\n" + "\n\n".join(sections) + "\n"
+    )
     Path(args.output).write_text(text)
     print(text)
     return 0

@@ -57,8 +57,15 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = RequestResult(ok=False)
     sent = last = time.perf_counter()
     try:
@@ -90,8 +97,15 @@ async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tok
     return result
 
 
-async def run_level(url: str, headers: dict[str, str], model: str, num_clients: int, requests_per_client: int,
-                    max_tokens: int, deadline_seconds: float) -> tuple[list[RequestResult], int, float]:
+async def run_level(
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    num_clients: int,
+    requests_per_client: int,
+    max_tokens: int,
+    deadline_seconds: float,
+) -> tuple[list[RequestResult], int, float]:
     """All clients of one level; returns every sent request's result, the number sent, and the wall time."""
     results: list[RequestResult] = []
     num_sent = 0
@@ -130,9 +144,19 @@ def summarize(num_clients: int, results: list[RequestResult], sent: int, elapsed
     def ms(value: float | None) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f}"
 
-    return [num_clients, sent, len(completed), num_errored, elapsed, len(completed) / elapsed,
-            output_tokens / elapsed, ms(percentile(ttfts, 50)), ms(percentile(ttfts, 99)), ms(percentile(itls, 50)),
-            ms(percentile(itls, 99))]
+    return [
+        num_clients,
+        sent,
+        len(completed),
+        num_errored,
+        elapsed,
+        len(completed) / elapsed,
+        output_tokens / elapsed,
+        ms(percentile(ttfts, 50)),
+        ms(percentile(ttfts, 99)),
+        ms(percentile(itls, 50)),
+        ms(percentile(itls, 99)),
+    ]
 
 
 def _free_port() -> int:
@@ -145,9 +169,20 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
     """`tokenriver serve` on a free loopback port (access log off); returns (process, url, log path)."""
     log = tempfile.NamedTemporaryFile("w", prefix="serve-bench-", suffix=".log", delete=False)
     url = f"http://127.0.0.1:{_free_port()}"
-    command = [sys.executable, "-m", "tokenriver.cli", "serve", "--port", url.rsplit(":", 1)[1],
-               "--log-level", "warning", "--max-num-seqs", str(max(args.concurrency)),
-               "--max-num-kv-tokens", str(args.kv_tokens)]
+    command = [
+        sys.executable,
+        "-m",
+        "tokenriver.cli",
+        "serve",
+        "--port",
+        url.rsplit(":", 1)[1],
+        "--log-level",
+        "warning",
+        "--max-num-seqs",
+        str(max(args.concurrency)),
+        "--max-num-kv-tokens",
+        str(args.kv_tokens),
+    ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -199,14 +234,19 @@ def main() -> int:
         asyncio.run(run_level(url, headers, model, 1, 1, 8, args.level_timeout))  # warm-up
         rows = []
         for num_clients in args.concurrency:
-            results, sent, elapsed = asyncio.run(run_level(url, headers, model, num_clients,
-                                                           args.requests_per_client, args.max_tokens,
-                                                           args.level_timeout))
+            results, sent, elapsed = asyncio.run(
+                run_level(
+                    url, headers, model, num_clients, args.requests_per_client, args.max_tokens, args.level_timeout
+                )
+            )
             row = summarize(num_clients, results, sent, elapsed)
             errors = sorted({r.error for r in results if not r.ok and r.error})
-            print(f"{num_clients:>3} clients: {row[2]}/{sent} completed in {elapsed:.1f} s, {row[5]:.2f} req/s, "
-                  f"{row[6]:.1f} tok/s, TTFT p50 {row[7]} ms, ITL p50 {row[9]} ms"
-                  + (f"; errors: {errors[:3]}" if errors else ""), flush=True)
+            print(
+                f"{num_clients:>3} clients: {row[2]}/{sent} completed in {elapsed:.1f} s, {row[5]:.2f} req/s, "
+                f"{row[6]:.1f} tok/s, TTFT p50 {row[7]} ms, ITL p50 {row[9]} ms"
+                + (f"; errors: {errors[:3]}" if errors else ""),
+                flush=True,
+            )
             rows.append(row)
     finally:
         if process is not None:
@@ -214,8 +254,19 @@ def main() -> int:
             process.wait(timeout=60)
             os.unlink(log_path)
 
-    headers_row = ["clients", "sent", "completed", "errored", "wall s", "req/s", "output tok/s", "TTFT p50 ms",
-                   "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    headers_row = [
+        "clients",
+        "sent",
+        "completed",
+        "errored",
+        "wall s",
+        "req/s",
+        "output tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+    ]
     report = [
         "# Serving benchmark: concurrent streaming clients over HTTP",
         "",

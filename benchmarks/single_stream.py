@@ -29,8 +29,11 @@ CONTEXTS = (128, 256, 512, 1024)
 def tokenriver_run(llm: LLM, ids: list[int], max_tokens: int) -> tuple[float, float]:
     """(prefill seconds, seconds per decoded token) from the engine's own request timings."""
     started = time.perf_counter()
-    (output,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                          ignore_eos=True), use_tqdm=False)
+    (output,) = llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     elapsed = time.perf_counter() - started
     metrics = output.metrics
     prefill = metrics.first_token_time - metrics.arrival_time
@@ -55,8 +58,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="tokenriver's weights: auto keeps the file's Q4_1 packed, none dequantizes to --dtype")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="tokenriver's weights: auto keeps the file's Q4_1 packed, none dequantizes to --dtype",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -77,21 +84,26 @@ def main() -> None:
     tokenriver_run(llm, short_prompt, 8)
     transformers_run(hf_model, short_prompt, 8)
     for _ in range(args.repeats):
-        for runs, run in ((tokenriver_runs, lambda ids, n: tokenriver_run(llm, ids, n)),
-                          (hf_runs, lambda ids, n: transformers_run(hf_model, ids, n))):
+        for runs, run in (
+            (tokenriver_runs, lambda ids, n: tokenriver_run(llm, ids, n)),
+            (hf_runs, lambda ids, n: transformers_run(hf_model, ids, n)),
+        ):
             prefill, _ = run(long_prompt, 2)
             runs["prefill"].append(PREFILL_TOKENS / prefill)
             _, per_token = run(short_prompt, DECODE_TOKENS)
             runs["decode"].append(1 / per_token)
 
     rows = []
-    for label, key, unit in (("prefill (512-token prompt)", "prefill", "tokens/s"),
-                             ("decode (128 tokens, greedy)", "decode", "tokens/s")):
+    for label, key, unit in (
+        ("prefill (512-token prompt)", "prefill", "tokens/s"),
+        ("decode (128 tokens, greedy)", "decode", "tokens/s"),
+    ):
         ours, theirs = statistics.median(tokenriver_runs[key]), statistics.median(hf_runs[key])
         rows.append([label, f"{ours:.1f} {unit}", f"{theirs:.1f} {unit}", f"{ours / theirs:.2f}x"])
 
-    uncached = LLM.from_loaded(loaded, num_threads=args.threads, max_num_kv_tokens=4096, use_kv_cache=False,
-                               enable_prefix_caching=False)
+    uncached = LLM.from_loaded(
+        loaded, num_threads=args.threads, max_num_kv_tokens=4096, use_kv_cache=False, enable_prefix_caching=False
+    )
     cache_rows, cached_ms, uncached_ms = [], [], []
     for context in CONTEXTS:
         ids = prompt_ids(loaded.tokenizer, context - 16)
@@ -99,8 +111,9 @@ def main() -> None:
         _, without_cache = tokenriver_run(uncached, ids, 16)
         cached_ms.append(with_cache * 1000)
         uncached_ms.append(without_cache * 1000)
-        cache_rows.append([context, f"{with_cache * 1000:.1f}", f"{without_cache * 1000:.1f}",
-                           f"{without_cache / with_cache:.1f}x"])
+        cache_rows.append(
+            [context, f"{with_cache * 1000:.1f}", f"{without_cache * 1000:.1f}", f"{without_cache / with_cache:.1f}x"]
+        )
 
     import matplotlib
 

@@ -30,7 +30,7 @@ from common import RESULTS, machine_line, markdown_table
 from tokenriver import LLM, SamplingParams
 from tokenriver.loader.load import load_model
 
-CODE = '''def load_config(path):
+CODE = """def load_config(path):
     with open(path) as handle:
         lines = handle.read().splitlines()
     config = {}
@@ -46,11 +46,13 @@ def save_config(path, config):
     with open(path, "w") as handle:
         for key, value in sorted(config.items()):
             handle.write(f"{key} = {value}\\n")
-'''
-TEXT = ("The river rises in the mountains, where snow melts every spring and feeds a thousand small streams. "
-        "It runs through three countries and past eleven cities before it reaches the sea. For centuries its "
-        "water turned mills, carried boats loaded with grain and timber, and gave the valley its name. Today it "
-        "is quieter: the mills are museums, the boats carry tourists, and the fish have come back.")
+"""
+TEXT = (
+    "The river rises in the mountains, where snow melts every spring and feeds a thousand small streams. "
+    "It runs through three countries and past eleven cities before it reaches the sea. For centuries its "
+    "water turned mills, carried boats loaded with grain and timber, and gave the valley its name. Today it "
+    "is quieter: the mills are museums, the boats carry tourists, and the fish have come back."
+)
 GROUNDED = [
     f"Repeat the following code exactly, without any change:\n\n{CODE}",
     f"Copy this paragraph word for word:\n\n{TEXT}",
@@ -70,23 +72,30 @@ TASKS = {"input-grounded (copy / edit a given text or code)": GROUNDED, "open ch
 
 def run(llm: LLM, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], float, int, int]:
     """(tokens, decode seconds, draft tokens, accepted draft tokens) of one greedy request."""
-    (output,) = llm.generate([{"prompt_token_ids": prompt_ids}],
-                             SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+    (output,) = llm.generate(
+        [{"prompt_token_ids": prompt_ids}], SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False
+    )
     metrics = output.metrics
     decode_time = metrics.last_token_time - metrics.first_token_time
-    return (output.outputs[0].token_ids, decode_time, metrics.num_draft_tokens,
-            metrics.num_accepted_draft_tokens)
+    return (output.outputs[0].token_ids, decode_time, metrics.num_draft_tokens, metrics.num_accepted_draft_tokens)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none"],
-                        help="the target's weights: auto = the GGUF's Q4_1 kept packed, none = float32")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none"],
+        help="the target's weights: auto = the GGUF's Q4_1 kept packed, none = float32",
+    )
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--configs", default="none,ngram:4,ngram:8,self:8:3",
-                        help="comma-separated: none, ngram:K, self:N:K, q4:K (the GGUF file itself, packed)")
+    parser.add_argument(
+        "--configs",
+        default="none,ngram:4,ngram:8,self:8:3",
+        help="comma-separated: none, ngram:K, self:N:K, q4:K (the GGUF file itself, packed)",
+    )
     parser.add_argument("--note", default="", help="a line about the machine, written into the results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -103,11 +112,16 @@ def main() -> None:
             options = {"speculative_draft": f"self:{layers}", "num_speculative_tokens": int(k)}
         elif name.startswith("q4:"):
             options = {"speculative_draft": loaded.path, "num_speculative_tokens": int(name.split(":")[1])}
-        engines[name] = LLM.from_loaded(loaded, num_threads=args.threads, max_num_kv_tokens=8192,
-                                        quantization=args.quantization, **options)
-    prompts = {task: [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
-                                       add_special_tokens=False) for p in texts]
-               for task, texts in TASKS.items()}
+        engines[name] = LLM.from_loaded(
+            loaded, num_threads=args.threads, max_num_kv_tokens=8192, quantization=args.quantization, **options
+        )
+    prompts = {
+        task: [
+            tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+            for p in texts
+        ]
+        for task, texts in TASKS.items()
+    }
     for llm in engines.values():
         run(llm, prompts["open chat"][0], 8)
 
@@ -141,8 +155,18 @@ def main() -> None:
         for name in engines:
             speed = statistics.median(speeds[name])
             rate = f"{accepted[name] / drafts[name]:.0%}" if drafts[name] else "-"
-            rows.append([task, name, f"{speed:.1f}", f"{speed / baseline:.2f}x", drafts[name], accepted[name], rate,
-                         "yes" if identical[name] else "NO"])
+            rows.append(
+                [
+                    task,
+                    name,
+                    f"{speed:.1f}",
+                    f"{speed / baseline:.2f}x",
+                    drafts[name],
+                    accepted[name],
+                    rate,
+                    "yes" if identical[name] else "NO",
+                ]
+            )
             all_identical &= identical[name]
         print(f"{task}: {num_tokens} tokens per configuration and repeat", flush=True)
     elapsed = time.perf_counter() - started
@@ -169,8 +193,10 @@ def main() -> None:
         "time), summed over the task's prompts. Acceptance = accepted / proposed draft tokens (first repeat). "
         "`same tokens` = greedy output identical to plain decoding for every prompt.",
         "",
-        markdown_table(["task", "config", "decode tokens/s", "speedup", "draft tokens", "accepted", "acceptance",
-                        "same tokens"], rows),
+        markdown_table(
+            ["task", "config", "decode tokens/s", "speedup", "draft tokens", "accepted", "acceptance", "same tokens"],
+            rows,
+        ),
         "",
     ]
     if not all_identical:

@@ -21,11 +21,20 @@ from common import RESULTS, machine_line, markdown_table
 
 from tokenriver import LLM, SamplingParams, StructuredOutput
 
-SCHEMA = {"type": "array", "minItems": 64, "items": {
-    "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                     "city": {"type": "string", "maxLength": 16}},
-    "required": ["name", "age", "city"], "additionalProperties": False}}
+SCHEMA = {
+    "type": "array",
+    "minItems": 64,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "maxLength": 16},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    },
+}
 PROMPT = [{"role": "user", "content": "List people with their name, age and city as JSON."}]
 NOTES = """Run on an otherwise idle machine; its own speed still drifts between rounds, which is why the cost is
 the median of each round's schema/free ratio. What keeps the grammar stage cheap:
@@ -57,8 +66,12 @@ def main() -> int:
     args = parser.parse_args()
     llm = LLM(max_num_seqs=max(args.batch_sizes))
     free = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=0)
-    constrained = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0,
-                                 structured_output=StructuredOutput.json(SCHEMA))
+    constrained = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=0,
+        structured_output=StructuredOutput.json(SCHEMA),
+    )
     decode_tokens_per_second(llm, 1, constrained)  # compiles the grammar and builds the vocabulary once
     rows = []
     ratios: dict[int, list[float]] = {}
@@ -70,16 +83,25 @@ def main() -> int:
         free_median, schema_median = statistics.median(runs["free"]), statistics.median(runs["schema"])
         ratios[batch] = [schema / free for free, schema in zip(runs["free"], runs["schema"])]
         ratio = statistics.median(ratios[batch])
-        rows.append([batch, free_median, schema_median, f"{100 * (1 - ratio):.1f} %",
-                     " / ".join(f"{a:.1f} vs {b:.1f}" for a, b in zip(runs["free"], runs["schema"]))])
+        rows.append(
+            [
+                batch,
+                free_median,
+                schema_median,
+                f"{100 * (1 - ratio):.1f} %",
+                " / ".join(f"{a:.1f} vs {b:.1f}" for a, b in zip(runs["free"], runs["schema"])),
+            ]
+        )
         print(rows[-1], file=sys.stderr)
-    table = markdown_table(["batch", "free tokens/s", "JSON schema tokens/s", "cost (median of rounds)",
-                            "rounds (free vs schema)"],
-                           rows)
-    text = (f"# Structured output: decode speed with a JSON schema vs without\n\n"
-            f"`python benchmarks/structured_output.py --max-tokens {args.max_tokens} --rounds {args.rounds} "
-            f"--temperature {args.temperature}`\n\n{machine_line()}\n\n![rounds](structured_output.png)\n\n"
-            f"{table}\n\n{NOTES}\n")
+    table = markdown_table(
+        ["batch", "free tokens/s", "JSON schema tokens/s", "cost (median of rounds)", "rounds (free vs schema)"], rows
+    )
+    text = (
+        f"# Structured output: decode speed with a JSON schema vs without\n\n"
+        f"`python benchmarks/structured_output.py --max-tokens {args.max_tokens} --rounds {args.rounds} "
+        f"--temperature {args.temperature}`\n\n{machine_line()}\n\n![rounds](structured_output.png)\n\n"
+        f"{table}\n\n{NOTES}\n"
+    )
     (RESULTS / "structured_output.md").write_text(text)
     plot(ratios, RESULTS / "structured_output.png")
     print(text)
@@ -89,6 +111,7 @@ def main() -> int:
 def plot(ratios: dict[int, list[float]], path) -> None:
     """Each round's schema/free ratio per batch size, with the median and the 5 % budget."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

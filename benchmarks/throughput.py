@@ -31,8 +31,16 @@ from common import RESULTS, machine_line, markdown_table, prompt_ids, rounded_pr
 from tokenriver import LLM, SamplingParams
 from tokenriver.loader.load import default_model_path, load_model
 
-TOPICS = ["a lighthouse keeper", "the history of bread", "how rivers form", "a robot learning to paint",
-          "the rules of chess", "volcanoes", "a trip to Kyoto", "why the sky is blue"]
+TOPICS = [
+    "a lighthouse keeper",
+    "the history of bread",
+    "how rivers form",
+    "a robot learning to paint",
+    "the rules of chess",
+    "volcanoes",
+    "a trip to Kyoto",
+    "why the sky is blue",
+]
 
 
 def make_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -56,14 +64,16 @@ def tokenriver_throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
-    return {"num_threads": args.threads, "kv_cache_memory": "2GiB",
-            **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {})}
+    return {
+        "num_threads": args.threads,
+        "kv_cache_memory": "2GiB",
+        **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}),
+    }
 
 
 def tokenriver_run(loaded, prompts: list[list[int]], args: argparse.Namespace, caching: bool) -> float:
     """One fresh engine with every prompt admitted at once, after a warm-up sharing no prefix with the prompts."""
-    llm = LLM.from_loaded(loaded, max_num_seqs=args.num_prompts, enable_prefix_caching=caching,
-                          **engine_options(args))
+    llm = LLM.from_loaded(loaded, max_num_seqs=args.num_prompts, enable_prefix_caching=caching, **engine_options(args))
     tokenriver_throughput(llm, [list(range(1000, 1040))], 8)
     return tokenriver_throughput(llm, prompts, args.max_tokens)
 
@@ -74,19 +84,24 @@ def transformers_throughput(model, tokenizer, prompts: list[list[int]], max_toke
     generated = 0
     started = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
-        batch = prompts[start:start + batch_size]
+        batch = prompts[start : start + batch_size]
         width = max(len(p) for p in batch)
         input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
+            out = model.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         generated += (out.shape[1] - width) * len(batch)
     return generated / (time.perf_counter() - started)
 
 
-def cached_prefix_ttft(loaded, num_prefix_tokens: int, repeats: int,
-                       options: dict[str, object]) -> tuple[float, float]:
+def cached_prefix_ttft(loaded, num_prefix_tokens: int, repeats: int, options: dict[str, object]) -> tuple[float, float]:
     """Median time to first token for a prompt whose long prefix is cached vs the same prompt cold."""
     prefix = prompt_ids(loaded.tokenizer, num_prefix_tokens)
     cold, warm = [], []
@@ -109,16 +124,32 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
-    parser.add_argument("--hf-dtypes", nargs="+", choices=["float32", "bfloat16"], default=None,
-                        help="transformers' dtypes, each at every batch size (default: --dtype)")
-    parser.add_argument("--int8-activations", action="store_true",
-                        help="tokenriver's rounded arithmetic (4-bit weights; see models/quant.py)")
-    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16", "int8"], default=None,
-                        help="tokenriver's KV pool dtype (default: the engine's)")
+    parser.add_argument(
+        "--hf-dtypes",
+        nargs="+",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="transformers' dtypes, each at every batch size (default: --dtype)",
+    )
+    parser.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="tokenriver's rounded arithmetic (4-bit weights; see models/quant.py)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["float32", "float16", "int8"],
+        default=None,
+        help="tokenriver's KV pool dtype (default: the engine's)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="runs of every configuration, engines alternating")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="tokenriver's weights: auto keeps the file's Q4_1 packed, none dequantizes to --dtype")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="tokenriver's weights: auto keeps the file's Q4_1 packed, none dequantizes to --dtype",
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -127,12 +158,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    loaded = load_model(path, dtype=args.dtype, quantization=args.quantization,
-                        int8_activations=args.int8_activations)
+    loaded = load_model(path, dtype=args.dtype, quantization=args.quantization, int8_activations=args.int8_activations)
     directory, name = os.path.split(path)
     hf_dtypes = args.hf_dtypes or [args.dtype]
-    hf_models = {dtype: AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, dtype))
-                 for dtype in hf_dtypes}
+    hf_models = {
+        dtype: AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, dtype))
+        for dtype in hf_dtypes
+    }
     for model in hf_models.values():
         model.eval()
     prompts = make_prompts(loaded.tokenizer, args.num_prompts)
@@ -141,19 +173,24 @@ def main() -> None:
     # serving engine does (vLLM's too); and with it off, every prompt token computed, as transformers does.
     ours_rounds: dict[bool, list[float]] = {True: [], False: []}
     hf_rounds: dict[tuple[str, int], list[float]] = {
-        (dtype, size): [] for dtype in hf_dtypes for size in args.hf_batch_sizes}
+        (dtype, size): [] for dtype in hf_dtypes for size in args.hf_batch_sizes
+    }
     for round_index in range(args.rounds):
         # Alternate which engine goes first, so drift over the run does not favour either.
-        for engine in (("tokenriver", "transformers") if round_index % 2 == 0 else ("transformers", "tokenriver")):
+        for engine in ("tokenriver", "transformers") if round_index % 2 == 0 else ("transformers", "tokenriver"):
             if engine == "tokenriver":
                 for caching in (True, False):
                     ours_rounds[caching].append(tokenriver_run(loaded, prompts, args, caching))
             else:
                 for dtype, size in hf_rounds:
                     hf_rounds[dtype, size].append(
-                        transformers_throughput(hf_models[dtype], loaded.tokenizer, prompts, args.max_tokens, size))
-        print(f"round {round_index + 1}: tokenriver {[round(r[-1], 1) for r in ours_rounds.values()]}, "
-              f"transformers {[round(r[-1], 1) for r in hf_rounds.values()]}", flush=True)
+                        transformers_throughput(hf_models[dtype], loaded.tokenizer, prompts, args.max_tokens, size)
+                    )
+        print(
+            f"round {round_index + 1}: tokenriver {[round(r[-1], 1) for r in ours_rounds.values()]}, "
+            f"transformers {[round(r[-1], 1) for r in hf_rounds.values()]}",
+            flush=True,
+        )
     ours = {caching: statistics.median(rates) for caching, rates in ours_rounds.items()}
     hf = {key: statistics.median(rates) for key, rates in hf_rounds.items()}
     best = max(hf, key=hf.get)
@@ -192,15 +229,30 @@ def main() -> None:
     def each(rates: list[float]) -> str:
         return ", ".join(f"{rate:.1f}" for rate in rates)
 
-    rows = [[f"tokenriver (continuous batching, {args.num_prompts} at once, prefix caching "
-             f"{'on: the default' if caching else 'off'})", f"{rate:.1f}", each(ours_rounds[caching]),
-             f"{rate / hf[best]:.2f}x"]
-            for caching, rate in ours.items()]
-    rows += [[f"transformers generate {dtype}, batch {size} (padded)", f"{rate:.1f}", each(hf_rounds[dtype, size]),
-              f"{rate / hf[best]:.2f}x"]
-             for (dtype, size), rate in hf.items()]
-    arithmetic = (f"int8 activations in decode-sized products, larger ones {rounded_products()} (--int8-activations)"
-                  if args.int8_activations else "exact")
+    rows = [
+        [
+            f"tokenriver (continuous batching, {args.num_prompts} at once, prefix caching "
+            f"{'on: the default' if caching else 'off'})",
+            f"{rate:.1f}",
+            each(ours_rounds[caching]),
+            f"{rate / hf[best]:.2f}x",
+        ]
+        for caching, rate in ours.items()
+    ]
+    rows += [
+        [
+            f"transformers generate {dtype}, batch {size} (padded)",
+            f"{rate:.1f}",
+            each(hf_rounds[dtype, size]),
+            f"{rate / hf[best]:.2f}x",
+        ]
+        for (dtype, size), rate in hf.items()
+    ]
+    arithmetic = (
+        f"int8 activations in decode-sized products, larger ones {rounded_products()} (--int8-activations)"
+        if args.int8_activations
+        else "exact"
+    )
     report = [
         "# Offline throughput: tokenriver vs transformers",
         "",
@@ -211,8 +263,9 @@ def main() -> None:
         f"dequantized to {' and '.join(hf_dtypes)}.",
         f"Command: `{' '.join(['python benchmarks/throughput.py'] + sys.argv[1:])}`",
         "",
-        markdown_table(["engine", f"generated tokens/s (median of {args.rounds})", "each round",
-                        "vs transformers' best"], rows),
+        markdown_table(
+            ["engine", f"generated tokens/s (median of {args.rounds})", "each round", "vs transformers' best"], rows
+        ),
         "",
         "## tokenriver throughput vs concurrent sequences",
         "",
@@ -222,9 +275,14 @@ def main() -> None:
         "",
         "## Time to first token with a cached 1,000-token prefix",
         "",
-        markdown_table(["prefix", "time to first token (ms)"],
-                       [["not cached", f"{cold * 1000:.0f}"], ["cached (prefix cache hit)", f"{warm * 1000:.0f}"],
-                        ["speedup", f"{cold / warm:.1f}x"]]),
+        markdown_table(
+            ["prefix", "time to first token (ms)"],
+            [
+                ["not cached", f"{cold * 1000:.0f}"],
+                ["cached (prefix cache hit)", f"{warm * 1000:.0f}"],
+                ["speedup", f"{cold / warm:.1f}x"],
+            ],
+        ),
         "",
     ]
     (RESULTS / "throughput.md").write_text("\n".join(report))

@@ -149,10 +149,17 @@ class TokenriverEngine:
         from tokenriver import LLM
 
         spec = setup.spec
-        self.llm = LLM(model=setup.model_path, dtype=spec.dtype, quantization=spec.quantization,
-                       int8_activations=spec.int8_activations, kv_cache_dtype=spec.kv_cache_dtype,
-                       num_threads=setup.num_threads, max_num_seqs=64, max_num_kv_tokens=setup.num_kv_tokens,
-                       num_scheduler_steps=NUM_SCHEDULER_STEPS)
+        self.llm = LLM(
+            model=setup.model_path,
+            dtype=spec.dtype,
+            quantization=spec.quantization,
+            int8_activations=spec.int8_activations,
+            kv_cache_dtype=spec.kv_cache_dtype,
+            num_threads=setup.num_threads,
+            max_num_seqs=64,
+            max_num_kv_tokens=setup.num_kv_tokens,
+            num_scheduler_steps=NUM_SCHEDULER_STEPS,
+        )
 
     def describe(self) -> str:
         loaded = self.llm.engine.loaded
@@ -167,8 +174,11 @@ class TokenriverEngine:
         (output,) = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         metrics, tokens = output.metrics, output.outputs[0].token_ids
         per_token = metrics.time_per_output_token(len(tokens))
-        return {"first_token_s": metrics.first_token_time - metrics.arrival_time,
-                "decode_tokens_per_s": None if per_token is None else 1 / per_token, "token_ids": tokens}
+        return {
+            "first_token_s": metrics.first_token_time - metrics.arrival_time,
+            "decode_tokens_per_s": None if per_token is None else 1 / per_token,
+            "token_ids": tokens,
+        }
 
     def throughput(self, prompts: list[list[int]], max_tokens: int, batch_size: int) -> float:
         """All prompts at once: the scheduler batches them (batch_size is transformers' knob)."""
@@ -198,8 +208,14 @@ class LlamaCppEngine:
         from llama_cpp import Llama
 
         self.setup = setup
-        self.llm = Llama(model_path=setup.model_path, n_ctx=2048, n_batch=512, n_threads=setup.num_threads,
-                         n_threads_batch=setup.num_threads, verbose=False)
+        self.llm = Llama(
+            model_path=setup.model_path,
+            n_ctx=2048,
+            n_batch=512,
+            n_threads=setup.num_threads,
+            n_threads_batch=setup.num_threads,
+            verbose=False,
+        )
 
     def describe(self) -> str:
         import llama_cpp
@@ -223,10 +239,17 @@ class LlamaCppEngine:
         from llama_cpp import Llama
 
         setup = self.setup
-        scorer = Llama(model_path=setup.model_path, n_ctx=len(ids) + 16, n_batch=512, n_threads=setup.num_threads,
-                       n_threads_batch=setup.num_threads, logits_all=True, verbose=False)
+        scorer = Llama(
+            model_path=setup.model_path,
+            n_ctx=len(ids) + 16,
+            n_batch=512,
+            n_threads=setup.num_threads,
+            n_threads_batch=setup.num_threads,
+            logits_all=True,
+            verbose=False,
+        )
         scorer.eval(ids)
-        logits = np.asarray(scorer.scores[:len(ids) - 1], dtype=np.float64)  # [len(ids) - 1, vocab]
+        logits = np.asarray(scorer.scores[: len(ids) - 1], dtype=np.float64)  # [len(ids) - 1, vocab]
         top = logits.max(axis=1, keepdims=True)  # [len(ids) - 1, 1]
         log_norm = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]  # [len(ids) - 1]
         targets = logits[np.arange(len(ids) - 1), ids[1:]]  # [len(ids) - 1]
@@ -241,8 +264,9 @@ class TransformersEngine:
         torch.set_num_threads(setup.num_threads)
         directory, name = os.path.split(setup.model_path)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
-                                                          dtype=getattr(torch, setup.spec.dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=name, dtype=getattr(torch, setup.spec.dtype)
+        )
         self.model.eval()
         eos = self.model.generation_config.eos_token_id
         self.pad_id = eos[0] if isinstance(eos, list) else eos
@@ -273,10 +297,16 @@ class TransformersEngine:
         input_ids = self.torch.tensor([ids])  # [1, prompt_len]
         with self.torch.inference_mode():
             started = time.perf_counter()
-            out = self.model.generate(input_ids, attention_mask=self.torch.ones_like(input_ids),
-                                      max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                      pad_token_id=self.pad_id, streamer=clock)
-        return _greedy_run(clock.times, started, out[0, len(ids):].tolist())
+            out = self.model.generate(
+                input_ids,
+                attention_mask=self.torch.ones_like(input_ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=self.pad_id,
+                streamer=clock,
+            )
+        return _greedy_run(clock.times, started, out[0, len(ids) :].tolist())
 
     def throughput(self, prompts: list[list[int]], max_tokens: int, batch_size: int) -> float:
         """Left-padded batches of batch_size through generate, exactly max_tokens new tokens each."""
@@ -284,13 +314,19 @@ class TransformersEngine:
         generated = 0
         started = time.perf_counter()
         for start in range(0, len(prompts), batch_size):
-            batch = prompts[start:start + batch_size]
+            batch = prompts[start : start + batch_size]
             width = max(len(p) for p in batch)
             input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in batch])  # [batch, width]
             attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])  # [batch, width]
             with torch.inference_mode():
-                out = self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens,
-                                          min_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad_id)
+                out = self.model.generate(
+                    input_ids,
+                    attention_mask=attention_mask,
+                    max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens,
+                    do_sample=False,
+                    pad_token_id=self.pad_id,
+                )
             generated += (out.shape[1] - width) * len(batch)
         return generated / (time.perf_counter() - started)
 
@@ -307,8 +343,14 @@ ENGINES = {"tokenriver": TokenriverEngine, "llama.cpp": LlamaCppEngine, "transfo
 
 def rss_mib() -> dict[str, float]:
     """This process's peak resident set (ru_maxrss, KiB on Linux) and its current one (VmRSS)."""
-    current = next((float(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-                    if line.startswith("VmRSS:")), 0.0)
+    current = next(
+        (
+            float(line.split()[1])
+            for line in Path("/proc/self/status").read_text().splitlines()
+            if line.startswith("VmRSS:")
+        ),
+        0.0,
+    )
     return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "current": current / 1024}
 
 
@@ -351,8 +393,13 @@ def _setup_from_json(text: str) -> Setup:
 def child_env(num_threads: int) -> dict[str, str]:
     source = str(BENCHMARKS.parent / "src")
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads),
-            "PYTHONPATH": source if not path else f"{source}{os.pathsep}{path}", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(num_threads),
+        "MKL_NUM_THREADS": str(num_threads),
+        "PYTHONPATH": source if not path else f"{source}{os.pathsep}{path}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 class Worker:
@@ -362,17 +409,24 @@ class Worker:
         self.spec = setup.spec
         self.log_path = log_dir / f"{setup.spec.label.replace(' ', '_').replace('/', '_')}.log"
         self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(asdict(setup))],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                        env=child_env(setup.num_threads))
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(asdict(setup))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=child_env(setup.num_threads),
+        )
 
     def reply(self) -> dict[str, object]:
         line = self.process.stdout.readline()
         if not line:
             self.process.wait()
             tail = self.log_path.read_text()[-3000:]
-            raise RuntimeError(f"worker {self.spec.label} exited (code {self.process.returncode}); "
-                               f"its log {self.log_path} ends with:\n{tail}")
+            raise RuntimeError(
+                f"worker {self.spec.label} exited (code {self.process.returncode}); "
+                f"its log {self.log_path} ends with:\n{tail}"
+            )
         return json.loads(line)
 
     def call(self, op: str, **arguments: object) -> object:
@@ -390,16 +444,19 @@ class Worker:
 
 
 def engine_specs(hf_dtypes: list[str]) -> list[EngineSpec]:
-    specs = [EngineSpec(INT4, "tokenriver", "float32", "auto"),
-             EngineSpec(INT4_X8, "tokenriver", "float32", "auto", int8_activations=True, kv_cache_dtype="float16"),
-             EngineSpec(INT4_X8_KV8, "tokenriver", "float32", "auto", int8_activations=True, kv_cache_dtype="int8"),
-             EngineSpec("tokenriver int8", "tokenriver", "float32", "int8"),
-             EngineSpec(INT8_X8_KV8, "tokenriver", "float32", "int8", int8_activations=True, kv_cache_dtype="int8"),
-             EngineSpec("tokenriver bf16", "tokenriver", "bfloat16", "none"),
-             EngineSpec(REFERENCE, "tokenriver", "float32", "none"),
-             EngineSpec(LLAMA, "llama.cpp")]
-    return specs + [EngineSpec(f"transformers {'bf16' if d == 'bfloat16' else d}", "transformers", d)
-                    for d in hf_dtypes]
+    specs = [
+        EngineSpec(INT4, "tokenriver", "float32", "auto"),
+        EngineSpec(INT4_X8, "tokenriver", "float32", "auto", int8_activations=True, kv_cache_dtype="float16"),
+        EngineSpec(INT4_X8_KV8, "tokenriver", "float32", "auto", int8_activations=True, kv_cache_dtype="int8"),
+        EngineSpec("tokenriver int8", "tokenriver", "float32", "int8"),
+        EngineSpec(INT8_X8_KV8, "tokenriver", "float32", "int8", int8_activations=True, kv_cache_dtype="int8"),
+        EngineSpec("tokenriver bf16", "tokenriver", "bfloat16", "none"),
+        EngineSpec(REFERENCE, "tokenriver", "float32", "none"),
+        EngineSpec(LLAMA, "llama.cpp"),
+    ]
+    return specs + [
+        EngineSpec(f"transformers {'bf16' if d == 'bfloat16' else d}", "transformers", d) for d in hf_dtypes
+    ]
 
 
 def build_prompts(model_path: str, settings: Settings) -> dict[str, object]:
@@ -412,20 +469,26 @@ def build_prompts(model_path: str, settings: Settings) -> dict[str, object]:
     tokenizer = load_model(model_path).tokenizer
     chat = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}])
     text = tokenizer.encode(PERPLEXITY_TEXT.read_text())
-    return {"chat": tokenizer.encode(chat, add_special_tokens=False),
-            "long": prompt_ids(tokenizer, LONG_PROMPT_TOKENS),
-            "batch": make_prompts(tokenizer, max(settings.throughput_prompts)),
-            "text": text[:settings.perplexity_tokens] if settings.perplexity_tokens else text}
+    return {
+        "chat": tokenizer.encode(chat, add_special_tokens=False),
+        "long": prompt_ids(tokenizer, LONG_PROMPT_TOKENS),
+        "batch": make_prompts(tokenizer, max(settings.throughput_prompts)),
+        "text": text[: settings.perplexity_tokens] if settings.perplexity_tokens else text,
+    }
 
 
 def kv_tokens_needed(prompts: dict, settings: Settings, block_size: int = 16) -> int:
     """The largest workload's KV footprint in whole blocks per sequence, with 10% room."""
+
     def blocks(num_tokens: int) -> int:
         return -(-num_tokens // block_size)
 
     longest_batch = max(len(p) for p in prompts["batch"]) + settings.max_tokens
-    needed = max(max(settings.throughput_prompts) * blocks(longest_batch),
-                 blocks(len(prompts["long"]) + settings.max_tokens), blocks(len(prompts["text"]) + 1))
+    needed = max(
+        max(settings.throughput_prompts) * blocks(longest_batch),
+        blocks(len(prompts["long"]) + settings.max_tokens),
+        blocks(len(prompts["text"]) + 1),
+    )
     return int(needed * 1.1 + 1) * block_size
 
 
@@ -469,19 +532,29 @@ def measure_throughput(workers: list[Worker], prompts: dict, settings: Settings,
     for repeat in range(settings.throughput_repeats):
         for count in settings.throughput_prompts:
             for worker in batched:
-                batch_sizes = ([count] if worker.spec.kind == "tokenriver"
-                               else [b for b in settings.hf_batch_sizes if b <= count] or [count])
+                batch_sizes = (
+                    [count]
+                    if worker.spec.kind == "tokenriver"
+                    else [b for b in settings.hf_batch_sizes if b <= count] or [count]
+                )
                 for batch_size in batch_sizes:
-                    rate = worker.call("throughput", prompts=prompts["batch"][:count],
-                                       max_tokens=settings.max_tokens, batch_size=batch_size)
+                    rate = worker.call(
+                        "throughput",
+                        prompts=prompts["batch"][:count],
+                        max_tokens=settings.max_tokens,
+                        batch_size=batch_size,
+                    )
                     results.add(worker.spec.label, f"throughput_{count}_batch_{batch_size}", rate)
         print(f"throughput: repeat {repeat + 1}/{settings.throughput_repeats} done", file=sys.stderr)
     for worker in batched:
         label = worker.spec.label
         for count in settings.throughput_prompts:
             prefix = f"throughput_{count}_batch_"
-            rate, batch_size = max((results.median(label, m), int(m.removeprefix(prefix)))
-                                   for m in results.samples[label] if m.startswith(prefix))
+            rate, batch_size = max(
+                (results.median(label, m), int(m.removeprefix(prefix)))
+                for m in results.samples[label]
+                if m.startswith(prefix)
+            )
             results.samples[label][f"throughput_{count}"] = [rate]
             results.samples[label][f"throughput_{count}_best_batch"] = [batch_size]
 
@@ -491,15 +564,36 @@ def measure_cold_starts(setups: list[Setup], prompts: dict, settings: Settings, 
     num_threads = setups[0].num_threads
     # What an install leaves behind: the package's modules byte-compiled, so no start compiles them from source.
     compileall.compile_dir(os.path.dirname(importlib.util.find_spec("tokenriver").origin), quiet=1)
-    cli = [sys.executable, "-m", "tokenriver.cli", "generate", "Once upon a time", "--max-tokens", "8",
-           "--temperature", "0", "--threads", str(num_threads)]
+    cli = [
+        sys.executable,
+        "-m",
+        "tokenriver.cli",
+        "generate",
+        "Once upon a time",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--threads",
+        str(num_threads),
+    ]
     for _ in range(settings.cold_starts):
         for setup in setups:
             time.sleep(SETTLE_SECONDS)
             started = time.time()
-            done = subprocess.run([sys.executable, __file__, "--cold-start", json.dumps(asdict(setup)),
-                                   "--ids", json.dumps(prompts["chat"])],
-                                  capture_output=True, text=True, env=child_env(num_threads))
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--cold-start",
+                    json.dumps(asdict(setup)),
+                    "--ids",
+                    json.dumps(prompts["chat"]),
+                ],
+                capture_output=True,
+                text=True,
+                env=child_env(num_threads),
+            )
             if done.returncode:
                 raise RuntimeError(f"cold start of {setup.spec.label} failed:\n{done.stderr[-3000:]}")
             first_token_time = json.loads(done.stdout.strip().splitlines()[-1])["first_token_time"]
@@ -569,8 +663,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return length
 
 
-def goal_rows(results: Results, labels: list[str], hf_best: dict[int, float | None],
-              counts: tuple[int, ...], settings: Settings) -> list[list[str]]:
+def goal_rows(
+    results: Results, labels: list[str], hf_best: dict[int, float | None], counts: tuple[int, ...], settings: Settings
+) -> list[list[str]]:
     """Issue 8's targets, checked against this run: the throughput ones at every prompt count measured (the issue
     names 32 and 64)."""
     med = results.median
@@ -581,29 +676,45 @@ def goal_rows(results: Results, labels: list[str], hf_best: dict[int, float | No
         best_rate = max(med(label, f"throughput_{count}") or 0.0 for label in ours)
         workload = f"throughput {count} x {settings.max_tokens}"
         throughput_rows += [
-            [f"{workload} ≥ 2x vLLM CPU ({VLLM_CPU_BATCH32:.0f} tokens/s), best format",
-             _ratio(best_rate, VLLM_CPU_BATCH32), _met(best_rate >= 2 * VLLM_CPU_BATCH32)],
-            [f"{workload} ≥ 4x transformers' best batch, best format",
-             _ratio(best_rate, hf_best[count]), _met(best_rate >= 4 * (hf_best[count] or float("inf")))]]
+            [
+                f"{workload} ≥ 2x vLLM CPU ({VLLM_CPU_BATCH32:.0f} tokens/s), best format",
+                _ratio(best_rate, VLLM_CPU_BATCH32),
+                _met(best_rate >= 2 * VLLM_CPU_BATCH32),
+            ],
+            [
+                f"{workload} ≥ 4x transformers' best batch, best format",
+                _ratio(best_rate, hf_best[count]),
+                _met(best_rate >= 4 * (hf_best[count] or float("inf"))),
+            ],
+        ]
     llama_decode = med(LLAMA, "decode_chat")
     decode, decode_label = max((med(label, "decode_chat") or 0.0, label) for label in (INT4, INT4_X8))
     cli = med(CLI, "cold_start_s")
     infinite = float("inf")
     return [
-        ["single-stream decode ≥ 1.5x llama.cpp (4-bit, after the chat prompt)",
-         f"{_ratio(decode, llama_decode)} ({decode_label}); exact int4 "
-         f"{_ratio(med(INT4, 'decode_chat'), llama_decode)}",
-         _met(decode >= 1.5 * (llama_decode or infinite))],
-        ["prefill of 512 tokens ≥ 3x llama.cpp (best tokenriver format)", _ratio(best_prefill, med(LLAMA, "prefill")),
-         _met(best_prefill >= 3 * (med(LLAMA, "prefill") or infinite))],
+        [
+            "single-stream decode ≥ 1.5x llama.cpp (4-bit, after the chat prompt)",
+            f"{_ratio(decode, llama_decode)} ({decode_label}); exact int4 "
+            f"{_ratio(med(INT4, 'decode_chat'), llama_decode)}",
+            _met(decode >= 1.5 * (llama_decode or infinite)),
+        ],
+        [
+            "prefill of 512 tokens ≥ 3x llama.cpp (best tokenriver format)",
+            _ratio(best_prefill, med(LLAMA, "prefill")),
+            _met(best_prefill >= 3 * (med(LLAMA, "prefill") or infinite)),
+        ],
         *throughput_rows,
-        ["`tokenriver generate` cold start to first token ≤ 3 s (median)", f"{_fmt(cli, 2)} s",
-         _met((cli or infinite) <= 3)],
+        [
+            "`tokenriver generate` cold start to first token ≤ 3 s (median)",
+            f"{_fmt(cli, 2)} s",
+            _met((cli or infinite) <= 3),
+        ],
     ]
 
 
-def report(results: Results, specs: list[EngineSpec], settings: Settings, args: argparse.Namespace,
-           command: str) -> str:
+def report(
+    results: Results, specs: list[EngineSpec], settings: Settings, args: argparse.Namespace, command: str
+) -> str:
     import llama_cpp
     import transformers
     from common import machine_line, markdown_table, rounded_products
@@ -621,8 +732,9 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
             row += [_fmt(med(label, measure)), _ratio(med(label, measure), med(LLAMA, measure))]
         single_rows.append(row)
 
-    hf_best = {count: max((med(label, f"throughput_{count}") or 0.0) for label in hf_labels) or None
-               for count in counts}
+    hf_best = {
+        count: max((med(label, f"throughput_{count}") or 0.0) for label in hf_labels) or None for count in counts
+    }
     throughput_rows = []
     for label in labels:
         if med(label, f"throughput_{counts[0]}") is None:
@@ -638,21 +750,33 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
     for label in labels + [CLI]:
         cold = results.samples.get(label, {}).get("cold_start_s", [])
         rss = results.memory_mib.get(label, {})
-        resource_rows.append([label, _fmt(rss.get("peak"), 0), _fmt(rss.get("current"), 0),
-                              _fmt(med(label, "cold_start_s"), 2),
-                              _fmt(cold[0] if cold else None, 2)])
+        resource_rows.append(
+            [
+                label,
+                _fmt(rss.get("peak"), 0),
+                _fmt(rss.get("current"), 0),
+                _fmt(med(label, "cold_start_s"), 2),
+                _fmt(cold[0] if cold else None, 2),
+            ]
+        )
 
     reference = results.scores.get(REFERENCE, {})
     reference_tokens = results.greedy_tokens.get(REFERENCE, [])
     quality_rows = []
     for label in labels:
         score = results.scores.get(label, {})
-        agreement = (sum(a == b for a, b in zip(score.get("argmax", []), reference.get("argmax", [])))
-                     / max(1, len(reference.get("argmax", []))))
-        quality_rows.append([label, _fmt(score.get("perplexity"), 3),
-                             _ratio(score.get("perplexity"), reference.get("perplexity"), 4), f"{agreement:.1%}",
-                             f"{common_prefix(results.greedy_tokens.get(label, []), reference_tokens)} / "
-                             f"{len(reference_tokens)}"])
+        agreement = sum(a == b for a, b in zip(score.get("argmax", []), reference.get("argmax", []))) / max(
+            1, len(reference.get("argmax", []))
+        )
+        quality_rows.append(
+            [
+                label,
+                _fmt(score.get("perplexity"), 3),
+                _ratio(score.get("perplexity"), reference.get("perplexity"), 4),
+                f"{agreement:.1%}",
+                f"{common_prefix(results.greedy_tokens.get(label, []), reference_tokens)} / {len(reference_tokens)}",
+            ]
+        )
 
     notes = [f"- {label}: {text}" for label, text in results.descriptions.items() if text]
     lines = [
@@ -679,18 +803,37 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
         "",
         "## Single stream (tokens/s; ratio to llama.cpp)",
         "",
-        markdown_table(["engine", "decode after chat prompt", "vs llama.cpp",
-                        f"decode after {lengths['long']}-token prompt", "vs llama.cpp",
-                        f"prefill {lengths['long']} tokens", "vs llama.cpp"], single_rows),
+        markdown_table(
+            [
+                "engine",
+                "decode after chat prompt",
+                "vs llama.cpp",
+                f"decode after {lengths['long']}-token prompt",
+                "vs llama.cpp",
+                f"prefill {lengths['long']} tokens",
+                "vs llama.cpp",
+            ],
+            single_rows,
+        ),
         "",
         "Decode: generated tokens after the first / time from the first to the last. Prefill: prompt tokens / time "
         "to the first generated token.",
         "",
         "## Offline throughput (generated tokens/s)",
         "",
-        markdown_table(["engine"] + [header for count in counts for header in
-                                     (f"{count} prompts x {settings.max_tokens}", "vs transformers' best",
-                                      f"vs vLLM CPU {VLLM_CPU_BATCH32:.0f}")], throughput_rows),
+        markdown_table(
+            ["engine"]
+            + [
+                header
+                for count in counts
+                for header in (
+                    f"{count} prompts x {settings.max_tokens}",
+                    "vs transformers' best",
+                    f"vs vLLM CPU {VLLM_CPU_BATCH32:.0f}",
+                )
+            ],
+            throughput_rows,
+        ),
         "",
         "tokenriver: all prompts submitted at once (continuous batching, max_num_seqs=64; prefix caching on, its "
         "cache emptied before each run, so the prompts share only the chat template's system prompt with each "
@@ -702,8 +845,16 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
         "",
         "## Memory and start-up",
         "",
-        markdown_table(["engine", "peak RSS (MiB)", "RSS at the end (MiB)", "cold start to first token (s, median)",
-                        "first cold start (s)"], resource_rows),
+        markdown_table(
+            [
+                "engine",
+                "peak RSS (MiB)",
+                "RSS at the end (MiB)",
+                "cold start to first token (s, median)",
+                "first cold start (s)",
+            ],
+            resource_rows,
+        ),
         "",
         f"Peak RSS: ru_maxrss of the engine's worker process after every measurement above (loading, Python and its "
         f"imports included); RSS at the end: its VmRSS then, what the engine keeps. tokenriver's KV pool holds "
@@ -713,8 +864,16 @@ def report(results: Results, specs: list[EngineSpec], settings: Settings, args: 
         "",
         "## Quality",
         "",
-        markdown_table(["engine", "perplexity", "vs tokenriver float32", "top-1 agreement with float32",
-                        "greedy tokens equal to float32's"], quality_rows),
+        markdown_table(
+            [
+                "engine",
+                "perplexity",
+                "vs tokenriver float32",
+                "top-1 agreement with float32",
+                "greedy tokens equal to float32's",
+            ],
+            quality_rows,
+        ),
         "",
         f"Perplexity over the {lengths['text']} tokens of tests/data/perplexity_text.md (the text of "
         "tests/models/test_quant_perplexity.py). Top-1 agreement: share of its positions where the engine's most "
@@ -737,11 +896,17 @@ def plot(results: Results, specs: list[EngineSpec], settings: Settings, path: Pa
 
     labels = [s.label for s in specs]
     colors = {label: plt.get_cmap("tab10")(index) for index, label in enumerate(labels)}
-    panels = [("single-stream decode (tokens/s)", [("chat prompt", "decode_chat"),
-                                                   (f"{results.prompt_lengths['long']}-token prompt", "decode_long")]),
-              (f"prefill, {results.prompt_lengths['long']} tokens (tokens/s)", [("", "prefill")]),
-              ("offline throughput (tokens/s)", [(f"{c} x {settings.max_tokens}", f"throughput_{c}")
-                                                 for c in settings.throughput_prompts])]
+    panels = [
+        (
+            "single-stream decode (tokens/s)",
+            [("chat prompt", "decode_chat"), (f"{results.prompt_lengths['long']}-token prompt", "decode_long")],
+        ),
+        (f"prefill, {results.prompt_lengths['long']} tokens (tokens/s)", [("", "prefill")]),
+        (
+            "offline throughput (tokens/s)",
+            [(f"{c} x {settings.max_tokens}", f"throughput_{c}") for c in settings.throughput_prompts],
+        ),
+    ]
     figure, axes = plt.subplots(1, 4, figsize=(18, 4.8))
     width = 0.8 / len(labels)
     for axis, (title, groups) in zip(axes, panels):
@@ -753,8 +918,11 @@ def plot(results: Results, specs: list[EngineSpec], settings: Settings, path: Pa
         axis.set_title(title)
         axis.grid(axis="y", alpha=0.3)
     axes[2].axhline(VLLM_CPU_BATCH32, color="gray", linestyle="--", label="vLLM CPU, batch 32 (issue 8)")
-    axes[3].barh(range(len(labels)), [results.memory_mib.get(label, {}).get("peak", 0.0) for label in labels],
-                 color=[colors[label] for label in labels])
+    axes[3].barh(
+        range(len(labels)),
+        [results.memory_mib.get(label, {}).get("peak", 0.0) for label in labels],
+        color=[colors[label] for label in labels],
+    )
     axes[3].set_yticks(range(len(labels)), labels)
     axes[3].invert_yaxis()
     axes[3].set_title("peak RSS (MiB)")
@@ -768,28 +936,53 @@ def plot(results: Results, specs: list[EngineSpec], settings: Settings, path: Pa
 
 def settings_from(args: argparse.Namespace) -> Settings:
     if args.quick:
-        return Settings(repeats=1, throughput_repeats=1, max_tokens=16, throughput_prompts=(4, 8),
-                        hf_batch_sizes=(8,), perplexity_tokens=256, cold_starts=1)
-    return Settings(repeats=args.repeats, throughput_repeats=args.throughput_repeats, max_tokens=128,
-                    throughput_prompts=(32, 64), hf_batch_sizes=tuple(args.hf_batch_sizes), perplexity_tokens=None,
-                    cold_starts=args.cold_starts)
+        return Settings(
+            repeats=1,
+            throughput_repeats=1,
+            max_tokens=16,
+            throughput_prompts=(4, 8),
+            hf_batch_sizes=(8,),
+            perplexity_tokens=256,
+            cold_starts=1,
+        )
+    return Settings(
+        repeats=args.repeats,
+        throughput_repeats=args.throughput_repeats,
+        max_tokens=128,
+        throughput_prompts=(32, 64),
+        hf_batch_sizes=tuple(args.hf_batch_sizes),
+        perplexity_tokens=None,
+        cold_starts=args.cold_starts,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2, help="threads of every engine (default: 2)")
     parser.add_argument("--repeats", type=int, default=3, help="single-stream repeats (default: 3)")
-    parser.add_argument("--throughput-repeats", type=int, default=1,
-                        help="throughput repeats (default: 1; each adds ~10 minutes)")
+    parser.add_argument(
+        "--throughput-repeats", type=int, default=1, help="throughput repeats (default: 1; each adds ~10 minutes)"
+    )
     parser.add_argument("--cold-starts", type=int, default=3, help="cold starts per engine (default: 3)")
-    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64],
-                        help="transformers' batch sizes tried for throughput; the best counts (default: 32 64)")
+    parser.add_argument(
+        "--hf-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[32, 64],
+        help="transformers' batch sizes tried for throughput; the best counts (default: 32 64)",
+    )
     parser.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 16 tokens, 1 repeat, 4 and 8 prompts; writes to a temporary folder")
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help="where the .md and .png go (default: benchmarks/results, or a temporary folder with "
-                             "--quick)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 16 tokens, 1 repeat, 4 and 8 prompts; writes to a temporary folder",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where the .md and .png go (default: benchmarks/results, or a temporary folder with --quick)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--cold-start", help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)

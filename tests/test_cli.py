@@ -21,8 +21,14 @@ PROMPT = "The capital of France is"
 
 def _tokenriver(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     # Exact arithmetic whatever the defaults: the references below run the exactly loaded model (loaded_packed).
-    return subprocess.run([sys.executable, "-m", "tokenriver.cli", *args, "--threads", "2", "--no-int8-activations"],
-                          input=stdin, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    return subprocess.run(
+        [sys.executable, "-m", "tokenriver.cli", *args, "--threads", "2", "--no-int8-activations"],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +38,9 @@ def generated():
 
 def test_generate_streams_the_greedy_completion(generated, loaded_packed):
     assert generated.returncode == 0, generated.stderr
-    (expected,) = LLM.from_loaded(loaded_packed).generate(PROMPT, SamplingParams(max_tokens=6, temperature=0.0),
-                                                          use_tqdm=False)
+    (expected,) = LLM.from_loaded(loaded_packed).generate(
+        PROMPT, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False
+    )
     assert generated.stdout == expected.outputs[0].text
     assert "generated tokens: 6 | finish: length" in generated.stderr
 
@@ -56,8 +63,10 @@ def test_chat_reads_turns_from_stdin_and_resets(loaded_packed):
     llm = LLM.from_loaded(loaded_packed)
     params = SamplingParams(max_tokens=5, temperature=0.0)
     system = {"role": "system", "content": "Answer briefly."}
-    expected = [llm.chat([system, {"role": "user", "content": question}], params, use_tqdm=False)[0]
-                for question in ("What is the capital of Italy?", "Name one colour.")]  # /reset keeps the system
+    expected = [
+        llm.chat([system, {"role": "user", "content": question}], params, use_tqdm=False)[0]
+        for question in ("What is the capital of Italy?", "Name one colour.")
+    ]  # /reset keeps the system
     assert replies == [output.outputs[0].text for output in expected]
     assert result.stdout.count("you> ") == 5  # two questions, /reset, the empty line, /exit
 
@@ -79,11 +88,14 @@ def test_every_command_is_tested():
     assert sorted(subparsers.choices) == sorted(COMMANDS)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "hi", "--temperature", "-1"], "temperature"),
-    (["generate", "hi", "--kv-cache-memory", "lots"], "kv_cache_memory"),
-    (["generate", "hi", "--kv-cache-memory", "1GiB", "--max-num-kv-tokens", "64"], "give one of them"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--kv-cache-memory", "lots"], "kv_cache_memory"),
+        (["generate", "hi", "--kv-cache-memory", "1GiB", "--max-num-kv-tokens", "64"], "give one of them"),
+    ],
+)
 def test_bad_values_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -63,8 +63,15 @@ def extract_blocks(path: Path) -> list[Block]:
             end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
             if end is None:
                 raise AssertionError(f"{path.name}:{i + 1}: code block never closed")
-            blocks.append(Block(path, i + 1, fence["lang"].lower(), "\n".join(lines[i + 1:end]) + "\n",
-                                pending[1] if pending else None))
+            blocks.append(
+                Block(
+                    path,
+                    i + 1,
+                    fence["lang"].lower(),
+                    "\n".join(lines[i + 1 : end]) + "\n",
+                    pending[1] if pending else None,
+                )
+            )
             pending = None
             i = end + 1
             continue
@@ -104,8 +111,10 @@ def runnable(argv: list[str]) -> list[str]:
         return [sys.executable, "-m", "tokenriver.cli", *argv[1:]]
     if argv[0] in ("python", "python3"):
         return [sys.executable, *argv[1:]]
-    raise AssertionError(f"{argv[0]!r} is not a command the docs test runs: mark the block "
-                         f"<!-- docs-test: skip (reason) --> or use `tokenriver` / `python`")
+    raise AssertionError(
+        f"{argv[0]!r} is not a command the docs test runs: mark the block "
+        f"<!-- docs-test: skip (reason) --> or use `tokenriver` / `python`"
+    )
 
 
 # One namespace per markdown file for its Python blocks; dropped after the file's last block.
@@ -144,10 +153,19 @@ def test_shell_block(block: Block):
     assert commands, f"{block.id}: empty shell block"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
     for argv in commands:
-        result = subprocess.run(runnable(argv), cwd=ROOT, env=env, capture_output=True, text=True,
-                                stdin=subprocess.DEVNULL, timeout=SHELL_TIMEOUT)
-        assert result.returncode == 0, (f"{block.id}: `{shlex.join(argv)}` exited with {result.returncode}:\n"
-                                        f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+        result = subprocess.run(
+            runnable(argv),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=SHELL_TIMEOUT,
+        )
+        assert result.returncode == 0, (
+            f"{block.id}: `{shlex.join(argv)}` exited with {result.returncode}:\n"
+            f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+        )
 
 
 READ_THE_CODE_ROW = re.compile(r"^\|\s*\d+\s*\|\s*`(?P<path>[^`]+)`\s*\|\s*(?P<lines>\d+)\s*\|")
@@ -163,16 +181,21 @@ def test_read_the_code_line_counts_are_current():
         path = ROOT / row["path"]
         actual = path.read_bytes().count(b"\n") if path.exists() else None
         if actual != int(row["lines"]):
-            stale.append(f"{row['path']}: README says {row['lines']} lines, "
-                         f"{'the file does not exist' if actual is None else f'wc -l says {actual}'}")
+            stale.append(
+                f"{row['path']}: README says {row['lines']} lines, "
+                f"{'the file does not exist' if actual is None else f'wc -l says {actual}'}"
+            )
     assert not stale, "README.md 'Read the code' is out of date:\n" + "\n".join(stale)
 
 
 MARKDOWN_LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
 
 
-@pytest.mark.parametrize("path", [*DOC_FILES, ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "HISTORY.md"],
-                         ids=lambda path: str(path.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path",
+    [*DOC_FILES, ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "HISTORY.md"],
+    ids=lambda path: str(path.relative_to(ROOT)),
+)
 def test_relative_links_resolve(path: Path):
     missing = []
     for match in MARKDOWN_LINK.finditer(path.read_text(encoding="utf-8")):
@@ -194,11 +217,17 @@ def _names_a_file(path: str) -> bool:
     return any((base / path).exists() for base in PATH_BASES)
 
 
-@pytest.mark.parametrize("path", [*DOC_FILES, ROOT / "benchmarks" / "README.md"],
-                         ids=lambda path: str(path.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path", [*DOC_FILES, ROOT / "benchmarks" / "README.md"], ids=lambda path: str(path.relative_to(ROOT))
+)
 def test_code_paths_named_in_docs_exist(path: Path):
     """A file the docs name in backticks (`engine/core.py`, `gemm.cpp`) exists: moved code cannot leave docs behind."""
     text = path.read_text(encoding="utf-8")
-    missing = sorted({m["path"] for m in CODE_PATH.finditer(text)
-                      if not m["path"].startswith(("path/", "http")) and not _names_a_file(m["path"])})
+    missing = sorted(
+        {
+            m["path"]
+            for m in CODE_PATH.finditer(text)
+            if not m["path"].startswith(("path/", "http")) and not _names_a_file(m["path"])
+        }
+    )
     assert not missing, f"{path.name} names files that do not exist: {missing}"

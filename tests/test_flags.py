@@ -40,8 +40,9 @@ def test_server_flags_come_from_server_config():
     assert "--max-body-size SIZE" in text and "--port PORT" in text
 
 
-@pytest.mark.parametrize("size, expected", [("1GiB", 1024**3), ("512MiB", 512 * 1024**2), ("16MiB", 16 * 1024**2),
-                                            ("1000000", 10**6)])
+@pytest.mark.parametrize(
+    "size, expected", [("1GiB", 1024**3), ("512MiB", 512 * 1024**2), ("16MiB", 16 * 1024**2), ("1000000", 10**6)]
+)
 def test_kv_cache_memory_takes_sizes_on_every_command(size, expected):
     for argv in (["serve", "--kv-cache-memory", size], ["generate", "hi", "--kv-cache-memory", size]):
         assert engine_config_from(build_parser().parse_args(argv)).kv_cache_memory == expected
@@ -49,11 +50,23 @@ def test_kv_cache_memory_takes_sizes_on_every_command(size, expected):
 
 def test_server_flags_reach_server_config(monkeypatch):
     monkeypatch.setenv("TOKENRIVER_API_KEY", "from-env")
-    args = build_parser().parse_args(["serve", "--port", "0", "--allowed-origins", "http://a,http://b",
-                                      "--allowed-origins", "http://c", "--max-body-size", "1MiB"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "0",
+            "--allowed-origins",
+            "http://a,http://b",
+            "--allowed-origins",
+            "http://c",
+            "--max-body-size",
+            "1MiB",
+        ]
+    )
     config = server_config_from(args)
-    assert config == ServerConfig(port=0, api_key="from-env", allowed_origins=("http://a", "http://b", "http://c"),
-                                  max_body_size=1024**2)
+    assert config == ServerConfig(
+        port=0, api_key="from-env", allowed_origins=("http://a", "http://b", "http://c"), max_body_size=1024**2
+    )
 
 
 def test_both_sizes_of_the_kv_pool_are_refused_together():

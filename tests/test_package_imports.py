@@ -25,9 +25,11 @@ def test_importing_the_scheduler_does_not_import_torch():
 
 
 def test_importing_the_package_imports_no_submodule_and_leaves_gc_alone():
-    code = ("import gc, sys; gc.set_threshold(1234); import tokenriver; "
-            "print(gc.isenabled(), gc.get_threshold()[0], gc.get_freeze_count(), "
-            "sorted(m for m in sys.modules if m.startswith('tokenriver')))")
+    code = (
+        "import gc, sys; gc.set_threshold(1234); import tokenriver; "
+        "print(gc.isenabled(), gc.get_threshold()[0], gc.get_freeze_count(), "
+        "sorted(m for m in sys.modules if m.startswith('tokenriver')))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.split(" ", 3)[:3] == ["True", "1234", "0"]
     assert result.stdout.strip().endswith("['tokenriver']")

@@ -9,25 +9,53 @@ from tokenriver.errors import InvalidParameterError
 from tokenriver.params import SamplingParams, StructuredOutput, is_plain_greedy
 
 INVALID_SAMPLING = [
-    ("n", 0), ("n", 1.5), ("n", True),
+    ("n", 0),
+    ("n", 1.5),
+    ("n", True),
     ("best_of", 0),
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "1"),
-    ("top_k", -2), ("top_k", 1.0),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1),
-    ("min_p", -0.01), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", 1e-300),
+    ("temperature", -0.1),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", "1"),
+    ("top_k", -2),
+    ("top_k", 1.0),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", -1),
+    ("min_p", -0.01),
+    ("min_p", 1.5),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", 1e-300),
     ("repetition_penalty", 1e6),
-    ("presence_penalty", 2.5), ("presence_penalty", -2.01),
-    ("frequency_penalty", 3), ("frequency_penalty", -3),
-    ("logit_bias", {5: 101}), ("logit_bias", {5: -100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}),
-    ("seed", 1.5), ("seed", 2**64), ("seed", "7"),
-    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 2.0),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", -2.01),
+    ("frequency_penalty", 3),
+    ("frequency_penalty", -3),
+    ("logit_bias", {5: 101}),
+    ("logit_bias", {5: -100.5}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}),
+    ("seed", 1.5),
+    ("seed", 2**64),
+    ("seed", "7"),
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("max_tokens", 2.0),
     ("min_tokens", -1),
-    ("stop", [""]), ("stop", [3]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
-    ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 100),
-    ("ignore_eos", "yes"), ("skip_special_tokens", 1), ("include_stop_str_in_output", None), ("trace", "true"),
-    ("trace_top", 0), ("trace_top", 1000),
+    ("stop", [""]),
+    ("stop", [3]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", ["a"]),
+    ("logprobs", 21),
+    ("logprobs", -1),
+    ("prompt_logprobs", 100),
+    ("ignore_eos", "yes"),
+    ("skip_special_tokens", 1),
+    ("include_stop_str_in_output", None),
+    ("trace", "true"),
+    ("trace_top", 0),
+    ("trace_top", 1000),
 ]
 
 
@@ -63,17 +91,37 @@ def test_vocabulary_checks_need_the_model():
 
 
 def test_valid_values_are_kept():
-    params = SamplingParams(n=2, best_of=3, temperature=0.7, top_k=-1, top_p=0.5, min_p=0.1, stop="END",
-                            logit_bias={3: -100}, seed=-5, max_tokens=None)
+    params = SamplingParams(
+        n=2,
+        best_of=3,
+        temperature=0.7,
+        top_k=-1,
+        top_p=0.5,
+        min_p=0.1,
+        stop="END",
+        logit_bias={3: -100},
+        seed=-5,
+        max_tokens=None,
+    )
     assert params.stop == ["END"] and params.num_generated == 3 and not params.is_greedy
     assert SamplingParams(temperature=1e-9).is_greedy
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("dtype", "float16"), ("block_size", 0), ("max_num_seqs", 0), ("max_num_batched_tokens", 4),
-    ("max_model_len", 0), ("num_threads", -1), ("kv_cache_memory", "lots"), ("kv_cache_memory", "-1GiB"),
-    ("kv_cache_dtype", "int4"), ("kv_cache_dtype", "fp16"),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("dtype", "float16"),
+        ("block_size", 0),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", 4),
+        ("max_model_len", 0),
+        ("num_threads", -1),
+        ("kv_cache_memory", "lots"),
+        ("kv_cache_memory", "-1GiB"),
+        ("kv_cache_dtype", "int4"),
+        ("kv_cache_dtype", "fp16"),
+    ],
+)
 def test_each_invalid_engine_option_names_its_field(field, value):
     with pytest.raises(InvalidParameterError) as caught:
         EngineConfig(**{field: value})
@@ -123,24 +171,32 @@ def test_sizes_parse_with_units():
     assert EngineConfig(kv_cache_memory="1MiB").kv_cache_memory == 1024**2
 
 
-@pytest.mark.parametrize("params, num_output_tokens, eos_token_ids, expected", [
-    (SamplingParams(temperature=0.0), 0, [2], True),
-    (SamplingParams(temperature=0.5), 0, [2], False),
-    (SamplingParams(temperature=0.0, logprobs=1), 0, [2], False),
-    (SamplingParams(temperature=0.0, min_tokens=3), 1, [2], False),  # EOS held back: the logits change
-    (SamplingParams(temperature=0.0, min_tokens=3), 3, [2], True),
-    (SamplingParams(temperature=0.0, min_tokens=3), 1, [], True),  # nothing to hold back
-    (SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9]), 1, [], False),
-])
+@pytest.mark.parametrize(
+    "params, num_output_tokens, eos_token_ids, expected",
+    [
+        (SamplingParams(temperature=0.0), 0, [2], True),
+        (SamplingParams(temperature=0.5), 0, [2], False),
+        (SamplingParams(temperature=0.0, logprobs=1), 0, [2], False),
+        (SamplingParams(temperature=0.0, min_tokens=3), 1, [2], False),  # EOS held back: the logits change
+        (SamplingParams(temperature=0.0, min_tokens=3), 3, [2], True),
+        (SamplingParams(temperature=0.0, min_tokens=3), 1, [], True),  # nothing to hold back
+        (SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9]), 1, [], False),
+    ],
+)
 def test_one_definition_of_plain_greedy(params, num_output_tokens, eos_token_ids, expected):
     assert is_plain_greedy(params, num_output_tokens, eos_token_ids) is expected
 
 
 def test_structured_output_shapes_are_checked():
     assert StructuredOutput.json({"type": "object"}).kind == "json_schema"
-    for make, value in ((StructuredOutput.json, "{not json"), (StructuredOutput.json, "[1]"),
-                        (StructuredOutput.choice, []), (StructuredOutput.choice, ["a", ""]),
-                        (StructuredOutput.regex, ""), (StructuredOutput.grammar, "")):
+    for make, value in (
+        (StructuredOutput.json, "{not json"),
+        (StructuredOutput.json, "[1]"),
+        (StructuredOutput.choice, []),
+        (StructuredOutput.choice, ["a", ""]),
+        (StructuredOutput.regex, ""),
+        (StructuredOutput.grammar, ""),
+    ):
         with pytest.raises(InvalidParameterError) as error:
             make(value)
         assert error.value.param == "structured_output"

@@ -13,15 +13,18 @@ def test_a_good_prompt_comes_back_as_a_list():
     assert check_prompt([1, 2], vocab_size=10, max_model_len=8, max_tokens=6) == [1, 2]
 
 
-@pytest.mark.parametrize("token_ids, match", [
-    ("abc", "must be a list of token ids"),
-    (5, "must be a list of token ids"),
-    ([], "is empty"),
-    ([1, 10], "token id 10, outside the vocabulary"),
-    ([1, -1], "token id -1"),
-    ([1, True], "token id True"),
-    ([1, 2.0], "token id 2.0"),
-])
+@pytest.mark.parametrize(
+    "token_ids, match",
+    [
+        ("abc", "must be a list of token ids"),
+        (5, "must be a list of token ids"),
+        ([], "is empty"),
+        ([1, 10], "token id 10, outside the vocabulary"),
+        ([1, -1], "token id -1"),
+        ([1, True], "token id True"),
+        ([1, 2.0], "token id 2.0"),
+    ],
+)
 def test_bad_token_ids_are_refused_naming_the_field(token_ids, match):
     with pytest.raises(InvalidParameterError, match=match) as caught:
         check_prompt(token_ids, vocab_size=10, max_model_len=8, where="prompt[2]", param="prompt")

@@ -17,9 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # A number, then a unit of time or of speed: "3.2 ms", "17µs", "1,369 tokens/s", "15-20 GB/s".
-TIMING = re.compile(
-    r"\d(?:[\d,.]*\d)?\s*(?:ms|µs|us|ns|tokens?/s|tok/s|[GMK]B/s|GFLOP/s)(?![A-Za-z])"
-)
+TIMING = re.compile(r"\d(?:[\d,.]*\d)?\s*(?:ms|µs|us|ns|tokens?/s|tok/s|[GMK]B/s|GFLOP/s)(?![A-Za-z])")
 PYTHON_SUFFIXES = {".py"}
 CPP_SUFFIXES = {".cpp", ".h", ".hpp", ".cc"}
 

@@ -23,8 +23,17 @@ _EXPORTS = {
     "EngineConfig": "tokenriver.config",
 }
 
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput",
-           "FinishReason", "EngineConfig", "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "SamplingParams",
+    "StructuredOutput",
+    "RequestOutput",
+    "CompletionOutput",
+    "FinishReason",
+    "EngineConfig",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from tokenriver.config import EngineConfig

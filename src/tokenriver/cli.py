@@ -84,11 +84,17 @@ def _add_structured_output_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_tool_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tool calling (docs/structured_output.md)")
-    group.add_argument("--tools", metavar="FILE|JSON",
-                       help="OpenAI tool definitions (a JSON list) the model may call; its calls are printed as "
-                            "JSON lines (generate: the prompt becomes a chat message)")
-    group.add_argument("--tool-choice", metavar="auto|none|required|NAME",
-                       help="whether the model must call a tool, and which (a function's name); default: auto")
+    group.add_argument(
+        "--tools",
+        metavar="FILE|JSON",
+        help="OpenAI tool definitions (a JSON list) the model may call; its calls are printed as "
+        "JSON lines (generate: the prompt becomes a chat message)",
+    )
+    group.add_argument(
+        "--tool-choice",
+        metavar="auto|none|required|NAME",
+        help="whether the model must call a tool, and which (a function's name); default: auto",
+    )
 
 
 def tools_from(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
@@ -98,8 +104,11 @@ def tools_from(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, s
         try:
             tools = json.loads(_file_or_text(args.tools))
         except ValueError as error:
-            raise InvalidParameterError(f"--tools is neither a file nor valid JSON ({error}): give a JSON list of "
-                                        f"tool definitions, or a file that holds one", param="tools") from None
+            raise InvalidParameterError(
+                f"--tools is neither a file nor valid JSON ({error}): give a JSON list of "
+                f"tool definitions, or a file that holds one",
+                param="tools",
+            ) from None
     choice = getattr(args, "tool_choice", None)
     if choice is not None and choice not in CHOICES:
         choice = {"type": "function", "function": {"name": choice}}
@@ -131,14 +140,18 @@ def structured_output_from(args: argparse.Namespace) -> StructuredOutput | None:
 
 def format_trace(trace: StepTrace) -> str:
     """A compact table of one step: the candidates, their probabilities, and what removed them."""
-    lines = [f"step {trace.index}: rank {trace.chosen_rank}, p_raw {trace.chosen_prob_raw:.3f}, "
-             f"p_final {trace.chosen_prob_final:.3f}, entropy {trace.entropy_raw:.2f} nats, "
-             f"{trace.num_candidates_kept} kept, {trace.method}"]
+    lines = [
+        f"step {trace.index}: rank {trace.chosen_rank}, p_raw {trace.chosen_prob_raw:.3f}, "
+        f"p_final {trace.chosen_prob_final:.3f}, entropy {trace.entropy_raw:.2f} nats, "
+        f"{trace.num_candidates_kept} kept, {trace.method}"
+    ]
     for c in trace.candidates:
         marker = "→" if c.token_id == trace.chosen_token_id else " "
         removed = f"removed by {c.removed_by}" if c.removed_by else ""
-        lines.append(f"  {marker} {c.rank:>5} {c.text!r:<18.18} id {c.token_id:<6} logit {c.logit:8.3f} "
-                     f"p_raw {c.prob_raw:6.3f} p_final {c.prob_final:6.3f} {removed}")
+        lines.append(
+            f"  {marker} {c.rank:>5} {c.text!r:<18.18} id {c.token_id:<6} logit {c.logit:8.3f} "
+            f"p_raw {c.prob_raw:6.3f} p_final {c.prob_final:6.3f} {removed}"
+        )
     return "\n".join(lines)
 
 
@@ -148,13 +161,17 @@ def _print_summary(output: RequestOutput, elapsed: float) -> None:
     ttft = metrics.time_to_first_token
     tpot = metrics.time_per_output_token(len(completion.token_ids))
     decode_rate = f"{1 / tpot:.1f} tokens/s" if tpot else "n/a"
-    print(f"\n\n[prompt tokens: {len(output.prompt_token_ids)} | generated tokens: {len(completion.token_ids)} | "
-          f"finish: {completion.finish_reason.value if completion.finish_reason else None} | "
-          f"time to first token: {ttft:.3f} s | decode: {decode_rate} | total: {elapsed:.2f} s]", file=sys.stderr)
+    print(
+        f"\n\n[prompt tokens: {len(output.prompt_token_ids)} | generated tokens: {len(completion.token_ids)} | "
+        f"finish: {completion.finish_reason.value if completion.finish_reason else None} | "
+        f"time to first token: {ttft:.3f} s | decode: {decode_rate} | total: {elapsed:.2f} s]",
+        file=sys.stderr,
+    )
 
 
-def _stream_to_terminal(llm: Any, prompt: Any, params: SamplingParams,
-                        tool_calling: ToolCalling | None = None) -> RequestOutput:
+def _stream_to_terminal(
+    llm: Any, prompt: Any, params: SamplingParams, tool_calling: ToolCalling | None = None
+) -> RequestOutput:
     """Stream the reply; with tools, only the text that is surely content, then the parsed calls as JSON lines."""
     started = time.perf_counter()
     final = None
@@ -165,7 +182,7 @@ def _stream_to_terminal(llm: Any, prompt: Any, params: SamplingParams,
         else:
             visible = tool_calling.visible_content(output.outputs[0].text)
             if visible.startswith(shown):  # content only grows; what was shown stays shown
-                sys.stdout.write(visible[len(shown):])
+                sys.stdout.write(visible[len(shown) :])
                 shown = visible
         sys.stdout.flush()
         final = output
@@ -178,8 +195,10 @@ def _stream_to_terminal(llm: Any, prompt: Any, params: SamplingParams,
     if params.logprobs is not None and final.outputs[0].logprobs:
         print("\n", file=sys.stderr)
         for token_id, position in zip(final.outputs[0].token_ids, final.outputs[0].logprobs):
-            alternatives = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for tid, lp in
-                                     sorted(position.items(), key=lambda item: item[1].rank))
+            alternatives = ", ".join(
+                f"{lp.decoded_token!r} {lp.logprob:.3f}"
+                for tid, lp in sorted(position.items(), key=lambda item: item[1].rank)
+            )
             print(f"  {position[token_id].decoded_token!r}: {alternatives}", file=sys.stderr)
     _print_summary(final, time.perf_counter() - started)
     return final
@@ -190,7 +209,7 @@ def _print_tool_reply(completion: CompletionOutput, tool_calling: ToolCalling, s
     JSON line per call, in OpenAI's shape (ready to go back into a conversation)."""
     completion.content, completion.tool_calls = tool_calling.parse(completion.text)
     content = completion.content or ""
-    sys.stdout.write(content[len(shown):] if content.startswith(shown) else "\n" + content)
+    sys.stdout.write(content[len(shown) :] if content.startswith(shown) else "\n" + content)
     if completion.tool_calls and content:
         sys.stdout.write("\n")
     for call in completion.tool_calls:
@@ -258,41 +277,59 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         print("assistant> ", end="", flush=True)
-        final = _stream_to_terminal(llm, llm.chat_prompt(messages, tool_calling=tool_calling), params,
-                                    tool_calling if tool_calling.is_active else None)
+        final = _stream_to_terminal(
+            llm,
+            llm.chat_prompt(messages, tool_calling=tool_calling),
+            params,
+            tool_calling if tool_calling.is_active else None,
+        )
         reply = final.outputs[0]
         if reply.tool_calls:
-            messages.append({"role": "assistant", "content": reply.content,
-                             "tool_calls": [_openai_call(call) for call in reply.tool_calls]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": reply.content,
+                    "tool_calls": [_openai_call(call) for call in reply.tool_calls],
+                }
+            )
         else:
-            messages.append({"role": "assistant", "content": reply.content if reply.content is not None
-                             else reply.text})
+            messages.append(
+                {"role": "assistant", "content": reply.content if reply.content is not None else reply.text}
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenriver",
         description="A readable LLM inference engine that shows how generation happens.",
-        epilog="Examples:\n  tokenriver generate \"The capital of France is\" --max-tokens 32\n"
-               "  tokenriver generate \"Once upon a time\" --temperature 0.8 --top-p 0.9 --seed 1 --trace\n"
-               "  tokenriver chat --model path/to/model.gguf\n"
-               "  tokenriver serve --port 8000      (OpenAI-compatible API; the visualizer at /)",
+        epilog='Examples:\n  tokenriver generate "The capital of France is" --max-tokens 32\n'
+        '  tokenriver generate "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 1 --trace\n'
+        "  tokenriver chat --model path/to/model.gguf\n"
+        "  tokenriver serve --port 8000      (OpenAI-compatible API; the visualizer at /)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    generate = commands.add_parser("generate", help="stream a completion of one prompt to the terminal",
-                                   description="Stream a completion of PROMPT, then print timings.")
+    generate = commands.add_parser(
+        "generate",
+        help="stream a completion of one prompt to the terminal",
+        description="Stream a completion of PROMPT, then print timings.",
+    )
     generate.add_argument("prompt", help="the text to continue")
-    generate.add_argument("--chat-template", action="store_true",
-                          help="wrap the prompt as one user message in the model's chat template")
-    chat = commands.add_parser("chat", help="multi-turn conversation through the model's chat template",
-                               description="An interactive chat; each reply streams as it is generated.")
+    generate.add_argument(
+        "--chat-template", action="store_true", help="wrap the prompt as one user message in the model's chat template"
+    )
+    chat = commands.add_parser(
+        "chat",
+        help="multi-turn conversation through the model's chat template",
+        description="An interactive chat; each reply streams as it is generated.",
+    )
     chat.add_argument("--system", default=None, help="a system message that opens the conversation")
     for sub in (generate, chat):
         add_engine_flags(sub)
-        add_flags(sub, SamplingParams, "sampling_", "sampling options", help_texts=SAMPLING_HELP,
-                  defaults=SAMPLING_DEFAULTS)
+        add_flags(
+            sub, SamplingParams, "sampling_", "sampling options", help_texts=SAMPLING_HELP, defaults=SAMPLING_DEFAULTS
+        )
         _add_structured_output_flags(sub)
         _add_tool_flags(sub)
     generate.set_defaults(handler=cmd_generate)
@@ -325,12 +362,20 @@ def _import_engine() -> None:
 
 def _add_scale_out_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("scale-out options (docs/scaling.md)")
-    group.add_argument("--data-parallel-size", type=int, default=1,
-                       help="engine replicas behind one endpoint, on Ray Serve (needs the ray extra: "
-                            "pip install 'tokenriver[ray]'); RAY_ADDRESS joins an existing cluster (default: 1)")
-    group.add_argument("--router", choices=["prefix", "round_robin"], default="prefix",
-                       help="how requests are spread over replicas: longest cached prefix within load "
-                            "limits, or round robin (default: %(default)s)")
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind one endpoint, on Ray Serve (needs the ray extra: "
+        "pip install 'tokenriver[ray]'); RAY_ADDRESS joins an existing cluster (default: 1)",
+    )
+    group.add_argument(
+        "--router",
+        choices=["prefix", "round_robin"],
+        default="prefix",
+        help="how requests are spread over replicas: longest cached prefix within load "
+        "limits, or round robin (default: %(default)s)",
+    )
 
 
 def cmd_serve_data_parallel(args: argparse.Namespace) -> int:
@@ -340,10 +385,10 @@ def cmd_serve_data_parallel(args: argparse.Namespace) -> int:
     try:
         from tokenriver.serve_ray.app import run_data_parallel
     except ImportError as error:
-        raise TokenriverError(f"--data-parallel-size needs Ray Serve ({error}): pip install 'tokenriver[ray]'",
-                              param="data_parallel_size") from None
-    return run_data_parallel(engine_config_from(args), server_config_from(args), args.data_parallel_size,
-                             args.router)
+        raise TokenriverError(
+            f"--data-parallel-size needs Ray Serve ({error}): pip install 'tokenriver[ray]'", param="data_parallel_size"
+        ) from None
+    return run_data_parallel(engine_config_from(args), server_config_from(args), args.data_parallel_size, args.router)
 
 
 def main(argv: list[str] | None = None) -> int:

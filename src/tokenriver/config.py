@@ -20,8 +20,19 @@ from tokenriver.flags import option
 # each key and value, as llama.cpp's default f16 cache does; int8 (kv/cache.py's format, about llama.cpp's q8_0
 # cache type) takes 53% of float16's bytes for the embedded model.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-               "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -33,7 +44,8 @@ def parse_size(text: str | int) -> int:
     if match is None or unit not in _SIZE_UNITS:
         raise InvalidParameterError(
             f"kv_cache_memory={text!r} is not a size: write bytes or a number with a unit, e.g. 2GiB, 512MiB, 1GB",
-            param="kv_cache_memory")
+            param="kv_cache_memory",
+        )
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
@@ -48,17 +60,23 @@ class EngineConfig:
 
     # GGUF file or Hugging Face model folder; None = the embedded default model.
     model: str | None = option(
-        None, "GGUF file or Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct Q4_1)",
-        metavar="PATH")
+        None,
+        "GGUF file or Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct Q4_1)",
+        metavar="PATH",
+    )
     # Compute dtype: "float32" or "bfloat16"; "auto" is float32 on the CPU and bfloat16 on a GPU, where the tensor
     # cores and the memory bus are built for it (transformers and vLLM default to it there too).
-    dtype: str = option("auto", "compute dtype (default: float32 on cpu, bfloat16 on a GPU)",
-                        choices=("auto", "float32", "bfloat16"))
+    dtype: str = option(
+        "auto", "compute dtype (default: float32 on cpu, bfloat16 on a GPU)", choices=("auto", "float32", "bfloat16")
+    )
     # Weight format: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed (4/8-bit kernels) and float weights float;
     # "none" dequantizes everything to dtype; "int8" / "int4" also quantize float weights at load.
     quantization: str = option(
-        "auto", "weights: auto keeps a GGUF's quantized matrices packed (every type), none dequantizes to --dtype, "
-        "int8/int4 quantize float weights at load", choices=("auto", "none", "int8", "int4"))
+        "auto",
+        "weights: auto keeps a GGUF's quantized matrices packed (every type), none dequantizes to --dtype, "
+        "int8/int4 quantize float weights at load",
+        choices=("auto", "none", "int8", "int4"),
+    )
     # Quantized weights multiply activations rounded to int8 per 32 columns, as llama.cpp does (models/quant.py),
     # in decode-sized products and, where the CPU has AVX512-VNNI, in larger ones. None (the default) = on wherever
     # the weights are quantized on the CPU, unless reference_numerics (a GPU multiplies them with its compute dtype's
@@ -67,11 +85,13 @@ class EngineConfig:
     int8_activations: bool | None = option(
         None,
         "quantized weights multiply activations rounded to int8, as llama.cpp does: faster decode, prefill and "
-        "batches, perplexity within 1% of exact float32 (default: on where the weights are quantized, on the CPU)")
+        "batches, perplexity within 1% of exact float32 (default: on where the weights are quantized, on the CPU)",
+    )
     # Exact float32 arithmetic on the stored weights, and a KV pool in the compute dtype: the numerics that match
     # transformers, for tests and comparisons. Off by default: the fast settings above are what users run.
     reference_numerics: bool = option(
-        False, "exact float32 products and a KV pool in --dtype, the numerics that match transformers (slower)")
+        False, "exact float32 products and a KV pool in --dtype, the numerics that match transformers (slower)"
+    )
     # torch device string ("cpu", "cuda", ...).
     device: str = option("cpu", "torch device, e.g. cpu or cuda", metavar="DEVICE")
     # Dtype the KV pool stores keys and values in (KV_CACHE_DTYPES). "auto": int8 (kv/cache.py's format, one scale
@@ -81,116 +101,161 @@ class EngineConfig:
         "auto",
         "what the KV pool stores: auto (int8 with the fast numerics, else --dtype), float32, bfloat16, float16 "
         "(half the memory per token of float32) or int8 (about a quarter: one scale per token and kv head); keys "
-        "and values rounded once when stored", choices=KV_CACHE_DTYPES)
+        "and values rounded once when stored",
+        choices=KV_CACHE_DTYPES,
+    )
     # Bytes for the paged KV pool; None = max_num_kv_tokens if given, else 2 GiB on the CPU (a GPU's free memory
     # after the weights, less headroom), capped at what max_num_seqs full contexts could use (engine/core.py).
     kv_cache_memory: int | None = option(
-        None, "KV pool size, e.g. 2GiB or 512MiB (default: 2GiB on cpu, the free memory on a GPU, capped at what "
+        None,
+        "KV pool size, e.g. 2GiB or 512MiB (default: 2GiB on cpu, the free memory on a GPU, capped at what "
         "--max-num-seqs contexts need); "
-        "not with --max-num-kv-tokens", metavar="SIZE", type=str)
+        "not with --max-num-kv-tokens",
+        metavar="SIZE",
+        type=str,
+    )
     # KV pool size in tokens, used instead of kv_cache_memory; None = size the pool by memory.
     max_num_kv_tokens: int | None = option(
-        None, "KV pool size in tokens, instead of --kv-cache-memory", metavar="TOKENS")
+        None, "KV pool size in tokens, instead of --kv-cache-memory", metavar="TOKENS"
+    )
     # Tokens per KV block.
     block_size: int = option(16, "tokens per KV block", metavar="TOKENS")
     # Cap on requests running at once.
     max_num_seqs: int = option(64, "most requests running at once", metavar="N")
     # Cap on tokens computed in one step (prompt chunks plus decode tokens).
     max_num_batched_tokens: int = option(
-        2048, "most tokens computed in one step (prompt chunks + decode tokens)", metavar="TOKENS")
+        2048, "most tokens computed in one step (prompt chunks + decode tokens)", metavar="TOKENS"
+    )
     # Cap on engine requests waiting for a batch slot or KV blocks; past it AsyncEngine refuses new requests
     # (EngineOverloadedError, HTTP 429). None = the KV pool's block count: a waiting request needs a block at least,
     # so a longer queue could never be admitted at once. LLM.generate queues its prompts without this cap.
     max_waiting_requests: int | None = option(
-        None, "most requests waiting for a batch slot; the server answers 429 past it (default: the KV pool's "
-        "block count)", metavar="N")
+        None,
+        "most requests waiting for a batch slot; the server answers 429 past it (default: the KV pool's block count)",
+        metavar="N",
+    )
     # Multi-step scheduling: forward passes per step when every scheduled request is a plain greedy decode, each
     # pass after the first decoding the token the one before sampled. Scheduling, bookkeeping and output
     # processing then run once for all of them; tokens arrive in bursts of this many, and a request that stops
     # mid-step (EOS) has the rest computed and dropped. 1 = one pass per step.
     num_scheduler_steps: int = option(
-        1, "forward passes per step while every request is a plain greedy decode (multi-step scheduling: less "
-        "per-token overhead, tokens streamed in bursts)", metavar="N")
+        1,
+        "forward passes per step while every request is a plain greedy decode (multi-step scheduling: less "
+        "per-token overhead, tokens streamed in bursts)",
+        metavar="N",
+    )
     # Longest sequence (prompt + output); None = the model's context length.
     max_model_len: int | None = option(
-        None, "longest sequence, prompt + output (default: the model's context length)", metavar="TOKENS")
+        None, "longest sequence, prompt + output (default: the model's context length)", metavar="TOKENS"
+    )
     # Reuse KV blocks of identical prompt prefixes.
-    enable_prefix_caching: bool = option(True, "reuse the KV blocks of identical prompt prefixes",
-                                         flag="prefix-caching")
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV blocks of identical prompt prefixes", flag="prefix-caching"
+    )
     # Keep K/V between steps (False recomputes the whole sequence every step, to show what the cache saves).
     use_kv_cache: bool = option(
-        True, "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
-        flag="kv-cache")
+        True,
+        "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
+        flag="kv-cache",
+    )
     # On a GPU, replay decode steps from recorded CUDA graphs (runner/cuda_graphs.py); off = every step launches
     # its kernels one by one from Python (vLLM's --enforce-eager). No effect on the CPU.
     cuda_graphs: bool = option(
-        True, "on a GPU, replay decode steps from CUDA graphs (--no-cuda-graphs launches every kernel from Python)",
-        flag="cuda-graphs")
+        True,
+        "on a GPU, replay decode steps from CUDA graphs (--no-cuda-graphs launches every kernel from Python)",
+        flag="cuda-graphs",
+    )
     # CPU threads for torch; None = the cores available.
-    num_threads: int | None = option(None, "CPU threads (default: the cores available)", flag="threads",
-                                     metavar="N")
+    num_threads: int | None = option(None, "CPU threads (default: the cores available)", flag="threads", metavar="N")
     # Seed of the engine's generator for requests without their own seed.
     seed: int = option(0, "seed for requests that have none", flag="engine-seed", metavar="N")
     # Speculative decoding's proposer; None = off. "ngram": drafts copied from earlier text of the same request
     # (prompt lookup, no second model); "self:N": the model's own first N layers plus its output head;
     # anything else: the path of a draft model that shares the model's tokenizer.
     speculative_draft: str | None = option(
-        None, "speculative decoding: ngram (drafts from the request's own earlier text), self:N (the model's first "
-        "N layers), or a draft model path with the same tokenizer (default: off)", metavar="DRAFT")
+        None,
+        "speculative decoding: ngram (drafts from the request's own earlier text), self:N (the model's first "
+        "N layers), or a draft model path with the same tokenizer (default: off)",
+        metavar="DRAFT",
+    )
     # Draft tokens proposed per request and step, all verified in one forward pass of the model.
     num_speculative_tokens: int = option(
-        4, "draft tokens proposed per step and verified in one forward pass", metavar="N")
+        4, "draft tokens proposed per step and verified in one forward pass", metavar="N"
+    )
     # The n-gram proposer looks up the longest suffix of the request's tokens, from ngram_max tokens down to
     # ngram_min, among its earlier tokens and proposes what followed it there.
-    ngram_max: int = option(4, "n-gram drafts: longest suffix looked up in the request's earlier tokens",
-                            metavar="N")
+    ngram_max: int = option(4, "n-gram drafts: longest suffix looked up in the request's earlier tokens", metavar="N")
     ngram_min: int = option(2, "n-gram drafts: shortest suffix looked up", metavar="N")
     # Tensor parallelism: ranks (processes) the model's attention heads and MLP features are split across, one
     # all-reduce per attention block and per MLP block (distributed/); rank 0 schedules. 1 = one process.
     tensor_parallel_size: int = option(
-        1, "split the model across this many processes (tensor parallelism: attention heads and MLP features; gloo "
-        "on CPU, NCCL on CUDA); see docs/scaling.md", metavar="N")
+        1,
+        "split the model across this many processes (tensor parallelism: attention heads and MLP features; gloo "
+        "on CPU, NCCL on CUDA); see docs/scaling.md",
+        metavar="N",
+    )
     # host:port where the ranks meet (rank 0's machine); None = a free local port (one machine), or env:// under
     # torchrun.
     distributed_init_addr: str | None = option(
-        None, "host:port where tensor-parallel ranks meet; unset: a free local port, or env:// under torchrun",
-        metavar="HOST:PORT")
+        None,
+        "host:port where tensor-parallel ranks meet; unset: a free local port, or env:// under torchrun",
+        metavar="HOST:PORT",
+    )
     # Machines the ranks span, and which one this is (0 runs the engine, the others only their ranks).
     nnodes: int = option(1, "machines the tensor-parallel ranks span", metavar="N")
-    node_rank: int = option(0, "this machine's index among --nnodes (0 runs the engine; others run only their "
-                               "ranks)", metavar="N")
+    node_rank: int = option(
+        0, "this machine's index among --nnodes (0 runs the engine; others run only their ranks)", metavar="N"
+    )
 
     def __post_init__(self) -> None:
         if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise InvalidParameterError(f"quantization={self.quantization!r} is not supported: use auto, none, "
-                                        f"int8 or int4", param="quantization")
+            raise InvalidParameterError(
+                f"quantization={self.quantization!r} is not supported: use auto, none, int8 or int4",
+                param="quantization",
+            )
         if self.int8_activations and self.reference_numerics:
-            raise InvalidParameterError("int8_activations rounds activations and reference_numerics asks for exact "
-                                        "arithmetic: set one of them", param="int8_activations")
+            raise InvalidParameterError(
+                "int8_activations rounds activations and reference_numerics asks for exact arithmetic: set one of them",
+                param="int8_activations",
+            )
         if self.int8_activations and self.device != "cpu":
-            raise InvalidParameterError(f"int8_activations is the CPU kernels' arithmetic; on device={self.device!r} "
-                                        "quantized weights multiply activations in the compute dtype: drop it",
-                                        param="int8_activations")
+            raise InvalidParameterError(
+                f"int8_activations is the CPU kernels' arithmetic; on device={self.device!r} "
+                "quantized weights multiply activations in the compute dtype: drop it",
+                param="int8_activations",
+            )
         if self.int8_activations and self.quantization == "none":
-            raise InvalidParameterError("int8_activations applies to quantized weights, and quantization='none' "
-                                        "leaves none: use quantization 'auto' (a GGUF's packed weights), 'int4' or "
-                                        "'int8'", param="int8_activations")
+            raise InvalidParameterError(
+                "int8_activations applies to quantized weights, and quantization='none' "
+                "leaves none: use quantization 'auto' (a GGUF's packed weights), 'int4' or "
+                "'int8'",
+                param="int8_activations",
+            )
         if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise InvalidParameterError(f"dtype={self.dtype!r} is not supported: use 'auto', 'float32' or 'bfloat16'",
-                                        param="dtype")
+            raise InvalidParameterError(
+                f"dtype={self.dtype!r} is not supported: use 'auto', 'float32' or 'bfloat16'", param="dtype"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidParameterError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: use "
-                                        f"{', '.join(KV_CACHE_DTYPES)}", param="kv_cache_dtype")
+            raise InvalidParameterError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: use {', '.join(KV_CACHE_DTYPES)}",
+                param="kv_cache_dtype",
+            )
         if self.kv_cache_memory is not None and self.max_num_kv_tokens is not None:
             raise InvalidParameterError(
                 f"kv_cache_memory={self.kv_cache_memory!r} and max_num_kv_tokens={self.max_num_kv_tokens!r} both "
-                f"size the KV pool: give one of them", param="kv_cache_memory")
+                f"size the KV pool: give one of them",
+                param="kv_cache_memory",
+            )
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
             if self.kv_cache_memory <= 0:
                 raise InvalidParameterError("kv_cache_memory must be positive, e.g. 2GiB", param="kv_cache_memory")
-        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
-                          ("num_scheduler_steps", 1)):
+        for name, low in (
+            ("block_size", 1),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("num_scheduler_steps", 1),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= {low}", param=name)
@@ -201,15 +266,22 @@ class EngineConfig:
         self._validate_speculative()
         self._validate_parallel()
         if self.num_scheduler_steps > 1 and self.speculative_draft is not None:
-            raise InvalidParameterError("num_scheduler_steps > 1 does not combine with speculative decoding (a step "
-                                        "verifies drafts in one pass): set one of them", param="num_scheduler_steps")
+            raise InvalidParameterError(
+                "num_scheduler_steps > 1 does not combine with speculative decoding (a step "
+                "verifies drafts in one pass): set one of them",
+                param="num_scheduler_steps",
+            )
         if self.num_scheduler_steps > 1 and not self.use_kv_cache:
-            raise InvalidParameterError("num_scheduler_steps > 1 needs use_kv_cache: without the cache every step "
-                                        "recomputes the whole sequence", param="num_scheduler_steps")
+            raise InvalidParameterError(
+                "num_scheduler_steps > 1 needs use_kv_cache: without the cache every step "
+                "recomputes the whole sequence",
+                param="num_scheduler_steps",
+            )
         if self.max_num_batched_tokens < self.block_size:
             raise InvalidParameterError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least block_size={self.block_size}",
-                param="max_num_batched_tokens")
+                param="max_num_batched_tokens",
+            )
 
     @property
     def resolved_dtype(self) -> str:
@@ -243,18 +315,25 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1", param=name)
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
-            raise InvalidParameterError(f"node_rank={self.node_rank!r} must be in 0..nnodes-1 ({self.nnodes - 1})",
-                                        param="node_rank")
+            raise InvalidParameterError(
+                f"node_rank={self.node_rank!r} must be in 0..nnodes-1 ({self.nnodes - 1})", param="node_rank"
+            )
         if self.tensor_parallel_size % self.nnodes:
             raise InvalidParameterError(
                 f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of nnodes={self.nnodes} "
-                f"(the same number of ranks on every machine)", param="tensor_parallel_size")
+                f"(the same number of ranks on every machine)",
+                param="tensor_parallel_size",
+            )
         if self.nnodes > 1 and self.distributed_init_addr is None:
-            raise InvalidParameterError("nnodes > 1 needs distributed_init_addr, the head machine's host:port",
-                                        param="distributed_init_addr")
+            raise InvalidParameterError(
+                "nnodes > 1 needs distributed_init_addr, the head machine's host:port", param="distributed_init_addr"
+            )
         if self.tensor_parallel_size > 1 and self.speculative_draft is not None:
-            raise InvalidParameterError("speculative decoding does not run under tensor parallelism yet: drop "
-                                        "speculative_draft or use tensor_parallel_size=1", param="speculative_draft")
+            raise InvalidParameterError(
+                "speculative decoding does not run under tensor parallelism yet: drop "
+                "speculative_draft or use tensor_parallel_size=1",
+                param="speculative_draft",
+            )
 
     def _validate_speculative(self) -> None:
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):
@@ -262,19 +341,25 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1", param=name)
         if self.ngram_min > self.ngram_max:
-            raise InvalidParameterError(f"ngram_min={self.ngram_min} must be <= ngram_max={self.ngram_max}",
-                                        param="ngram_min")
+            raise InvalidParameterError(
+                f"ngram_min={self.ngram_min} must be <= ngram_max={self.ngram_max}", param="ngram_min"
+            )
         draft = self.speculative_draft
         if draft is None:
             return
         if not isinstance(draft, str) or not draft:
-            raise InvalidParameterError(f"speculative_draft={draft!r} must be 'ngram', 'self:N' or a model path",
-                                        param="speculative_draft")
+            raise InvalidParameterError(
+                f"speculative_draft={draft!r} must be 'ngram', 'self:N' or a model path", param="speculative_draft"
+            )
         if draft.startswith("self:") and not re.fullmatch(r"self:[1-9][0-9]*", draft):
             raise InvalidParameterError(
                 f"speculative_draft={draft!r}: write self:N with N the number of the model's first layers "
-                f"the draft runs, e.g. self:4", param="speculative_draft")
+                f"the draft runs, e.g. self:4",
+                param="speculative_draft",
+            )
         if not self.use_kv_cache:
             raise InvalidParameterError(
                 "speculative decoding verifies drafts against the KV cache: drop speculative_draft, or keep "
-                "use_kv_cache on", param="speculative_draft")
+                "use_kv_cache on",
+                param="speculative_draft",
+            )

@@ -14,8 +14,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def option(default: Any, help: str, *, flag: str | None = None, metavar: str | None = None,
-           choices: tuple[str, ...] | None = None, type: Callable[[str], Any] | None = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    type: Callable[[str], Any] | None = None,
+) -> Any:
     """A dataclass field with a command-line flag: its help text, and the flag name (default: the field's name
     with dashes), metavar (default: the name in capitals), choices or argparse type where the default would not
     do. A field without help gets no flag."""
@@ -32,8 +39,15 @@ def token_bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID:BIAS, e.g. 1234:-100") from None
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, dest_prefix: str, title: str, *,
-              help_texts: Mapping[str, str] | None = None, defaults: Mapping[str, Any] | None = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    dest_prefix: str,
+    title: str,
+    *,
+    help_texts: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
     """One flag per field of cls that has help (in its metadata, or in help_texts for a class that keeps it
     elsewhere), typed from the field's annotation; values land in args as dest_prefix + field name."""
     group = parser.add_argument_group(title)
@@ -43,8 +57,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, dest_prefix: str, titl
             continue
         flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
         dest = dest_prefix + f.name
-        default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING
-                                       else f.default_factory())
+        default = (defaults or {}).get(
+            f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        )
         if default is not None and default != () and "(default:" not in help_text:
             help_text += f" (default: {default})"
         help_text = help_text.replace("%", "%%")
@@ -57,19 +72,28 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, dest_prefix: str, titl
         elif annotation.startswith("list[int]"):
             group.add_argument(flag, dest=dest, type=int, nargs="+", default=None, metavar=metavar, help=help_text)
         elif annotation.startswith("dict[int, float]"):
-            group.add_argument(flag, dest=dest, type=token_bias, action="append", default=None, metavar=metavar,
-                               help=help_text)
+            group.add_argument(
+                flag, dest=dest, type=token_bias, action="append", default=None, metavar=metavar, help=help_text
+            )
         else:
-            kind = f.metadata.get("type") or (int if annotation.startswith("int") else
-                                              float if annotation.startswith("float") else str)
+            kind = f.metadata.get("type") or (
+                int if annotation.startswith("int") else float if annotation.startswith("float") else str
+            )
             choices = f.metadata.get("choices")
-            group.add_argument(flag, dest=dest, type=kind, default=default, choices=choices,
-                               metavar=None if choices else metavar, help=help_text)
+            group.add_argument(
+                flag,
+                dest=dest,
+                type=kind,
+                default=default,
+                choices=choices,
+                metavar=None if choices else metavar,
+                help=help_text,
+            )
 
 
 def collect(args: argparse.Namespace, dest_prefix: str) -> dict[str, Any]:
     """The flags add_flags made with dest_prefix that were given (or have a default), by field name."""
-    values = {k[len(dest_prefix):]: v for k, v in vars(args).items() if k.startswith(dest_prefix) and v is not None}
+    values = {k[len(dest_prefix) :]: v for k, v in vars(args).items() if k.startswith(dest_prefix) and v is not None}
     if isinstance(values.get("logit_bias"), list):
         values["logit_bias"] = dict(values["logit_bias"])
     return values

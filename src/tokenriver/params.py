@@ -24,9 +24,18 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 EARLY_STOPPING_VALUES: tuple[bool | str, ...] = (True, False, "never")
 _EARLY_STOPPING_TEXT = {"true": True, "false": False, "never": "never"}
 # Controls that reshape the distribution; beam search ranks beams by raw log-probabilities, so it refuses them.
-_NOT_WITH_BEAM_SEARCH = {"best_of": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-                         "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
-                         "prompt_logprobs": None, "trace": False}
+_NOT_WITH_BEAM_SEARCH = {
+    "best_of": None,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "prompt_logprobs": None,
+    "trace": False,
+}
 
 
 # How JSON constraints are written (llguidance's options; a schema's "x-guidance"): compactly, one space after ','
@@ -81,8 +90,11 @@ class StructuredOutput:
                 choices = json.loads(self.text)
             except ValueError:
                 choices = None
-            if (not isinstance(choices, list) or not choices
-                    or not all(isinstance(choice, str) and choice for choice in choices)):
+            if (
+                not isinstance(choices, list)
+                or not choices
+                or not all(isinstance(choice, str) and choice for choice in choices)
+            ):
                 _fail("structured_output", self.text, "choice must be a non-empty list of non-empty strings")
 
     @classmethod
@@ -211,8 +223,15 @@ class SamplingParams:
         bias. A grammar only narrows the argmax to the tokens it allows: the raw argmax stands when allowed, and
         the sampler takes the masked logits only when it is not. (min_tokens may still hold back EOS: that
         depends on the output so far; is_plain_greedy adds it.)"""
-        return (self.is_greedy and not self.logprobs and not self.trace and self.repetition_penalty == 1.0
-                and self.presence_penalty == 0 and self.frequency_penalty == 0 and not self.logit_bias)
+        return (
+            self.is_greedy
+            and not self.logprobs
+            and not self.trace
+            and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0
+            and self.frequency_penalty == 0
+            and not self.logit_bias
+        )
 
     @property
     def use_beam_search(self) -> bool:
@@ -226,18 +245,26 @@ class SamplingParams:
         if not _is_number(self.temperature) or self.temperature < 0:
             _fail("temperature", self.temperature, "must be a number >= 0 (0 = greedy)")
         if self.num_generated > 1 and self.is_greedy and not self.use_beam_search:
-            _fail("temperature", self.temperature,
-                  "greedy sampling gives the same candidate every time; use temperature > 0 with n or best_of > 1")
+            _fail(
+                "temperature",
+                self.temperature,
+                "greedy sampling gives the same candidate every time; use temperature > 0 with n or best_of > 1",
+            )
         if not _is_int(self.top_k) or self.top_k < -1:
             _fail("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 to turn it off")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             _fail("top_p", self.top_p, "must be in (0, 1]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             _fail("min_p", self.min_p, "must be in [0, 1]")
-        if (not _is_number(self.repetition_penalty)
-                or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
-            _fail("repetition_penalty", self.repetition_penalty,
-                  f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 = off, > 1 discourages repeats)")
+        if (
+            not _is_number(self.repetition_penalty)
+            or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            _fail(
+                "repetition_penalty",
+                self.repetition_penalty,
+                f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 = off, > 1 discourages repeats)",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
@@ -248,7 +275,7 @@ class SamplingParams:
                     _fail("logit_bias", self.logit_bias, f"key {token_id!r} must be a token id (integer >= 0)")
                 if not _is_number(bias) or not -100 <= bias <= 100:
                     _fail("logit_bias", self.logit_bias, f"bias {bias!r} for token {token_id} must be in [-100, 100]")
-        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             _fail("seed", self.seed, "must be a 64-bit integer (-2**63 .. 2**63-1) or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             _fail("max_tokens", self.max_tokens, "must be an integer >= 1, or None to run until EOS")
@@ -274,8 +301,11 @@ class SamplingParams:
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             _fail("structured_output", self.structured_output, "must be a StructuredOutput or None")
         if self.structured_output is not None and self.min_tokens:
-            _fail("min_tokens", self.min_tokens,
-                  "cannot be combined with structured output: the grammar decides where the output ends")
+            _fail(
+                "min_tokens",
+                self.min_tokens,
+                "cannot be combined with structured output: the grammar decides where the output ends",
+            )
         self._validate_beam_search()
 
     def _validate_beam_search(self) -> None:
@@ -290,25 +320,36 @@ class SamplingParams:
         if self.n > self.beam_width:
             _fail("n", self.n, f"must be <= beam_width ({self.beam_width}): beam search returns its n best beams")
         if self.temperature not in (0, 1):
-            _fail("temperature", self.temperature,
-                  "beam search ranks beams by raw log-probabilities: leave temperature at 0 or 1 with beam_width")
+            _fail(
+                "temperature",
+                self.temperature,
+                "beam search ranks beams by raw log-probabilities: leave temperature at 0 or 1 with beam_width",
+            )
         for name, off in _NOT_WITH_BEAM_SEARCH.items():
             if getattr(self, name) != off:
                 _fail(name, getattr(self, name), f"is not supported with beam search (beam_width); leave it at {off}")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Token ids can only be checked once the model is known."""
-        for token_id in (self.logit_bias or {}):
+        for token_id in self.logit_bias or {}:
             if token_id >= vocab_size:
-                _fail("logit_bias", self.logit_bias, f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+                _fail(
+                    "logit_bias", self.logit_bias, f"token id {token_id} is outside the vocabulary (size {vocab_size})"
+                )
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
-                _fail("stop_token_ids", self.stop_token_ids,
-                      f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+                _fail(
+                    "stop_token_ids",
+                    self.stop_token_ids,
+                    f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                )
         for token_id in self.structured_output.prefix_token_ids if self.structured_output else ():
             if token_id >= vocab_size:
-                _fail("structured_output_prefix_ids", list(self.structured_output.prefix_token_ids),
-                      f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+                _fail(
+                    "structured_output_prefix_ids",
+                    list(self.structured_output.prefix_token_ids),
+                    f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                )
 
 
 def holds_stop_tokens(params: SamplingParams, num_output_tokens: int, eos_token_ids: Sequence[int]) -> bool:

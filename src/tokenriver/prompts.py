@@ -13,29 +13,46 @@ from collections.abc import Sequence
 from tokenriver.errors import ContextLengthError, InvalidParameterError
 
 
-def check_prompt(token_ids: Sequence[object], vocab_size: int, max_model_len: int, *, max_tokens: int | None = None,
-                 where: str = "prompt", param: str = "prompt", max_tokens_param: str = "max_tokens") -> list[int]:
+def check_prompt(
+    token_ids: Sequence[object],
+    vocab_size: int,
+    max_model_len: int,
+    *,
+    max_tokens: int | None = None,
+    where: str = "prompt",
+    param: str = "prompt",
+    max_tokens_param: str = "max_tokens",
+) -> list[int]:
     """token_ids as a list, if it is a non-empty list of ids inside the vocabulary that leaves the context room for
     one generated token (for max_tokens of them when given); else InvalidParameterError / ContextLengthError."""
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-        raise InvalidParameterError(f"{where} must be a list of token ids (integers), not {type(token_ids).__name__}",
-                                    param=param)
+        raise InvalidParameterError(
+            f"{where} must be a list of token ids (integers), not {type(token_ids).__name__}", param=param
+        )
     ids = list(token_ids)
     if not ids:
         raise InvalidParameterError(f"{where} is empty: give at least one token", param=param)
     bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidParameterError(
-            f"{where} holds token id {bad[0]!r}, outside the vocabulary (integers 0..{vocab_size - 1})", param=param)
+            f"{where} holds token id {bad[0]!r}, outside the vocabulary (integers 0..{vocab_size - 1})", param=param
+        )
     num_tokens = len(ids)
     if num_tokens >= max_model_len:
         raise ContextLengthError(
             f"this model's context holds {max_model_len} tokens, but {where} has {num_tokens} tokens (and at least "
-            f"one must be generated); shorten it", num_tokens=num_tokens, max_tokens=max_model_len, param=param)
+            f"one must be generated); shorten it",
+            num_tokens=num_tokens,
+            max_tokens=max_model_len,
+            param=param,
+        )
     if max_tokens is not None and num_tokens + max_tokens > max_model_len:
         raise ContextLengthError(
             f"this model's context holds {max_model_len} tokens, but you asked for {num_tokens + max_tokens} "
             f"({num_tokens} in {where} + {max_tokens_param}={max_tokens}); shorten the prompt or lower "
-            f"{max_tokens_param}", num_tokens=num_tokens + max_tokens, max_tokens=max_model_len,
-            param=max_tokens_param)
+            f"{max_tokens_param}",
+            num_tokens=num_tokens + max_tokens,
+            max_tokens=max_model_len,
+            param=max_tokens_param,
+        )
     return ids

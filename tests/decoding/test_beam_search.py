@@ -34,19 +34,28 @@ def candidates_of(context: tuple[int, ...], vocab_size: int, num_top: int | None
     return [TokenLogprobs(t, logprobs[t], rank) for rank, t in enumerate(order, start=1)]
 
 
-def run_beam_search(params: SamplingParams, vocab_size: int, max_new_tokens: int, prompt: tuple[int, ...] = (5,),
-                    num_top: int | None = None, table=candidates_of, stop_token_ids=(EOS,)) -> BeamSearch:
+def run_beam_search(
+    params: SamplingParams,
+    vocab_size: int,
+    max_new_tokens: int,
+    prompt: tuple[int, ...] = (5,),
+    num_top: int | None = None,
+    table=candidates_of,
+    stop_token_ids=(EOS,),
+) -> BeamSearch:
     ids = itertools.count(1)
     search = BeamSearch(params, "root", lambda: f"beam{next(ids)}", list(stop_token_ids), max_new_tokens)
     while not search.is_done:
-        candidates = {beam.request_id: table(prompt + tuple(beam.token_ids), vocab_size, num_top)
-                      for beam in search.running}
+        candidates = {
+            beam.request_id: table(prompt + tuple(beam.token_ids), vocab_size, num_top) for beam in search.running
+        }
         search.step(candidates)
     return search
 
 
-def brute_force(vocab_size: int, max_new_tokens: int, length_penalty: float, min_tokens: int = 0,
-                prompt: tuple[int, ...] = (5,)) -> list[tuple[float, tuple[int, ...]]]:
+def brute_force(
+    vocab_size: int, max_new_tokens: int, length_penalty: float, min_tokens: int = 0, prompt: tuple[int, ...] = (5,)
+) -> list[tuple[float, tuple[int, ...]]]:
     """Every sequence that ends at EOS or at max_new_tokens, with its score, best first."""
     results = []
 
@@ -69,8 +78,14 @@ def brute_force(vocab_size: int, max_new_tokens: int, length_penalty: float, min
 @pytest.mark.parametrize("min_tokens", [0, 2])
 def test_a_wide_beam_finds_what_enumeration_finds(length_penalty, min_tokens):
     vocab_size, max_new_tokens = 4, 4
-    params = SamplingParams(beam_width=64, n=3, length_penalty=length_penalty, early_stopping="never",
-                            min_tokens=min_tokens, max_tokens=max_new_tokens)
+    params = SamplingParams(
+        beam_width=64,
+        n=3,
+        length_penalty=length_penalty,
+        early_stopping="never",
+        min_tokens=min_tokens,
+        max_tokens=max_new_tokens,
+    )
     search = run_beam_search(params, vocab_size, max_new_tokens)
     expected = brute_force(vocab_size, max_new_tokens, length_penalty, min_tokens)[:3]
     best = search.best(3)
@@ -101,8 +116,9 @@ def test_two_beams_beat_greedy_on_a_crafted_table():
     (best,) = run_beam_search(params, 6, 3, table=crafted_table).best(1)
     assert best.token_ids == [2, 4, EOS]
     assert best.cumulative_logprob == pytest.approx(math.log(0.4 * 0.9))
-    (greedy,) = run_beam_search(SamplingParams(beam_width=1, length_penalty=0.0, max_tokens=3), 6, 3,
-                                table=crafted_table).best(1)
+    (greedy,) = run_beam_search(
+        SamplingParams(beam_width=1, length_penalty=0.0, max_tokens=3), 6, 3, table=crafted_table
+    ).best(1)
     assert greedy.token_ids[0] == 1
 
 

@@ -12,17 +12,20 @@ from tokenriver.errors import InvalidParameterError
 from tokenriver.params import SamplingParams
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"beam_width": 0}, "beam_width"),
-    ({"beam_width": 2, "n": 3}, "n"),
-    ({"beam_width": 2, "temperature": 0.7}, "temperature"),
-    ({"beam_width": 2, "top_p": 0.9}, "top_p"),
-    ({"beam_width": 2, "repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"beam_width": 2, "best_of": 3}, "best_of"),
-    ({"beam_width": 2, "trace": True}, "trace"),
-    ({"early_stopping": "sometimes"}, "early_stopping"),
-    ({"length_penalty": float("nan")}, "length_penalty"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"beam_width": 0}, "beam_width"),
+        ({"beam_width": 2, "n": 3}, "n"),
+        ({"beam_width": 2, "temperature": 0.7}, "temperature"),
+        ({"beam_width": 2, "top_p": 0.9}, "top_p"),
+        ({"beam_width": 2, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"beam_width": 2, "best_of": 3}, "best_of"),
+        ({"beam_width": 2, "trace": True}, "trace"),
+        ({"early_stopping": "sometimes"}, "early_stopping"),
+        ({"length_penalty": float("nan")}, "length_penalty"),
+    ],
+)
 def test_beam_search_params_are_checked(fields, param):
     with pytest.raises(InvalidParameterError) as error:
         SamplingParams(**fields)
@@ -36,13 +39,16 @@ def test_beam_search_params_accept_transformers_values():
     assert not SamplingParams().use_beam_search
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"speculative_draft": "self:x"}, "speculative_draft"),
-    ({"speculative_draft": "self:0"}, "speculative_draft"),
-    ({"speculative_draft": "ngram", "use_kv_cache": False}, "speculative_draft"),
-    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"ngram_min": 5, "ngram_max": 3}, "ngram_min"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"speculative_draft": "self:x"}, "speculative_draft"),
+        ({"speculative_draft": "self:0"}, "speculative_draft"),
+        ({"speculative_draft": "ngram", "use_kv_cache": False}, "speculative_draft"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"ngram_min": 5, "ngram_max": 3}, "ngram_min"),
+    ],
+)
 def test_speculative_config_is_checked(fields, param):
     with pytest.raises(InvalidParameterError) as error:
         EngineConfig(**fields)

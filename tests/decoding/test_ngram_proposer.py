@@ -12,8 +12,8 @@ def brute_force_continuation(token_ids: list[int], ngram_min: int, ngram_max: in
     for n in range(min(ngram_max, len(token_ids) - 1), ngram_min - 1, -1):
         suffix = token_ids[-n:]
         for start in range(len(token_ids) - n - 1, -1, -1):
-            if token_ids[start:start + n] == suffix:
-                return token_ids[start + n:start + n + limit]
+            if token_ids[start : start + n] == suffix:
+                return token_ids[start + n : start + n + limit]
     return []
 
 
@@ -50,5 +50,6 @@ def test_matches_brute_force_on_random_sequences():
         ngram_min = rng.randint(1, 3)
         ngram_max = rng.randint(ngram_min, 5)
         limit = rng.randint(1, 6)
-        assert find_continuation(tokens, ngram_min, ngram_max, limit) == \
-            brute_force_continuation(tokens, ngram_min, ngram_max, limit)
+        assert find_continuation(tokens, ngram_min, ngram_max, limit) == brute_force_continuation(
+            tokens, ngram_min, ngram_max, limit
+        )

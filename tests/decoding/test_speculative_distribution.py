@@ -93,12 +93,19 @@ def speculative_frequencies(params: SamplingParams, deterministic_draft: bool) -
             drafts, draft_probs = [], []
             for _ in range(NUM_DRAFTS):
                 q = draft_row(tuple(chain + drafts))
-                token = int(q.argmax()) if deterministic_draft else int(torch.multinomial(q, 1, generator=draft_generator))
+                token = (
+                    int(q.argmax()) if deterministic_draft else int(torch.multinomial(q, 1, generator=draft_generator))
+                )
                 drafts.append(token)
                 draft_probs.append(q)
             rows += [target_row(tuple(chain + drafts[:j])) for j in range(NUM_DRAFTS + 1)]
-            checks.append(DraftCheck(SamplingState(params, [], list(chain), None, []), drafts,
-                                     None if deterministic_draft else torch.stack(draft_probs)))
+            checks.append(
+                DraftCheck(
+                    SamplingState(params, [], list(chain), None, []),
+                    drafts,
+                    None if deterministic_draft else torch.stack(draft_probs),
+                )
+            )
         for chain, result in zip(running, sampler.verify(torch.stack(rows), checks)):
             chain.extend(sample.token_id for sample in result.samples)
     counts: dict[tuple[int, ...], int] = {}
@@ -122,8 +129,9 @@ CASES = [
 
 @pytest.mark.parametrize("params, deterministic_draft", CASES)
 def test_speculative_sampling_reproduces_the_target_distribution(params, deterministic_draft):
-    distance = total_variation(exact_sequence_distribution(params),
-                               speculative_frequencies(params, deterministic_draft))
+    distance = total_variation(
+        exact_sequence_distribution(params), speculative_frequencies(params, deterministic_draft)
+    )
     assert distance < MAX_TOTAL_VARIATION
 
 
@@ -132,22 +140,28 @@ def test_a_wrong_residual_is_caught(monkeypatch, deterministic_draft):
     """After a rejection, drawing from p (forgetting to subtract q) over-weights the draft's favourites."""
     monkeypatch.setattr(verify_module, "residual_distribution", lambda target, draft: target)
     params = SamplingParams(temperature=1.0)
-    distance = total_variation(exact_sequence_distribution(params),
-                               speculative_frequencies(params, deterministic_draft))
+    distance = total_variation(
+        exact_sequence_distribution(params), speculative_frequencies(params, deterministic_draft)
+    )
     assert distance > MAX_TOTAL_VARIATION
 
 
 def test_greedy_verification_accepts_exactly_the_argmax_prefix():
     sampler = Sampler(torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0.0, logprobs=1)
-    logits = torch.tensor([[0.0, 3.0, 1.0, 0.0],   # argmax 1: draft 1 accepted
-                           [2.0, 0.0, 1.0, 0.0],   # argmax 0: draft 2 rejected, replaced by 0
-                           [0.0, 0.0, 0.0, 5.0]])  # never reached
+    logits = torch.tensor(
+        [
+            [0.0, 3.0, 1.0, 0.0],  # argmax 1: draft 1 accepted
+            [2.0, 0.0, 1.0, 0.0],  # argmax 0: draft 2 rejected, replaced by 0
+            [0.0, 0.0, 0.0, 5.0],
+        ]
+    )  # never reached
     (result,) = sampler.verify(logits, [DraftCheck(SamplingState(params, [], [], None, []), [1, 2])])
     assert [s.token_id for s in result.samples] == [1, 0] and result.num_accepted == 1
     expected = logits[:2].log_softmax(dim=1)
-    assert [s.logprob.logprob for s in result.samples] == pytest.approx([float(expected[0, 1]),
-                                                                        float(expected[1, 0])], abs=1e-6)
+    assert [s.logprob.logprob for s in result.samples] == pytest.approx(
+        [float(expected[0, 1]), float(expected[1, 0])], abs=1e-6
+    )
     (bonus,) = sampler.verify(logits, [DraftCheck(SamplingState(params, [], [], None, []), [1, 0])])
     assert [s.token_id for s in bonus.samples] == [1, 0, 3] and bonus.num_accepted == 2
 
@@ -157,8 +171,7 @@ def test_verification_applies_penalties_with_each_positions_history():
     (generated once before, plus once as the first draft) flips the second row's argmax."""
     sampler = Sampler(torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
-    logits = torch.tensor([[0.0, 5.0, 0.0, 0.0],
-                           [0.0, 3.5, 2.0, 0.0]])
+    logits = torch.tensor([[0.0, 5.0, 0.0, 0.0], [0.0, 3.5, 2.0, 0.0]])
     state = SamplingState(params, [], [1], None, [])
     (result,) = sampler.verify(logits, [DraftCheck(state, [1])])
     # Row 0: 5 - 1 = 4 wins, the draft stands; row 1 sees token 1 twice: 3.5 - 2 = 1.5 < 2, so the bonus is 2.

@@ -36,7 +36,7 @@ def reference_tokens(prompt: list[int], num_tokens: int) -> list[int]:
     context = list(prompt)
     for _ in range(num_tokens):
         context.append(next_token(context))
-    return context[len(prompt):]
+    return context[len(prompt) :]
 
 
 class SlotRunner:
@@ -64,8 +64,9 @@ class SlotRunner:
                 emitted.append(next_token(context))
                 if j == len(scheduled.draft_token_ids) or emitted[-1] != scheduled.draft_token_ids[j]:
                     break
-            results[scheduled.request_id] = RequestStepResult(token_ids=emitted, logprobs=[None] * len(emitted),
-                                                              traces=[None] * len(emitted))
+            results[scheduled.request_id] = RequestStepResult(
+                token_ids=emitted, logprobs=[None] * len(emitted), traces=[None] * len(emitted)
+            )
         return RunnerOutput(results=results)
 
 
@@ -91,15 +92,23 @@ class NoisyOracle:
         pass
 
 
-def run(proposer, prompts: list[list[int]], max_tokens: list[int], *, num_blocks: int = 256,
-        num_speculative_tokens: int = 4, max_num_batched_tokens: int = 64):
+def run(
+    proposer,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    *,
+    num_blocks: int = 256,
+    num_speculative_tokens: int = 4,
+    max_num_batched_tokens: int = 64,
+):
     manager = BlockManager(num_blocks, BLOCK_SIZE)
-    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=512)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=512)
     runner = SlotRunner(num_blocks)
     speculator = Speculator(proposer, num_speculative_tokens)
-    requests = [Request(f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=0.0), [], 0.0)
-                for i, (prompt, m) in enumerate(zip(prompts, max_tokens))]
+    requests = [
+        Request(f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=0.0), [], 0.0)
+        for i, (prompt, m) in enumerate(zip(prompts, max_tokens))
+    ]
     for request in requests:
         scheduler.add_request(request)
     num_known_computed = dict.fromkeys((r.request_id for r in requests), 0)
@@ -170,13 +179,12 @@ def test_drafts_never_overrun_max_tokens_or_a_stop_token():
     stop_token = reference[5]
     manager = BlockManager(64, BLOCK_SIZE)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
-    request = Request("s", prompt, SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_token]),
-                      [], 0.0)
+    request = Request("s", prompt, SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_token]), [], 0.0)
     scheduler.add_request(request)
     runner, speculator = SlotRunner(64), Speculator(NoisyOracle(3), 8)
     while scheduler.has_unfinished_requests():
         speculator.propose(scheduler)
         output = scheduler.schedule()
         scheduler.update(output, runner.execute(output))
-    assert request.output_token_ids == reference[:reference.index(stop_token) + 1]
+    assert request.output_token_ids == reference[: reference.index(stop_token) + 1]
     assert request.finish_reason is FinishReason.STOP and manager.num_used_blocks == 0

@@ -28,11 +28,15 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 def _run(quantization: str, tensor_parallel_size: int, max_tokens: int, **options) -> list:
-    llm = LLM(quantization=quantization, tensor_parallel_size=tensor_parallel_size, num_threads=1,
-              max_num_kv_tokens=2048, **options)
+    llm = LLM(
+        quantization=quantization,
+        tensor_parallel_size=tensor_parallel_size,
+        num_threads=1,
+        max_num_kv_tokens=2048,
+        **options,
+    )
     try:
-        return llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3),
-                            use_tqdm=False)
+        return llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3), use_tqdm=False)
     finally:
         llm.engine.close()
 
@@ -99,8 +103,12 @@ def _is_running(pid: int) -> bool:
 def test_a_killed_engine_takes_its_ranks_with_it(when):
     """SIGKILL runs no exit handler in the engine. The rank it spawned must still end, whether it was loading and
     about to join the group (it would wait out the rendezvous timeout) or waiting for the next plan."""
-    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_THEN_WAIT, when], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE_THEN_WAIT, when],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
     try:
         ranks = [int(pid) for pid in engine.stdout.readline().split()]
         assert ranks, "the engine spawned no rank"
@@ -125,9 +133,14 @@ def test_layout_refuses_more_ranks_than_kv_heads():
         shard_layout(num_heads=9, num_kv_heads=3, intermediate_size=1536, world_size=4, rank=0)
 
 
-@pytest.mark.parametrize("quantize", [lambda w: Int4Linear(quantize_int4(w, 32), backend="reference"),
-                                      lambda w: Int8Linear(quantize_int8(w, 32), backend="reference"),
-                                      lambda w: Int8Linear(quantize_int8(w), backend="reference")])
+@pytest.mark.parametrize(
+    "quantize",
+    [
+        lambda w: Int4Linear(quantize_int4(w, 32), backend="reference"),
+        lambda w: Int8Linear(quantize_int8(w, 32), backend="reference"),
+        lambda w: Int8Linear(quantize_int8(w), backend="reference"),
+    ],
+)
 def test_packed_shards_add_up_to_the_whole_product(quantize):
     """Rows and column blocks of a packed weight, multiplied and summed as the ranks do, equal the whole layer."""
     torch.manual_seed(0)
@@ -148,14 +161,19 @@ def test_float_column_shards_keep_the_bias_once():
     torch.testing.assert_close(total, layer(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("options, param", [
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_addr": "head-node.example:29500"},
-     "tensor_parallel_size"),
-    ({"tensor_parallel_size": 2, "nnodes": 2}, "distributed_init_addr"),
-    ({"nnodes": 2, "node_rank": 2, "distributed_init_addr": "h:1"}, "node_rank"),
-    ({"tensor_parallel_size": 2, "speculative_draft": "ngram"}, "speculative_draft"),
-])
+@pytest.mark.parametrize(
+    "options, param",
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        (
+            {"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_addr": "head-node.example:29500"},
+            "tensor_parallel_size",
+        ),
+        ({"tensor_parallel_size": 2, "nnodes": 2}, "distributed_init_addr"),
+        ({"nnodes": 2, "node_rank": 2, "distributed_init_addr": "h:1"}, "node_rank"),
+        ({"tensor_parallel_size": 2, "speculative_draft": "ngram"}, "speculative_draft"),
+    ],
+)
 def test_parallel_options_are_validated(options, param):
     from tokenriver.config import EngineConfig
 

@@ -9,8 +9,10 @@ import pytest
 from tokenriver.engine.llm import LLM
 from tokenriver.params import SamplingParams
 
-WORDS = ("river token model cache block batch prompt stream engine layer attention sample greedy step "
-         "paris ocean forest mountain city light night code python data").split()
+WORDS = (
+    "river token model cache block batch prompt stream engine layer attention sample greedy step "
+    "paris ocean forest mountain city light night code python data"
+).split()
 
 
 def make_prompts(tokenizer, count: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
@@ -38,8 +40,9 @@ def check_batch_invariance(loaded, count: int, min_len: int, max_len: int, small
     alone = greedy_tokens(alone_llm, prompts, max_tokens)
     batched_llm = LLM.from_loaded(loaded, max_num_seqs=64, max_num_batched_tokens=512, max_num_kv_tokens=1 << 16)
     assert greedy_tokens(batched_llm, prompts, max_tokens) == alone
-    pressured = LLM.from_loaded(loaded, max_num_seqs=64, max_num_batched_tokens=512,
-                                max_num_kv_tokens=small_pool_tokens)
+    pressured = LLM.from_loaded(
+        loaded, max_num_seqs=64, max_num_batched_tokens=512, max_num_kv_tokens=small_pool_tokens
+    )
     assert greedy_tokens(pressured, prompts, max_tokens) == alone
     stats = pressured.engine.scheduler.stats()
     assert stats.num_preempted_total > 0
@@ -76,8 +79,9 @@ def test_prefix_cache_hits_on_shared_prompt(loaded_float32):
 def test_abort_mid_generation_frees_every_block(loaded_float32):
     llm = LLM.from_loaded(loaded_float32, max_num_kv_tokens=4096)
     engine = llm.engine
-    engine.add_request("a", llm.get_tokenizer().encode("Tell me a long story."),
-                       SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.add_request(
+        "a", llm.get_tokenizer().encode("Tell me a long story."), SamplingParams(max_tokens=200, ignore_eos=True)
+    )
     for _ in range(5):
         engine.step()
     assert engine.scheduler.stats().num_blocks_used > 0

@@ -35,8 +35,9 @@ def llm(loaded_float32):
 
 
 def beam_params(k: int, length_penalty: float, early_stopping, **extra) -> SamplingParams:
-    return SamplingParams(beam_width=k, n=k, length_penalty=length_penalty, early_stopping=early_stopping,
-                          max_tokens=MAX_TOKENS, **extra)
+    return SamplingParams(
+        beam_width=k, n=k, length_penalty=length_penalty, early_stopping=early_stopping, max_tokens=MAX_TOKENS, **extra
+    )
 
 
 @pytest.mark.parametrize("k, length_penalty, early_stopping", CONFIGS)
@@ -44,24 +45,37 @@ def test_beam_search_equals_transformers(llm, hf_reference, k, length_penalty, e
     model, hf_tokenizer = hf_reference
     eos = list(llm.get_tokenizer().eos_token_ids)
     # All prompts in one batch: beams of different requests share the steps.
-    outputs = llm.generate([{"prompt_token_ids": hf_tokenizer(p).input_ids} for p in PROMPTS],
-                           beam_params(k, length_penalty, early_stopping), use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": hf_tokenizer(p).input_ids} for p in PROMPTS],
+        beam_params(k, length_penalty, early_stopping),
+        use_tqdm=False,
+    )
     for prompt, output in zip(PROMPTS, outputs):
         ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
-            reference = model.generate(ids, max_new_tokens=MAX_TOKENS, num_beams=k, do_sample=False,
-                                       length_penalty=length_penalty, early_stopping=early_stopping,
-                                       num_return_sequences=k, eos_token_id=eos, pad_token_id=eos[0],
-                                       output_scores=True, return_dict_in_generate=True)
-        expected = [_strip_padding(s[ids.shape[1]:].tolist(), eos) for s in reference.sequences]
+            reference = model.generate(
+                ids,
+                max_new_tokens=MAX_TOKENS,
+                num_beams=k,
+                do_sample=False,
+                length_penalty=length_penalty,
+                early_stopping=early_stopping,
+                num_return_sequences=k,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        expected = [_strip_padding(s[ids.shape[1] :].tolist(), eos) for s in reference.sequences]
         got = [c.token_ids for c in output.outputs]
         assert got[0] == expected[0], f"{prompt!r}: best beam differs"
         assert got == expected, f"{prompt!r}: beams differ"
         assert [c.beam_score for c in output.outputs] == pytest.approx(reference.sequences_scores.tolist(), abs=1e-3)
         for completion in output.outputs:
             length = len(completion.token_ids)
-            assert completion.beam_score == pytest.approx(completion.cumulative_logprob / length ** length_penalty,
-                                                          rel=1e-6)
+            assert completion.beam_score == pytest.approx(
+                completion.cumulative_logprob / length**length_penalty, rel=1e-6
+            )
             ends_at_eos = completion.token_ids[-1] in eos
             assert completion.finish_reason == (FinishReason.STOP if ends_at_eos else FinishReason.LENGTH)
     assert any(c.token_ids[-1] in eos for o in outputs for c in o.outputs), "no hypothesis ended at EOS"
@@ -88,8 +102,9 @@ def test_beams_share_the_prompts_blocks_and_copy_only_the_last(loaded_float32):
         return execute(scheduler_output, draft_probs)
 
     engine.runner.execute = watch
-    (output,) = llm.generate([{"prompt_token_ids": prompt}], beam_params(4, 1.0, "never", ignore_eos=True),
-                             use_tqdm=False)
+    (output,) = llm.generate(
+        [{"prompt_token_ids": prompt}], beam_params(4, 1.0, "never", ignore_eos=True), use_tqdm=False
+    )
     block_size = engine.config.block_size
     prompt_blocks = -(-len(prompt) // block_size)
     # The prompt's blocks once, plus at most two blocks of tail per beam (the partial one and its growth).
@@ -97,8 +112,9 @@ def test_beams_share_the_prompts_blocks_and_copy_only_the_last(loaded_float32):
     assert peak < 2 * prompt_blocks
     assert copies, "forked beams never copied their shared partial block"
     # Prefix caching off and on, and a roomy or a cramped pool, must not change a token.
-    cached = make_llm(loaded_float32).generate([{"prompt_token_ids": prompt}],
-                                               beam_params(4, 1.0, "never", ignore_eos=True), use_tqdm=False)
+    cached = make_llm(loaded_float32).generate(
+        [{"prompt_token_ids": prompt}], beam_params(4, 1.0, "never", ignore_eos=True), use_tqdm=False
+    )
     assert [c.token_ids for c in cached[0].outputs] == [c.token_ids for c in output.outputs]
     assert engine.scheduler.stats().num_blocks_used == 0
 
@@ -115,8 +131,7 @@ def test_beam_requests_in_a_busy_batch_and_under_preemption(loaded_float32, llm)
     for expected, got in zip(alone + plain, mixed):
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
     for expected, got in zip(alone, mixed):
-        assert [c.beam_score for c in got.outputs] == pytest.approx([c.beam_score for c in expected.outputs],
-                                                                    abs=1e-4)
+        assert [c.beam_score for c in got.outputs] == pytest.approx([c.beam_score for c in expected.outputs], abs=1e-4)
     stats = cramped.engine.scheduler.stats()
     assert stats.num_preempted_total > 0
     assert stats.num_blocks_used == 0 and not cramped.engine.has_unfinished_requests()
@@ -131,7 +146,7 @@ def test_beam_logprobs_stop_strings_and_abort(llm):
         assert summed == pytest.approx(completion.cumulative_logprob, abs=1e-5)
         assert all(len(position) <= 3 for position in completion.logprobs)
     text = output.outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     (stopped,) = llm.generate(["Count: 1, 2, 3,"], beam_params(2, 1.0, False, stop=[stop]), use_tqdm=False)
     for completion in stopped.outputs:
         assert stop not in completion.text

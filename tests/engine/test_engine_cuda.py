@@ -58,10 +58,19 @@ def _write_byte_tokenizer(folder: Path, with_eos: bool = True) -> None:
 def folder(tmp_path_factory) -> str:
     transformers = pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("tiny_llama_cuda")
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=None,
-                                      eos_token_id=VOCAB - 1)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=VOCAB - 1,
+    )
     torch.manual_seed(0)
     widen(transformers.LlamaForCausalLM(config), seed=1).save_pretrained(path, safe_serialization=True)
     _write_byte_tokenizer(path)
@@ -106,9 +115,13 @@ def test_greedy_continuations_equal_transformers(folder, reference):
     got = _generate(llm, PROMPTS)
     for ids, tokens in zip(PROMPTS, got):
         with torch.no_grad():
-            out = reference.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=GREEDY.max_tokens,
-                                     min_new_tokens=GREEDY.max_tokens, do_sample=False)
-        assert tokens == out[0, len(ids):].tolist()
+            out = reference.generate(
+                torch.tensor([ids], device=DEVICE),
+                max_new_tokens=GREEDY.max_tokens,
+                min_new_tokens=GREEDY.max_tokens,
+                do_sample=False,
+            )
+        assert tokens == out[0, len(ids) :].tolist()
 
 
 def test_cuda_graphs_replay_what_eager_steps_compute(folder):
@@ -146,9 +159,21 @@ def test_speculative_decoding_keeps_the_greedy_output(folder, draft):
 
 def test_seeded_sampling_with_every_stage_runs_on_the_gpu(folder):
     llm = _engine(folder)
-    params = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
-                            presence_penalty=0.2, frequency_penalty=0.1, logit_bias={5: 2.0}, seed=5, logprobs=3,
-                            ignore_eos=True, trace=True)
+    params = SamplingParams(
+        max_tokens=16,
+        temperature=0.9,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+        frequency_penalty=0.1,
+        logit_bias={5: 2.0},
+        seed=5,
+        logprobs=3,
+        ignore_eos=True,
+        trace=True,
+    )
     first = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0].outputs[0]
     again = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0].outputs[0]
     assert list(first.token_ids) == list(again.token_ids)
@@ -159,8 +184,9 @@ def test_seeded_sampling_with_every_stage_runs_on_the_gpu(folder):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_structured_output_masks_meet_the_logits_on_the_gpu(folder, temperature):
     llm = _engine(folder)
-    params = SamplingParams(max_tokens=12, temperature=temperature, seed=3,
-                            structured_output=StructuredOutput.regex("[a-c]{3}-[0-9]{2}"))
+    params = SamplingParams(
+        max_tokens=12, temperature=temperature, seed=3, structured_output=StructuredOutput.regex("[a-c]{3}-[0-9]{2}")
+    )
     (output,) = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)
     assert re.fullmatch("[a-c]{3}-[0-9]{2}", output.outputs[0].text)
 
@@ -175,10 +201,12 @@ def test_bfloat16_is_the_default_on_the_gpu(folder):
 def test_packed_4_bit_weights_stay_packed_and_match_the_cpu(folder):
     gpu = _engine(folder, quantization="int4")
     layers = [m for m in gpu.engine.loaded.model.modules() if isinstance(m, Int4Linear)]
-    assert layers and all(m.backend == "triton" and m.qweight.is_cuda and m.qweight.dtype == torch.uint8
-                          for m in layers)
-    cpu = LLM(folder, device="cpu", dtype="float32", quantization="int4", reference_numerics=True,
-              max_num_kv_tokens=4096)
+    assert layers and all(
+        m.backend == "triton" and m.qweight.is_cuda and m.qweight.dtype == torch.uint8 for m in layers
+    )
+    cpu = LLM(
+        folder, device="cpu", dtype="float32", quantization="int4", reference_numerics=True, max_num_kv_tokens=4096
+    )
     assert _generate(gpu, PROMPTS) == _generate(cpu, PROMPTS)
 
 
@@ -204,9 +232,13 @@ def test_windows_soft_capping_and_experts_match_transformers(kind, tmp_path):
     prompts = [ids[:40] for ids in PROMPTS[2:]]
     for ids, tokens in zip(prompts, _generate(llm, prompts)):
         with torch.no_grad():
-            out = reference.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=GREEDY.max_tokens,
-                                     min_new_tokens=GREEDY.max_tokens, do_sample=False)
-        assert tokens == out[0, len(ids):].tolist()
+            out = reference.generate(
+                torch.tensor([ids], device=DEVICE),
+                max_new_tokens=GREEDY.max_tokens,
+                min_new_tokens=GREEDY.max_tokens,
+                do_sample=False,
+            )
+        assert tokens == out[0, len(ids) :].tolist()
     graphs = llm.engine.runner.graphs
     assert graphs.num_graphs > 0 if kind.startswith("gemma") else not graphs.enabled
 
@@ -217,7 +249,9 @@ def test_no_native_cpu_kernel_is_built_or_called_on_the_gpu_path(folder):
         f"llm = LLM({folder!r}, device='cuda', max_num_kv_tokens=4096)\n"
         "llm.generate([{'prompt_token_ids': [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0.7, seed=1))\n"
         "from tokenriver.models.cpu.kernels import load_kernels\n"
-        "sys.exit(load_kernels.cache_info().currsize)\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ.copy(),
-                            timeout=300)
+        "sys.exit(load_kernels.cache_info().currsize)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=os.environ.copy(), timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]

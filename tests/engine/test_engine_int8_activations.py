@@ -86,8 +86,10 @@ def test_a_setting_without_effect_is_refused(default_model_path, loaded_packed):
         LLM.from_loaded(loaded_packed, int8_activations=True)
 
 
-@pytest.mark.skipif(load_kernels() is None or not (load_kernels().gemm_amx or load_kernels().gemm_int8),
-                    reason="the argmax product needs AVX512-VNNI or AMX tiles")
+@pytest.mark.skipif(
+    load_kernels() is None or not (load_kernels().gemm_amx or load_kernels().gemm_int8),
+    reason="the argmax product needs AVX512-VNNI or AMX tiles",
+)
 def test_greedy_batches_skip_the_logits_and_pick_the_same_tokens(loaded_int8_activations):
     """More than max_gemv_rows plain greedy rows: the runner takes the output projection's per-row reductions
     (NativeStack.greedy_reductions), not logits. Tokens as with logits, logprobs within float rounding."""
@@ -99,11 +101,13 @@ def test_greedy_batches_skip_the_logits_and_pick_the_same_tokens(loaded_int8_act
     try:
         # A fresh engine each: a cached prefix would change which products (and so which rounding) a step runs.
         reduced = LLM.from_loaded(loaded_int8_activations).generate(
-            prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+            prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False
+        )
         assert calls and max(calls) == 12
         del calls[:]
         with_logits = LLM.from_loaded(loaded_int8_activations).generate(
-            prompts, SamplingParams(max_tokens=8, temperature=0.0, logprobs=1), use_tqdm=False)
+            prompts, SamplingParams(max_tokens=8, temperature=0.0, logprobs=1), use_tqdm=False
+        )
         assert calls == []  # logprobs asked for: the logits path
     finally:
         del head.argmax_logsumexp

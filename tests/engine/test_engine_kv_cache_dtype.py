@@ -36,10 +36,16 @@ def test_an_int8_pool_holds_nearly_four_times_the_tokens(loaded_packed):
 def test_a_narrow_pool_keeps_batch_invariance(loaded_packed, kv_cache_dtype):
     prompts = make_prompts(loaded_packed.tokenizer, 12, 10, 150, seed=4)
     max_tokens = [6 + 3 * (i % 5) for i in range(len(prompts))]
-    alone = LLM.from_loaded(loaded_packed, kv_cache_dtype=kv_cache_dtype, max_num_seqs=1, max_num_kv_tokens=256,
-                            enable_prefix_caching=False)
-    batched = LLM.from_loaded(loaded_packed, kv_cache_dtype=kv_cache_dtype, max_num_seqs=64,
-                              max_num_batched_tokens=256, max_num_kv_tokens=1 << 14)
+    alone = LLM.from_loaded(
+        loaded_packed, kv_cache_dtype=kv_cache_dtype, max_num_seqs=1, max_num_kv_tokens=256, enable_prefix_caching=False
+    )
+    batched = LLM.from_loaded(
+        loaded_packed,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        max_num_kv_tokens=1 << 14,
+    )
     assert greedy_tokens(batched, prompts, max_tokens) == greedy_tokens(alone, prompts, max_tokens)
 
 
@@ -75,5 +81,6 @@ def test_a_bfloat16_pool_runs_on_the_torch_attention_path(loaded_packed):
     (narrow,) = bf16.generate([prompt], params, use_tqdm=False)
     first = wide.outputs[0].token_ids[0]
     assert narrow.outputs[0].token_ids[0] == first
-    assert narrow.outputs[0].logprobs[0][first].logprob == pytest.approx(wide.outputs[0].logprobs[0][first].logprob,
-                                                                         abs=0.1)
+    assert narrow.outputs[0].logprobs[0][first].logprob == pytest.approx(
+        wide.outputs[0].logprobs[0][first].logprob, abs=0.1
+    )

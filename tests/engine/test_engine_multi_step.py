@@ -36,10 +36,12 @@ def test_multi_step_gives_the_tokens_and_text_of_single_steps(loaded_float32):
 
 def test_multi_step_leaves_other_sampling_to_single_steps(loaded_float32):
     # A seeded temperature request in the batch: its steps take one pass, and nothing changes for anyone.
-    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.0, stop=["\n"])]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, stop=["\n"]),
+    ]
     single, _ = run(loaded_float32, 1, params)
     multi, multi_llm = run(loaded_float32, 4, params)
     assert multi == single
@@ -50,8 +52,10 @@ def test_multi_step_with_int8_activations_and_kv(default_model_path):
     # The benchmarks' configuration: the native decoder and the fused argmax product, 8 passes a step.
     loaded = load_model(default_model_path, quantization="int8", int8_activations=True)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (7, 16, 3, 11)]
-    llms = [LLM.from_loaded(loaded, max_num_kv_tokens=4096, kv_cache_dtype="int8", num_scheduler_steps=steps)
-            for steps in (1, 8)]
+    llms = [
+        LLM.from_loaded(loaded, max_num_kv_tokens=4096, kv_cache_dtype="int8", num_scheduler_steps=steps)
+        for steps in (1, 8)
+    ]
     single, multi = ([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] for llm in llms)
     assert multi == single
 
@@ -78,11 +82,14 @@ def test_queued_passes_give_the_tokens_and_logprobs_of_single_steps(default_mode
     assert queued.engine.scheduler.stats().num_blocks_used == 0
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"num_scheduler_steps": 0}, "num_scheduler_steps=0 must be an integer >= 1"),
-    ({"num_scheduler_steps": 4, "speculative_draft": "ngram"}, "does not combine with speculative decoding"),
-    ({"num_scheduler_steps": 4, "use_kv_cache": False}, "needs use_kv_cache"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"num_scheduler_steps": 0}, "num_scheduler_steps=0 must be an integer >= 1"),
+        ({"num_scheduler_steps": 4, "speculative_draft": "ngram"}, "does not combine with speculative decoding"),
+        ({"num_scheduler_steps": 4, "use_kv_cache": False}, "needs use_kv_cache"),
+    ],
+)
 def test_bad_multi_step_settings_are_refused(options, message):
     with pytest.raises(InvalidParameterError, match=message) as error:
         EngineConfig(**options)

@@ -34,7 +34,7 @@ def test_greedy_continuations_match_transformers(llm, hf_reference):
         ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
         assert output.prompt_token_ids == ids[0].tolist()
         with torch.inference_mode():
-            reference = model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+            reference = model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1] :].tolist()
         # Both stop at the first end-of-sequence token (ours knows every EOS id the model declares).
         end = next((i + 1 for i, token in enumerate(reference) if token in eos), len(reference))
         expected, got = reference[:end], output.outputs[0].token_ids
@@ -52,11 +52,14 @@ def test_cached_and_uncached_decoding_agree(loaded_float32, llm):
 
 
 def test_chat_applies_template_and_stops_at_end_of_turn(llm):
-    (output,) = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=64, temperature=0.0),
-                         use_tqdm=False)
+    (output,) = llm.chat(
+        [{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False
+    )
     completion = output.outputs[0]
-    assert output.prompt_token_ids[-3:] == llm.get_tokenizer().encode("<|im_start|>assistant\n",
-                                                                       add_special_tokens=False)[-3:]
+    assert (
+        output.prompt_token_ids[-3:]
+        == llm.get_tokenizer().encode("<|im_start|>assistant\n", add_special_tokens=False)[-3:]
+    )
     assert completion.text.strip()
     assert completion.finish_reason.value == "stop"
     assert "<|im_end|>" not in completion.text

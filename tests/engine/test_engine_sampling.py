@@ -31,8 +31,9 @@ def test_same_seed_same_tokens_alone_and_in_a_batch(llm):
 
 
 def test_n_returns_that_many_candidates(llm):
-    (output,) = llm.generate([PROMPT], SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True),
-                             use_tqdm=False)
+    (output,) = llm.generate(
+        [PROMPT], SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True), use_tqdm=False
+    )
     assert [c.index for c in output.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 12 for c in output.outputs)
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1
@@ -41,8 +42,11 @@ def test_n_returns_that_many_candidates(llm):
 def test_best_of_returns_the_most_likely_candidate(llm):
     params = SamplingParams(n=1, best_of=4, temperature=1.0, max_tokens=10, seed=3, logprobs=0, ignore_eos=True)
     (best,) = llm.generate([PROMPT], params, use_tqdm=False)
-    (everything,) = llm.generate([PROMPT], SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=3, logprobs=0,
-                                                          ignore_eos=True), use_tqdm=False)
+    (everything,) = llm.generate(
+        [PROMPT],
+        SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=3, logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert len(best.outputs) == 1
     chosen = best.outputs[0]
     summed = sum(position[token].logprob for token, position in zip(chosen.token_ids, chosen.logprobs))
@@ -53,15 +57,19 @@ def test_best_of_returns_the_most_likely_candidate(llm):
 def test_stop_string_is_cut_and_reported(llm):
     (free,) = llm.generate(["Count: 1, 2, 3,"], SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
     text = free.outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
-    (stopped,) = llm.generate(["Count: 1, 2, 3,"], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop]),
-                              use_tqdm=False)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    (stopped,) = llm.generate(
+        ["Count: 1, 2, 3,"], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop]), use_tqdm=False
+    )
     completion = stopped.outputs[0]
     assert completion.finish_reason == FinishReason.STOP and completion.stop_reason == stop
-    assert completion.text == text[:text.index(stop)]
-    (kept,) = llm.generate(["Count: 1, 2, 3,"], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop],
-                                                               include_stop_str_in_output=True), use_tqdm=False)
-    assert kept.outputs[0].text == text[:text.index(stop) + len(stop)]
+    assert completion.text == text[: text.index(stop)]
+    (kept,) = llm.generate(
+        ["Count: 1, 2, 3,"],
+        SamplingParams(max_tokens=20, temperature=0.0, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
+    assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
 
 
 def test_streamed_deltas_equal_final_text(llm):

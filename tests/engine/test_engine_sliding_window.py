@@ -30,9 +30,14 @@ def loaded(tmp_path_factory, loaded_float32) -> LoadedModel:
     tiny_gemma("gemma3").save_pretrained(folder, safe_serialization=True)
     model = load_folder(str(folder))
     parameters = {p.data_ptr(): p for p in model.parameters()}.values()
-    return LoadedModel(model=model, config=model.config, tokenizer=loaded_float32.tokenizer, path=str(folder),
-                       num_parameters=sum(p.numel() for p in parameters),
-                       num_bytes=sum(p.numel() * p.element_size() for p in parameters))
+    return LoadedModel(
+        model=model,
+        config=model.config,
+        tokenizer=loaded_float32.tokenizer,
+        path=str(folder),
+        num_parameters=sum(p.numel() for p in parameters),
+        num_bytes=sum(p.numel() * p.element_size() for p in parameters),
+    )
 
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -9,8 +9,10 @@ from tokenriver.config import EngineConfig
 from tokenriver.engine.llm import LLM
 from tokenriver.params import SamplingParams
 
-TEXT = ("The river carries the tokens downstream. Each token is a small boat; the cache is the harbour where "
-        "the boats rest, and the scheduler decides which boats sail at every step.")
+TEXT = (
+    "The river carries the tokens downstream. Each token is a small boat; the cache is the harbour where "
+    "the boats rest, and the scheduler decides which boats sail at every step."
+)
 CODE = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n"
 # Input-grounded prompts, where n-gram drafts hit, and open ones, where they mostly miss.
 PROMPTS = [
@@ -24,8 +26,9 @@ PROMPTS = [
 
 def make_llm(loaded, **options) -> LLM:
     # One thread: on a shared 2-core machine a second OpenMP thread that loses its core stalls every op.
-    return LLM.from_loaded(loaded, **{"max_num_kv_tokens": 8192, "max_num_batched_tokens": 96, "num_threads": 1,
-                                      **options})
+    return LLM.from_loaded(
+        loaded, **{"max_num_kv_tokens": 8192, "max_num_batched_tokens": 96, "num_threads": 1, **options}
+    )
 
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, logprobs=3)

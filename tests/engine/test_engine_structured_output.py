@@ -14,9 +14,15 @@ import jsonschema
 from tokenriver.engine.llm import LLM
 from tokenriver.params import SamplingParams, StructuredOutput
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 CONSTRAINED = SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput.json(SCHEMA))
 PLAIN = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPT = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -27,8 +33,7 @@ def _texts(llm: LLM, conversations: list, params: list[SamplingParams]) -> list[
 
 
 def test_constrained_output_is_the_same_alone_batched_multi_step_and_cached(loaded_float32):
-    alone = LLM.from_loaded(loaded_float32, max_num_kv_tokens=2048, enable_prefix_caching=False,
-                            num_scheduler_steps=1)
+    alone = LLM.from_loaded(loaded_float32, max_num_kv_tokens=2048, enable_prefix_caching=False, num_scheduler_steps=1)
     (reference,) = _texts(alone, [PROMPT], [CONSTRAINED])
     jsonschema.validate(json.loads(reference), SCHEMA)
     others = [[{"role": "user", "content": "Count to ten."}], [{"role": "user", "content": "Name a color."}]]
@@ -45,10 +50,12 @@ def test_constrained_output_is_the_same_alone_batched_multi_step_and_cached(load
 def test_n_candidates_and_beams_all_match_the_constraint(loaded_float32):
     llm = LLM.from_loaded(loaded_float32, max_num_kv_tokens=2048)
     pattern = r"[0-9]{3}-[0-9]{4}"
-    sampled = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12,
-                             structured_output=StructuredOutput.regex(pattern))
-    beams = SamplingParams(n=2, beam_width=3, temperature=0.0, max_tokens=12,
-                           structured_output=StructuredOutput.regex(pattern))
+    sampled = SamplingParams(
+        n=3, temperature=1.0, seed=1, max_tokens=12, structured_output=StructuredOutput.regex(pattern)
+    )
+    beams = SamplingParams(
+        n=2, beam_width=3, temperature=0.0, max_tokens=12, structured_output=StructuredOutput.regex(pattern)
+    )
     for params in (sampled, beams):
         (output,) = llm.generate(["My phone number is"], params, use_tqdm=False)
         assert len(output.outputs) == params.n
@@ -60,8 +67,9 @@ def test_n_candidates_and_beams_all_match_the_constraint(loaded_float32):
 def test_constrained_output_survives_preemption(loaded_float32):
     alone = LLM.from_loaded(loaded_float32, max_num_kv_tokens=2048)
     (reference,) = _texts(alone, [PROMPT], [CONSTRAINED])
-    cramped = LLM.from_loaded(loaded_float32, max_num_kv_tokens=128, max_num_batched_tokens=32, max_num_seqs=8,
-                              enable_prefix_caching=False)  # three copies of one prompt would share blocks
+    cramped = LLM.from_loaded(
+        loaded_float32, max_num_kv_tokens=128, max_num_batched_tokens=32, max_num_seqs=8, enable_prefix_caching=False
+    )  # three copies of one prompt would share blocks
     texts = _texts(cramped, [PROMPT] * 3, [CONSTRAINED] * 3)
     assert texts == [reference] * 3
     assert cramped.engine.scheduler.stats().num_preempted_total > 0

@@ -19,10 +19,18 @@ from tokenriver.errors import InvalidParameterError
 from tokenriver.params import SamplingParams, StructuredOutput
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string", "maxLength": 20}},
-                                                "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -35,7 +43,8 @@ HERMES_TEMPLATE = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n{% if message.tool_calls %}"
     "{% for call in message.tool_calls %}<tool_call>\n{{ call.function | tojson }}\n</tool_call>{% endfor %}"
     "{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +55,14 @@ def llm(loaded_packed) -> LLM:
 @pytest.fixture(scope="module")
 def hermes_llm(loaded_packed) -> LLM:
     tokenizer = loaded_packed.tokenizer
-    hermes = Tokenizer(BackendTokenizer.from_str(tokenizer.to_json()), bos_token_id=tokenizer.bos_token_id,
-                       eos_token_ids=tokenizer.eos_token_ids, chat_template=HERMES_TEMPLATE,
-                       special_token_strings={}, vocab_size=tokenizer.vocab_size)
+    hermes = Tokenizer(
+        BackendTokenizer.from_str(tokenizer.to_json()),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+        chat_template=HERMES_TEMPLATE,
+        special_token_strings={},
+        vocab_size=tokenizer.vocab_size,
+    )
     return LLM.from_loaded(dataclasses.replace(loaded_packed, tokenizer=hermes), max_num_kv_tokens=4096)
 
 
@@ -93,15 +107,28 @@ def test_hermes_template_required_and_auto(hermes_llm):
         assert "<tool_call>" not in completion.text and completion.content == completion.text
 
 
-@pytest.mark.parametrize("kwargs, param, words", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "not among the tools"),
-    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", '"required"'),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name", "name"),
-    ({"tools": TOOLS, "tool_choice": "required", "sampling_params": SamplingParams(
-        structured_output=StructuredOutput.json_object())}, "tool_choice", "sampling_params.structured_output"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param, words",
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not among the tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", '"required"'),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name", "name"),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "sampling_params": SamplingParams(structured_output=StructuredOutput.json_object()),
+            },
+            "tool_choice",
+            "sampling_params.structured_output",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_refused(llm, kwargs, param, words):
     with pytest.raises(InvalidParameterError) as error:
         llm.chat(ASK, use_tqdm=False, **kwargs)

@@ -19,15 +19,21 @@ def llm(loaded_packed) -> LLM:
 def test_a_text_prompt_dict_runs_like_the_string_and_its_token_ids(llm):
     text = "The river flows"
     ids = llm.get_tokenizer().encode(text)
-    from_string, from_dict, from_ids = llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}], GREEDY,
-                                                    use_tqdm=False)
+    from_string, from_dict, from_ids = llm.generate(
+        [text, {"prompt": text}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False
+    )
     assert from_dict.prompt == text and from_dict.prompt_token_ids == ids
     assert from_string.outputs[0].token_ids == from_dict.outputs[0].token_ids == from_ids.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("prompt, match", [({"text": "hi"}, r"prompts\[1\].*keys \['text'\]"),
-                                           ({"prompt": 3}, r"prompts\[1\].*'prompt' \(a string\)"),
-                                           (7, r"prompts\[1\].*not int")])
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ({"text": "hi"}, r"prompts\[1\].*keys \['text'\]"),
+        ({"prompt": 3}, r"prompts\[1\].*'prompt' \(a string\)"),
+        (7, r"prompts\[1\].*not int"),
+    ],
+)
 def test_a_prompt_of_another_form_is_refused_and_nothing_stays_queued(llm, prompt, match):
     with pytest.raises(InvalidParameterError, match=match):
         llm.generate(["fine", prompt], GREEDY, use_tqdm=False)

@@ -16,8 +16,11 @@ TINY = dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=256,
 
 def llamacpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """What convert_hf_to_gguf.py does to attn_q/attn_k rows of llama models (interleave each head's halves)."""
-    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def encode(values: np.ndarray, qtype: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
@@ -43,9 +46,15 @@ def stored_values(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndar
     return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
 
 
-def write_gguf(path: str, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]], *,
-               arch: str = "llama", num_layers: int = 1, extra: dict[str, object] | None = None,
-               rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+def write_gguf(
+    path: str,
+    tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]],
+    *,
+    arch: str = "llama",
+    num_layers: int = 1,
+    extra: dict[str, object] | None = None,
+    rng: np.random.Generator | None = None,
+) -> dict[str, np.ndarray]:
     """Write a GGUF with TINY metadata and the given tensors (numpy [out, in] order, already llama.cpp-permuted).
 
     Returns each tensor's stored data as written (bytes for quantized types).
@@ -88,20 +97,30 @@ def write_gguf(path: str, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantiza
     return written
 
 
-def tiny_llama_tensors(types: list[gguf.GGMLQuantizationType], rng: np.random.Generator,
-                       ) -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]:
+def tiny_llama_tensors(
+    types: list[gguf.GGMLQuantizationType],
+    rng: np.random.Generator,
+) -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]:
     """token_embd plus one block of 2-D weights per 7 types (and F32 norms), cycling through `types`.
 
     Weights are in Hugging Face row order; attn_q/attn_k get llama.cpp's permutation as the converter does.
     """
     hidden, ffn, vocab = TINY["hidden_size"], TINY["intermediate_size"], TINY["vocab_size"]
     kv = TINY["num_kv_heads"] * hidden // TINY["num_heads"]
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
-              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
-              "ffn_down": (hidden, ffn)}
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv, hidden),
+        "attn_v": (kv, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (ffn, hidden),
+        "ffn_up": (ffn, hidden),
+        "ffn_down": (hidden, ffn),
+    }
     types = list(types)
-    tensors = {"token_embd.weight": (rng.standard_normal((vocab, hidden)).astype(np.float32), types.pop(0)),
-               "output_norm.weight": (rng.standard_normal(hidden).astype(np.float32), Q.F32)}
+    tensors = {
+        "token_embd.weight": (rng.standard_normal((vocab, hidden)).astype(np.float32), types.pop(0)),
+        "output_norm.weight": (rng.standard_normal(hidden).astype(np.float32), Q.F32),
+    }
     layer = 0
     while types:
         tensors[f"blk.{layer}.attn_norm.weight"] = (rng.standard_normal(hidden).astype(np.float32), Q.F32)
@@ -178,17 +197,32 @@ def encode_iq4_xs(values: np.ndarray) -> np.ndarray:
     scales_h = (high << (2 * np.arange(8, dtype=np.uint16))).sum(axis=-1, dtype=np.uint16)[..., None]  # [N, B, 1]
     low = (ls & 15).astype(np.uint8)
     scales_l = low[..., 0::2] | (low[..., 1::2] << 4)  # [N, B, 4]
-    blocks = np.concatenate((_f16_bytes(d), np.ascontiguousarray(scales_h).view(np.uint8), scales_l,
-                             _pack_nibbles(codes).reshape(rows, -1, 128)), axis=-1)  # [N, B, 136]
+    blocks = np.concatenate(
+        (
+            _f16_bytes(d),
+            np.ascontiguousarray(scales_h).view(np.uint8),
+            scales_l,
+            _pack_nibbles(codes).reshape(rows, -1, 128),
+        ),
+        axis=-1,
+    )  # [N, B, 136]
     return blocks.reshape(rows, -1)
 
 
 # Byte offsets of the float16 factors of types encoded as random codes below, and a factor that keeps the
 # weights around 0.1 (the largest code times the largest sub-scale, inverted).
-_SCALE_OFFSETS = {Q.Q2_K: ((80, 82), 0.1 / 45), Q.Q3_K: ((108,), 0.1 / 128), Q.Q5_K: ((0, 2), 0.1 / 1953),
-                  Q.Q6_K: ((208,), 0.1 / 4096), Q.IQ2_XXS: ((0,), 0.1 / 150), Q.IQ2_XS: ((0,), 0.1 / 150),
-                  Q.IQ2_S: ((0,), 0.1 / 150), Q.IQ3_XXS: ((0,), 0.1 / 500), Q.IQ3_S: ((0,), 0.1 / 480),
-                  Q.IQ1_S: ((0,), 0.1 / 15)}
+_SCALE_OFFSETS = {
+    Q.Q2_K: ((80, 82), 0.1 / 45),
+    Q.Q3_K: ((108,), 0.1 / 128),
+    Q.Q5_K: ((0, 2), 0.1 / 1953),
+    Q.Q6_K: ((208,), 0.1 / 4096),
+    Q.IQ2_XXS: ((0,), 0.1 / 150),
+    Q.IQ2_XS: ((0,), 0.1 / 150),
+    Q.IQ2_S: ((0,), 0.1 / 150),
+    Q.IQ3_XXS: ((0,), 0.1 / 500),
+    Q.IQ3_S: ((0,), 0.1 / 480),
+    Q.IQ1_S: ((0,), 0.1 / 15),
+}
 RANDOM_CODED = frozenset(_SCALE_OFFSETS)
 
 
@@ -199,7 +233,7 @@ def random_codes(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, rng: np
     offsets, magnitude = _SCALE_OFFSETS[qtype]
     for offset in offsets:
         factor = rng.uniform(0.5, 1.0, size=blocks.shape[:2] + (1,)) * magnitude
-        blocks[:, :, offset:offset + 2] = _f16_bytes(factor)
+        blocks[:, :, offset : offset + 2] = _f16_bytes(factor)
     return blocks.reshape(rows, -1)
 
 

@@ -19,8 +19,13 @@ from tokenriver.loader.load import load_model
 from tokenriver.models.quant import Int4Weight, Int8Weight
 
 Q = gguf.GGMLQuantizationType
-TEXTS = ["Hello, world!", "The capital of France is", "  spaces\tand\nnewlines 12345",
-         "<|im_start|>user\nHi<|im_end|>", "naïve café — 東京 🚀"]
+TEXTS = [
+    "Hello, world!",
+    "The capital of France is",
+    "  spaces\tand\nnewlines 12345",
+    "<|im_start|>user\nHi<|im_end|>",
+    "naïve café — 東京 🚀",
+]
 
 
 class ReaderCalls:
@@ -63,8 +68,9 @@ def tiny_model(path: str, name: str = "tiny test model A", seed: int = 0) -> Non
 
 
 @pytest.mark.parametrize("keep_quantized", [True, False], ids=["packed", "float"])
-def test_cached_read_equals_parsed_read_of_the_embedded_model(default_model_path, tmp_path, reader_calls,
-                                                              keep_quantized):
+def test_cached_read_equals_parsed_read_of_the_embedded_model(
+    default_model_path, tmp_path, reader_calls, keep_quantized
+):
     parsed = read_gguf(default_model_path, keep_quantized=keep_quantized, cache_dir=str(tmp_path))
     assert reader_calls.count == 1
     assert os.path.isfile(gguf_cache.entry_path(default_model_path, str(tmp_path)))
@@ -178,8 +184,10 @@ def corrupt_list(entry: dict, text: str) -> str:
     return "[]"
 
 
-@pytest.mark.parametrize("corrupt", [corrupt_not_json, corrupt_offset, corrupt_shape, corrupt_type, corrupt_format,
-                                     corrupt_fields, corrupt_list])
+@pytest.mark.parametrize(
+    "corrupt",
+    [corrupt_not_json, corrupt_offset, corrupt_shape, corrupt_type, corrupt_format, corrupt_fields, corrupt_list],
+)
 def test_a_corrupt_entry_falls_back_to_parsing_and_is_rewritten(tmp_path, reader_calls, caplog, corrupt):
     path = str(tmp_path / "model.gguf")
     tiny_model(path)

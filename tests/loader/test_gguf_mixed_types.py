@@ -39,8 +39,13 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
     return model.compute_logits(hidden)  # [T, vocab]
 
 
-def _write(tmp_path, name: str, embedding: gguf.GGMLQuantizationType, layers: list[gguf.GGMLQuantizationType],
-           output: gguf.GGMLQuantizationType | None = None) -> str:
+def _write(
+    tmp_path,
+    name: str,
+    embedding: gguf.GGMLQuantizationType,
+    layers: list[gguf.GGMLQuantizationType],
+    output: gguf.GGMLQuantizationType | None = None,
+) -> str:
     rng = np.random.default_rng(len(name))
     tensors = tiny_llama_tensors([embedding, *layers], rng)
     if output is not None:

@@ -42,11 +42,18 @@ def test_every_supported_type_loads_as_ggufs_dequantization(tmp_path):
         elif ".attn_k." in name:
             expected = hf_row_order(expected, TINY["num_kv_heads"])
         hf_name = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}.get(
-            name, name.replace("blk.", "model.layers.").replace("attn_norm", "input_layernorm")
-            .replace("ffn_norm", "post_attention_layernorm").replace("attn_q", "self_attn.q_proj")
-            .replace("attn_k", "self_attn.k_proj").replace("attn_v", "self_attn.v_proj")
-            .replace("attn_output", "self_attn.o_proj").replace("ffn_gate", "mlp.gate_proj")
-            .replace("ffn_up", "mlp.up_proj").replace("ffn_down", "mlp.down_proj"))
+            name,
+            name.replace("blk.", "model.layers.")
+            .replace("attn_norm", "input_layernorm")
+            .replace("ffn_norm", "post_attention_layernorm")
+            .replace("attn_q", "self_attn.q_proj")
+            .replace("attn_k", "self_attn.k_proj")
+            .replace("attn_v", "self_attn.v_proj")
+            .replace("attn_output", "self_attn.o_proj")
+            .replace("ffn_gate", "mlp.gate_proj")
+            .replace("ffn_up", "mlp.up_proj")
+            .replace("ffn_down", "mlp.down_proj"),
+        )
         got = checkpoint.weights[hf_name]
         assert got.dtype == torch.float32 and tuple(got.shape) == values.shape, name
         np.testing.assert_array_equal(got.numpy(), expected, err_msg=f"{name} ({qtype.name})")
@@ -63,11 +70,20 @@ def test_quantized_weights_stay_close_to_the_originals(tmp_path):
     path = str(tmp_path / "roundtrip.gguf")
     write_gguf(path, tensors, num_layers=1, rng=rng)
     weights = read_gguf(path).weights
-    names = ["model.embed_tokens.weight"] + [f"model.layers.0.{part}.weight" for part in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj")]
-    gguf_names = ["token_embd.weight"] + [f"blk.0.{p}.weight" for p in
-                                          ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")]
+    names = ["model.embed_tokens.weight"] + [
+        f"model.layers.0.{part}.weight"
+        for part in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        )
+    ]
+    gguf_names = ["token_embd.weight"] + [
+        f"blk.0.{p}.weight" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")
+    ]
     for qtype, name, gguf_name in zip(types, names, gguf_names):
         original = tensors[gguf_name][0]
         if "attn_q" in gguf_name:
@@ -89,8 +105,9 @@ def test_qk_rows_are_put_back_in_hugging_face_order(tmp_path):
     k = weights["model.layers.0.self_attn.k_proj.weight"].numpy()
     np.testing.assert_array_equal(llamacpp_permute(q, TINY["num_heads"]), tensors["blk.0.attn_q.weight"][0])
     np.testing.assert_array_equal(llamacpp_permute(k, TINY["num_kv_heads"]), tensors["blk.0.attn_k.weight"][0])
-    np.testing.assert_array_equal(weights["model.layers.0.self_attn.v_proj.weight"].numpy(),
-                                  tensors["blk.0.attn_v.weight"][0])
+    np.testing.assert_array_equal(
+        weights["model.layers.0.self_attn.v_proj.weight"].numpy(), tensors["blk.0.attn_v.weight"][0]
+    )
 
 
 def test_metadata_maps_onto_model_config(tmp_path):
@@ -100,9 +117,17 @@ def test_metadata_maps_onto_model_config(tmp_path):
     write_gguf(path, tensors, rng=rng)
     config = read_gguf(path).config
     assert (config.architecture, config.vocab_size, config.hidden_size, config.intermediate_size) == (
-        "llama", TINY["vocab_size"], TINY["hidden_size"], TINY["intermediate_size"])
+        "llama",
+        TINY["vocab_size"],
+        TINY["hidden_size"],
+        TINY["intermediate_size"],
+    )
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
-        1, TINY["num_heads"], TINY["num_kv_heads"], HEAD_DIM)
+        1,
+        TINY["num_heads"],
+        TINY["num_kv_heads"],
+        HEAD_DIM,
+    )
     assert config.rope_theta == 10000.0 and config.rope_scaling is None
     assert config.rms_norm_eps == pytest.approx(1e-5)
     assert config.max_position_embeddings == TINY["context_length"]
@@ -113,8 +138,10 @@ def test_metadata_maps_onto_model_config(tmp_path):
 def test_separate_output_and_rope_scaling(tmp_path):
     rng = np.random.default_rng(5)
     tensors = tiny_llama_tensors([Q.F32] * 8, rng)
-    tensors["output.weight"] = (rng.standard_normal((TINY["vocab_size"], TINY["hidden_size"])).astype(np.float32),
-                                Q.F32)
+    tensors["output.weight"] = (
+        rng.standard_normal((TINY["vocab_size"], TINY["hidden_size"])).astype(np.float32),
+        Q.F32,
+    )
     factors = np.linspace(1.0, 8.0, HEAD_DIM // 2, dtype=np.float32)
     tensors["rope_freqs.weight"] = (factors, Q.F32)
     path = str(tmp_path / "llama3.gguf")
@@ -126,8 +153,12 @@ def test_separate_output_and_rope_scaling(tmp_path):
     assert not any("rope" in name for name in checkpoint.weights)
 
     linear_path = str(tmp_path / "linear.gguf")
-    write_gguf(linear_path, tiny_llama_tensors([Q.F32] * 8, rng), rng=rng,
-               extra={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0})
+    write_gguf(
+        linear_path,
+        tiny_llama_tensors([Q.F32] * 8, rng),
+        rng=rng,
+        extra={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+    )
     assert read_gguf(linear_path).config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
@@ -141,24 +172,31 @@ def test_qwen2_keeps_row_order_and_reads_qkv_bias(tmp_path):
     write_gguf(path, tensors, arch="qwen2", rng=rng)
     checkpoint = read_gguf(path)
     assert checkpoint.config.architecture == "qwen2" and checkpoint.config.attention_bias
-    np.testing.assert_array_equal(checkpoint.weights["model.layers.0.self_attn.q_proj.weight"].numpy(),
-                                  tensors["blk.0.attn_q.weight"][0])
-    np.testing.assert_array_equal(checkpoint.weights["model.layers.0.self_attn.k_proj.bias"].numpy(),
-                                  tensors["blk.0.attn_k.bias"][0])
+    np.testing.assert_array_equal(
+        checkpoint.weights["model.layers.0.self_attn.q_proj.weight"].numpy(), tensors["blk.0.attn_q.weight"][0]
+    )
+    np.testing.assert_array_equal(
+        checkpoint.weights["model.layers.0.self_attn.k_proj.bias"].numpy(), tensors["blk.0.attn_k.bias"][0]
+    )
 
 
 def test_tokenizer_fields_are_plain_python_values(tmp_path):
     rng = np.random.default_rng(7)
     path = str(tmp_path / "tokenizer.gguf")
     tokens = [f"tok{i}" for i in range(TINY["vocab_size"] - 2)] + ["<s>", "日本"]
-    write_gguf(path, tiny_llama_tensors([Q.F32] * 8, rng), rng=rng, extra={
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [1] * (len(tokens) - 2) + [3, 1],
-        "tokenizer.ggml.scores": [float(i) / 2 for i in range(len(tokens))],
-        "tokenizer.ggml.bos_token_id": 30,
-        "tokenizer.ggml.add_bos_token": True,
-    })
+    write_gguf(
+        path,
+        tiny_llama_tensors([Q.F32] * 8, rng),
+        rng=rng,
+        extra={
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * (len(tokens) - 2) + [3, 1],
+            "tokenizer.ggml.scores": [float(i) / 2 for i in range(len(tokens))],
+            "tokenizer.ggml.bos_token_id": 30,
+            "tokenizer.ggml.add_bos_token": True,
+        },
+    )
     fields = read_gguf(path).tokenizer_fields
     assert all(name.startswith("tokenizer.") for name in fields)
     assert fields["tokenizer.ggml.model"] == "gpt2"

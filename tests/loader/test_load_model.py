@@ -10,8 +10,7 @@ from tokenriver.loader.load import load_model
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.llama import LlamaForCausalLM
 
-TEXTS = ["Hello, world!", "Größe, 東京, Привет 🚀", "def f(x):\n    return x * 2\n",
-         "<|im_start|>user\nHi<|im_end|>"]
+TEXTS = ["Hello, world!", "Größe, 東京, Привет 🚀", "def f(x):\n    return x * 2\n", "<|im_start|>user\nHi<|im_end|>"]
 
 
 def test_embedded_model(loaded_float32, hf_reference, default_model_path):
@@ -21,9 +20,18 @@ def test_embedded_model(loaded_float32, hf_reference, default_model_path):
     assert loaded.path == default_model_path
     config = loaded.config
     assert (config.architecture, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
-        "llama", 30, 576, 9, 3)
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
     assert (config.intermediate_size, config.vocab_size, config.head_dim, config.rope_theta) == (
-        1536, 49152, 64, 100000.0)
+        1536,
+        49152,
+        64,
+        100000.0,
+    )
     assert config.tie_word_embeddings and config.max_position_embeddings == 8192
     num_parameters = sum(p.numel() for p in hf_model.parameters())  # transformers counts a tied weight once
     assert loaded.num_parameters == num_parameters
@@ -48,9 +56,18 @@ def test_hugging_face_folder(tmp_path_factory, hf_reference, dtype):
     _, hf_tokenizer = hf_reference
     folder = tmp_path_factory.mktemp("tiny_llama")
     torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)).eval()
+    reference = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    ).eval()
     reference.save_pretrained(folder, safe_serialization=True)
     hf_tokenizer.save_pretrained(folder)
 

@@ -16,8 +16,10 @@ from tokenriver.loader.load import load_model
 def test_loading_the_default_model_does_not_import_dynamo(tmp_path):
     """nn.Embedding's normal_ on a meta tensor would import torch._dynamo and sympy (1.5-2.5 s); a fresh
     interpreter shows whether a load pulls them in."""
-    code = ("import sys; from tokenriver.loader.load import load_model; load_model(); "
-            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    code = (
+        "import sys; from tokenriver.loader.load import load_model; load_model(); "
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))"
+    )
     source_root = os.path.dirname(os.path.dirname(tokenriver.__file__))
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=source_root)
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

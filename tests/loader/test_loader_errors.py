@@ -133,9 +133,18 @@ def test_default_model_path_is_the_embedded_gguf(default_model_path):
 
 
 def _llama_config() -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    }
 
 
 def test_weights_that_do_not_fit_the_config(tmp_path):

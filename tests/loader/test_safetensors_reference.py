@@ -21,10 +21,24 @@ from tokenriver.models.attention import AttentionMetadata
 
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def tiny_model(kind: str):
@@ -75,8 +89,11 @@ def test_logits_match_transformers(tmp_path, ids, kind):
 
 
 def test_configs_map_onto_model_config(tmp_path):
-    expected = {"llama": ("llama", False, False, 512, LLAMA3_ROPE), "qwen2": ("qwen2", True, True, 512, None),
-                "mistral": ("mistral", False, False, 256, None)}
+    expected = {
+        "llama": ("llama", False, False, 512, LLAMA3_ROPE),
+        "qwen2": ("qwen2", True, True, 512, None),
+        "mistral": ("mistral", False, False, 256, None),
+    }
     for kind, (architecture, bias, tied, max_positions, rope) in expected.items():
         folder = tmp_path / kind
         tiny_model(kind).save_pretrained(folder, safe_serialization=True)

@@ -31,10 +31,14 @@ TYPES = [Q.Q8_0, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q4_K, Q.Q4_0, Q.Q5_0, Q.Q6_K]
 
 # A 32-token SentencePiece vocabulary (the tiny model's size), so that load_model can read the file.
 _PIECES = ["<unk>", "<s>", "</s>", "▁"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["▁a", "▁b"]
-VOCABULARY = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": _PIECES,
-              "tokenizer.ggml.scores": [-float(i) for i in range(len(_PIECES))],
-              "tokenizer.ggml.token_type": [2, 3, 3] + [1] * (len(_PIECES) - 3),
-              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+VOCABULARY = {
+    "tokenizer.ggml.model": "llama",
+    "tokenizer.ggml.tokens": _PIECES,
+    "tokenizer.ggml.scores": [-float(i) for i in range(len(_PIECES))],
+    "tokenizer.ggml.token_type": [2, 3, 3] + [1] * (len(_PIECES) - 3),
+    "tokenizer.ggml.bos_token_id": 1,
+    "tokenizer.ggml.eos_token_id": 2,
+}
 
 pytestmark = pytest.mark.skipif(not huge_pages_available(), reason="this platform has no transparent huge pages")
 
@@ -83,8 +87,10 @@ def test_moved_weights_compute_the_same_logits_through_rebound_kernels(tiny_file
 
 def _one_token_cache(model: torch.nn.Module) -> tuple[KVCache, AttentionMetadata]:
     config = model.config
-    return (KVCache(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim, torch.float32),
-            AttentionMetadata.build([1], [1], [[0]], 16))
+    return (
+        KVCache(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim, torch.float32),
+        AttentionMetadata.build([1], [1], [[0]], 16),
+    )
 
 
 def test_a_tied_embedding_stays_one_copy(tiny_file):
@@ -157,8 +163,11 @@ def _mapping_rss_kib(address: int) -> int:
 def test_a_load_makes_the_kept_packed_weights_in_the_arena_and_fuses_into_it(tiny_file):
     arena = weight_memory.WeightArena(64 * 2**20)
     checkpoint = read_gguf(tiny_file, keep_quantized=True, empty=arena.empty)
-    in_arena = {name for name, weight in checkpoint.weights.items()
-                if not isinstance(weight, torch.Tensor) and arena.holds(weight.qweight)}
+    in_arena = {
+        name
+        for name, weight in checkpoint.weights.items()
+        if not isinstance(weight, torch.Tensor) and arena.holds(weight.qweight)
+    }
     # q/k are reordered and fused, v and gate/up are fused: they are copied again, so they are made elsewhere.
     assert "model.layers.0.self_attn.o_proj.weight" in in_arena
     assert not any(part in name for name in in_arena for part in ("q_proj", "k_proj", "v_proj", "gate_", "up_"))
@@ -180,8 +189,12 @@ def test_parts_of_one_format_are_converted_into_their_rows_of_the_fused_projecti
     path = str(tmp_path / "one_format.gguf")
     rng = np.random.default_rng(3)
     # q/k/v all Q4_K (int4), gate and up Q5_0 (int4 with fifth bits): each fused projection has one packed format.
-    write_gguf(path, tiny_llama_tensors([Q.Q8_0, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q5_0, Q.Q5_0, Q.Q4_K], rng),
-               rng=rng, extra=VOCABULARY)
+    write_gguf(
+        path,
+        tiny_llama_tensors([Q.Q8_0, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q5_0, Q.Q5_0, Q.Q4_K], rng),
+        rng=rng,
+        extra=VOCABULARY,
+    )
     arena = weight_memory.WeightArena(64 * 2**20)
     checkpoint = read_gguf(path, keep_quantized=True, empty=arena.empty)
     layer = "model.layers.0"
@@ -261,7 +274,9 @@ def test_the_arena_holds_only_the_weights_the_model_keeps(tiny_file, monkeypatch
     monkeypatch.setattr(weight_memory.WeightArena, "__init__", recording)
     model = load_model(tiny_file, quantization=quantization).model
     (arena,) = arenas
-    tensors = {t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(): t.numel() * t.element_size()
-               for t in (*model.parameters(), *model.buffers())}
+    tensors = {
+        t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(): t.numel() * t.element_size()
+        for t in (*model.parameters(), *model.buffers())
+    }
     assert all(arena.holds(t) for t in (*model.parameters(), *model.buffers()))
     assert arena.used <= sum(tensors.values()) + 64 * len(tensors)  # each tensor aligned to 64 bytes, nothing more

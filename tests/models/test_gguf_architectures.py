@@ -24,41 +24,86 @@ from gguf_convert import GEMMA_SPECIALS, Q, write_gguf
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, rms_norm_eps=1e-6)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 
 
 def tiny(kind: str):
     if kind == "gemma3":
         config = transformers.Gemma3TextConfig(
-            **COMMON, intermediate_size=128, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+            **COMMON,
+            intermediate_size=128,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=8,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        )
         return widen(transformers.Gemma3ForCausalLM(config), 1, norm_range=(-0.5, 0.5)), "gemma3"
     if kind == "gemma2":
-        config = transformers.Gemma2Config(**COMMON, intermediate_size=128, head_dim=32, query_pre_attn_scalar=32,
-                                           sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+        config = transformers.Gemma2Config(
+            **COMMON,
+            intermediate_size=128,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        )
         model = transformers.Gemma2ForCausalLM(config)
         model.config._attn_implementation = "eager"
         return widen(model, 2, norm_range=(-0.5, 0.5)), "gemma2"
     if kind == "qwen3":
-        return widen(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, intermediate_size=128,
-                                                                            head_dim=32)), 3), "qwen3"
+        return widen(
+            transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, intermediate_size=128, head_dim=32)), 3
+        ), "qwen3"
     if kind == "phi3":
-        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-                "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
-        config = transformers.Phi3Config(**{**COMMON, "max_position_embeddings": 128}, intermediate_size=128,
-                                         original_max_position_embeddings=32, rope_parameters=rope, pad_token_id=0)
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+        }
+        config = transformers.Phi3Config(
+            **{**COMMON, "max_position_embeddings": 128},
+            intermediate_size=128,
+            original_max_position_embeddings=32,
+            rope_parameters=rope,
+            pad_token_id=0,
+        )
         return widen(transformers.Phi3ForCausalLM(config), 4), "phi3"
     if kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=128, head_dim=16, num_experts=8,
-                                             num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        config = transformers.Qwen3MoeConfig(
+            **COMMON,
+            intermediate_size=128,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
         return widen(transformers.Qwen3MoeForCausalLM(config), 5), "qwen3moe"
     if kind == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=128, num_experts=8, num_experts_per_tok=2,
-                                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                             norm_topk_prob=False)
+        config = transformers.Qwen2MoeConfig(
+            **COMMON,
+            intermediate_size=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+        )
         return widen(transformers.Qwen2MoeForCausalLM(config), 8), "qwen2moe"
     config = transformers.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
     return widen(transformers.MixtralForCausalLM(config), 6), "llama"
@@ -106,7 +151,8 @@ def test_gemma_file_without_a_chat_template_gets_gemmas(tmp_path):
     tokenizer = load_model(path, quantization="none").tokenizer
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tokenizer.apply_chat_template(messages) == (
-        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    )
     with pytest.raises(InvalidParameterError, match="alternate"):
         tokenizer.apply_chat_template([{"role": "assistant", "content": "Hi"}])
     end_of_turn = GEMMA_SPECIALS.index("<end_of_turn>")

@@ -36,7 +36,8 @@ def ours(loaded_float32) -> LlamaForCausalLM:
 def prompts(hf_reference) -> dict[str, list[int]]:
     _, tokenizer = hf_reference
     chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Write a haiku about rivers."}], add_generation_prompt=True, tokenize=True)
+        [{"role": "user", "content": "Write a haiku about rivers."}], add_generation_prompt=True, tokenize=True
+    )
     long_ids = tokenizer(LONG_TEXT * 20)["input_ids"][:1000]
     return {
         "short": tokenizer("The capital of France is")["input_ids"],
@@ -70,15 +71,16 @@ def run_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[li
         active = [r for r, n in enumerate(step) if n]
         ids, positions = [], []
         for r in active:
-            ids += requests[r][done[r]:done[r] + step[r]]
+            ids += requests[r][done[r] : done[r] + step[r]]
             positions += list(range(done[r], done[r] + step[r]))
-        metadata = AttentionMetadata.build([step[r] for r in active], [done[r] + step[r] for r in active],
-                                           [tables[r] for r in active], BLOCK_SIZE)
+        metadata = AttentionMetadata.build(
+            [step[r] for r in active], [done[r] + step[r] for r in active], [tables[r] for r in active], BLOCK_SIZE
+        )
         hidden = model(torch.tensor(ids), torch.tensor(positions), cache, metadata)
         logits = model.compute_logits(hidden)
         start = 0
         for r in active:
-            outputs[r].append(logits[start:start + step[r]])
+            outputs[r].append(logits[start : start + step[r]])
             start += step[r]
             done[r] += step[r]
     return [torch.cat(chunks) for chunks in outputs]
@@ -133,6 +135,6 @@ def test_bfloat16_greedy_agrees_with_float32_reference(ours, prompts, reference_
         ids = ids[:128]
         logits = run_one(model, ids)
         assert logits.dtype == torch.float32
-        agree += int((logits.argmax(-1) == reference_logits[name][:len(ids)].argmax(-1)).sum())
+        agree += int((logits.argmax(-1) == reference_logits[name][: len(ids)].argmax(-1)).sum())
         total += len(ids)
     assert agree / total >= 0.95, f"bfloat16 top-1 agrees with float32 on {agree}/{total} positions"

@@ -10,8 +10,9 @@ import pytest
 from tokenriver.errors import ModelLoadError
 from tokenriver.models.config import ModelConfig
 
-SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-             head_dim=16)
+SIZES = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
 
 
 @pytest.mark.parametrize("name", ["attn_logit_softcapping", "final_logit_softcapping"])

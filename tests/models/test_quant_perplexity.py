@@ -32,14 +32,14 @@ BF16_TOKENS = 512
 MAX_PERPLEXITY_RATIO = 1.01
 
 
-def _logits(loaded: LoadedModel, ids: list[int], dtype: torch.dtype,
-            kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _logits(
+    loaded: LoadedModel, ids: list[int], dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """One prefill over ids through the paged model (KV pool in kv_dtype, default dtype) → float32 logits
     [len(ids), vocab]."""
     config = loaded.config
     num_blocks = (len(ids) + BLOCK_SIZE - 1) // BLOCK_SIZE
-    cache = KVCache(config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
-                    kv_dtype or dtype)
+    cache = KVCache(config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, kv_dtype or dtype)
     metadata = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(num_blocks))], BLOCK_SIZE)
     with torch.inference_mode():
         hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, metadata)  # [len(ids), hidden]
@@ -73,11 +73,17 @@ def test_text_is_long_enough(text_ids):
 
 
 @pytest.mark.parametrize("quantization, min_agreement", [("auto", 0.999), ("int8", 0.93)])
-def test_quantized_perplexity_within_one_percent(default_model_path, text_ids, float32_logits, quantization,
-                                                 min_agreement):
+def test_quantized_perplexity_within_one_percent(
+    default_model_path, text_ids, float32_logits, quantization, min_agreement
+):
     loaded = load_model(default_model_path, quantization=quantization)
-    _assert_close_to_float32(f"quantization={quantization!r}", _logits(loaded, text_ids, torch.float32),
-                             float32_logits, text_ids, min_agreement)
+    _assert_close_to_float32(
+        f"quantization={quantization!r}",
+        _logits(loaded, text_ids, torch.float32),
+        float32_logits,
+        text_ids,
+        min_agreement,
+    )
 
 
 @pytest.mark.parametrize("quantization", ["auto", "int8"])
@@ -85,8 +91,13 @@ def test_fastest_settings_perplexity_within_one_percent(default_model_path, text
     """The benchmarks' fastest engines: the file's 4-bit weights or int8 ones (one scale per channel), int8
     activations, an int8 KV pool. Measured at the time of writing: 0.9984x and 1.0027x float32's perplexity."""
     loaded = load_model(default_model_path, quantization=quantization, int8_activations=True)
-    _assert_close_to_float32(f"quantization={quantization!r}, int8 activations, int8 KV pool",
-                             _logits(loaded, text_ids, torch.float32, torch.int8), float32_logits, text_ids, 0.9)
+    _assert_close_to_float32(
+        f"quantization={quantization!r}, int8 activations, int8 KV pool",
+        _logits(loaded, text_ids, torch.float32, torch.int8),
+        float32_logits,
+        text_ids,
+        0.9,
+    )
 
 
 def test_bfloat16_perplexity_within_one_percent(default_model_path, text_ids, float32_logits):
@@ -97,13 +108,16 @@ def test_bfloat16_perplexity_within_one_percent(default_model_path, text_ids, fl
     _assert_close_to_float32(f"bfloat16 over {len(ids)} tokens", logits, float32_logits[:BF16_TOKENS], ids, 0.9)
 
 
-def _assert_close_to_float32(label: str, logits: torch.Tensor, reference_logits: torch.Tensor, ids: list[int],
-                             min_agreement: float) -> None:
+def _assert_close_to_float32(
+    label: str, logits: torch.Tensor, reference_logits: torch.Tensor, ids: list[int], min_agreement: float
+) -> None:
     """Perplexity within MAX_PERPLEXITY_RATIO of float32's and top-1 agreement of at least min_agreement."""
     reference, got = _perplexity(reference_logits, ids), _perplexity(logits, ids)
     agreement = _agreement(logits, reference_logits)
-    summary = (f"{label}: perplexity {got:.4f} vs float32 {reference:.4f} "
-               f"(ratio {got / reference:.4f}), top-1 agreement with float32 {agreement:.1%}")
+    summary = (
+        f"{label}: perplexity {got:.4f} vs float32 {reference:.4f} "
+        f"(ratio {got / reference:.4f}), top-1 agreement with float32 {agreement:.1%}"
+    )
     print(summary)
     assert got <= MAX_PERPLEXITY_RATIO * reference, summary
     assert agreement >= min_agreement, summary

@@ -10,19 +10,38 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arch_reference import (greedy_ours, greedy_transformers, load_folder, random_ids, relative_error, run_one,
-                            run_steps, transformers_logits, widen)
+from arch_reference import (
+    greedy_ours,
+    greedy_transformers,
+    load_folder,
+    random_ids,
+    relative_error,
+    run_one,
+    run_steps,
+    transformers_logits,
+    widen,
+)
 
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6)
+SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    reference = widen(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZES, tie_word_embeddings=True)),
-                      seed=3)
+    reference = widen(
+        transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZES, tie_word_embeddings=True)), seed=3
+    )
     folder = tmp_path_factory.mktemp("qwen3")
     reference.save_pretrained(folder, safe_serialization=True)
     return reference, load_folder(str(folder))

@@ -52,7 +52,7 @@ def dense_reference(batch: Batch, window: int, softcap: float | None) -> torch.T
         slots = torch.tensor([blocks[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(seq_len)])
         k = keys_all[slots].double().transpose(0, 1)  # [kv_heads, S, D]
         v = values_all[slots].double().transpose(0, 1)
-        q = query[start:start + query_len].double().transpose(0, 1)  # [heads, L, D]
+        q = query[start : start + query_len].double().transpose(0, 1)  # [heads, L, D]
         group = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
         scores = q @ k.transpose(1, 2) * batch.scale
@@ -80,8 +80,7 @@ def test_torch_path_equals_a_dense_windowed_softmax(softcap):
 
 
 @pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,window", [(8, 2, 32, 19), (4, 1, 256, 40),
-                                                                    (9, 3, 64, 200)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,window", [(8, 2, 32, 19), (4, 1, 256, 40), (9, 3, 64, 200)])
 def test_native_window_equals_torch(num_heads, num_kv_heads, head_dim, window):
     batch = Batch(WINDOWED, num_heads, num_kv_heads, head_dim, seed=2)
     native, *_ = batch.run(paged_attention, window=window)

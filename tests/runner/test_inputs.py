@@ -13,11 +13,19 @@ from tokenriver.sched.output import ScheduledRequest, SchedulerOutput
 BLOCK_SIZE = 4
 
 
-def _request(request_id: str, token_ids: list[int], start: int, blocks: list[int], sample: bool = True,
-             prompt: list[int] | None = None, **options) -> ScheduledRequest:
+def _request(
+    request_id: str,
+    token_ids: list[int],
+    start: int,
+    blocks: list[int],
+    sample: bool = True,
+    prompt: list[int] | None = None,
+    **options,
+) -> ScheduledRequest:
     params = options.pop("params", SamplingParams(max_tokens=8))
-    return ScheduledRequest(request_id, token_ids, start, blocks, sample, params,
-                            prompt if prompt is not None else token_ids, [], **options)
+    return ScheduledRequest(
+        request_id, token_ids, start, blocks, sample, params, prompt if prompt is not None else token_ids, [], **options
+    )
 
 
 def _slot(blocks: list[int], position: int) -> int:
@@ -35,8 +43,12 @@ def test_a_mixed_step_is_flattened_in_batch_order():
     assert inputs.positions.tolist() == [0, 1, 2, 3, 4, 6, 5, 6, 7, 3]
     metadata = inputs.metadata
     assert metadata.query_lens == [5, 1, 3, 1] and metadata.seq_lens == [5, 7, 8, 4]
-    assert metadata.slot_mapping.tolist() == ([_slot([7, 2], p) for p in range(5)] + [_slot([3, 9], 6)]
-                                              + [_slot([4, 5], p) for p in (5, 6, 7)] + [_slot([6], 3)])
+    assert metadata.slot_mapping.tolist() == (
+        [_slot([7, 2], p) for p in range(5)]
+        + [_slot([3, 9], 6)]
+        + [_slot([4, 5], p) for p in (5, 6, 7)]
+        + [_slot([6], 3)]
+    )
     assert metadata.block_tables.tolist() == [[7, 2], [3, 9], [4, 5], [6, 0]]  # padded with block 0
     # The chunk does not reach its last known token: nothing to sample. The decode samples its one row; the
     # drafts request scores its last known token and all but its last draft; the beam reports candidates.
@@ -72,18 +84,22 @@ def test_advance_decode_moves_every_request_one_position_on():
 
 
 def test_advance_decode_takes_the_token_ids_on_the_device_as_they_are():
-    inputs = prepare_inputs(SchedulerOutput([_request("a", [5], 2, [8]), _request("b", [6], 0, [9])]), BLOCK_SIZE,
-                            "cpu")
+    inputs = prepare_inputs(
+        SchedulerOutput([_request("a", [5], 2, [8]), _request("b", [6], 0, [9])]), BLOCK_SIZE, "cpu"
+    )
     sampled = torch.tensor([40, 41])
     assert advance_decode(inputs, sampled, BLOCK_SIZE, "cpu").input_ids is sampled
 
 
-@pytest.mark.parametrize("step", [
-    [_request("chunk", [1, 2, 3], 0, [1])],  # a prompt chunk
-    [_request("a", [1], 4, [1, 2]), _request("b", [2], 4, [3, 4], sample=False)],  # a row that does not sample
-    [_request("drafts", [1], 4, [1, 2], draft_token_ids=[5])],
-    [_request("beam", [1], 4, [1, 2], num_beam_candidates=2)],
-])
+@pytest.mark.parametrize(
+    "step",
+    [
+        [_request("chunk", [1, 2, 3], 0, [1])],  # a prompt chunk
+        [_request("a", [1], 4, [1, 2]), _request("b", [2], 4, [3, 4], sample=False)],  # a row that does not sample
+        [_request("drafts", [1], 4, [1, 2], draft_token_ids=[5])],
+        [_request("beam", [1], 4, [1, 2], num_beam_candidates=2)],
+    ],
+)
 def test_advance_decode_refuses_anything_but_sampled_one_token_decodes(step):
     inputs = prepare_inputs(SchedulerOutput(step), BLOCK_SIZE, "cpu")
     with pytest.raises(ValueError, match="one-token decodes"):

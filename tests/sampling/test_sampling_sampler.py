@@ -60,8 +60,19 @@ def test_caller_logits_are_not_modified():
     logits = random_logits(4, VOCAB_SIZE, seed=3)
     before = logits.clone()
     states = [
-        make_state(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.5,
-                                  presence_penalty=1.0, logit_bias={3: 5.0}), prompt=[1, 2], output=[3]),
+        make_state(
+            SamplingParams(
+                temperature=0.7,
+                top_k=5,
+                top_p=0.9,
+                min_p=0.1,
+                repetition_penalty=1.5,
+                presence_penalty=1.0,
+                logit_bias={3: 5.0},
+            ),
+            prompt=[1, 2],
+            output=[3],
+        ),
         make_state(SamplingParams(temperature=0.0)),
         make_state(SamplingParams(temperature=1.0, min_tokens=3), eos=[2]),
         make_state(SamplingParams(temperature=0.5, trace=True)),
@@ -85,8 +96,9 @@ def test_min_tokens_blocks_eos_and_stop_token_ids_when_sampling():
 # ---------------------------------------------------------------- seeds and batch independence
 
 
-def run_steps(sampler: Sampler, rows: list[tuple[SamplingParams, int | None]], row_logits: list[torch.Tensor],
-              num_steps: int) -> list[list[int]]:
+def run_steps(
+    sampler: Sampler, rows: list[tuple[SamplingParams, int | None]], row_logits: list[torch.Tensor], num_steps: int
+) -> list[list[int]]:
     """Generate num_steps tokens for every row; penalties see the growing outputs. Returns tokens per row."""
     states = [make_state(params, prompt=[1, 2, 3], seed=seed) for params, seed in rows]
     for step in range(num_steps):
@@ -120,8 +132,9 @@ def test_seeded_row_is_independent_of_its_batch_and_row_index():
     alone = run_steps(new_sampler(0), [(SEEDED, 11)], [bases[0]], 15)[0]
     first_row = run_steps(new_sampler(1), [(SEEDED, 11)] + neighbours, bases, 15)[0]
     last_row = run_steps(new_sampler(2), neighbours + [(SEEDED, 11)], bases[1:] + bases[:1], 15)[-1]
-    middle = run_steps(new_sampler(3), neighbours[:2] + [(SEEDED, 11)] + neighbours[2:],
-                       bases[1:3] + bases[:1] + bases[3:], 15)[2]
+    middle = run_steps(
+        new_sampler(3), neighbours[:2] + [(SEEDED, 11)] + neighbours[2:], bases[1:3] + bases[:1] + bases[3:], 15
+    )[2]
     assert alone == first_row == last_row == middle
 
 
@@ -135,12 +148,21 @@ def test_default_generator_is_deterministic():
 # ---------------------------------------------------------------- logprobs
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=2.0, top_p=0.9),
-                                      dict(temperature=0.0, repetition_penalty=3.0)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.0),
+        dict(temperature=1.0),
+        dict(temperature=2.0, top_p=0.9),
+        dict(temperature=0.0, repetition_penalty=3.0),
+    ],
+)
 def test_chosen_logprob_and_top_alternatives_come_from_the_raw_distribution(settings):
     logits = random_logits(8, VOCAB_SIZE, scale=2.0, seed=7)
-    states = [make_state(SamplingParams(logprobs=k, **settings), prompt=[int(logits[i].argmax())])
-              for i, k in enumerate([None, 0, 1, 3, 5, 20, 2, 7])]
+    states = [
+        make_state(SamplingParams(logprobs=k, **settings), prompt=[int(logits[i].argmax())])
+        for i, k in enumerate([None, 0, 1, 3, 5, 20, 2, 7])
+    ]
     results = new_sampler().sample(logits, states)
     reference = logits.double().log_softmax(dim=1)
     for row, (state, result) in enumerate(zip(states, results)):
@@ -163,14 +185,22 @@ def test_native_row_reductions_give_the_same_tokens_and_logprobs():
     """The runner's one-pass argmax + logsumexp: same tokens and ranks, logprobs within float rounding."""
     logits = random_logits(7, 4099, scale=3.0, seed=11)
     logits[0, 5] = logits[0, 4000] = 40.0  # a tie: the first index wins either way
-    settings = [dict(temperature=0.0), dict(temperature=0.0, logprobs=3), dict(temperature=1.0, seed=5),
-                dict(temperature=0.0, repetition_penalty=5.0), dict(temperature=0.0, logit_bias={9: 50.0}),
-                dict(temperature=0.7, top_k=5, seed=6, logprobs=2), dict(temperature=0.0)]
-    states = [make_state(SamplingParams(**options), prompt=[int(logits[i].argmax())]) for i, options in
-              enumerate(settings)]
+    settings = [
+        dict(temperature=0.0),
+        dict(temperature=0.0, logprobs=3),
+        dict(temperature=1.0, seed=5),
+        dict(temperature=0.0, repetition_penalty=5.0),
+        dict(temperature=0.0, logit_bias={9: 50.0}),
+        dict(temperature=0.7, top_k=5, seed=6, logprobs=2),
+        dict(temperature=0.0),
+    ]
+    states = [
+        make_state(SamplingParams(**options), prompt=[int(logits[i].argmax())]) for i, options in enumerate(settings)
+    ]
     plain = Sampler(torch.Generator().manual_seed(0)).sample(logits, states)
-    states = [make_state(SamplingParams(**options), prompt=[int(logits[i].argmax())]) for i, options in
-              enumerate(settings)]
+    states = [
+        make_state(SamplingParams(**options), prompt=[int(logits[i].argmax())]) for i, options in enumerate(settings)
+    ]
     calls = []
 
     def reductions(rows: torch.Tensor):
@@ -222,8 +252,12 @@ def test_takes_raw_argmax_only_when_no_stage_or_report_needs_the_logits():
     for state in needs_logits:
         assert not Sampler.takes_raw_argmax([plain, state]), state.params
     # min_tokens reached, or nothing to block: the logits are untouched again.
-    assert Sampler.takes_raw_argmax([make_state(SamplingParams(temperature=0.0, min_tokens=1), output=[7], eos=[2]),
-                                     make_state(SamplingParams(temperature=0.0, min_tokens=3))])
+    assert Sampler.takes_raw_argmax(
+        [
+            make_state(SamplingParams(temperature=0.0, min_tokens=1), output=[7], eos=[2]),
+            make_state(SamplingParams(temperature=0.0, min_tokens=3)),
+        ]
+    )
 
 
 def test_sample_reduced_answers_like_sample():
@@ -261,8 +295,10 @@ def test_grammar_rows_take_the_reduced_path_unless_it_refuses_the_argmax():
     quick = Sampler.sample_reduced(reduced, states)
     assert quick[1] is None and [quick[0].token_id, quick[2].token_id] == [top[0], top[2]]
     general = Sampler(torch.Generator().manual_seed(0)).sample(logits, states)  # no row reductions: every stage
-    with_reductions = Sampler(torch.Generator().manual_seed(0), lambda rows: (
-        rows.argmax(dim=1), rows.amax(dim=1), torch.logsumexp(rows, dim=1))).sample(logits, states)
+    with_reductions = Sampler(
+        torch.Generator().manual_seed(0),
+        lambda rows: (rows.argmax(dim=1), rows.amax(dim=1), torch.logsumexp(rows, dim=1)),
+    ).sample(logits, states)
     assert [r.token_id for r in with_reductions] == [r.token_id for r in general]
     assert general[1].token_id == max([5, 6, 7], key=lambda t: float(logits[1, t]))
     reference = logits.double().log_softmax(dim=1)
@@ -378,8 +414,9 @@ def test_trace_marks_the_stage_that_removed_each_candidate():
 def test_trace_marks_min_tokens_and_keeps_processed_logits():
     logits = random_logits(1, VOCAB_SIZE, seed=10)
     top = logits[0].topk(3).indices.tolist()
-    state = traced(dict(temperature=0.0, min_tokens=2, logit_bias={top[2]: -1.5}, trace_top=3),
-                   output=[4], eos=[top[0]])
+    state = traced(
+        dict(temperature=0.0, min_tokens=2, logit_bias={top[2]: -1.5}, trace_top=3), output=[4], eos=[top[0]]
+    )
     result = new_sampler().sample(logits, [state])[0]
     by_id = {c.token_id: c for c in result.trace.candidates}
     assert by_id[top[0]].removed_by == "min_tokens" and by_id[top[0]].prob_final == 0.0
@@ -427,17 +464,31 @@ def test_pipeline_applies_the_stages_in_the_documented_order():
     logits = random_logits(2, VOCAB_SIZE, scale=1.0, seed=13)
     logits[:, 12], logits[:, 13] = 4.0, 4.5  # the stop token and EOS lead, but min_tokens blocks them
     prompt, output = [5, 6, 7, 7], [7, 8, 8, 9]
-    busy = SamplingParams(temperature=0.7, top_k=80, top_p=0.97, min_p=0.01, repetition_penalty=1.3,
-                          presence_penalty=0.4, frequency_penalty=0.6, logit_bias={8: 2.0, 11: -3.0}, min_tokens=10,
-                          stop_token_ids=[12], trace=True, trace_top=100)
-    states = [make_state(busy, prompt=prompt, output=output, eos=[13], seed=1),
-              make_state(SamplingParams(trace=True, trace_top=100), prompt=prompt, output=output, seed=2)]
+    busy = SamplingParams(
+        temperature=0.7,
+        top_k=80,
+        top_p=0.97,
+        min_p=0.01,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.6,
+        logit_bias={8: 2.0, 11: -3.0},
+        min_tokens=10,
+        stop_token_ids=[12],
+        trace=True,
+        trace_top=100,
+    )
+    states = [
+        make_state(busy, prompt=prompt, output=output, eos=[13], seed=1),
+        make_state(SamplingParams(trace=True, trace_top=100), prompt=prompt, output=output, seed=2),
+    ]
     results = new_sampler().sample(logits, states)
 
     x = logits[:1]
     x = processors.apply_repetition_penalty(x, torch.tensor([prompt + output]), torch.tensor([1.3]))
-    x = processors.apply_presence_frequency_penalties(x, torch.tensor([output]), torch.tensor([0.4]),
-                                                      torch.tensor([0.6]))
+    x = processors.apply_presence_frequency_penalties(
+        x, torch.tensor([output]), torch.tensor([0.4]), torch.tensor([0.6])
+    )
     x = processors.apply_logit_bias(x, torch.tensor([[8, 11]]), torch.tensor([[2.0, -3.0]]))
     after_bias = x
     x = processors.apply_min_tokens(x, torch.tensor([[13, 12]]), torch.tensor([4]), torch.tensor([10]))

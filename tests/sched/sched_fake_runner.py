@@ -36,7 +36,7 @@ def reference_tokens(prompt: list[int], num_tokens: int, model: Callable[[list[i
     context = list(prompt)
     for _ in range(num_tokens):
         context.append(model(context))
-    return context[len(prompt):]
+    return context[len(prompt) :]
 
 
 def prompt_logprob_entry(prompt: list[int], position: int) -> TokenLogprobs:
@@ -64,7 +64,7 @@ class FakeRunner:
         for scheduled in scheduler_output.scheduled:
             start = scheduled.start_position
             known = scheduled.prompt_token_ids + scheduled.output_token_ids
-            if scheduled.token_ids != known[start:start + scheduled.num_tokens]:
+            if scheduled.token_ids != known[start : start + scheduled.num_tokens]:
                 raise AssertionError(f"{scheduled.request_id}: scheduled tokens are not the next known tokens")
             if len(scheduled.block_ids) < -(-(start + scheduled.num_tokens) // self.block_size):
                 raise AssertionError(f"{scheduled.request_id}: block table too short")
@@ -76,8 +76,9 @@ class FakeRunner:
             result = RequestStepResult()
             if scheduled.sampling_params.prompt_logprobs is not None:
                 end = min(start + scheduled.num_tokens, len(scheduled.prompt_token_ids) - 1)
-                result.prompt_logprobs = [prompt_logprob_entry(scheduled.prompt_token_ids, p)
-                                          for p in range(start, end)]
+                result.prompt_logprobs = [
+                    prompt_logprob_entry(scheduled.prompt_token_ids, p) for p in range(start, end)
+                ]
             if scheduled.sample:
                 end = start + scheduled.num_tokens
                 context = [self.slots[self._slot(scheduled.block_ids, p)] for p in range(end)]
@@ -120,8 +121,9 @@ class Driver:
         for update in updates:
             tokens = self.tokens.setdefault(update.request_id, [])
             tokens.extend(update.new_token_ids)
-            if len(update.new_logprobs) != len(update.new_token_ids) or \
-                    len(update.new_traces) != len(update.new_token_ids):
+            if len(update.new_logprobs) != len(update.new_token_ids) or len(update.new_traces) != len(
+                update.new_token_ids
+            ):
                 raise AssertionError("logprobs / traces not aligned with tokens")
             self.prompt_logprobs.setdefault(update.request_id, []).extend(update.prompt_logprobs)
             if update.finished:
@@ -162,25 +164,51 @@ def check_pool_invariants(scheduler: Scheduler, requests: list[Request]) -> None
             raise AssertionError(f"block {block_id} shared by {holders} without being the same cached prefix block")
         num_used += bool(holders)
     if manager.num_used_blocks != num_used or manager.num_free_blocks + num_used != manager.num_total_blocks:
-        raise AssertionError(f"used {manager.num_used_blocks} / free {manager.num_free_blocks}, "
-                             f"counted {num_used} held of {manager.num_total_blocks}")
+        raise AssertionError(
+            f"used {manager.num_used_blocks} / free {manager.num_free_blocks}, "
+            f"counted {num_used} held of {manager.num_total_blocks}"
+        )
 
 
-def make_request(request_id: str, prompt: list[int], *, max_tokens: int | None = 8, priority: int = 0,
-                 arrival_time: float = 0.0, eos_token_ids: tuple[int, ...] = (), **params) -> Request:
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), list(eos_token_ids),
-                   arrival_time, priority)
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    *,
+    max_tokens: int | None = 8,
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    eos_token_ids: tuple[int, ...] = (),
+    **params,
+) -> Request:
+    return Request(
+        request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), list(eos_token_ids), arrival_time, priority
+    )
 
 
-def make_setup(*, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 16,
-               max_num_batched_tokens: int = 256, max_model_len: int = 4096, enable_prefix_caching: bool = True,
-               recompute_every_step: bool = False, model: Callable[[list[int]], int] = next_token, clock=None,
-               num_scheduler_steps: int = 1):
+def make_setup(
+    *,
+    num_blocks: int = 256,
+    block_size: int = 4,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 256,
+    max_model_len: int = 4096,
+    enable_prefix_caching: bool = True,
+    recompute_every_step: bool = False,
+    model: Callable[[list[int]], int] = next_token,
+    clock=None,
+    num_scheduler_steps: int = 1,
+):
     """A scheduler over a fresh pool, its fake runner and a driver."""
     manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
     extra = {} if clock is None else {"clock": clock}
-    scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, recompute_every_step=recompute_every_step,
-                          num_scheduler_steps=num_scheduler_steps, **extra)
+    scheduler = Scheduler(
+        manager,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        recompute_every_step=recompute_every_step,
+        num_scheduler_steps=num_scheduler_steps,
+        **extra,
+    )
     runner = FakeRunner(num_blocks, block_size, model)
     return scheduler, runner, Driver(scheduler, runner)

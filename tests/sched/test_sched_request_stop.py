@@ -25,8 +25,13 @@ def test_lifecycle_and_metrics():
     assert request.status is RequestStatus.FINISHED_STOPPED and request.is_finished
     assert (request.finish_reason, request.stop_reason) == (FinishReason.STOP, 99)
     metrics = request.metrics
-    assert (metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time,
-            metrics.last_token_time, metrics.finished_time) == (1.0, 2.0, 3.0, 4.0, 6.0)
+    assert (
+        metrics.arrival_time,
+        metrics.first_scheduled_time,
+        metrics.first_token_time,
+        metrics.last_token_time,
+        metrics.finished_time,
+    ) == (1.0, 2.0, 3.0, 4.0, 6.0)
     assert metrics.num_preemptions == 1
 
 
@@ -37,9 +42,14 @@ def test_prompt_list_is_copied():
     assert request.prompt_token_ids == [1, 2, 3]
 
 
-@pytest.mark.parametrize("reason, status", [(FinishReason.STOP, RequestStatus.FINISHED_STOPPED),
-                                            (FinishReason.LENGTH, RequestStatus.FINISHED_LENGTH),
-                                            (FinishReason.ABORT, RequestStatus.FINISHED_ABORTED)])
+@pytest.mark.parametrize(
+    "reason, status",
+    [
+        (FinishReason.STOP, RequestStatus.FINISHED_STOPPED),
+        (FinishReason.LENGTH, RequestStatus.FINISHED_LENGTH),
+        (FinishReason.ABORT, RequestStatus.FINISHED_ABORTED),
+    ],
+)
 def test_finish_statuses(reason, status):
     request = make_request("r", [1])
     request.finish(reason, None, now=0.0)
@@ -58,8 +68,10 @@ def test_illegal_transitions_are_refused():
         request.preempt()  # blocks must be returned first
     request.block_ids = []
     request.finish(FinishReason.ABORT, None, now=0.0)
-    for transition in (lambda: request.start_running(now=0.0),
-                       lambda: request.finish(FinishReason.STOP, None, now=0.0)):
+    for transition in (
+        lambda: request.start_running(now=0.0),
+        lambda: request.finish(FinishReason.STOP, None, now=0.0),
+    ):
         with pytest.raises(RuntimeError):
             transition()
 

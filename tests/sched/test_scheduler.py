@@ -64,8 +64,10 @@ def test_scheduled_request_carries_shared_references():
 
 def test_chunked_prefill_interleaves_with_decodes():
     scheduler, _, driver = make_setup(block_size=16, max_num_batched_tokens=256)
-    short, long = make_request("short", prompt_of(8), max_tokens=20), make_request("long", prompt_of(1000, 1),
-                                                                                  max_tokens=3, arrival_time=1.0)
+    short, long = (
+        make_request("short", prompt_of(8), max_tokens=20),
+        make_request("long", prompt_of(1000, 1), max_tokens=3, arrival_time=1.0),
+    )
     scheduler.add_request(short)
     scheduler.add_request(long)
     long_chunks, long_samples = [], []
@@ -105,8 +107,9 @@ def test_max_num_seqs_caps_the_running_requests():
 def test_priority_then_arrival_order():
     scheduler, _, driver = make_setup(max_num_seqs=1)
     for request_id, priority, arrival in (("low", 5, 0.0), ("high", 0, 1.0), ("mid", 3, 2.0), ("high2", 0, 3.0)):
-        scheduler.add_request(make_request(request_id, prompt_of(4), max_tokens=2, priority=priority,
-                                           arrival_time=arrival))
+        scheduler.add_request(
+            make_request(request_id, prompt_of(4), max_tokens=2, priority=priority, arrival_time=arrival)
+        )
     driver.run()
     order = []
     for output in driver.outputs:
@@ -191,11 +194,14 @@ def test_prompt_logprobs_requests_skip_the_prefix_cache():
 
 
 def run_workload(num_blocks: int, max_num_batched_tokens: int = 64):
-    scheduler, _, driver = make_setup(num_blocks=num_blocks, block_size=4, max_num_seqs=4,
-                                      max_num_batched_tokens=max_num_batched_tokens)
+    scheduler, _, driver = make_setup(
+        num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens
+    )
     prompts = {f"r{i}": prompt_of(length, i) for i, length in enumerate((9, 13, 6, 11, 17))}
-    requests = [make_request(request_id, prompt, max_tokens=14, arrival_time=float(i))
-                for i, (request_id, prompt) in enumerate(prompts.items())]
+    requests = [
+        make_request(request_id, prompt, max_tokens=14, arrival_time=float(i))
+        for i, (request_id, prompt) in enumerate(prompts.items())
+    ]
     for request in requests:
         scheduler.add_request(request)
     while scheduler.has_unfinished_requests():
@@ -316,8 +322,11 @@ def test_eos_stop_token_min_tokens_and_ignore_eos_through_the_scheduler():
         request = make_request(name, [11, 12, 13], eos_token_ids=(EOS,), **params)
         scheduler.add_request(request)
         driver.run()
-        assert (driver.tokens[name], driver.finish_reasons[name], driver.stop_reasons[name]) == \
-            (expected, reason, stop_reason), name
+        assert (driver.tokens[name], driver.finish_reasons[name], driver.stop_reasons[name]) == (
+            expected,
+            reason,
+            stop_reason,
+        ), name
         assert request.stop_reason == stop_reason
 
 
@@ -385,8 +394,11 @@ def test_finish_request_for_a_stop_string():
     driver.step()
     driver.step()
     assert scheduler.finish_request("a", FinishReason.STOP, "###")
-    assert (request.status, request.finish_reason, request.stop_reason) == \
-        (RequestStatus.FINISHED_STOPPED, FinishReason.STOP, "###")
+    assert (request.status, request.finish_reason, request.stop_reason) == (
+        RequestStatus.FINISHED_STOPPED,
+        FinishReason.STOP,
+        "###",
+    )
     assert scheduler.block_manager.num_used_blocks == 0 and not scheduler.has_unfinished_requests()
     assert not scheduler.finish_request("a", FinishReason.STOP, "###")
     assert scheduler.schedule().finished_request_ids == ["a"]
@@ -457,8 +469,13 @@ def test_metrics_use_the_injected_clock():
     driver.run()
     metrics = request.metrics
     assert metrics.arrival_time == 50.0
-    assert 100 <= metrics.first_scheduled_time < metrics.first_token_time < metrics.last_token_time \
+    assert (
+        100
+        <= metrics.first_scheduled_time
+        < metrics.first_token_time
+        < metrics.last_token_time
         <= metrics.finished_time
+    )
     assert metrics.time_per_output_token(3) is not None
 
 
@@ -480,22 +497,26 @@ def test_empty_step():
 
 # ---- multi-step scheduling ----
 
+
 def greedy_request(request_id: str, prompt: list[int], **params):
     return make_request(request_id, prompt, temperature=0.0, **params)
 
 
 def test_multi_step_decodes_match_the_reference_and_free_everything():
     scheduler, runner, driver = make_setup(block_size=4, num_scheduler_steps=4)
-    requests = [greedy_request(f"r{i}", prompt_of(3 + 5 * i, seed=i), max_tokens=max_tokens)
-                for i, max_tokens in enumerate((1, 6, 11, 17))]
+    requests = [
+        greedy_request(f"r{i}", prompt_of(3 + 5 * i, seed=i), max_tokens=max_tokens)
+        for i, max_tokens in enumerate((1, 6, 11, 17))
+    ]
     for request in requests:
         scheduler.add_request(request)
     while scheduler.has_unfinished_requests():
         driver.step()
         check_pool_invariants(scheduler, requests)
     for i, request in enumerate(requests):
-        assert driver.tokens[request.request_id] == reference_tokens(request.prompt_token_ids,
-                                                                     request.sampling_params.max_tokens)
+        assert driver.tokens[request.request_id] == reference_tokens(
+            request.prompt_token_ids, request.sampling_params.max_tokens
+        )
         assert driver.finish_reasons[request.request_id] is FinishReason.LENGTH
     assert scheduler.block_manager.num_used_blocks == 0
     passes = [output.num_decode_passes for output in driver.outputs]
@@ -533,21 +554,23 @@ def test_multi_step_eos_mid_step_drops_the_rest_and_frees_the_blocks():
     assert scheduler.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("params", [
-    {"temperature": 0.7},
-    {"temperature": 0.0, "stop": ["x"]},
-    {"temperature": 0.0, "logprobs": 2},
-    {"temperature": 0.0, "trace": True},
-    {"temperature": 0.0, "repetition_penalty": 1.3},
-    {"temperature": 0.0, "presence_penalty": 0.5},
-    {"temperature": 0.0, "logit_bias": {30: 2.0}},
-    {"temperature": 0.0, "min_tokens": 5},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.7},
+        {"temperature": 0.0, "stop": ["x"]},
+        {"temperature": 0.0, "logprobs": 2},
+        {"temperature": 0.0, "trace": True},
+        {"temperature": 0.0, "repetition_penalty": 1.3},
+        {"temperature": 0.0, "presence_penalty": 0.5},
+        {"temperature": 0.0, "logit_bias": {30: 2.0}},
+        {"temperature": 0.0, "min_tokens": 5},
+    ],
+)
 def test_multi_step_only_for_plain_greedy_decodes(params):
     scheduler, _, driver = make_setup(block_size=4, num_scheduler_steps=4)
     scheduler.add_request(make_request("plain", prompt_of(6), max_tokens=12, temperature=0.0, eos_token_ids=(EOS,)))
-    scheduler.add_request(make_request("other", prompt_of(7, seed=1), max_tokens=12, eos_token_ids=(EOS,),
-                                       **params))
+    scheduler.add_request(make_request("other", prompt_of(7, seed=1), max_tokens=12, eos_token_ids=(EOS,), **params))
     driver.step()
     assert [driver.step()[0].num_decode_passes for _ in range(3)] == [1, 1, 1]
 
@@ -563,8 +586,10 @@ def test_multi_step_not_while_a_prompt_is_computed():
 
 def test_multi_step_falls_back_to_one_pass_rather_than_preempt():
     scheduler, _, driver = make_setup(num_blocks=5, block_size=4, num_scheduler_steps=4)
-    requests = [greedy_request("a", prompt_of(7), max_tokens=9), greedy_request("b", prompt_of(7, seed=1),
-                                                                                 max_tokens=9)]
+    requests = [
+        greedy_request("a", prompt_of(7), max_tokens=9),
+        greedy_request("b", prompt_of(7, seed=1), max_tokens=9),
+    ]
     for request in requests:
         scheduler.add_request(request)
     driver.step()

@@ -26,22 +26,37 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(budget=st.sampled_from([3, 8, 64]), recompute=st.booleans(), prefix_caching=st.booleans())
     def setup(self, budget, recompute, prefix_caching):
         self.scheduler, self.runner, self.driver = make_setup(
-            num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
-            enable_prefix_caching=prefix_caching, recompute_every_step=recompute)
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=budget,
+            max_model_len=MAX_MODEL_LEN,
+            enable_prefix_caching=prefix_caching,
+            recompute_every_step=recompute,
+        )
         self.requests = []
         self.live_ids = []
 
-    @rule(prefix=st.sampled_from(PREFIXES), prefix_length=st.integers(0, 24),
-          suffix=st.lists(st.integers(10, 999), max_size=20), max_tokens=st.integers(1, 20),
-          priority=st.integers(0, 2), prompt_logprobs=st.booleans())
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        prefix_length=st.integers(0, 24),
+        suffix=st.lists(st.integers(10, 999), max_size=20),
+        max_tokens=st.integers(1, 20),
+        priority=st.integers(0, 2),
+        prompt_logprobs=st.booleans(),
+    )
     def add(self, prefix, prefix_length, suffix, max_tokens, priority, prompt_logprobs):
         prompt = prefix[:prefix_length] + suffix
         if not prompt:
             return
-        request = make_request(f"r{len(self.requests)}", prompt, max_tokens=max_tokens, priority=priority,
-                               arrival_time=float(len(self.requests)),
-                               prompt_logprobs=1 if prompt_logprobs else None)
+        request = make_request(
+            f"r{len(self.requests)}",
+            prompt,
+            max_tokens=max_tokens,
+            priority=priority,
+            arrival_time=float(len(self.requests)),
+            prompt_logprobs=1 if prompt_logprobs else None,
+        )
         self.scheduler.add_request(request)
         self.requests.append(request)
         self.live_ids.append(request.request_id)
@@ -97,6 +112,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert len(self.driver.prompt_logprobs[request.request_id]) == request.num_prompt_tokens - 1
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                              suppress_health_check=[HealthCheck.too_slow])
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestSchedulerStateMachine = SchedulerMachine.TestCase

@@ -43,5 +43,8 @@ def deploy(num_replicas: int = 2, router: str = "prefix", **router_kwargs: objec
     # Exact arithmetic: the tests compare replicas' texts with one engine's, and only the reference numerics give a
     # request the same tokens whatever batch it runs in (docs/models.md, batch invariance).
     config = EngineConfig(max_num_kv_tokens=4096, num_threads=1, reference_numerics=True)
-    serve.run(build_application(config, ServerConfig(), num_replicas, router, router_kwargs or None),
-              name="tokenriver", route_prefix="/")
+    serve.run(
+        build_application(config, ServerConfig(), num_replicas, router, router_kwargs or None),
+        name="tokenriver",
+        route_prefix="/",
+    )

@@ -5,7 +5,13 @@ from __future__ import annotations
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.serve_ray.messages import stream_error_event
 from tokenriver.serve_ray.metrics import aggregate, label_replica
-from tokenriver.serve_ray.replica_choice import BalancePolicy, PrefixIndex, ReplicaLoad, prompt_block_hashes, rank_replicas
+from tokenriver.serve_ray.replica_choice import (
+    BalancePolicy,
+    PrefixIndex,
+    ReplicaLoad,
+    prompt_block_hashes,
+    rank_replicas,
+)
 
 POLICY = BalancePolicy(balance_abs_threshold=8, balance_rel_threshold=1.5, hot_spill_threshold=4)
 
@@ -63,23 +69,31 @@ def test_index_forgets_least_recent_blocks_beyond_capacity_and_dead_replicas():
 
 
 def test_metrics_sum_across_replicas_and_label_each():
-    one = ("# HELP tokenriver_prefix_cache_hit_tokens_total x\n# TYPE tokenriver_prefix_cache_hit_tokens_total counter\n"
-           "tokenriver_prefix_cache_hit_tokens_total 10\ntokenriver_prefix_cache_queried_tokens_total 40\n"
-           "tokenriver_prefix_cache_hit_rate 0.25\ntokenriver_http_requests_total{endpoint=\"/v1\",status=\"200\"} 3\n"
-           "tokenriver_http_requests_created{endpoint=\"/v1\",status=\"200\"} 1.7e9\n")
-    two = ("tokenriver_prefix_cache_hit_tokens_total 30\ntokenriver_prefix_cache_queried_tokens_total 40\n"
-           "tokenriver_prefix_cache_hit_rate 0.75\ntokenriver_http_requests_total{endpoint=\"/v1\",status=\"200\"} 4\n")
+    one = (
+        "# HELP tokenriver_prefix_cache_hit_tokens_total x\n# TYPE tokenriver_prefix_cache_hit_tokens_total counter\n"
+        "tokenriver_prefix_cache_hit_tokens_total 10\ntokenriver_prefix_cache_queried_tokens_total 40\n"
+        'tokenriver_prefix_cache_hit_rate 0.25\ntokenriver_http_requests_total{endpoint="/v1",status="200"} 3\n'
+        'tokenriver_http_requests_created{endpoint="/v1",status="200"} 1.7e9\n'
+    )
+    two = (
+        "tokenriver_prefix_cache_hit_tokens_total 30\ntokenriver_prefix_cache_queried_tokens_total 40\n"
+        'tokenriver_prefix_cache_hit_rate 0.75\ntokenriver_http_requests_total{endpoint="/v1",status="200"} 4\n'
+    )
     merged = aggregate([one, two])
     assert "tokenriver_prefix_cache_hit_tokens_total 40\n" in merged
     assert "tokenriver_prefix_cache_hit_rate 0.5\n" in merged
     assert 'tokenriver_http_requests_total{endpoint="/v1",status="200"} 7\n' in merged
     assert "_created" not in merged
-    assert merged.index("# TYPE tokenriver_prefix_cache_hit_tokens_total") < merged.index("tokenriver_prefix_cache_hit_tokens_total 40")
+    assert merged.index("# TYPE tokenriver_prefix_cache_hit_tokens_total") < merged.index(
+        "tokenriver_prefix_cache_hit_tokens_total 40"
+    )
     labelled = label_replica(two, "r1")
     assert 'tokenriver_http_requests_total{replica="r1",endpoint="/v1",status="200"} 4\n' in labelled
     assert 'tokenriver_prefix_cache_hit_rate{replica="r1"} 0.75\n' in labelled
 
 
 def test_stream_error_event_is_openai_shaped():
-    assert stream_error_event("gone") == (b'data: {"error": {"message": "gone", "type": "server_error", "param": null, '
-                                          b'"code": "replica_failed"}}\n\ndata: [DONE]\n\n')
+    assert stream_error_event("gone") == (
+        b'data: {"error": {"message": "gone", "type": "server_error", "param": null, '
+        b'"code": "replica_failed"}}\n\ndata: [DONE]\n\n'
+    )

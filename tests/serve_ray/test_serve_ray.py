@@ -14,9 +14,11 @@ from tokenriver.engine.llm import LLM
 from tokenriver.params import SamplingParams
 
 PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
-LONG_PREFIX = ("You are a meticulous assistant for a shipping company. Answer in one short sentence, cite the "
-               "relevant policy number, and never invent a tracking number. Policies: 1) refunds within 30 days; "
-               "2) damaged parcels are replaced; 3) express delivery costs extra. ")
+LONG_PREFIX = (
+    "You are a meticulous assistant for a shipping company. Answer in one short sentence, cite the "
+    "relevant policy number, and never invent a tracking number. Policies: 1) refunds within 30 days; "
+    "2) damaged parcels are replaced; 3) express delivery costs extra. "
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +29,13 @@ def base_url():
 
 
 async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int = 8) -> httpx.Response:
-    return await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                      "temperature": 0})
+    return await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 
 
 def test_64_concurrent_requests_are_answered_as_one_engine_answers_them(base_url):
     reference = LLM(max_num_kv_tokens=4096, num_threads=1, reference_numerics=True).generate(
-        PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
+    )
     expected = {prompt: output.outputs[0].text for prompt, output in zip(PROMPTS, reference)}
 
     async def run() -> list[httpx.Response]:
@@ -50,8 +52,10 @@ def test_64_concurrent_requests_are_answered_as_one_engine_answers_them(base_url
 def test_requests_sharing_a_long_prefix_land_on_one_replica(base_url):
     with httpx.Client(base_url=base_url, timeout=120) as client:
         before = {r["replica_id"] for r in client.get("/v1/replicas").json()["data"]}
-        replicas = {_sync_complete(client, LONG_PREFIX + f"Customer {i}: where is my parcel?")
-                    .headers["x-tokenriver-replica"] for i in range(6)}
+        replicas = {
+            _sync_complete(client, LONG_PREFIX + f"Customer {i}: where is my parcel?").headers["x-tokenriver-replica"]
+            for i in range(6)
+        }
         assert len(replicas) == 1
         (chosen,) = replicas
         time.sleep(2.5)  # replicas post their metrics every second
@@ -63,8 +67,11 @@ def test_requests_sharing_a_long_prefix_land_on_one_replica(base_url):
 
 def test_streaming_engine_info_and_aggregated_metrics(base_url):
     with httpx.Client(base_url=base_url, timeout=120) as client:
-        with client.stream("POST", "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6, "stream": True}) as response:
+        with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6, "stream": True},
+        ) as response:
             assert response.status_code == 200
             events = [line for line in response.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"

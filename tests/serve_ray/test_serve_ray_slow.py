@@ -17,8 +17,9 @@ from tokenriver.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-SYSTEM_PROMPTS = [f"System {k}: you are assistant number {k} of the help desk. " + "Be brief and exact. " * 6
-                  for k in range(4)]
+SYSTEM_PROMPTS = [
+    f"System {k}: you are assistant number {k} of the help desk. " + "Be brief and exact. " * 6 for k in range(4)
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +42,19 @@ def test_killing_a_replica_mid_load_loses_no_unstreamed_request(base_url):
     deploy(2, "round_robin")
     prompts = [f"Item {i}: the colour of the sky is" for i in range(24)]
     reference = LLM(max_num_kv_tokens=4096, num_threads=1, reference_numerics=True).generate(
-        prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+        prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False
+    )
     with httpx.Client(base_url=base_url, timeout=120) as client:
         victim = _live_replicas(client, 2)[0]
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
-            tasks = [asyncio.create_task(client.post("/v1/completions", json={
-                "prompt": prompt, "max_tokens": 24, "temperature": 0})) for prompt in prompts]
+            tasks = [
+                asyncio.create_task(
+                    client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
+                )
+                for prompt in prompts
+            ]
             await asyncio.sleep(1.5)
             os.kill(victim["pid"], signal.SIGKILL)
             return await asyncio.gather(*tasks)
@@ -63,8 +69,9 @@ def test_killing_a_replica_mid_load_loses_no_unstreamed_request(base_url):
 
 def _hit_rate(base_url: str, router: str) -> float:
     deploy(2, router)
-    requests = [SYSTEM_PROMPTS[user % len(SYSTEM_PROMPTS)] + f"User {user}: my order {user} is late, why?"
-                for user in range(24)]
+    requests = [
+        SYSTEM_PROMPTS[user % len(SYSTEM_PROMPTS)] + f"User {user}: my order {user} is late, why?" for user in range(24)
+    ]
     # A seeded random order: in strict rotation, round robin over two replicas would keep each system prompt on
     # one replica by accident.
     random.Random(0).shuffle(requests)
@@ -72,16 +79,19 @@ def _hit_rate(base_url: str, router: str) -> float:
     async def run() -> None:
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
             for start in range(0, len(requests), 4):  # four users at a time
-                batch = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 2, "temperature": 0})
-                         for p in requests[start:start + 4]]
+                batch = [
+                    client.post("/v1/completions", json={"prompt": p, "max_tokens": 2, "temperature": 0})
+                    for p in requests[start : start + 4]
+                ]
                 assert all(r.status_code == 200 for r in await asyncio.gather(*batch))
 
     asyncio.run(run())
     time.sleep(2.5)  # replicas post their metrics every second
     with httpx.Client(base_url=base_url, timeout=120) as client:
         text = client.get("/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
     return values["tokenriver_prefix_cache_hit_tokens_total"] / values["tokenriver_prefix_cache_queried_tokens_total"]
 
 

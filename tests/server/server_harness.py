@@ -21,9 +21,20 @@ MAX_MODEL_LEN = 512
 MAX_BODY_SIZE = 64 * 1024
 NUM_KV_TOKENS = 2048
 STARTUP_TIMEOUT = 240.0
-SERVER_ARGS = ["--port", "0", "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-num-kv-tokens", str(NUM_KV_TOKENS), "--max-body-size", str(MAX_BODY_SIZE),
-               "--max-num-seqs", "32"]
+SERVER_ARGS = [
+    "--port",
+    "0",
+    "--api-key",
+    API_KEY,
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-num-kv-tokens",
+    str(NUM_KV_TOKENS),
+    "--max-body-size",
+    str(MAX_BODY_SIZE),
+    "--max-num-seqs",
+    "32",
+]
 
 
 @dataclass

@@ -18,11 +18,23 @@ from tokenriver.sched.output import SchedulerStats
 from tokenriver.server.app import build_app
 from tokenriver.server.config import ServerConfig
 
-STATS = SchedulerStats(num_running=3, num_waiting=2, num_preempted_total=5, num_blocks_total=64, num_blocks_used=16,
-                       num_blocks_free=48, kv_usage=0.25, prefix_cache_queried_tokens=100,
-                       prefix_cache_hit_tokens=40, prefix_cache_hit_rate=0.4, num_prefill_tokens_last_step=0,
-                       num_decode_tokens_last_step=3, num_prefill_tokens_total=90, num_decode_tokens_total=30,
-                       num_steps=33)
+STATS = SchedulerStats(
+    num_running=3,
+    num_waiting=2,
+    num_preempted_total=5,
+    num_blocks_total=64,
+    num_blocks_used=16,
+    num_blocks_free=48,
+    kv_usage=0.25,
+    prefix_cache_queried_tokens=100,
+    prefix_cache_hit_tokens=40,
+    prefix_cache_hit_rate=0.4,
+    num_prefill_tokens_last_step=0,
+    num_decode_tokens_last_step=3,
+    num_prefill_tokens_total=90,
+    num_decode_tokens_total=30,
+    num_steps=33,
+)
 
 
 class CharTokenizer:
@@ -46,17 +58,35 @@ class CharTokenizer:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" * add_generation_prompt)
 
 
-MODEL_INFO = ModelInfo(path="/models/tiny-model.gguf", vocab_size=1000, max_model_len=64, num_parameters=1000,
-                       num_bytes=4000, weights="1000 parameters", dtype="float32", kv_cache_dtype="float32",
-                       block_size=16, num_kv_blocks=64,
-                       kv_cache_bytes=1 << 20, max_num_batched_tokens=256, max_num_seqs=64, max_waiting_requests=64,
-                       speculative_draft=None, num_speculative_tokens=4)
+MODEL_INFO = ModelInfo(
+    path="/models/tiny-model.gguf",
+    vocab_size=1000,
+    max_model_len=64,
+    num_parameters=1000,
+    num_bytes=4000,
+    weights="1000 parameters",
+    dtype="float32",
+    kv_cache_dtype="float32",
+    block_size=16,
+    num_kv_blocks=64,
+    kv_cache_bytes=1 << 20,
+    max_num_batched_tokens=256,
+    max_num_seqs=64,
+    max_waiting_requests=64,
+    speculative_draft=None,
+    num_speculative_tokens=4,
+)
 
 
 def _engine(stats: SchedulerStats = STATS) -> SimpleNamespace:
     """The engine's public surface, all the server may use: model_info, snapshot(), tokenizer, generate/abort."""
-    return SimpleNamespace(model_info=MODEL_INFO, tokenizer=CharTokenizer(), max_model_len=64, is_running=True,
-                           snapshot=lambda: EngineSnapshot(stats, num_forward_passes=77))
+    return SimpleNamespace(
+        model_info=MODEL_INFO,
+        tokenizer=CharTokenizer(),
+        max_model_len=64,
+        is_running=True,
+        snapshot=lambda: EngineSnapshot(stats, num_forward_passes=77),
+    )
 
 
 @pytest.fixture()
@@ -95,8 +125,9 @@ def test_cors_is_off_unless_origins_are_allowed():
 
 
 def test_body_over_the_limit_is_413_before_parsing():
-    response = _client(max_body_size=2048).post("/v1/completions", content=b"x" * 4096,
-                                                 headers={"Content-Type": "application/json"})
+    response = _client(max_body_size=2048).post(
+        "/v1/completions", content=b"x" * 4096, headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
 
@@ -115,20 +146,43 @@ def test_tokenize_and_detokenize():
 def test_engine_info_and_metrics_read_the_published_snapshot():
     client = _client()
     info = client.get("/v1/engine").json()
-    assert info == {"model": "tiny-model", "dtype": "float32", "kv_cache_dtype": "float32", "block_size": 16,
-                    "num_blocks": 64,
-                    "num_blocks_used": 16, "num_blocks_free": 48, "kv_usage": 0.25, "num_running": 3,
-                    "num_waiting": 2, "num_preemptions": 5, "prefix_cache_hit_rate": 0.4, "num_forward_passes": 77,
-                    "max_model_len": 64, "max_num_batched_tokens": 256, "max_num_seqs": 64,
-                    "max_waiting_requests": 64}
+    assert info == {
+        "model": "tiny-model",
+        "dtype": "float32",
+        "kv_cache_dtype": "float32",
+        "block_size": 16,
+        "num_blocks": 64,
+        "num_blocks_used": 16,
+        "num_blocks_free": 48,
+        "kv_usage": 0.25,
+        "num_running": 3,
+        "num_waiting": 2,
+        "num_preemptions": 5,
+        "prefix_cache_hit_rate": 0.4,
+        "num_forward_passes": 77,
+        "max_model_len": 64,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 64,
+        "max_waiting_requests": 64,
+    }
     text = client.get("/metrics").text
-    for line in ("tokenriver_num_requests_running 3.0", "tokenriver_num_requests_waiting 2.0",
-                 "tokenriver_kv_cache_usage_ratio 0.25", "tokenriver_kv_cache_blocks_used 16.0",
-                 "tokenriver_prefix_cache_hit_rate 0.4", "tokenriver_num_preemptions_total 5.0",
-                 'tokenriver_http_requests_total{endpoint="/v1/engine",status="200"} 1.0'):
+    for line in (
+        "tokenriver_num_requests_running 3.0",
+        "tokenriver_num_requests_waiting 2.0",
+        "tokenriver_kv_cache_usage_ratio 0.25",
+        "tokenriver_kv_cache_blocks_used 16.0",
+        "tokenriver_prefix_cache_hit_rate 0.4",
+        "tokenriver_num_preemptions_total 5.0",
+        'tokenriver_http_requests_total{endpoint="/v1/engine",status="200"} 1.0',
+    ):
         assert line in text, line
-    for family in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                   "prompt_tokens_total", "generation_tokens_total"):
+    for family in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+    ):
         assert f"tokenriver_{family}" in text
 
 
@@ -198,12 +252,22 @@ def test_streamed_text_with_unicode_line_separators_stays_one_event_per_line():
         for index, token in enumerate(text):
             finished = index == len(text) - 1
             yield RequestOutput(
-                request_id=request_id or "r", prompt=prompt, prompt_token_ids=list(prompt_token_ids),
-                outputs=[CompletionOutput(index=0, text=text[:index + 1],
-                                          token_ids=[ord(c) for c in text[:index + 1]], delta_text=token,
-                                          delta_token_ids=[ord(token)],
-                                          finish_reason=FinishReason.LENGTH if finished else None)],
-                finished=finished, metrics=RequestMetrics(arrival_time=0.0))
+                request_id=request_id or "r",
+                prompt=prompt,
+                prompt_token_ids=list(prompt_token_ids),
+                outputs=[
+                    CompletionOutput(
+                        index=0,
+                        text=text[: index + 1],
+                        token_ids=[ord(c) for c in text[: index + 1]],
+                        delta_text=token,
+                        delta_token_ids=[ord(token)],
+                        finish_reason=FinishReason.LENGTH if finished else None,
+                    )
+                ],
+                finished=finished,
+                metrics=RequestMetrics(arrival_time=0.0),
+            )
 
     engine = _engine()
     engine.generate = generate

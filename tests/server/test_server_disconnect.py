@@ -13,8 +13,7 @@ NUM_CLIENTS = 20
 
 async def _read_a_little_then_hang_up(client: httpx.AsyncClient, index: int) -> int:
     """Stream a long completion, read three events, close the connection; returns the events seen."""
-    body = {"prompt": f"Story number {index}: once upon a time", "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+    body = {"prompt": f"Story number {index}: once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     seen = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -50,8 +49,12 @@ def test_cut_off_streams_free_their_kv_blocks(server):
 def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
     aborted_before = _aborted(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", headers=server.headers(), timeout=1.5,
-                   json={"prompt": "A very long story:", "max_tokens": 480, "ignore_eos": True})
+        httpx.post(
+            server.url + "/v1/completions",
+            headers=server.headers(),
+            timeout=1.5,
+            json={"prompt": "A very long story:", "max_tokens": 480, "ignore_eos": True},
+        )
     _wait_until_idle(server)
     assert server.metric("tokenriver_kv_cache_blocks_used") == 0
     assert _aborted(server) - aborted_before == 1
@@ -60,9 +63,11 @@ def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
 def _wait_until_idle(server) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if (server.metric("tokenriver_kv_cache_blocks_used") == 0
-                and server.metric("tokenriver_num_requests_running") == 0
-                and server.metric("tokenriver_num_requests_waiting") == 0):
+        if (
+            server.metric("tokenriver_kv_cache_blocks_used") == 0
+            and server.metric("tokenriver_num_requests_running") == 0
+            and server.metric("tokenriver_num_requests_waiting") == 0
+        ):
             return
         time.sleep(0.2)
 

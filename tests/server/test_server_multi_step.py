@@ -31,8 +31,9 @@ def test_multi_step_stream_equals_the_single_step_text(server, multi_step_server
         (model,) = single.models.list().data
         expected = single.completions.create(model=model.id, **kwargs).choices[0].text
         pieces, usage = [], None
-        for chunk in multi.completions.create(model=model.id, stream=True, stream_options={"include_usage": True},
-                                              **kwargs):
+        for chunk in multi.completions.create(
+            model=model.id, stream=True, stream_options={"include_usage": True}, **kwargs
+        ):
             usage = chunk.usage or usage
             pieces += [choice.text for choice in chunk.choices if choice.text]
     assert "".join(pieces) == expected

@@ -55,8 +55,9 @@ def test_models_lists_the_served_model(client, model):
 
 
 def test_completion_usage_counts_tokens(server, client, model):
-    response = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     (choice,) = response.choices
     assert choice.finish_reason == "length"
     prompt_ids = _tokenize(server, {"prompt": PROMPT})
@@ -96,7 +97,7 @@ def test_stop_string_cuts_the_text_before_it(client, model):
     stop = words[2]
     stopped = client.completions.create(stop=[stop], **kwargs).choices[0]
     assert stopped.finish_reason == "stop"
-    assert stopped.text == full[:full.index(stop)]
+    assert stopped.text == full[: full.index(stop)]
     texts, reasons, _ = _stream_completion(client, stop=stop, **kwargs)
     assert texts == [stopped.text] and reasons == ["stop"]
 
@@ -116,8 +117,7 @@ def test_completion_logprobs_greedy_chooses_the_top_token(client, model):
 
 def test_echo_prepends_the_prompt_and_its_logprobs(client, model):
     plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
-    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
-                                       logprobs=1)
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1)
     (choice,) = echoed.choices
     assert choice.text == PROMPT + plain.choices[0].text
     assert "".join(choice.logprobs.tokens) == choice.text
@@ -129,8 +129,9 @@ def test_echo_prepends_the_prompt_and_its_logprobs(client, model):
 
 
 def test_best_of_returns_the_n_most_likely(client, model):
-    response = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=1.0, n=2, best_of=3,
-                                         seed=5, logprobs=0)
+    response = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=3, temperature=1.0, n=2, best_of=3, seed=5, logprobs=0
+    )
     assert sorted(c.index for c in response.choices) == [0, 1]
     totals = [sum(c.logprobs.token_logprobs) for c in sorted(response.choices, key=lambda c: c.index)]
     assert totals[0] >= totals[1]
@@ -176,8 +177,9 @@ def test_chat_completion_and_its_stream_agree(server, client, model):
 
 
 def test_chat_logprobs_list_exactly_top_logprobs(client, model):
-    response = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0,
-                                              logprobs=True, top_logprobs=2)
+    response = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens
     for entry in content:
@@ -188,8 +190,9 @@ def test_chat_logprobs_list_exactly_top_logprobs(client, model):
 
 
 def test_trace_extension_streams_token_ids_and_traces(client, model):
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
-                                       extra_body={"trace": True, "trace_top": 3})
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True, extra_body={"trace": True, "trace_top": 3}
+    )
     token_ids, traces, metrics = [], [], None
     for chunk in stream:
         extra = chunk.model_extra or {}

@@ -26,7 +26,7 @@ EXTREME_VALUES = [
     {"min_p": 1e-300},
     {"top_k": 2**63 - 1},
     {"seed": 2**63 - 1, "n": 2, "temperature": 1.0},
-    {"seed": -2**63},
+    {"seed": -(2**63)},
     {"logit_bias": {"5": 100, "6": -100}},
     {"frequency_penalty": 2, "presence_penalty": -2, "repetition_penalty": 2.0},
     # Values that underflow to 0 in float32: greedy / keep the top token / a clear 400.
@@ -38,8 +38,7 @@ EXTREME_VALUES = [
 
 @pytest.fixture(scope="module")
 def own_server():
-    started = start_server(["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
-                            str(MAX_WAITING_REQUESTS)])
+    started = start_server(["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING_REQUESTS)])
     yield started
     stop_server(started)
 
@@ -47,9 +46,11 @@ def own_server():
 def _wait_until_idle(server, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (server.metric("tokenriver_num_requests_running") == 0
-                and server.metric("tokenriver_num_requests_waiting") == 0
-                and server.metric("tokenriver_kv_cache_blocks_used") == 0):
+        if (
+            server.metric("tokenriver_num_requests_running") == 0
+            and server.metric("tokenriver_num_requests_waiting") == 0
+            and server.metric("tokenriver_kv_cache_blocks_used") == 0
+        ):
             return
         time.sleep(0.1)
     raise AssertionError("the engine did not go idle")
@@ -65,8 +66,9 @@ def pool_empty_after(own_server):
 
 
 def _post_raw(server, path: str, body: bytes) -> httpx.Response:
-    return httpx.post(server.url + path, content=body, timeout=60,
-                      headers={**server.headers(), "Content-Type": "application/json"})
+    return httpx.post(
+        server.url + path, content=body, timeout=60, headers={**server.headers(), "Content-Type": "application/json"}
+    )
 
 
 def _error(response: httpx.Response, status: int = 400) -> dict:
@@ -78,23 +80,36 @@ def _error(response: httpx.Response, status: int = 400) -> dict:
 
 @pytest.mark.parametrize("values", EXTREME_VALUES)
 def test_extreme_values_never_kill_the_engine(own_server, values):
-    response = httpx.post(own_server.url + "/v1/completions", headers=own_server.headers(), timeout=60,
-                          json={"prompt": "Hi there", "max_tokens": 3, **values})
+    response = httpx.post(
+        own_server.url + "/v1/completions",
+        headers=own_server.headers(),
+        timeout=60,
+        json={"prompt": "Hi there", "max_tokens": 3, **values},
+    )
     assert response.status_code in (200, 400), response.text
     assert httpx.get(own_server.url + "/health", timeout=10).status_code == 200
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
-     "messages[0].content[0].text"),
-    ("/v1/chat/completions", '{"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": "x\\udc00y"}]}',
-     "messages[1].content"),
-    ("/v1/completions", '{"prompt": "\\ud800"}', "prompt"),
-    ("/v1/completions", '{"prompt": ["fine", "\\ud83d"]}', "prompt[1]"),
-    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"]}', "stop[0]"),
-    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": "x\\udc00y"}]}',
+            "messages[1].content",
+        ),
+        ("/v1/completions", '{"prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", '{"prompt": ["fine", "\\ud83d"]}', "prompt[1]"),
+        ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"]}', "stop[0]"),
+        ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    ],
+)
 def test_a_lone_surrogate_is_400_naming_the_field(own_server, path, body, param):
     error = _error(_post_raw(own_server, path, body.encode()))
     assert error["param"] == param and "surrogate" in error["message"]
@@ -106,11 +121,13 @@ def test_a_surrogate_pair_is_text(own_server):
 
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
-@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty",
-                                   "max_tokens", "seed", "n"])
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty", "max_tokens", "seed", "n"]
+)
 def test_nan_and_infinity_are_400(own_server, field, constant):
     body = f'{{"prompt": "Hi there", "max_tokens": 2, "{field}": {constant}}}'.replace(
-        '"max_tokens": 2, "max_tokens"', '"max_tokens"')
+        '"max_tokens": 2, "max_tokens"', '"max_tokens"'
+    )
     error = _error(_post_raw(own_server, "/v1/completions", body.encode()))
     assert error["param"] == field, error
 
@@ -124,22 +141,26 @@ def test_nan_in_logit_bias_is_400(own_server):
 def test_deeply_nested_json_is_400(own_server, depth):
     for field in ("prompt", "logit_bias", "messages"):
         body = f'{{"{field}": ' + "[" * depth + "]" * depth + "}"
-        error = _error(_post_raw(own_server, "/v1/completions" if field != "messages" else "/v1/chat/completions",
-                                 body.encode()))
+        error = _error(
+            _post_raw(own_server, "/v1/completions" if field != "messages" else "/v1/chat/completions", body.encode())
+        )
         assert error["param"] in (None, field) or error["param"].startswith(field), error
 
 
-@pytest.mark.parametrize("field, value, param", [
-    ("max_tokens", 10**30, "max_tokens"),
-    ("seed", 2**64, "seed"),
-    ("seed", -2**63 - 1, "seed"),
-    ("n", 10**20, "n"),
-    ("top_k", -10**40, "top_k"),
-    ("logprobs", 2**63, "logprobs"),
-    ("prompt", [2**70], "prompt"),
-    ("logit_bias", {str(10**30): 1}, None),
-    ("seed", int("9" * 4000), "seed"),
-])
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("max_tokens", 10**30, "max_tokens"),
+        ("seed", 2**64, "seed"),
+        ("seed", -(2**63) - 1, "seed"),
+        ("n", 10**20, "n"),
+        ("top_k", -(10**40), "top_k"),
+        ("logprobs", 2**63, "logprobs"),
+        ("prompt", [2**70], "prompt"),
+        ("logit_bias", {str(10**30): 1}, None),
+        ("seed", int("9" * 4000), "seed"),
+    ],
+)
 def test_huge_integers_are_400(own_server, field, value, param):
     body = {"prompt": "Hi there", "max_tokens": 2, field: value}
     error = _error(_post_raw(own_server, "/v1/completions", json.dumps(body).encode()))
@@ -169,8 +190,9 @@ async def _fill_the_queue_then_overflow(server) -> tuple[httpx.Response, float, 
                 assert time.monotonic() < deadline, "the third request never waited"
                 await asyncio.sleep(0.05)
             refused = await client.post("/v1/completions", json=body)
-            refused_chat = await client.post("/v1/chat/completions",
-                                             json={"messages": [{"role": "user", "content": "hi"}]})
+            refused_chat = await client.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+            )
             waiting.cancel()
             assert refused_chat.status_code == 429
         finally:
@@ -187,6 +209,10 @@ def test_a_full_waiting_queue_is_429_with_retry_after(own_server):
     assert after - before == 2
     _wait_until_idle(own_server)
     # Room again: the next request runs.
-    response = httpx.post(own_server.url + "/v1/completions", headers=own_server.headers(), timeout=60,
-                          json={"prompt": "Hi there", "max_tokens": 2})
+    response = httpx.post(
+        own_server.url + "/v1/completions",
+        headers=own_server.headers(),
+        timeout=60,
+        json={"prompt": "Hi there", "max_tokens": 2},
+    )
     assert response.status_code == 200

@@ -28,8 +28,11 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0(own_server):
 
     def run_request() -> None:
         results["response"] = httpx.post(
-            own_server.url + "/v1/completions", headers=own_server.headers(), timeout=120,
-            json={"prompt": "Count: one, two,", "max_tokens": NUM_TOKENS, "ignore_eos": True, "temperature": 0})
+            own_server.url + "/v1/completions",
+            headers=own_server.headers(),
+            timeout=120,
+            json={"prompt": "Count: one, two,", "max_tokens": NUM_TOKENS, "ignore_eos": True, "temperature": 0},
+        )
 
     thread = threading.Thread(target=run_request)
     thread.start()

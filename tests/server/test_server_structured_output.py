@@ -108,8 +108,13 @@ PARSE_CASES = [
 
 def _parse(client, model, prompt: str, schema: type[BaseModel]) -> str | None:
     """None when the parsed completion is an instance of the schema, else what went wrong."""
-    completion = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": prompt}],
-                                               response_format=schema, max_tokens=MAX_TOKENS, temperature=0)
+    completion = client.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        response_format=schema,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
     choice = completion.choices[0]
     if choice.finish_reason != "stop" or not isinstance(choice.message.parsed, schema):
         return f"{schema.__name__}: {choice.finish_reason} {choice.message.content!r}"
@@ -126,13 +131,20 @@ def test_parse_returns_an_instance_of_the_model(client, model):
 
 
 def test_json_object_always_parses(client, model):
-    prompts = ["Give me a JSON object describing a cat with two fields.", "Return a JSON object with a name and an age.",
-               "Make a JSON object with one key, color, and one value."]
+    prompts = [
+        "Give me a JSON object describing a cat with two fields.",
+        "Return a JSON object with a name and an age.",
+        "Make a JSON object with one key, color, and one value.",
+    ]
 
     def run(prompt: str) -> str:
-        completion = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                    response_format={"type": "json_object"},
-                                                    max_tokens=MAX_TOKENS, temperature=0)
+        completion = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            response_format={"type": "json_object"},
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
         return completion.choices[0].message.content
 
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -143,9 +155,14 @@ def test_json_object_always_parses(client, model):
 def test_schema_with_n_3_every_choice_validates(client, model):
     schema = {**Person.model_json_schema(), "additionalProperties": False}
     completion = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Describe a person."}], n=3, temperature=1.0, seed=7,
+        model=model,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        n=3,
+        temperature=1.0,
+        seed=7,
         max_tokens=MAX_TOKENS,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}},
+    )
     assert len(completion.choices) == 3
     for choice in completion.choices:
         jsonschema.validate(json.loads(choice.message.content), schema)
@@ -155,8 +172,7 @@ def test_schema_with_n_3_every_choice_validates(client, model):
 
 
 def _complete(client, model, prompt: str, **extra) -> str:
-    completion = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
-                                           extra_body=extra)
+    completion = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
     return completion.choices[0].text
 
 
@@ -180,18 +196,25 @@ def test_regex_choice_and_grammar_outputs_match(client, model):
 def test_invalid_constraints_get_400_naming_the_field(server, model):
     chat = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
     cases = [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "foo"}}}},
-         "response_format.json_schema", "foo"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "foo"}}}},
+            "response_format.json_schema",
+            "foo",
+        ),
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
         ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar", None),
         ({"guided_choice": []}, "guided_choice", "non-empty"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "only one"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema",
-         None),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+            "response_format.json_schema",
+            None,
+        ),
     ]
     for extra, param, words in cases:
-        response = httpx.post(server.url + "/v1/chat/completions", json={**chat, **extra}, headers=server.headers(),
-                              timeout=60)
+        response = httpx.post(
+            server.url + "/v1/chat/completions", json={**chat, **extra}, headers=server.headers(), timeout=60
+        )
         assert response.status_code == 400, (extra, response.text)
         error = response.json()["error"]
         assert error["param"] == param, (extra, error)
@@ -202,43 +225,73 @@ def test_invalid_constraints_get_400_naming_the_field(server, model):
 def test_continuation_with_prefix_ids_matches_the_whole_request(server, model):
     # A request that continues a constrained output (its tokens at the prompt's tail and in
     # structured_output_prefix_ids) generates what the whole request generated after them.
-    body = {"model": model, "max_tokens": 8, "temperature": 0, "trace": True,
-            "structured_outputs": {"regex": r"Colors: (red|green|blue), (red|green|blue)\."}}
+    body = {
+        "model": model,
+        "max_tokens": 8,
+        "temperature": 0,
+        "trace": True,
+        "structured_outputs": {"regex": r"Colors: (red|green|blue), (red|green|blue)\."},
+    }
 
     def token_ids(extra):
-        response = httpx.post(server.url + "/v1/completions", json={**body, **extra}, headers=server.headers(),
-                              timeout=60)
+        response = httpx.post(
+            server.url + "/v1/completions", json={**body, **extra}, headers=server.headers(), timeout=60
+        )
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["token_ids"]
 
-    prompt = httpx.post(server.url + "/tokenize", json={"prompt": "The flag has two"},
-                        headers=server.headers(), timeout=60).json()["tokens"]
+    prompt = httpx.post(
+        server.url + "/tokenize", json={"prompt": "The flag has two"}, headers=server.headers(), timeout=60
+    ).json()["tokens"]
     whole = token_ids({"prompt": prompt})
     assert len(whole) > 3
-    continued = token_ids({"prompt": prompt + whole[:3], "structured_output_prefix_ids": whole[:3],
-                           "max_tokens": 8 - 3})
+    continued = token_ids(
+        {"prompt": prompt + whole[:3], "structured_output_prefix_ids": whole[:3], "max_tokens": 8 - 3}
+    )
     assert continued == whole[3:]
     # Without the prefix the grammar starts over: the continuation writes "Colors" again.
     assert token_ids({"prompt": prompt + whole[:3], "max_tokens": 8 - 3})[:3] == whole[:3]
 
 
 def test_prefix_ids_without_a_constraint_get_400(server, model):
-    response = httpx.post(server.url + "/v1/completions", headers=server.headers(), timeout=60,
-                          json={"model": model, "prompt": "x", "max_tokens": 2, "structured_output_prefix_ids": [1]})
+    response = httpx.post(
+        server.url + "/v1/completions",
+        headers=server.headers(),
+        timeout=60,
+        json={"model": model, "prompt": "x", "max_tokens": 2, "structured_output_prefix_ids": [1]},
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "structured_output_prefix_ids"
 
 
 # ----- tools -------------------------------------------------------------------------------------------------
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                   "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the current time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
-                   "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the current time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -307,10 +360,18 @@ def test_streamed_tool_call_deltas_reassemble_into_the_call(client, model):
 
 def test_tool_choice_without_tools_or_unknown_name_is_400(server, model):
     chat = {"model": model, "messages": ASK_WEATHER, "max_tokens": 4}
-    response = httpx.post(server.url + "/v1/chat/completions", json={**chat, "tool_choice": "required"},
-                          headers=server.headers(), timeout=60)
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={**chat, "tool_choice": "required"},
+        headers=server.headers(),
+        timeout=60,
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
     named = {"type": "function", "function": {"name": "nope"}}
-    response = httpx.post(server.url + "/v1/chat/completions", json={**chat, "tools": [WEATHER], "tool_choice": named},
-                          headers=server.headers(), timeout=60)
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={**chat, "tools": [WEATHER], "tool_choice": named},
+        headers=server.headers(),
+        timeout=60,
+    )
     assert response.status_code == 400 and "nope" in response.json()["error"]["message"]

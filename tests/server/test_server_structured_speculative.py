@@ -11,12 +11,26 @@ import jsonschema
 import pytest
 from server_harness import ServerProcess, start_server, stop_server
 
-SCHEMA = {"type": "object", "properties": {
-    "items": {"type": "array", "maxItems": 4,
-              "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                         "count": {"type": "integer", "minimum": 0, "maximum": 9}},
-                        "required": ["name", "count"], "additionalProperties": False}}},
-    "required": ["items"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "maxItems": 4,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "count": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["name", "count"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +42,12 @@ def speculative_server() -> Iterator[ServerProcess]:
 
 
 def _chat(server: ServerProcess, **fields) -> dict:
-    body = {"messages": [{"role": "user", "content": "List three fruits with counts as JSON."}], "max_tokens": 96,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "list", "schema": SCHEMA}}, **fields}
+    body = {
+        "messages": [{"role": "user", "content": "List three fruits with counts as JSON."}],
+        "max_tokens": 96,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "list", "schema": SCHEMA}},
+        **fields,
+    }
     response = httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers(), timeout=300)
     assert response.status_code == 200, response.text
     return response.json()

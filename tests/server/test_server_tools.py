@@ -17,8 +17,10 @@ from tokenriver.server.reasoning import split
 from tokenriver.server.tools import conversation_messages, request_tools
 from tokenriver.tool_calls import ToolCalling, tool_format
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 HERMES_TEMPLATE = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}<tool_call>"
 LLAMA3_TEMPLATE = "{% if tools %}{{ tools | tojson }}{% endif %}<|start_header_id|>"
@@ -44,8 +46,9 @@ def test_formats_follow_the_template():
 def test_generic_envelope_parses_calls_and_responses():
     calling = ToolCalling([WEATHER], "auto", None, None)
     content, calls = calling.parse('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}')
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
-                                                                                       {"city": "Paris"})]
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
     assert calling.parse('{"response": "Hello"}') == ("Hello", [])
     assert calling.parse('{"tool_calls": [{"na') == ('{"tool_calls": [{"na', [])  # cut short: left as text
     assert calling.parse('{"response": "Hel') == ("Hel", [])  # a reply cut short keeps what it said
@@ -64,14 +67,29 @@ def test_generic_grammar_allows_a_call_or_a_response_only_with_auto():
 
 
 def test_the_request_reaches_the_core_as_dicts():
-    request = ChatCompletionRequest.model_validate({
-        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": NAMED,
-        "parallel_tool_calls": False})
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [WEATHER],
+            "tool_choice": NAMED,
+            "parallel_tool_calls": False,
+        }
+    )
     calling = request_tools(request, HERMES_TEMPLATE, lambda text: None)
-    assert (calling.tools, calling.named, calling.is_parallel, calling.format) == ([WEATHER], "get_weather", False,
-                                                                                     "hermes")
-    unknown = request.model_copy(update={"tool_choice": request.tool_choice.model_copy(
-        update={"function": request.tool_choice.function.model_copy(update={"name": "nope"})})})
+    assert (calling.tools, calling.named, calling.is_parallel, calling.format) == (
+        [WEATHER],
+        "get_weather",
+        False,
+        "hermes",
+    )
+    unknown = request.model_copy(
+        update={
+            "tool_choice": request.tool_choice.model_copy(
+                update={"function": request.tool_choice.function.model_copy(update={"name": "nope"})}
+            )
+        }
+    )
     with pytest.raises(InvalidParameterError) as error:
         request_tools(unknown, None, lambda text: None)
     assert error.value.param == "tool_choice"
@@ -98,11 +116,24 @@ def test_llama3_calls_parse():
 
 
 def test_history_with_tool_calls_renders_in_the_format():
-    messages = [ChatMessage.model_validate(m) for m in [
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]]
+    messages = [
+        ChatMessage.model_validate(m)
+        for m in [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    ]
     messages = conversation_messages(messages)
     generic = ToolCalling([WEATHER], "auto", None, None).conversation(messages)
     assert generic[0]["role"] == "system" and "get_weather" in generic[0]["content"]

@@ -100,8 +100,7 @@ def test_bad_messages_name_the_index(smollm_tokenizer, messages, message):
 
 def test_template_exception_becomes_invalid_parameter(smollm_fields):
     template = (
-        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with user') }}"
-        "{% endif %}ok"
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with user') }}{% endif %}ok"
     )
     tokenizer = tokenizer_from_gguf_fields({**smollm_fields, "tokenizer.chat_template": template})
     assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"

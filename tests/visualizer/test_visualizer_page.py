@@ -18,10 +18,32 @@ from collections.abc import Iterator
 
 import pytest
 
-from visualizer_harness import (CHAT_REQUEST, HTTP_ERROR_LOG, MAX_TOKENS, PACE_EVENT_STREAMS, PACE_MS, PROMPT, ROOT,
-                                SEED, TEMPERATURE, TRACE_TOP, ConsoleWatch, candidates, doc_screenshot, open_page,
-                                path_token_ids, reference_completion, request, row_count, screenshot, select_token,
-                                set_controls, sync_api, wait_finished, wait_idle)
+from visualizer_harness import (
+    CHAT_REQUEST,
+    HTTP_ERROR_LOG,
+    MAX_TOKENS,
+    PACE_EVENT_STREAMS,
+    PACE_MS,
+    PROMPT,
+    ROOT,
+    SEED,
+    TEMPERATURE,
+    TRACE_TOP,
+    ConsoleWatch,
+    candidates,
+    doc_screenshot,
+    open_page,
+    path_token_ids,
+    reference_completion,
+    request,
+    row_count,
+    screenshot,
+    select_token,
+    set_controls,
+    sync_api,
+    wait_finished,
+    wait_idle,
+)
 
 expect = sync_api.expect
 
@@ -32,8 +54,15 @@ def generated(browser: object, base_url: str) -> Iterator[tuple[object, ConsoleW
     page, watch = open_page(browser, base_url)
     page.fill("#prompt", PROMPT)
     page.check("#chat-template")
-    set_controls(page, **{"max-tokens": str(MAX_TOKENS), "seed": str(SEED), "trace-top": str(TRACE_TOP),
-                          "temperature": str(TEMPERATURE)})
+    set_controls(
+        page,
+        **{
+            "max-tokens": str(MAX_TOKENS),
+            "seed": str(SEED),
+            "trace-top": str(TRACE_TOP),
+            "temperature": str(TEMPERATURE),
+        },
+    )
     # The engine can write all MAX_TOKENS tokens before the page reads the first network chunk, so the stream is
     # paced to one event per PACE_MS: whether partial paths show up then depends on the page, not on speed.
     page.evaluate(PACE_EVENT_STREAMS, PACE_MS)
@@ -77,8 +106,10 @@ def _current_path_id(page: object) -> int:
 
 def test_prompt_tokens_match_the_tokenizer(generated: tuple, base_url: str) -> None:
     page, watch = generated
-    shown = [int(x) for x in page.eval_on_selector_all("[data-testid=prompt-token]",
-                                                       "els => els.map(e => e.dataset.tokenId)")]
+    shown = [
+        int(x)
+        for x in page.eval_on_selector_all("[data-testid=prompt-token]", "els => els.map(e => e.dataset.tokenId)")
+    ]
     assert shown == _prompt_ids(base_url)
     assert watch.unexpected() == []
 
@@ -149,8 +180,10 @@ def test_popover_shows_the_top_candidates_next_to_the_token(generated: tuple) ->
     expect(popover).to_be_hidden()
     page.click("[data-testid=token][data-step='3']")
     expect(popover).to_be_visible()
-    chip = page.eval_on_selector("[data-testid=token][data-step='3']",
-                                 "e => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, height: r.height}; }")
+    chip = page.eval_on_selector(
+        "[data-testid=token][data-step='3']",
+        "e => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, height: r.height}; }",
+    )
     box = popover.bounding_box()
     # Right under the clicked token, not in another panel.
     assert 0 <= box["y"] - (chip["y"] + chip["height"]) <= 12
@@ -182,8 +215,11 @@ def test_preview_replays_the_step_exactly_and_leaves_the_settings_alone(generate
     page.wait_for_function("""() => document.querySelector('[data-testid=preview-status]').textContent
         .includes('T 1.6, top-k 0, top-p 0.9')""")
     prefix = _prompt_ids(base_url) + path_token_ids(page)[:step]
-    reference = request(base_url, "/v1/completions", {"prompt": prefix, "max_tokens": 1, "temperature": 1.6,
-                                                      "top_p": 0.9, "trace": True, "trace_top": 100})
+    reference = request(
+        base_url,
+        "/v1/completions",
+        {"prompt": prefix, "max_tokens": 1, "temperature": 1.6, "top_p": 0.9, "trace": True, "trace_top": 100},
+    )
     expected = {c["token_id"]: c["prob_final"] for c in reference["choices"][0]["trace"][0]["candidates"]}
     hot = candidates(page)
     for c in hot:
@@ -203,8 +239,11 @@ def test_every_stage_of_a_step(generated: tuple) -> None:
     doc_screenshot(page, "[data-testid=why]", "visualizer-why.png")
     names = page.eval_on_selector_all("[data-testid=stage-name]", "els => els.map(e => e.textContent)")
     assert names[0] == "raw softmax" and names[1].startswith(f"after temperature {TEMPERATURE}")
-    rows = page.eval_on_selector_all("[data-testid=stages-table] tbody tr", """rows => rows.map(r =>
-        [...r.querySelectorAll('[data-testid=stage-prob]')].map(td => Number(td.dataset.prob)))""")
+    rows = page.eval_on_selector_all(
+        "[data-testid=stages-table] tbody tr",
+        """rows => rows.map(r =>
+        [...r.querySelectorAll('[data-testid=stage-prob]')].map(td => Number(td.dataset.prob)))""",
+    )
     shown = candidates(page)
     # The last stage's column is the recorded final distribution; the first is the raw one.
     for row, c in zip(rows, shown):
@@ -231,8 +270,8 @@ def test_branch_starts_with_the_clicked_token(generated: tuple, base_url: str) -
     assert branch_ids[step] == clicked_id
     assert page.get_attribute(f"[data-testid=token][data-step='{step}']", "class").split().count("forced") == 1
     # The branch continues exactly as the engine does from prompt + path + clicked token.
-    reference = reference_completion(base_url, _prompt_ids(base_url) + branch_ids[:step + 1], MAX_TOKENS - step - 1)
-    assert branch_ids[step + 1:] == [s["chosen_token_id"] for s in reference["trace"]]
+    reference = reference_completion(base_url, _prompt_ids(base_url) + branch_ids[: step + 1], MAX_TOKENS - step - 1)
+    assert branch_ids[step + 1 :] == [s["chosen_token_id"] for s in reference["trace"]]
     # Its cumulative log-probability is the sum of its tokens' log p_raw.
     probs = [float(p) for p in page.eval_on_selector_all("[data-testid=token]", "els => els.map(e => e.dataset.prob)")]
     assert float(page.inner_text("[data-testid=path-logprob]")) == pytest.approx(sum(map(math.log, probs)), abs=0.01)
@@ -337,8 +376,9 @@ def test_tree_labels_with_a_newline_stay_on_their_row(generated: tuple, base_url
     wait_finished(page, branch_count=rows_before + 1)
     snippets = page.eval_on_selector_all("[data-testid=tree-snippet]", "els => els.map(e => e.textContent)")
     assert all("\n" not in s for s in snippets) and any("↵" in s for s in snippets)
-    overflowing = page.eval_on_selector_all("[data-testid=tree-row]",
-                                            "els => els.filter(e => e.scrollHeight > e.clientHeight).length")
+    overflowing = page.eval_on_selector_all(
+        "[data-testid=tree-row]", "els => els.filter(e => e.scrollHeight > e.clientHeight).length"
+    )
     assert overflowing == 0
     assert watch.unexpected() == []
 
@@ -457,8 +497,11 @@ def test_stop_leaves_an_engine_view_that_matches_the_engine(browser: object, bas
     page.wait_for_function("document.querySelectorAll('[data-testid=token]').length >= 3", timeout=90_000)
     page.click("#stop-generation")
     wait_idle(page)
-    page.wait_for_function("""() => { const el = document.querySelector('[data-testid=engine-requests]');
-        return el && el.textContent === '0 / 0'; }""", timeout=15_000)
+    page.wait_for_function(
+        """() => { const el = document.querySelector('[data-testid=engine-requests]');
+        return el && el.textContent === '0 / 0'; }""",
+        timeout=15_000,
+    )
     # The engine publishes its state once per loop pass: the abort shows there within a pass or two.
     deadline = time.monotonic() + 15
     engine = request(base_url, "/v1/engine")
@@ -468,7 +511,9 @@ def test_stop_leaves_an_engine_view_that_matches_the_engine(browser: object, bas
     assert engine["num_running"] == 0
     page.wait_for_function(
         "n => document.querySelector('[data-testid=engine-blocks-used]').textContent.startsWith(n + ' of')",
-        arg=engine["num_blocks_used"], timeout=5_000)
+        arg=engine["num_blocks_used"],
+        timeout=5_000,
+    )
     pending = page.inner_text("[data-testid=engine-pending]")
     assert pending.startswith("stopped after") and "appear when" not in pending
     assert page.inner_text("[data-testid=path-status]") == "stopped"
@@ -528,8 +573,9 @@ def test_layout_colours_and_wording(browser: object, base_url: str) -> None:
     # Probability values: at least 11 px, beside the bar rather than printed on it.
     # Read in one page-side check that retries while the panel re-renders (a detached element has no style).
     sizes_js = "() => [...document.querySelectorAll('.bar-value')].map(e => parseFloat(getComputedStyle(e).fontSize))"
-    page.wait_for_function(f"() => {{ const s = ({sizes_js})(); return s.length > 0 && s.every(v => !isNaN(v)); }}",
-                           timeout=10_000)
+    page.wait_for_function(
+        f"() => {{ const s = ({sizes_js})(); return s.length > 0 && s.every(v => !isNaN(v)); }}", timeout=10_000
+    )
     sizes = page.evaluate(sizes_js)
     assert sizes and min(sizes) >= 11
     assert page.eval_on_selector_all(".bar-track .bar-value", "els => els.length") == 0
@@ -554,8 +600,9 @@ def test_narrow_screen_has_no_horizontal_scroll(browser: object, base_url: str) 
     set_controls(page, **{"max-tokens": "3", "seed": str(SEED)})
     page.fill("#prompt", "Once upon a time")
     expected = request(base_url, "/tokenize", {"prompt": "Once upon a time"})["tokens"]
-    page.wait_for_function("n => document.querySelectorAll('[data-testid=prompt-token]').length === n",
-                           arg=len(expected))
+    page.wait_for_function(
+        "n => document.querySelectorAll('[data-testid=prompt-token]').length === n", arg=len(expected)
+    )
     page.click("#generate")
     wait_finished(page)
     shown = page.eval_on_selector_all("[data-testid=prompt-token]", "els => els.map(e => Number(e.dataset.tokenId))")

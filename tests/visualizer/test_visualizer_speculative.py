@@ -7,8 +7,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from visualizer_harness import (doc_screenshot, open_page, path_token_ids, request, running_server, screenshot, set_controls,
-                                wait_finished)
+from visualizer_harness import (
+    doc_screenshot,
+    open_page,
+    path_token_ids,
+    request,
+    running_server,
+    screenshot,
+    set_controls,
+    wait_finished,
+)
 
 # Text that repeats, so the n-gram proposer finds earlier occurrences to copy as drafts.
 REPEATING_PROMPT = "one two three four, one two three four, one two three four, one two three four, one two"
@@ -31,8 +39,9 @@ def test_speculative_view_marks_drafts_and_states_the_rule(browser: object, spec
     assert path_token_ids(page) == [s["chosen_token_id"] for s in reference]
     accepted = [s["index"] for s in reference if s["extra"].get("speculative", {}).get("accepted")]
     assert accepted, "the n-gram proposer drafted nothing on a repeating prompt"
-    shown = page.eval_on_selector_all("[data-testid=token].draft-accepted",
-                                      "els => els.map(e => Number(e.dataset.step))")
+    shown = page.eval_on_selector_all(
+        "[data-testid=token].draft-accepted", "els => els.map(e => Number(e.dataset.step))"
+    )
     assert shown == accepted
     page.click(f"[data-testid=token][data-step='{accepted[0]}']")
     note = page.inner_text("[data-testid=why-speculative]")

@@ -25,14 +25,23 @@ import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
-    pytest.skip("Debian's Chromium is not installed at /usr/bin/chromium (apt-get install chromium)",
-                allow_module_level=True)
+    pytest.skip(
+        "Debian's Chromium is not installed at /usr/bin/chromium (apt-get install chromium)", allow_module_level=True
+    )
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts" / "visualizer"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 SERVER_START_TIMEOUT = 240.0
 GENERATION_TIMEOUT_MS = 90_000
 # Sampling settings typed into the page and sent to the API directly for the reference.
@@ -118,9 +127,23 @@ def running_server(extra_args: tuple[str, ...] = (), name: str = "server") -> It
         process = subprocess.Popen(
             # Reference numerics: the tests compare a step's replays and a speculative run with the recorded tokens,
             # which needs the batch-invariant arithmetic (docs/models.md, "Batch invariance").
-            [sys.executable, "-m", "tokenriver.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--reference-numerics", *extra_args],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "tokenriver.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--reference-numerics",
+                *extra_args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, log_path)
@@ -173,7 +196,9 @@ def wait_finished(page: object, branch_count: int = 1) -> None:
     page.wait_for_function(
         """n => { const rows = document.querySelectorAll('[data-testid=tree-row]');
                   return rows.length === n && !document.body.classList.contains('busy'); }""",
-        arg=branch_count, timeout=GENERATION_TIMEOUT_MS)
+        arg=branch_count,
+        timeout=GENERATION_TIMEOUT_MS,
+    )
 
 
 def path_token_ids(page: object) -> list[int]:
@@ -181,18 +206,31 @@ def path_token_ids(page: object) -> list[int]:
 
 
 def candidates(page: object) -> list[dict]:
-    return page.eval_on_selector_all("[data-testid=candidate]", """els => els.map(e => ({
+    return page.eval_on_selector_all(
+        "[data-testid=candidate]",
+        """els => els.map(e => ({
         tokenId: Number(e.dataset.tokenId), rank: Number(e.dataset.rank), probRaw: Number(e.dataset.probRaw),
         probFinal: Number(e.dataset.probFinal), probPreview: Number(e.dataset.probPreview),
         logit: Number(e.dataset.logit),
         isChosen: e.dataset.chosen === 'true', hasChosenClass: e.classList.contains('chosen'),
-        rawWidth: parseFloat(e.querySelector('[data-testid=bar-raw]').style.width)}))""")
+        rawWidth: parseFloat(e.querySelector('[data-testid=bar-raw]').style.width)}))""",
+    )
 
 
 def reference_completion(base_url: str, prompt_ids: list[int], max_tokens: int) -> dict:
     """The same request the page makes, without streaming: the engine's own answer."""
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": TEMPERATURE, "seed": SEED,
-            "trace": True, "trace_top": TRACE_TOP, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+    body = {
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": TEMPERATURE,
+        "seed": SEED,
+        "trace": True,
+        "trace_top": TRACE_TOP,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
     return request(base_url, "/v1/completions", body)["choices"][0]
 
 

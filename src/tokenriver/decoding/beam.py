@@ -91,9 +91,15 @@ def num_candidates_per_beam(params: SamplingParams, stop_token_ids: list[int]) -
 class BeamSearch:
     """One request's beam search."""
 
-    def __init__(self, params: SamplingParams, root_request_id: str, new_request_id: Callable[[], str],
-                 stop_token_ids: list[int], max_new_tokens: int,
-                 stop_string_of: Callable[[list[int]], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        root_request_id: str,
+        new_request_id: Callable[[], str],
+        stop_token_ids: list[int],
+        max_new_tokens: int,
+        stop_string_of: Callable[[list[int]], str | None] | None = None,
+    ) -> None:
         """root_request_id: the request computing the prompt, the one beam of the first step.
         new_request_id: names the request of each new running beam.
         stop_token_ids: tokens that end a beam (EOS unless ignore_eos, plus stop_token_ids).
@@ -134,18 +140,19 @@ class BeamSearch:
                 pool.append(_Candidate(beam.cumulative_logprob + entry.logprob, beam_index, entry.token_id, entry))
         # transformers' topk over [beam, token] scores; ties go to the lower flat index.
         pool.sort(key=lambda c: (-c.cumulative_logprob, c.beam_index, c.token_id))
-        kept = pool[:self.num_kept]
+        kept = pool[: self.num_kept]
         endings = [self._ending(self.running[c.beam_index], c.token_id, length) for c in kept]
 
         # Only the `width` best continuations may finish; none once the hypotheses are settled.
         is_full = len(self.finished) == self.width
         if self._is_improvement_possible and not (is_full and self.params.early_stopping is True):
-            for candidate, ending in list(zip(kept, endings))[:self.width]:
+            for candidate, ending in list(zip(kept, endings))[: self.width]:
                 if ending is not None:
                     self._add_hypothesis(self.running[candidate.beam_index], candidate, length, *ending)
 
-        continuations = [self._continue(self.running[c.beam_index], c)
-                         for c, ending in zip(kept, endings) if ending is None][:self.width]
+        continuations = [
+            self._continue(self.running[c.beam_index], c) for c, ending in zip(kept, endings) if ending is None
+        ][: self.width]
         self.running = [continuation.beam for continuation in continuations]
 
         if len(self.finished) == self.width:
@@ -153,14 +160,18 @@ class BeamSearch:
                 best_length = self.max_new_tokens
             else:
                 best_length = length
-            best_running = (self.running[0].cumulative_logprob / best_length ** self.params.length_penalty
-                            if self.running else float("-inf"))
-            self._is_improvement_possible = self._is_improvement_possible and \
-                best_running > self.finished[-1].score
-        self.is_done = (not self._is_improvement_possible
-                        or (len(self.finished) == self.width and self.params.early_stopping is True)
-                        or all(ending is not None for ending in endings)
-                        or not continuations)
+            best_running = (
+                self.running[0].cumulative_logprob / best_length**self.params.length_penalty
+                if self.running
+                else float("-inf")
+            )
+            self._is_improvement_possible = self._is_improvement_possible and best_running > self.finished[-1].score
+        self.is_done = (
+            not self._is_improvement_possible
+            or (len(self.finished) == self.width and self.params.early_stopping is True)
+            or all(ending is not None for ending in endings)
+            or not continuations
+        )
         return [] if self.is_done else continuations
 
     def best(self, num: int) -> list[Hypothesis]:
@@ -168,9 +179,15 @@ class BeamSearch:
         hypotheses = list(self.finished)
         if len(hypotheses) < num:
             for beam in self.running:
-                hypotheses.append(Hypothesis(beam.token_ids, beam.logprobs, beam.cumulative_logprob,
-                                             self._score(beam.cumulative_logprob, len(beam.token_ids)),
-                                             FinishReason.LENGTH))
+                hypotheses.append(
+                    Hypothesis(
+                        beam.token_ids,
+                        beam.logprobs,
+                        beam.cumulative_logprob,
+                        self._score(beam.cumulative_logprob, len(beam.token_ids)),
+                        FinishReason.LENGTH,
+                    )
+                )
             hypotheses.sort(key=lambda h: -h.score)
         return hypotheses[:num]
 
@@ -188,18 +205,28 @@ class BeamSearch:
         return None
 
     def _continue(self, parent: Beam, candidate: _Candidate) -> Continuation:
-        beam = Beam(self.new_request_id(), parent.token_ids + [candidate.token_id],
-                    parent.logprobs + [candidate.logprob], candidate.cumulative_logprob)
+        beam = Beam(
+            self.new_request_id(),
+            parent.token_ids + [candidate.token_id],
+            parent.logprobs + [candidate.logprob],
+            candidate.cumulative_logprob,
+        )
         return Continuation(parent, candidate.token_id, beam)
 
-    def _add_hypothesis(self, beam: Beam, candidate: _Candidate, length: int, reason: FinishReason,
-                        stop_reason: int | str | None) -> None:
-        hypothesis = Hypothesis(beam.token_ids + [candidate.token_id], beam.logprobs + [candidate.logprob],
-                                candidate.cumulative_logprob, self._score(candidate.cumulative_logprob, length),
-                                reason, stop_reason)
+    def _add_hypothesis(
+        self, beam: Beam, candidate: _Candidate, length: int, reason: FinishReason, stop_reason: int | str | None
+    ) -> None:
+        hypothesis = Hypothesis(
+            beam.token_ids + [candidate.token_id],
+            beam.logprobs + [candidate.logprob],
+            candidate.cumulative_logprob,
+            self._score(candidate.cumulative_logprob, length),
+            reason,
+            stop_reason,
+        )
         self.finished.append(hypothesis)
         self.finished.sort(key=lambda h: -h.score)
-        del self.finished[self.width:]
+        del self.finished[self.width :]
 
     def _score(self, cumulative_logprob: float, length: int) -> float:
-        return cumulative_logprob / length ** self.params.length_penalty
+        return cumulative_logprob / length**self.params.length_penalty

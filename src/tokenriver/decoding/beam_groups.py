@@ -65,8 +65,15 @@ class BeamGroups:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._groups
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: list[int], arrival_time: float, priority: int) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: list[int],
+        arrival_time: float,
+        priority: int,
+    ) -> None:
         """Queue a beam search; its first beam computes the prompt."""
         stop_token_ids = ([] if params.ignore_eos else list(eos_token_ids)) + list(params.stop_token_ids)
         counter = itertools.count(1)
@@ -75,8 +82,14 @@ class BeamGroups:
         max_new_tokens = self.scheduler.max_num_tokens - len(prompt_token_ids)
         if params.max_tokens is not None:
             max_new_tokens = min(max_new_tokens, params.max_tokens)
-        search = BeamSearch(params, root.request_id, lambda: f"{request_id}#beam{next(counter)}", stop_token_ids,
-                            max_new_tokens, self._stop_string_finder(params) if params.stop else None)
+        search = BeamSearch(
+            params,
+            root.request_id,
+            lambda: f"{request_id}#beam{next(counter)}",
+            stop_token_ids,
+            max_new_tokens,
+            self._stop_string_finder(params) if params.stop else None,
+        )
         self.scheduler.add_request(root)
         self._groups[request_id] = _Group(request_id, params, search, RequestMetrics(arrival_time=arrival_time))
         self._group_of[root.request_id] = request_id
@@ -123,8 +136,9 @@ class BeamGroups:
         group.metrics.first_token_time = group.metrics.first_token_time or now
         group.metrics.last_token_time = now
         for continuation in continuations:
-            self.scheduler.fork_request(continuation.parent.request_id, continuation.beam.request_id,
-                                        continuation.token_id)
+            self.scheduler.fork_request(
+                continuation.parent.request_id, continuation.beam.request_id, continuation.token_id
+            )
             self._group_of[continuation.beam.request_id] = group.request_id
         for parent in parents:
             self._group_of.pop(parent.request_id, None)
@@ -142,6 +156,7 @@ class BeamGroups:
 
     def _stop_string_finder(self, params: SamplingParams) -> Callable[[list[int]], str | None]:
         """The first stop string (by position) that the text of some generated tokens contains."""
+
         def stop_string_of(token_ids: list[int]) -> str | None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
             found = [(text.find(stop), stop) for stop in params.stop if stop in text]
@@ -153,7 +168,7 @@ class BeamGroups:
     def _with_top(params: SamplingParams, candidates: list[TokenLogprobs]) -> list[TokenLogprobs]:
         """Give each candidate the position's top alternatives when logprobs were asked for."""
         if params.logprobs:
-            top = [(entry.token_id, entry.logprob) for entry in candidates[:params.logprobs]]
+            top = [(entry.token_id, entry.logprob) for entry in candidates[: params.logprobs]]
             for entry in candidates:
                 entry.top = top
         return candidates

@@ -56,7 +56,9 @@ def first_layers(model: nn.Module, num_layers: int) -> nn.Module:
     if not isinstance(layers, nn.ModuleList):
         raise InvalidParameterError(
             f"a self-draft keeps the first layers of model.model.layers, which {type(model).__name__} does not "
-            f"have; give a draft model path instead", param="speculative_draft")
+            f"have; give a draft model path instead",
+            param="speculative_draft",
+        )
     draft_decoder = copy.copy(decoder)
     draft_decoder._modules = dict(decoder._modules)  # a copy: the target's own module table stays untouched
     draft_decoder._modules["layers"] = nn.ModuleList(list(layers)[:num_layers])
@@ -83,13 +85,27 @@ class _DraftState:
 class DraftModelProposer:
     """Proposes with a draft model over its own paged KV cache."""
 
-    def __init__(self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, config: EngineConfig,
-                 num_kv_blocks: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        config: EngineConfig,
+        num_kv_blocks: int,
+    ) -> None:
         self.model = model
         self.forward = NativeStack(model)  # calls like the model; its layers in one native call where they can run
         self.device = torch.device(config.device)
-        self.kv_cache = KVCache(num_layers, num_kv_blocks, config.block_size, num_kv_heads, head_dim,
-                                getattr(torch, config.resolved_kv_cache_dtype), config.device)
+        self.kv_cache = KVCache(
+            num_layers,
+            num_kv_blocks,
+            config.block_size,
+            num_kv_heads,
+            head_dim,
+            getattr(torch, config.resolved_kv_cache_dtype),
+            config.device,
+        )
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, enable_prefix_caching=False)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed + 1)
@@ -99,16 +115,24 @@ class DraftModelProposer:
         self.num_forward_passes = 0
 
     @classmethod
-    def from_target_layers(cls, target: LoadedModel, num_layers: int, config: EngineConfig,
-                           num_kv_blocks: int) -> "DraftModelProposer":
+    def from_target_layers(
+        cls, target: LoadedModel, num_layers: int, config: EngineConfig, num_kv_blocks: int
+    ) -> "DraftModelProposer":
         """A self-speculative draft: the target's first num_layers layers and its output head."""
         model_config = target.config
-        return cls(first_layers(target.model, num_layers), num_layers, model_config.num_kv_heads,
-                   model_config.head_dim, config, num_kv_blocks)
+        return cls(
+            first_layers(target.model, num_layers),
+            num_layers,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            config,
+            num_kv_blocks,
+        )
 
     @classmethod
-    def from_path(cls, path: str, target: LoadedModel, config: EngineConfig,
-                  num_kv_blocks: int) -> "DraftModelProposer":
+    def from_path(
+        cls, path: str, target: LoadedModel, config: EngineConfig, num_kv_blocks: int
+    ) -> "DraftModelProposer":
         """A separate draft model; its tokenizer must be the target's.
 
         A draft exists to be fast, so a target kept in float (quantization "none") does not make its draft float:
@@ -118,12 +142,19 @@ class DraftModelProposer:
         if not os.path.exists(path):
             raise InvalidParameterError(
                 f"speculative_draft={path!r} is neither 'ngram', 'self:N' nor an existing model file or folder",
-                param="speculative_draft")
+                param="speculative_draft",
+            )
         quantization = "auto" if config.quantization == "none" else config.quantization
         draft = load_model(path, config.resolved_dtype, config.device, quantization)
         check_same_vocabulary(draft, target)
-        return cls(draft.model, draft.config.num_layers, draft.config.num_kv_heads, draft.config.head_dim, config,
-                   num_kv_blocks)
+        return cls(
+            draft.model,
+            draft.config.num_layers,
+            draft.config.num_kv_heads,
+            draft.config.head_dim,
+            config,
+            num_kv_blocks,
+        )
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -143,16 +174,24 @@ class DraftModelProposer:
         drafts: dict[int, list[int]] = {index: [] for index, _, _, _ in batch}
         probs: dict[int, list[torch.Tensor]] = {index: [] for index, _, _, _ in batch}
         # Pass 1 computes the tokens each draft cache lacks; later passes, the previous guess.
-        pending = {index: request.all_token_ids[len(state.token_ids):] for index, request, state, _ in batch}
+        pending = {index: request.all_token_ids[len(state.token_ids) :] for index, request, state, _ in batch}
         for step in range(max((limit for *_, limit in batch), default=0)):
             active = [entry for entry in batch if entry[3] > step]
             scheduled = []
             for index, request, state, _ in active:
                 start = len(state.token_ids)
-                scheduled.append(ScheduledRequest(
-                    request_id=request.request_id, token_ids=pending[index], start_position=start,
-                    block_ids=state.block_ids, sample=True, sampling_params=request.sampling_params,
-                    prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids))
+                scheduled.append(
+                    ScheduledRequest(
+                        request_id=request.request_id,
+                        token_ids=pending[index],
+                        start_position=start,
+                        block_ids=state.block_ids,
+                        sample=True,
+                        sampling_params=request.sampling_params,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=request.output_token_ids,
+                    )
+                )
                 state.token_ids.extend(pending[index])
             inputs = prepare_inputs(SchedulerOutput(scheduled=scheduled), self.kv_cache.block_size, self.device)
             # [num_tokens, hidden_size]
@@ -160,10 +199,16 @@ class DraftModelProposer:
             self.num_forward_passes += 1
             rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_active, vocab] float32
-            states = [SamplingState(request.sampling_params, request.prompt_token_ids,
-                                    request.output_token_ids + drafts[index], state.generator,
-                                    [] if request.sampling_params.ignore_eos else request.eos_token_ids)
-                      for index, request, state, _ in active]
+            states = [
+                SamplingState(
+                    request.sampling_params,
+                    request.prompt_token_ids,
+                    request.output_token_ids + drafts[index],
+                    state.generator,
+                    [] if request.sampling_params.ignore_eos else request.eos_token_ids,
+                )
+                for index, request, state, _ in active
+            ]
             token_ids, distributions = self.sampler.draw(logits, states)
             for row, ((index, request, _, _), token_id) in enumerate(zip(active, token_ids)):
                 drafts[index].append(token_id)
@@ -219,10 +264,14 @@ def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
     if draft.config.vocab_size != target.config.vocab_size:
         raise InvalidParameterError(
             f"the draft model {draft.path} has a vocabulary of {draft.config.vocab_size} tokens and the model "
-            f"{target.config.vocab_size}: a draft must share the model's tokenizer", param="speculative_draft")
+            f"{target.config.vocab_size}: a draft must share the model's tokenizer",
+            param="speculative_draft",
+        )
     for token_id in range(min(_NUM_CHECKED_TOKENS, draft.config.vocab_size)):
         if draft.tokenizer.token_text(token_id) != target.tokenizer.token_text(token_id):
             raise InvalidParameterError(
                 f"the draft model {draft.path} reads token {token_id} as {draft.tokenizer.token_text(token_id)!r} "
                 f"but the model as {target.tokenizer.token_text(token_id)!r}: a draft must share the model's "
-                f"tokenizer", param="speculative_draft")
+                f"tokenizer",
+                param="speculative_draft",
+            )

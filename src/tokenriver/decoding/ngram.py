@@ -30,7 +30,7 @@ def find_continuation(token_ids: list[int], ngram_min: int, ngram_max: int, max_
         return []
     data = array("i", token_ids).tobytes()
     for n in range(min(ngram_max, num_tokens - 1), ngram_min - 1, -1):
-        pattern = data[-n * _ITEM_SIZE:]
+        pattern = data[-n * _ITEM_SIZE :]
         # An occurrence must start before the suffix itself does, so that at least one token follows it.
         end = len(data) - _ITEM_SIZE
         start = data.rfind(pattern, 0, end)
@@ -39,7 +39,7 @@ def find_continuation(token_ids: list[int], ngram_min: int, ngram_max: int, max_
             start = data.rfind(pattern, 0, start + len(pattern) - 1)
         if start != -1:
             follow = start // _ITEM_SIZE + n
-            return token_ids[follow:follow + max_num_tokens]
+            return token_ids[follow : follow + max_num_tokens]
     return []
 
 

@@ -67,8 +67,11 @@ class Speculator:
 
     def drop_finished(self, scheduler: Scheduler) -> None:
         """Let the proposer free what it keeps for requests that are gone (call after every step)."""
-        gone = [request_id for request_id in self._known_ids
-                if (request := scheduler.get_request(request_id)) is None or request.is_finished]
+        gone = [
+            request_id
+            for request_id in self._known_ids
+            if (request := scheduler.get_request(request_id)) is None or request.is_finished
+        ]
         if gone:
             self.proposer.drop(gone)
             self._known_ids.difference_update(gone)
@@ -96,7 +99,9 @@ def build_speculator(config: EngineConfig, target: LoadedModel, num_kv_blocks: i
         if num_layers >= target.config.num_layers:
             raise InvalidParameterError(
                 f"speculative_draft={draft!r}: the model has {target.config.num_layers} layers, so a self-draft "
-                f"runs fewer, e.g. self:{max(1, target.config.num_layers // 4)}", param="speculative_draft")
+                f"runs fewer, e.g. self:{max(1, target.config.num_layers // 4)}",
+                param="speculative_draft",
+            )
         proposer = DraftModelProposer.from_target_layers(target, num_layers, config, num_kv_blocks)
     else:
         proposer = DraftModelProposer.from_path(draft, target, config, num_kv_blocks)

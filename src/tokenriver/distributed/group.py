@@ -47,7 +47,8 @@ def init_method_for(address: str | None) -> str:
     if not host or not port.isdigit():
         raise InvalidParameterError(
             f"distributed_init_addr={address!r} is not host:port, e.g. head-node.example:29500",
-            param="distributed_init_addr")
+            param="distributed_init_addr",
+        )
     return f"tcp://{address}"
 
 
@@ -71,17 +72,21 @@ class TensorParallelGroup:
         self.times = CollectiveTimes()
 
     @classmethod
-    def connect(cls, rank: int, world_size: int, init_method: str, device: str,
-                timeout: timedelta = DEFAULT_TIMEOUT) -> TensorParallelGroup:
+    def connect(
+        cls, rank: int, world_size: int, init_method: str, device: str, timeout: timedelta = DEFAULT_TIMEOUT
+    ) -> TensorParallelGroup:
         """Join the group (blocks until all world_size ranks have joined). One group per process."""
         if dist.is_initialized():
-            raise InvalidParameterError("this process already belongs to a torch.distributed group; one "
-                                        "tensor-parallel engine per process", param="tensor_parallel_size")
+            raise InvalidParameterError(
+                "this process already belongs to a torch.distributed group; one tensor-parallel engine per process",
+                param="tensor_parallel_size",
+            )
         torch_device = torch.device(device)
         if torch_device.type == "cuda":
             torch.cuda.set_device(torch_device)
-        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend_for(device), init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+        )
         return cls(rank, world_size, torch_device)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,9 @@ def placement(config: EngineConfig) -> RankPlacement:
         if env_world_size != world_size:
             raise InvalidParameterError(
                 f"WORLD_SIZE={env_world_size} (from the launcher) but tensor_parallel_size={world_size}: start "
-                f"one process per rank", param="tensor_parallel_size")
+                f"one process per rank",
+                param="tensor_parallel_size",
+            )
         return RankPlacement("env://", range(rank, rank + 1), True)
     per_node = world_size // config.nnodes
     first = config.node_rank * per_node
@@ -77,30 +79,47 @@ def _spawn(config: EngineConfig, ranks: range, init_method: str, ranks_here: int
     context = multiprocessing.get_context("spawn")
     processes = []
     for rank in ranks:
-        process = context.Process(target=worker_main, args=(config, rank, init_method, ranks_here, os.getpid()),
-                                  name=f"tokenriver-tp-rank{rank}", daemon=True)
+        process = context.Process(
+            target=worker_main,
+            args=(config, rank, init_method, ranks_here, os.getpid()),
+            name=f"tokenriver-tp-rank{rank}",
+            daemon=True,
+        )
         process.start()
         processes.append(process)
     return processes
 
 
-def _local_kv_cache(config: EngineConfig, loaded: LoadedModel, layout: ShardLayout, num_blocks: int,
-                    device: str) -> KVCache:
+def _local_kv_cache(
+    config: EngineConfig, loaded: LoadedModel, layout: ShardLayout, num_blocks: int, device: str
+) -> KVCache:
     model_config = loaded.config
-    return KVCache(model_config.num_layers, num_blocks, config.block_size, layout.num_kv_heads,
-                   model_config.head_dim, getattr(torch, config.resolved_kv_cache_dtype), device)
+    return KVCache(
+        model_config.num_layers,
+        num_blocks,
+        config.block_size,
+        layout.num_kv_heads,
+        model_config.head_dim,
+        getattr(torch, config.resolved_kv_cache_dtype),
+        device,
+    )
 
 
-def start_tensor_parallel(config: EngineConfig, loaded: LoadedModel, num_blocks: int
-                          ) -> tuple[KVCache, TensorParallelRunner]:
+def start_tensor_parallel(
+    config: EngineConfig, loaded: LoadedModel, num_blocks: int
+) -> tuple[KVCache, TensorParallelRunner]:
     """Rank 0: start the other ranks of this machine, join the group, shard `loaded.model` in place, and return
     this rank's KV cache (its kv heads, every block) and the runner that broadcasts each step's plan."""
     where = placement(config)
     if where.local_ranks.start != 0:
-        raise InvalidParameterError(f"node_rank={config.node_rank} hosts no engine: run it with the same flags "
-                                    f"through the CLI, which starts only its ranks", param="node_rank")
-    processes = [] if where.launched else _spawn(config, where.local_ranks[1:], where.init_method,
-                                                      len(where.local_ranks))
+        raise InvalidParameterError(
+            f"node_rank={config.node_rank} hosts no engine: run it with the same flags "
+            f"through the CLI, which starts only its ranks",
+            param="node_rank",
+        )
+    processes = (
+        [] if where.launched else _spawn(config, where.local_ranks[1:], where.init_method, len(where.local_ranks))
+    )
     group = TensorParallelGroup.connect(0, config.tensor_parallel_size, where.init_method, config.device)
     torch.set_num_threads(_threads_per_rank(config, len(where.local_ranks)))
     layout = shard_model(loaded.model, group)
@@ -117,8 +136,9 @@ def _close_quietly(runner: TensorParallelRunner) -> None:
         runner.close()
 
 
-def worker_main(config: EngineConfig, rank: int, init_method: str, ranks_here: int,
-                parent_pid: int | None = None) -> None:
+def worker_main(
+    config: EngineConfig, rank: int, init_method: str, ranks_here: int, parent_pid: int | None = None
+) -> None:
     """A rank other than 0, in its own process: load, join, shard, then run rank 0's plans until told to stop.
 
     parent_pid: the process that spawned this one, whose end this rank does not outlive (_exit_with_parent)."""
@@ -126,8 +146,13 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, ranks_here: i
         _exit_with_parent(parent_pid)
     device = _rank_device(config, rank, ranks_here)
     torch.set_num_threads(_threads_per_rank(config, ranks_here))
-    loaded = load_model(config.model, config.resolved_dtype, device, config.quantization,
-                        int8_activations=config.resolved_int8_activations)
+    loaded = load_model(
+        config.model,
+        config.resolved_dtype,
+        device,
+        config.quantization,
+        int8_activations=config.resolved_int8_activations,
+    )
     group = TensorParallelGroup.connect(rank, config.tensor_parallel_size, init_method, device)
     try:
         layout = shard_model(loaded.model, group)

@@ -32,8 +32,9 @@ class TensorParallelRunner:
         self.workers = list(workers)
         self._closed = False
 
-    def execute(self, scheduler_output: SchedulerOutput,
-                draft_probs: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
+    ) -> RunnerOutput:
         self.group.broadcast(scheduler_output)
         return self.runner.execute(scheduler_output, draft_probs)
 

@@ -55,11 +55,13 @@ class RowParallel(nn.Module):
         return self.group.all_reduce(self.shard(x).contiguous())
 
 
-def _quantized_like(layer: Int4Linear | Int8Linear, weight: Int4Weight | Int8Weight,
-                    bias: torch.Tensor | None) -> Int4Linear | Int8Linear:
+def _quantized_like(
+    layer: Int4Linear | Int8Linear, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None
+) -> Int4Linear | Int8Linear:
     cls = Int4Linear if isinstance(layer, Int4Linear) else Int8Linear
-    shard = cls(weight, bias, backend=layer.backend, max_gemv_rows=layer.max_gemv_rows,
-                int8_activations=layer.int8_activations)
+    shard = cls(
+        weight, bias, backend=layer.backend, max_gemv_rows=layer.max_gemv_rows, int8_activations=layer.int8_activations
+    )
     if shard.gemm_rounding != layer.gemm_rounding:
         shard.set_rounded_gemm(layer.gemm_rounding is not None)
     return shard
@@ -71,17 +73,23 @@ def take_rows(layer: nn.Module, runs: list[tuple[int, int]]) -> nn.Module:
     bias = None if layer.bias is None else layer.bias.detach().index_select(0, index)
     if isinstance(layer, Int4Linear):
         high_bits = None if layer.high_bits is None else layer.high_bits.index_select(0, index)
-        weight = Int4Weight(layer.qweight.index_select(0, index), layer.scales.index_select(0, index),
-                            layer.mins.index_select(0, index), layer.group_size, high_bits)
+        weight = Int4Weight(
+            layer.qweight.index_select(0, index),
+            layer.scales.index_select(0, index),
+            layer.mins.index_select(0, index),
+            layer.group_size,
+            high_bits,
+        )
         return _quantized_like(layer, weight, bias)
     if isinstance(layer, Int8Linear):
-        weight = Int8Weight(layer.qweight.index_select(0, index), layer.scales.index_select(0, index),
-                            layer.group_size)
+        weight = Int8Weight(layer.qweight.index_select(0, index), layer.scales.index_select(0, index), layer.group_size)
         return _quantized_like(layer, weight, bias)
     if isinstance(layer, nn.Linear):
         return _linear(layer.weight.detach().index_select(0, index), bias)
-    raise InvalidParameterError(f"tensor parallelism cannot shard a {type(layer).__name__}; it shards nn.Linear, "
-                                f"Int4Linear and Int8Linear", param="tensor_parallel_size")
+    raise InvalidParameterError(
+        f"tensor parallelism cannot shard a {type(layer).__name__}; it shards nn.Linear, Int4Linear and Int8Linear",
+        param="tensor_parallel_size",
+    )
 
 
 def take_columns(layer: nn.Module, start: int, end: int, keep_bias: bool) -> nn.Module:
@@ -94,24 +102,32 @@ def take_columns(layer: nn.Module, start: int, end: int, keep_bias: bool) -> nn.
             raise InvalidParameterError(
                 f"a rank's share of {layer.in_features} input columns, [{start}, {end}), does not fall on the "
                 f"weight's groups of {unit}: use a tensor_parallel_size that splits the heads at such a boundary",
-                param="tensor_parallel_size")
+                param="tensor_parallel_size",
+            )
         # Per-channel scales ([N, 1]) stay whole; the shard's one group is its own columns.
-        scales = layer.scales if per_channel else layer.scales[:, start // unit:end // unit]
+        scales = layer.scales if per_channel else layer.scales[:, start // unit : end // unit]
         group_size = end - start if per_channel else layer.group_size
         if isinstance(layer, Int4Linear):
             # Within each 32-column run, byte j holds columns j and j + 16: a run of 32 columns is 16 whole bytes.
-            mins = layer.mins if per_channel else layer.mins[:, start // unit:end // unit]
+            mins = layer.mins if per_channel else layer.mins[:, start // unit : end // unit]
             # The fifth bits are a word per 32 columns, and unit is a multiple of 32.
-            high_bits = None if layer.high_bits is None else layer.high_bits[:, start // 32:end // 32].contiguous()
-            weight = Int4Weight(layer.qweight[:, start // 2:end // 2].contiguous(), scales.contiguous(),
-                                mins.contiguous(), group_size, high_bits)
+            high_bits = None if layer.high_bits is None else layer.high_bits[:, start // 32 : end // 32].contiguous()
+            weight = Int4Weight(
+                layer.qweight[:, start // 2 : end // 2].contiguous(),
+                scales.contiguous(),
+                mins.contiguous(),
+                group_size,
+                high_bits,
+            )
         else:
             weight = Int8Weight(layer.qweight[:, start:end].contiguous(), scales.contiguous(), group_size)
         return _quantized_like(layer, weight, bias)
     if isinstance(layer, nn.Linear):
         return _linear(layer.weight.detach()[:, start:end].contiguous(), bias)
-    raise InvalidParameterError(f"tensor parallelism cannot shard a {type(layer).__name__}; it shards nn.Linear, "
-                                f"Int4Linear and Int8Linear", param="tensor_parallel_size")
+    raise InvalidParameterError(
+        f"tensor parallelism cannot shard a {type(layer).__name__}; it shards nn.Linear, Int4Linear and Int8Linear",
+        param="tensor_parallel_size",
+    )
 
 
 def _weight_device(layer: nn.Module) -> torch.device:
@@ -144,22 +160,28 @@ class ShardLayout:
         return self.kv_heads[1] - self.kv_heads[0]
 
 
-def shard_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int, rank: int,
-                 unit: int = COLUMN_UNIT) -> ShardLayout:
+def shard_layout(
+    num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int, rank: int, unit: int = COLUMN_UNIT
+) -> ShardLayout:
     """Split kv heads (with their query heads) and the MLP's features (in runs of `unit`) across world_size ranks."""
     if num_kv_heads < world_size:
         raise InvalidParameterError(
             f"tensor_parallel_size={world_size} exceeds the model's {num_kv_heads} kv heads: every rank needs at "
-            f"least one; use at most {num_kv_heads}", param="tensor_parallel_size")
+            f"least one; use at most {num_kv_heads}",
+            param="tensor_parallel_size",
+        )
     if intermediate_size % unit or intermediate_size // unit < world_size:
         raise InvalidParameterError(
             f"the MLP's {intermediate_size} features do not split into {world_size} runs of whole {unit}-column "
-            f"groups; use a smaller tensor_parallel_size", param="tensor_parallel_size")
+            f"groups; use a smaller tensor_parallel_size",
+            param="tensor_parallel_size",
+        )
     group = num_heads // num_kv_heads
     kv_start, kv_end = partition(num_kv_heads, world_size, rank)
     feature_start, feature_end = partition(intermediate_size // unit, world_size, rank)
-    return ShardLayout((kv_start * group, kv_end * group), (kv_start, kv_end),
-                       (feature_start * unit, feature_end * unit))
+    return ShardLayout(
+        (kv_start * group, kv_end * group), (kv_start, kv_end), (feature_start * unit, feature_end * unit)
+    )
 
 
 def shard_decoder_layers(layers: nn.ModuleList, group: TensorParallelGroup) -> ShardLayout:
@@ -170,16 +192,20 @@ def shard_decoder_layers(layers: nn.ModuleList, group: TensorParallelGroup) -> S
     """
     first = layers[0]
     attention, mlp = getattr(first, "self_attn", None), getattr(first, "mlp", None)
-    if not all(hasattr(attention, name) for name in ("qkv_proj", "o_proj", "num_heads", "num_kv_heads", "head_dim")) \
-            or not all(hasattr(mlp, name) for name in ("gate_up_proj", "down_proj")):
+    if not all(
+        hasattr(attention, name) for name in ("qkv_proj", "o_proj", "num_heads", "num_kv_heads", "head_dim")
+    ) or not all(hasattr(mlp, name) for name in ("gate_up_proj", "down_proj")):
         raise InvalidParameterError(
             f"tensor parallelism shards Llama-family layers (fused qkv_proj / gate_up_proj); "
-            f"{type(first).__name__} is not one", param="tensor_parallel_size")
+            f"{type(first).__name__} is not one",
+            param="tensor_parallel_size",
+        )
     intermediate_size = mlp.down_proj.in_features
     group_size = getattr(mlp.down_proj, "group_size", COLUMN_UNIT)
     unit = COLUMN_UNIT if group_size == intermediate_size else max(group_size, COLUMN_UNIT)
-    layout = shard_layout(attention.num_heads, attention.num_kv_heads, intermediate_size, group.world_size,
-                          group.rank, unit)
+    layout = shard_layout(
+        attention.num_heads, attention.num_kv_heads, intermediate_size, group.world_size, group.rank, unit
+    )
     for layer in layers:
         _shard_attention(layer.self_attn, layout, group)
         _shard_mlp(layer.mlp, layout, intermediate_size, group)
@@ -191,12 +217,17 @@ def _shard_attention(attention: nn.Module, layout: ShardLayout, group: TensorPar
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     (h_start, h_end), (kv_start, kv_end) = layout.heads, layout.kv_heads
     # qkv_proj's output rows: [q of all heads | k of all kv heads | v of all kv heads].
-    attention.qkv_proj = take_rows(attention.qkv_proj, [
-        (h_start * head_dim, h_end * head_dim),
-        (q_size + kv_start * head_dim, q_size + kv_end * head_dim),
-        (q_size + kv_size + kv_start * head_dim, q_size + kv_size + kv_end * head_dim)])
+    attention.qkv_proj = take_rows(
+        attention.qkv_proj,
+        [
+            (h_start * head_dim, h_end * head_dim),
+            (q_size + kv_start * head_dim, q_size + kv_end * head_dim),
+            (q_size + kv_size + kv_start * head_dim, q_size + kv_size + kv_end * head_dim),
+        ],
+    )
     attention.o_proj = RowParallel(
-        take_columns(attention.o_proj, h_start * head_dim, h_end * head_dim, keep_bias=group.rank == 0), group)
+        take_columns(attention.o_proj, h_start * head_dim, h_end * head_dim, keep_bias=group.rank == 0), group
+    )
     attention.num_heads = h_end - h_start
     attention.num_kv_heads = kv_end - kv_start
     attention.q_size = attention.num_heads * head_dim
@@ -215,8 +246,10 @@ def shard_model(model: nn.Module, group: TensorParallelGroup) -> ShardLayout:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise InvalidParameterError(f"tensor parallelism needs a decoder with `model.layers`; "
-                                    f"{type(model).__name__} has none", param="tensor_parallel_size")
+        raise InvalidParameterError(
+            f"tensor parallelism needs a decoder with `model.layers`; {type(model).__name__} has none",
+            param="tensor_parallel_size",
+        )
     layout = shard_decoder_layers(layers, group)
     # .to() the device it is on: a no-op for the weights, but every module's _apply hook forgets what it bound.
     device = next(model.parameters()).device

@@ -87,8 +87,7 @@ class AsyncEngine:
         self._stopping = False
         self._built = threading.Event()
         self._build_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(config, loaded), name="tokenriver-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(config, loaded), name="tokenriver-engine", daemon=True)
         self._thread.start()
         self._built.wait()
         if self._build_error is not None:
@@ -136,8 +135,14 @@ class AsyncEngine:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises the engine's validation error if it cannot run."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}")
@@ -178,12 +183,20 @@ class AsyncEngine:
             return
         limit = self.model_info.max_waiting_requests
         if self.core.num_waiting_requests() >= limit:
-            command.stream.put(EngineOverloadedError(
-                f"{limit} requests are already waiting (max_waiting_requests); retry once running requests finish"))
+            command.stream.put(
+                EngineOverloadedError(
+                    f"{limit} requests are already waiting (max_waiting_requests); retry once running requests finish"
+                )
+            )
             return
         try:
-            self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                  prompt=command.prompt, priority=command.priority)
+            self.core.add_request(
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                prompt=command.prompt,
+                priority=command.priority,
+            )
         except Exception as error:  # validation errors go back to the caller that sent the request
             command.stream.put(error)
             return

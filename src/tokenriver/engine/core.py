@@ -116,15 +116,20 @@ def check_device(device: str) -> None:
     try:
         parsed = torch.device(device)
     except (RuntimeError, ValueError):
-        raise InvalidParameterError(f"device={device!r} is not a torch device: use cpu or cuda (cuda:N for the "
-                                    f"N-th GPU)", param="device") from None
+        raise InvalidParameterError(
+            f"device={device!r} is not a torch device: use cpu or cuda (cuda:N for the N-th GPU)", param="device"
+        ) from None
     if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidParameterError(f"device={device!r} but this PyTorch ({torch.__version__}) sees no CUDA GPU: "
-                                    "install a CUDA build of torch on a machine with an NVIDIA driver, or use "
-                                    "--device cpu", param="device")
+        raise InvalidParameterError(
+            f"device={device!r} but this PyTorch ({torch.__version__}) sees no CUDA GPU: "
+            "install a CUDA build of torch on a machine with an NVIDIA driver, or use "
+            "--device cpu",
+            param="device",
+        )
     if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        raise InvalidParameterError(f"device={device!r}: this machine has {torch.cuda.device_count()} GPU(s), "
-                                    f"numbered from 0", param="device")
+        raise InvalidParameterError(
+            f"device={device!r}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0", param="device"
+        )
     if parsed.type not in ("cpu", "cuda"):
         raise InvalidParameterError(f"device={device!r}: tokenriver runs on cpu or cuda", param="device")
 
@@ -134,13 +139,15 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int
     (default_kv_cache_memory)."""
     model_config = loaded.config
     dtype = getattr(torch, config.resolved_kv_cache_dtype)
-    per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads,
-                                model_config.head_dim, dtype)
+    per_block = bytes_per_block(
+        model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype
+    )
     if config.max_num_kv_tokens is not None:
         num_blocks = -(-config.max_num_kv_tokens // config.block_size)
     else:
-        memory = (config.kv_cache_memory if config.kv_cache_memory is not None
-                  else default_kv_cache_memory(config.device))
+        memory = (
+            config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(config.device)
+        )
         num_blocks = memory // per_block
         if config.kv_cache_memory is None:
             # Unasked-for memory is capped at what max_num_seqs full contexts could ever use.
@@ -148,7 +155,9 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int
     if num_blocks < 1:
         raise InvalidParameterError(
             f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block: one block of {config.block_size} "
-            f"tokens needs {per_block} bytes for this model; give at least that much", param="kv_cache_memory")
+            f"tokens needs {per_block} bytes for this model; give at least that much",
+            param="kv_cache_memory",
+        )
     return num_blocks
 
 
@@ -160,39 +169,67 @@ class EngineCore:
         torch.set_num_threads(config.num_threads or default_num_threads())
         check_device(config.device)
         int8_activations = config.resolved_int8_activations
-        self.loaded = loaded if loaded is not None else load_model(
-            config.model, config.resolved_dtype, config.device, config.quantization, int8_activations=int8_activations)
+        self.loaded = (
+            loaded
+            if loaded is not None
+            else load_model(
+                config.model,
+                config.resolved_dtype,
+                config.device,
+                config.quantization,
+                int8_activations=int8_activations,
+            )
+        )
         if int8_activations is not None and self.loaded.int8_activations != int8_activations:
             raise InvalidParameterError(
                 f"int8_activations={int8_activations} but the given model was loaded with "
                 f"int8_activations={self.loaded.int8_activations}: load it with the setting the engine should use",
-                param="int8_activations")
+                param="int8_activations",
+            )
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if self.max_model_len > model_config.max_position_embeddings:
             raise InvalidParameterError(
                 f"max_model_len={self.max_model_len} exceeds the model's context length "
-                f"({model_config.max_position_embeddings}); lower it", param="max_model_len")
+                f"({model_config.max_position_embeddings}); lower it",
+                param="max_model_len",
+            )
         num_blocks = kv_pool_blocks(config, self.loaded, self.max_model_len)
         use_graphs = config.cuda_graphs and torch.device(config.device).type == "cuda"
-        self.kv_cache = KVCache(model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads,
-                                model_config.head_dim, getattr(torch, config.resolved_kv_cache_dtype), config.device,
-                                padding_block=use_graphs)
+        self.kv_cache = KVCache(
+            model_config.num_layers,
+            num_blocks,
+            config.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            getattr(torch, config.resolved_kv_cache_dtype),
+            config.device,
+            padding_block=use_graphs,
+        )
         use_prefix_cache = config.enable_prefix_caching and config.use_kv_cache
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=use_prefix_cache)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len,
-                                   recompute_every_step=not config.use_kv_cache,
-                                   num_scheduler_steps=config.num_scheduler_steps)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            recompute_every_step=not config.use_kv_cache,
+            num_scheduler_steps=config.num_scheduler_steps,
+        )
         # Structured output: compiled grammars, shared with the threads that submit requests (compile()).
-        self.grammar = GrammarCompiler(self.tokenizer.to_json, model_config.vocab_size,
-                                       list(self.tokenizer.eos_token_ids))
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device, config.seed,
-                                  GrammarMatchers(self.grammar),
-                                  max_graph_batch=config.max_num_seqs if use_graphs else 0,
-                                  max_model_len=self.max_model_len)
+        self.grammar = GrammarCompiler(
+            self.tokenizer.to_json, model_config.vocab_size, list(self.tokenizer.eos_token_ids)
+        )
+        self.runner = ModelRunner(
+            self.loaded.model,
+            self.kv_cache,
+            config.device,
+            config.seed,
+            GrammarMatchers(self.grammar),
+            max_graph_batch=config.max_num_seqs if use_graphs else 0,
+            max_model_len=self.max_model_len,
+        )
         if config.tensor_parallel_size > 1:
             # This process becomes rank 0: the model is sharded in place, the cache holds this rank's kv heads.
             self.kv_cache, self.runner = start_tensor_parallel(config, self.loaded, num_blocks)
@@ -201,27 +238,44 @@ class EngineCore:
         self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
         self.last_step: StepStats | None = None
         self.model_info = ModelInfo(
-            path=self.loaded.path, vocab_size=model_config.vocab_size, max_model_len=self.max_model_len,
-            num_parameters=self.loaded.num_parameters, num_bytes=self.loaded.num_bytes,
-            weights=self.loaded.describe(), dtype=config.resolved_dtype,
+            path=self.loaded.path,
+            vocab_size=model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_parameters=self.loaded.num_parameters,
+            num_bytes=self.loaded.num_bytes,
+            weights=self.loaded.describe(),
+            dtype=config.resolved_dtype,
             kv_cache_dtype=config.resolved_kv_cache_dtype,
-            block_size=config.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=self.kv_cache.num_bytes,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            block_size=config.block_size,
+            num_kv_blocks=num_blocks,
+            kv_cache_bytes=self.kv_cache.num_bytes,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
             max_waiting_requests=config.resolved_max_waiting_requests(num_blocks),
-            speculative_draft=config.speculative_draft, num_speculative_tokens=config.num_speculative_tokens,
+            speculative_draft=config.speculative_draft,
+            num_speculative_tokens=config.num_speculative_tokens,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-            kv_bytes_per_token=self.kv_cache.num_bytes // (num_blocks * config.block_size))
+            kv_bytes_per_token=self.kv_cache.num_bytes // (num_blocks * config.block_size),
+        )
         # (forward-pass counter after the step, its rows): which requests shared each recent step's pass.
         self.pass_log: deque[tuple[int, list[PassRow]]] = deque(maxlen=PASS_LOG_LENGTH)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
-                    final_only: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        final_only: bool = False,
+    ) -> None:
         """Queue a request; raises a clear error if it can never run. With final_only, step() reports it once,
         finished, instead of after every step that changed it."""
         if self.output_processor.has_request(request_id):
-            raise InvalidParameterError(f"request id {request_id!r} is already running; use a unique id",
-                                        param="request_id")
+            raise InvalidParameterError(
+                f"request id {request_id!r} is already running; use a unique id", param="request_id"
+            )
         vocab_size = self.loaded.config.vocab_size
         prompt_token_ids = check_prompt(prompt_token_ids, vocab_size, self.max_model_len)
         params.validate_for_vocab(vocab_size)
@@ -233,9 +287,12 @@ class EngineCore:
             if params.beam_width > self.config.max_num_seqs:
                 raise InvalidParameterError(
                     f"beam_width={params.beam_width} needs that many running requests but max_num_seqs is "
-                    f"{self.config.max_num_seqs}; lower beam_width or raise max_num_seqs", param="beam_width")
-            self.beam_groups.add_request(request_id, list(prompt_token_ids), params, eos_token_ids, arrival_time,
-                                         priority)
+                    f"{self.config.max_num_seqs}; lower beam_width or raise max_num_seqs",
+                    param="beam_width",
+                )
+            self.beam_groups.add_request(
+                request_id, list(prompt_token_ids), params, eos_token_ids, arrival_time, priority
+            )
             self.output_processor.add_beam_request(request_id, prompt, list(prompt_token_ids), params)
             return
         children = []
@@ -244,8 +301,16 @@ class EngineCore:
             if params.num_generated > 1:
                 child_seed = None if params.seed is None else params.seed + index
                 child_params = dataclasses.replace(params, n=1, best_of=None, seed=child_seed)
-            children.append(Request(f"{request_id}#{index}" if params.num_generated > 1 else request_id,
-                                    list(prompt_token_ids), child_params, eos_token_ids, arrival_time, priority))
+            children.append(
+                Request(
+                    f"{request_id}#{index}" if params.num_generated > 1 else request_id,
+                    list(prompt_token_ids),
+                    child_params,
+                    eos_token_ids,
+                    arrival_time,
+                    priority,
+                )
+            )
         added: list[Request] = []
         try:
             for child in children:
@@ -255,8 +320,14 @@ class EngineCore:
             for child in added:
                 self.scheduler.abort_request(child.request_id)
             raise
-        self.output_processor.add_request(request_id, prompt, list(prompt_token_ids), params,
-                                          {child.request_id: child.metrics for child in children}, final_only)
+        self.output_processor.add_request(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            {child.request_id: child.metrics for child in children},
+            final_only,
+        )
 
     def special_token_id(self, text: str) -> int | None:
         """The id of `text` when the vocabulary holds it as one token that grammars must name by id (a special
@@ -309,12 +380,26 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.drop_finished(self.scheduler)
         if not scheduler_output.is_empty:
-            self.pass_log.append((self.runner.num_forward_passes, [
-                PassRow(r.request_id, len(r.token_ids), r.start_position < len(r.prompt_token_ids),
-                        len(r.draft_token_ids))
-                for r in scheduler_output.scheduled]))
-        self.last_step = StepStats(self.scheduler.stats(), time.perf_counter() - started,
-                                   self.runner.num_forward_passes, self._num_draft_forward_passes())
+            self.pass_log.append(
+                (
+                    self.runner.num_forward_passes,
+                    [
+                        PassRow(
+                            r.request_id,
+                            len(r.token_ids),
+                            r.start_position < len(r.prompt_token_ids),
+                            len(r.draft_token_ids),
+                        )
+                        for r in scheduler_output.scheduled
+                    ],
+                )
+            )
+        self.last_step = StepStats(
+            self.scheduler.stats(),
+            time.perf_counter() - started,
+            self.runner.num_forward_passes,
+            self._num_draft_forward_passes(),
+        )
         return outputs
 
     def close(self) -> None:

@@ -38,8 +38,9 @@ def _engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
     known = {f for f in EngineConfig.__dataclass_fields__}
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        raise InvalidParameterError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}",
-                                    param=unknown[0])
+        raise InvalidParameterError(
+            f"unknown engine option(s) {unknown}; known options: {sorted(known)}", param=unknown[0]
+        )
     return EngineConfig(model=model, **kwargs)
 
 
@@ -47,8 +48,11 @@ class LLM:
     """Load a model once, then generate for many prompts at a time."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
-        if (engine_options.get("speculative_draft") is None and engine_options.get("use_kv_cache", True)
-                and "num_scheduler_steps" not in engine_options):
+        if (
+            engine_options.get("speculative_draft") is None
+            and engine_options.get("use_kv_cache", True)
+            and "num_scheduler_steps" not in engine_options
+        ):
             engine_options["num_scheduler_steps"] = OFFLINE_SCHEDULER_STEPS
         self._start(EngineCore(_engine_config(model, {"dtype": dtype, **engine_options})))
 
@@ -56,8 +60,11 @@ class LLM:
     def from_loaded(cls, loaded: LoadedModel, **engine_options: Any) -> "LLM":
         """An LLM over an already loaded model: several engines (tests, benchmarks) can share one copy of weights."""
         llm = cls.__new__(cls)
-        options = {"dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
-                   "int8_activations": loaded.int8_activations, **engine_options}
+        options = {
+            "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+            "int8_activations": loaded.int8_activations,
+            **engine_options,
+        }
         llm._start(EngineCore(_engine_config(loaded.path, options), loaded=loaded))
         return llm
 
@@ -79,10 +86,15 @@ class LLM:
         raise InvalidParameterError(
             f"prompts[{index}] must be a string, or a dict with 'prompt' (a string) or 'prompt_token_ids', not "
             f"{type(prompt).__name__}" + (f" with keys {sorted(prompt)}" if isinstance(prompt, dict) else ""),
-            param="prompts")
+            param="prompts",
+        )
 
-    def _add(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams],
-             final_only: bool = False) -> list[str]:
+    def _add(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams],
+        final_only: bool = False,
+    ) -> list[str]:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -90,7 +102,8 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise InvalidParameterError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt",
-                    param="sampling_params")
+                    param="sampling_params",
+                )
         request_ids: list[str] = []
         try:
             for index, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -104,8 +117,12 @@ class LLM:
             raise
         return request_ids
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -152,11 +169,17 @@ class LLM:
             if not done and self.engine.has_request(request_id):
                 self.engine.abort_request(request_id)
 
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True, *,
-             tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-             parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or several) and generate the replies.
 
         `tools`, `tool_choice` and `parallel_tool_calls` are OpenAI's (tool definitions as dicts; "auto", "none",
@@ -168,11 +191,13 @@ class LLM:
         tool_calling = self.tool_calling(tools, tool_choice, parallel_tool_calls)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params: SamplingParams | list[SamplingParams] = tool_calling.constrain(
-                sampling_params or SamplingParams(), "sampling_params.structured_output")
+                sampling_params or SamplingParams(), "sampling_params.structured_output"
+            )
         else:
             params = [tool_calling.constrain(p, "sampling_params.structured_output") for p in sampling_params]
-        prompts = [self.chat_prompt(conversation, add_generation_prompt, tool_calling)
-                   for conversation in conversations]
+        prompts = [
+            self.chat_prompt(conversation, add_generation_prompt, tool_calling) for conversation in conversations
+        ]
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         if tool_calling.is_active:
             for output in outputs:
@@ -180,18 +205,29 @@ class LLM:
                     candidate.content, candidate.tool_calls = tool_calling.parse(candidate.text)
         return outputs
 
-    def tool_calling(self, tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-                     parallel_tool_calls: bool | None = None) -> ToolCalling:
+    def tool_calling(
+        self,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+    ) -> ToolCalling:
         """A chat's tools for this model's chat template and vocabulary (validated: InvalidParameterError)."""
-        return ToolCalling(tools, tool_choice, parallel_tool_calls, self.engine.tokenizer.chat_template,
-                           self.engine.special_token_id)
+        return ToolCalling(
+            tools, tool_choice, parallel_tool_calls, self.engine.tokenizer.chat_template, self.engine.special_token_id
+        )
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tool_calling: ToolCalling | None = None) -> dict[str, Any]:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tool_calling: ToolCalling | None = None,
+    ) -> dict[str, Any]:
         """One conversation rendered by the chat template, with its tools: a prompt for generate() or stream()."""
         tool_calling = tool_calling or self.tool_calling()
         tools = tool_calling.template_tools()
-        text = self.engine.tokenizer.apply_chat_template(tool_calling.conversation(messages),
-                                                         add_generation_prompt=add_generation_prompt,
-                                                         **({"tools": tools} if tools is not None else {}))
+        text = self.engine.tokenizer.apply_chat_template(
+            tool_calling.conversation(messages),
+            add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools is not None else {}),
+        )
         return {"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}

@@ -19,8 +19,15 @@ import time
 from dataclasses import dataclass, field
 
 from tokenriver.decoding.beam import Hypothesis
-from tokenriver.outputs import (CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestMetrics,
-                                RequestOutput, TokenLogprobs)
+from tokenriver.outputs import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
 from tokenriver.params import SamplingParams
 from tokenriver.sched.output import RequestUpdate
 from tokenriver.tokenizer.detokenizer import IncrementalDetokenizer
@@ -61,31 +68,46 @@ class OutputProcessor:
         # engine request id → user request id
         self._parent_of: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    children: dict[str, RequestMetrics], final_only: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        children: dict[str, RequestMetrics],
+        final_only: bool = False,
+    ) -> None:
         """Track a user request whose candidates run as the engine requests in `children` (id → metrics)."""
         candidates = {}
         for index, (child_id, metrics) in enumerate(children.items()):
             candidates[child_id] = _Candidate(
-                output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None,
-                                        trace=[] if params.trace else None),
+                output=CompletionOutput(
+                    index=index,
+                    logprobs=[] if params.logprobs is not None else None,
+                    trace=[] if params.trace else None,
+                ),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
                 stop_checker=StopStringChecker(params.stop, params.include_stop_str_in_output),
                 metrics=metrics,
             )
             self._parent_of[child_id] = request_id
         self._requests[request_id] = _UserRequest(
-            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
             candidates=candidates,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             final_only=final_only,
         )
 
-    def add_beam_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                         params: SamplingParams) -> None:
+    def add_beam_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         """Track a beam search (its beams are the beam search's business, not candidates of this request)."""
-        self._requests[request_id] = _UserRequest(request_id=request_id, prompt=prompt,
-                                                  prompt_token_ids=prompt_token_ids, params=params, candidates={})
+        self._requests[request_id] = _UserRequest(
+            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params, candidates={}
+        )
 
     def beam_output(self, request_id: str, hypotheses: list[Hypothesis], metrics: RequestMetrics) -> RequestOutput:
         """The final output of a beam search: one candidate per hypothesis, best first; forgets the request."""
@@ -106,13 +128,28 @@ class OutputProcessor:
             logprobs = None
             if params.logprobs is not None:
                 logprobs = [self._position_logprobs(entry, params.logprobs) for entry in hypothesis.logprobs]
-            outputs.append(CompletionOutput(
-                index=index, text=text, token_ids=list(hypothesis.token_ids),
-                cumulative_logprob=hypothesis.cumulative_logprob, logprobs=logprobs, finish_reason=finish_reason,
-                stop_reason=stop_reason, beam_score=hypothesis.score, delta_text=text,
-                delta_token_ids=list(hypothesis.token_ids)))
-        return RequestOutput(request_id=request_id, prompt=user.prompt, prompt_token_ids=user.prompt_token_ids,
-                             outputs=outputs, finished=True, metrics=metrics)
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(hypothesis.token_ids),
+                    cumulative_logprob=hypothesis.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                    beam_score=hypothesis.score,
+                    delta_text=text,
+                    delta_token_ids=list(hypothesis.token_ids),
+                )
+            )
+        return RequestOutput(
+            request_id=request_id,
+            prompt=user.prompt,
+            prompt_token_ids=user.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+            metrics=metrics,
+        )
 
     def remove_request(self, request_id: str) -> list[str]:
         """Forget a user request (aborted); returns its engine request ids."""
@@ -206,8 +243,9 @@ class OutputProcessor:
             token_id: Logprob(logprob=logprob, rank=rank, decoded_token=self.tokenizer.token_text(token_id))
             for rank, (token_id, logprob) in enumerate(top, start=1)
         }
-        result[entry.token_id] = Logprob(logprob=entry.logprob, rank=entry.rank,
-                                         decoded_token=self.tokenizer.token_text(entry.token_id))
+        result[entry.token_id] = Logprob(
+            logprob=entry.logprob, rank=entry.rank, decoded_token=self.tokenizer.token_text(entry.token_id)
+        )
         return result
 
     def _request_output(self, user: _UserRequest) -> RequestOutput | None:
@@ -217,13 +255,16 @@ class OutputProcessor:
         if user.params.num_generated > user.params.n:
             if not finished:
                 return None
-            best = sorted(candidates, key=lambda c: c.output.cumulative_logprob, reverse=True)[:user.params.n]
-            outputs = [_snapshot(c.output, index=i, delta_text=c.output.text, delta_token_ids=list(c.output.token_ids))
-                       for i, c in enumerate(best)]
+            best = sorted(candidates, key=lambda c: c.output.cumulative_logprob, reverse=True)[: user.params.n]
+            outputs = [
+                _snapshot(c.output, index=i, delta_text=c.output.text, delta_token_ids=list(c.output.token_ids))
+                for i, c in enumerate(best)
+            ]
         else:
-            outputs = [_snapshot(c.output) if key in user.changed else
-                       _snapshot(c.output, delta_text="", delta_token_ids=[])
-                       for key, c in user.candidates.items()]
+            outputs = [
+                _snapshot(c.output) if key in user.changed else _snapshot(c.output, delta_text="", delta_token_ids=[])
+                for key, c in user.candidates.items()
+            ]
         return RequestOutput(
             request_id=user.request_id,
             prompt=user.prompt,

@@ -132,7 +132,7 @@ class BlockManager:
         size = self.block_size
         for index in range(len(block_hashes), len(token_ids) // size):
             parent = block_hashes[-1] if block_hashes else None
-            block_hashes.append(hash_block_tokens(parent, token_ids[index * size:(index + 1) * size]))
+            block_hashes.append(hash_block_tokens(parent, token_ids[index * size : (index + 1) * size]))
 
     def find_cached_blocks(self, block_hashes: Sequence[bytes]) -> list[int]:
         """The cached blocks of the longest cached prefix of block_hashes (a lookup: nothing changes)."""
@@ -190,8 +190,9 @@ class BlockManager:
         cannot evict them. Callers check can_allocate first: running out here is a bug.
         """
         if not self.can_allocate(num_new_blocks, reused_block_ids):
-            raise RuntimeError(f"asked for {num_new_blocks} blocks with {self.num_free_blocks} free: "
-                               "call can_allocate first")
+            raise RuntimeError(
+                f"asked for {num_new_blocks} blocks with {self.num_free_blocks} free: call can_allocate first"
+            )
         for block_id in reused_block_ids:
             if self._ref_counts[block_id] == 0:
                 del self._evictable[block_id]

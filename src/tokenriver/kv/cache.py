@@ -62,8 +62,17 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 class KVCache:
     """Per-layer key/value block pools."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", padding_block: bool = False) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        padding_block: bool = False,
+    ) -> None:
         """padding_block: one block more than num_blocks, which the block manager never hands out: the slot padded
         rows of a recorded CUDA graph write to (runner/cuda_graphs.py)."""
         self.num_blocks = num_blocks

@@ -20,9 +20,19 @@ from torch import nn
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.buffers import Allocate, heap_empty
-from tokenriver.models.quant import (Int4Linear, Int4Weight, Int8Linear, Int8Weight, QuantizedEmbedding,
-                                            cat_rows, concatenate, dequantize_packed, exact_int8, quantize_int4,
-                                            quantize_int8)
+from tokenriver.models.quant import (
+    Int4Linear,
+    Int4Weight,
+    Int8Linear,
+    Int8Weight,
+    QuantizedEmbedding,
+    cat_rows,
+    concatenate,
+    dequantize_packed,
+    exact_int8,
+    quantize_int4,
+    quantize_int8,
+)
 from tokenriver.models.registry import model_class
 
 QuantWeight = Int4Weight | Int8Weight
@@ -42,13 +52,21 @@ _ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
 def check_quantization(quantization: str) -> None:
     """Refuse an unknown quantization mode, naming the ones there are."""
     if quantization not in QUANTIZATIONS:
-        raise InvalidParameterError(f"quantization={quantization!r} is not supported: use one of "
-                                    f"{', '.join(QUANTIZATIONS)}", param="quantization")
+        raise InvalidParameterError(
+            f"quantization={quantization!r} is not supported: use one of {', '.join(QUANTIZATIONS)}",
+            param="quantization",
+        )
 
 
-def build_model(config: ModelConfig, weights: dict[str, Weight], device: str | torch.device, path: str = "",
-                quantization: str = "auto", dtype: torch.dtype = torch.float32,
-                empty: Allocate = heap_empty) -> nn.Module:
+def build_model(
+    config: ModelConfig,
+    weights: dict[str, Weight],
+    device: str | torch.device,
+    path: str = "",
+    quantization: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    empty: Allocate = heap_empty,
+) -> nn.Module:
     """Instantiate config.architecture's class without a random init and give it `weights` (HF names).
 
     empty: makes the fused projections (the loader's weight arena).
@@ -66,8 +84,11 @@ def build_model(config: ModelConfig, weights: dict[str, Weight], device: str | t
     with torch.device("meta"):
         model = cls(config)
     _install_quantized(model, weights, device, dtype)
-    floats = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()
-              if isinstance(tensor, torch.Tensor)}
+    floats = {
+        name: tensor.to(device=device, dtype=dtype)
+        for name, tensor in weights.items()
+        if isinstance(tensor, torch.Tensor)
+    }
     if config.tie_word_embeddings and _EMBEDDING in floats:
         floats[_OUTPUT] = floats[_EMBEDDING]  # One storage for both names.
     _check_fit(model, floats, config, path)
@@ -85,7 +106,7 @@ def fused_groups(architecture: str, names: list[str]) -> list[list[str]]:
         suffix = f".{parts[0]}.weight"
         for name in names:
             if name.endswith(suffix):
-                group = [f"{name[:-len(suffix)]}.{part}.weight" for part in parts]
+                group = [f"{name[: -len(suffix)]}.{part}.weight" for part in parts]
                 if all(part in names_present for part in group):
                     groups.append(group)
     return groups
@@ -96,7 +117,7 @@ def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]], empty: 
     for target, parts in fused.items():
         suffix = f".{parts[0]}.weight"
         for name in [n for n in weights if n.endswith(suffix)]:
-            prefix = name[:-len(suffix)]
+            prefix = name[: -len(suffix)]
             for kind in ("weight", "bias"):
                 names = [f"{prefix}.{part}.{kind}" for part in parts]
                 if all(n in weights for n in names):
@@ -111,8 +132,9 @@ def _stack(parts: list[Weight], empty: Allocate) -> Weight:
     first = parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return cat_rows(parts, empty)
-    if all(not isinstance(p, torch.Tensor) and type(p) is type(first) and p.group_size == first.group_size
-           for p in parts):
+    if all(
+        not isinstance(p, torch.Tensor) and type(p) is type(first) and p.group_size == first.group_size for p in parts
+    ):
         return concatenate(parts, empty)
     return concatenate([_as_int8(p) for p in parts], empty)
 
@@ -144,8 +166,9 @@ def _quantize_all(weights: dict[str, Weight], quantization: str) -> dict[str, We
     return out
 
 
-def _install_quantized(model: nn.Module, weights: dict[str, Weight], device: str | torch.device,
-                       dtype: torch.dtype) -> None:
+def _install_quantized(
+    model: nn.Module, weights: dict[str, Weight], device: str | torch.device, dtype: torch.dtype
+) -> None:
     """Swap in an Int4Linear/Int8Linear for each nn.Linear whose weight is quantized, popping the weight (and
     its bias) from `weights`; a quantized embedding reads its rows from the output layer when the two are tied."""
     embedding = weights.get(_EMBEDDING)
@@ -162,16 +185,25 @@ def _install_quantized(model: nn.Module, weights: dict[str, Weight], device: str
         model.set_submodule("model.embed_tokens", QuantizedEmbedding(table, dtype))
 
 
-def _quantized_linear(weight: QuantWeight, bias: torch.Tensor | None,
-                      device: str | torch.device) -> Int4Linear | Int8Linear:
+def _quantized_linear(
+    weight: QuantWeight, bias: torch.Tensor | None, device: str | torch.device
+) -> Int4Linear | Int8Linear:
     bias = None if bias is None else bias.to(device)
     if isinstance(weight, Int4Weight) and weight.high_bits is not None and torch.device(device).type != "cpu":
         # The GPU kernel reads 4-bit codes: 5-bit ones (Q5_0) go there as the int8 codes they equal.
         weight = _as_int8(weight)
     if isinstance(weight, Int4Weight):
         high_bits = None if weight.high_bits is None else weight.high_bits.to(device)
-        return Int4Linear(Int4Weight(weight.qweight.to(device), weight.scales.to(device), weight.mins.to(device),
-                                     weight.group_size, high_bits), bias)
+        return Int4Linear(
+            Int4Weight(
+                weight.qweight.to(device),
+                weight.scales.to(device),
+                weight.mins.to(device),
+                weight.group_size,
+                high_bits,
+            ),
+            bias,
+        )
     return Int8Linear(Int8Weight(weight.qweight.to(device), weight.scales.to(device), weight.group_size), bias)
 
 
@@ -180,11 +212,19 @@ def _check_fit(model: nn.Module, floats: dict[str, torch.Tensor], config: ModelC
     expected = {name: tensor for name, tensor in model.state_dict().items() if tensor.is_meta}
     missing = sorted(set(expected) - set(floats))
     unexpected = sorted(set(floats) - set(expected))
-    mismatched = [f"{name} {tuple(floats[name].shape)} (expected {tuple(expected[name].shape)})"
-                  for name in sorted(set(expected) & set(floats)) if floats[name].shape != expected[name].shape]
+    mismatched = [
+        f"{name} {tuple(floats[name].shape)} (expected {tuple(expected[name].shape)})"
+        for name in sorted(set(expected) & set(floats))
+        if floats[name].shape != expected[name].shape
+    ]
     if missing or unexpected or mismatched:
-        problems = [f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-                    for label, names in (("missing", missing), ("unexpected", unexpected),
-                                         ("wrong shape", mismatched)) if names]
-        raise ModelLoadError(f"{path}: the weights do not fit a {config.architecture} model with this config "
-                             f"({'; '.join(problems)}); the file is incomplete or mislabeled", path=path)
+        problems = [
+            f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+            for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", mismatched))
+            if names
+        ]
+        raise ModelLoadError(
+            f"{path}: the weights do not fit a {config.architecture} model with this config "
+            f"({'; '.join(problems)}); the file is incomplete or mislabeled",
+            path=path,
+        )

@@ -46,12 +46,32 @@ from tokenriver.models.registry import canonical_architecture
 
 Q = gguf.GGMLQuantizationType
 # Tensor types tokenriver dequantizes (all through gguf.quants.dequantize).
-SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({
-    Q.F32, Q.F16, Q.BF16,
-    Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-    Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
-})
+SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
+    {
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q8_0,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+        Q.IQ1_S,
+        Q.IQ1_M,
+        Q.IQ2_XXS,
+        Q.IQ2_XS,
+        Q.IQ2_S,
+        Q.IQ3_XXS,
+        Q.IQ3_S,
+        Q.IQ4_NL,
+        Q.IQ4_XS,
+    }
+)
 
 
 # GGUF architectures whose converter permuted attn_q/attn_k rows for interleaved rope.
@@ -101,8 +121,13 @@ class _Tensor(NamedTuple):
     data: np.ndarray
 
 
-def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
-              cache_dir: str | None = None, empty: Allocate = heap_empty) -> GGUFCheckpoint:
+def read_gguf(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
+    cache_dir: str | None = None,
+    empty: Allocate = heap_empty,
+) -> GGUFCheckpoint:
     """Parse a GGUF file; raise ModelLoadError saying what is wrong with it otherwise.
 
     keep_quantized: quantized matrices come back packed (loader/gguf_blocks.py) instead of dequantized.
@@ -115,13 +140,19 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     fields, tensor_list, mapped = _read_header(path, cache_dir)
     gguf_arch = fields.get("general.architecture")
     if not isinstance(gguf_arch, str):
-        raise ModelLoadError(f"{path}: the GGUF metadata has no general.architecture; the file is incomplete, "
-                             f"convert the model again with llama.cpp's convert_hf_to_gguf.py", path=path)
+        raise ModelLoadError(
+            f"{path}: the GGUF metadata has no general.architecture; the file is incomplete, "
+            f"convert the model again with llama.cpp's convert_hf_to_gguf.py",
+            path=path,
+        )
     architecture = canonical_architecture(families.architecture_key(gguf_arch, fields), path)
     tensors = {tensor.name: tensor for tensor in tensor_list}
     config = _config(path, fields, gguf_arch, architecture, tensors)
-    named = {_hf_name(path, tensor.name, gguf_arch): tensor for tensor in _split_stacked_experts(tensor_list)
-             if tensor.name not in families.CONFIG_TENSORS}  # those are folded into config.rope_scaling
+    named = {
+        _hf_name(path, tensor.name, gguf_arch): tensor
+        for tensor in _split_stacked_experts(tensor_list)
+        if tensor.name not in families.CONFIG_TENSORS
+    }  # those are folded into config.rope_scaling
     groups = fused_groups(config.architecture, list(named)) if keep_quantized else []
     allocators = _fused_allocators(groups, named, empty)
     parts = {name for group in groups for name in group}
@@ -137,8 +168,9 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
                 weights[name] -= 1.0  # Gemma: the file holds 1 + w, the model's parameter is w.
         if mapped is not None:
             mapped.release(tensor.data)
-    return GGUFCheckpoint(config=config, weights=weights, tokenizer_fields=_tokenizer_fields(fields, gguf_arch),
-                          stored_types=stored_types)
+    return GGUFCheckpoint(
+        config=config, weights=weights, tokenizer_fields=_tokenizer_fields(fields, gguf_arch), stored_types=stored_types
+    )
 
 
 def read_tokenizer_fields(path: str, cache_dir: str | None = None) -> dict[str, Any]:
@@ -183,8 +215,11 @@ def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list
     index = gguf_cache.load_index(path, cache_dir)
     if index is not None:
         mapped = _MappedFile(path)
-        return index.fields, [_Tensor(t.name, t.tensor_type, t.shape, gguf_cache.tensor_array(mapped.array, t))
-                              for t in index.tensors], mapped
+        return (
+            index.fields,
+            [_Tensor(t.name, t.tensor_type, t.shape, gguf_cache.tensor_array(mapped.array, t)) for t in index.tensors],
+            mapped,
+        )
     stat = os.stat(path)
     reader = _open(path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
@@ -192,25 +227,30 @@ def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list
     if reader.byte_order == "I":  # A byte-swapped (big-endian) file is rare: it is parsed every time.
         index = gguf_cache.GGUFIndex(
             fields=fields,
-            tensors=[gguf_cache.TensorEntry(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset,
-                                            t.n_bytes) for t in reader.tensors],
+            tensors=[
+                gguf_cache.TensorEntry(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes)
+                for t in reader.tensors
+            ],
             header_length=reader.data_offset,
         )
-        gguf_cache.store_index(path, index, reader.data[:reader.data_offset].tobytes(), stat, cache_dir)
+        gguf_cache.store_index(path, index, reader.data[: reader.data_offset].tobytes(), stat, cache_dir)
     return fields, tensors, None
 
 
 def _check_file(path: str) -> None:
     """The file exists and starts with the GGUF magic."""
     if not os.path.isfile(path):
-        raise ModelLoadError(f"{path}: no such file; pass the path of a .gguf file or of a Hugging Face model folder",
-                             path=path)
+        raise ModelLoadError(
+            f"{path}: no such file; pass the path of a .gguf file or of a Hugging Face model folder", path=path
+        )
     with open(path, "rb") as file:
         magic = file.read(4)
     if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file starts with b'GGUF'); "
-                             f"pass a .gguf file, or a Hugging Face folder with config.json and *.safetensors",
-                             path=path)
+        raise ModelLoadError(
+            f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file starts with b'GGUF'); "
+            f"pass a .gguf file, or a Hugging Face folder with config.json and *.safetensors",
+            path=path,
+        )
 
 
 def _open(path: str) -> gguf.GGUFReader:
@@ -219,31 +259,42 @@ def _open(path: str) -> gguf.GGUFReader:
         return gguf.GGUFReader(path, "r")
     except (ValueError, IndexError, KeyError, OSError) as error:
         size = os.path.getsize(path)
-        raise ModelLoadError(f"{path}: the GGUF file is truncated or damaged ({size} bytes; reading it failed: "
-                             f"{error}); download or convert it again", path=path) from error
+        raise ModelLoadError(
+            f"{path}: the GGUF file is truncated or damaged ({size} bytes; reading it failed: "
+            f"{error}); download or convert it again",
+            path=path,
+        ) from error
 
 
-def _config(path: str, fields: dict[str, Any], gguf_arch: str, architecture: str,
-            tensors: dict[str, _Tensor]) -> ModelConfig:
+def _config(
+    path: str, fields: dict[str, Any], gguf_arch: str, architecture: str, tensors: dict[str, _Tensor]
+) -> ModelConfig:
     """Translate `{arch}.*` metadata into a ModelConfig."""
 
     def get(key: str, default: Any = None) -> Any:
         value = fields.get(f"{gguf_arch}.{key}", default)
         if value is None:
-            raise ModelLoadError(f"{path}: the GGUF metadata lacks {gguf_arch}.{key}; convert the model again with "
-                                 f"a recent llama.cpp convert_hf_to_gguf.py", path=path)
+            raise ModelLoadError(
+                f"{path}: the GGUF metadata lacks {gguf_arch}.{key}; convert the model again with "
+                f"a recent llama.cpp convert_hf_to_gguf.py",
+                path=path,
+            )
         return value
 
     if "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{path}: the GGUF file has no token_embd.weight tensor; it is not a complete model",
-                             path=path)
+        raise ModelLoadError(
+            f"{path}: the GGUF file has no token_embd.weight tensor; it is not a complete model", path=path
+        )
     hidden_size = get("embedding_length")
     num_heads = get("attention.head_count")
     head_dim = get("attention.key_length", hidden_size // num_heads)
     rope_dim = get("rope.dimension_count", head_dim)
     if rope_dim != head_dim and gguf_arch != "phi3":
-        raise ModelLoadError(f"{path}: partial rotary embeddings (rope.dimension_count={rope_dim} < head_dim="
-                             f"{head_dim}) are not supported for {gguf_arch}", path=path)
+        raise ModelLoadError(
+            f"{path}: partial rotary embeddings (rope.dimension_count={rope_dim} < head_dim="
+            f"{head_dim}) are not supported for {gguf_arch}",
+            path=path,
+        )
     values = dict(
         architecture=architecture,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
@@ -280,10 +331,14 @@ def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: di
             values = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
             return [float(f) for f in np.asarray(values).reshape(-1)]
 
-        scaling = {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
-                   "short_factor": factors("rope_factors_short.weight"),
-                   "original_max_position_embeddings": fields.get(
-                       f"{gguf_arch}.rope.scaling.original_context_length", fields[f"{gguf_arch}.context_length"])}
+        scaling = {
+            "rope_type": "longrope",
+            "long_factor": factors("rope_factors_long.weight"),
+            "short_factor": factors("rope_factors_short.weight"),
+            "original_max_position_embeddings": fields.get(
+                f"{gguf_arch}.rope.scaling.original_context_length", fields[f"{gguf_arch}.context_length"]
+            ),
+        }
         if f"{gguf_arch}.rope.scaling.attn_factor" in fields:
             scaling["attention_factor"] = float(fields[f"{gguf_arch}.rope.scaling.attn_factor"])
         return scaling
@@ -296,8 +351,10 @@ def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: di
         return None
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": fields[f"{gguf_arch}.rope.scaling.factor"]}
-    raise ModelLoadError(f"{path}: rope scaling type {scaling_type!r} is not supported (tokenriver supports linear "
-                         f"and Llama 3 scaling)", path=path)
+    raise ModelLoadError(
+        f"{path}: rope scaling type {scaling_type!r} is not supported (tokenriver supports linear and Llama 3 scaling)",
+        path=path,
+    )
 
 
 def _hf_name(path: str, name: str, gguf_arch: str) -> str:
@@ -307,11 +364,15 @@ def _hf_name(path: str, name: str, gguf_arch: str) -> str:
     if name.startswith("model.layers."):
         return name
     match = _LAYER_TENSOR.fullmatch(name)
-    module = None if match is None else (families.layer_name(gguf_arch, match.group(2))
-                                         or _LAYER_NAMES.get(match.group(2)))
+    module = (
+        None if match is None else (families.layer_name(gguf_arch, match.group(2)) or _LAYER_NAMES.get(match.group(2)))
+    )
     if match is None or module is None:
-        raise ModelLoadError(f"{path}: tensor {name!r} has no place in a {gguf_arch} model; the file holds a "
-                             f"different architecture than its metadata says", path=path)
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} has no place in a {gguf_arch} model; the file holds a "
+            f"different architecture than its metadata says",
+            path=path,
+        )
     layer, _, kind = match.groups()
     return f"model.layers.{layer}.{module}.{kind}"
 
@@ -327,8 +388,14 @@ def _split_stacked_experts(tensors: list[_Tensor]) -> list[_Tensor]:
             continue
         layer, template = stacked
         for expert in range(tensor.shape[2]):
-            out.append(_Tensor(f"model.layers.{layer}.{template.format(e=expert)}.weight", tensor.tensor_type,
-                               tensor.shape[:2], tensor.data[expert]))
+            out.append(
+                _Tensor(
+                    f"model.layers.{layer}.{template.format(e=expert)}.weight",
+                    tensor.tensor_type,
+                    tensor.shape[:2],
+                    tensor.data[expert],
+                )
+            )
     return out
 
 
@@ -336,9 +403,12 @@ def _dequantize(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig)
     """One GGUF tensor → float32 torch tensor in PyTorch's [out_features, in_features] order."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-        raise ModelLoadError(f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which tokenriver "
-                             f"cannot dequantize (supported: {supported}); re-quantize the model with llama.cpp's "
-                             f"llama-quantize, e.g. to Q8_0 or Q4_K_M", path=path)
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which tokenriver "
+            f"cannot dequantize (supported: {supported}); re-quantize the model with llama.cpp's "
+            f"llama-quantize, e.g. to Q8_0 or Q4_K_M",
+            path=path,
+        )
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first.
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     # A writable float32 copy only where needed (F32 tensors come back as read-only views of the mapped file).
@@ -347,8 +417,13 @@ def _dequantize(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig)
     return weights if heads is None else _unpermute_rope_rows(weights, heads)
 
 
-def _repack(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig, empty: Allocate,
-            ) -> Int4Weight | Int8Weight:
+def _repack(
+    path: str,
+    tensor: _Tensor,
+    gguf_arch: str,
+    config: ModelConfig,
+    empty: Allocate,
+) -> Int4Weight | Int8Weight:
     """One quantized matrix → packed weight, rows in PyTorch's order. Rows the q/k permutation moved are put back
     before converting: groups run along a row, so moving whole rows of the file's blocks leaves every block intact."""
     data = np.asarray(tensor.data)
@@ -368,8 +443,12 @@ def _fused_allocators(groups: list[list[str]], named: dict[str, _Tensor], empty:
     for names in groups:
         parts = [named[name] for name in names]
         layouts = {native_layout(part.tensor_type) for part in parts}
-        if (None in layouts or len(layouts) > 1 or any(len(part.shape) != 2 for part in parts)
-                or len({part.shape[0] for part in parts}) > 1):  # GGUF order: shape[0] is in_features
+        if (
+            None in layouts
+            or len(layouts) > 1
+            or any(len(part.shape) != 2 for part in parts)
+            or len({part.shape[0] for part in parts}) > 1
+        ):  # GGUF order: shape[0] is in_features
             continue
         whole = _FusedRows([int(part.shape[1]) for part in parts], empty)
         for index, name in enumerate(names):
@@ -403,7 +482,7 @@ class _FusedRows:
             calls += 1
             if whole.dtype != dtype or whole.shape[1:] != tuple(shape[1:]):
                 return heap_empty(shape, dtype)
-            return whole[self._starts[index]:self._starts[index] + shape[0]]
+            return whole[self._starts[index] : self._starts[index] + shape[0]]
 
         return allocate
 

@@ -36,9 +36,13 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     "qwen3": _QK_NORMS,
     "qwen3moe": {**_QK_NORMS, **_EXPERTS},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-    "qwen2moe": {**_EXPERTS, "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
-                 "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+    "qwen2moe": {
+        **_EXPERTS,
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    },
     "llama": _EXPERTS,
 }
 
@@ -98,11 +102,14 @@ def config_fields(gguf_arch: str, get: Callable[..., Any], tensors: dict[str, An
             fields.update(sliding_window=window, layer_types=("sliding_attention",) * num_layers)
     expert_count = get("expert_count", 0)
     if expert_count:
-        fields.update(num_experts=expert_count, num_experts_per_tok=get("expert_used_count"),
-                      moe_intermediate_size=get("expert_feed_forward_length", 0) or get("feed_forward_length"),
-                      # llama.cpp renormalizes the top-k weights of every MoE here but Qwen2-MoE's.
-                      norm_topk_prob=bool(get("expert_weights_norm", gguf_arch != "qwen2moe")),
-                      shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0))
+        fields.update(
+            num_experts=expert_count,
+            num_experts_per_tok=get("expert_used_count"),
+            moe_intermediate_size=get("expert_feed_forward_length", 0) or get("feed_forward_length"),
+            # llama.cpp renormalizes the top-k weights of every MoE here but Qwen2-MoE's.
+            norm_topk_prob=bool(get("expert_weights_norm", gguf_arch != "qwen2moe")),
+            shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0),
+        )
     return fields
 
 
@@ -152,15 +159,15 @@ GEMMA_CHAT_TEMPLATE = (
     "    {%- endif -%}\n"
     "    {%- set loop_messages = messages[1:] -%}\n"
     "{%- else -%}\n"
-    "    {%- set first_user_prefix = \"\" -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
     "    {%- set loop_messages = messages -%}\n"
     "{%- endif -%}\n"
     "{%- for message in loop_messages -%}\n"
     "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
     "    {%- endif -%}\n"
     "    {%- if (message['role'] == 'assistant') -%}\n"
-    "        {%- set role = \"model\" -%}\n"
+    '        {%- set role = "model" -%}\n'
     "    {%- else -%}\n"
     "        {%- set role = message['role'] -%}\n"
     "    {%- endif -%}\n"
@@ -176,7 +183,7 @@ GEMMA_CHAT_TEMPLATE = (
     "            {%- endif -%}\n"
     "        {%- endfor -%}\n"
     "    {%- else -%}\n"
-    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    '        {{ raise_exception("Invalid content type") }}\n'
     "    {%- endif -%}\n"
     "    {{ '<end_of_turn>\\n' }}\n"
     "{%- endfor -%}\n"

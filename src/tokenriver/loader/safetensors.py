@@ -46,16 +46,20 @@ def read_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> HFCheckpoin
                 for name in shard.keys():
                     weights[name] = shard.get_tensor(name).to(dtype)
         except (SafetensorError, OSError) as error:
-            raise ModelLoadError(f"{file}: cannot read this safetensors file ({error}); download it again",
-                                 path=file) from error
+            raise ModelLoadError(
+                f"{file}: cannot read this safetensors file ({error}); download it again", path=file
+            ) from error
     weights = rename_weights(config.architecture, weights)
     # Older checkpoints store the rotary frequencies; ours are computed from the config.
     weights = {name: w for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     elif "lm_head.weight" not in weights:
-        raise ModelLoadError(f"{path}: config.json says tie_word_embeddings is false but the safetensors files "
-                             f"have no lm_head.weight; the checkpoint is incomplete", path=path)
+        raise ModelLoadError(
+            f"{path}: config.json says tie_word_embeddings is false but the safetensors files "
+            f"have no lm_head.weight; the checkpoint is incomplete",
+            path=path,
+        )
     return HFCheckpoint(config=config, weights=weights)
 
 
@@ -63,8 +67,11 @@ def read_hf_config(path: str) -> ModelConfig:
     """config.json → ModelConfig."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        raise ModelLoadError(f"{path}: no config.json in this folder; a Hugging Face model folder needs config.json "
-                             f"and *.safetensors (or pass a .gguf file instead)", path=path)
+        raise ModelLoadError(
+            f"{path}: no config.json in this folder; a Hugging Face model folder needs config.json "
+            f"and *.safetensors (or pass a .gguf file instead)",
+            path=path,
+        )
     try:
         with open(config_path, encoding="utf-8") as file:
             raw = json.load(file)
@@ -75,26 +82,34 @@ def read_hf_config(path: str) -> ModelConfig:
     try:
         return _to_model_config(config_path, raw)
     except ModelLoadError as error:
-        raise ModelLoadError(error.message if error.path else f"{config_path}: {error.message}",
-                             path=config_path) from error
+        raise ModelLoadError(
+            error.message if error.path else f"{config_path}: {error.message}", path=config_path
+        ) from error
     except KeyError as error:
-        raise ModelLoadError(f"{config_path}: the setting {error.args[0]!r} is missing; the file does not describe "
-                             f"a complete model", path=config_path) from error
+        raise ModelLoadError(
+            f"{config_path}: the setting {error.args[0]!r} is missing; the file does not describe a complete model",
+            path=config_path,
+        ) from error
     except (TypeError, ValueError) as error:
-        raise ModelLoadError(f"{config_path}: a setting has the wrong type ({error}); the file does not describe "
-                             f"a supported model", path=config_path) from error
+        raise ModelLoadError(
+            f"{config_path}: a setting has the wrong type ({error}); the file does not describe a supported model",
+            path=config_path,
+        ) from error
 
 
 def _to_model_config(config_path: str, raw: dict[str, Any]) -> ModelConfig:
     names = raw.get("architectures") or [raw.get("model_type")]
     if not names or not isinstance(names[0], str):
-        raise ModelLoadError(f"{config_path}: neither 'architectures' nor 'model_type' says which model this is",
-                             path=config_path)
+        raise ModelLoadError(
+            f"{config_path}: neither 'architectures' nor 'model_type' says which model this is", path=config_path
+        )
     architecture = canonical_architecture(names[0], config_path)
     activation = hidden_act(architecture, raw)
     if activation not in ("silu", "gelu_pytorch_tanh"):
-        raise ModelLoadError(f"{config_path}: hidden_act={activation!r} is not supported (silu, or "
-                             f"gelu_pytorch_tanh for Gemma)", path=config_path)
+        raise ModelLoadError(
+            f"{config_path}: hidden_act={activation!r} is not supported (silu, or gelu_pytorch_tanh for Gemma)",
+            path=config_path,
+        )
     if raw.get("mlp_bias", False):
         raise ModelLoadError(f"{config_path}: mlp_bias=true is not supported", path=config_path)
     num_heads = raw["num_attention_heads"]
@@ -155,22 +170,32 @@ def _safetensors_files(path: str) -> list[str]:
             with open(index_path, encoding="utf-8") as file:
                 shard_names = sorted(set(json.load(file)["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
-            raise ModelLoadError(f"{index_path}: malformed index ({error!r}); it needs a weight_map of "
-                                 f"parameter name → shard file", path=index_path) from error
+            raise ModelLoadError(
+                f"{index_path}: malformed index ({error!r}); it needs a weight_map of parameter name → shard file",
+                path=index_path,
+            ) from error
         files = [os.path.join(path, name) for name in shard_names]
         missing = [name for name, file in zip(shard_names, files) if not os.path.isfile(file)]
         if missing:
-            raise ModelLoadError(f"{path}: shards listed in {_INDEX_FILE} are missing: {', '.join(missing)}; "
-                                 f"download them too", path=path)
+            raise ModelLoadError(
+                f"{path}: shards listed in {_INDEX_FILE} are missing: {', '.join(missing)}; download them too",
+                path=path,
+            )
         return files
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
         return files
-    pickled = [os.path.basename(f) for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt")
-               for f in glob.glob(os.path.join(path, pattern))]
+    pickled = [
+        os.path.basename(f)
+        for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt")
+        for f in glob.glob(os.path.join(path, pattern))
+    ]
     if pickled:
-        raise ModelLoadError(f"{path}: only pickle-based weights here ({', '.join(sorted(pickled))}); tokenriver "
-                             f"never unpickles model files because loading them can run arbitrary code. Convert "
-                             f"them to safetensors (e.g. save_pretrained(..., safe_serialization=True)) or use "
-                             f"a GGUF file", path=path)
+        raise ModelLoadError(
+            f"{path}: only pickle-based weights here ({', '.join(sorted(pickled))}); tokenriver "
+            f"never unpickles model files because loading them can run arbitrary code. Convert "
+            f"them to safetensors (e.g. save_pretrained(..., safe_serialization=True)) or use "
+            f"a GGUF file",
+            path=path,
+        )
     raise ModelLoadError(f"{path}: no *.safetensors weights in this folder", path=path)

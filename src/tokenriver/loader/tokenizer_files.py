@@ -97,7 +97,6 @@ _BYTE_ALPHABET = _bytes_to_unicode()
 _BYTE_ALPHABET_CHARS = frozenset(_BYTE_ALPHABET.values())
 
 
-
 def tokenizer_from_gguf_fields(fields: dict[str, object], cache_dir: str | None = None) -> Tokenizer:
     """Rebuild the tokenizer a GGUF file describes from its `tokenizer.*` metadata (plain Python values).
 
@@ -161,6 +160,7 @@ def tokenizer_from_gguf_fields(fields: dict[str, object], cache_dir: str | None 
         vocab_size=len(tokens),
     )
 
+
 def tokenizer_from_folder(path: str) -> Tokenizer:
     """Load a Hugging Face tokenizer folder: `tokenizer.json` plus the optional config files beside it."""
     folder = os.fspath(path)
@@ -176,9 +176,7 @@ def tokenizer_from_folder(path: str) -> Tokenizer:
     try:
         backend = BackendTokenizer.from_file(tokenizer_file)
     except Exception as error:  # the Rust loader raises a bare Exception on malformed JSON
-        raise ModelLoadError(
-            f"{tokenizer_file} is not a valid tokenizer.json: {error}", path=tokenizer_file
-        ) from error
+        raise ModelLoadError(f"{tokenizer_file} is not a valid tokenizer.json: {error}", path=tokenizer_file) from error
 
     config = _read_json_object(folder, "tokenizer_config.json")
     special_map = _read_json_object(folder, "special_tokens_map.json")
@@ -309,8 +307,11 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     return [pieces[index] for index in order]
 
 
-def _cached_merges_from_scores(tokens: list[str], scores: list[float], cache_dir: str | None,
-                               ) -> list[tuple[str, str]]:
+def _cached_merges_from_scores(
+    tokens: list[str],
+    scores: list[float],
+    cache_dir: str | None,
+) -> list[tuple[str, str]]:
     """_merges_from_scores through an on-disk cache: the pairs' token ids, one int32 array [P, 2] per vocabulary,
     named by a SHA-256 of the tokens and scores. Why: deriving Gemma 3's 514,847 merges from its 262k-token
     vocabulary is most of its load (a second in Python); the array reads in milliseconds. A missing, unreadable or
@@ -321,15 +322,20 @@ def _cached_merges_from_scores(tokens: list[str], scores: list[float], cache_dir
     path = os.path.join(cache_dir or default_cache_dir(), "merges", f"{digest.hexdigest()[:32]}.npy")
     try:
         pairs = np.load(path, allow_pickle=False)
-        if pairs.dtype != np.int32 or pairs.ndim != 2 or pairs.shape[1] != 2 or (
-                pairs.size and not 0 <= pairs.min() <= pairs.max() < len(tokens)):
+        if (
+            pairs.dtype != np.int32
+            or pairs.ndim != 2
+            or pairs.shape[1] != 2
+            or (pairs.size and not 0 <= pairs.min() <= pairs.max() < len(tokens))
+        ):
             raise ValueError(f"an array of {pairs.dtype} {pairs.shape} is not [pairs, 2] token ids")
         return [(tokens[left], tokens[right]) for left, right in pairs.tolist()]
     except FileNotFoundError:
         logger.info("no merges cached for this vocabulary at %s; deriving them from the scores", path)
     except (OSError, ValueError) as error:
-        logger.info("merges cache %s is unusable (%s: %s); deriving them from the scores", path,
-                    type(error).__name__, error)
+        logger.info(
+            "merges cache %s is unusable (%s: %s); deriving them from the scores", path, type(error).__name__, error
+        )
     merges = _merges_from_scores(tokens, scores)
     ids = {token: index for index, token in enumerate(tokens)}
     pairs = np.array([(ids[left], ids[right]) for left, right in merges], dtype=np.int32).reshape(-1, 2)

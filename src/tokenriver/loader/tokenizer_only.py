@@ -21,8 +21,9 @@ def load_tokenizer(path: str | None = None, cache_dir: str | None = None) -> Tok
     if os.path.isdir(path):
         return tokenizer_from_folder(path)
     if not os.path.isfile(path):
-        raise ModelLoadError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder",
-                             path=path)
+        raise ModelLoadError(
+            f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder", path=path
+        )
     try:
         return tokenizer_from_gguf_fields(read_tokenizer_fields(path, cache_dir), cache_dir)
     except ModelLoadError as error:

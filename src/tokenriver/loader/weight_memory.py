@@ -91,7 +91,7 @@ class WeightArena:
                 return torch.empty(tuple(shape), dtype=dtype)
             self.used = start + nbytes
             self._changed.notify()
-        return self._bytes[start:start + nbytes].view(dtype).view(tuple(shape))
+        return self._bytes[start : start + nbytes].view(dtype).view(tuple(shape))
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives in the arena (empty() may have made it elsewhere)."""
@@ -121,8 +121,9 @@ class WeightArena:
                 freed += storage.nbytes()
                 del storage
                 for view in views:
-                    view.set_(self.storage, start // view.element_size() + view.storage_offset(), view.size(),
-                              view.stride())
+                    view.set_(
+                        self.storage, start // view.element_size() + view.storage_offset(), view.size(), view.stride()
+                    )
                 if freed >= _TRIM_EVERY_BYTES:
                     trim()
                     freed = 0
@@ -155,8 +156,10 @@ class WeightArena:
                     return
                 start = self._populated
             end = min(start + _POPULATE_STEP, self.capacity)
-            if madvise is None or madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(end - start),
-                                          _MADV_POPULATE_WRITE) != 0:
+            if (
+                madvise is None
+                or madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE) != 0
+            ):
                 return  # an older kernel: the loader's own writes fault the pages in
             with self._changed:
                 self._populated = end
@@ -226,8 +229,11 @@ def _by_storage(model: nn.Module, outside: WeightArena | None = None) -> dict[in
     once, and all its views follow it."""
     by_storage: dict[int, list[torch.Tensor]] = {}
     for tensor in _tensors(model):
-        if (tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() > 0
-                and (outside is None or not outside.holds(tensor))):
+        if (
+            tensor.device.type == "cpu"
+            and tensor.untyped_storage().nbytes() > 0
+            and (outside is None or not outside.holds(tensor))
+        ):
             by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
     return by_storage
 

@@ -31,9 +31,16 @@ from tokenriver.models.attention_metadata import AttentionMetadata
 from tokenriver.models.fast_path import fast_path
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                    scale: float, window: int = 0, softcap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    metadata: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole context (its last `window` positions when
     window > 0), with the scores soft-capped at `softcap` if given.
 
@@ -41,16 +48,24 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     into a wider row, such as the fused qkv projection). Returns [num_tokens, num_heads, head_dim].
     """
     fast = fast_path(query)
-    output = None if fast is None else fast.paged_attention(query, key, value, kv_cache, metadata, scale, window,
-                                                             softcap)
+    output = (
+        None if fast is None else fast.paged_attention(query, key, value, kv_cache, metadata, scale, window, softcap)
+    )
     if output is None:
         output = paged_attention_torch(query, key, value, kv_cache, metadata, scale, window, softcap)
     return output
 
 
-def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                          scale: float, window: int = 0, softcap: float | None = None) -> torch.Tensor:
+def paged_attention_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    metadata: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """`paged_attention` in PyTorch ops, request by request: any dtype and device."""
     write_kv(key, value, kv_cache, metadata.slot_mapping)
     output = torch.empty_like(query, memory_format=torch.contiguous_format)  # [num_tokens, num_heads, head_dim]
@@ -59,8 +74,9 @@ def paged_attention_torch(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return output
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
+) -> None:
     """Store this step's keys and values in their slots."""
     key_cache, value_cache = kv_cache
     num_kv_heads, entry = key_cache.shape[2], key_cache.shape[3]
@@ -70,9 +86,16 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tenso
     value_cache.view(-1, num_kv_heads, entry).index_copy_(0, slot_mapping, encode(value))
 
 
-def attend_request(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                   i: int, scale: float, output: torch.Tensor, window: int = 0,
-                   softcap: float | None = None) -> None:
+def attend_request(
+    query: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    metadata: AttentionMetadata,
+    i: int,
+    scale: float,
+    output: torch.Tensor,
+    window: int = 0,
+    softcap: float | None = None,
+) -> None:
     """Request i's new tokens over its context: its blocks gathered from the pool, then SDPA (a flash kernel
     where the device has one), causal, written into its rows of output."""
     key_cache, value_cache = kv_cache
@@ -87,7 +110,7 @@ def attend_request(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
     keys, values = keys.transpose(0, 1), values.transpose(0, 1)
     # [1, num_heads, query_len, head_dim]: with a batch dimension SDPA takes its flash kernel (3-D inputs fall
     # back to the generic math path, ~10x slower on long prompts).
-    q = query[start:start + query_len].transpose(0, 1).unsqueeze(0)
+    q = query[start : start + query_len].transpose(0, 1).unsqueeze(0)
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     if query_len == seq_len and (window <= 0 or window >= seq_len):
         out = attend(q, keys, values, None, scale, softcap)
@@ -99,11 +122,17 @@ def attend_request(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
         if window > 0:
             mask = mask & (key_positions > positions[:, None] - window)
         out = attend(q, keys, values, mask[None, None], scale, softcap)
-    output[start:start + query_len] = out[0].transpose(0, 1)
+    output[start : start + query_len] = out[0].transpose(0, 1)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           softcap: float | None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
     """SDPA over [B, heads, L, head_dim] queries and [B, kv_heads, S, head_dim] keys/values (mask [B|1, 1, L, S]
     bool, True where a key is seen; None: causal with L == S); soft-capped scores are computed in plain ops, as
     SDPA has no soft-capping."""

@@ -105,28 +105,49 @@ class AttentionMetadata:
             padded_rows.extend(range(b * max_len, b * max_len + length))
             gather.extend(starts[i] + min(j, length - 1) for j in range(max_len))
         device = self.block_tables.device
-        return FreshPrompts(indices, frozenset(indices), max_len, to_device(rows, device),
-                            to_device(padded_rows, device), to_device(gather, device))
+        return FreshPrompts(
+            indices,
+            frozenset(indices),
+            max_len,
+            to_device(rows, device),
+            to_device(padded_rows, device),
+            to_device(gather, device),
+        )
 
     @classmethod
-    def for_decode_graph(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         block_size: int) -> "AttentionMetadata":
+    def for_decode_graph(
+        cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> "AttentionMetadata":
         """A batch of one-token decodes described by tensors alone, for a CUDA graph (runner/cuda_graphs.py): a
         graph replays the kernels it recorded on whatever its input buffers hold, so no length may be read back to
         the host. slot_mapping, seq_lens [B] and block_tables [B, num_blocks] are those buffers; the Python lists
         hold the batch's shape, each length as its upper bound num_blocks * block_size."""
         batch, num_blocks = block_tables.shape
-        metadata = cls(slot_mapping=slot_mapping, query_lens=[1] * batch, seq_lens=[num_blocks * block_size] * batch,
-                       block_tables=block_tables, block_size=block_size, decode_indices=list(range(batch)),
-                       prefill_indices=[], kernel_queries=None, kernel_chunks=None)
+        metadata = cls(
+            slot_mapping=slot_mapping,
+            query_lens=[1] * batch,
+            seq_lens=[num_blocks * block_size] * batch,
+            block_tables=block_tables,
+            block_size=block_size,
+            decode_indices=list(range(batch)),
+            prefill_indices=[],
+            kernel_queries=None,
+            kernel_chunks=None,
+        )
         metadata.decode_block_tables = block_tables
         metadata.decode_lengths = seq_lens
         return metadata
 
     @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu",
-              max_kernel_query_len: int = MAX_KERNEL_QUERY_LEN) -> "AttentionMetadata":
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        max_kernel_query_len: int = MAX_KERNEL_QUERY_LEN,
+    ) -> "AttentionMetadata":
         """Derive slots, padding and the per-kernel split from per-request lengths and block tables.
 
         max_kernel_query_len: requests with at most this many new tokens go to the native kernel token by token,

@@ -101,10 +101,20 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
-        problems = [f"{name}={getattr(self, name)!r} must be a positive integer"
-                    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                                 "num_kv_heads", "head_dim", "max_position_embeddings")
-                    if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0]
+        problems = [
+            f"{name}={getattr(self, name)!r} must be a positive integer"
+            for name in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "max_position_embeddings",
+            )
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0
+        ]
         if not problems and self.num_heads % self.num_kv_heads:
             problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if not problems and self.head_dim % 2:
@@ -113,8 +123,10 @@ class ModelConfig:
             rope_type = self.rope_scaling.get("rope_type")
             missing = sorted(set(ROPE_SCALING_KEYS.get(rope_type, ())) - set(self.rope_scaling))
             if rope_type not in ROPE_SCALING_KEYS:
-                problems.append(f"rope scaling type {rope_type!r} is not supported (supported: "
-                                f"{', '.join(ROPE_SCALING_KEYS)}, or none)")
+                problems.append(
+                    f"rope scaling type {rope_type!r} is not supported (supported: "
+                    f"{', '.join(ROPE_SCALING_KEYS)}, or none)"
+                )
             elif missing:
                 problems.append(f"{rope_type} rope scaling needs {', '.join(missing)}")
         if self.hidden_act not in HIDDEN_ACTS:
@@ -126,11 +138,14 @@ class ModelConfig:
             elif "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
                 problems.append("sliding_attention layers need a positive sliding_window")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or round(self.head_dim * self.partial_rotary_factor) % 2:
-            problems.append(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an even part of "
-                            f"head_dim={self.head_dim}")
+            problems.append(
+                f"partial_rotary_factor={self.partial_rotary_factor} must rotate an even part of "
+                f"head_dim={self.head_dim}"
+            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
-                            f"num_experts={self.num_experts}")
+            problems.append(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}"
+            )
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             cap = getattr(self, name)
             if cap is not None and not 0.0 < cap < math.inf:

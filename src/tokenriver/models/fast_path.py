@@ -43,8 +43,9 @@ class PackedProducts(Protocol):
 class FastPath(Protocol):
     """The ops a device's fast path offers the definitions; each answers None where it does not take the call."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None) -> torch.Tensor | None: ...
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> torch.Tensor | None: ...
 
     def rotary_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool: ...
 
@@ -52,15 +53,24 @@ class FastPath(Protocol):
 
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None: ...
 
-    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata, scale: float,
-                        window: int, softcap: float | None) -> torch.Tensor | None: ...
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        scale: float,
+        window: int,
+        softcap: float | None,
+    ) -> torch.Tensor | None: ...
 
     def row_reductions(self) -> Callable[[torch.Tensor], Reductions | None] | None:
         """A faster (argmax, max, log-sum-exp) of logits rows than PyTorch's three reductions, or None."""
 
-    def moe_route(self, x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
-                  normalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def moe_route(
+        self, x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
     def sigmoid_gate(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None: ...
 

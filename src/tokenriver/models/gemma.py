@@ -90,8 +90,13 @@ class GemmaAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """rope: cos, sin [T, 1, head_dim // 2] of this layer's kind; hidden [T, hidden_size] → [T, hidden_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, heads + 2 * kv_heads, head_dim]
@@ -99,8 +104,9 @@ class GemmaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query.contiguous()), self.k_norm(key.contiguous())
         apply_rotary_(query, key, *rope)
-        out = paged_attention(query, key, value, kv_cache[self.layer_idx], metadata, self.scale, self.window,
-                              self.softcap)
+        out = paged_attention(
+            query, key, value, kv_cache[self.layer_idx], metadata, self.scale, self.window, self.softcap
+        )
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
@@ -133,8 +139,14 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(config.hidden_size, config.intermediate_size)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden_size]; residual [T, hidden_size] (updated in place), or None before the first layer.
 
         Returns (this layer's normalized MLP output, the residual stream before it is added)."""
@@ -152,17 +164,21 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = math.sqrt(config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
-                                          config.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
         # Sliding layers of Gemma 3 turn with their own base and no scaling; Gemma 2's share the global one.
-        self.rotary_emb_local = (RotaryEmbedding(config.head_dim, config.rope_local_base_freq, None,
-                                                 config.max_position_embeddings)
-                                 if config.rope_local_base_freq is not None else None)
+        self.rotary_emb_local = (
+            RotaryEmbedding(config.head_dim, config.rope_local_base_freq, None, config.max_position_embeddings)
+            if config.rope_local_base_freq is not None
+            else None
+        )
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         hidden, rope = self.embed(input_ids, positions)
         hidden, residual = self.run_layers(rope, hidden, kv_cache, metadata)
         return self.final_norm(hidden, residual)
@@ -177,14 +193,16 @@ class GemmaModel(nn.Module):
         rope_local = rope_global if self.rotary_emb_local is None else self.rotary_emb_local(positions, hidden.dtype)
         return hidden, (rope_global, rope_local)
 
-    def run_layers(self, rope: RopeTables, hidden: torch.Tensor, kv_cache: KVCache,
-                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self, rope: RopeTables, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer in turn: (last layer's normalized MLP output, the residual stream before it)."""
         rope_global, rope_local = rope
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(rope_local if layer.is_sliding else rope_global, hidden, residual, kv_cache,
-                                     metadata)
+            hidden, residual = layer(
+                rope_local if layer.is_sliding else rope_global, hidden, residual, kv_cache, metadata
+            )
         return hidden, residual
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -208,8 +226,9 @@ class GemmaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 → final-norm hidden states [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, kv_cache, metadata)
 

@@ -27,8 +27,9 @@ from torch import nn
 from tokenriver.models.fast_path import fast_path
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """The definition of `rms_norm` in PyTorch ops (HF's LlamaRMSNorm after an optional residual add)."""
     if residual is not None:
         x = residual.add_(x)
@@ -37,8 +38,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * x32.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """weight * x / sqrt(mean(x²) + eps), computed in float32 whatever the input dtype; x [num_tokens, hidden].
 
     With `residual`: residual += x in place first, and the norm is of that sum (the residual add that ends one
@@ -80,7 +80,7 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any]
     `modeling_rope_utils`).
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (rope_theta ** exponents)  # [head_dim // 2]
+    inv_freq = 1.0 / (rope_theta**exponents)  # [head_dim // 2]
     if rope_scaling is None:
         return inv_freq
     rope_type = rope_scaling["rope_type"]
@@ -116,8 +116,9 @@ class RotaryEmbedding(nn.Module):
     up, which also keeps it out of the state dict and off the meta device.
     """
 
-    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None,
-                 max_position_embeddings: int) -> None:
+    def __init__(
+        self, head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None, max_position_embeddings: int
+    ) -> None:
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)  # [head_dim // 2] float32, CPU
         self.num_cached_positions = min(max_position_embeddings, 4096)
@@ -183,10 +184,17 @@ def apply_rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin
 def adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
     """query's and key's heads as one [T, num_heads + num_kv_heads, head_dim] view where key's heads follow
     query's in each row (both split from one qkv row, whole heads), else None."""
-    if (query.dim() != 3 or query.stride() != key.stride() or query.dtype != key.dtype or query.shape[0] != key.shape[0]
-            or query.shape[2] != key.shape[2] or query.stride(2) != 1 or query.stride(1) != query.shape[2]
-            or query.untyped_storage().data_ptr() != key.untyped_storage().data_ptr()
-            or key.storage_offset() != query.storage_offset() + query.shape[1] * query.stride(1)):
+    if (
+        query.dim() != 3
+        or query.stride() != key.stride()
+        or query.dtype != key.dtype
+        or query.shape[0] != key.shape[0]
+        or query.shape[2] != key.shape[2]
+        or query.stride(2) != 1
+        or query.stride(1) != query.shape[2]
+        or query.untyped_storage().data_ptr() != key.untyped_storage().data_ptr()
+        or key.storage_offset() != query.storage_offset() + query.shape[1] * query.stride(1)
+    ):
         return None
     return query.as_strided((query.shape[0], query.shape[1] + key.shape[1], query.shape[2]), query.stride())
 

@@ -44,16 +44,20 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         # q_proj, k_proj and v_proj stacked: one product for all three.
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size,
-                                bias=config.attention_out_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_out_bias)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """rope: cos, sin [T, 1, head_dim // 2]; hidden [T, hidden_size] → [T, hidden_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, num_heads + 2 * num_kv_heads, head_dim]
@@ -78,8 +82,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden_size]; residual [T, hidden_size], or None before the first layer.
 
         Returns (this layer's MLP output, the residual stream before it is added).
@@ -96,25 +106,33 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
-                                          config.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         hidden, rope = self.embed(input_ids, positions)
         hidden, residual = self.run_layers(rope, hidden, kv_cache, metadata)
         return self.final_norm(hidden, residual)
 
-    def embed(self, input_ids: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """[T] token ids and positions → (embeddings [T, hidden], rope: cos, sin [T, 1, head_dim // 2] each)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         return hidden, self.rotary_emb(positions, hidden.dtype)
 
-    def run_layers(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer in turn: (last layer's MLP output, the residual stream before it), [T, hidden] each.
 
         Its own method so that a runner can run the same stack another way (runner/native_stack.py)."""
@@ -145,8 +163,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """Run one step over a ragged batch; writes this step's K/V into kv_cache.
 
         input_ids, positions: [num_tokens] int64. Returns the final-norm hidden

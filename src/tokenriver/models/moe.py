@@ -38,8 +38,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLUMLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+        self.experts = nn.ModuleList(
+            SwiGLUMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
         self.shared_expert: SwiGLUMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
@@ -80,8 +81,8 @@ class SparseMoeBlock(nn.Module):
         start = 0
         for expert, count in zip(self.experts, counts):
             if count:
-                rows = tokens[start:start + count]
-                out.index_add_(0, rows, expert(x.index_select(0, rows)) * pair_weights[start:start + count])
+                rows = tokens[start : start + count]
+                out.index_add_(0, rows, expert(x.index_select(0, rows)) * pair_weights[start : start + count])
             start += count
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             fast = self.fast_routing(x)

@@ -40,10 +40,12 @@ class Phi3RotaryEmbedding(nn.Module):
             self.attention_factor = 1.0
             return
         # inv_freq / factor per frequency: what rope_inv_freq's "freq_factors" computes.
-        self.short = RotaryEmbedding(dim, theta, {"rope_type": "freq_factors", "factors": scaling["short_factor"]},
-                                     max_positions)
-        self.long = RotaryEmbedding(dim, theta, {"rope_type": "freq_factors", "factors": scaling["long_factor"]},
-                                    max_positions)
+        self.short = RotaryEmbedding(
+            dim, theta, {"rope_type": "freq_factors", "factors": scaling["short_factor"]}, max_positions
+        )
+        self.long = RotaryEmbedding(
+            dim, theta, {"rope_type": "freq_factors", "factors": scaling["long_factor"]}, max_positions
+        )
         self.original_max_positions = int(scaling["original_max_position_embeddings"])
         self.attention_factor = float(scaling.get("attention_factor", 1.0))
 
@@ -68,21 +70,26 @@ class Phi3Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         self.window = config.layer_window(layer_idx)
         self.q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """rope: cos, sin [T, 1, rotary_dim // 2]; hidden [T, hidden_size] → [T, hidden_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, heads + 2 * kv_heads, head_dim]
         query, key, value = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
         # In place on the rotating part (a view when rotary_dim < head_dim).
-        apply_rotary_(query[..., :self.rotary_dim], key[..., :self.rotary_dim], *rope)
+        apply_rotary_(query[..., : self.rotary_dim], key[..., : self.rotary_dim], *rope)
         out = paged_attention(query, key, value, kv_cache[self.layer_idx], metadata, self.scale, self.window)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -97,8 +104,14 @@ class Phi3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(rope, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
@@ -115,20 +128,27 @@ class Phi3Model(nn.Module):
         self.layers = nn.ModuleList(Phi3DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         hidden, rope = self.embed(input_ids, positions)
         hidden, residual = self.run_layers(rope, hidden, kv_cache, metadata)
         return self.final_norm(hidden, residual)
 
-    def embed(self, input_ids: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """[T] token ids and positions → (embeddings [T, hidden], rope: cos, sin [T, 1, rotary_dim // 2] each)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         return hidden, self.rotary_emb(positions, hidden.dtype)
 
-    def run_layers(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer in turn: (last layer's MLP output, the residual stream before it), [T, hidden] each."""
         residual = None
         for layer in self.layers:
@@ -157,8 +177,9 @@ class Phi3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 → final-norm hidden states [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, kv_cache, metadata)
 

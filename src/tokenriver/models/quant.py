@@ -129,8 +129,13 @@ def unpack_high_bits(high_bits: torch.Tensor) -> torch.Tensor:
     return ((high_bits[:, :, None] >> shifts) & 1).to(torch.uint8).reshape(high_bits.shape[0], -1)  # [N, K]
 
 
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                    high_bits: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group_size: int,
+    high_bits: torch.Tensor | None = None,
+) -> torch.Tensor:
     """scale * q + min (q with its fifth bit where high_bits is given) as float32 [N, K], with torch ops on any
     device."""
     num_rows = qweight.shape[0]
@@ -160,18 +165,22 @@ def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
     return (rounded * scale).reshape(x.shape)
 
 
-def concatenate(weights: list[Int4Weight] | list[Int8Weight], empty: Allocate = heap_empty,
-                ) -> Int4Weight | Int8Weight:
+def concatenate(
+    weights: list[Int4Weight] | list[Int8Weight],
+    empty: Allocate = heap_empty,
+) -> Int4Weight | Int8Weight:
     """Stack weights along out_features, e.g. q/k/v or gate/up into one layer: one kernel call instead of several.
 
     All must be of one kind, with the same in_features and group_size. The output of the stacked layer is the
     outputs of the parts side by side, [..., sum of out_features]. `empty` makes the stacked tensors.
     """
     first = weights[0]
-    if any(type(w) is not type(first) or w.shape[1] != first.shape[1] or w.group_size != first.group_size
-           for w in weights):
-        raise InvalidParameterError("concatenate needs weights of one kind with equal in_features and group_size",
-                                    param="weights")
+    if any(
+        type(w) is not type(first) or w.shape[1] != first.shape[1] or w.group_size != first.group_size for w in weights
+    ):
+        raise InvalidParameterError(
+            "concatenate needs weights of one kind with equal in_features and group_size", param="weights"
+        )
     qweight = cat_rows([w.qweight for w in weights], empty)  # [sum N, K // 2] or [sum N, K]
     scales = cat_rows([w.scales for w in weights], empty)  # [sum N, K // G]
     if isinstance(first, Int4Weight):
@@ -179,9 +188,15 @@ def concatenate(weights: list[Int4Weight] | list[Int8Weight], empty: Allocate = 
         if all(w.high_bits is None for w in weights):
             return Int4Weight(qweight, scales, mins, first.group_size)
         # 4-bit parts among 5-bit ones: their fifth bits are zero.
-        high_bits = cat_rows([w.high_bits if w.high_bits is not None
-                              else torch.zeros(w.shape[0], w.shape[1] // GGUF_BLOCK, dtype=torch.int32)
-                              for w in weights], empty)  # [sum N, K // 32]
+        high_bits = cat_rows(
+            [
+                w.high_bits
+                if w.high_bits is not None
+                else torch.zeros(w.shape[0], w.shape[1] // GGUF_BLOCK, dtype=torch.int32)
+                for w in weights
+            ],
+            empty,
+        )  # [sum N, K // 32]
         return Int4Weight(qweight, scales, mins, first.group_size, high_bits)
     return Int8Weight(qweight, scales, first.group_size)
 
@@ -190,8 +205,11 @@ def exact_int8(weight: Int4Weight) -> Int8Weight | None:
     """The same weights as int8 codes under the same scales, where each group's min is -16 * scale (Q5_0's 5-bit
     codes centred: q + 16 * bit - 16); None otherwise. A fused projection whose other parts are int8 (a file that
     keeps v at Q8_0 beside Q5_0 q and k) then takes these exactly."""
-    if weight.high_bits is None or weight.group_size != GGUF_BLOCK or not torch.equal(
-            weight.mins.float(), -16 * weight.scales.float()):
+    if (
+        weight.high_bits is None
+        or weight.group_size != GGUF_BLOCK
+        or not torch.equal(weight.mins.float(), -16 * weight.scales.float())
+    ):
         return None
     codes = unpack_int4(weight.qweight) | (unpack_high_bits(weight.high_bits) << 4)  # [N, K] 0..31
     return Int8Weight((codes.to(torch.int16) - 16).to(torch.int8), weight.scales, GGUF_BLOCK)
@@ -203,12 +221,19 @@ def cat_rows(tensors: list[torch.Tensor], empty: Allocate = heap_empty) -> torch
     first = tensors[0]
     rows = sum(t.shape[0] for t in tensors)
     storage = first.untyped_storage().data_ptr()
-    if all(t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
-           and t.untyped_storage().data_ptr() == storage for t in tensors) and all(
-            after.storage_offset() == before.storage_offset() + before.numel()
-            for before, after in zip(tensors, tensors[1:])):
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]),
-                                       first.stride())
+    if all(
+        t.is_contiguous()
+        and t.dtype == first.dtype
+        and t.shape[1:] == first.shape[1:]
+        and t.untyped_storage().data_ptr() == storage
+        for t in tensors
+    ) and all(
+        after.storage_offset() == before.storage_offset() + before.numel()
+        for before, after in zip(tensors, tensors[1:])
+    ):
+        return first.new_empty(0).set_(
+            first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]), first.stride()
+        )
     return torch.cat(tensors, out=empty((rows, *first.shape[1:]), first.dtype))
 
 
@@ -216,11 +241,14 @@ def _check_float_weight(weight: torch.Tensor, group_size: int) -> None:
     if weight.dim() != 2 or not weight.is_floating_point():
         raise InvalidParameterError(
             f"weight must be a 2-D float tensor [out_features, in_features], got {weight.dim()}-D {weight.dtype}",
-            param="weight")
+            param="weight",
+        )
     if group_size <= 0 or group_size % GGUF_BLOCK or weight.shape[1] % group_size:
         raise InvalidParameterError(
             f"group_size must be a positive multiple of 32 that divides in_features ({weight.shape[1]}), "
-            f"got {group_size}", param="group_size")
+            f"got {group_size}",
+            param="group_size",
+        )
     # A sum is a single pass that nan and inf reach; only a sum that is not finite (or a finite weight large enough
     # to overflow it) takes the element-wise check, which allocates a mask as large as the weight.
     if not bool(torch.isfinite(weight.sum())) and not bool(torch.isfinite(weight).all()):
@@ -252,8 +280,17 @@ def dequantize_packed(weight: Int4Weight | Int8Weight) -> torch.Tensor:
     dequantize(), tested), which the loader needs when it re-packs a part to fuse it with parts of another type."""
     fast = fast_path_for(weight.qweight.device)
     is_int4 = isinstance(weight, Int4Weight)
-    matrix = None if fast is None else fast.dequantize(weight.qweight, weight.scales, weight.mins if is_int4 else None,
-                                                      weight.group_size, weight.high_bits if is_int4 else None)
+    matrix = (
+        None
+        if fast is None
+        else fast.dequantize(
+            weight.qweight,
+            weight.scales,
+            weight.mins if is_int4 else None,
+            weight.group_size,
+            weight.high_bits if is_int4 else None,
+        )
+    )
     return weight.dequantize() if matrix is None else matrix
 
 
@@ -282,7 +319,8 @@ def _gguf_words(blocks: torch.Tensor | np.ndarray, block_bytes: int, kind: str) 
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % block_bytes:
         raise ModelLoadError(
             f"{kind} data must be uint8 [out_features, blocks * {block_bytes} bytes], got {data.dtype} "
-            f"{tuple(data.shape)}; pass the tensor's raw bytes as gguf.GGUFReader returns them")
+            f"{tuple(data.shape)}; pass the tensor's raw bytes as gguf.GGUFReader returns them"
+        )
     return np.ascontiguousarray(data).view(np.uint16).reshape(data.shape[0], -1, block_bytes // 2)
 
 
@@ -304,8 +342,12 @@ def repack_q4_0(blocks: torch.Tensor | np.ndarray) -> Int4Weight:
 def repack_q4_1(blocks: torch.Tensor | np.ndarray) -> Int4Weight:
     """GGUF Q4_1 (w = d * q + m) → Int4Weight with scale d and min m; exact, a copy of the bytes."""
     words = _gguf_words(blocks, Q4_1_BLOCK_BYTES, "Q4_1")
-    return Int4Weight(_words_field(words, 2, 10, torch.uint8), _words_field(words, 0, 1, torch.float16),
-                      _words_field(words, 1, 2, torch.float16), GGUF_BLOCK)
+    return Int4Weight(
+        _words_field(words, 2, 10, torch.uint8),
+        _words_field(words, 0, 1, torch.float16),
+        _words_field(words, 1, 2, torch.float16),
+        GGUF_BLOCK,
+    )
 
 
 def repack_q8_0(blocks: torch.Tensor | np.ndarray) -> Int8Weight:
@@ -333,8 +375,16 @@ def round_bfloat16(x: torch.Tensor) -> torch.Tensor:
 class QuantizedLinear(nn.Module):
     """What Int4Linear and Int8Linear share: backend choice, bias, reshaping, output dtype."""
 
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, backend: Backend,
-                 max_gemv_rows: int, int8_activations: bool, device: torch.device) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None,
+        backend: Backend,
+        max_gemv_rows: int,
+        int8_activations: bool,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -349,15 +399,23 @@ class QuantizedLinear(nn.Module):
         """x [..., in_features] → [..., out_features] in x's dtype."""
         gemv = self._gemv
         # The decode hot path, ~200 calls per step: 2-D float32 rows on the CPU go straight to the kernel.
-        if (gemv is not None and x.dim() == 2 and x.dtype == torch.float32 and self.bias is None
-                and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous()):
+        if (
+            gemv is not None
+            and x.dim() == 2
+            and x.dtype == torch.float32
+            and self.bias is None
+            and x.shape[1] == self.in_features
+            and x.is_cpu
+            and x.is_contiguous()
+        ):
             return gemv(x) if x.shape[0] <= self.max_gemv_rows else self._gemm(x)
         return self._forward_any(x)
 
     def _forward_any(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise InvalidParameterError(
-                f"input has {x.shape[-1]} features, the layer expects {self.in_features}", param="x")
+                f"input has {x.shape[-1]} features, the layer expects {self.in_features}", param="x"
+            )
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, K]
         y = None if self.packed is None else self.packed.matmul(rows)  # [M, N]
         if y is None:
@@ -420,10 +478,12 @@ class QuantizedLinear(nn.Module):
         return F.linear(rows, self.dequantize())
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"backend={self.backend}, int8_activations={self.int8_activations}, "
-                f"gemm_rounding={self.gemm_rounding}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+            f"backend={self.backend}, int8_activations={self.int8_activations}, "
+            f"gemm_rounding={self.gemm_rounding}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 def _resolve_backend(backend: Backend, device: torch.device) -> Backend:
@@ -436,10 +496,15 @@ def _resolve_backend(backend: Backend, device: torch.device) -> Backend:
     if backend == "native" and not has_native:
         raise InvalidParameterError(
             "backend 'native' needs the weights on an x86-64 CPU with AVX2, FMA and F16C and a C++ compiler; "
-            "use backend='auto' to fall back to 'reference'", param="backend")
+            "use backend='auto' to fall back to 'reference'",
+            param="backend",
+        )
     if backend == "triton" and not has_triton:
-        raise InvalidParameterError("backend 'triton' needs the weights on a CUDA GPU and Triton installed; "
-                                    "use backend='auto' to fall back to 'reference'", param="backend")
+        raise InvalidParameterError(
+            "backend 'triton' needs the weights on a CUDA GPU and Triton installed; "
+            "use backend='auto' to fall back to 'reference'",
+            param="backend",
+        )
     if backend != "auto":
         return backend
     return "native" if has_native else "triton" if has_triton else "reference"
@@ -448,11 +513,19 @@ def _resolve_backend(backend: Backend, device: torch.device) -> Backend:
 class Int4Linear(QuantizedLinear):
     """Linear layer over an Int4Weight; see the module docstring for backends."""
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, backend: Backend = "auto",
-                 max_gemv_rows: int = DEFAULT_MAX_GEMV_ROWS, int8_activations: bool = False) -> None:
+    def __init__(
+        self,
+        weight: Int4Weight,
+        bias: torch.Tensor | None = None,
+        *,
+        backend: Backend = "auto",
+        max_gemv_rows: int = DEFAULT_MAX_GEMV_ROWS,
+        int8_activations: bool = False,
+    ) -> None:
         out_features, in_features = weight.shape
-        super().__init__(in_features, out_features, bias, backend, max_gemv_rows, int8_activations,
-                         weight.qweight.device)
+        super().__init__(
+            in_features, out_features, bias, backend, max_gemv_rows, int8_activations, weight.qweight.device
+        )
         self.group_size = weight.group_size
         self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K // 2] uint8
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
@@ -460,16 +533,23 @@ class Int4Linear(QuantizedLinear):
         high_bits = weight.high_bits
         if high_bits is not None:
             expected = (out_features, in_features // GGUF_BLOCK)
-            if (high_bits.dtype != torch.int32 or tuple(high_bits.shape) != expected
-                    or high_bits.device != weight.qweight.device):
+            if (
+                high_bits.dtype != torch.int32
+                or tuple(high_bits.shape) != expected
+                or high_bits.device != weight.qweight.device
+            ):
                 raise InvalidParameterError(
                     f"high_bits must be int32 {list(expected)} (a word per 32 columns) on the weight's device, got "
-                    f"{high_bits.dtype} {list(high_bits.shape)} on {high_bits.device}", param="high_bits")
+                    f"{high_bits.dtype} {list(high_bits.shape)} on {high_bits.device}",
+                    param="high_bits",
+                )
             if self.backend == "triton":
                 if backend == "triton":
-                    raise InvalidParameterError("the Triton kernel reads 4-bit codes only; pass 5-bit weights to "
-                                                "a GPU as int8 (quant.exact_int8), as the loader does",
-                                                param="backend")
+                    raise InvalidParameterError(
+                        "the Triton kernel reads 4-bit codes only; pass 5-bit weights to "
+                        "a GPU as int8 (quant.exact_int8), as the loader does",
+                        param="backend",
+                    )
                 self.backend = "reference"
             high_bits = high_bits.contiguous()
         self.register_buffer("high_bits", high_bits)  # [N, K // 32] int32 for 5-bit codes, or None
@@ -482,8 +562,13 @@ class Int4Linear(QuantizedLinear):
     def _dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
         # index_select, not advanced indexing: on the CPU the latter is far slower for row gathers.
         high_bits = None if self.high_bits is None else self.high_bits.index_select(0, row_ids)
-        return dequantize_int4(self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids),
-                               self.mins.index_select(0, row_ids), self.group_size, high_bits)
+        return dequantize_int4(
+            self.qweight.index_select(0, row_ids),
+            self.scales.index_select(0, row_ids),
+            self.mins.index_select(0, row_ids),
+            self.group_size,
+            high_bits,
+        )
 
 
 class QuantizedEmbedding(nn.Module):
@@ -505,11 +590,19 @@ class QuantizedEmbedding(nn.Module):
 class Int8Linear(QuantizedLinear):
     """Linear layer over an Int8Weight; see the module docstring for backends."""
 
-    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None, *, backend: Backend = "auto",
-                 max_gemv_rows: int = DEFAULT_MAX_GEMV_ROWS, int8_activations: bool = False) -> None:
+    def __init__(
+        self,
+        weight: Int8Weight,
+        bias: torch.Tensor | None = None,
+        *,
+        backend: Backend = "auto",
+        max_gemv_rows: int = DEFAULT_MAX_GEMV_ROWS,
+        int8_activations: bool = False,
+    ) -> None:
         out_features, in_features = weight.shape
-        super().__init__(in_features, out_features, bias, backend, max_gemv_rows, int8_activations,
-                         weight.qweight.device)
+        super().__init__(
+            in_features, out_features, bias, backend, max_gemv_rows, int8_activations, weight.qweight.device
+        )
         self.group_size = weight.group_size
         self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K] int8
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
@@ -520,5 +613,6 @@ class Int8Linear(QuantizedLinear):
         return dequantize_int8(self.qweight, self.scales, self.group_size)
 
     def _dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_int8(self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids),
-                               self.group_size)
+        return dequantize_int8(
+            self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids), self.group_size
+        )

@@ -36,7 +36,7 @@ class Qwen3Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         self.window = config.layer_window(layer_idx)
         self.q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
@@ -45,8 +45,13 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """rope: cos, sin [T, 1, head_dim // 2]; hidden [T, hidden_size] → [T, hidden_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, heads + 2 * kv_heads, head_dim]
@@ -68,16 +73,23 @@ def dense_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm block in the residual-stream form of models/llama.py: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int,
-                 mlp_factory: Callable[[ModelConfig, int], nn.Module]) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, mlp_factory: Callable[[ModelConfig, int], nn.Module]
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Qwen3Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp_factory(config, layer_idx)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it is added)."""
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(rope, hidden, kv_cache, metadata)
@@ -91,25 +103,33 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: ModelConfig, mlp_factory: Callable[[ModelConfig, int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
-                                          config.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i, mlp_factory) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         hidden, rope = self.embed(input_ids, positions)
         hidden, residual = self.run_layers(rope, hidden, kv_cache, metadata)
         return self.final_norm(hidden, residual)
 
-    def embed(self, input_ids: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """[T] token ids and positions → (embeddings [T, hidden], rope: cos, sin [T, 1, head_dim // 2] each)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         return hidden, self.rotary_emb(positions, hidden.dtype)
 
-    def run_layers(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer in turn: (last layer's MLP output, the residual stream before it), [T, hidden] each."""
         residual = None
         for layer in self.layers:
@@ -130,8 +150,7 @@ class Qwen3ForCausalLM(nn.Module):
     # where the MLP is the dense one; the mixture-of-experts pages that inherit it keep to the modules.
     layer_layout = "qwen3"
 
-    def __init__(self, config: ModelConfig,
-                 mlp_factory: Callable[[ModelConfig, int], nn.Module] = dense_mlp) -> None:
+    def __init__(self, config: ModelConfig, mlp_factory: Callable[[ModelConfig, int], nn.Module] = dense_mlp) -> None:
         super().__init__()
         self.config = config
         self.model = Qwen3Model(config, mlp_factory)
@@ -140,8 +159,9 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 → final-norm hidden states [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, kv_cache, metadata)
 

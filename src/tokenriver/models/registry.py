@@ -54,8 +54,7 @@ def canonical_architecture(name: str, path: str) -> str:
     key = _ALIASES.get(name, name)
     if key not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES)) + " (Hugging Face: " + ", ".join(sorted(_ALIASES)) + ")"
-        raise ModelLoadError(f"{path}: architecture {name!r} is not supported; tokenriver runs {supported}",
-                             path=path)
+        raise ModelLoadError(f"{path}: architecture {name!r} is not supported; tokenriver runs {supported}", path=path)
     return key
 
 

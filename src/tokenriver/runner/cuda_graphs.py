@@ -55,8 +55,9 @@ class _Graph:
 class DecodeGraphs:
     """Runs decode batches through recorded CUDA graphs; `run` answers None where a step must run eagerly."""
 
-    def __init__(self, forward: Forward, model: nn.Module, kv_cache: KVCache, max_batch: int,
-                 max_model_len: int) -> None:
+    def __init__(
+        self, forward: Forward, model: nn.Module, kv_cache: KVCache, max_batch: int, max_model_len: int
+    ) -> None:
         if kv_cache.padding_slot is None:
             raise ValueError("DecodeGraphs needs a KV pool with a padding block (KVCache(..., padding_block=True))")
         self.forward = forward
@@ -103,7 +104,7 @@ class DecodeGraphs:
         graph.slot_mapping[:batch].copy_(metadata.slot_mapping)
         graph.slot_mapping[batch:].fill_(self.kv_cache.padding_slot)
         # Columns past this step's tables keep older block ids: in range, and masked off by the lengths.
-        graph.block_tables[:batch, :metadata.block_tables.shape[1]].copy_(metadata.block_tables)
+        graph.block_tables[:batch, : metadata.block_tables.shape[1]].copy_(metadata.block_tables)
         graph.seq_lens[:batch].copy_(metadata.decode_lengths)
         graph.seq_lens[batch:].fill_(1)
         graph.graph.replay()
@@ -137,14 +138,20 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._pool):
                 output = self.forward(input_ids, positions, self.kv_cache, metadata())
         except torch.OutOfMemoryError:
-            logger.warning("a CUDA graph of %d rows over %d blocks does not fit in memory: such steps run eagerly",
-                           batch, num_blocks)
+            logger.warning(
+                "a CUDA graph of %d rows over %d blocks does not fit in memory: such steps run eagerly",
+                batch,
+                num_blocks,
+            )
             self._too_large.add((batch, num_blocks))
             torch.cuda.empty_cache()
             return None
         except Exception as error:  # noqa: BLE001 - whatever the model's code raises while recording, run eagerly
-            logger.warning("CUDA graphs off, decode steps run eagerly: recording a %d-row step failed: %s",
-                           batch, str(error).splitlines()[0] if str(error) else type(error).__name__)
+            logger.warning(
+                "CUDA graphs off, decode steps run eagerly: recording a %d-row step failed: %s",
+                batch,
+                str(error).splitlines()[0] if str(error) else type(error).__name__,
+            )
             self.enabled = False
             return None
         recorded = _Graph(graph, input_ids, positions, slot_mapping, block_tables, seq_lens, output)

@@ -38,8 +38,17 @@ AddGrammars = Callable[[list, list[SamplingState], list[list[int]]], None]
 class GreedyPasses:
     """The runner's greedy shortcuts (module docstring); run_model is the runner's counted forward pass."""
 
-    def __init__(self, model: nn.Module, forward: NativeStack, sampler: Sampler, kv_cache: KVCache,
-                 device: torch.device, run_model: RunModel, add_grammars: AddGrammars, has_graphs: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        forward: NativeStack,
+        sampler: Sampler,
+        kv_cache: KVCache,
+        device: torch.device,
+        run_model: RunModel,
+        add_grammars: AddGrammars,
+        has_graphs: bool,
+    ) -> None:
         self.model = model
         self.forward = forward
         self.sampler = sampler
@@ -55,8 +64,13 @@ class GreedyPasses:
         # Passes run by the native loop, which does not go through run_model (the runner adds them to its count).
         self.num_native_passes = 0
 
-    def sample(self, inputs: ModelInputs, states: list[SamplingState], hidden: torch.Tensor,
-               results: dict[str, RequestStepResult]) -> bool:
+    def sample(
+        self,
+        inputs: ModelInputs,
+        states: list[SamplingState],
+        hidden: torch.Tensor,
+        results: dict[str, RequestStepResult],
+    ) -> bool:
         """Every row's token from the output layer's reductions, appended to results; False if it did not apply."""
         if not self.sampler.takes_raw_argmax(states):
             return False
@@ -74,12 +88,14 @@ class GreedyPasses:
             append_samples(results.setdefault(request.request_id, RequestStepResult()), [sample])
         return True
 
-    def decode_ahead(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
-                     results: dict[str, RequestStepResult]) -> None:
+    def decode_ahead(
+        self, num_passes: int, inputs: ModelInputs, states: list[SamplingState], results: dict[str, RequestStepResult]
+    ) -> None:
         """num_passes more passes after the first one (`inputs`), their tokens appended to results. Every pass
         samples with the first pass's states, each constrained row asking its grammar after the grown output."""
-        finished = self._native(num_passes, inputs, states, results) or self._queued(num_passes, inputs, states,
-                                                                                     results)
+        finished = self._native(num_passes, inputs, states, results) or self._queued(
+            num_passes, inputs, states, results
+        )
         if finished == num_passes:
             return
         for done in range(finished, 0, -1):  # the inputs of the last pass it ran
@@ -93,8 +109,11 @@ class GreedyPasses:
             if any(state.grammar is not None for state in states):
                 for state in states:
                     state.allowed_token_mask = None  # a refused row's mask from the pass before
-                self.add_grammars(requests, states, [request.output_token_ids + results[request.request_id].token_ids
-                                                     for request in requests])
+                self.add_grammars(
+                    requests,
+                    states,
+                    [request.output_token_ids + results[request.request_id].token_ids for request in requests],
+                )
             if self.sample(inputs, states, hidden, results):
                 continue
             samples = self.sampler.sample(self.model.compute_logits(hidden), states)
@@ -102,11 +121,15 @@ class GreedyPasses:
                 append_samples(results.setdefault(request.request_id, RequestStepResult()), [sample])
 
     def _takes_shortcut(self, num_passes: int, states: list[SamplingState]) -> bool:
-        return (num_passes > 0 and not any(state.grammar is not None for state in states)
-                and self.sampler.takes_raw_argmax(states))
+        return (
+            num_passes > 0
+            and not any(state.grammar is not None for state in states)
+            and self.sampler.takes_raw_argmax(states)
+        )
 
-    def _native(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
-                results: dict[str, RequestStepResult]) -> int:
+    def _native(
+        self, num_passes: int, inputs: ModelInputs, states: list[SamplingState], results: dict[str, RequestStepResult]
+    ) -> int:
         """The passes in the model's native loop, where it has one; how many it ran (0: none)."""
         if self.has_graphs or not self._takes_shortcut(num_passes, states):
             return 0
@@ -114,17 +137,22 @@ class GreedyPasses:
         tables = [request.block_ids for request in requests]
         width = max(len(table) for table in tables)
         block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.long)
-        reduced = self.forward.greedy_passes(num_passes, [results[request.request_id].token_ids[-1]
-                                                          for request in requests],
-                                             (inputs.positions + 1).tolist(), block_tables, self.kv_cache)
+        reduced = self.forward.greedy_passes(
+            num_passes,
+            [results[request.request_id].token_ids[-1] for request in requests],
+            (inputs.positions + 1).tolist(),
+            block_tables,
+            self.kv_cache,
+        )
         if reduced is None:
             return 0
         self._append_reduced(reduced, requests, states, results)
         self.num_native_passes += reduced[0].shape[0]
         return reduced[0].shape[0]
 
-    def _queued(self, num_passes: int, inputs: ModelInputs, states: list[SamplingState],
-                results: dict[str, RequestStepResult]) -> int:
+    def _queued(
+        self, num_passes: int, inputs: ModelInputs, states: list[SamplingState], results: dict[str, RequestStepResult]
+    ) -> int:
         """The passes queued on the device, nothing read back in between; how many it ran (0: none)."""
         if not self.queue_on_device or not self._takes_shortcut(num_passes, states):
             return 0
@@ -140,8 +168,13 @@ class GreedyPasses:
         self._append_reduced(stacked, requests, states, results)
         return num_passes
 
-    def _append_reduced(self, reduced: tuple[torch.Tensor, torch.Tensor, torch.Tensor], requests: list,
-                        states: list[SamplingState], results: dict[str, RequestStepResult]) -> None:
+    def _append_reduced(
+        self,
+        reduced: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        requests: list,
+        states: list[SamplingState],
+        results: dict[str, RequestStepResult],
+    ) -> None:
         """Each pass's (argmax, largest logit, log-sum-exp) [P, B] as the samples of its rows, in pass order."""
         argmax, max_logits, log_normalizers = reduced
         for p in range(argmax.shape[0]):

@@ -97,12 +97,14 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
         if num_top is not None and request.start_position < num_prompt - 1:
             # Position p predicts prompt token p + 1; the last prompt position predicts a generated token.
             last = min(request.start_position + num_tokens, num_prompt - 1)
-            prompt_rows.append(PromptLogprobRows(
-                request_id=request.request_id,
-                rows=[first_row + p - request.start_position for p in range(request.start_position, last)],
-                next_token_ids=request.prompt_token_ids[request.start_position + 1:last + 1],
-                num_top=num_top,
-            ))
+            prompt_rows.append(
+                PromptLogprobRows(
+                    request_id=request.request_id,
+                    rows=[first_row + p - request.start_position for p in range(request.start_position, last)],
+                    next_token_ids=request.prompt_token_ids[request.start_position + 1 : last + 1],
+                    num_top=num_top,
+                )
+            )
     return ModelInputs(
         input_ids=to_device(input_ids, device),
         positions=to_device(positions, device),
@@ -117,21 +119,32 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
     )
 
 
-def advance_decode(inputs: ModelInputs, token_ids: list[int] | torch.Tensor, block_size: int,
-                   device: torch.device | str) -> ModelInputs:
+def advance_decode(
+    inputs: ModelInputs, token_ids: list[int] | torch.Tensor, block_size: int, device: torch.device | str
+) -> ModelInputs:
     """The next forward pass of a multi-step step (SchedulerOutput.num_decode_passes): each request of `inputs`
     (one token each, every one sampled) computes token_ids[i], one position further. Its slot is in the blocks the
     scheduler took for all of the step's passes (the requests' block_ids). token_ids may be a [B] int64 tensor on
     the device, the pass before's argmax, which then never comes back to the host in between."""
     requests = inputs.sampling_requests
-    if (len(token_ids) != len(requests) or inputs.sample_rows != list(range(len(requests))) or inputs.draft_requests
-            or inputs.beam_requests or inputs.prompt_logprob_rows):
+    if (
+        len(token_ids) != len(requests)
+        or inputs.sample_rows != list(range(len(requests)))
+        or inputs.draft_requests
+        or inputs.beam_requests
+        or inputs.prompt_logprob_rows
+    ):
         raise ValueError("advance_decode continues a batch of one-token decodes that all sample, with one token each")
     return ModelInputs(
         input_ids=token_ids if isinstance(token_ids, torch.Tensor) else to_device(token_ids, device),
         positions=inputs.positions + 1,
-        metadata=AttentionMetadata.build([1] * len(requests), [n + 1 for n in inputs.metadata.seq_lens],
-                                         [request.block_ids for request in requests], block_size, device),
+        metadata=AttentionMetadata.build(
+            [1] * len(requests),
+            [n + 1 for n in inputs.metadata.seq_lens],
+            [request.block_ids for request in requests],
+            block_size,
+            device,
+        ),
         sampling_requests=requests,
         sample_rows=inputs.sample_rows,
     )

@@ -48,15 +48,24 @@ from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRe
 class ModelRunner:
     """Turns a SchedulerOutput into sampled tokens."""
 
-    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str, seed: int = 0,
-                 grammar: GrammarMatchers | None = None, max_graph_batch: int = 0, max_model_len: int = 0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: KVCache,
+        device: torch.device | str,
+        seed: int = 0,
+        grammar: GrammarMatchers | None = None,
+        max_graph_batch: int = 0,
+        max_model_len: int = 0,
+    ) -> None:
         """max_graph_batch > 0 (a CUDA device and a pool with a padding block): decode batches up to that size
         replay CUDA graphs (runner/cuda_graphs.py) recorded for contexts up to max_model_len."""
         self.model = model
         # Calls like the model; runs its layers in one native call where it can.
         self.forward = NativeStack(model)
-        self.graphs = (DecodeGraphs(self.forward, model, kv_cache, max_graph_batch, max_model_len)
-                       if max_graph_batch > 0 else None)
+        self.graphs = (
+            DecodeGraphs(self.forward, model, kv_cache, max_graph_batch, max_model_len) if max_graph_batch > 0 else None
+        )
         # The matchers of requests with structured output; None = such requests are refused before they get here.
         self.grammar = grammar
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="tokenriver-grammar") if grammar else None
@@ -68,9 +77,16 @@ class ModelRunner:
         self.sampler = Sampler(default_generator, (fast and fast.row_reductions()) or torch_row_reductions)
         self._generators: dict[str, torch.Generator] = {}
         self._num_model_passes = 0
-        self.greedy = GreedyPasses(model, self.forward, self.sampler, kv_cache, self.device, self._run_model,
-                                   lambda requests, states, outputs: self._add_grammars(requests, states, None, outputs),
-                                   has_graphs=self.graphs is not None)
+        self.greedy = GreedyPasses(
+            model,
+            self.forward,
+            self.sampler,
+            kv_cache,
+            self.device,
+            self._run_model,
+            lambda requests, states, outputs: self._add_grammars(requests, states, None, outputs),
+            has_graphs=self.graphs is not None,
+        )
 
     @property
     def num_forward_passes(self) -> int:
@@ -102,13 +118,21 @@ class ModelRunner:
         """Begin computing the requests' allowed-token masks on the worker thread; None when no request has a
         grammar, or when the batch is plain greedy: its rows ask their grammars lazily (`_add_grammars`). The
         result is one mask or None per request."""
-        if (self._mask_worker is None or all(r.sampling_params.structured_output is None for r in requests)
-                or self.sampler.takes_raw_argmax(states)):
+        if (
+            self._mask_worker is None
+            or all(r.sampling_params.structured_output is None for r in requests)
+            or self.sampler.takes_raw_argmax(states)
+        ):
             return None
         return self._mask_worker.submit(lambda: [self._allowed_token_mask(request) for request in requests])
 
-    def _add_grammars(self, requests: list[ScheduledRequest], states: list[SamplingState],
-                      pending_masks: Future | None, outputs: list[list[int]] | None = None) -> None:
+    def _add_grammars(
+        self,
+        requests: list[ScheduledRequest],
+        states: list[SamplingState],
+        pending_masks: Future | None,
+        outputs: list[list[int]] | None = None,
+    ) -> None:
         """Give each constrained row its mask (computed during the pass), or else its grammar to ask lazily.
         outputs: each request's output so far where it grew within this step (multi-step passes)."""
         if pending_masks is not None:
@@ -134,14 +158,20 @@ class ModelRunner:
         state = self._state(request)
         if spec is None or self.grammar is None:
             return DraftCheck(state, request.draft_token_ids, draft_probs)
-        num_valid, masks = self.grammar.masks_along(request.request_id, spec, request.output_token_ids,
-                                                    request.draft_token_ids)
-        return DraftCheck(state, request.draft_token_ids[:num_valid],
-                          draft_probs[:num_valid] if draft_probs is not None else None, masks)
+        num_valid, masks = self.grammar.masks_along(
+            request.request_id, spec, request.output_token_ids, request.draft_token_ids
+        )
+        return DraftCheck(
+            state,
+            request.draft_token_ids[:num_valid],
+            draft_probs[:num_valid] if draft_probs is not None else None,
+            masks,
+        )
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput,
-                draft_probs: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
+    ) -> RunnerOutput:
         """Forward all scheduled tokens in one pass, sample the requests that reached their last token.
 
         draft_probs: request id → [num_drafts, vocab] distributions its draft tokens were drawn from (draft
@@ -177,9 +207,11 @@ class ModelRunner:
         num_sample_rows = len(inputs.sample_rows)
         num_scored_rows = num_sample_rows + len(draft_rows)
         if inputs.beam_requests:
-            tops = self.sampler.top_logprobs(logits[num_scored_rows:],
-                                             [request.num_beam_candidates for request in inputs.beam_requests],
-                                             [self._allowed_token_mask(request) for request in inputs.beam_requests])
+            tops = self.sampler.top_logprobs(
+                logits[num_scored_rows:],
+                [request.num_beam_candidates for request in inputs.beam_requests],
+                [self._allowed_token_mask(request) for request in inputs.beam_requests],
+            )
             for request, candidates in zip(inputs.beam_requests, tops):
                 results.setdefault(request.request_id, RequestStepResult()).beam_candidates = candidates
         if inputs.sampling_requests:
@@ -188,8 +220,9 @@ class ModelRunner:
                 append_samples(results.setdefault(request.request_id, RequestStepResult()), [sample])
         if inputs.draft_requests:
             draft_probs = draft_probs or {}
-            checks = [self._draft_check(request, draft_probs.get(request.request_id))
-                      for request in inputs.draft_requests]
+            checks = [
+                self._draft_check(request, draft_probs.get(request.request_id)) for request in inputs.draft_requests
+            ]
             # Each check's rows: its last known token and the drafts it kept (a cut check skips the rest).
             kept_rows: list[int] = []
             first = num_sample_rows
@@ -197,8 +230,9 @@ class ModelRunner:
                 kept_rows += range(first, first + len(check.draft_token_ids) + 1)
                 first += len(request.draft_token_ids) + 1
             is_cut = len(kept_rows) != num_scored_rows - num_sample_rows
-            verdicts = self.sampler.verify(logits[kept_rows] if is_cut else logits[num_sample_rows:num_scored_rows],
-                                           checks)
+            verdicts = self.sampler.verify(
+                logits[kept_rows] if is_cut else logits[num_sample_rows:num_scored_rows], checks
+            )
             for request, verdict in zip(inputs.draft_requests, verdicts):
                 append_samples(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
         self.greedy.decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
@@ -219,4 +253,3 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_rows, vocab]
             scored = self.sampler.prompt_logprobs(logits, entry.next_token_ids, entry.num_top)
             results.setdefault(entry.request_id, RequestStepResult()).prompt_logprobs.extend(scored)
-

@@ -56,8 +56,9 @@ class NativeStack:
         return None if self._binding is None else self._binding[3]
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                 metadata: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 → final-norm hidden states [num_tokens, hidden_size]."""
         decoder = self._decoder() if input_ids.is_cpu else None
         if decoder is None:
@@ -81,8 +82,9 @@ class NativeStack:
         return reductions(hidden) if reductions is not None else None
 
     @torch.inference_mode()
-    def greedy_passes(self, num_passes: int, token_ids: list[int], positions: list[int], block_tables: torch.Tensor,
-                      kv_cache: KVCache) -> PassReductions | None:
+    def greedy_passes(
+        self, num_passes: int, token_ids: list[int], positions: list[int], block_tables: torch.Tensor, kv_cache: KVCache
+    ) -> PassReductions | None:
         """The greedy passes of a multi-step decode in one native call (models/cpu/greedy.py): request b's pass p
         decodes token_ids[b] (p = 0) or its argmax of pass p - 1 at position positions[b] + p. Per pass and row,
         (argmax, largest logit, log-sum-exp) of the passes it finished, [finished, B] each; None where the model's
@@ -108,10 +110,17 @@ class NativeStack:
 
     def _bind(self, layers: nn.ModuleList) -> NativeDecoder | None:
         binding = self._binding
-        if (binding is None or binding[0] is not layers
-                or any(parameter.data_ptr() != address for parameter, address in zip(binding[1], binding[2]))):
+        if (
+            binding is None
+            or binding[0] is not layers
+            or any(parameter.data_ptr() != address for parameter, address in zip(binding[1], binding[2]))
+        ):
             parameters = list(layers[0].parameters()) if len(layers) else []
-            binding = (layers, parameters, [parameter.data_ptr() for parameter in parameters],
-                       NativeDecoder.build(layers))
+            binding = (
+                layers,
+                parameters,
+                [parameter.data_ptr() for parameter in parameters],
+                NativeDecoder.build(layers),
+            )
             self._binding = binding
         return binding[3]

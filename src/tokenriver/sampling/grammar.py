@@ -72,8 +72,9 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary, built on first use (it scans every token)."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                                         eos_token=self.eos_token_ids or None)
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+                )
             return self._tokenizer
 
     def compile(self, spec: StructuredOutput) -> None:
@@ -101,14 +102,20 @@ class GrammarCompiler:
         grammar = grammar_text(spec)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error or messages:
-            what = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regex",
-                    "choice": "choice", "grammar": "grammar"}[spec.kind]
+            what = {
+                "json_schema": "JSON schema",
+                "json_object": "JSON schema",
+                "regex": "regex",
+                "choice": "choice",
+                "grammar": "grammar",
+            }[spec.kind]
             problem = "; ".join(messages) if messages else "it does not compile"
             raise InvalidParameterError(f"the {what} cannot be enforced: {problem}", param="structured_output")
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise InvalidParameterError(f"the grammar cannot be enforced: {template.get_error()}",
-                                        param="structured_output")
+            raise InvalidParameterError(
+                f"the grammar cannot be enforced: {template.get_error()}", param="structured_output"
+            )
         with self._lock:
             self._templates[key] = template
             while len(self._templates) > MAX_CACHED_GRAMMARS:
@@ -167,8 +174,9 @@ class GrammarMatchers:
         tracked.consumed.append(token_id)
         return True
 
-    def masks_along(self, request_id: str, spec: StructuredOutput, token_ids: list[int],
-                    draft_token_ids: list[int]) -> tuple[int, torch.Tensor | None]:
+    def masks_along(
+        self, request_id: str, spec: StructuredOutput, token_ids: list[int], draft_token_ids: list[int]
+    ) -> tuple[int, torch.Tensor | None]:
         """Masks after the output and after each draft the grammar allows: (m, [m + 1, W] int32).
 
         m counts the leading drafts the grammar accepts; a draft it rejects, and every draft after it, is cut
@@ -193,7 +201,7 @@ class GrammarMatchers:
             num_valid += 1
         if num_valid and not matcher.rollback(num_valid):
             self._tracked.pop(request_id)
-        return num_valid, masks[:num_valid + 1]
+        return num_valid, masks[: num_valid + 1]
 
     def _fill(self, matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
         """Write the matcher's next-token mask into row ([W] int32, contiguous). A matcher in its error state
@@ -213,8 +221,9 @@ class GrammarMatchers:
         if tracked is not None:
             consumed = len(tracked.consumed)
             # The usual case, a history that only grew, compared in one slice.
-            common = consumed if token_ids[:consumed] == tracked.consumed else _common_prefix(tracked.consumed,
-                                                                                               token_ids)
+            common = (
+                consumed if token_ids[:consumed] == tracked.consumed else _common_prefix(tracked.consumed, token_ids)
+            )
             excess = len(tracked.consumed) - common
             if excess and not tracked.matcher.rollback(excess):
                 tracked = None
@@ -223,7 +232,7 @@ class GrammarMatchers:
         if tracked is None:
             tracked = _Tracked(spec, self.compiler.new_matcher(spec))
             self._tracked[request_id] = tracked
-        for token_id in token_ids[len(tracked.consumed):]:
+        for token_id in token_ids[len(tracked.consumed) :]:
             # A token the grammar refuses (an EOS it already ended with, or a history from before the
             # constraint) leaves the matcher in its error state, whose mask allows only end of sequence.
             if not tracked.matcher.is_error():
@@ -235,8 +244,9 @@ class GrammarMatchers:
 class GrammarRow:
     """One request's grammar at one sampling row, asked lazily (sampling/rows.py's LazyGrammar)."""
 
-    def __init__(self, matchers: GrammarMatchers, request_id: str, spec: StructuredOutput,
-                 token_ids: list[int]) -> None:
+    def __init__(
+        self, matchers: GrammarMatchers, request_id: str, spec: StructuredOutput, token_ids: list[int]
+    ) -> None:
         # token_ids: the request's output before this row's token.
         self._matchers = matchers
         self._request_id = request_id
@@ -256,7 +266,7 @@ def _start_of_constraint(starts_after: tuple[int, ...], token_ids: list[int]) ->
         return 0
     width = len(starts_after)
     for end in range(width, len(token_ids) + 1):
-        if tuple(token_ids[end - width:end]) == starts_after:
+        if tuple(token_ids[end - width : end]) == starts_after:
             return end
     return None
 

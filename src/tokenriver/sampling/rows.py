@@ -78,7 +78,10 @@ def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def raw_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int], is_rank_one: list[bool],
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_top: list[int],
+    is_rank_one: list[bool],
     log_normalizer: torch.Tensor | None = None,
 ) -> list[TokenLogprobs]:
     """Logprob and rank of token_ids[i] under log_softmax(logits[i]), plus the num_top[i] best alternatives.
@@ -110,4 +113,3 @@ def raw_logprobs(
             tops[i] = list(zip(best_ids[j][: num_top[i]], best_logprobs[j][: num_top[i]]))
     ids = token_ids.tolist()
     return [TokenLogprobs(ids[i], chosen_logprobs[i], ranks[i], tops[i]) for i in range(num_rows)]
-

@@ -120,8 +120,7 @@ class Sampler:
         logprobs, no trace, and no stage that would change its logits. Such a batch needs, per row, only the
         argmax, the largest logit and the log-sum-exp (`sample_reduced`), which a model can compute without
         writing its logits."""
-        return all(is_plain_greedy(state.params, len(state.output_token_ids), state.eos_token_ids)
-                   for state in states)
+        return all(is_plain_greedy(state.params, len(state.output_token_ids), state.eos_token_ids) for state in states)
 
     @staticmethod
     def sample_reduced(reduced: RowReductionsResult, states: list[SamplingState]) -> list[SampleResult | None]:
@@ -136,8 +135,10 @@ class Sampler:
             raise ValueError(f"reductions must have len(states)={len(states)} rows, got {argmax.shape[0]}")
         chosen = argmax.tolist()
         chosen_logprobs = (max_logits - log_normalizer).tolist()
-        return [SampleResult(token_id, TokenLogprobs(token_id, logprob, 1), None) if _allows(state, token_id) else None
-                for token_id, logprob, state in zip(chosen, chosen_logprobs, states)]
+        return [
+            SampleResult(token_id, TokenLogprobs(token_id, logprob, 1), None) if _allows(state, token_id) else None
+            for token_id, logprob, state in zip(chosen, chosen_logprobs, states)
+        ]
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleResult]:
         """logits [N, V] float32, one row per state (the last position of each sampled request)."""
@@ -156,13 +157,13 @@ class Sampler:
         if refused:
             index = torch.tensor(refused, dtype=torch.int64)  # [r]
             subset = tuple(values[index] for values in reduced)
-            for i, result in zip(refused, self._sample_processed(logits[index], [states[i] for i in refused],
-                                                                 subset)):
+            for i, result in zip(refused, self._sample_processed(logits[index], [states[i] for i in refused], subset)):
                 results[i] = result
         return results
 
-    def _sample_processed(self, logits: torch.Tensor, states: list[SamplingState],
-                          reduced: RowReductionsResult | None) -> list[SampleResult]:
+    def _sample_processed(
+        self, logits: torch.Tensor, states: list[SamplingState], reduced: RowReductionsResult | None
+    ) -> list[SampleResult]:
         """Every stage on the logits, then the draw (sample's general path)."""
         num_rows = len(states)
         for state in states:
@@ -199,12 +200,14 @@ class Sampler:
 
         chosen = token_ids.tolist()
         return [SampleResult(chosen[i], logprobs[i], traces.get(i)) for i in range(num_rows)]
+
     def verify(self, logits: torch.Tensor, checks: list[DraftCheck]) -> list[VerifyResult]:
         """Accept or reject each request's draft tokens (see tokenriver.sampling.verify)."""
         return verify.verify(logits, checks, self.process_logits, self.uniforms)
 
-    def top_logprobs(self, logits: torch.Tensor, num_top: list[int],
-                     allowed_token_masks: list[torch.Tensor | None] | None = None) -> list[list[TokenLogprobs]]:
+    def top_logprobs(
+        self, logits: torch.Tensor, num_top: list[int], allowed_token_masks: list[torch.Tensor | None] | None = None
+    ) -> list[list[TokenLogprobs]]:
         """The num_top[i] most likely tokens of row i under log_softmax of the raw logits, best first (beam search).
 
         logits [N, V]. Ranks are positions in that order (tied logits get consecutive ranks). A row with an
@@ -227,9 +230,14 @@ class Sampler:
         best = logits.topk(min(max(num_top), logits.shape[1]), dim=1)  # [N, k] values and indices
         logprobs = (best.values - log_normalizer).tolist()  # [N, k]
         token_ids = best.indices.tolist()
-        return [[TokenLogprobs(token_ids[i][j], logprobs[i][j], j + 1) for j in range(min(count, logits.shape[1]))
-                 if logprobs[i][j] != float("-inf")]
-                for i, count in enumerate(num_top)]
+        return [
+            [
+                TokenLogprobs(token_ids[i][j], logprobs[i][j], j + 1)
+                for j in range(min(count, logits.shape[1]))
+                if logprobs[i][j] != float("-inf")
+            ]
+            for i, count in enumerate(num_top)
+        ]
 
     def draw(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], torch.Tensor]:
         """One token per row, plus the processed distribution it was drawn from ([N, V], one-hot for greedy rows).
@@ -248,6 +256,7 @@ class Sampler:
             index = torch.tensor(greedy_rows, dtype=torch.int64)  # [g]
             probs[index] = torch.nn.functional.one_hot(token_ids[index], probs.shape[1]).to(probs.dtype)
         return token_ids.tolist(), probs
+
     def prompt_logprobs(self, logits: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
         """Raw logprob/rank of each actual next prompt token, plus top num_top alternatives.
 
@@ -299,8 +308,11 @@ class Sampler:
             generated = processors.pad_token_ids(outputs, vocab_size, device)  # [n, L]
             presence = torch.tensor([states[i].params.presence_penalty for i in rows], device=device)  # [n]
             frequency = torch.tensor([states[i].params.frequency_penalty for i in rows], device=device)  # [n]
-            run("penalty", rows,
-                lambda x: processors.apply_presence_frequency_penalties(x, generated, presence, frequency))
+            run(
+                "penalty",
+                rows,
+                lambda x: processors.apply_presence_frequency_penalties(x, generated, presence, frequency),
+            )
             modified_rows.update(rows)
 
         rows = [i for i, s in enumerate(states) if _has_logit_bias(s)]
@@ -373,8 +385,13 @@ class Sampler:
         return uniforms
 
 
-def _note_draws(traces: dict[int, StepTrace], processed: torch.Tensor, token_ids: torch.Tensor, rows: list[int],
-                uniforms: torch.Tensor) -> None:
+def _note_draws(
+    traces: dict[int, StepTrace],
+    processed: torch.Tensor,
+    token_ids: torch.Tensor,
+    rows: list[int],
+    uniforms: torch.Tensor,
+) -> None:
     """StepTrace.extra["draw"] of each traced sampled row: its uniform and the span of the cumulative distribution
     (in token-id order, the order _draw walks) its token covers, so a reader can see where the draw landed."""
     for j, row in enumerate(rows):

@@ -60,21 +60,29 @@ def residual_distribution(target: torch.Tensor, draft: torch.Tensor) -> torch.Te
     return target if total <= 0 else residual / total
 
 
-def verify(logits: torch.Tensor, checks: list[DraftCheck], process: ProcessLogits, uniforms: Uniforms) -> list[VerifyResult]:
+def verify(
+    logits: torch.Tensor, checks: list[DraftCheck], process: ProcessLogits, uniforms: Uniforms
+) -> list[VerifyResult]:
     """Accept or reject each request's draft tokens; logits [R, V] hold 1 + len(drafts) rows per check, in order.
 
     Row j of a check is the target's prediction after its j-th draft (row 0: after the last known token).
     """
     row_states = [
-        SamplingState(check.state.params, check.state.prompt_token_ids,
-                      check.state.output_token_ids + check.draft_token_ids[:j], check.state.generator,
-                      check.state.eos_token_ids,
-                      check.allowed_token_masks[j] if check.allowed_token_masks is not None else None)
-        for check in checks for j in range(len(check.draft_token_ids) + 1)
+        SamplingState(
+            check.state.params,
+            check.state.prompt_token_ids,
+            check.state.output_token_ids + check.draft_token_ids[:j],
+            check.state.generator,
+            check.state.eos_token_ids,
+            check.allowed_token_masks[j] if check.allowed_token_masks is not None else None,
+        )
+        for check in checks
+        for j in range(len(check.draft_token_ids) + 1)
     ]
     if logits.dim() != 2 or logits.shape[0] != len(row_states):
-        raise ValueError(f"logits must be [{len(row_states)} rows (1 + drafts per check), vocab_size], "
-                         f"got {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must be [{len(row_states)} rows (1 + drafts per check), vocab_size], got {tuple(logits.shape)}"
+        )
     traced_rows = [i for i, state in enumerate(row_states) if state.params.trace]
     tracer = Tracer(logits, traced_rows, row_states) if traced_rows else None
     processed, modified_rows = process(logits, row_states, tracer)
@@ -89,10 +97,10 @@ def verify(logits: torch.Tensor, checks: list[DraftCheck], process: ProcessLogit
     for index, check in enumerate(checks):
         num_rows = len(check.draft_token_ids) + 1
         if check.state.params.is_greedy:
-            chosen = accept_greedy(greedy_ids[first:first + num_rows], check.draft_token_ids)
+            chosen = accept_greedy(greedy_ids[first : first + num_rows], check.draft_token_ids)
         else:
-            chosen = accept_sampled(probs[first:first + num_rows], check, uniforms)
-        token_ids[first:first + len(chosen)] = torch.tensor(chosen, dtype=torch.int64, device=token_ids.device)
+            chosen = accept_sampled(probs[first : first + num_rows], check, uniforms)
+        token_ids[first : first + len(chosen)] = torch.tensor(chosen, dtype=torch.int64, device=token_ids.device)
         emitted += [(index, row) for row in range(first, first + len(chosen))]
         num_accepted.append(len(chosen) - 1)
         first += num_rows
@@ -146,7 +154,7 @@ def accept_greedy(target_ids: list[int], draft_token_ids: list[int]) -> list[int
     num_accepted = 0
     while num_accepted < len(draft_token_ids) and draft_token_ids[num_accepted] == target_ids[num_accepted]:
         num_accepted += 1
-    return target_ids[:num_accepted + 1]
+    return target_ids[: num_accepted + 1]
 
 
 def verdict(draft_token_ids: list[int], position: int, num_accepted: int) -> dict[str, object]:

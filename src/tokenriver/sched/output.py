@@ -175,7 +175,9 @@ class SchedulerStats:
     @property
     def draft_acceptance_rate(self) -> float:
         """Accepted / verified draft tokens (0 before any)."""
-        return self.num_accepted_draft_tokens_total / self.num_draft_tokens_total if self.num_draft_tokens_total else 0.0
+        return (
+            self.num_accepted_draft_tokens_total / self.num_draft_tokens_total if self.num_draft_tokens_total else 0.0
+        )
 
     @property
     def mean_accepted_length(self) -> float:

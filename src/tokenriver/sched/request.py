@@ -67,8 +67,15 @@ _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
 class Request:
     """One sequence being generated: its tokens, its progress through the cache, its blocks, its timings."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: list[int], arrival_time: float, priority: int = 0) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: list[int],
+        arrival_time: float,
+        priority: int = 0,
+    ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
         # Lower value = served first; equal priorities are served in arrival order.
@@ -105,8 +112,10 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
-                f"{self.num_tokens}, output={self.num_output_tokens}, blocks={self.block_ids})")
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, output={self.num_output_tokens}, blocks={self.block_ids})"
+        )
 
     # ---- counts ----
 
@@ -154,8 +163,14 @@ class Request:
 
         It holds no blocks: the scheduler shares the parent's with it, or lets it recompute them.
         """
-        child = Request(request_id, self.prompt_token_ids, self.sampling_params, self.eos_token_ids,
-                        self.arrival_time, self.priority)
+        child = Request(
+            request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            self.eos_token_ids,
+            self.arrival_time,
+            self.priority,
+        )
         child.output_token_ids = self.output_token_ids + [token_id]
         child.all_token_ids = self.all_token_ids + [token_id]
         child.block_hashes = list(self.block_hashes)

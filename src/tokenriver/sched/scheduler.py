@@ -97,11 +97,23 @@ def _decodes_plainly(request: Request) -> bool:
 class Scheduler:
     """Decides each step's batch and applies its results; owns every unfinished Request."""
 
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, recompute_every_step: bool = False, num_scheduler_steps: int = 1,
-                 clock: Callable[[], float] = time.time) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len), ("num_scheduler_steps", num_scheduler_steps)):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        recompute_every_step: bool = False,
+        num_scheduler_steps: int = 1,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+            ("num_scheduler_steps", num_scheduler_steps),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name}={value!r} must be an integer >= 1", param=name)
         self.block_manager = block_manager
@@ -146,7 +158,8 @@ class Scheduler:
         if request.request_id in self._requests:
             raise InvalidParameterError(
                 f"request id {request.request_id!r} is already in use by an unfinished request: use a unique id",
-                param="request_id")
+                param="request_id",
+            )
         num_prompt_tokens = request.num_prompt_tokens
         if num_prompt_tokens == 0:
             raise InvalidParameterError("the prompt is empty: give at least one token", param="prompt")
@@ -154,13 +167,17 @@ class Scheduler:
             raise ContextLengthError(
                 f"the prompt has {num_prompt_tokens} tokens but max_model_len is {self.max_model_len}, which must "
                 f"also leave room for at least one generated token: shorten the prompt or raise max_model_len",
-                num_tokens=num_prompt_tokens, max_tokens=self.max_model_len)
+                num_tokens=num_prompt_tokens,
+                max_tokens=self.max_model_len,
+            )
         if num_prompt_tokens > self._pool_num_tokens:
             raise ContextLengthError(
                 f"the prompt has {num_prompt_tokens} tokens but the KV cache holds only {self._pool_num_tokens} "
                 f"({self.block_manager.num_total_blocks} blocks of {self.block_manager.block_size}): "
                 f"shorten the prompt or give the KV cache more memory (kv_cache_memory)",
-                num_tokens=num_prompt_tokens, max_tokens=self._pool_num_tokens)
+                num_tokens=num_prompt_tokens,
+                max_tokens=self._pool_num_tokens,
+            )
         if request.status is not RequestStatus.WAITING:
             raise RuntimeError(f"request {request.request_id!r} is added in status {request.status.value}")
         self._recently_finished.pop(request.request_id, None)
@@ -260,7 +277,7 @@ class Scheduler:
                 index += 1
                 continue
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            draft_token_ids = request.draft_token_ids[:self._num_drafts(request, budget)]
+            draft_token_ids = request.draft_token_ids[: self._num_drafts(request, budget)]
             request.draft_token_ids = []
             if not self._grow(request, num_new_tokens + len(draft_token_ids)):
                 break
@@ -281,8 +298,12 @@ class Scheduler:
 
         num_passes = self._num_decode_passes(scheduled)
         self._count_step(scheduled, num_passes)
-        return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished_ids,
-                               block_copies=self._block_copies, num_decode_passes=num_passes)
+        return SchedulerOutput(
+            scheduled=scheduled,
+            finished_request_ids=finished_ids,
+            block_copies=self._block_copies,
+            num_decode_passes=num_passes,
+        )
 
     def _num_decode_passes(self, scheduled: list[ScheduledRequest]) -> int:
         """Forward passes for this step (multi-step scheduling, module docstring); takes the blocks of the passes
@@ -290,20 +311,30 @@ class Scheduler:
         if self.num_scheduler_steps == 1 or self.recompute_every_step or not scheduled:
             return 1
         requests = [self._requests[item.request_id] for item in scheduled]
-        if not all(item.num_tokens == 1 and item.sample and not item.draft_token_ids
-                   and not item.num_beam_candidates and _decodes_plainly(request)
-                   for item, request in zip(scheduled, requests)):
+        if not all(
+            item.num_tokens == 1
+            and item.sample
+            and not item.draft_token_ids
+            and not item.num_beam_candidates
+            and _decodes_plainly(request)
+            for item, request in zip(scheduled, requests)
+        ):
             return 1
         # As many as the request furthest from max_tokens wants (the others' rows past theirs are computed and
         # dropped), never past any request's room in the context.
-        num_passes = min(self.num_scheduler_steps, max(self._num_tokens_wanted(request) for request in requests),
-                         *(self._max_num_tokens - request.num_tokens for request in requests))
+        num_passes = min(
+            self.num_scheduler_steps,
+            max(self._num_tokens_wanted(request) for request in requests),
+            *(self._max_num_tokens - request.num_tokens for request in requests),
+        )
         if num_passes <= 1:
             return 1
         # Pass k (from 0) computes position num_computed_tokens + k.
         manager = self.block_manager
-        growth = [manager.num_blocks_for(request.num_computed_tokens + num_passes) - len(request.block_ids)
-                  for request in requests]
+        growth = [
+            manager.num_blocks_for(request.num_computed_tokens + num_passes) - len(request.block_ids)
+            for request in requests
+        ]
         if not manager.can_allocate(sum(growth)):
             return 1
         for item, request, num_new_blocks in zip(scheduled, requests, growth):
@@ -319,8 +350,9 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, now: float) -> int:
         """Admit waiting requests best rank first while tokens, seats and blocks last; returns the budget left."""
-        while self._waiting and budget > 0 and len(self._running) + self._num_seats(self._waiting[0]) <= \
-                self.max_num_seqs:
+        while (
+            self._waiting and budget > 0 and len(self._running) + self._num_seats(self._waiting[0]) <= self.max_num_seqs
+        ):
             num_new_tokens = self._admit(self._waiting[0], budget, now)
             if num_new_tokens == 0:
                 break
@@ -368,18 +400,20 @@ class Scheduler:
             beam_candidates = result.beam_candidates if scheduled.sample else []
             if new_token_ids or prompt_logprobs or request.is_finished or beam_candidates:
                 num_new = len(new_token_ids)
-                updates.append(RequestUpdate(
-                    request_id=request.request_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=result.logprobs[:num_new],
-                    new_traces=result.traces[:num_new],
-                    prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    metrics=request.metrics,
-                    beam_candidates=beam_candidates,
-                ))
+                updates.append(
+                    RequestUpdate(
+                        request_id=request.request_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=result.logprobs[:num_new],
+                        new_traces=result.traces[:num_new],
+                        prompt_logprobs=prompt_logprobs,
+                        finish_reason=request.finish_reason,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens,
+                        metrics=request.metrics,
+                        beam_candidates=beam_candidates,
+                    )
+                )
         return updates
 
     def stats(self) -> SchedulerStats:
@@ -492,19 +526,21 @@ class Scheduler:
         if num_full_blocks <= start:
             return
         self.block_manager.extend_block_hashes(request.block_hashes, request.all_token_ids)
-        self.block_manager.cache_blocks(request.block_ids[start:num_full_blocks],
-                                        request.block_hashes[start:num_full_blocks])
+        self.block_manager.cache_blocks(
+            request.block_ids[start:num_full_blocks], request.block_hashes[start:num_full_blocks]
+        )
         request.num_committed_blocks = num_full_blocks
 
-    def _new_prompt_logprobs(self, request: Request, scheduled: ScheduledRequest,
-                             prompt_logprobs: list[TokenLogprobs]) -> list[TokenLogprobs]:
+    def _new_prompt_logprobs(
+        self, request: Request, scheduled: ScheduledRequest, prompt_logprobs: list[TokenLogprobs]
+    ) -> list[TokenLogprobs]:
         """Keep the prompt logprobs not reported yet.
 
         Entry i belongs to position scheduled.start_position + i; a recompute after
         a preemption produces the early positions again, which were already reported.
         """
         num_known = request.num_prompt_logprobs - scheduled.start_position
-        new = prompt_logprobs[max(num_known, 0):]
+        new = prompt_logprobs[max(num_known, 0) :]
         request.num_prompt_logprobs += len(new)
         return new
 
@@ -541,14 +577,15 @@ class Scheduler:
             self.block_manager.free(request.block_ids[num_kept:])
             del request.block_ids[num_kept:]
 
-    def _scheduled_request(self, request: Request, num_new_tokens: int,
-                           draft_token_ids: list[int] | None = None) -> ScheduledRequest:
+    def _scheduled_request(
+        self, request: Request, num_new_tokens: int, draft_token_ids: list[int] | None = None
+    ) -> ScheduledRequest:
         self._commit_full_blocks(request, num_new_tokens)
         start = request.num_computed_tokens
         params = request.sampling_params
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new_tokens],
+            token_ids=request.all_token_ids[start : start + num_new_tokens],
             start_position=start,
             block_ids=list(request.block_ids),
             sample=start + num_new_tokens == request.num_tokens,
@@ -562,8 +599,11 @@ class Scheduler:
 
     def _count_step(self, scheduled: list[ScheduledRequest], num_passes: int) -> None:
         # A decode computes one known token, plus the drafts it verifies; one per pass in a multi-step step.
-        num_decode = num_passes * sum(s.num_scheduled_tokens for s in scheduled
-                                      if s.num_tokens == 1 and s.start_position >= len(s.prompt_token_ids))
+        num_decode = num_passes * sum(
+            s.num_scheduled_tokens
+            for s in scheduled
+            if s.num_tokens == 1 and s.start_position >= len(s.prompt_token_ids)
+        )
         num_prefill = sum(s.num_scheduled_tokens for s in scheduled) - num_decode
         self._num_prefill_tokens_last_step = num_prefill
         self._num_decode_tokens_last_step = num_decode

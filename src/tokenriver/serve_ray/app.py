@@ -34,27 +34,45 @@ ROUTERS = {"prefix": PrefixAwareRouter, "round_robin": RoundRobinRouter}
 ROUTING_STATS_PERIOD_S = 1.0
 
 
-def build_application(engine_config: EngineConfig, server_config: ServerConfig, num_replicas: int,
-                      router: str = "prefix", router_kwargs: dict[str, Any] | None = None,
-                      cpus_per_replica: float = 1.0, max_ongoing_requests: int = 256) -> Any:
+def build_application(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    num_replicas: int,
+    router: str = "prefix",
+    router_kwargs: dict[str, Any] | None = None,
+    cpus_per_replica: float = 1.0,
+    max_ongoing_requests: int = 256,
+) -> Any:
     """The bound Serve application: an Ingress over `num_replicas` EngineReplica deployments."""
     if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise InvalidParameterError(f"data_parallel_size={num_replicas!r} must be an integer >= 1",
-                                    param="data_parallel_size")
+        raise InvalidParameterError(
+            f"data_parallel_size={num_replicas!r} must be an integer >= 1", param="data_parallel_size"
+        )
     if router not in ROUTERS:
         raise InvalidParameterError(f"router={router!r} is not one of {sorted(ROUTERS)}", param="router")
     if engine_config.num_threads is None:
         engine_config = dataclasses.replace(engine_config, num_threads=max(1, int(cpus_per_replica)))
     engines = serve.deployment(
-        EngineReplica, name="TokenriverEngine", num_replicas=num_replicas,
-        ray_actor_options={"num_cpus": cpus_per_replica}, max_ongoing_requests=max_ongoing_requests,
-        health_check_period_s=2.0, health_check_timeout_s=30.0,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
-                                                  request_router_kwargs=router_kwargs or {},
-                                                  request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
+        EngineReplica,
+        name="TokenriverEngine",
+        num_replicas=num_replicas,
+        ray_actor_options={"num_cpus": cpus_per_replica},
+        max_ongoing_requests=max_ongoing_requests,
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTERS[router],
+            request_router_kwargs=router_kwargs or {},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        ),
     ).bind(engine_config, server_config)
-    ingress = serve.deployment(Ingress, name="TokenriverIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=4 * max_ongoing_requests)
+    ingress = serve.deployment(
+        Ingress,
+        name="TokenriverIngress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=4 * max_ongoing_requests,
+    )
     return ingress.bind(engines, engine_config)
 
 
@@ -68,11 +86,12 @@ def app_builder(args: dict[str, Any]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(args) - set(fields))
     if unknown:
-        raise InvalidParameterError(f"unknown argument(s) {unknown}: use num_replicas, router, cpus_per_replica or "
-                                    f"EngineConfig fields", param=unknown[0])
+        raise InvalidParameterError(
+            f"unknown argument(s) {unknown}: use num_replicas, router, cpus_per_replica or EngineConfig fields",
+            param=unknown[0],
+        )
     engine_args = {name: _coerce(fields[name].type, value) for name, value in args.items()}
-    return build_application(EngineConfig(**engine_args), ServerConfig(), num_replicas, router,
-                             cpus_per_replica=cpus)
+    return build_application(EngineConfig(**engine_args), ServerConfig(), num_replicas, router, cpus_per_replica=cpus)
 
 
 def _coerce(annotation: Any, value: Any) -> Any:
@@ -89,20 +108,26 @@ def _coerce(annotation: Any, value: Any) -> Any:
     return value
 
 
-def run_data_parallel(engine_config: EngineConfig, server_config: ServerConfig, num_replicas: int,
-                      router: str = "prefix") -> int:
+def run_data_parallel(
+    engine_config: EngineConfig, server_config: ServerConfig, num_replicas: int, router: str = "prefix"
+) -> int:
     """`tokenriver serve --data-parallel-size N`: start (or join, with RAY_ADDRESS) Ray, deploy, serve until
     SIGINT/SIGTERM, then tear the application down."""
     import ray
 
-    logging.basicConfig(level=server_config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ray.init(ignore_reinit_error=True, log_to_driver=server_config.log_level == "debug")
     serve.start(http_options={"host": server_config.host, "port": server_config.port})
-    serve.run(build_application(engine_config, server_config, num_replicas, router), name="tokenriver",
-              route_prefix="/")
-    logger.info("tokenriver serving %d replicas at http://%s:%d (aggregated metrics at /metrics, per replica at "
-                "/metrics/replicas)", num_replicas, server_config.host, server_config.port)
+    serve.run(
+        build_application(engine_config, server_config, num_replicas, router), name="tokenriver", route_prefix="/"
+    )
+    logger.info(
+        "tokenriver serving %d replicas at http://%s:%d (aggregated metrics at /metrics, per replica at "
+        "/metrics/replicas)",
+        num_replicas,
+        server_config.host,
+        server_config.port,
+    )
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())

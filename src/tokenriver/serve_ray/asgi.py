@@ -19,10 +19,21 @@ ASGIApp = Any
 async def replay(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[ResponseHead | bytes]:
     """Run the request through app: first its ResponseHead, then the body's chunks as they are sent. Closing the
     iterator early tells the app the client went away (a stream is then aborted in the engine)."""
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": request.method, "scheme": "http", "path": request.path, "raw_path": request.path.encode(),
-             "query_string": request.query_string, "root_path": "", "headers": list(request.headers),
-             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80), "state": {}}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": "http",
+        "path": request.path,
+        "raw_path": request.path.encode(),
+        "query_string": request.query_string,
+        "root_path": "",
+        "headers": list(request.headers),
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
     messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     disconnected = asyncio.Event()
     body_sent = False

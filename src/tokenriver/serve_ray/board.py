@@ -36,5 +36,14 @@ def board_handle(app_name: str) -> Any:
     goes with the Ray cluster or `ray.kill`)."""
     import ray
 
-    return ray.remote(ReplicaBoard).options(name=f"tokenriver-board-{app_name}", namespace="tokenriver",
-                                            get_if_exists=True, lifetime="detached", num_cpus=0).remote()
+    return (
+        ray.remote(ReplicaBoard)
+        .options(
+            name=f"tokenriver-board-{app_name}",
+            namespace="tokenriver",
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+        )
+        .remote()
+    )

@@ -85,8 +85,9 @@ class Ingress:
             text = "".join(label_replica(r["metrics"], r["replica_id"]) for r in await self.replicas())
             return Response(text, media_type=METRICS_MEDIA_TYPE)
         if request.method == "GET" and path == "/v1/replicas":
-            return JSONResponse({"data": [{k: v for k, v in r.items() if k != "metrics"}
-                                          for r in await self.replicas()]})
+            return JSONResponse(
+                {"data": [{k: v for k, v in r.items() if k != "metrics"} for r in await self.replicas()]}
+            )
         body = await request.body()
         payload: Any = None
         if body and request.method == "POST":
@@ -94,8 +95,9 @@ class Ingress:
                 payload = json.loads(body)
             except ValueError:
                 payload = None
-        forwarded = ForwardedRequest(request.method, path, request.url.query.encode(),
-                                     [(k.lower(), v) for k, v in request.headers.raw], body)
+        forwarded = ForwardedRequest(
+            request.method, path, request.url.query.encode(), [(k.lower(), v) for k, v in request.headers.raw], body
+        )
         hint = self.routing_hint(path, payload)
         streaming = isinstance(payload, dict) and payload.get("stream") is True
         if streaming:
@@ -117,8 +119,9 @@ class Ingress:
                 head = await stream.__anext__()
                 return stream, head
             except RayError as error:
-                logger.warning("replica failed before answering %s (attempt %d): %r", forwarded.path, attempt + 1,
-                               error)
+                logger.warning(
+                    "replica failed before answering %s (attempt %d): %r", forwarded.path, attempt + 1, error
+                )
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise ReplicaLost(f"no replica answered {forwarded.path} in {self.max_attempts} attempts")
 
@@ -134,15 +137,26 @@ class Ingress:
                 await asyncio.sleep(0.2 * (attempt + 1))
             except ReplicaLost:
                 break
-        return JSONResponse({"error": {"message": "every replica tried failed; retry later", "type": "server_error",
-                                       "param": None, "code": "replica_failed"}}, status_code=503)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": "every replica tried failed; retry later",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "replica_failed",
+                }
+            },
+            status_code=503,
+        )
 
     async def _stream(self, forwarded: ForwardedRequest, hint: RoutingHint) -> Response:
         try:
             stream, head = await self._head(forwarded, hint)
         except ReplicaLost as error:
-            return JSONResponse({"error": {"message": str(error), "type": "server_error", "param": None,
-                                           "code": "replica_failed"}}, status_code=503)
+            return JSONResponse(
+                {"error": {"message": str(error), "type": "server_error", "param": None, "code": "replica_failed"}},
+                status_code=503,
+            )
 
         async def body() -> AsyncIterator[bytes]:
             try:

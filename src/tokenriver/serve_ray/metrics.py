@@ -13,8 +13,10 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 # Gauges that are ratios: recomputed from summed parts instead of added.
 _RATIOS = {
     "tokenriver_kv_cache_usage_ratio": ("tokenriver_kv_cache_blocks_used", "tokenriver_kv_cache_blocks_total"),
-    "tokenriver_prefix_cache_hit_rate": ("tokenriver_prefix_cache_hit_tokens_total",
-                                         "tokenriver_prefix_cache_queried_tokens_total"),
+    "tokenriver_prefix_cache_hit_rate": (
+        "tokenriver_prefix_cache_hit_tokens_total",
+        "tokenriver_prefix_cache_queried_tokens_total",
+    ),
 }
 
 

@@ -43,23 +43,33 @@ class EngineReplica:
         """The app's response to request: a ResponseHead, then body chunks. `hint` is for the router only."""
         async for item in replay(self.app, request):
             if isinstance(item, ResponseHead):
-                item = ResponseHead(item.status, [*item.headers, (REPLICA_HEADER, self.replica_id.encode()),
-                                                  (REPLICA_PID_HEADER, str(self.pid).encode())])
+                item = ResponseHead(
+                    item.status,
+                    [
+                        *item.headers,
+                        (REPLICA_HEADER, self.replica_id.encode()),
+                        (REPLICA_PID_HEADER, str(self.pid).encode()),
+                    ],
+                )
             yield item
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Load for the routers (Ray Serve calls this every request_routing_stats_period_s); also posts this
         replica's description and Prometheus text to the board the ingress reads."""
         stats = self.engine.snapshot().scheduler
-        routing = {"num_active_requests": stats.num_running + stats.num_waiting, "num_kv_blocks": self.num_kv_blocks,
-                   "kv_usage": stats.kv_usage,
-                   "reported_at": time.time()}
+        routing = {
+            "num_active_requests": stats.num_running + stats.num_waiting,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_usage": stats.kv_usage,
+            "reported_at": time.time(),
+        }
         metrics = b""
         async for item in replay(self.app, ForwardedRequest("GET", "/metrics", b"", [], b"")):
             if isinstance(item, bytes):
                 metrics += item
-        self.board.post.remote(self.replica_id, {"replica_id": self.replica_id, "pid": self.pid,
-                                                 "metrics": metrics.decode(), **routing})
+        self.board.post.remote(
+            self.replica_id, {"replica_id": self.replica_id, "pid": self.pid, "metrics": metrics.decode(), **routing}
+        )
         return routing
 
     def check_health(self) -> None:

@@ -33,7 +33,7 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
     """The chain hashes of the prompt's full blocks, as a replica's prefix cache names them."""
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start:start + block_size]))
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
     return hashes
 
 
@@ -95,21 +95,23 @@ class PrefixIndex:
         self._capacity.pop(replica, None)
 
 
-def rank_replicas(block_hashes: Sequence[bytes], loads: dict[Hashable, ReplicaLoad], index: PrefixIndex,
-                  policy: BalancePolicy) -> list[Hashable]:
+def rank_replicas(
+    block_hashes: Sequence[bytes], loads: dict[Hashable, ReplicaLoad], index: PrefixIndex, policy: BalancePolicy
+) -> list[Hashable]:
     """The replicas in order of preference for a prompt with these block hashes (module docstring's rules)."""
     if not loads:
         return []
     by_load = sorted(loads, key=lambda r: (loads[r].in_flight, loads[r].kv_usage, str(r)))
     least, most = loads[by_load[0]].in_flight, loads[by_load[-1]].in_flight
-    imbalanced = (most - least > policy.balance_abs_threshold
-                  and most > policy.balance_rel_threshold * least)
+    imbalanced = most - least > policy.balance_abs_threshold and most > policy.balance_rel_threshold * least
     if imbalanced or not block_hashes:
         return by_load
     matches = {replica: index.match(replica, block_hashes) for replica in loads}
     best = max(loads, key=lambda r: (matches[r], -loads[r].in_flight, -loads[r].kv_usage, str(r)))
-    if (matches[best] >= policy.min_match_blocks
-            and loads[best].in_flight - least <= policy.hot_spill_threshold
-            and loads[best].kv_usage < policy.max_kv_usage):
+    if (
+        matches[best] >= policy.min_match_blocks
+        and loads[best].in_flight - least <= policy.hot_spill_threshold
+        and loads[best].kv_usage < policy.max_kv_usage
+    ):
         return [best] + [replica for replica in by_load if replica != best]
     return by_load

@@ -76,8 +76,9 @@ class PrefixAwareRouter(_PatientProbes, RequestRouter):
             in_flight = int(stats.get("num_active_requests", 0)) + self.sent_since_report[replica_id]
         return ReplicaLoad(in_flight, float(stats.get("kv_usage", 0.0)))
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         hint = routing_hint(pending_request)
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         loads = {replica_id: self._load(replica) for replica_id, replica in by_id.items()}
@@ -105,8 +106,9 @@ class RoundRobinRouter(_PatientProbes, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._counter = itertools.count()
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         routing_hint(pending_request)
         ordered = sorted(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)
         if not ordered:

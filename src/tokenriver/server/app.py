@@ -46,8 +46,16 @@ from tokenriver.engine.async_engine import AsyncEngine
 from tokenriver.errors import ContextLengthError, EngineDeadError, EngineOverloadedError, InvalidParameterError
 from tokenriver.server.config import ServerConfig
 from tokenriver.server.metrics import ServerMetrics
-from tokenriver.server.protocol import (IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                        ErrorInfo, ErrorResponse, TokenizeRequest, parse_request)
+from tokenriver.server.protocol import (
+    IGNORED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorInfo,
+    ErrorResponse,
+    TokenizeRequest,
+    parse_request,
+)
 from tokenriver.server.serving import GenerationPlan, OpenAIServing
 from tokenriver.server.visualizer_api import add_visualizer_routes
 
@@ -68,8 +76,9 @@ T = TypeVar("T")
 class ApiError(Exception):
     """An error decided by the HTTP layer itself (auth, routing, limits), with its OpenAI fields."""
 
-    def __init__(self, status: int, message: str, error_type: str, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, error_type: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -94,24 +103,35 @@ def error_payload(error: BaseException, request_id: str) -> tuple[int, ErrorResp
         return 400, _body(message, "invalid_request_error", param, code)
     if isinstance(error, HTTPException):
         if error.status_code == 404:
-            return 404, _body("no such route; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
-                              "not_found_error", None, "not_found")
+            return 404, _body(
+                "no such route; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
+                "not_found_error",
+                None,
+                "not_found",
+            )
         if error.status_code == 405:
-            return 405, _body(f"method not allowed here ({error.detail})", "invalid_request_error", None,
-                              "method_not_allowed")
+            return 405, _body(
+                f"method not allowed here ({error.detail})", "invalid_request_error", None, "method_not_allowed"
+            )
         return error.status_code, _body(str(error.detail), "invalid_request_error", None, None)
     if isinstance(error, ClientDisconnect):
-        return CLIENT_CLOSED_REQUEST, _body("the client disconnected before its request was read",
-                                            "invalid_request_error", None, "client_disconnected")
+        return CLIENT_CLOSED_REQUEST, _body(
+            "the client disconnected before its request was read", "invalid_request_error", None, "client_disconnected"
+        )
     if isinstance(error, EngineOverloadedError):
-        return 429, _body(f"{error.message} (retry after {RETRY_AFTER_SECONDS} s)", "server_error", None,
-                          "server_overloaded")
+        return 429, _body(
+            f"{error.message} (retry after {RETRY_AFTER_SECONDS} s)", "server_error", None, "server_overloaded"
+        )
     if isinstance(error, EngineDeadError):
         logger.error("request %s: %s", request_id, error.message)
         return 503, _body(f"{error.message}; restart the server", "server_error", None, "engine_dead")
     logger.error("request %s failed with an internal error", request_id, exc_info=error)
-    return 500, _body(f"internal server error (request id {request_id}); the server log has the details",
-                      "server_error", None, "internal_error")
+    return 500, _body(
+        f"internal server error (request id {request_id}); the server log has the details",
+        "server_error",
+        None,
+        "internal_error",
+    )
 
 
 def error_response(error: BaseException, request_id: str) -> JSONResponse:
@@ -129,8 +149,10 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, 
     unknown = [_param_path(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         names = ", ".join(repr(name) for name in unknown)
-        message = (f"unknown field(s) {names}: tokenriver does not implement them, and ignoring them could change "
-                   f"the result unnoticed; remove them (fields accepted and ignored: {', '.join(IGNORED_FIELDS)})")
+        message = (
+            f"unknown field(s) {names}: tokenriver does not implement them, and ignoring them could change "
+            f"the result unnoticed; remove them (fields accepted and ignored: {', '.join(IGNORED_FIELDS)})"
+        )
         return message, unknown[0], "unknown_parameter"
     first = errors[0]
     param = _param_path(first["loc"])
@@ -209,8 +231,14 @@ class RequestContextMiddleware:
         finally:
             route = scope.get("route")
             self.metrics.observe_http(getattr(route, "path", "unmatched"), status)
-            logger.info('%s "%s %s" %d %.1f ms', request_id, scope["method"], scope["path"], status,
-                        (time.monotonic() - started) * 1000)
+            logger.info(
+                '%s "%s %s" %d %.1f ms',
+                request_id,
+                scope["method"],
+                scope["path"],
+                status,
+                (time.monotonic() - started) * 1000,
+            )
 
     def _refusal(self, scope: Scope, headers: Headers) -> ApiError | None:
         """A request refused before it is read: too large, or without the right key."""
@@ -222,16 +250,26 @@ class RequestContextMiddleware:
             return None
         scheme, _, given = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:
-            return ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                            "authentication_error", None, "missing_api_key")
+            return ApiError(
+                401,
+                "missing API key: send the header 'Authorization: Bearer <key>'",
+                "authentication_error",
+                None,
+                "missing_api_key",
+            )
         if not hmac.compare_digest(given.strip().encode(), key.encode()):
             return ApiError(401, "wrong API key", "authentication_error", None, "invalid_api_key")
         return None
 
     def _too_large(self) -> ApiError:
-        return ApiError(413, f"the request body is larger than the server's limit of {self.config.max_body_size} "
-                             f"bytes; send less, or start the server with a larger --max-body-size",
-                        "invalid_request_error", None, "request_too_large")
+        return ApiError(
+            413,
+            f"the request body is larger than the server's limit of {self.config.max_body_size} "
+            f"bytes; send less, or start the server with a larger --max-body-size",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
 
 
 # ----- helpers for the routes ----------------------------------------------------------------------------
@@ -272,8 +310,9 @@ def _sse(chunks: AsyncIterator[Any], request_id: str) -> StreamingResponse:
             yield _sse_event(body)
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 # Characters that SSE leaves inside a line but that line readers built on str.splitlines (httpx's iter_lines among
@@ -315,17 +354,32 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, on_handled_error)
     app.add_middleware(RequestContextMiddleware, config=config, metrics=metrics)
     if config.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise ApiError(404, f"model {name!r} is not served here; this server serves {model_name!r} "
-                                f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"model {name!r} is not served here; this server serves {model_name!r} (GET /v1/models)",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
 
     def model_card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "tokenriver",
-                "max_model_len": engine.max_model_len}
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tokenriver",
+            "max_model_len": engine.max_model_len,
+        }
 
     async def generate(request: Request, plan: GenerationPlan, kind: str) -> Response:
         """Run a planned completion ("completion") or chat ("chat") request, streaming or not."""
@@ -337,8 +391,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         finals = await _until_disconnected(request, serving.final_outputs(plan))
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        body = serving.completion_response(plan, finals) if kind == "completion" else serving.chat_response(plan,
-                                                                                                            finals)
+        body = (
+            serving.completion_response(plan, finals) if kind == "completion" else serving.chat_response(plan, finals)
+        )
         return JSONResponse(body.model_dump(mode="json"))
 
     @app.post("/v1/completions")
@@ -398,8 +453,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def visualizer() -> Response:
         index = os.path.join(static_dir, "index.html")
         if not os.path.isfile(index):
-            raise ApiError(404, f"the visualizer is not installed ({index} is missing); the API is under /v1",
-                           "not_found_error", None, "not_found")
+            raise ApiError(
+                404,
+                f"the visualizer is not installed ({index} is missing); the API is under /v1",
+                "not_found_error",
+                None,
+                "not_found",
+            )
         return FileResponse(index)
 
     if os.path.isdir(static_dir):

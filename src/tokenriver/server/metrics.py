@@ -35,36 +35,69 @@ class _EngineCollector(Collector):
         # The scheduler lives on the engine thread; its stats() only reads counters and list lengths.
         stats = self.engine.snapshot().scheduler
         gauges = (
-            ("tokenriver_num_requests_running", "Engine requests in the running batch (n > 1 counts n).",
-             stats.num_running),
-            ("tokenriver_num_requests_waiting", "Engine requests waiting for KV blocks or a batch slot.",
-             stats.num_waiting),
+            (
+                "tokenriver_num_requests_running",
+                "Engine requests in the running batch (n > 1 counts n).",
+                stats.num_running,
+            ),
+            (
+                "tokenriver_num_requests_waiting",
+                "Engine requests waiting for KV blocks or a batch slot.",
+                stats.num_waiting,
+            ),
             ("tokenriver_kv_cache_usage_ratio", "Fraction of KV blocks held by requests (0..1).", stats.kv_usage),
             ("tokenriver_kv_cache_blocks_used", "KV blocks held by requests.", stats.num_blocks_used),
-            ("tokenriver_kv_cache_blocks_free", "KV blocks nobody holds (cached prefixes included).",
-             stats.num_blocks_free),
+            (
+                "tokenriver_kv_cache_blocks_free",
+                "KV blocks nobody holds (cached prefixes included).",
+                stats.num_blocks_free,
+            ),
             ("tokenriver_kv_cache_blocks_total", "KV blocks in the pool.", stats.num_blocks_total),
-            ("tokenriver_prefix_cache_hit_rate", "Share of looked-up prompt tokens found in the prefix cache.",
-             stats.prefix_cache_hit_rate),
+            (
+                "tokenriver_prefix_cache_hit_rate",
+                "Share of looked-up prompt tokens found in the prefix cache.",
+                stats.prefix_cache_hit_rate,
+            ),
         )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)
         counters = (
-            ("tokenriver_num_preemptions", "Requests that lost their KV blocks and were recomputed.",
-             stats.num_preempted_total),
-            ("tokenriver_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
-             stats.prefix_cache_queried_tokens),
-            ("tokenriver_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
-             stats.prefix_cache_hit_tokens),
+            (
+                "tokenriver_num_preemptions",
+                "Requests that lost their KV blocks and were recomputed.",
+                stats.num_preempted_total,
+            ),
+            (
+                "tokenriver_prefix_cache_queried_tokens",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queried_tokens,
+            ),
+            (
+                "tokenriver_prefix_cache_hit_tokens",
+                "Prompt tokens served from the prefix cache.",
+                stats.prefix_cache_hit_tokens,
+            ),
             ("tokenriver_engine_steps", "Non-empty engine steps.", stats.num_steps),
-            ("tokenriver_spec_decode_num_draft_tokens", "Speculative draft tokens verified by the model.",
-             stats.num_draft_tokens_total),
-            ("tokenriver_spec_decode_num_accepted_tokens", "Speculative draft tokens the model accepted.",
-             stats.num_accepted_draft_tokens_total),
-            ("tokenriver_spec_decode_num_rejected_tokens", "Speculative draft tokens the model rejected.",
-             stats.num_rejected_draft_tokens_total),
-            ("tokenriver_spec_decode_num_verifications", "Verification passes that carried draft tokens.",
-             stats.num_speculative_steps_total),
+            (
+                "tokenriver_spec_decode_num_draft_tokens",
+                "Speculative draft tokens verified by the model.",
+                stats.num_draft_tokens_total,
+            ),
+            (
+                "tokenriver_spec_decode_num_accepted_tokens",
+                "Speculative draft tokens the model accepted.",
+                stats.num_accepted_draft_tokens_total,
+            ),
+            (
+                "tokenriver_spec_decode_num_rejected_tokens",
+                "Speculative draft tokens the model rejected.",
+                stats.num_rejected_draft_tokens_total,
+            ),
+            (
+                "tokenriver_spec_decode_num_verifications",
+                "Verification passes that carried draft tokens.",
+                stats.num_speculative_steps_total,
+            ),
         )
         for name, documentation, value in counters:
             yield CounterMetricFamily(name, documentation, value=value)
@@ -75,25 +108,45 @@ class ServerMetrics:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
-        self.http_requests = Counter("tokenriver_http_requests", "HTTP requests by route and status code.",
-                                     ["endpoint", "status"], registry=self.registry)
-        self.finished_requests = Counter("tokenriver_request_finished", "Returned candidates by finish reason.",
-                                         ["finish_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("tokenriver_prompt_tokens", "Prompt tokens of admitted requests.",
-                                     registry=self.registry)
+        self.http_requests = Counter(
+            "tokenriver_http_requests",
+            "HTTP requests by route and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.finished_requests = Counter(
+            "tokenriver_request_finished",
+            "Returned candidates by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "tokenriver_prompt_tokens", "Prompt tokens of admitted requests.", registry=self.registry
+        )
         self.generation_tokens = Counter("tokenriver_generation_tokens", "Generated tokens.", registry=self.registry)
-        self.rejected_requests = Counter("tokenriver_requests_rejected",
-                                         "Requests refused with 429: max_waiting_requests were already waiting.",
-                                         registry=self.registry)
-        self.time_to_first_token = Histogram("tokenriver_time_to_first_token_seconds",
-                                             "From request received to its first generated token.",
-                                             buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.inter_token_latency = Histogram("tokenriver_inter_token_latency_seconds",
-                                             "Gap between consecutive generated tokens of a candidate.",
-                                             buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e_latency = Histogram("tokenriver_e2e_request_latency_seconds",
-                                     "From request received to its last token.", buckets=_E2E_BUCKETS,
-                                     registry=self.registry)
+        self.rejected_requests = Counter(
+            "tokenriver_requests_rejected",
+            "Requests refused with 429: max_waiting_requests were already waiting.",
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "tokenriver_time_to_first_token_seconds",
+            "From request received to its first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "tokenriver_inter_token_latency_seconds",
+            "Gap between consecutive generated tokens of a candidate.",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "tokenriver_e2e_request_latency_seconds",
+            "From request received to its last token.",
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine))
 
     def observe_http(self, endpoint: str, status: int) -> None:

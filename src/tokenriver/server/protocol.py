@@ -27,8 +27,7 @@ from pydantic_core import PydanticCustomError
 from tokenriver.errors import InvalidParameterError
 
 # Fields OpenAI clients commonly send that have no effect here: accepted and ignored.
-IGNORED_FIELDS: tuple[str, ...] = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
-                                   "safety_identifier")
+IGNORED_FIELDS: tuple[str, ...] = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
 
 # Unsupported OpenAI features, accepted only with a value that turns them off.
 NOOP_VALUES: dict[str, tuple[Any, ...]] = {
@@ -54,18 +53,22 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     try:
         data = json.loads(body)
     except RecursionError:
-        raise InvalidParameterError("the request body nests JSON too deeply; send a flatter object",
-                                    param=None) from None
+        raise InvalidParameterError(
+            "the request body nests JSON too deeply; send a flatter object", param=None
+        ) from None
     except ValueError as error:  # not JSON, not UTF-8, or an integer of more digits than Python converts
-        raise InvalidParameterError(f"the request body is not valid JSON ({error}); send a JSON object",
-                                    param=None) from None
+        raise InvalidParameterError(
+            f"the request body is not valid JSON ({error}); send a JSON object", param=None
+        ) from None
     if not isinstance(data, dict):
         raise InvalidParameterError(f"the request body must be a JSON object, not {type(data).__name__}", param=None)
     _refuse_lone_surrogates(data)
     data = _drop_noop_fields(data, NOOP_VALUES, IGNORED_FIELDS, "")
     if isinstance(data.get("messages"), list):
-        data["messages"] = [_drop_noop_fields(m, MESSAGE_NOOP_VALUES, (), f"messages[{i}].") if isinstance(m, dict)
-                            else m for i, m in enumerate(data["messages"])]
+        data["messages"] = [
+            _drop_noop_fields(m, MESSAGE_NOOP_VALUES, (), f"messages[{i}].") if isinstance(m, dict) else m
+            for i, m in enumerate(data["messages"])
+        ]
     return model.model_validate(data)
 
 
@@ -79,13 +82,17 @@ def _refuse_lone_surrogates(data: dict[str, Any]) -> None:
             pending.extend((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
             keys = [key for key in value if _has_lone_surrogate(key)]
             if keys:
-                raise InvalidParameterError(f"{path or 'the request'} has a key with a lone UTF-16 surrogate; "
-                                            f"send valid Unicode text", param=path or None)
+                raise InvalidParameterError(
+                    f"{path or 'the request'} has a key with a lone UTF-16 surrogate; send valid Unicode text",
+                    param=path or None,
+                )
         elif isinstance(value, list):
             pending.extend((f"{path}[{index}]", item) for index, item in enumerate(value))
         elif isinstance(value, str) and _has_lone_surrogate(value):
-            raise InvalidParameterError(f"{path} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
-                                        f"text; send valid Unicode", param=path)
+            raise InvalidParameterError(
+                f"{path} holds a lone UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode",
+                param=path,
+            )
 
 
 def _has_lone_surrogate(text: str) -> bool:
@@ -96,8 +103,9 @@ def _has_lone_surrogate(text: str) -> bool:
     return False
 
 
-def _drop_noop_fields(data: dict[str, Any], noop_values: dict[str, tuple[Any, ...]], ignored: tuple[str, ...],
-                      prefix: str) -> dict[str, Any]:
+def _drop_noop_fields(
+    data: dict[str, Any], noop_values: dict[str, tuple[Any, ...]], ignored: tuple[str, ...], prefix: str
+) -> dict[str, Any]:
     kept = {}
     for key, value in data.items():
         if key in ignored:
@@ -107,7 +115,8 @@ def _drop_noop_fields(data: dict[str, Any], noop_values: dict[str, tuple[Any, ..
                 allowed = " or ".join(json.dumps(v) for v in noop_values[key])
                 raise InvalidParameterError(
                     f"{prefix}{key} is not supported by tokenriver; remove it (accepted only as {allowed})",
-                    param=prefix + key)
+                    param=prefix + key,
+                )
             continue
         kept[key] = value
     return kept
@@ -118,7 +127,7 @@ def _is_token_ids(value: object) -> bool:
 
 
 # Every integer a request carries must fit 64 bits: larger ones could not reach a tensor (or a seed) intact.
-Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class Request(BaseModel):
@@ -210,8 +219,11 @@ class SamplingFields(Request):
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: object) -> object:
-        if value is None or isinstance(value, str) or (isinstance(value, list)
-                                                       and all(isinstance(s, str) for s in value)):
+        if (
+            value is None
+            or isinstance(value, str)
+            or (isinstance(value, list) and all(isinstance(s, str) for s in value))
+        ):
             return value
         raise PydanticCustomError("stop_type", "must be a string or a list of strings")
 
@@ -232,12 +244,15 @@ class CompletionRequest(SamplingFields):
     def _check_prompt(cls, value: object) -> object:
         if isinstance(value, str) or _is_token_ids(value):
             return value
-        if isinstance(value, list) and value and (all(isinstance(p, str) for p in value)
-                                                  or all(_is_token_ids(p) for p in value)):
+        if (
+            isinstance(value, list)
+            and value
+            and (all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value))
+        ):
             return value
         raise PydanticCustomError(
-            "prompt_type",
-            "must be a string, a list of token ids, or a non-empty list of strings or of token-id lists")
+            "prompt_type", "must be a string, a list of token ids, or a non-empty list of strings or of token-id lists"
+        )
 
 
 class TextPart(Request):
@@ -279,12 +294,15 @@ class ChatMessage(Request):
             for part in value:
                 if isinstance(part, dict) and part.get("type") not in (None, "text"):
                     raise PydanticCustomError(
-                        "content_part", "content part type {kind!r} is not supported: send text parts only",
-                        {"kind": part.get("type")})
+                        "content_part",
+                        "content part type {kind!r} is not supported: send text parts only",
+                        {"kind": part.get("type")},
+                    )
             if all(isinstance(p, dict) and set(p) == {"type", "text"} and isinstance(p["text"], str) for p in value):
                 return value
-        raise PydanticCustomError("content_type",
-                                  'must be a string or a list of text parts ({"type": "text", "text": "..."})')
+        raise PydanticCustomError(
+            "content_type", 'must be a string or a list of text parts ({"type": "text", "text": "..."})'
+        )
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""

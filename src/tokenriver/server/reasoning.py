@@ -31,13 +31,13 @@ def split(text: str, starts_inside: bool, is_finished: bool) -> tuple[str | None
             if not is_finished and THINK_OPEN.startswith(stripped):
                 return None, ""  # may still become "<think>"
             return None, text
-        text = stripped[len(THINK_OPEN):]
+        text = stripped[len(THINK_OPEN) :]
     end = text.find(THINK_CLOSE)
     if end < 0:
         if is_finished:
             return text, ""  # the block never closed: it was all thinking
-        return text[:len(text) - _partial_suffix(text, THINK_CLOSE)], ""
-    return text[:end], text[end + len(THINK_CLOSE):].lstrip()
+        return text[: len(text) - _partial_suffix(text, THINK_CLOSE)], ""
+    return text[:end], text[end + len(THINK_CLOSE) :].lstrip()
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -54,8 +54,9 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as error:
         sock.close()
-        raise InvalidParameterError(f"cannot listen on {host}:{port} ({error.strerror}); pick another --port or "
-                                    f"--host", param="port") from None
+        raise InvalidParameterError(
+            f"cannot listen on {host}:{port} ({error.strerror}); pick another --port or --host", param="port"
+        ) from None
     sock.set_inheritable(True)
     return sock
 
@@ -69,20 +70,26 @@ def server_url(host: str, port: int) -> str:
 def _describe(engine: AsyncEngine) -> str:
     info = engine.model_info
     kv_tokens = info.num_kv_blocks * info.block_size
-    return (f"model {info.path} ({info.weights}); KV pool {info.num_kv_blocks} blocks "
-            f"x {info.block_size} tokens = {kv_tokens} tokens ({info.kv_cache_bytes / 2**20:.0f} MiB, "
-            f"{info.kv_cache_dtype}); max_model_len {info.max_model_len}, max_num_seqs {info.max_num_seqs}, "
-            f"max_waiting_requests {info.max_waiting_requests}")
+    return (
+        f"model {info.path} ({info.weights}); KV pool {info.num_kv_blocks} blocks "
+        f"x {info.block_size} tokens = {kv_tokens} tokens ({info.kv_cache_bytes / 2**20:.0f} MiB, "
+        f"{info.kv_cache_dtype}); max_model_len {info.max_model_len}, max_num_seqs {info.max_num_seqs}, "
+        f"max_waiting_requests {info.max_waiting_requests}"
+    )
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig, *, visualizer: bool = False,
-               open_browser: bool = False) -> int:
+def run_server(
+    engine_config: EngineConfig, server_config: ServerConfig, *, visualizer: bool = False, open_browser: bool = False
+) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit status.
 
     `visualizer` prints the visualizer's URL on stdout; `open_browser` also tries to open it.
     """
-    logging.basicConfig(level=server_config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=server_config.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     sock = _bind(server_config.host, server_config.port)
     started = time.monotonic()
     engine = AsyncEngine(engine_config)
@@ -93,14 +100,23 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, *, visu
         app = build_app(engine, server_config)
         url = server_url(server_config.host, sock.getsockname()[1])
         logger.info("loaded in %.1f s: %s", time.monotonic() - started, _describe(engine))
-        logger.info("tokenriver serving %r at %s (OpenAI API under %s/v1, metrics at %s/metrics)",
-                    served_model_name(engine, server_config), url, url, url)
+        logger.info(
+            "tokenriver serving %r at %s (OpenAI API under %s/v1, metrics at %s/metrics)",
+            served_model_name(engine, server_config),
+            url,
+            url,
+            url,
+        )
         if visualizer:
             print(f"visualizer: {url}/", flush=True)
             if open_browser and not webbrowser.open(f"{url}/"):
                 logger.info("no browser could be opened; open %s/ yourself", url)
-        uvicorn_config = uvicorn.Config(app, log_level=server_config.log_level, access_log=False,
-                                        timeout_graceful_shutdown=server_config.shutdown_timeout)
+        uvicorn_config = uvicorn.Config(
+            app,
+            log_level=server_config.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=server_config.shutdown_timeout,
+        )
         _GracefulServer(uvicorn_config).run(sockets=[sock])
     finally:
         engine.shutdown(timeout=10)

@@ -33,11 +33,28 @@ from tokenriver.prompts import check_prompt
 from tokenriver.server import reasoning
 from tokenriver.server.chat_output import ChatView, chat_message, message_delta, tool_call_deltas
 from tokenriver.server.metrics import ServerMetrics
-from tokenriver.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                        ChatCompletionResponse, ChatLogprobs, CompletionChoice,
-                                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-                                        DetokenizeRequest, PromptTokensDetails, RequestMetricsInfo, Response,
-                                        SamplingFields, TokenizeRequest, TokenLogprob, TopLogprob, Usage)
+from tokenriver.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    PromptTokensDetails,
+    RequestMetricsInfo,
+    Response,
+    SamplingFields,
+    TokenizeRequest,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from tokenriver.server.structured import structured_output
 from tokenriver.server.tools import conversation_messages, request_tools
 from tokenriver.tool_calls import ToolCalling
@@ -45,8 +62,9 @@ from tokenriver.tool_calls import ToolCalling
 # OpenAI's default for /v1/completions; chat runs until EOS or the context is full.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Names the chat template receives from tokenriver itself; chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "tokenize", "special_tokens", "template",
-                                      "tools", "documents"})
+_RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "add_generation_prompt", "tokenize", "special_tokens", "template", "tools", "documents"}
+)
 
 
 @dataclass
@@ -130,17 +148,34 @@ class OpenAIServing:
         max_tokens = request.max_tokens if explicit_max_tokens else DEFAULT_COMPLETION_MAX_TOKENS
         prompts = self._completion_prompts(request.prompt)
         for index, prompt in enumerate(prompts):
-            self._check_fits(prompt, max_tokens if explicit_max_tokens else None, "max_tokens",
-                             f"prompt[{index}]" if len(prompts) > 1 else "prompt")
+            self._check_fits(
+                prompt,
+                max_tokens if explicit_max_tokens else None,
+                "max_tokens",
+                f"prompt[{index}]" if len(prompts) > 1 else "prompt",
+            )
         echo = bool(request.echo)
-        params = sampling_params(request, max_tokens=max_tokens, max_tokens_param="max_tokens",
-                                 logprobs=request.logprobs, logprobs_param="logprobs",
-                                 prompt_logprobs=request.logprobs if echo else None, best_of=request.best_of)
+        params = sampling_params(
+            request,
+            max_tokens=max_tokens,
+            max_tokens_param="max_tokens",
+            logprobs=request.logprobs,
+            logprobs_param="logprobs",
+            prompt_logprobs=request.logprobs if echo else None,
+            best_of=request.best_of,
+        )
         self._check_engine_limits(params)
         self._check_structured_output(request, params)
-        return GenerationPlan(response_id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), prompts=prompts,
-                              params=params, priority=request.priority or 0, is_stream=bool(request.stream),
-                              include_usage=_include_usage(request), echo=echo)
+        return GenerationPlan(
+            response_id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            prompts=prompts,
+            params=params,
+            priority=request.priority or 0,
+            is_stream=bool(request.stream),
+            include_usage=_include_usage(request),
+            echo=echo,
+        )
 
     def plan_chat(self, request: ChatCompletionRequest) -> GenerationPlan:
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
@@ -148,51 +183,76 @@ class OpenAIServing:
             if max_tokens is not None and max_tokens != request.max_completion_tokens:
                 raise InvalidParameterError(
                     f"max_tokens={max_tokens} and max_completion_tokens={request.max_completion_tokens} disagree; "
-                    f"send only max_completion_tokens", param="max_completion_tokens")
+                    f"send only max_completion_tokens",
+                    param="max_completion_tokens",
+                )
             max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
         if request.top_logprobs is not None and not request.logprobs:
-            raise InvalidParameterError("top_logprobs needs logprobs: true; set both, or drop top_logprobs",
-                                        param="top_logprobs")
+            raise InvalidParameterError(
+                "top_logprobs needs logprobs: true; set both, or drop top_logprobs", param="top_logprobs"
+            )
         num_top = request.top_logprobs or 0
         tool_calling = request_tools(request, self.tokenizer.chat_template, self.engine.special_token_id)
-        prompt = self.render_chat(request.messages, request.add_generation_prompt,
-                                  request.chat_template_kwargs, tool_calling)
+        prompt = self.render_chat(
+            request.messages, request.add_generation_prompt, request.chat_template_kwargs, tool_calling
+        )
         self._check_fits(prompt, max_tokens, max_tokens_param, "messages")
-        params = sampling_params(request, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
-                                 logprobs=num_top if request.logprobs else None, logprobs_param="top_logprobs",
-                                 prompt_logprobs=None, best_of=None)
+        params = sampling_params(
+            request,
+            max_tokens=max_tokens,
+            max_tokens_param=max_tokens_param,
+            logprobs=num_top if request.logprobs else None,
+            logprobs_param="top_logprobs",
+            prompt_logprobs=None,
+            best_of=None,
+        )
         params = tool_calling.constrain(params, "response_format or structured_outputs")
         has_reasoning = reasoning.has_reasoning(self.tokenizer.chat_template)
         if has_reasoning and params.structured_output is not None and reasoning.thinks_before_answering(prompt.text):
             end_of_thinking = tuple(self.tokenizer.encode(reasoning.THINK_CLOSE, add_special_tokens=False))
-            params = dataclasses.replace(params, structured_output=dataclasses.replace(
-                params.structured_output, starts_after=end_of_thinking))
+            params = dataclasses.replace(
+                params, structured_output=dataclasses.replace(params.structured_output, starts_after=end_of_thinking)
+            )
         self._check_engine_limits(params)
         self._check_structured_output(request, params)
-        return GenerationPlan(response_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-                              prompts=[prompt], params=params, priority=request.priority or 0,
-                              is_stream=bool(request.stream), include_usage=_include_usage(request),
-                              num_top_logprobs=num_top,
-                              tool_calling=tool_calling if tool_calling.is_active else None,
-                              starts_in_reasoning=reasoning.starts_in_reasoning(prompt.text) if has_reasoning
-                              else None)
+        return GenerationPlan(
+            response_id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            prompts=[prompt],
+            params=params,
+            priority=request.priority or 0,
+            is_stream=bool(request.stream),
+            include_usage=_include_usage(request),
+            num_top_logprobs=num_top,
+            tool_calling=tool_calling if tool_calling.is_active else None,
+            starts_in_reasoning=reasoning.starts_in_reasoning(prompt.text) if has_reasoning else None,
+        )
 
-    def render_chat(self, messages: list[Any], add_generation_prompt: bool | None,
-                    template_kwargs: dict[str, Any] | None, tool_calling: ToolCalling | None = None) -> PromptInput:
+    def render_chat(
+        self,
+        messages: list[Any],
+        add_generation_prompt: bool | None,
+        template_kwargs: dict[str, Any] | None,
+        tool_calling: ToolCalling | None = None,
+    ) -> PromptInput:
         """Messages → the chat template's text → token ids (the template writes its own special tokens)."""
         template_kwargs = template_kwargs or {}
         reserved = sorted(_RESERVED_TEMPLATE_NAMES & set(template_kwargs))
         if reserved:
-            raise InvalidParameterError(f"chat_template_kwargs may not set {reserved}: tokenriver passes those itself",
-                                        param="chat_template_kwargs")
+            raise InvalidParameterError(
+                f"chat_template_kwargs may not set {reserved}: tokenriver passes those itself",
+                param="chat_template_kwargs",
+            )
         tool_calling = tool_calling or ToolCalling([], None, None, self.tokenizer.chat_template)
         conversation = tool_calling.conversation(conversation_messages(messages))
         tools = tool_calling.template_tools()
         if tools is not None:
             template_kwargs = {**template_kwargs, "tools": tools}
         text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
-            **template_kwargs)
+            conversation,
+            add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+            **template_kwargs,
+        )
         return PromptInput(self.tokenizer.encode(text, add_special_tokens=False), text)
 
     def _completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[PromptInput]:
@@ -202,14 +262,22 @@ class OpenAIServing:
             items = [prompt]
         else:
             items = list(prompt)
-        return [PromptInput(self.tokenizer.encode(item), item) if isinstance(item, str)
-                else PromptInput(list(item), None) for item in items]
+        return [
+            PromptInput(self.tokenizer.encode(item), item) if isinstance(item, str) else PromptInput(list(item), None)
+            for item in items
+        ]
 
     def _check_fits(self, prompt: PromptInput, max_tokens: int | None, max_tokens_param: str, where: str) -> None:
         """Refuse a prompt the engine would refuse, before it is queued, naming the field (prompts.check_prompt)."""
-        check_prompt(prompt.token_ids, self.vocab_size, self.engine.max_model_len, max_tokens=max_tokens,
-                     where=where, param="prompt" if where.startswith("prompt") else where,
-                     max_tokens_param=max_tokens_param)
+        check_prompt(
+            prompt.token_ids,
+            self.vocab_size,
+            self.engine.max_model_len,
+            max_tokens=max_tokens,
+            where=where,
+            param="prompt" if where.startswith("prompt") else where,
+            max_tokens_param=max_tokens_param,
+        )
 
     def _check_structured_output(self, request: SamplingFields, params: SamplingParams) -> None:
         """Compile the request's grammar now (cached for the engine), so a schema the backend cannot enforce is
@@ -229,13 +297,16 @@ class OpenAIServing:
             raise InvalidParameterError(
                 f"beam_width={params.beam_width} needs that many requests running at once, more than this server "
                 f"runs (max_num_seqs={self.max_num_seqs}); lower it, or start the server with a larger "
-                f"--max-num-seqs", param="beam_width")
+                f"--max-num-seqs",
+                param="beam_width",
+            )
         if params.num_generated > self.max_num_seqs:
             name = "best_of" if params.best_of is not None else "n"
             raise InvalidParameterError(
                 f"{name}={params.num_generated} asks for more candidates than this server runs at once "
                 f"(max_num_seqs={self.max_num_seqs}); lower it, or start the server with a larger --max-num-seqs",
-                param=name)
+                param=name,
+            )
 
     # ----- running ---------------------------------------------------------------------------------------
 
@@ -277,9 +348,15 @@ class OpenAIServing:
         observer = self.metrics.observer()
         finished = False
         try:
-            async with aclosing(self.engine.generate(prompt.token_ids, plan.params,
-                                                     request_id=f"{plan.response_id}-{index}", prompt=prompt.text,
-                                                     priority=plan.priority)) as stream:
+            async with aclosing(
+                self.engine.generate(
+                    prompt.token_ids,
+                    plan.params,
+                    request_id=f"{plan.response_id}-{index}",
+                    prompt=prompt.text,
+                    priority=plan.priority,
+                )
+            ) as stream:
                 async for output in stream:
                     observer.on_output(output)
                     finished = output.finished
@@ -323,13 +400,26 @@ class OpenAIServing:
                     positions = self._echo_positions(output) if plan.echo else []
                     positions += list(zip(candidate.token_ids, candidate.logprobs or []))
                     logprobs = completion_logprobs(positions, 0, self.tokenizer.token_text)
-                choices.append(CompletionChoice(
-                    index=prompt_index * plan.params.n + candidate.index, text=prompt_text + candidate.text,
-                    logprobs=logprobs, finish_reason=_finish_reason(candidate), stop_reason=candidate.stop_reason,
-                    token_ids=list(candidate.token_ids) if plan.params.trace else None,
-                    trace=_trace(candidate, 0) if plan.params.trace else None, beam_score=candidate.beam_score))
-        return CompletionResponse(id=plan.response_id, created=plan.created, model=self.model_name, choices=choices,
-                                  usage=usage(finals), metrics=self._combined_metrics(finals))
+                choices.append(
+                    CompletionChoice(
+                        index=prompt_index * plan.params.n + candidate.index,
+                        text=prompt_text + candidate.text,
+                        logprobs=logprobs,
+                        finish_reason=_finish_reason(candidate),
+                        stop_reason=candidate.stop_reason,
+                        token_ids=list(candidate.token_ids) if plan.params.trace else None,
+                        trace=_trace(candidate, 0) if plan.params.trace else None,
+                        beam_score=candidate.beam_score,
+                    )
+                )
+        return CompletionResponse(
+            id=plan.response_id,
+            created=plan.created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage(finals),
+            metrics=self._combined_metrics(finals),
+        )
 
     def chat_response(self, plan: GenerationPlan, finals: list[RequestOutput]) -> ChatCompletionResponse:
         (output,) = finals
@@ -337,19 +427,34 @@ class OpenAIServing:
         for candidate in output.outputs:
             logprobs = None
             if plan.params.logprobs is not None:
-                logprobs = chat_logprobs(list(zip(candidate.token_ids, candidate.logprobs or [])),
-                                         plan.num_top_logprobs)
+                logprobs = chat_logprobs(
+                    list(zip(candidate.token_ids, candidate.logprobs or [])), plan.num_top_logprobs
+                )
             message = chat_message(candidate.text, plan.tool_calling, plan.starts_in_reasoning)
             finish_reason = "tool_calls" if message.tool_calls else _finish_reason(candidate)
-            choices.append(ChatChoice(
-                index=candidate.index, message=message, logprobs=logprobs,
-                finish_reason=finish_reason, stop_reason=candidate.stop_reason,
-                trace=_trace(candidate, 0) if plan.params.trace else None, beam_score=candidate.beam_score))
-        return ChatCompletionResponse(id=plan.response_id, created=plan.created, model=self.model_name,
-                                      choices=choices, usage=usage(finals), metrics=self.request_metrics(output))
+            choices.append(
+                ChatChoice(
+                    index=candidate.index,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=candidate.stop_reason,
+                    trace=_trace(candidate, 0) if plan.params.trace else None,
+                    beam_score=candidate.beam_score,
+                )
+            )
+        return ChatCompletionResponse(
+            id=plan.response_id,
+            created=plan.created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage(finals),
+            metrics=self.request_metrics(output),
+        )
 
-    async def completion_chunks(self, plan: GenerationPlan, first: tuple[int, RequestOutput],
-                                rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[Response]:
+    async def completion_chunks(
+        self, plan: GenerationPlan, first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[Response]:
         """The SSE chunks of a streaming completion, from its first engine output onwards."""
         echoed: set[int] = set()
         finals: dict[str, RequestOutput] = {}
@@ -362,17 +467,32 @@ class OpenAIServing:
                 logprobs = None
                 if plan.params.logprobs is not None:
                     logprobs = completion_logprobs(delta.positions, delta.text_offset, self.tokenizer.token_text)
-                choice = CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
-                                          finish_reason=_finish_reason(delta.candidate),
-                                          stop_reason=delta.candidate.stop_reason,
-                                          token_ids=delta.token_ids if plan.params.trace else None, trace=delta.trace)
-                yield CompletionResponse(id=plan.response_id, created=plan.created, model=self.model_name,
-                                         choices=[choice], metrics=delta.metrics)
+                choice = CompletionChoice(
+                    index=delta.index,
+                    text=delta.text,
+                    logprobs=logprobs,
+                    finish_reason=_finish_reason(delta.candidate),
+                    stop_reason=delta.candidate.stop_reason,
+                    token_ids=delta.token_ids if plan.params.trace else None,
+                    trace=delta.trace,
+                )
+                yield CompletionResponse(
+                    id=plan.response_id,
+                    created=plan.created,
+                    model=self.model_name,
+                    choices=[choice],
+                    metrics=delta.metrics,
+                )
                 if delta.output.finished:
                     finals[delta.output.request_id] = delta.output
         if plan.include_usage:
-            yield CompletionResponse(id=plan.response_id, created=plan.created, model=self.model_name, choices=[],
-                                     usage=usage(list(finals.values())))
+            yield CompletionResponse(
+                id=plan.response_id,
+                created=plan.created,
+                model=self.model_name,
+                choices=[],
+                usage=usage(list(finals.values())),
+            )
 
     def _echo_chunk(self, plan: GenerationPlan, prompt_index: int, output: RequestOutput) -> CompletionResponse:
         """The prompt's text (and logprobs) for each of its n choices, sent before their first generated text."""
@@ -380,17 +500,23 @@ class OpenAIServing:
         logprobs = None
         if plan.params.logprobs is not None:
             logprobs = completion_logprobs(self._echo_positions(output), 0, self.tokenizer.token_text)
-        choices = [CompletionChoice(index=prompt_index * plan.params.n + i, text=text, logprobs=logprobs)
-                   for i in range(plan.params.n)]
+        choices = [
+            CompletionChoice(index=prompt_index * plan.params.n + i, text=text, logprobs=logprobs)
+            for i in range(plan.params.n)
+        ]
         return CompletionResponse(id=plan.response_id, created=plan.created, model=self.model_name, choices=choices)
 
-    async def chat_chunks(self, plan: GenerationPlan, first: tuple[int, RequestOutput],
-                          rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[Response]:
+    async def chat_chunks(
+        self, plan: GenerationPlan, first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[Response]:
         """The SSE chunks of a streaming chat completion, from its first engine output onwards."""
         for index in range(plan.params.n):
-            yield ChatCompletionChunk(id=plan.response_id, created=plan.created, model=self.model_name,
-                                      choices=[ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant",
-                                                                                                content=""))])
+            yield ChatCompletionChunk(
+                id=plan.response_id,
+                created=plan.created,
+                model=self.model_name,
+                choices=[ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+            )
         finals: dict[str, RequestOutput] = {}
         views: dict[int, ChatView] = {}
         is_plain = plan.tool_calling is None and plan.starts_in_reasoning is None
@@ -404,26 +530,51 @@ class OpenAIServing:
                     message = DeltaMessage(content=delta.text)
                 else:
                     view = views.setdefault(delta.index, ChatView())
-                    message, calls = message_delta(view, delta.candidate.text, finish_reason is not None,
-                                                   plan.tool_calling, plan.starts_in_reasoning)
+                    message, calls = message_delta(
+                        view,
+                        delta.candidate.text,
+                        finish_reason is not None,
+                        plan.tool_calling,
+                        plan.starts_in_reasoning,
+                    )
                     for call_delta in tool_call_deltas(calls):
-                        yield ChatCompletionChunk(id=plan.response_id, created=plan.created, model=self.model_name,
-                                                  choices=[ChatChunkChoice(index=delta.index, delta=call_delta)])
+                        yield ChatCompletionChunk(
+                            id=plan.response_id,
+                            created=plan.created,
+                            model=self.model_name,
+                            choices=[ChatChunkChoice(index=delta.index, delta=call_delta)],
+                        )
                     finish_reason = "tool_calls" if calls else finish_reason
-                choice = ChatChunkChoice(index=delta.index, delta=message, logprobs=logprobs,
-                                         finish_reason=finish_reason,
-                                         stop_reason=delta.candidate.stop_reason,
-                                         token_ids=delta.token_ids if plan.params.trace else None, trace=delta.trace)
-                yield ChatCompletionChunk(id=plan.response_id, created=plan.created, model=self.model_name,
-                                          choices=[choice], metrics=delta.metrics)
+                choice = ChatChunkChoice(
+                    index=delta.index,
+                    delta=message,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=delta.candidate.stop_reason,
+                    token_ids=delta.token_ids if plan.params.trace else None,
+                    trace=delta.trace,
+                )
+                yield ChatCompletionChunk(
+                    id=plan.response_id,
+                    created=plan.created,
+                    model=self.model_name,
+                    choices=[choice],
+                    metrics=delta.metrics,
+                )
                 if delta.output.finished:
                     finals[delta.output.request_id] = delta.output
         if plan.include_usage:
-            yield ChatCompletionChunk(id=plan.response_id, created=plan.created, model=self.model_name, choices=[],
-                                      usage=usage(list(finals.values())))
+            yield ChatCompletionChunk(
+                id=plan.response_id,
+                created=plan.created,
+                model=self.model_name,
+                choices=[],
+                usage=usage(list(finals.values())),
+            )
 
-    async def _deltas(self, plan: GenerationPlan, first: tuple[int, RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[_Delta]:
+    async def _deltas(
+        self, plan: GenerationPlan, first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[_Delta]:
         """What is new per choice since the last chunk; one _Delta per choice that changed or finished."""
         cursors: dict[int, _Cursor] = {}
         async with aclosing(_chain(first, rest)) as outputs:
@@ -436,16 +587,23 @@ class OpenAIServing:
                     cursor = cursors[index]
                     if cursor.is_finished:
                         continue
-                    new_text = candidate.text[cursor.num_chars:]
-                    new_ids = candidate.token_ids[cursor.num_tokens:]
+                    new_text = candidate.text[cursor.num_chars :]
+                    new_ids = candidate.token_ids[cursor.num_tokens :]
                     if not new_text and not new_ids and candidate.finish_reason is None:
                         continue
-                    positions = list(zip(new_ids, (candidate.logprobs or [])[cursor.num_tokens:]))
+                    positions = list(zip(new_ids, (candidate.logprobs or [])[cursor.num_tokens :]))
                     is_finished = candidate.finish_reason is not None
-                    yield _Delta(index=index, output=output, candidate=candidate, text=new_text,
-                                 token_ids=list(new_ids), positions=positions, text_offset=cursor.text_offset,
-                                 trace=_trace(candidate, cursor.num_tokens) if plan.params.trace else None,
-                                 metrics=self.request_metrics(output) if is_finished else None)
+                    yield _Delta(
+                        index=index,
+                        output=output,
+                        candidate=candidate,
+                        text=new_text,
+                        token_ids=list(new_ids),
+                        positions=positions,
+                        text_offset=cursor.text_offset,
+                        trace=_trace(candidate, cursor.num_tokens) if plan.params.trace else None,
+                        metrics=self.request_metrics(output) if is_finished else None,
+                    )
                     cursor.num_chars, cursor.num_tokens = len(candidate.text), len(candidate.token_ids)
                     cursor.text_offset += _text_length(positions)
                     cursor.is_finished = is_finished
@@ -458,8 +616,10 @@ class OpenAIServing:
     def _echo_positions(self, output: RequestOutput) -> list[tuple[int, PositionLogprobs | None]]:
         """(token id, logprobs) per prompt token; the first token has no logprob (nothing precedes it)."""
         prompt_logprobs = output.prompt_logprobs or []
-        return [(token_id, prompt_logprobs[i] if i < len(prompt_logprobs) else None)
-                for i, token_id in enumerate(output.prompt_token_ids)]
+        return [
+            (token_id, prompt_logprobs[i] if i < len(prompt_logprobs) else None)
+            for i, token_id in enumerate(output.prompt_token_ids)
+        ]
 
     def request_metrics(self, output: RequestOutput) -> RequestMetricsInfo:
         """tokenriver's per-request metrics (docs/serving.md); forward passes are estimated from token counts."""
@@ -491,16 +651,31 @@ class OpenAIServing:
 
         num_drafts = sum(p.num_draft_tokens or 0 for p in parts)
         num_accepted = sum(p.num_accepted_draft_tokens or 0 for p in parts)
-        speculative = {"num_draft_tokens": num_drafts, "num_accepted_draft_tokens": num_accepted,
-                       "draft_acceptance_rate": num_accepted / num_drafts} if num_drafts else {}
+        speculative = (
+            {
+                "num_draft_tokens": num_drafts,
+                "num_accepted_draft_tokens": num_accepted,
+                "draft_acceptance_rate": num_accepted / num_drafts,
+            }
+            if num_drafts
+            else {}
+        )
         return RequestMetricsInfo(
             time_to_first_token=slowest("time_to_first_token"),
             time_per_output_token=slowest("time_per_output_token"),
             queue_time=slowest("queue_time"),
-            **{name: sum(getattr(p, name) for p in parts)
-               for name in ("num_cached_tokens", "num_prompt_tokens", "num_generated_tokens", "num_forward_passes",
-                            "kv_blocks")},
-            **speculative)
+            **{
+                name: sum(getattr(p, name) for p in parts)
+                for name in (
+                    "num_cached_tokens",
+                    "num_prompt_tokens",
+                    "num_generated_tokens",
+                    "num_forward_passes",
+                    "kv_blocks",
+                )
+            },
+            **speculative,
+        )
 
     # ----- tokenizer and engine endpoints -------------------------------------------------------------
 
@@ -512,14 +687,19 @@ class OpenAIServing:
         else:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
             token_ids = self.tokenizer.encode(request.prompt, add_special_tokens=add_special)
-        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": self.engine.max_model_len,
-                "token_strs": [self.tokenizer.token_text(t) for t in token_ids]}
+        return {
+            "tokens": token_ids,
+            "count": len(token_ids),
+            "max_model_len": self.engine.max_model_len,
+            "token_strs": [self.tokenizer.token_text(t) for t in token_ids],
+        }
 
     def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
         bad = [t for t in request.tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidParameterError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                                        param="tokens")
+            raise InvalidParameterError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param="tokens"
+            )
         return {"prompt": self.tokenizer.decode(request.tokens, skip_special_tokens=False)}
 
     def engine_info(self) -> dict[str, Any]:
@@ -548,32 +728,55 @@ class OpenAIServing:
             "max_waiting_requests": model.max_waiting_requests,
         }
         if model.speculative_draft is not None:
-            info.update(speculative_draft=model.speculative_draft,
-                        num_speculative_tokens=model.num_speculative_tokens,
-                        num_draft_tokens=stats.num_draft_tokens_total,
-                        num_accepted_draft_tokens=stats.num_accepted_draft_tokens_total,
-                        draft_acceptance_rate=stats.draft_acceptance_rate,
-                        mean_accepted_length=stats.mean_accepted_length)
+            info.update(
+                speculative_draft=model.speculative_draft,
+                num_speculative_tokens=model.num_speculative_tokens,
+                num_draft_tokens=stats.num_draft_tokens_total,
+                num_accepted_draft_tokens=stats.num_accepted_draft_tokens_total,
+                draft_acceptance_rate=stats.draft_acceptance_rate,
+                mean_accepted_length=stats.mean_accepted_length,
+            )
         return info
 
 
 # ----- pure mapping functions -------------------------------------------------------------------------
 
 
-def sampling_params(request: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
-                    logprobs: int | None, logprobs_param: str, prompt_logprobs: int | None,
-                    best_of: int | None) -> SamplingParams:
+def sampling_params(
+    request: SamplingFields,
+    *,
+    max_tokens: int | None,
+    max_tokens_param: str,
+    logprobs: int | None,
+    logprobs_param: str,
+    prompt_logprobs: int | None,
+    best_of: int | None,
+) -> SamplingParams:
     """Map every sampling field of a request onto SamplingParams; errors name the field the client sent."""
     fields: dict[str, Any] = {
-        "n": request.n, "best_of": best_of, "temperature": request.temperature, "top_p": request.top_p,
-        "stop": request.stop, "seed": request.seed, "presence_penalty": request.presence_penalty,
-        "frequency_penalty": request.frequency_penalty, "logit_bias": _logit_bias(request.logit_bias),
-        "top_k": request.top_k, "min_p": request.min_p, "repetition_penalty": request.repetition_penalty,
-        "min_tokens": request.min_tokens, "stop_token_ids": request.stop_token_ids, "ignore_eos": request.ignore_eos,
+        "n": request.n,
+        "best_of": best_of,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "stop": request.stop,
+        "seed": request.seed,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "logit_bias": _logit_bias(request.logit_bias),
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "repetition_penalty": request.repetition_penalty,
+        "min_tokens": request.min_tokens,
+        "stop_token_ids": request.stop_token_ids,
+        "ignore_eos": request.ignore_eos,
         "skip_special_tokens": request.skip_special_tokens,
-        "include_stop_str_in_output": request.include_stop_str_in_output, "trace": request.trace,
-        "trace_top": request.trace_top, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-        "beam_width": request.beam_width, "length_penalty": request.length_penalty,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "trace": request.trace,
+        "trace_top": request.trace_top,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "beam_width": request.beam_width,
+        "length_penalty": request.length_penalty,
         "early_stopping": request.early_stopping,
     }
     found = structured_output(request)
@@ -581,12 +784,15 @@ def sampling_params(request: SamplingFields, *, max_tokens: int | None, max_toke
         fields["structured_output"] = found[1]
     if request.structured_output_prefix_ids is not None:
         if found is None:
-            raise InvalidParameterError("structured_output_prefix_ids needs a constraint (response_format or "
-                                        "structured_outputs) for the grammar to consume them",
-                                        param="structured_output_prefix_ids")
+            raise InvalidParameterError(
+                "structured_output_prefix_ids needs a constraint (response_format or "
+                "structured_outputs) for the grammar to consume them",
+                param="structured_output_prefix_ids",
+            )
         try:
             fields["structured_output"] = dataclasses.replace(
-                found[1], prefix_token_ids=tuple(request.structured_output_prefix_ids))
+                found[1], prefix_token_ids=tuple(request.structured_output_prefix_ids)
+            )
         except InvalidParameterError as error:
             raise InvalidParameterError(error.message, param="structured_output_prefix_ids") from None
     given = {name: value for name, value in fields.items() if value is not None}
@@ -597,7 +803,7 @@ def sampling_params(request: SamplingFields, *, max_tokens: int | None, max_toke
         name = renames.get(error.param or "", error.param)
         if name == error.param:
             raise
-        message = name + error.message[len(error.param):] if error.message.startswith(error.param) else error.message
+        message = name + error.message[len(error.param) :] if error.message.startswith(error.param) else error.message
         raise InvalidParameterError(message, param=name) from None
 
 
@@ -606,9 +812,11 @@ def _speculative_metrics(output: RequestOutput) -> dict[str, Any]:
     metrics = output.metrics
     if not metrics.num_draft_tokens:
         return {}
-    return {"num_draft_tokens": metrics.num_draft_tokens,
-            "num_accepted_draft_tokens": metrics.num_accepted_draft_tokens,
-            "draft_acceptance_rate": metrics.draft_acceptance_rate}
+    return {
+        "num_draft_tokens": metrics.num_draft_tokens,
+        "num_accepted_draft_tokens": metrics.num_accepted_draft_tokens,
+        "draft_acceptance_rate": metrics.draft_acceptance_rate,
+    }
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -617,8 +825,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     converted = {}
     for key, value in bias.items():
         if not key.strip().lstrip("-").isdigit():
-            raise InvalidParameterError(f"logit_bias key {key!r} is not a token id: use token ids as keys, "
-                                        f"e.g. {{\"1234\": -100}}", param="logit_bias")
+            raise InvalidParameterError(
+                f'logit_bias key {key!r} is not a token id: use token ids as keys, e.g. {{"1234": -100}}',
+                param="logit_bias",
+            )
         converted[int(key)] = value
     return converted
 
@@ -632,10 +842,14 @@ def _include_usage(request: SamplingFields) -> bool:
 def usage(finals: list[RequestOutput]) -> Usage:
     prompt_tokens = sum(len(output.prompt_token_ids) for output in finals)
     completion_tokens = sum(len(c.token_ids) for output in finals for c in output.outputs)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(
-                     cached_tokens=sum(output.metrics.num_cached_tokens for output in finals)))
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(output.metrics.num_cached_tokens for output in finals)
+        ),
+    )
 
 
 def _finish_reason(candidate: CompletionOutput) -> str | None:
@@ -647,12 +861,16 @@ def _trace(candidate: CompletionOutput, start: int) -> list[dict[str, Any]]:
 
 
 def _text_length(positions: list[tuple[int, PositionLogprobs | None]]) -> int:
-    return sum(len(logprobs[token_id].decoded_token) for token_id, logprobs in positions
-               if logprobs is not None and token_id in logprobs)
+    return sum(
+        len(logprobs[token_id].decoded_token)
+        for token_id, logprobs in positions
+        if logprobs is not None and token_id in logprobs
+    )
 
 
-def completion_logprobs(positions: list[tuple[int, PositionLogprobs | None]], text_offset: int,
-                        token_text: Callable[[int], str]) -> CompletionLogprobs:
+def completion_logprobs(
+    positions: list[tuple[int, PositionLogprobs | None]], text_offset: int, token_text: Callable[[int], str]
+) -> CompletionLogprobs:
     """The legacy completions format; top_logprobs holds the asked-for alternatives plus the chosen token.
 
     A position without logprobs (the first prompt token, with echo) still lists its token, with null logprobs.
@@ -664,8 +882,10 @@ def completion_logprobs(positions: list[tuple[int, PositionLogprobs | None]], te
         result.tokens.append(token)
         result.token_logprobs.append(chosen.logprob if chosen is not None else None)
         result.top_logprobs.append(
-            None if logprobs is None else
-            {lp.decoded_token: lp.logprob for lp in sorted(logprobs.values(), key=lambda lp: lp.rank)})
+            None
+            if logprobs is None
+            else {lp.decoded_token: lp.logprob for lp in sorted(logprobs.values(), key=lambda lp: lp.rank)}
+        )
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
@@ -677,18 +897,25 @@ def chat_logprobs(positions: list[tuple[int, PositionLogprobs]], num_top: int) -
     for token_id, logprobs in positions:
         chosen = logprobs[token_id]
         top = sorted((lp for lp in logprobs.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
-        content.append(TokenLogprob(
-            token=chosen.decoded_token, logprob=chosen.logprob, bytes=list(chosen.decoded_token.encode()),
-            top_logprobs=[TopLogprob(token=lp.decoded_token, logprob=lp.logprob, bytes=list(lp.decoded_token.encode()))
-                          for lp in top]))
+        content.append(
+            TokenLogprob(
+                token=chosen.decoded_token,
+                logprob=chosen.logprob,
+                bytes=list(chosen.decoded_token.encode()),
+                top_logprobs=[
+                    TopLogprob(token=lp.decoded_token, logprob=lp.logprob, bytes=list(lp.decoded_token.encode()))
+                    for lp in top
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
-async def _chain(first: tuple[int, RequestOutput],
-                 rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _chain(
+    first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The first output (already awaited by open_stream) and the rest; closing it closes (aborts) the rest."""
     async with aclosing(rest):
         yield first
         async for item in rest:
             yield item
-

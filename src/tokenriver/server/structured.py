@@ -32,20 +32,29 @@ def structured_output(request: SamplingFields) -> tuple[str, StructuredOutput] |
         add("response_format", lambda _: StructuredOutput.json_object(), None)
     elif response_format is not None and response_format.type == "json_schema":
         if response_format.json_schema is None or response_format.json_schema.schema_ is None:
-            raise InvalidParameterError('response_format of type "json_schema" needs json_schema.schema',
-                                        param="response_format.json_schema")
+            raise InvalidParameterError(
+                'response_format of type "json_schema" needs json_schema.schema', param="response_format.json_schema"
+            )
         add("response_format.json_schema", StructuredOutput.json, response_format.json_schema.schema_)
     outputs = request.structured_outputs
     if outputs is not None:
-        for name, make in (("json_", StructuredOutput.json), ("regex", StructuredOutput.regex),
-                           ("choice", StructuredOutput.choice), ("grammar", StructuredOutput.grammar)):
+        for name, make in (
+            ("json_", StructuredOutput.json),
+            ("regex", StructuredOutput.regex),
+            ("choice", StructuredOutput.choice),
+            ("grammar", StructuredOutput.grammar),
+        ):
             value = getattr(outputs, name)
             if value is not None:
                 add(f"structured_outputs.{name.rstrip('_')}", make, value)
         if outputs.json_object:
             add("structured_outputs.json_object", lambda _: StructuredOutput.json_object(), None)
-    for field, make in (("guided_json", StructuredOutput.json), ("guided_regex", StructuredOutput.regex),
-                        ("guided_choice", StructuredOutput.choice), ("guided_grammar", StructuredOutput.grammar)):
+    for field, make in (
+        ("guided_json", StructuredOutput.json),
+        ("guided_regex", StructuredOutput.regex),
+        ("guided_choice", StructuredOutput.choice),
+        ("guided_grammar", StructuredOutput.grammar),
+    ):
         value = getattr(request, field)
         if value is not None:
             add(field, make, _parsed_json(field, value) if field == "guided_json" else value)

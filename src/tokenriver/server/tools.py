@@ -12,13 +12,19 @@ from tokenriver.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenriver.tool_calls import ToolCalling
 
 
-def request_tools(request: ChatCompletionRequest, chat_template: str | None,
-                 special_token_id: Callable[[str], int | None]) -> ToolCalling:
+def request_tools(
+    request: ChatCompletionRequest, chat_template: str | None, special_token_id: Callable[[str], int | None]
+) -> ToolCalling:
     """The request's tools, tool_choice and parallel_tool_calls (validated by ToolCalling)."""
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
     choice = request.tool_choice
-    return ToolCalling(tools, choice if isinstance(choice, str) or choice is None else choice.model_dump(),
-                       request.parallel_tool_calls, chat_template, special_token_id)
+    return ToolCalling(
+        tools,
+        choice if isinstance(choice, str) or choice is None else choice.model_dump(),
+        request.parallel_tool_calls,
+        chat_template,
+        special_token_id,
+    )
 
 
 def conversation_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

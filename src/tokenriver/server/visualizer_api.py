@@ -19,16 +19,31 @@ from tokenriver.engine.async_engine import AsyncEngine
 def visualizer_info(engine: AsyncEngine) -> dict[str, Any]:
     """The end-of-sequence ids, the vocabulary's size and the KV geometry, from the engine's model info."""
     info = engine.model_info
-    return {"eos_token_ids": list(info.eos_token_ids), "vocab_size": info.vocab_size, "block_size": info.block_size,
-            "kv_bytes_per_token": info.kv_bytes_per_token}
+    return {
+        "eos_token_ids": list(info.eos_token_ids),
+        "vocab_size": info.vocab_size,
+        "block_size": info.block_size,
+        "kv_bytes_per_token": info.kv_bytes_per_token,
+    }
 
 
 def recent_passes(engine: AsyncEngine, since: int) -> list[dict[str, Any]]:
     """The logged steps whose forward-pass counter is above `since`, oldest first."""
-    return [{"pass": counter, "rows": [{"request_id": row.request_id, "num_tokens": row.num_tokens,
-                                        "is_prompt": row.is_prompt, "num_draft_tokens": row.num_draft_tokens}
-                                       for row in rows]}
-            for counter, rows in engine.recent_passes(since)]
+    return [
+        {
+            "pass": counter,
+            "rows": [
+                {
+                    "request_id": row.request_id,
+                    "num_tokens": row.num_tokens,
+                    "is_prompt": row.is_prompt,
+                    "num_draft_tokens": row.num_draft_tokens,
+                }
+                for row in rows
+            ],
+        }
+        for counter, rows in engine.recent_passes(since)
+    ]
 
 
 def add_visualizer_routes(app: FastAPI, engine: AsyncEngine) -> None:

@@ -77,8 +77,8 @@ class IncrementalDetokenizer:
 
     def _emit(self, new_text: str) -> str:
         """Everything in the window is now emitted; its unread tokens become the next step's context."""
-        delta = new_text[len(self._prefix_text):]
-        self._window = self._window[self._read_offset:]
+        delta = new_text[len(self._prefix_text) :]
+        self._window = self._window[self._read_offset :]
         self._read_offset = len(self._window)
         self._prefix_text = self._decode(self._window)
         return delta

@@ -56,7 +56,7 @@ class StopStringChecker:
             self._matched = stop_string
             return self._emit(pending[:end]), stop_string
         num_held = self._num_held(pending)
-        self._held = pending[len(pending) - num_held:]
+        self._held = pending[len(pending) - num_held :]
         return self._emit(pending[: len(pending) - num_held]), None
 
     def flush(self) -> str:

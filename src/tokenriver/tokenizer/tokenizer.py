@@ -191,7 +191,6 @@ def _piece_decoder(backend: BackendTokenizer) -> BackendTokenizer | None:
     return BackendTokenizer.from_str(json.dumps(shell)).decoder
 
 
-
 # ----- chat input checks ------------------------------------------------------------------------------
 
 

@@ -43,26 +43,34 @@ class ToolCalling:
     else None); the engine answers it (EngineCore.special_token_id), and the grammar depends on it.
     """
 
-    def __init__(self, tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None,
-                 parallel_tool_calls: bool | None, chat_template: str | None,
-                 special_token_id: Callable[[str], int | None] = _no_special_tokens) -> None:
+    def __init__(
+        self,
+        tools: list[dict[str, Any]] | None,
+        choice: str | dict[str, Any] | None,
+        parallel_tool_calls: bool | None,
+        chat_template: str | None,
+        special_token_id: Callable[[str], int | None] = _no_special_tokens,
+    ) -> None:
         self.tools = _checked_tools(tools)
         self.choice = "auto" if choice is None else choice
         self.named = _named_function(self.choice)
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-            raise InvalidParameterError(f"parallel_tool_calls={parallel_tool_calls!r} must be true or false",
-                                        param="parallel_tool_calls")
+            raise InvalidParameterError(
+                f"parallel_tool_calls={parallel_tool_calls!r} must be true or false", param="parallel_tool_calls"
+            )
         self.is_parallel = parallel_tool_calls is not False
         self.format = tool_format(chat_template)
         self.special_token_id = special_token_id
         names = [tool["function"]["name"] for tool in self.tools]
         if choice not in (None, "none") and not self.tools:
-            raise InvalidParameterError("tool_choice needs tools: send the tools the model may call",
-                                        param="tool_choice")
+            raise InvalidParameterError(
+                "tool_choice needs tools: send the tools the model may call", param="tool_choice"
+            )
         if self.named is not None and self.named not in names:
             raise InvalidParameterError(
                 f"tool_choice names {self.named!r}, which is not among the tools ({', '.join(names)})",
-                param="tool_choice")
+                param="tool_choice",
+            )
 
     @property
     def is_active(self) -> bool:
@@ -99,37 +107,46 @@ class ToolCalling:
 
     def _entry(self, message: dict[str, Any], index: int) -> dict[str, Any]:
         if not isinstance(message, dict):
-            raise InvalidParameterError(f"messages[{index}] must be a dict with role and content",
-                                        param="messages")
+            raise InvalidParameterError(f"messages[{index}] must be a dict with role and content", param="messages")
         entry = dict(message)
         if entry.get("role") == "developer":
             entry["role"] = "system"
         if entry.get("role") == "assistant" and entry.get("tool_calls"):
-            calls = [_echoed_call(call, f"messages[{index}].tool_calls[{i}]")
-                     for i, call in enumerate(entry["tool_calls"])]
+            calls = [
+                _echoed_call(call, f"messages[{index}].tool_calls[{i}]") for i, call in enumerate(entry["tool_calls"])
+            ]
             bodies = [{"name": name, "arguments": arguments} for _, name, arguments in calls]
             if self.format == "generic":
                 del entry["tool_calls"]
                 entry["content"] = json.dumps({"tool_calls": bodies})
             else:
-                entry["tool_calls"] = [{"id": call_id, "type": "function", "function": body}
-                                       for (call_id, _, _), body in zip(calls, bodies)]
+                entry["tool_calls"] = [
+                    {"id": call_id, "type": "function", "function": body}
+                    for (call_id, _, _), body in zip(calls, bodies)
+                ]
         if entry.get("role") == "tool" and self.format == "generic":
-            entry["content"] = json.dumps({"tool_response": {"tool_call_id": entry.get("tool_call_id"),
-                                                             "content": _text(entry.get("content"))}})
+            entry["content"] = json.dumps(
+                {"tool_response": {"tool_call_id": entry.get("tool_call_id"), "content": _text(entry.get("content"))}}
+            )
         return entry
 
     def _generic_system_prompt(self) -> str:
         tools = [tool["function"] for tool in self.callable_tools]
         example = {"tool_calls": [{"name": tools[0]["name"], "arguments": {}}]}
         must_call = self.choice != "auto"
-        return ("You can call the following tools to satisfy the user's request:\n"
-                + json.dumps(tools)
-                + "\n\nRespond in JSON format, "
-                + ("with `tool_calls` (the tools to call)" if must_call else
-                   "either with `tool_calls` (a request to call tools) or with `response` (your reply to the user)")
-                + ". Example tool call:\n" + json.dumps(example)
-                + ("" if must_call else '\nExample response:\n{"response": "..."}'))
+        return (
+            "You can call the following tools to satisfy the user's request:\n"
+            + json.dumps(tools)
+            + "\n\nRespond in JSON format, "
+            + (
+                "with `tool_calls` (the tools to call)"
+                if must_call
+                else "either with `tool_calls` (a request to call tools) or with `response` (your reply to the user)"
+            )
+            + ". Example tool call:\n"
+            + json.dumps(example)
+            + ("" if must_call else '\nExample response:\n{"response": "..."}')
+        )
 
     # ----- grammar ---------------------------------------------------------------------------------------
 
@@ -155,15 +172,21 @@ class ToolCalling:
         if params.structured_output is not None:
             raise InvalidParameterError(
                 f"tools with tool_choice={self.choice!r} are enforced by a grammar, so the output cannot also "
-                f"follow {constraint_name}; send one of them (or tool_choice='none')", param="tool_choice")
+                f"follow {constraint_name}; send one of them (or tool_choice='none')",
+                param="tool_choice",
+            )
         return dataclasses.replace(params, structured_output=grammar)
 
     def _call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
         function = tool["function"]
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         key = "parameters" if self.format == "llama3" else "arguments"
-        return {"type": "object", "properties": {"name": {"const": function["name"]}, key: parameters},
-                "required": ["name", key], "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": {"name": {"const": function["name"]}, key: parameters},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
 
     # ----- output ----------------------------------------------------------------------------------------
 
@@ -197,21 +220,27 @@ def _checked_tools(tools: object) -> list[dict[str, Any]]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise InvalidParameterError(f"tools must be a list of tool definitions, not {type(tools).__name__}",
-                                    param="tools")
+        raise InvalidParameterError(
+            f"tools must be a list of tool definitions, not {type(tools).__name__}", param="tools"
+        )
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(tool.get("function"), dict):
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
             raise InvalidParameterError(
                 f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}',
-                param=where)
+                param=where,
+            )
         function = tool["function"]
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidParameterError("every tool needs a function name", param=f"{where}.function.name")
         if not isinstance(function.get("parameters") or {}, dict):
-            raise InvalidParameterError("a function's parameters must be a JSON schema (an object)",
-                                        param=f"{where}.function.parameters")
+            raise InvalidParameterError(
+                "a function's parameters must be a JSON schema (an object)", param=f"{where}.function.parameters"
+            )
     return tools
 
 
@@ -219,12 +248,18 @@ def _named_function(choice: object) -> str | None:
     """The function tool_choice names, or None for "none", "auto" and "required"."""
     if choice in CHOICES:
         return None
-    if isinstance(choice, dict) and choice.get("type", "function") == "function" \
-            and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+    if (
+        isinstance(choice, dict)
+        and choice.get("type", "function") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    ):
         return choice["function"]["name"]
     raise InvalidParameterError(
         f'tool_choice={choice!r} is invalid: use "none", "auto", "required" or '
-        f'{{"type": "function", "function": {{"name": ...}}}}', param="tool_choice")
+        f'{{"type": "function", "function": {{"name": ...}}}}',
+        param="tool_choice",
+    )
 
 
 def _echoed_call(call: object, where: str) -> tuple[str | None, str, Any]:
@@ -232,15 +267,18 @@ def _echoed_call(call: object, where: str) -> tuple[str | None, str, Any]:
     the arguments with tojson, so OpenAI's JSON text is parsed."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise InvalidParameterError(f'{where} must be {{"id": ..., "type": "function", "function": '
-                                    f'{{"name": ..., "arguments": "..."}}}}', param="messages")
+        raise InvalidParameterError(
+            f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": "..."}}}}',
+            param="messages",
+        )
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except ValueError:
-            raise InvalidParameterError(f"tool call arguments {arguments[:60]!r} are not valid JSON",
-                                        param="messages") from None
+            raise InvalidParameterError(
+                f"tool call arguments {arguments[:60]!r} are not valid JSON", param="messages"
+            ) from None
     return call.get("id"), function["name"], arguments
 
 

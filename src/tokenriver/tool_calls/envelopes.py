@@ -43,10 +43,10 @@ def partial_response(text: str) -> str | None:
     an escape sequence not yet complete is left out."""
     if not text.startswith(RESPONSE_OPEN):
         return None
-    body = text[len(RESPONSE_OPEN) - 1:]  # from the string's opening quote
+    body = text[len(RESPONSE_OPEN) - 1 :]  # from the string's opening quote
     for cut in range(min(7, len(body))):
         try:
-            value = json.loads(body[:len(body) - cut] + '"')
+            value = json.loads(body[: len(body) - cut] + '"')
         except ValueError:
             continue
         return value if isinstance(value, str) else None
@@ -105,7 +105,7 @@ def visible_hermes(text: str) -> str:
 def parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
     stripped = text.strip()
     if stripped.startswith(PYTHON_TAG):
-        stripped = stripped[len(PYTHON_TAG):].strip()
+        stripped = stripped[len(PYTHON_TAG) :].strip()
     if not stripped.startswith("{"):
         return text, []
     decoder = json.JSONDecoder()

@@ -34,17 +34,26 @@ def generic_grammar(call: dict[str, Any], is_auto: bool, is_parallel: bool) -> S
     calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
     if not is_parallel:
         calls["maxItems"] = 1
-    envelope: dict[str, Any] = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
-                                "additionalProperties": False}
+    envelope: dict[str, Any] = {
+        "type": "object",
+        "properties": {"tool_calls": calls},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
     if is_auto:
-        response = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-                    "additionalProperties": False}
+        response = {
+            "type": "object",
+            "properties": {"response": {"type": "string"}},
+            "required": ["response"],
+            "additionalProperties": False,
+        }
         envelope = {"anyOf": [envelope, response]}
     return StructuredOutput.json(envelope)
 
 
-def hermes_grammar(call: dict[str, Any], is_auto: bool, is_parallel: bool,
-                   special_token_id: SpecialTokenId) -> StructuredOutput:
+def hermes_grammar(
+    call: dict[str, Any], is_auto: bool, is_parallel: bool, special_token_id: SpecialTokenId
+) -> StructuredOutput:
     """`<tool_call>\\n{json}\\n</tool_call>`, several separated by whitespace when parallel."""
     opening, closing = _marker(HERMES_OPEN, special_token_id), _marker(HERMES_CLOSE, special_token_id)
     calls = f"body ({_SPACE} {opening} body)* {_SPACE}" if is_parallel else f"body {_SPACE}"
@@ -56,14 +65,17 @@ def hermes_grammar(call: dict[str, Any], is_auto: bool, is_parallel: bool,
     else:
         # PROSE cannot hold the marker, so prose-only output cannot hide a malformed call; `opening` is one
         # lexeme, ended (lazily) by the marker, after which the body is enforced.
-        rules[:0] = [f"start: PROSE | opening {calls}",
-                     f"PROSE: {_ANY_TEXT} & ~/(?s:.*){_escape_regex(HERMES_OPEN)}(?s:.*)/",
-                     f"opening[lazy]: PROSE {opening}"]
+        rules[:0] = [
+            f"start: PROSE | opening {calls}",
+            f"PROSE: {_ANY_TEXT} & ~/(?s:.*){_escape_regex(HERMES_OPEN)}(?s:.*)/",
+            f"opening[lazy]: PROSE {opening}",
+        ]
     return _lark(rules)
 
 
-def llama3_grammar(call: dict[str, Any], is_auto: bool, is_parallel: bool,
-                   special_token_id: SpecialTokenId) -> StructuredOutput:
+def llama3_grammar(
+    call: dict[str, Any], is_auto: bool, is_parallel: bool, special_token_id: SpecialTokenId
+) -> StructuredOutput:
     """`{"name": ..., "parameters": {...}}`, after `<|python_tag|>` or not; `;` between parallel calls. With auto,
     prose is any output that starts (after whitespace) with neither `{` nor the tag."""
     if not is_auto:
@@ -74,9 +86,9 @@ def llama3_grammar(call: dict[str, Any], is_auto: bool, is_parallel: bool,
         prose = f"({prose}) & ~/{_WHITESPACE}*{_escape_regex(PYTHON_TAG)}(?s:.*)/"
     separator = json.dumps(LLAMA3_SEPARATOR)
     calls = f"call ({_SPACE} {separator} {_SPACE} call)* {_SPACE}" if is_parallel else f"call {_SPACE}"
-    return _lark([f"start: PROSE | {_SPACE} ({tag} {_SPACE})? {calls}",
-                  f"PROSE: {prose}",
-                  f"call: %json {_json(call)}"])
+    return _lark(
+        [f"start: PROSE | {_SPACE} ({tag} {_SPACE})? {calls}", f"PROSE: {prose}", f"call: %json {_json(call)}"]
+    )
 
 
 def _lark(rules: list[str]) -> StructuredOutput:

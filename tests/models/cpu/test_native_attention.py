@@ -36,14 +36,23 @@ def no_autograd():
     with torch.inference_mode():
         yield
 
+
 BLOCK_SIZE = 16
 
 
 class Batch:
     """Random caches, shuffled block tables and fresh q/k/v for requests of the given (query_len, seq_len)."""
 
-    def __init__(self, requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-                 seed: int = 0, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        requests: list[tuple[int, int]],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:
         rng = random.Random(seed)
         generator = torch.Generator().manual_seed(seed)
         blocks_per_request = [-(-seq_len // BLOCK_SIZE) for _, seq_len in requests]
@@ -52,7 +61,7 @@ class Batch:
         rng.shuffle(pool)
         self.tables, start = [], 0
         for count in blocks_per_request:
-            self.tables.append(pool[start:start + count])
+            self.tables.append(pool[start : start + count])
             start += count
         shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
         encode = encode_int8 if cache_dtype == torch.int8 else (lambda x: x.to(cache_dtype or dtype))
@@ -64,10 +73,11 @@ class Batch:
         # [T, heads + 2 kv heads, head_dim]: q, k, v are views with a row stride wider than their own rows.
         self.qkv = (torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator) * 2).to(dtype)
         self.split = (num_heads, num_kv_heads, num_kv_heads)
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
-    def run(self, function, tables: list[list[int]] | None = None, softcap: float | None = None,
-            window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(
+        self, function, tables: list[list[int]] | None = None, softcap: float | None = None, window: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output, key cache, value cache) after one call on fresh copies of the caches."""
         metadata = AttentionMetadata.build(self.query_lens, self.seq_lens, tables or self.tables, BLOCK_SIZE)
         kv_cache = (self.key_cache.clone(), self.value_cache.clone())
@@ -75,8 +85,9 @@ class Batch:
         if function is paged_attention:
             native = self.qkv.dtype == torch.float32 and self.key_cache.dtype != torch.bfloat16
             scratch = (kv_cache[0].clone(), kv_cache[1].clone())
-            took = cpu_fast_path.load().paged_attention(query, key, value, scratch, metadata, self.scale, window,
-                                                        softcap)
+            took = cpu_fast_path.load().paged_attention(
+                query, key, value, scratch, metadata, self.scale, window, softcap
+            )
             assert (took is not None) == native
         return function(query, key, value, kv_cache, metadata, self.scale, window, softcap), *kv_cache
 
@@ -94,13 +105,13 @@ def assert_int8_close(batch: Batch, got: torch.Tensor, rtol: float = 1e-5, **opt
     want, _, values = batch.run(paged_attention_torch, **options)
     rounded = copy.copy(batch)
     rounded.qkv = batch.qkv.clone()
-    rounded.qkv[:, :batch.split[0]] = batch.qkv[:, :batch.split[0]].bfloat16().float()
+    rounded.qkv[:, : batch.split[0]] = batch.qkv[:, : batch.split[0]].bfloat16().float()
     want_rounded, *_ = rounded.run(paged_attention_torch, **options)
     chunk_rows = torch.cat([torch.full((length,), length > MAX_KERNEL_QUERY_LEN) for length in batch.query_lens])
     assert_close(got[~chunk_rows], want[~chunk_rows], rtol)
     error = (got[chunk_rows] - want_rounded[chunk_rows]).abs().max().item()
     largest_value = decode_entries(values, torch.float32).abs().max().item()
-    assert error <= 2 ** -8 * largest_value + rtol * want.abs().max().item(), (error, largest_value)
+    assert error <= 2**-8 * largest_value + rtol * want.abs().max().item(), (error, largest_value)
 
 
 RAGGED = [
@@ -119,8 +130,9 @@ RAGGED = [
 ]
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
-                         [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (4, 1, 256)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (4, 1, 256)]
+)
 def test_native_equals_torch_on_a_ragged_batch(num_heads, num_kv_heads, head_dim):
     batch = Batch(RAGGED, num_heads, num_kv_heads, head_dim)
     got, got_keys, got_values = batch.run(paged_attention)
@@ -265,8 +277,14 @@ def test_a_prompt_token_does_not_depend_on_how_its_prompt_is_chunked():
     spare = next(b for b in range(key_cache.shape[0]) if b not in whole.tables[0])  # the other request's block
     tables = [whole.tables[0], [spare]]
     metadata = AttentionMetadata.build([40, 7], [100, 7], tables, BLOCK_SIZE)
-    later = paged_attention(torch.cat([query[60:], other_query]), torch.cat([key[60:], other_key]),
-                            torch.cat([value[60:], other_value]), (key_cache, value_cache), metadata, whole.scale)
+    later = paged_attention(
+        torch.cat([query[60:], other_query]),
+        torch.cat([key[60:], other_key]),
+        torch.cat([value[60:], other_value]),
+        (key_cache, value_cache),
+        metadata,
+        whole.scale,
+    )
     assert torch.equal(later[:40], got_whole[60:])
 
 
@@ -276,5 +294,4 @@ def test_an_out_of_range_chunk_raises():
     metadata.kernel_chunks = torch.tensor([[0, 0, 20, 40 + BLOCK_SIZE * 8]])  # more context than its blocks hold
     query, key, value = batch.qkv.split(batch.split, dim=1)
     with pytest.raises(IndexError, match="out of range"):
-        paged_attention(query, key, value, (batch.key_cache.clone(), batch.value_cache.clone()), metadata,
-                        batch.scale)
+        paged_attention(query, key, value, (batch.key_cache.clone(), batch.value_cache.clone()), metadata, batch.scale)

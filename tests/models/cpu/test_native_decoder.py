@@ -31,18 +31,28 @@ from tokenriver.models.cpu.decoder import NativeDecoder
 from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.runner.native_stack import NativeStack
 
-pytestmark = pytest.mark.skipif(load_kernels() is None,
-                                reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler")
+pytestmark = pytest.mark.skipif(
+    load_kernels() is None, reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler"
+)
 BLOCK_SIZE = 16
 
 
-def quantized_tiny_model(attention_bias: bool, int8_activations: bool = False,
-                         intermediate_size: int = 256) -> LlamaForCausalLM:
+def quantized_tiny_model(
+    attention_bias: bool, int8_activations: bool = False, intermediate_size: int = 256
+) -> LlamaForCausalLM:
     """Three layers with random weights; projections alternate int4 and int8 (per-channel and group-32 scales)."""
     torch.manual_seed(0)
-    config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=128, intermediate_size=intermediate_size,
-                         num_layers=3,
-                         num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=attention_bias)
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=intermediate_size,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        attention_bias=attention_bias,
+    )
     return quantize_projections(LlamaForCausalLM(config), int8_activations)
 
 
@@ -63,8 +73,7 @@ def quantize_projections(model: torch.nn.Module, int8_activations: bool) -> torc
     options = dict(int8_activations=int8_activations)
     for i, layer in enumerate(model.model.layers):
         attention, mlp = layer.self_attn, layer.mlp
-        for owner, name in ((attention, "qkv_proj"), (attention, "o_proj"), (mlp, "gate_up_proj"),
-                            (mlp, "down_proj")):
+        for owner, name in ((attention, "qkv_proj"), (attention, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
             linear = getattr(owner, name)
             if (i + len(name)) % 2:
                 quantized = Int4Linear(quantize_int4(linear.weight), linear.bias, **options)
@@ -75,31 +84,37 @@ def quantize_projections(model: torch.nn.Module, int8_activations: bool) -> torc
     return model.eval()
 
 
-def run_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[list[int]],
-              native: bool, cache_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+def run_steps(
+    model: LlamaForCausalLM,
+    requests: list[list[int]],
+    steps: list[list[int]],
+    native: bool,
+    cache_dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
     """Each step feeds steps[s][r] more tokens of request r; returns every step's final hidden states."""
     config = model.config
     num_blocks = [-(-len(ids) // BLOCK_SIZE) for ids in requests]
-    tables = [list(range(sum(num_blocks[:r]), sum(num_blocks[:r + 1]))) for r in range(len(requests))]
-    cache = KVCache(config.num_layers, sum(num_blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim,
-                    cache_dtype)
+    tables = [list(range(sum(num_blocks[:r]), sum(num_blocks[: r + 1]))) for r in range(len(requests))]
+    cache = KVCache(config.num_layers, sum(num_blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim, cache_dtype)
     forward = NativeStack(model) if native else model
     done = [0] * len(requests)
     hidden_states = []
     for step in steps:
         active = [r for r, n in enumerate(step) if n]
-        ids = [t for r in active for t in requests[r][done[r]:done[r] + step[r]]]
+        ids = [t for r in active for t in requests[r][done[r] : done[r] + step[r]]]
         positions = [p for r in active for p in range(done[r], done[r] + step[r])]
-        metadata = AttentionMetadata.build([step[r] for r in active], [done[r] + step[r] for r in active],
-                                           [tables[r] for r in active], BLOCK_SIZE)
+        metadata = AttentionMetadata.build(
+            [step[r] for r in active], [done[r] + step[r] for r in active], [tables[r] for r in active], BLOCK_SIZE
+        )
         hidden_states.append(forward(torch.tensor(ids), torch.tensor(positions), cache, metadata))
         for r in active:
             done[r] += step[r]
     return hidden_states
 
 
-def count_native_steps(model: LlamaForCausalLM, requests: list[list[int]], steps: list[list[int]],
-                       cache_dtype: torch.dtype = torch.float32) -> int:
+def count_native_steps(
+    model: LlamaForCausalLM, requests: list[list[int]], steps: list[list[int]], cache_dtype: torch.dtype = torch.float32
+) -> int:
     calls = []
     run = NativeDecoder.__call__
 
@@ -145,8 +160,9 @@ def test_native_decoder_over_a_float16_kv_pool_equals_the_module_path():
 
 def test_native_decoder_with_int8_activations_equals_the_module_path():
     model = quantized_tiny_model(attention_bias=False, int8_activations=True)
-    for ours, reference in zip(run_steps(model, REQUESTS, STEPS, native=True),
-                               run_steps(model, REQUESTS, STEPS, native=False)):
+    for ours, reference in zip(
+        run_steps(model, REQUESTS, STEPS, native=True), run_steps(model, REQUESTS, STEPS, native=False)
+    ):
         assert torch.equal(ours, reference)
 
 
@@ -155,8 +171,9 @@ def test_native_decoder_runs_gemm_sized_batches():
     model = quantized_tiny_model(attention_bias=True)
     requests = [[(5 * i + 3 * r) % 96 for i in range(12)] for r in range(16)]
     steps = [[8] * 16, [1] * 16, [1] * 16, [2] * 16]
-    for ours, reference in zip(run_steps(model, requests, steps, native=True),
-                               run_steps(model, requests, steps, native=False)):
+    for ours, reference in zip(
+        run_steps(model, requests, steps, native=True), run_steps(model, requests, steps, native=False)
+    ):
         assert torch.equal(ours, reference)
 
 
@@ -169,8 +186,9 @@ def test_native_decoder_rounded_gemm_batches_equal_the_module_path(intermediate_
     model = quantized_tiny_model(attention_bias=False, int8_activations=True, intermediate_size=intermediate_size)
     requests = [[(5 * i + 3 * r) % 96 for i in range(14)] for r in range(21)]
     steps = [[8] * 21, [1] * 21, [1] * 21, [3] * 21, [1] * 21]
-    for ours, reference in zip(run_steps(model, requests, steps, native=True),
-                               run_steps(model, requests, steps, native=False)):
+    for ours, reference in zip(
+        run_steps(model, requests, steps, native=True), run_steps(model, requests, steps, native=False)
+    ):
         assert torch.equal(ours, reference)
 
 
@@ -257,8 +275,12 @@ def test_a_self_draft_binds_its_own_shorter_layer_list():
     """first_layers copies a model that has already run: the copy must not run the target's 3 layers."""
     model = quantized_tiny_model(attention_bias=False)
     target = NativeStack(model)
-    target(torch.tensor([1, 2]), torch.tensor([0, 1]), KVCache(3, 1, BLOCK_SIZE, 2, 32, torch.float32),
-           AttentionMetadata.build([2], [2], [[0]], BLOCK_SIZE))
+    target(
+        torch.tensor([1, 2]),
+        torch.tensor([0, 1]),
+        KVCache(3, 1, BLOCK_SIZE, 2, 32, torch.float32),
+        AttentionMetadata.build([2], [2], [[0]], BLOCK_SIZE),
+    )
     draft = first_layers(model, 2)
     stack = NativeStack(draft)
     cache = KVCache(2, 1, BLOCK_SIZE, 2, 32, torch.float32)
@@ -293,9 +315,13 @@ def test_out_of_range_block_ids_raise_through_the_native_call():
 
 def test_the_embedded_model_decodes_natively_with_equal_results(loaded_packed):
     model = loaded_packed.model
-    requests = [loaded_packed.tokenizer.encode(text) for text in
-                ("The river carries every token downstream, one at a time, toward the sea.",
-                 "Paged attention keeps each request's keys and values in blocks of sixteen tokens.")]
+    requests = [
+        loaded_packed.tokenizer.encode(text)
+        for text in (
+            "The river carries every token downstream, one at a time, toward the sea.",
+            "Paged attention keeps each request's keys and values in blocks of sixteen tokens.",
+        )
+    ]
     steps = [[6, 6]] + [[1, 1]] * 3 + [[3, 0]]  # each text is over 12 tokens
     native = run_steps(model, requests, steps, native=True)
     assert NativeDecoder.build(model.model.layers) is not None
@@ -314,16 +340,30 @@ def family_tiny_model(family: str, int8_activations: bool = False) -> torch.nn.M
     layers turn with their own rope base, its global ones with linear scaling; Gemma 2 soft-caps. Weights as
     quantized_tiny_model's."""
     torch.manual_seed(0)
-    sizes = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                 head_dim=32, sliding_window=WINDOW, layer_types=("sliding_attention", "full_attention") * 2)
+    sizes = dict(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        sliding_window=WINDOW,
+        layer_types=("sliding_attention", "full_attention") * 2,
+    )
     if family == "qwen3":
         model = Qwen3ForCausalLM(ModelConfig(architecture="qwen3", qk_norm=True, **sizes))
     elif family == "phi3":
         # Phi-4-mini's partial rotary (24 of 32 values turn) and LongRoPE, whose long factors start at position 40.
-        longrope = {"rope_type": "longrope", "short_factor": [1.0 + i / 12 for i in range(12)],
-                    "long_factor": [2.0 + i / 6 for i in range(12)], "original_max_position_embeddings": 40}
-        model = Phi3ForCausalLM(ModelConfig(architecture="phi3", partial_rotary_factor=0.75, rope_scaling=longrope,
-                                            **sizes))
+        longrope = {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + i / 12 for i in range(12)],
+            "long_factor": [2.0 + i / 6 for i in range(12)],
+            "original_max_position_embeddings": 40,
+        }
+        model = Phi3ForCausalLM(
+            ModelConfig(architecture="phi3", partial_rotary_factor=0.75, rope_scaling=longrope, **sizes)
+        )
     else:
         gemma = dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24, tie_word_embeddings=True)
         if family == "gemma3":
@@ -357,8 +397,10 @@ def test_families_run_natively_with_the_module_paths_bits(family, int8_activatio
 @pytest.mark.parametrize("family", FAMILIES)
 def test_families_over_an_int8_kv_pool_equal_the_module_path(family):
     model = family_tiny_model(family)
-    for ours, reference in zip(run_steps(model, REQUESTS, STEPS, native=True, cache_dtype=torch.int8),
-                               run_steps(model, REQUESTS, STEPS, native=False, cache_dtype=torch.int8)):
+    for ours, reference in zip(
+        run_steps(model, REQUESTS, STEPS, native=True, cache_dtype=torch.int8),
+        run_steps(model, REQUESTS, STEPS, native=False, cache_dtype=torch.int8),
+    ):
         assert torch.equal(ours, reference)
 
 
@@ -400,9 +442,20 @@ def moe_tiny_model(family: str, int8_activations: bool = False) -> torch.nn.Modu
     """Two layers of eight experts, two per token (Qwen2-MoE with a gated shared expert), every projection
     quantized (int4 and int8 alternating) and the router and shared gate float, as the loader keeps them."""
     torch.manual_seed(0)
-    config = ModelConfig(architecture=family, vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=64, **MOE_FAMILIES[family])
+    config = ModelConfig(
+        architecture=family,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        **MOE_FAMILIES[family],
+    )
     model = randomize(model_class(family)(config))
     options = dict(int8_activations=int8_activations)
     owners = [(layer.self_attn, name) for layer in model.model.layers for name in ("qkv_proj", "o_proj")]
@@ -411,8 +464,11 @@ def moe_tiny_model(family: str, int8_activations: bool = False) -> torch.nn.Modu
         owners += [(mlp, name) for mlp in mlps for name in ("gate_up_proj", "down_proj")]
     for i, (owner, name) in enumerate(owners):
         linear = getattr(owner, name)
-        quantized = (Int4Linear(quantize_int4(linear.weight), linear.bias, **options) if i % 2
-                     else Int8Linear(quantize_int8(linear.weight, 32), linear.bias, **options))
+        quantized = (
+            Int4Linear(quantize_int4(linear.weight), linear.bias, **options)
+            if i % 2
+            else Int8Linear(quantize_int8(linear.weight, 32), linear.bias, **options)
+        )
         setattr(owner, name, quantized)
     return model.eval()
 

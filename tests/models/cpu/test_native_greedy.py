@@ -26,8 +26,9 @@ from tokenriver.runner.native_stack import NativeStack
 
 from test_native_decoder import BLOCK_SIZE, family_tiny_model, quantized_tiny_model
 
-pytestmark = pytest.mark.skipif(load_kernels() is None,
-                                reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler")
+pytestmark = pytest.mark.skipif(
+    load_kernels() is None, reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler"
+)
 
 PASSES = 9  # past a block boundary and past the sliding layers' window of 8
 
@@ -47,8 +48,11 @@ def with_quantized_output(model: torch.nn.Module, table: str, int8_activations: 
 
 
 def tiny_model(family: str, table: str, int8_activations: bool) -> torch.nn.Module:
-    model = (quantized_tiny_model(False, int8_activations) if family == "llama"
-             else family_tiny_model(family, int8_activations))
+    model = (
+        quantized_tiny_model(False, int8_activations)
+        if family == "llama"
+        else family_tiny_model(family, int8_activations)
+    )
     return with_quantized_output(model, table, int8_activations)
 
 
@@ -56,7 +60,7 @@ def prefilled(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[KVCache
     """A cache holding each prompt, and block tables with room for PASSES more tokens."""
     config = model.config
     blocks = [-(-(len(prompt) + PASSES) // BLOCK_SIZE) for prompt in prompts]
-    tables = [list(range(sum(blocks[:r]), sum(blocks[:r + 1])))[::-1] for r in range(len(prompts))]
+    tables = [list(range(sum(blocks[:r]), sum(blocks[: r + 1])))[::-1] for r in range(len(prompts))]
     cache = KVCache(config.num_layers, sum(blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.int8)
     ids = [t for prompt in prompts for t in prompt]
     positions = [p for prompt in prompts for p in range(len(prompt))]
@@ -66,17 +70,20 @@ def prefilled(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[KVCache
     return cache, tables
 
 
-def passes_one_by_one(model: torch.nn.Module, cache: KVCache, tables: list[list[int]], tokens: list[int],
-                      positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def passes_one_by_one(
+    model: torch.nn.Module, cache: KVCache, tables: list[list[int]], tokens: list[int], positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the runner does pass by pass: embed, the stack, final norm, output layer, the row reductions."""
     forward, kernels = NativeStack(model), load_kernels()
     reductions = []
     with torch.inference_mode():
         for p in range(PASSES):
-            metadata = AttentionMetadata.build([1] * len(tokens), [position + p + 1 for position in positions],
-                                               tables, BLOCK_SIZE)
-            hidden = forward(torch.tensor(tokens), torch.tensor([position + p for position in positions]), cache,
-                             metadata)
+            metadata = AttentionMetadata.build(
+                [1] * len(tokens), [position + p + 1 for position in positions], tables, BLOCK_SIZE
+            )
+            hidden = forward(
+                torch.tensor(tokens), torch.tensor([position + p for position in positions]), cache, metadata
+            )
             argmax, max_logits, lse = kernels.argmax_logsumexp(model.compute_logits(hidden))
             reductions.append((argmax, max_logits, lse))
             tokens = argmax.tolist()
@@ -89,11 +96,18 @@ def padded(tables: list[list[int]]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("num_requests", [1, 3])
-@pytest.mark.parametrize("family,table,int8_activations", [
-    ("llama", "int4", False), ("llama", "int8", True), ("llama", "float", True),
-    ("qwen3", "int8", False), ("qwen3", "int4", True),
-    ("gemma3", "int4", False), ("gemma3", "int8", True),
-])
+@pytest.mark.parametrize(
+    "family,table,int8_activations",
+    [
+        ("llama", "int4", False),
+        ("llama", "int8", True),
+        ("llama", "float", True),
+        ("qwen3", "int8", False),
+        ("qwen3", "int4", True),
+        ("gemma3", "int4", False),
+        ("gemma3", "int8", True),
+    ],
+)
 def test_native_passes_equal_the_passes_run_one_by_one(family, table, int8_activations, num_requests):
     model = tiny_model(family, table, int8_activations)
     prompts = [[(5 * i + 11 * r) % 96 for i in range(length)] for r, length in enumerate((14, 30, 5)[:num_requests])]

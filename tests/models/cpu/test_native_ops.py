@@ -17,9 +17,18 @@ from tokenriver.models.cpu import fast_path as cpu_fast_path
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.cpu.kernels import load_kernels
-from tokenriver.models.layers import (RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_, gelu_tanh_and_mul,
-                                      gelu_tanh_and_mul_torch, rms_norm, rms_norm_torch, silu_and_mul,
-                                      silu_and_mul_torch)
+from tokenriver.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_,
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_torch,
+    rms_norm,
+    rms_norm_torch,
+    silu_and_mul,
+    silu_and_mul_torch,
+)
 from tokenriver.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="native kernels do not build on this machine")
@@ -36,9 +45,11 @@ def test_the_native_kernels_run_and_only_without_autograd(monkeypatch):
     kernels = load_kernels()
     calls: list[str] = []
     for name in ("rms_norm", "rotary_", "silu_mul"):
+
         def recorded(*args, _name=name, _original=getattr(kernels, name)):
             calls.append(_name)
             return _original(*args)
+
         monkeypatch.setattr(kernels, name, recorded)
     x, weight = torch.randn(2, 64), torch.rand(64)
     cos, sin = RotaryEmbedding(64, 10000.0, None, 4096)(torch.arange(2), torch.float32)
@@ -110,11 +121,11 @@ def test_rotary_in_place_equals_definition(num_tokens, num_heads, num_kv_heads, 
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
     query, key, _ = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
     want_query, want_key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-    value_before = qkv[:, num_heads + num_kv_heads:].clone()
+    value_before = qkv[:, num_heads + num_kv_heads :].clone()
     apply_rotary_(query, key, cos, sin)
     # Same products and sums in the same order (the kernels are built with -ffp-contract=off): bit for bit.
     assert torch.equal(query, want_query) and torch.equal(key, want_key)
-    assert torch.equal(qkv[:, num_heads + num_kv_heads:], value_before)
+    assert torch.equal(qkv[:, num_heads + num_kv_heads :], value_before)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7])
@@ -177,8 +188,16 @@ def test_gelu_tanh_and_mul_falls_back_for_bfloat16():
 
 
 def tiny_model(dtype: torch.dtype) -> LlamaForCausalLM:
-    config = ModelConfig(architecture="llama", vocab_size=97, hidden_size=96, intermediate_size=160, num_layers=3,
-                         num_heads=6, num_kv_heads=2, head_dim=32)
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=97,
+        hidden_size=96,
+        intermediate_size=160,
+        num_layers=3,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -199,7 +218,7 @@ def run_chunks(model: LlamaForCausalLM, token_ids: list[int], chunks: list[int])
     logits, done = [], 0
     for chunk in chunks:
         metadata = AttentionMetadata.build([chunk], [done + chunk], [table], 16)
-        hidden = model(torch.tensor(token_ids[done:done + chunk]), torch.arange(done, done + chunk), cache, metadata)
+        hidden = model(torch.tensor(token_ids[done : done + chunk]), torch.arange(done, done + chunk), cache, metadata)
         logits.append(model.compute_logits(hidden))
         done += chunk
     return torch.cat(logits)

@@ -27,9 +27,13 @@ from tokenriver.models.cuda import fused_ops, kv_write, paged_decode, quant_matm
 H100 = GPUTarget("cuda", 90, 32)
 # (hidden, intermediate, heads, kv heads, head dim, rotary dims): SmolLM2-135M, Llama-3.2-1B, Qwen2.5-0.5B (seven
 # query heads a kv head), Gemma 3 270M (head dim 256, one kv head), Phi-3 mini (with partial rotary dims).
-SHAPES = {"smollm2-135m": (576, 1536, 9, 3, 64, 64), "llama-3.2-1b": (2048, 8192, 32, 8, 64, 64),
-          "qwen2.5-0.5b": (896, 4864, 14, 2, 64, 64), "gemma3-270m": (640, 2048, 4, 1, 256, 256),
-          "phi3-mini": (3072, 8192, 32, 32, 96, 32)}
+SHAPES = {
+    "smollm2-135m": (576, 1536, 9, 3, 64, 64),
+    "llama-3.2-1b": (2048, 8192, 32, 8, 64, 64),
+    "qwen2.5-0.5b": (896, 4864, 14, 2, 64, 64),
+    "gemma3-270m": (640, 2048, 4, 1, 256, 256),
+    "phi3-mini": (3072, 8192, 32, 32, 96, 32),
+}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -46,8 +50,9 @@ class _TargetOnly:
         return 0
 
 
-def _layer_kernels(dtype: torch.dtype, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
-                   rotary_dims: int) -> None:
+def _layer_kernels(
+    dtype: torch.dtype, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, rotary_dims: int
+) -> None:
     """One call of each layer kernel the way the engine makes it: a decode batch of 3 tokens."""
     tokens = 3
     x, weight = torch.empty(tokens, hidden, dtype=dtype), torch.empty(hidden, dtype=dtype)
@@ -56,19 +61,25 @@ def _layer_kernels(dtype: torch.dtype, hidden: int, intermediate: int, heads: in
     fused_ops.rms_norm(torch.empty(tokens * heads, head_dim, dtype=dtype), torch.empty(head_dim, dtype=dtype), 1e-6)
     qkv = torch.empty(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
     cos = torch.empty(tokens, 1, rotary_dims // 2, dtype=dtype)
-    fused_ops.rotary_(qkv[:, :heads + kv_heads, :rotary_dims], cos, cos)
+    fused_ops.rotary_(qkv[:, : heads + kv_heads, :rotary_dims], cos, cos)
     gate_up = torch.empty(tokens, 2 * intermediate, dtype=dtype)
     fused_ops.silu_and_mul(gate_up)
     fused_ops.gelu_tanh_and_mul(gate_up)
     cache = torch.empty(32, 16, kv_heads, head_dim, dtype=dtype)
-    kv_write.write_kv(qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], cache, cache,
-                      torch.zeros(tokens, dtype=torch.int64))
+    kv_write.write_kv(
+        qkv[:, heads : heads + kv_heads],
+        qkv[:, heads + kv_heads :],
+        cache,
+        cache,
+        torch.zeros(tokens, dtype=torch.int64),
+    )
     lengths = torch.ones(tokens, dtype=torch.int64)
     for width in (8, 64):  # contexts of one partition, and split ones with their merge
         tables = torch.zeros(tokens, width, dtype=torch.int64)
         paged_decode.paged_decode_attention(qkv[:, :heads], cache, cache, tables, lengths, head_dim**-0.5)
-        paged_decode.paged_decode_attention(qkv[:, :heads], cache, cache, tables, lengths, head_dim**-0.5,
-                                            window=512, softcap=50.0)
+        paged_decode.paged_decode_attention(
+            qkv[:, :heads], cache, cache, tables, lengths, head_dim**-0.5, window=512, softcap=50.0
+        )
 
 
 def _quantized_kernels(dtype: torch.dtype, rows: int) -> None:
@@ -98,8 +109,7 @@ def main() -> None:
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
-        print(json.dumps({"kernel": self.fn.__name__, **case, **_resources(kernel.asm["cubin"], folder)}),
-              flush=True)
+        print(json.dumps({"kernel": self.fn.__name__, **case, **_resources(kernel.asm["cubin"], folder)}), flush=True)
         return kernel
 
     JITFunction.run = compile_only

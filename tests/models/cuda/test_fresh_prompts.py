@@ -13,8 +13,9 @@ from tokenriver.models.cuda import attention as gpu_attention
 BLOCK_SIZE = 16
 
 
-def _step(requests: list[tuple[int, int]], num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 32,
-          seed: int = 0):
+def _step(
+    requests: list[tuple[int, int]], num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 32, seed: int = 0
+):
     """Random caches, q/k/v as views of one qkv tensor, and block tables for (query_len, seq_len) requests."""
     generator = torch.Generator().manual_seed(seed)
     tables, next_block = [], 0

@@ -79,19 +79,20 @@ def test_rms_norm_float32_weight_on_16_bit_rows_promotes_as_torch_does(ops, dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, rotary_dim", [(4, 2, 64, 64), (3, 1, 80, 80),
-                                                                          (4, 4, 96, 32)])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, rotary_dim", [(4, 2, 64, 64), (3, 1, 80, 80), (4, 4, 96, 32)]
+)
 def test_rotary_in_place_on_views_of_the_qkv_row(ops, dtype, num_heads, num_kv_heads, head_dim, rotary_dim):
     tokens = 6
     qkv = _rand(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=head_dim)
-    heads = qkv.view(tokens, -1, head_dim)[:, :num_heads + num_kv_heads, :rotary_dim]  # query and key heads
+    heads = qkv.view(tokens, -1, head_dim)[:, : num_heads + num_kv_heads, :rotary_dim]  # query and key heads
     angles = torch.rand(tokens, 1, rotary_dim // 2, generator=torch.Generator().manual_seed(5)) * 6
     cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
     want = apply_rotary(heads.clone(), cos, sin)
-    untouched = qkv.view(tokens, -1, head_dim)[:, num_heads + num_kv_heads:].clone()  # the value heads
+    untouched = qkv.view(tokens, -1, head_dim)[:, num_heads + num_kv_heads :].clone()  # the value heads
     rest = qkv.view(tokens, -1, head_dim)[:, :, rotary_dim:].clone()
     ops.rotary_(heads, cos, sin)
-    assert torch.equal(qkv.view(tokens, -1, head_dim)[:, num_heads + num_kv_heads:], untouched)
+    assert torch.equal(qkv.view(tokens, -1, head_dim)[:, num_heads + num_kv_heads :], untouched)
     assert torch.equal(qkv.view(tokens, -1, head_dim)[:, :, rotary_dim:], rest)
     if dtype == torch.float32:
         assert torch.allclose(heads, want, rtol=1e-6, atol=1e-6)
@@ -114,8 +115,21 @@ def test_rounding_to_bfloat16_on_the_bits_matches_torch(ops):
         mask = offsets < count
         tl.store(out_ptr + offsets, _fused_ops._rounded(tl.load(x_ptr + offsets, mask=mask), tl.bfloat16), mask=mask)
 
-    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3FFF8000, 0x7F7FFFFF, 0x00018000, 0x80018001,
-                         0x00000000, 0x80000000, 0xBF7FC000], dtype=torch.int64).to(torch.int32)
+    bits = torch.tensor(
+        [
+            0x3F808000,
+            0x3F818000,
+            0x3F80FFFF,
+            0x3FFF8000,
+            0x7F7FFFFF,
+            0x00018000,
+            0x80018001,
+            0x00000000,
+            0x80000000,
+            0xBF7FC000,
+        ],
+        dtype=torch.int64,
+    ).to(torch.int32)
     special = bits.view(torch.float32)
     x = torch.cat([special, _rand(1000, dtype=torch.float32, seed=9).cpu() * 1e3]).to(DEVICE)
     out = torch.empty_like(x)
@@ -128,8 +142,11 @@ def test_rounding_to_bfloat16_on_the_bits_matches_torch(ops):
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_gated_activations_match_their_definitions(ops, dtype, columns, activation):
     gate_up = _rand(4, 2 * columns, dtype=dtype, seed=columns, scale=3.0)
-    kernel, definition = ((ops.silu_and_mul, silu_and_mul_torch) if activation == "silu" else
-                          (ops.gelu_tanh_and_mul, gelu_tanh_and_mul_torch))
+    kernel, definition = (
+        (ops.silu_and_mul, silu_and_mul_torch)
+        if activation == "silu"
+        else (ops.gelu_tanh_and_mul, gelu_tanh_and_mul_torch)
+    )
     got, want = kernel(gate_up), definition(gate_up)
     assert got.dtype == want.dtype and got.shape == want.shape
     # Within the exponential's last bits. Where gelu's output is tiny (a large negative gate) PyTorch's
@@ -156,7 +173,7 @@ def _reference_decode(query, key_cache, value_cache, tables, lengths, scale, win
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         if window > 0:
-            scores[:, :max(0, length - window)] = float("-inf")
+            scores[:, : max(0, length - window)] = float("-inf")
         out[b] = torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), values)
     return out
 
@@ -164,25 +181,29 @@ def _reference_decode(query, key_cache, value_cache, tables, lengths, scale, win
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 64), (6, 2, 80), (2, 2, 32), (8, 1, 64)])
 @pytest.mark.parametrize("window, softcap", [(0, None), (20, None), (0, 30.0), (7, 5.0)])
-def test_paged_decode_attention_matches_the_gathered_context(decode, dtype, num_heads, num_kv_heads, head_dim,
-                                                             window, softcap):
+def test_paged_decode_attention_matches_the_gathered_context(
+    decode, dtype, num_heads, num_kv_heads, head_dim, window, softcap
+):
     block_size, num_blocks = 16, 24
     key_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=1)
     value_cache = _rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=2)
     lengths = torch.tensor([1, 16, 17, 70, 33], device=DEVICE)  # one slot, a whole block, past one, several
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
-    tables = torch.stack([order[b * 4:b * 4 + 6] for b in range(len(lengths))]).to(DEVICE)  # blocks out of order
+    tables = torch.stack([order[b * 4 : b * 4 + 6] for b in range(len(lengths))]).to(DEVICE)  # blocks out of order
     wide = _rand(len(lengths), num_heads + 2, head_dim, dtype=dtype, seed=4)
     query = wide[:, :num_heads]  # rows spaced apart, as a view of the qkv row
-    got = decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window,
-                                        softcap)
-    want = _reference_decode(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window, softcap)
+    got = decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, head_dim**-0.5, window, softcap)
+    want = _reference_decode(query, key_cache, value_cache, tables, lengths, head_dim**-0.5, window, softcap)
     assert got.dtype == dtype and got.shape == query.shape
     error = (got.double().cpu() - want).norm() / want.norm()
     assert error < (1e-5 if dtype == torch.float32 else 5e-3)
     into = torch.full(query.shape, float("nan"), dtype=dtype, device=DEVICE)  # the caller's buffer, written in place
-    assert decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window,
-                                         softcap, out=into) is into
+    assert (
+        decode.paged_decode_attention(
+            query, key_cache, value_cache, tables, lengths, head_dim**-0.5, window, softcap, out=into
+        )
+        is into
+    )
     assert torch.equal(into, got)
 
 
@@ -201,13 +222,11 @@ def _long_contexts(dtype, num_heads, num_kv_heads, head_dim, width):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 64), (8, 1, 32)])
 @pytest.mark.parametrize("window, softcap", [(0, None), (700, None), (0, 30.0)])
-def test_paged_decode_attention_splits_long_contexts(decode, dtype, num_heads, num_kv_heads, head_dim, window,
-                                                     softcap):
+def test_paged_decode_attention_splits_long_contexts(decode, dtype, num_heads, num_kv_heads, head_dim, window, softcap):
     """Contexts past PARTITION positions are split and merged; with a window the first partitions hold nothing."""
     query, key_cache, value_cache, tables, lengths = _long_contexts(dtype, num_heads, num_kv_heads, head_dim, 100)
-    got = decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window,
-                                        softcap)
-    want = _reference_decode(query, key_cache, value_cache, tables, lengths, head_dim ** -0.5, window, softcap)
+    got = decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, head_dim**-0.5, window, softcap)
+    want = _reference_decode(query, key_cache, value_cache, tables, lengths, head_dim**-0.5, window, softcap)
     for row in range(len(lengths)):
         error = (got[row].double().cpu() - want[row]).norm() / want[row].norm()
         assert error < (1e-5 if dtype == torch.float32 else 5e-3), (row, float(error))
@@ -218,12 +237,19 @@ def test_paged_decode_attention_result_does_not_depend_on_the_batch(decode, dtyp
     """A request alone, with a table just wide enough for it (one partition up to PARTITION positions), gets the
     bits it gets in a batch whose tables are wider (more partitions, the extra ones empty)."""
     query, key_cache, value_cache, tables, lengths = _long_contexts(dtype, 4, 2, 64, 200)
-    scale = 64 ** -0.5
+    scale = 64**-0.5
     batched = decode.paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, window=600)
     for row, length in enumerate(lengths.tolist()):
         blocks = -(-length // 16)
-        alone = decode.paged_decode_attention(query[row:row + 1], key_cache, value_cache,
-                                              tables[row:row + 1, :blocks], lengths[row:row + 1], scale, window=600)
+        alone = decode.paged_decode_attention(
+            query[row : row + 1],
+            key_cache,
+            value_cache,
+            tables[row : row + 1, :blocks],
+            lengths[row : row + 1],
+            scale,
+            window=600,
+        )
         assert torch.equal(alone[0], batched[row]), row
 
 

@@ -18,8 +18,14 @@ from pathlib import Path
 
 import pytest
 
-LAYER_KERNELS = {"_rms_norm_kernel", "_rotary_kernel", "_gated_kernel", "_write_kv_kernel", "_decode_kernel",
-                 "_merge_kernel"}
+LAYER_KERNELS = {
+    "_rms_norm_kernel",
+    "_rotary_kernel",
+    "_gated_kernel",
+    "_write_kv_kernel",
+    "_decode_kernel",
+    "_merge_kernel",
+}
 QUANTIZED_KERNELS = {"_quant_matmul_kernel", "_dequantize_kernel"}
 # Bytes of stack a thread may use: registers saved outside the loops, not spilled tiles.
 MAX_STACK_BYTES = 64

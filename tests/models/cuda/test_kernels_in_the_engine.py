@@ -45,12 +45,12 @@ def _kernels_on_cpu(monkeypatch) -> dict[str, int]:
         def call(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return function(*args, **kwargs)
+
         return call
 
     for name in ("rms_norm", "rotary_", "silu_and_mul", "gelu_tanh_and_mul"):
         monkeypatch.setattr(fused_ops, name, counted(name, getattr(fused_ops, name)))
-    monkeypatch.setattr(paged_decode, "paged_decode_attention",
-                        counted("decode", paged_decode.paged_decode_attention))
+    monkeypatch.setattr(paged_decode, "paged_decode_attention", counted("decode", paged_decode.paged_decode_attention))
     monkeypatch.setattr(kv_write, "write_kv", counted("kv_write", kv_write.write_kv))
     monkeypatch.setattr(cpu_fast_path, "load", lambda: cuda_fast_path.CudaFastPath())
     monkeypatch.setattr(cuda_attention, "_takes_triton", lambda x: True)
@@ -64,9 +64,18 @@ def _model(kind: str, folder: Path) -> str:
     if kind == "llama":
         import transformers
 
-        config = transformers.LlamaConfig(vocab_size=257, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=256)
+        config = transformers.LlamaConfig(
+            vocab_size=257,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=256,
+        )
         torch.manual_seed(0)
         model = widen(transformers.LlamaForCausalLM(config), seed=1)
     else:
@@ -76,9 +85,14 @@ def _model(kind: str, folder: Path) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("kind, used", [("llama", {"rms_norm", "rotary_", "silu_and_mul", "decode", "kv_write"}),
-                                        ("gemma3", {"rms_norm", "rotary_", "gelu_tanh_and_mul", "decode", "kv_write"}),
-                                        ("gemma2", {"rms_norm", "rotary_", "gelu_tanh_and_mul", "decode", "kv_write"})])
+@pytest.mark.parametrize(
+    "kind, used",
+    [
+        ("llama", {"rms_norm", "rotary_", "silu_and_mul", "decode", "kv_write"}),
+        ("gemma3", {"rms_norm", "rotary_", "gelu_tanh_and_mul", "decode", "kv_write"}),
+        ("gemma2", {"rms_norm", "rotary_", "gelu_tanh_and_mul", "decode", "kv_write"}),
+    ],
+)
 def test_greedy_outputs_equal_the_pytorch_path(kind, used, tmp_path, monkeypatch, request):
     pytest.importorskip("triton", reason="triton is not installed: the CUDA kernels are untested")
     if torch.cuda.is_available():
@@ -88,8 +102,7 @@ def test_greedy_outputs_equal_the_pytorch_path(kind, used, tmp_path, monkeypatch
     monkeypatch.setenv("TOKENRIVER_NATIVE_KERNELS", "0")
     load_kernels.cache_clear()
     request.addfinalizer(load_kernels.cache_clear)
-    llm = LLM(folder, dtype="float32", kv_cache_dtype="float32", quantization="none", max_num_seqs=8,
-              max_model_len=256)
+    llm = LLM(folder, dtype="float32", kv_cache_dtype="float32", quantization="none", max_num_seqs=8, max_model_len=256)
     prompts = [random_ids(n, 256, seed=n) for n in (30, 25, 40, 33)]
     prompts.append(prompts[2][:36] + [7, 8, 9])  # after the batch above: a prefix-cache hit
 

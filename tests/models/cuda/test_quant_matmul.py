@@ -24,8 +24,10 @@ from tokenriver.models.quant import dequantize_int4, dequantize_int8
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 MODULE = "tokenriver.models.cuda.quant_matmul"
-NEEDS_GPU = [pytest.mark.cuda, pytest.mark.skipif(
-    not ON_GPU, reason="bfloat16 tiles need a CUDA GPU: the interpreter cannot multiply them")]
+NEEDS_GPU = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not ON_GPU, reason="bfloat16 tiles need a CUDA GPU: the interpreter cannot multiply them"),
+]
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=NEEDS_GPU)]
 # Unit roundoff of each activation dtype: the 16-bit paths round the decoded weight and the output to it.
 ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -131,8 +133,7 @@ def test_dequantize_is_exact(qm, k, group_size):
 
 def test_empty_batch(qm):
     qweight, scales, mins = random_int4(8, 64, 32, torch.Generator().manual_seed(0))
-    y = qm.int4_matmul(torch.zeros(0, 64, device=DEVICE), qweight.to(DEVICE), scales.to(DEVICE), mins.to(DEVICE),
-                       32)
+    y = qm.int4_matmul(torch.zeros(0, 64, device=DEVICE), qweight.to(DEVICE), scales.to(DEVICE), mins.to(DEVICE), 32)
     assert y.shape == (0, 8)
 
 

@@ -23,18 +23,21 @@ class NativeConverter:
         """Whether `to_int8` takes this GGUF type."""
         return self.kernels.converts_to_int8(gguf_type)
 
-    def q4_k(self, blocks: np.ndarray, in_features: int,
-             empty: Allocate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def q4_k(
+        self, blocks: np.ndarray, in_features: int, empty: Allocate
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Q4_K rows → (qweight, scales, mins) of an Int4 packing in groups of 32."""
         return self.kernels.convert_q4_k(blocks, in_features, default_num_threads(), empty)
 
-    def q5_k(self, blocks: np.ndarray, in_features: int,
-             empty: Allocate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def q5_k(
+        self, blocks: np.ndarray, in_features: int, empty: Allocate
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Q5_K rows → (qweight, scales, mins, high_bits) of a 5-bit Int4 packing in groups of 32."""
         return self.kernels.convert_q5_k(blocks, in_features, default_num_threads(), empty)
 
-    def to_int8(self, blocks: np.ndarray, gguf_type: int, in_features: int,
-                empty: Allocate) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def to_int8(
+        self, blocks: np.ndarray, gguf_type: int, in_features: int, empty: Allocate
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Rows of a type `converts_to_int8` takes → (qweight, scales) of an Int8 packing in groups of 32."""
         return self.kernels.convert_to_int8(blocks, gguf_type, in_features, default_num_threads(), empty)
 

@@ -43,9 +43,20 @@ from tokenriver.models.cpu import fast_path as cpu_fast_path
 from tokenriver.models.gemma import GemmaDecoderLayer
 from tokenriver.models.llama import LlamaDecoderLayer
 from tokenriver.models.moe import SparseMoeBlock
-from tokenriver.models.cpu.kernels import (ROUNDINGS, DecoderSpec, GreedyLoopSpec, LayerSpec, LinearSpec, MoeSpec,
-                                              NativeKernels, StepSpec, is_contiguous_f32, is_native_kv_pool,
-                                              kv_cache_format, load_kernels)
+from tokenriver.models.cpu.kernels import (
+    ROUNDINGS,
+    DecoderSpec,
+    GreedyLoopSpec,
+    LayerSpec,
+    LinearSpec,
+    MoeSpec,
+    NativeKernels,
+    StepSpec,
+    is_contiguous_f32,
+    is_native_kv_pool,
+    kv_cache_format,
+    load_kernels,
+)
 from tokenriver.models.phi3 import Phi3DecoderLayer
 from tokenriver.models.quant import Int4Linear, Int8Linear
 from tokenriver.models.qwen3 import Qwen3DecoderLayer
@@ -59,11 +70,20 @@ def linear_spec(linear: nn.Module) -> LinearSpec | None:
         return None
     is_int4 = isinstance(linear, Int4Linear)
     high_bits = linear.high_bits if is_int4 else None
-    return LinearSpec(linear.qweight.data_ptr(), linear.scales.data_ptr(), linear.mins.data_ptr() if is_int4 else None,
-                      None if high_bits is None else high_bits.data_ptr(),
-                      None if linear.bias is None else linear.bias.data_ptr(), linear.out_features,
-                      linear.in_features, linear.group_size, linear.max_gemv_rows, int(is_int4),
-                      int(linear.int8_activations), ROUNDINGS.index(linear.gemm_rounding))
+    return LinearSpec(
+        linear.qweight.data_ptr(),
+        linear.scales.data_ptr(),
+        linear.mins.data_ptr() if is_int4 else None,
+        None if high_bits is None else high_bits.data_ptr(),
+        None if linear.bias is None else linear.bias.data_ptr(),
+        linear.out_features,
+        linear.in_features,
+        linear.group_size,
+        linear.max_gemv_rows,
+        int(is_int4),
+        int(linear.int8_activations),
+        ROUNDINGS.index(linear.gemm_rounding),
+    )
 
 
 def _is_index_array(array: torch.Tensor) -> bool:
@@ -91,22 +111,39 @@ def _llama_parts(layer: LlamaDecoderLayer) -> LayerParts:
 
 def _qwen3_parts(layer: Qwen3DecoderLayer) -> LayerParts | None:
     attention = layer.self_attn
-    return LayerParts({"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.post_attention_layernorm,
-                       "q_norm": attention.q_norm, "k_norm": attention.k_norm}, window=attention.window)
+    return LayerParts(
+        {
+            "input_norm": layer.input_layernorm,
+            "pre_mlp_norm": layer.post_attention_layernorm,
+            "q_norm": attention.q_norm,
+            "k_norm": attention.k_norm,
+        },
+        window=attention.window,
+    )
 
 
 def _phi3_parts(layer: Phi3DecoderLayer) -> LayerParts:
-    return LayerParts({"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.post_attention_layernorm},
-                      window=layer.self_attn.window)
+    return LayerParts(
+        {"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.post_attention_layernorm},
+        window=layer.self_attn.window,
+    )
 
 
 def _gemma_parts(layer: GemmaDecoderLayer) -> LayerParts | None:
     attention = layer.self_attn
-    return LayerParts({"input_norm": layer.input_layernorm, "pre_mlp_norm": layer.pre_feedforward_layernorm,
-                       "q_norm": attention.q_norm, "k_norm": attention.k_norm,
-                       "attention_out_norm": layer.post_attention_layernorm,
-                       "mlp_out_norm": layer.post_feedforward_layernorm},
-                      norm_offset=1.0, window=attention.window, local_rope=layer.is_sliding)
+    return LayerParts(
+        {
+            "input_norm": layer.input_layernorm,
+            "pre_mlp_norm": layer.pre_feedforward_layernorm,
+            "q_norm": attention.q_norm,
+            "k_norm": attention.k_norm,
+            "attention_out_norm": layer.post_attention_layernorm,
+            "mlp_out_norm": layer.post_feedforward_layernorm,
+        },
+        norm_offset=1.0,
+        window=attention.window,
+        local_rope=layer.is_sliding,
+    )
 
 
 @dataclass(frozen=True)
@@ -136,14 +173,24 @@ def _moe_spec(moe: SparseMoeBlock, keep: list[object]) -> MoeSpec | None:
         return None
     gate_ups = [linear_spec(expert.gate_up_proj) for expert in moe.experts]
     downs = [linear_spec(expert.down_proj) for expert in moe.experts]
-    shared = [] if moe.shared_expert is None else [linear_spec(moe.shared_expert.gate_up_proj),
-                                                   linear_spec(moe.shared_expert.down_proj)]
+    shared = (
+        []
+        if moe.shared_expert is None
+        else [linear_spec(moe.shared_expert.gate_up_proj), linear_spec(moe.shared_expert.down_proj)]
+    )
     if any(spec is None for spec in (*gate_ups, *downs, *shared)):
         return None
     arrays = [(LinearSpec * len(gate_ups))(*gate_ups), (LinearSpec * len(downs))(*downs), *shared]
     keep.extend(arrays)
-    spec = MoeSpec(moe.gate.weight.data_ptr(), len(moe.experts), moe.top_k, int(moe.norm_topk_prob),
-                   moe.experts[0].down_proj.in_features, ctypes.addressof(arrays[0]), ctypes.addressof(arrays[1]))
+    spec = MoeSpec(
+        moe.gate.weight.data_ptr(),
+        len(moe.experts),
+        moe.top_k,
+        int(moe.norm_topk_prob),
+        moe.experts[0].down_proj.in_features,
+        ctypes.addressof(arrays[0]),
+        ctypes.addressof(arrays[1]),
+    )
     if moe.shared_expert is not None:
         spec.shared_gate_up, spec.shared_down = ctypes.addressof(arrays[2]), ctypes.addressof(arrays[3])
         spec.shared_intermediate_size = moe.shared_expert.down_proj.in_features
@@ -178,14 +225,23 @@ def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[
             return None
         projections = [linear_spec(attention.qkv_proj), linear_spec(attention.o_proj), LinearSpec(), LinearSpec()]
     else:
-        projections = [linear_spec(module) for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
-                                                             mlp.down_proj)]
+        projections = [
+            linear_spec(module) for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
     if any(spec is None for spec in projections):
         return None
-    return LayerSpec(norms["input_norm"], norms["pre_mlp_norm"], *projections, q_norm=norms.get("q_norm"),
-                     k_norm=norms.get("k_norm"), attention_out_norm=norms.get("attention_out_norm"),
-                     mlp_out_norm=norms.get("mlp_out_norm"), window=parts.window, local_rope=int(parts.local_rope),
-                     moe=None if moe is None else ctypes.addressof(moe))
+    return LayerSpec(
+        norms["input_norm"],
+        norms["pre_mlp_norm"],
+        *projections,
+        q_norm=norms.get("q_norm"),
+        k_norm=norms.get("k_norm"),
+        attention_out_norm=norms.get("attention_out_norm"),
+        mlp_out_norm=norms.get("mlp_out_norm"),
+        window=parts.window,
+        local_rope=int(parts.local_rope),
+        moe=None if moe is None else ctypes.addressof(moe),
+    )
 
 
 class NativeDecoder:
@@ -193,8 +249,14 @@ class NativeDecoder:
 
     threading: str = "auto"  # one of THREADINGS (module docstring)
 
-    def __init__(self, kernels: NativeKernels, layers: nn.ModuleList, specs: list[LayerSpec], layout: Layout,
-                 computed: list[object]) -> None:
+    def __init__(
+        self,
+        kernels: NativeKernels,
+        layers: nn.ModuleList,
+        specs: list[LayerSpec],
+        layout: Layout,
+        computed: list[object],
+    ) -> None:
         self._kernels = kernels
         self._layers = layers
         # Every tensor the specs point into, held by its storage (the computed norm weights too): a layer whose
@@ -206,14 +268,23 @@ class NativeDecoder:
         self._has_local_rope = layout.has_local_rope
         first = layers[0]
         attention = first.self_attn
-        self._decoder = DecoderSpec(self._specs, len(specs), attention.o_proj.out_features, attention.num_heads,
-                                    attention.num_kv_heads, attention.head_dim,
-                                    max((layer.mlp.down_proj.in_features for layer in layers
-                                         if not isinstance(layer.mlp, SparseMoeBlock)), default=0),
-                                    first.input_layernorm.eps, attention.scale,
-                                    ACTIVATIONS.index(layout.activation),
-                                    getattr(attention, "rotary_dim", attention.head_dim),
-                                    getattr(attention, "softcap", None) or 0.0)
+        self._decoder = DecoderSpec(
+            self._specs,
+            len(specs),
+            attention.o_proj.out_features,
+            attention.num_heads,
+            attention.num_kv_heads,
+            attention.head_dim,
+            max(
+                (layer.mlp.down_proj.in_features for layer in layers if not isinstance(layer.mlp, SparseMoeBlock)),
+                default=0,
+            ),
+            first.input_layernorm.eps,
+            attention.scale,
+            ACTIVATIONS.index(layout.activation),
+            getattr(attention, "rotary_dim", attention.head_dim),
+            getattr(attention, "softcap", None) or 0.0,
+        )
         self._step = StepSpec()
         # The cache the pointers below belong to, held weakly: binding a model must not keep an engine's pool alive.
         self._cache: weakref.ref[KVCache] | None = None
@@ -241,26 +312,37 @@ class NativeDecoder:
             specs.append(spec)
         return cls(kernels, layers, specs, layout, computed)
 
-    def supports(self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache,
-                 metadata: AttentionMetadata) -> bool:
+    def supports(
+        self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> bool:
         """Whether this step can run natively (see the module docstring)."""
         tables = [table for pair in self._rope_tables(rope) for table in pair]
         index_arrays = [metadata.slot_mapping, metadata.block_tables]
         index_arrays += [a for a in (metadata.kernel_queries, metadata.kernel_chunks) if a is not None]
-        return (hidden.dim() == 2 and is_contiguous_f32(hidden) and all(map(is_contiguous_f32, tables))
-                and all(table.numel() == hidden.shape[0] * (self._decoder.rotary_dim // 2) for table in tables)
-                and metadata.slot_mapping.shape[0] == hidden.shape[0]
-                and all(_is_index_array(a) for a in index_arrays) and self.supports_cache(kv_cache))
+        return (
+            hidden.dim() == 2
+            and is_contiguous_f32(hidden)
+            and all(map(is_contiguous_f32, tables))
+            and all(table.numel() == hidden.shape[0] * (self._decoder.rotary_dim // 2) for table in tables)
+            and metadata.slot_mapping.shape[0] == hidden.shape[0]
+            and all(_is_index_array(a) for a in index_arrays)
+            and self.supports_cache(kv_cache)
+        )
 
     def supports_cache(self, kv_cache: KVCache) -> bool:
         """Whether a step can run on this cache (one native pool per layer, of the stack's heads), autograd off."""
         key_cache, value_cache = kv_cache[0]
-        return (not torch.is_grad_enabled() and len(kv_cache) == len(self._specs)
-                and is_native_kv_pool(key_cache, value_cache) and key_cache.shape[2] == self._decoder.num_kv_heads
-                and head_dim_of(key_cache) == self._decoder.head_dim)
+        return (
+            not torch.is_grad_enabled()
+            and len(kv_cache) == len(self._specs)
+            and is_native_kv_pool(key_cache, value_cache)
+            and key_cache.shape[2] == self._decoder.num_kv_heads
+            and head_dim_of(key_cache) == self._decoder.head_dim
+        )
 
-    def __call__(self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache,
-                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden_size] (the embeddings); rope as the model's embed returns it → (last layer's MLP
         output, residual stream before it)."""
         out = torch.empty_like(hidden)  # [T, hidden]
@@ -309,7 +391,9 @@ class NativeDecoder:
         """Each layer's key and value pool addresses (a KVCache allocates its pools once, contiguous)."""
         if self._cache is None or self._cache() is not kv_cache:
             pointers = ctypes.c_void_p * len(kv_cache)
-            self._cache_pointers = (pointers(*(key.data_ptr() for key, _ in kv_cache.layers)),
-                                    pointers(*(value.data_ptr() for _, value in kv_cache.layers)))
+            self._cache_pointers = (
+                pointers(*(key.data_ptr() for key, _ in kv_cache.layers)),
+                pointers(*(value.data_ptr() for _, value in kv_cache.layers)),
+            )
             self._cache = weakref.ref(kv_cache)
         return self._cache_pointers

@@ -16,15 +16,26 @@ from torch import nn
 
 from tokenriver.config import default_num_threads
 from tokenriver.kv.cache import head_dim_of
-from tokenriver.models.cpu.kernels import (NativeKernels, Reductions, is_contiguous_f32, is_f32_rows,
-                                           is_native_kv_pool, load_kernels)
+from tokenriver.models.cpu.kernels import (
+    NativeKernels,
+    Reductions,
+    is_contiguous_f32,
+    is_f32_rows,
+    is_native_kv_pool,
+    load_kernels,
+)
 
 
 def _is_f32_heads(tensor: torch.Tensor) -> bool:
     """[T, heads, d] float32 on the CPU, each head's d values contiguous and the heads evenly spaced in each row:
     heads packed in a row, or the first d values of wider heads (a partial-rotary view)."""
-    return (tensor.dtype == torch.float32 and tensor.is_cpu and tensor.dim() == 3 and tensor.stride(2) == 1
-            and tensor.stride(1) >= tensor.shape[2])
+    return (
+        tensor.dtype == torch.float32
+        and tensor.is_cpu
+        and tensor.dim() == 3
+        and tensor.stride(2) == 1
+        and tensor.stride(1) >= tensor.shape[2]
+    )
 
 
 class CpuFastPath:
@@ -35,10 +46,16 @@ class CpuFastPath:
 
     # ----- a layer's small ops (ops.cpp) -----------------------------------------------------------------------
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None) -> torch.Tensor | None:
-        if (x.dim() == 2 and is_contiguous_f32(x) and is_contiguous_f32(weight) and weight.shape == x.shape[1:]
-                and (residual is None or (is_contiguous_f32(residual) and residual.shape == x.shape))):
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if (
+            x.dim() == 2
+            and is_contiguous_f32(x)
+            and is_contiguous_f32(weight)
+            and weight.shape == x.shape[1:]
+            and (residual is None or (is_contiguous_f32(residual) and residual.shape == x.shape))
+        ):
             return self.kernels.rms_norm(x, weight, eps, residual)
         return None
 
@@ -46,8 +63,14 @@ class CpuFastPath:
         if not (_is_f32_heads(query) and _is_f32_heads(key) and is_contiguous_f32(cos) and is_contiguous_f32(sin)):
             return False
         num_tokens, _, rotary_dim = query.shape
-        if (cos.shape == sin.shape and cos.shape[0] == num_tokens and 2 * cos.shape[-1] == rotary_dim
-                and key.shape[0] == num_tokens and key.shape[2] == rotary_dim and key.stride(1) == query.stride(1)):
+        if (
+            cos.shape == sin.shape
+            and cos.shape[0] == num_tokens
+            and 2 * cos.shape[-1] == rotary_dim
+            and key.shape[0] == num_tokens
+            and key.shape[2] == rotary_dim
+            and key.stride(1) == query.stride(1)
+        ):
             self.kernels.rotary_(query, key, cos, sin)
             return True
         return False
@@ -61,26 +84,51 @@ class CpuFastPath:
 
     # ----- attention (attention.cpp) ---------------------------------------------------------------------------
 
-    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor], metadata, scale: float, window: int,
-                        softcap: float | None) -> torch.Tensor | None:
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata,
+        scale: float,
+        window: int,
+        softcap: float | None,
+    ) -> torch.Tensor | None:
         """The whole step in one call: every token's keys and values written, then the requests with at most
         MAX_KERNEL_QUERY_LEN new tokens (decodes, short verification) attend token by token, reading their blocks in
         place with an online softmax in float32 (a long context split across threads and merged), and prompt chunks
         through the same kernel's flash loop over their blocks, causally. Both visit a context's tiles from position
         0 in fixed steps, so a token's result depends only on which of the two computes it, never on its batch."""
         key_cache, value_cache = kv_cache
-        if not (is_native_kv_pool(key_cache, value_cache) and is_f32_rows(query) and is_f32_rows(key)
-                and is_f32_rows(value)):
+        if not (
+            is_native_kv_pool(key_cache, value_cache) and is_f32_rows(query) and is_f32_rows(key) and is_f32_rows(value)
+        ):
             return None
         num_kv_heads, head_dim = key_cache.shape[2], head_dim_of(key_cache)
-        if (head_dim not in self.kernels.attention_head_dims or query.shape[2] != head_dim
-                or key.shape[1:] != (num_kv_heads, head_dim) or value.shape[1:] != (num_kv_heads, head_dim)):
+        if (
+            head_dim not in self.kernels.attention_head_dims
+            or query.shape[2] != head_dim
+            or key.shape[1:] != (num_kv_heads, head_dim)
+            or value.shape[1:] != (num_kv_heads, head_dim)
+        ):
             return None
         output = torch.empty(query.shape, dtype=query.dtype)  # [num_tokens, num_heads, head_dim]
-        self.kernels.paged_attention(query, key, value, metadata.slot_mapping, key_cache, value_cache,
-                                     metadata.block_tables, metadata.kernel_queries, metadata.kernel_chunks, scale,
-                                     output, window, softcap)
+        self.kernels.paged_attention(
+            query,
+            key,
+            value,
+            metadata.slot_mapping,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.kernel_queries,
+            metadata.kernel_chunks,
+            scale,
+            output,
+            window,
+            softcap,
+        )
         return output
 
     # ----- sampling's reductions and a mixture of experts' routing (ops.cpp, reductions.h) ---------------------
@@ -92,10 +140,12 @@ class CpuFastPath:
         """Whether a mixture of experts' gates route here (as the native decoder routes): float32 gates without bias
         (the loader keeps them float, as llama.cpp does), at most MAX_EXPERTS experts."""
         return num_experts <= self.kernels.MAX_EXPERTS and all(
-            type(g) is nn.Linear and g.bias is None and is_contiguous_f32(g.weight) for g in gates)
+            type(g) is nn.Linear and g.bias is None and is_contiguous_f32(g.weight) for g in gates
+        )
 
-    def moe_route(self, x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
-                  normalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def moe_route(
+        self, x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if x.dim() != 2 or not is_contiguous_f32(x):
             return None
         return self.kernels.moe_route(self.kernels.row_dots(x, gate_weight), top_k, normalize)
@@ -106,7 +156,7 @@ class CpuFastPath:
     # ----- packed weights (gemv.cpp, gemm.cpp, gemm_amx.cpp, convert.cpp) --------------------------------------
 
     def gemm_rounding(self, rounded_arithmetic: bool, in_features: int) -> str | None:
-        """"bfloat16" where this CPU has AMX tiles, "int8" where it has AVX512-VNNI, else None (exact float32); None
+        """ "bfloat16" where this CPU has AMX tiles, "int8" where it has AVX512-VNNI, else None (exact float32); None
         unless asked for. Both kernels take the columns in runs of 32."""
         if not rounded_arithmetic or in_features % 32:
             return None
@@ -121,8 +171,14 @@ class CpuFastPath:
         """quant.quantize_int8's codes and scales for groups of 32 on float32 rows, in one pass."""
         return self.kernels.quantize_int8_groups(weight.detach().float().contiguous(), default_num_threads())
 
-    def dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-                   high_bits: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        group_size: int,
+        high_bits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The float32 weight [N, K] of an Int4 (with mins) or Int8 (mins None) packing: the values of quant.py's
         dequantize_int4 / dequantize_int8, in one call."""
         if mins is None:
@@ -142,22 +198,31 @@ class NativePacked:
         self.group_size = layer.group_size
         self.is_int4 = layer.qweight.dtype == torch.uint8
         # (qweight, scales, mins, high_bits) of an Int4 packing, (qweight, scales) of an Int8 one.
-        self.tensors = ((layer.qweight, layer.scales, layer.mins, layer.high_bits) if self.is_int4
-                        else (layer.qweight, layer.scales))
+        self.tensors = (
+            (layer.qweight, layer.scales, layer.mins, layer.high_bits)
+            if self.is_int4
+            else (layer.qweight, layer.scales)
+        )
         self.gemv = self._bind("int8" if layer.int8_activations else None, many_rows=False)
         self.gemm = self._bind(layer.gemm_rounding, many_rows=True)
         self.argmax = None
         if layer.gemm_rounding is not None:
             kind = "int4" if self.is_int4 else "int8"
             *weight, high_bits = self.tensors if self.is_int4 else (*self.tensors, None)
-            self.argmax = kernels.bind_argmax(kind, layer.gemm_rounding, *weight, self.group_size,
-                                              **({"high_bits": high_bits} if self.is_int4 else {}))
+            self.argmax = kernels.bind_argmax(
+                kind,
+                layer.gemm_rounding,
+                *weight,
+                self.group_size,
+                **({"high_bits": high_bits} if self.is_int4 else {}),
+            )
 
     def _bind(self, rounding: str | None, many_rows: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.is_int4:
             qweight, scales, mins, high_bits = self.tensors
-            return self.kernels.bind_int4(qweight, scales, mins, self.group_size, rounding, many_rows=many_rows,
-                                          high_bits=high_bits)
+            return self.kernels.bind_int4(
+                qweight, scales, mins, self.group_size, rounding, many_rows=many_rows, high_bits=high_bits
+            )
         qweight, scales = self.tensors
         return self.kernels.bind_int8(qweight, scales, self.group_size, rounding, many_rows=many_rows)
 

@@ -36,18 +36,34 @@ PassReductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class GreedyLoop:
     """A model's embedding, rotary tables, final norm and output projection, bound once for its greedy passes."""
 
-    def __init__(self, native: NativeDecoder, decoder: nn.Module, table: LinearSpec | None,
-                 float_table: torch.Tensor | None, vocab_size: int, embed_scale: float, final_norm: torch.Tensor,
-                 eps: float, lm_head: LinearSpec, lm_head_rows: int, keep: list[object]) -> None:
+    def __init__(
+        self,
+        native: NativeDecoder,
+        decoder: nn.Module,
+        table: LinearSpec | None,
+        float_table: torch.Tensor | None,
+        vocab_size: int,
+        embed_scale: float,
+        final_norm: torch.Tensor,
+        eps: float,
+        lm_head: LinearSpec,
+        lm_head_rows: int,
+        keep: list[object],
+    ) -> None:
         self._native = native
         self._rotary = (decoder.rotary_emb, getattr(decoder, "rotary_emb_local", None))
         self._linears = (table, lm_head)  # the structures the spec's pointers point to
         self.max_rows = lm_head_rows  # more rows take the output projection's GEMM, which the loop does not run
         self._keep = keep  # every tensor the specs point into
-        self._spec = GreedyLoopSpec(None if table is None else ctypes.pointer(table),
-                                    None if float_table is None else float_table.data_ptr(), vocab_size, embed_scale,
-                                    final_norm=final_norm.data_ptr(), final_norm_eps=eps,
-                                    lm_head=ctypes.pointer(lm_head))
+        self._spec = GreedyLoopSpec(
+            None if table is None else ctypes.pointer(table),
+            None if float_table is None else float_table.data_ptr(),
+            vocab_size,
+            embed_scale,
+            final_norm=final_norm.data_ptr(),
+            final_norm_eps=eps,
+            lm_head=ctypes.pointer(lm_head),
+        )
 
     @classmethod
     def build(cls, model: nn.Module, native: NativeDecoder) -> GreedyLoop | None:
@@ -79,22 +95,41 @@ class GreedyLoop:
             return None
         lm_head = model.lm_head
         head = linear_spec(lm_head)
-        if (head is None or lm_head.bias is not None or not is_contiguous_f32(final_norm)
-                or getattr(model.config, "final_logit_softcapping", None) is not None):
+        if (
+            head is None
+            or lm_head.bias is not None
+            or not is_contiguous_f32(final_norm)
+            or getattr(model.config, "final_logit_softcapping", None) is not None
+        ):
             return None
         keep += [final_norm, lm_head]
-        return cls(native, decoder, table, float_table, vocab_size, float(getattr(decoder, "embed_scale", 0.0)),
-                   final_norm, norm.eps, head, lm_head.max_gemv_rows, keep)
+        return cls(
+            native,
+            decoder,
+            table,
+            float_table,
+            vocab_size,
+            float(getattr(decoder, "embed_scale", 0.0)),
+            final_norm,
+            norm.eps,
+            head,
+            lm_head.max_gemv_rows,
+            keep,
+        )
 
-    def run(self, num_passes: int, token_ids: list[int], positions: list[int], block_tables: torch.Tensor,
-            kv_cache: KVCache) -> PassReductions:
+    def run(
+        self, num_passes: int, token_ids: list[int], positions: list[int], block_tables: torch.Tensor, kv_cache: KVCache
+    ) -> PassReductions:
         """num_passes greedy passes of len(token_ids) one-token requests: pass p decodes, for request b, token_ids[b]
         (p = 0) or its argmax of pass p - 1, at position positions[b] + p, its slots in block_tables [B, max_blocks]
         int64 (which must cover every pass). The reductions of the passes it finished ([finished, B] each)."""
         num_rows = len(token_ids)
         cos, sin = self._rotary[0].tables(max(positions) + num_passes, torch.device("cpu"))
-        local_cos, local_sin = (cos, sin) if self._rotary[1] is None else self._rotary[1].tables(
-            max(positions) + num_passes, torch.device("cpu"))
+        local_cos, local_sin = (
+            (cos, sin)
+            if self._rotary[1] is None
+            else self._rotary[1].tables(max(positions) + num_passes, torch.device("cpu"))
+        )
         first_tokens = torch.tensor(token_ids, dtype=torch.int64)  # [B]
         first_positions = torch.tensor(positions, dtype=torch.int64)  # [B]
         argmax = torch.empty(num_passes, num_rows, dtype=torch.int64)  # [P, B]

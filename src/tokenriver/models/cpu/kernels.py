@@ -39,9 +39,10 @@ from tokenriver.models.buffers import Allocate, heap_empty
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent / "csrc"
-SOURCES = tuple(KERNELS_DIR / name
-                for name in ("gemv.cpp", "gemm.cpp", "gemm_amx.cpp", "ops.cpp", "attention.cpp", "decoder.cpp",
-                             "convert.cpp"))
+SOURCES = tuple(
+    KERNELS_DIR / name
+    for name in ("gemv.cpp", "gemm.cpp", "gemm_amx.cpp", "ops.cpp", "attention.cpp", "decoder.cpp", "convert.cpp")
+)
 HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "gemm_amx.h", KERNELS_DIR / "reductions.h")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
@@ -79,8 +80,9 @@ def _build(compiler: str, flags: set[str]) -> Path:
     """Compile the sources unless a build of these exact sources for this CPU and compiler is cached."""
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(COMPILE_FLAGS).encode()
-                         + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        source + version.encode() + " ".join(COMPILE_FLAGS).encode() + " ".join(sorted(flags)).encode()
+    ).hexdigest()[:16]
     target = _cache_dir() / f"tokenriver-{key}.so"
     if target.exists():
         return target
@@ -88,8 +90,9 @@ def _build(compiler: str, flags: set[str]) -> Path:
     # Build next to the target and rename: two processes building at once each publish a whole file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / "tokenriver.so"
-        subprocess.run([compiler, *COMPILE_FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
-                       text=True, check=True)
+        subprocess.run(
+            [compiler, *COMPILE_FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True, check=True
+        )
         os.replace(built, target)
     return target
 
@@ -116,8 +119,14 @@ def kv_cache_format(pool: torch.Tensor) -> int:
 def is_native_kv_pool(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """A layer's key and value pools as the native attention reads them: contiguous CPU tensors of the same dtype,
     float32, float16 or int8 (kv/cache.py's formats)."""
-    return (key_cache.dtype in NATIVE_KV_CACHE_DTYPES and value_cache.dtype == key_cache.dtype and key_cache.is_cpu
-            and value_cache.is_cpu and key_cache.is_contiguous() and value_cache.is_contiguous())
+    return (
+        key_cache.dtype in NATIVE_KV_CACHE_DTYPES
+        and value_cache.dtype == key_cache.dtype
+        and key_cache.is_cpu
+        and value_cache.is_cpu
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+    )
 
 
 def _is_int64_array(tensor: torch.Tensor) -> bool:
@@ -131,61 +140,135 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 class LinearSpec(ctypes.Structure):
     """A quantized linear layer: weight pointers, sizes, and which product runs it (decoder.cpp's Linear)."""
 
-    _fields_ = [("qweight", _ptr), ("scales", _ptr), ("mins", _ptr), ("high_bits", _ptr), ("bias", _ptr),
-                ("out_features", _i64),
-                ("in_features", _i64), ("group_size", _i64), ("max_gemv_rows", _i64), ("is_int4", ctypes.c_int32),
-                ("int8_activations", ctypes.c_int32), ("gemm_rounding", ctypes.c_int32)]
+    _fields_ = [
+        ("qweight", _ptr),
+        ("scales", _ptr),
+        ("mins", _ptr),
+        ("high_bits", _ptr),
+        ("bias", _ptr),
+        ("out_features", _i64),
+        ("in_features", _i64),
+        ("group_size", _i64),
+        ("max_gemv_rows", _i64),
+        ("is_int4", ctypes.c_int32),
+        ("int8_activations", ctypes.c_int32),
+        ("gemm_rounding", ctypes.c_int32),
+    ]
 
 
 class LayerSpec(ctypes.Structure):
     """One decoder layer's norm weights, projections and attention options (decoder.cpp's Layer; the parts after
     `down` are null or 0 where a layer has none)."""
 
-    _fields_ = [("input_norm", _ptr), ("pre_mlp_norm", _ptr), ("qkv", LinearSpec), ("o", LinearSpec),
-                ("gate_up", LinearSpec), ("down", LinearSpec), ("q_norm", _ptr), ("k_norm", _ptr),
-                ("attention_out_norm", _ptr), ("mlp_out_norm", _ptr), ("window", _i64),
-                ("local_rope", ctypes.c_int32), ("moe", _ptr)]
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("pre_mlp_norm", _ptr),
+        ("qkv", LinearSpec),
+        ("o", LinearSpec),
+        ("gate_up", LinearSpec),
+        ("down", LinearSpec),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("attention_out_norm", _ptr),
+        ("mlp_out_norm", _ptr),
+        ("window", _i64),
+        ("local_rope", ctypes.c_int32),
+        ("moe", _ptr),
+    ]
 
 
 class MoeSpec(ctypes.Structure):
     """A mixture-of-experts MLP (decoder.cpp's Moe): float32 router and shared gate, per-expert projections as
     arrays of LinearSpec, the shared expert's as pointers to one each (null without one)."""
 
-    _fields_ = [("router", _ptr), ("num_experts", _i64), ("top_k", _i64), ("normalize", ctypes.c_int32),
-                ("intermediate_size", _i64), ("gate_ups", _ptr), ("downs", _ptr), ("shared_gate_up", _ptr),
-                ("shared_down", _ptr), ("shared_intermediate_size", _i64), ("shared_gate", _ptr)]
+    _fields_ = [
+        ("router", _ptr),
+        ("num_experts", _i64),
+        ("top_k", _i64),
+        ("normalize", ctypes.c_int32),
+        ("intermediate_size", _i64),
+        ("gate_ups", _ptr),
+        ("downs", _ptr),
+        ("shared_gate_up", _ptr),
+        ("shared_down", _ptr),
+        ("shared_intermediate_size", _i64),
+        ("shared_gate", _ptr),
+    ]
 
 
 class DecoderSpec(ctypes.Structure):
     """The stack: its layers and shapes (decoder.cpp's Decoder)."""
 
-    _fields_ = [("layers", ctypes.POINTER(LayerSpec)), ("num_layers", _i64), ("hidden_size", _i64),
-                ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate_size", _i64),
-                ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int32),
-                ("rotary_dim", _i64), ("softcap", ctypes.c_float)]
+    _fields_ = [
+        ("layers", ctypes.POINTER(LayerSpec)),
+        ("num_layers", _i64),
+        ("hidden_size", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate_size", _i64),
+        ("rms_norm_eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("activation", ctypes.c_int32),
+        ("rotary_dim", _i64),
+        ("softcap", ctypes.c_float),
+    ]
 
 
 class StepSpec(ctypes.Structure):
     """One step's activations, positions, cache and attention metadata (decoder.cpp's Step)."""
 
-    _fields_ = [("hidden", _ptr), ("out", _ptr), ("residual", _ptr), ("num_tokens", _i64), ("cos", _ptr),
-                ("sin", _ptr), ("local_cos", _ptr), ("local_sin", _ptr), ("slots", _ptr), ("block_tables", _ptr),
-                ("num_requests", _i64), ("max_blocks", _i64), ("queries", _ptr), ("num_queries", _i64),
-                ("chunks", _ptr), ("num_chunks", _i64), ("key_caches", _ptr), ("value_caches", _ptr),
-                ("num_blocks", _i64), ("block_size", _i64), ("num_threads", ctypes.c_int32),
-                ("kv_cache_format", ctypes.c_int32), ("threading", ctypes.c_int32)]
+    _fields_ = [
+        ("hidden", _ptr),
+        ("out", _ptr),
+        ("residual", _ptr),
+        ("num_tokens", _i64),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("local_cos", _ptr),
+        ("local_sin", _ptr),
+        ("slots", _ptr),
+        ("block_tables", _ptr),
+        ("num_requests", _i64),
+        ("max_blocks", _i64),
+        ("queries", _ptr),
+        ("num_queries", _i64),
+        ("chunks", _ptr),
+        ("num_chunks", _i64),
+        ("key_caches", _ptr),
+        ("value_caches", _ptr),
+        ("num_blocks", _i64),
+        ("block_size", _i64),
+        ("num_threads", ctypes.c_int32),
+        ("kv_cache_format", ctypes.c_int32),
+        ("threading", ctypes.c_int32),
+    ]
 
 
 class GreedyLoopSpec(ctypes.Structure):
     """Greedy passes of a multi-step decode: the embedding, rotary tables, final norm and output projection the
     passes run around the stack, their first tokens and positions, and their outputs (decoder.cpp's GreedyLoop)."""
 
-    _fields_ = [("table", ctypes.POINTER(LinearSpec)), ("float_table", _ptr), ("vocab_size", _i64),
-                ("embed_scale", ctypes.c_float), ("cos_table", _ptr), ("sin_table", _ptr), ("local_cos_table", _ptr),
-                ("local_sin_table", _ptr), ("num_positions", _i64), ("final_norm", _ptr),
-                ("final_norm_eps", ctypes.c_float), ("lm_head", ctypes.POINTER(LinearSpec)), ("num_passes", _i64),
-                ("first_tokens", _ptr), ("first_positions", _ptr), ("tokens", _ptr), ("max_logits", _ptr),
-                ("log_normalizers", _ptr)]
+    _fields_ = [
+        ("table", ctypes.POINTER(LinearSpec)),
+        ("float_table", _ptr),
+        ("vocab_size", _i64),
+        ("embed_scale", ctypes.c_float),
+        ("cos_table", _ptr),
+        ("sin_table", _ptr),
+        ("local_cos_table", _ptr),
+        ("local_sin_table", _ptr),
+        ("num_positions", _i64),
+        ("final_norm", _ptr),
+        ("final_norm_eps", ctypes.c_float),
+        ("lm_head", ctypes.POINTER(LinearSpec)),
+        ("num_passes", _i64),
+        ("first_tokens", _ptr),
+        ("first_positions", _ptr),
+        ("tokens", _ptr),
+        ("max_logits", _ptr),
+        ("log_normalizers", _ptr),
+    ]
 
 
 class NativeKernels:
@@ -200,9 +283,12 @@ class NativeKernels:
         int4_args = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]  # qweight, scales, mins, high bits...
         int8_args = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]
         signatures = {
-            "int4_linear_f32": (int4_args, None), "int4_linear_int8x": (int4_args, None),
-            "int8_linear_f32": (int8_args, None), "int8_linear_int8x": (int8_args, None),
-            "int4_gemm_f32": (int4_args, None), "int8_gemm_f32": (int8_args, None),
+            "int4_linear_f32": (int4_args, None),
+            "int4_linear_int8x": (int4_args, None),
+            "int8_linear_f32": (int8_args, None),
+            "int8_linear_int8x": (int8_args, None),
+            "int4_gemm_f32": (int4_args, None),
+            "int8_gemm_f32": (int8_args, None),
             "int4_dequantize": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
             "int8_dequantize": ([ptr, ptr, i64, i64, i64, ptr, c_int], None),
             "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
@@ -220,12 +306,44 @@ class NativeKernels:
             "moe_route_f32": ([ptr, i64, i64, i64, c_int, ptr, ptr, c_int], None),
             "sigmoid_gate_f32": ([ptr, i64, i64, ptr, ptr, c_int], None),
             "decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
-            "decoder_greedy_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec),
-                                    ctypes.POINTER(GreedyLoopSpec)], c_int),
-            "paged_attention_window_f32": ([ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                                            ptr, i64, i64, ptr, i64, ptr, i64, c_float, i64, c_float, ptr, i64, c_int,
-                                            c_int],
-                                           c_int),
+            "decoder_greedy_f32": (
+                [ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec), ctypes.POINTER(GreedyLoopSpec)],
+                c_int,
+            ),
+            "paged_attention_window_f32": (
+                [
+                    ptr,
+                    i64,
+                    i64,
+                    ptr,
+                    i64,
+                    ptr,
+                    i64,
+                    ptr,
+                    ptr,
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    ptr,
+                    i64,
+                    i64,
+                    ptr,
+                    i64,
+                    ptr,
+                    i64,
+                    c_float,
+                    i64,
+                    c_float,
+                    ptr,
+                    i64,
+                    c_int,
+                    c_int,
+                ],
+                c_int,
+            ),
         }
         self._functions = {}
         for name, (argtypes, restype) in signatures.items():
@@ -245,12 +363,19 @@ class NativeKernels:
         int8_argmax_args = int8_args[:-2] + [ptr, ptr, ptr, c_int]
         rounded = []
         if self.gemm_int8:
-            rounded += [("int4_gemm_int8x", int4_args, None), ("int8_gemm_int8x", int8_args, None),
-                        ("int4_argmax_int8x", int4_argmax_args, i64), ("int8_argmax_int8x", int8_argmax_args, i64)]
+            rounded += [
+                ("int4_gemm_int8x", int4_args, None),
+                ("int8_gemm_int8x", int8_args, None),
+                ("int4_argmax_int8x", int4_argmax_args, i64),
+                ("int8_argmax_int8x", int8_argmax_args, i64),
+            ]
         if self.gemm_amx:
-            rounded += [("int4_gemm_bf16_amx", int4_args, None), ("int8_gemm_bf16_amx", int8_args, None),
-                        ("int4_argmax_bf16_amx", int4_argmax_args, i64),
-                        ("int8_argmax_bf16_amx", int8_argmax_args, i64)]
+            rounded += [
+                ("int4_gemm_bf16_amx", int4_args, None),
+                ("int8_gemm_bf16_amx", int8_args, None),
+                ("int4_argmax_bf16_amx", int4_argmax_args, i64),
+                ("int8_argmax_bf16_amx", int8_argmax_args, i64),
+            ]
         for name, argtypes, restype in rounded:
             function = getattr(library, name)
             function.argtypes = argtypes
@@ -272,8 +397,9 @@ class NativeKernels:
         if rounding not in ROUNDINGS or (rounding == "bfloat16" and not many_rows):
             raise ValueError(f"rounding must be one of {ROUNDINGS} (bfloat16 only with many_rows), got {rounding!r}")
         if many_rows and rounding == "int8" and not self.gemm_int8:
-            raise ValueError("the many-row product rounds activations to int8 only on CPUs with AVX512-VNNI; "
-                             "check gemm_int8 first")
+            raise ValueError(
+                "the many-row product rounds activations to int8 only on CPUs with AVX512-VNNI; check gemm_int8 first"
+            )
         if rounding == "bfloat16" and not self.gemm_amx:
             raise ValueError("the bfloat16 many-row product runs only on CPUs with AMX tiles; check gemm_amx first")
         if many_rows:
@@ -281,9 +407,16 @@ class NativeKernels:
             return self._functions[f"{kind}_gemm_{suffix}"]
         return self._functions[f"{kind}_linear_{'int8x' if rounding else 'f32'}"]
 
-    def bind_int4(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                  rounding: str | None = None, many_rows: bool = False,
-                  high_bits: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    def bind_int4(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        group_size: int,
+        rounding: str | None = None,
+        many_rows: bool = False,
+        high_bits: torch.Tensor | None = None,
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [M, K] float32 ↦ x @ dequantized int4 weight [N, K]ᵀ, [M, N] float32.
 
         rounding "int8" rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact; K and
@@ -295,8 +428,15 @@ class NativeKernels:
         """
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
         function = self._product("int4", rounding, many_rows)
-        weight = (qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(),
-                  None if high_bits is None else high_bits.data_ptr(), out_features, in_features, group_size)
+        weight = (
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            mins.data_ptr(),
+            None if high_bits is None else high_bits.data_ptr(),
+            out_features,
+            in_features,
+            group_size,
+        )
         tensors = (qweight, scales, mins, high_bits)
 
         def linear(x: torch.Tensor) -> torch.Tensor:
@@ -307,8 +447,14 @@ class NativeKernels:
         linear.tensors = tensors  # the closure holds raw pointers: keep the tensors they point into alive
         return linear
 
-    def bind_int8(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                  rounding: str | None = None, many_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    def bind_int8(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        group_size: int,
+        rounding: str | None = None,
+        many_rows: bool = False,
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [M, K] float32 ↦ x @ dequantized int8 weight [N, K]ᵀ, [M, N] float32 (options as in bind_int4)."""
         out_features, in_features = qweight.shape
         function = self._product("int8", rounding, many_rows)
@@ -323,8 +469,9 @@ class NativeKernels:
         linear.tensors = tensors  # the closure holds raw pointers: keep the tensors they point into alive
         return linear
 
-    def bind_argmax(self, kind: str, rounding: str, *weight: torch.Tensor | int,
-                    high_bits: torch.Tensor | None = None) -> Callable[[torch.Tensor], Reductions | None]:
+    def bind_argmax(
+        self, kind: str, rounding: str, *weight: torch.Tensor | int, high_bits: torch.Tensor | None = None
+    ) -> Callable[[torch.Tensor], Reductions | None]:
         """x [M, K] float32 ↦ per row of y = x @ Wᵀ, computed as bind_int4 / bind_int8 with this rounding and
         many_rows compute it (the same values): its argmax (first of equal maxima, as torch.argmax), largest value
         and log(sum(exp(row))), without writing y (reductions.h). Or None when some value of y is NaN or infinite,
@@ -355,29 +502,57 @@ class NativeKernels:
             argmax = torch.empty(num_rows, dtype=torch.int64)  # [M]
             max_values = torch.empty(num_rows, dtype=torch.float32)  # [M]
             lse = torch.empty(num_rows, dtype=torch.float32)  # [M]
-            not_finite = function(*arguments, x.data_ptr(), num_rows, argmax.data_ptr(), max_values.data_ptr(),
-                                  lse.data_ptr(), torch.get_num_threads())
+            not_finite = function(
+                *arguments,
+                x.data_ptr(),
+                num_rows,
+                argmax.data_ptr(),
+                max_values.data_ptr(),
+                lse.data_ptr(),
+                torch.get_num_threads(),
+            )
             return (argmax, max_values, lse) if not_finite == 0 else None
 
         reductions.tensors = tuple(tensors)  # the closure holds raw pointers: keep the tensors alive
         return reductions
 
-    def int4_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                        group_size: int, high_bits: torch.Tensor | None = None) -> torch.Tensor:
+    def int4_dequantize(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        group_size: int,
+        high_bits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The float32 weight [N, K], decoded as the products decode it."""
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
         out = torch.empty(out_features, in_features, dtype=torch.float32)  # [N, K]
-        self._functions["int4_dequantize"](qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(),
-                                           None if high_bits is None else high_bits.data_ptr(), out_features,
-                                           in_features, group_size, out.data_ptr(), torch.get_num_threads())
+        self._functions["int4_dequantize"](
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            mins.data_ptr(),
+            None if high_bits is None else high_bits.data_ptr(),
+            out_features,
+            in_features,
+            group_size,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         return out
 
     def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
         """The float32 weight [N, K]."""
         out_features, in_features = qweight.shape
         out = torch.empty(out_features, in_features, dtype=torch.float32)  # [N, K]
-        self._functions["int8_dequantize"](qweight.data_ptr(), scales.data_ptr(), out_features, in_features,
-                                           group_size, out.data_ptr(), torch.get_num_threads())
+        self._functions["int8_dequantize"](
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            out_features,
+            in_features,
+            group_size,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         return out
 
     # GGUF blocks → packed weights (convert.cpp): the loader's fast path for loader/gguf_blocks.py's rules.
@@ -386,15 +561,17 @@ class NativeKernels:
         """Whether convert_to_int8 takes this GGUF type code (Q8_0, Q2_K, Q3_K, Q6_K, IQ4_NL, IQ4_XS)."""
         return bool(self._functions["convert_to_int8_supports"](gguf_type))
 
-    def convert_to_int8(self, blocks: np.ndarray, gguf_type: int, in_features: int, num_threads: int,
-                        empty: Allocate = heap_empty) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def convert_to_int8(
+        self, blocks: np.ndarray, gguf_type: int, in_features: int, num_threads: int, empty: Allocate = heap_empty
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A GGUF matrix's bytes [N, row bytes] uint8 (C-contiguous, e.g. a view of the mapped file) → int8 codes
         [N, K] and float16 scales [N, K / 32], made by `empty`; None if a scale is not finite in float16."""
         num_rows = blocks.shape[0]
         q = empty((num_rows, in_features), torch.int8)  # [N, K]
         scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
-        status = self._functions["convert_to_int8"](blocks.ctypes.data, gguf_type, num_rows, in_features,
-                                                    q.data_ptr(), scales.data_ptr(), num_threads)
+        status = self._functions["convert_to_int8"](
+            blocks.ctypes.data, gguf_type, num_rows, in_features, q.data_ptr(), scales.data_ptr(), num_threads
+        )
         return None if status else (q, scales)
 
     # A mixture of experts' routing (ops.cpp), shared by the model page and the native decoder so that both pick
@@ -405,8 +582,15 @@ class NativeKernels:
     def row_dots(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight [N, K]ᵀ → [M, N] in one fixed summation order (a router's logits)."""
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [M, N]
-        self._functions["row_dots_f32"](x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
-                                        out.data_ptr(), torch.get_num_threads())
+        self._functions["row_dots_f32"](
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            weight.data_ptr(),
+            weight.shape[0],
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         return out
 
     def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,15 +600,24 @@ class NativeKernels:
             raise ValueError(f"moe_route: top_k {top_k} of {logits.shape[1]} experts (at most {self.MAX_EXPERTS})")
         experts = torch.empty(logits.shape[0], top_k, dtype=torch.int64)  # [M, top_k]
         weights = torch.empty(logits.shape[0], top_k, dtype=torch.float32)  # [M, top_k]
-        self._functions["moe_route_f32"](logits.data_ptr(), logits.shape[0], logits.shape[1], top_k, int(normalize),
-                                         experts.data_ptr(), weights.data_ptr(), torch.get_num_threads())
+        self._functions["moe_route_f32"](
+            logits.data_ptr(),
+            logits.shape[0],
+            logits.shape[1],
+            top_k,
+            int(normalize),
+            experts.data_ptr(),
+            weights.data_ptr(),
+            torch.get_num_threads(),
+        )
         return experts, weights
 
     def sigmoid_gate(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """sigmoid(x [M, K] . weight [K]) → [M, 1] (Qwen2-MoE's shared-expert gate)."""
         out = torch.empty(x.shape[0], 1, dtype=torch.float32)  # [M, 1]
-        self._functions["sigmoid_gate_f32"](x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), out.data_ptr(),
-                                            torch.get_num_threads())
+        self._functions["sigmoid_gate_f32"](
+            x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), out.data_ptr(), torch.get_num_threads()
+        )
         return out
 
     def quantize_int8_groups(self, weight: torch.Tensor, num_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,24 +626,42 @@ class NativeKernels:
         num_rows, in_features = weight.shape
         q = torch.empty(num_rows, in_features, dtype=torch.int8)  # [N, K]
         scales = torch.empty(num_rows, in_features // 32, dtype=torch.float16)  # [N, K / 32]
-        self._functions["quantize_int8_groups"](weight.data_ptr(), num_rows, in_features, q.data_ptr(),
-                                                scales.data_ptr(), num_threads)
+        self._functions["quantize_int8_groups"](
+            weight.data_ptr(), num_rows, in_features, q.data_ptr(), scales.data_ptr(), num_threads
+        )
         return q, scales
 
-    def convert_q4_k(self, blocks: np.ndarray, in_features: int, num_threads: int, empty: Allocate = heap_empty,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def convert_q4_k(
+        self,
+        blocks: np.ndarray,
+        in_features: int,
+        num_threads: int,
+        empty: Allocate = heap_empty,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Q4_K bytes [N, K / 256 * 144] uint8 (C-contiguous) → nibbles [N, K / 2], float16 scales and mins
         [N, K / 32], made by `empty`; None if one is not finite in float16."""
         num_rows = blocks.shape[0]
         qweight = empty((num_rows, in_features // 2), torch.uint8)  # [N, K / 2]
         scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         mins = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
-        status = self._functions["convert_q4_k"](blocks.ctypes.data, num_rows, in_features, qweight.data_ptr(),
-                                                 scales.data_ptr(), mins.data_ptr(), num_threads)
+        status = self._functions["convert_q4_k"](
+            blocks.ctypes.data,
+            num_rows,
+            in_features,
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            mins.data_ptr(),
+            num_threads,
+        )
         return None if status else (qweight, scales, mins)
 
-    def convert_q5_k(self, blocks: np.ndarray, in_features: int, num_threads: int, empty: Allocate = heap_empty,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def convert_q5_k(
+        self,
+        blocks: np.ndarray,
+        in_features: int,
+        num_threads: int,
+        empty: Allocate = heap_empty,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Q5_K bytes [N, K / 256 * 176] uint8 (C-contiguous) → convert_q4_k's three tensors and the fifth bits
         [N, K / 32] int32, made by `empty`; None if a scale or min is not finite in float16."""
         num_rows = blocks.shape[0]
@@ -458,23 +669,39 @@ class NativeKernels:
         scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         mins = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         high_bits = empty((num_rows, in_features // 32), torch.int32)  # [N, K / 32]
-        status = self._functions["convert_q5_k"](blocks.ctypes.data, num_rows, in_features, qweight.data_ptr(),
-                                                 scales.data_ptr(), mins.data_ptr(), high_bits.data_ptr(),
-                                                 num_threads)
+        status = self._functions["convert_q5_k"](
+            blocks.ctypes.data,
+            num_rows,
+            in_features,
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            mins.data_ptr(),
+            high_bits.data_ptr(),
+            num_threads,
+        )
         return None if status else (qweight, scales, mins, high_bits)
 
     # The small ops of a layer (ops.cpp). Float32 CPU tensors; "rows" may be views with a row stride, but the
     # values inside a row (heads and head dimensions) must be contiguous.
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """weight * x / sqrt(mean(x²) + eps) per row; x [M, K] and weight [K] contiguous.
 
         With residual (contiguous, like x): residual += x in place first, and the norm is of that sum.
         """
         out = torch.empty_like(x)  # [M, K]
-        self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                       x.shape[0], x.shape[1], eps, out.data_ptr(), torch.get_num_threads())
+        self._rms_norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         return out
 
     def rotary_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -484,9 +711,20 @@ class NativeKernels:
 
         cos, sin: [T, rotary_dim // 2] values, contiguous (a [T, 1, rotary_dim // 2] view is fine).
         """
-        self._rotary(query.data_ptr(), query.stride(0), query.shape[1], key.data_ptr(), key.stride(0), key.shape[1],
-                     cos.data_ptr(), sin.data_ptr(), query.shape[0], query.stride(1), query.shape[2],
-                     torch.get_num_threads())
+        self._rotary(
+            query.data_ptr(),
+            query.stride(0),
+            query.shape[1],
+            key.data_ptr(),
+            key.stride(0),
+            key.shape[1],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            query.shape[0],
+            query.stride(1),
+            query.shape[2],
+            torch.get_num_threads(),
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2I] contiguous (gate, then up) → silu(gate) * up, [M, I]."""
@@ -516,14 +754,33 @@ class NativeKernels:
         argmax = torch.empty(num_rows, dtype=torch.int64)  # [N]
         max_logits = torch.empty(num_rows, dtype=torch.float32)  # [N]
         lse = torch.empty(num_rows, dtype=torch.float32)  # [N]
-        num_not_finite = self._argmax_logsumexp(logits.data_ptr(), num_rows, vocab_size, argmax.data_ptr(),
-                                                max_logits.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+        num_not_finite = self._argmax_logsumexp(
+            logits.data_ptr(),
+            num_rows,
+            vocab_size,
+            argmax.data_ptr(),
+            max_logits.data_ptr(),
+            lse.data_ptr(),
+            torch.get_num_threads(),
+        )
         return (argmax, max_logits, lse) if num_not_finite == 0 else None
 
-    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_tables: torch.Tensor, queries: torch.Tensor | None, chunks: torch.Tensor | None,
-                        scale: float, out: torch.Tensor, window: int = 0, softcap: float | None = None) -> None:
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        queries: torch.Tensor | None,
+        chunks: torch.Tensor | None,
+        scale: float,
+        out: torch.Tensor,
+        window: int = 0,
+        softcap: float | None = None,
+    ) -> None:
         """Write this step's keys/values into their slots, then attend for the listed query tokens into out.
 
         query, out [T, num_heads, head_dim] and key, value [T, num_kv_heads, head_dim] are float32 rows (views into
@@ -538,25 +795,57 @@ class NativeKernels:
         """
         num_tokens = query.shape[0]
         if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0] == num_tokens):
-            raise ValueError(f"paged attention: {num_tokens} query rows but {key.shape[0]} key, {value.shape[0]} "
-                             f"value rows and {slot_mapping.shape[0]} slots")
-        if not (_is_int64_array(slot_mapping) and _is_int64_array(block_tables)
-                and (queries is None or _is_int64_array(queries)) and (chunks is None or _is_int64_array(chunks))):
-            raise ValueError("paged attention: slot_mapping, block_tables, queries and chunks must be contiguous "
-                             "int64 CPU tensors")
+            raise ValueError(
+                f"paged attention: {num_tokens} query rows but {key.shape[0]} key, {value.shape[0]} "
+                f"value rows and {slot_mapping.shape[0]} slots"
+            )
+        if not (
+            _is_int64_array(slot_mapping)
+            and _is_int64_array(block_tables)
+            and (queries is None or _is_int64_array(queries))
+            and (chunks is None or _is_int64_array(chunks))
+        ):
+            raise ValueError(
+                "paged attention: slot_mapping, block_tables, queries and chunks must be contiguous int64 CPU tensors"
+            )
         if not is_native_kv_pool(key_cache, value_cache):
-            raise ValueError(f"paged attention: the pools must be contiguous CPU tensors, both float32, float16 or "
-                             f"int8, got {key_cache.dtype} and {value_cache.dtype}")
+            raise ValueError(
+                f"paged attention: the pools must be contiguous CPU tensors, both float32, float16 or "
+                f"int8, got {key_cache.dtype} and {value_cache.dtype}"
+            )
         num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
         head_dim = head_dim_of(key_cache)
         status = self._paged_attention(
-            query.data_ptr(), query.stride(0), num_tokens, key.data_ptr(), key.stride(0), value.data_ptr(),
-            value.stride(0), slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
-            block_size, query.shape[1], num_kv_heads, head_dim, block_tables.data_ptr(), block_tables.shape[0],
-            block_tables.shape[1], None if queries is None else queries.data_ptr(),
-            0 if queries is None else queries.shape[0], None if chunks is None else chunks.data_ptr(),
-            0 if chunks is None else chunks.shape[0], scale, window, softcap or 0.0, out.data_ptr(), out.stride(0),
-            torch.get_num_threads(), kv_cache_format(key_cache))
+            query.data_ptr(),
+            query.stride(0),
+            num_tokens,
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            slot_mapping.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            query.shape[1],
+            num_kv_heads,
+            head_dim,
+            block_tables.data_ptr(),
+            block_tables.shape[0],
+            block_tables.shape[1],
+            None if queries is None else queries.data_ptr(),
+            0 if queries is None else queries.shape[0],
+            None if chunks is None else chunks.data_ptr(),
+            0 if chunks is None else chunks.shape[0],
+            scale,
+            window,
+            softcap or 0.0,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+            kv_cache_format(key_cache),
+        )
         _raise_for_attention_status(status, head_dim)
 
     def decoder(self, decoder: DecoderSpec, step: StepSpec) -> None:
@@ -577,8 +866,10 @@ class NativeKernels:
 def _raise_for_attention_status(status: int, head_dim: int) -> None:
     """paged attention's status codes as exceptions (0 is success)."""
     if status == 1:
-        raise IndexError("paged attention: a slot, query row, request index, context length or block id is out "
-                         "of range for the given tensors")
+        raise IndexError(
+            "paged attention: a slot, query row, request index, context length or block id is out "
+            "of range for the given tensors"
+        )
     if status == 2:
         raise ValueError(f"paged attention: head_dim {head_dim} is not compiled in (see attention_head_dims)")
 

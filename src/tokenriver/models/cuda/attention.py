@@ -23,9 +23,16 @@ from tokenriver.models.attention_metadata import AttentionMetadata, FreshPrompts
 from tokenriver.models.cuda import kv_write, paged_decode
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata, scale: float,
-                    window: int = 0, softcap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    metadata: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """models/attention.py's paged_attention, the same contract, grouped as the module docstring says."""
     key_cache, value_cache = kv_cache
     if _takes_triton(key) and kv_write.fits(key, value, key_cache):
@@ -36,8 +43,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if metadata.decode_indices:
         _attend_decodes(query, kv_cache, metadata, scale, window, softcap, output)
     fresh = metadata.fresh_prompts
-    batched = (fresh.rows is not None and softcap is None and (window <= 0 or window >= fresh.max_len)
-               and key_cache.dtype == query.dtype and query.dim() == 3)
+    batched = (
+        fresh.rows is not None
+        and softcap is None
+        and (window <= 0 or window >= fresh.max_len)
+        and key_cache.dtype == query.dtype
+        and query.dim() == 3
+    )
     if batched:
         _attend_fresh_prompts(query, key, value, fresh, scale, output)
     for i in metadata.prefill_indices:
@@ -50,8 +62,15 @@ def _takes_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and paged_decode.triton is not None
 
 
-def _attend_decodes(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                    scale: float, window: int, softcap: float | None, output: torch.Tensor) -> None:
+def _attend_decodes(
+    query: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    metadata: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float | None,
+    output: torch.Tensor,
+) -> None:
     """The decode tokens, all at once, into their rows of output."""
     key_cache, value_cache = kv_cache
     # Every token a decode (a decode batch, a CUDA graph's): their rows are the query's rows, no gather.
@@ -60,9 +79,17 @@ def _attend_decodes(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Ten
     rows = None if all_decodes else to_device([starts[i] for i in metadata.decode_indices], query.device)
     q = query if rows is None else query.index_select(0, rows)  # [num_decodes, num_heads, head_dim]
     if _takes_triton(query) and paged_decode.fits(q, key_cache):
-        out = paged_decode.paged_decode_attention(q, key_cache, value_cache, metadata.decode_block_tables,
-                                                  metadata.decode_lengths, scale, window, softcap,
-                                                  out=output if rows is None else None)
+        out = paged_decode.paged_decode_attention(
+            q,
+            key_cache,
+            value_cache,
+            metadata.decode_block_tables,
+            metadata.decode_lengths,
+            scale,
+            window,
+            softcap,
+            out=output if rows is None else None,
+        )
     else:
         out = _attend_decodes_gathered(q, kv_cache, metadata, scale, window, softcap)
     if rows is not None:
@@ -71,9 +98,14 @@ def _attend_decodes(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Ten
         output.copy_(out)
 
 
-def _attend_decodes_gathered(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                             metadata: AttentionMetadata, scale: float, window: int,
-                             softcap: float | None) -> torch.Tensor:
+def _attend_decodes_gathered(
+    q: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    metadata: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float | None,
+) -> torch.Tensor:
     """The decode tokens q [num_decodes, num_heads, head_dim] over their blocks gathered into a padded view, with a
     length mask, in one SDPA call."""
     key_cache, value_cache = kv_cache
@@ -82,10 +114,16 @@ def _attend_decodes_gathered(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torc
     num_decodes, num_blocks = tables.shape
     flat_tables = tables.flatten()
     # [num_decodes, num_blocks * block_size, num_kv_heads, entry] -> [num_decodes, num_kv_heads, S, head_dim]
-    keys = decode_entries(key_cache.index_select(0, flat_tables).view(
-        num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), q.dtype).transpose(1, 2)
-    values = decode_entries(value_cache.index_select(0, flat_tables).view(
-        num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry), q.dtype).transpose(1, 2)
+    keys = decode_entries(
+        key_cache.index_select(0, flat_tables).view(num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry),
+        q.dtype,
+    ).transpose(1, 2)
+    values = decode_entries(
+        value_cache.index_select(0, flat_tables).view(
+            num_decodes, num_blocks * metadata.block_size, num_kv_heads, entry
+        ),
+        q.dtype,
+    ).transpose(1, 2)
     mask = metadata.decode_mask  # [num_decodes, S]
     if window > 0:
         lengths = metadata.decode_lengths
@@ -94,13 +132,15 @@ def _attend_decodes_gathered(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torc
         # Each kv head's group of query heads as its query rows: plain attention with a mask, which a GPU's
         # memory-efficient kernel takes (grouped heads with a mask leave SDPA only its unfused math path).
         grouped = q.reshape(num_decodes, num_kv_heads, -1, q.shape[2])  # [num_decodes, num_kv_heads, group, hd]
-        return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :],
-                                              scale=scale).reshape(q.shape)
+        return F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+        ).reshape(q.shape)
     return attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap).squeeze(2)
 
 
-def _attend_fresh_prompts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fresh: FreshPrompts,
-                          scale: float, output: torch.Tensor) -> None:
+def _attend_fresh_prompts(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fresh: FreshPrompts, scale: float, output: torch.Tensor
+) -> None:
     """Causal SDPA of every fresh prompt in one call: their keys and values are this step's own (nothing before
     them is cached), so they come from `key` and `value` directly, not from the pool."""
     batch, length = len(fresh.indices), fresh.max_len

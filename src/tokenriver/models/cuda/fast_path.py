@@ -19,12 +19,19 @@ from tokenriver.models.layers import adjacent_heads
 class CudaFastPath:
     """The FastPath of models/fast_path.py on the Triton kernels."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None) -> torch.Tensor | None:
-        if (fused_ops.fits_rows(x) and weight.dim() == 1 and weight.is_contiguous()
-                and weight.shape[0] == x.shape[1] <= fused_ops.MAX_NORM_COLUMNS
-                and (residual is None or (fused_ops.fits_rows(residual) and residual.shape == x.shape
-                                          and residual.dtype == x.dtype))):
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if (
+            fused_ops.fits_rows(x)
+            and weight.dim() == 1
+            and weight.is_contiguous()
+            and weight.shape[0] == x.shape[1] <= fused_ops.MAX_NORM_COLUMNS
+            and (
+                residual is None
+                or (fused_ops.fits_rows(residual) and residual.shape == x.shape and residual.dtype == x.dtype)
+            )
+        ):
             return fused_ops.rms_norm(x, weight, eps, residual)
         return None
 
@@ -34,8 +41,9 @@ class CudaFastPath:
             return False
         both = adjacent_heads(query, key)
         targets = [both] if both is not None else [query, key]
-        if not all(fused_ops.fits_heads(x) and x.shape[0] == cos.shape[0] and x.shape[2] == 2 * cos.shape[-1]
-                   for x in targets):
+        if not all(
+            fused_ops.fits_heads(x) and x.shape[0] == cos.shape[0] and x.shape[2] == 2 * cos.shape[-1] for x in targets
+        ):
             return False
         for x in targets:
             fused_ops.rotary_(x, cos, sin)
@@ -49,9 +57,17 @@ class CudaFastPath:
         fits = fused_ops.fits_rows(gate_up) and gate_up.shape[1] % 2 == 0
         return fused_ops.gelu_tanh_and_mul(gate_up) if fits else None
 
-    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor], metadata, scale: float, window: int,
-                        softcap: float | None) -> torch.Tensor | None:
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata,
+        scale: float,
+        window: int,
+        softcap: float | None,
+    ) -> torch.Tensor | None:
         return attention.paged_attention(query, key, value, kv_cache, metadata, scale, window, softcap)
 
     def row_reductions(self) -> None:
@@ -81,8 +97,14 @@ class CudaFastPath:
     def quantize_int8_groups(self, weight: torch.Tensor) -> None:
         return None
 
-    def dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-                   high_bits: torch.Tensor | None = None) -> None:
+    def dequantize(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        group_size: int,
+        high_bits: torch.Tensor | None = None,
+    ) -> None:
         return None
 
 
@@ -95,7 +117,7 @@ class TritonPacked:
     def __init__(self, layer: nn.Module) -> None:
         self.is_int4 = layer.qweight.dtype == torch.uint8
         self.group_size = layer.group_size
-        self.tensors = ((layer.qweight, layer.scales, layer.mins) if self.is_int4 else (layer.qweight, layer.scales))
+        self.tensors = (layer.qweight, layer.scales, layer.mins) if self.is_int4 else (layer.qweight, layer.scales)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor | None:
         if not rows.is_cuda:

@@ -51,9 +51,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if rows == 0:
         return out
     source = x if residual is None else residual
-    _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, columns, x.stride(0),
-                              source.stride(0), out.stride(0), eps, HAS_RESIDUAL=residual is not None,
-                              BLOCK=triton.next_power_of_2(columns), num_warps=_warps(columns))
+    _rms_norm_kernel[(rows,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        columns,
+        x.stride(0),
+        source.stride(0),
+        out.stride(0),
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=triton.next_power_of_2(columns),
+        num_warps=_warps(columns),
+    )
     return out
 
 
@@ -65,9 +76,20 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if tokens == 0:
         return
     cos, sin = cos.reshape(tokens, half), sin.reshape(tokens, half)
-    _rotary_kernel[(tokens,)](x, cos, sin, heads, half, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-                              HEADS=triton.next_power_of_2(heads), HALF=triton.next_power_of_2(half),
-                              num_warps=4 if heads * half >= 1024 else 1)
+    _rotary_kernel[(tokens,)](
+        x,
+        cos,
+        sin,
+        heads,
+        half,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HEADS=triton.next_power_of_2(heads),
+        HALF=triton.next_power_of_2(half),
+        num_warps=4 if heads * half >= 1024 else 1,
+    )
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -87,8 +109,9 @@ def _gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     if tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(columns))
-    _gated_kernel[(tokens, triton.cdiv(columns, block))](gate_up, out, columns, gate_up.stride(0), out.stride(0),
-                                                         GELU=gelu, BLOCK=block, num_warps=4)
+    _gated_kernel[(tokens, triton.cdiv(columns, block))](
+        gate_up, out, columns, gate_up.stride(0), out.stride(0), GELU=gelu, BLOCK=block, num_warps=4
+    )
     return out
 
 
@@ -111,8 +134,19 @@ if triton is not None:
             return x.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, columns, x_stride, residual_stride, out_stride,
-                         eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr,
+        residual_ptr,
+        weight_ptr,
+        out_ptr,
+        columns,
+        x_stride,
+        residual_stride,
+        out_stride,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < columns
@@ -128,8 +162,19 @@ if triton is not None:
         tl.store(out_ptr + row * out_stride + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, heads, half, token_stride, head_stride, cos_stride, sin_stride,
-                       HEADS: tl.constexpr, HALF: tl.constexpr):
+    def _rotary_kernel(
+        x_ptr,
+        cos_ptr,
+        sin_ptr,
+        heads,
+        half,
+        token_stride,
+        head_stride,
+        cos_stride,
+        sin_stride,
+        HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
         head = tl.arange(0, HEADS)[:, None]
         col = tl.arange(0, HALF)[None, :]

@@ -51,14 +51,28 @@ def fits(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the kernel takes this call: the cache in the query's dtype (not int8), whole heads, and the query's
     heads a multiple of the cache's."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    return (query.dim() == 3 and query.stride(2) == 1 and key_cache.dtype == query.dtype
-            and query.dtype in (torch.float32, torch.float16, torch.bfloat16) and query.shape[2] == head_dim
-            and query.shape[1] % num_kv_heads == 0 and key_cache.is_contiguous())
+    return (
+        query.dim() == 3
+        and query.stride(2) == 1
+        and key_cache.dtype == query.dtype
+        and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and query.shape[2] == head_dim
+        and query.shape[1] % num_kv_heads == 0
+        and key_cache.is_contiguous()
+    )
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
-                           softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """query [B, num_heads, head_dim] (one token per request); key_cache, value_cache [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables [B, max_blocks] and seq_lens [B] int64 on the GPU (the context each
     token sees, itself included). Returns [B, num_heads, head_dim] in the query's dtype: `out` where given (a
@@ -77,8 +91,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if out is None:
         out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
     elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
     if batch == 0:
         return out
     max_len = max(tile, triton.next_power_of_2(block_tables.shape[1] * block_size))
@@ -93,27 +109,89 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         sums = torch.empty_like(maxima)
         values = torch.empty((batch, num_heads, partitions, head_dim), dtype=torch.float32, device=query.device)
     _decode_kernel[(batch, num_kv_heads, partitions)](
-        query, key_cache, value_cache, block_tables, seq_lens, out, maxima, sums, values, scale,
-        window if window > 0 else NO_WINDOW, softcap or 0.0,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), block_size, group, head_dim,
-        GROUP=group_pad, DIM=dim_pad, TILE=tile, SPAN=span, HAS_SOFTCAP=softcap is not None, SPLIT=split,
-        ON_TENSOR_CORES=on_tensor_cores, num_warps=4)
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        out,
+        maxima,
+        sums,
+        values,
+        scale,
+        window if window > 0 else NO_WINDOW,
+        softcap or 0.0,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        block_size,
+        group,
+        head_dim,
+        GROUP=group_pad,
+        DIM=dim_pad,
+        TILE=tile,
+        SPAN=span,
+        HAS_SOFTCAP=softcap is not None,
+        SPLIT=split,
+        ON_TENSOR_CORES=on_tensor_cores,
+        num_warps=4,
+    )
     if split:
-        _merge_kernel[(batch, num_heads)](maxima, sums, values, out, out.stride(0), out.stride(1), head_dim,
-                                          DIM=dim_pad, PARTITIONS=partitions, num_warps=1)
+        _merge_kernel[(batch, num_heads)](
+            maxima,
+            sums,
+            values,
+            out,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            DIM=dim_pad,
+            PARTITIONS=partitions,
+            num_warps=1,
+        )
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, maxima_ptr, sums_ptr, values_ptr, scale,
-                       window, softcap, q_stride_token, q_stride_head, cache_stride_block, cache_stride_slot,
-                       cache_stride_head, table_stride, out_stride_token, out_stride_head, block_size, group,
-                       head_dim, GROUP: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
-                       SPAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
-                       ON_TENSOR_CORES: tl.constexpr):
+    def _decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        lens_ptr,
+        out_ptr,
+        maxima_ptr,
+        sums_ptr,
+        values_ptr,
+        scale,
+        window,
+        softcap,
+        q_stride_token,
+        q_stride_head,
+        cache_stride_block,
+        cache_stride_slot,
+        cache_stride_head,
+        table_stride,
+        out_stride_token,
+        out_stride_head,
+        block_size,
+        group,
+        head_dim,
+        GROUP: tl.constexpr,
+        DIM: tl.constexpr,
+        TILE: tl.constexpr,
+        SPAN: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        SPLIT: tl.constexpr,
+        ON_TENSOR_CORES: tl.constexpr,
+    ):
         request = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         partition = tl.program_id(2)
@@ -123,8 +201,11 @@ if triton is not None:
         g_mask = g < group
         d_mask = d < head_dim
         heads = kv_head * group + g  # [GROUP] query heads served
-        q = tl.load(q_ptr + request * q_stride_token + heads[:, None] * q_stride_head + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP, DIM]
+        q = tl.load(
+            q_ptr + request * q_stride_token + heads[:, None] * q_stride_head + d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [GROUP, DIM]
         if not ON_TENSOR_CORES:
             q = q.to(tl.float32)
         seq_len = tl.load(lens_ptr + request)
@@ -139,8 +220,11 @@ if triton is not None:
                 position = tile + n  # [TILE]
                 valid = (position < seq_len) & (position >= first)
                 block = tl.load(tables_ptr + request * table_stride + position // block_size, mask=valid, other=0)
-                slot = (block * cache_stride_block + (position % block_size) * cache_stride_slot
-                        + kv_head * cache_stride_head)  # [TILE]
+                slot = (
+                    block * cache_stride_block
+                    + (position % block_size) * cache_stride_slot
+                    + kv_head * cache_stride_head
+                )  # [TILE]
                 kv_mask = valid[:, None] & d_mask[None, :]
                 k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE, DIM]
                 if ON_TENSOR_CORES:
@@ -169,12 +253,24 @@ if triton is not None:
             tl.store(values_ptr + partial[:, None] * head_dim + d[None, :], acc, mask=row_mask)
         else:
             out = acc / total[:, None]
-            tl.store(out_ptr + request * out_stride_token + heads[:, None] * out_stride_head + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_mask)
+            tl.store(
+                out_ptr + request * out_stride_token + heads[:, None] * out_stride_head + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_mask,
+            )
 
     @triton.jit
-    def _merge_kernel(maxima_ptr, sums_ptr, values_ptr, out_ptr, out_stride_token, out_stride_head, head_dim,
-                      DIM: tl.constexpr, PARTITIONS: tl.constexpr):
+    def _merge_kernel(
+        maxima_ptr,
+        sums_ptr,
+        values_ptr,
+        out_ptr,
+        out_stride_token,
+        out_stride_head,
+        head_dim,
+        DIM: tl.constexpr,
+        PARTITIONS: tl.constexpr,
+    ):
         """One head of one request: its partitions merged in order, as the online softmax merges tiles. A partition
         with no position (maximum -1e30, sums 0) scales the others by exp(0) = 1 and adds 0: an exact no-op."""
         request = tl.program_id(0).to(tl.int64)
@@ -193,5 +289,8 @@ if triton is not None:
             part = tl.load(values_ptr + (row + partition) * head_dim + d, mask=d_mask, other=0.0)
             acc = acc * alpha + part * beta
             m = m_new
-        tl.store(out_ptr + request * out_stride_token + head * out_stride_head + d,
-                 (acc / total).to(out_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(
+            out_ptr + request * out_stride_token + head * out_stride_head + d,
+            (acc / total).to(out_ptr.dtype.element_ty),
+            mask=d_mask,
+        )

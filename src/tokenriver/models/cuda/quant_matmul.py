@@ -62,8 +62,9 @@ def available(device: torch.device | str) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
-def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                group_size: int) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """x [M, K] (float16, bfloat16 or float32) @ dequantize_int4(qweight, scales, mins, group_size)ᵀ → [M, N] in
     x's dtype, float32 sums; qweight [N, K / 2] uint8, scales and mins [N, K / group_size] float16."""
     _check(x, qweight, torch.uint8, 2 * qweight.shape[1], scales, mins, group_size)
@@ -77,8 +78,14 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gr
     return _matmul(x, qweight, scales, None, group_size)
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-               dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:
+def dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    dtype: torch.dtype,
+    rows: slice = slice(None),
+) -> torch.Tensor:
     """The weight rows `rows` (a step-1 slice) [n, K] in `dtype`, decoded on the GPU: int4 when `mins` is given,
     else int8. The same values as models/quant.py's dequantize_int4/int8, rounded once to `dtype`."""
     _require_triton()
@@ -91,8 +98,19 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
     if n:
         block_k = _block_k(k, 256)
         grid = (triton.cdiv(n, 32), k // block_k)
-        _dequantize_kernel[grid](qweight, scales, scales if mins is None else mins, weight, n, K=k,
-                                 GROUP=group_size, INT4=mins is not None, BLOCK_N=32, BLOCK_K=block_k, num_warps=4)
+        _dequantize_kernel[grid](
+            qweight,
+            scales,
+            scales if mins is None else mins,
+            weight,
+            n,
+            K=k,
+            GROUP=group_size,
+            INT4=mins is not None,
+            BLOCK_N=32,
+            BLOCK_K=block_k,
+            num_warps=4,
+        )
     return weight
 
 
@@ -122,28 +140,50 @@ def _require_triton() -> None:
         raise RuntimeError("tokenriver.models.cuda.quant_matmul needs triton; check available() first")
 
 
-def _check(x: torch.Tensor, qweight: torch.Tensor, qdtype: torch.dtype, k: int, scales: torch.Tensor,
-           mins: torch.Tensor | None, group_size: int) -> None:
+def _check(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qdtype: torch.dtype,
+    k: int,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+) -> None:
     """Shapes and dtypes, checked here: the kernels read raw pointers and would read garbage on a mismatch."""
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise InvalidParameterError(f"x must be float16, bfloat16 or float32 [M, {k}], got {x.dtype} "
-                                    f"{tuple(x.shape)}", param="x")
+        raise InvalidParameterError(
+            f"x must be float16, bfloat16 or float32 [M, {k}], got {x.dtype} {tuple(x.shape)}", param="x"
+        )
     if qweight.dim() != 2 or qweight.dtype != qdtype or group_size <= 0 or group_size % RUN or k % group_size:
-        raise InvalidParameterError(f"qweight must be 2-D {qdtype} and group_size a multiple of {RUN} dividing "
-                                    f"K = {k}; got {qweight.dtype} and {group_size}", param="group_size")
+        raise InvalidParameterError(
+            f"qweight must be 2-D {qdtype} and group_size a multiple of {RUN} dividing "
+            f"K = {k}; got {qweight.dtype} and {group_size}",
+            param="group_size",
+        )
     for name, tensor in (("scales", scales), ("mins", mins)):
-        if tensor is not None and (tensor.shape != (qweight.shape[0], k // group_size)
-                                   or tensor.dtype != torch.float16):
-            raise InvalidParameterError(f"{name} must be float16 [{qweight.shape[0]}, {k // group_size}], got "
-                                        f"{tensor.dtype} {tuple(tensor.shape)}", param=name)
+        if tensor is not None and (
+            tensor.shape != (qweight.shape[0], k // group_size) or tensor.dtype != torch.float16
+        ):
+            raise InvalidParameterError(
+                f"{name} must be float16 [{qweight.shape[0]}, {k // group_size}], got "
+                f"{tensor.dtype} {tuple(tensor.shape)}",
+                param=name,
+            )
     devices = {t.device for t in (x, qweight, scales, mins) if t is not None}
     if len(devices) != 1:
-        raise InvalidParameterError(f"x and the weight must be on one device, got {sorted(map(str, devices))}",
-                                    param="x")
+        raise InvalidParameterError(
+            f"x and the weight must be on one device, got {sorted(map(str, devices))}", param="x"
+        )
 
 
-def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-            group_size: int, blocks: Blocks | None = None) -> torch.Tensor:
+def _matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    blocks: Blocks | None = None,
+) -> torch.Tensor:
     """Either path (module docstring); `blocks` forces the fused kernel with those tiles on 16-bit x (tuning)."""
     _require_triton()
     x = x.contiguous()
@@ -155,8 +195,13 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
         band = max(1, DEQUANT_CHUNK_ELEMENTS // max(k, 1))  # weight rows decoded at a time
         if band >= n:
             return F.linear(x, dequantize(qweight, scales, mins, group_size, x.dtype))
-        return torch.cat([F.linear(x, dequantize(qweight, scales, mins, group_size, x.dtype, slice(i, i + band)))
-                          for i in range(0, n, band)], dim=1)
+        return torch.cat(
+            [
+                F.linear(x, dequantize(qweight, scales, mins, group_size, x.dtype, slice(i, i + band)))
+                for i in range(0, n, band)
+            ],
+            dim=1,
+        )
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -164,16 +209,41 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     # N tiles on grid axis 0 (up to 2^31 programs; axis 1 allows 65535): the vocabulary projection has the most.
     grid = (triton.cdiv(n, b.block_n), triton.cdiv(m, b.block_m))
     _quant_matmul_kernel[grid](
-        x, qweight, scales, scales if mins is None else mins, y, m, n, K=k, GROUP=group_size, INT4=mins is not None,
-        BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k, num_warps=b.num_warps, num_stages=b.num_stages)
+        x,
+        qweight,
+        scales,
+        scales if mins is None else mins,
+        y,
+        m,
+        n,
+        K=k,
+        GROUP=group_size,
+        INT4=mins is not None,
+        BLOCK_M=b.block_m,
+        BLOCK_N=b.block_n,
+        BLOCK_K=b.block_k,
+        num_warps=b.num_warps,
+        num_stages=b.num_stages,
+    )
     return y
 
 
 if triton is not None:
 
     @triton.jit
-    def _decode_halves(q_ptr, scale_ptr, min_ptr, cols, col_ok, k0, K: tl.constexpr, GROUP: tl.constexpr,
-                       INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _decode_halves(
+        q_ptr,
+        scale_ptr,
+        min_ptr,
+        cols,
+        col_ok,
+        k0,
+        K: tl.constexpr,
+        GROUP: tl.constexpr,
+        INT4: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """Weight rows `cols`, columns k0 .. k0 + BLOCK_K, decoded to float32 as two [BLOCK_N, BLOCK_K / 2] halves:
         columns 0-15 and 16-31 of each run of 32 (for int4 the low and high nibbles of the same bytes)."""
         RUNS: tl.constexpr = BLOCK_K // 32
@@ -208,9 +278,21 @@ if triton is not None:
         return tl.max_contiguous(tl.multiple_of((half // 16) * 32 + half % 16, 16), 16)
 
     @triton.jit
-    def _quant_matmul_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, y_ptr, M, N, K: tl.constexpr,
-                             GROUP: tl.constexpr, INT4: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _quant_matmul_kernel(
+        x_ptr,
+        q_ptr,
+        scale_ptr,
+        min_ptr,
+        y_ptr,
+        M,
+        N,
+        K: tl.constexpr,
+        GROUP: tl.constexpr,
+        INT4: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """One [BLOCK_M, BLOCK_N] tile of y for 16-bit x; tiles overhanging M or N are masked, BLOCK_K divides K.
 
         K is a compile-time constant: a model has a few distinct K (hidden and intermediate sizes), each compiled
@@ -227,8 +309,7 @@ if triton is not None:
         # helpers decorated while TRITON_INTERPRET was set, and triton may have been imported before that.
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            w_lo, w_hi = _decode_halves(q_ptr, scale_ptr, min_ptr, cols, col_ok, k0, K, GROUP, INT4, BLOCK_N,
-                                        BLOCK_K)
+            w_lo, w_hi = _decode_halves(q_ptr, scale_ptr, min_ptr, cols, col_ok, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K)
             x_lo = tl.load(x_row + k0, mask=row_ok[:, None], other=0.0)
             x_hi = tl.load(x_row + k0 + 16, mask=row_ok[:, None], other=0.0)
             acc = tl.dot(x_lo, tl.trans(w_lo.to(x_dtype)), acc)
@@ -237,8 +318,18 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
     @triton.jit
-    def _dequantize_kernel(q_ptr, scale_ptr, min_ptr, w_ptr, N, K: tl.constexpr, GROUP: tl.constexpr,
-                           INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _dequantize_kernel(
+        q_ptr,
+        scale_ptr,
+        min_ptr,
+        w_ptr,
+        N,
+        K: tl.constexpr,
+        GROUP: tl.constexpr,
+        INT4: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """One [BLOCK_N, BLOCK_K] tile of the decoded weight, in w's dtype; BLOCK_K divides K."""
         cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
