@@ -41,6 +41,8 @@ generate: $(INSTALLED)
 	$(VENV)/bin/tokenriver generate "$(PROMPT)" --chat-template --max-tokens 96
 
 lint: $(TEST_INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(PY) tools/check_comment_timings.py src
 

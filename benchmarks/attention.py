@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from common import RESULTS, machine_line, markdown_table
-
 from tokenriver.models.attention import paged_attention, paged_attention_torch
 from tokenriver.models.attention_metadata import MAX_KERNEL_QUERY_LEN, AttentionMetadata
 from tokenriver.models.cpu.kernels import load_kernels
@@ -247,11 +246,11 @@ def main() -> None:
                     decode_rows,
                 ),
                 "## One request's prompt chunk\n\n"
-                f"The chunk's tokens end a context of the given length. per token = the native kernel one query token at "
-                f"a time over the blocks; chunk = its prompt-chunk path (a block of query tokens per pass over each tile of "
-                f"keys, causal); SDPA = the path without native kernels: gather the context, one flash SDPA call with a "
-                f"causal mask. Requests with at most MAX_KERNEL_QUERY_LEN = {MAX_KERNEL_QUERY_LEN} new tokens go token by "
-                f"token, longer ones as chunks.\n\n"
+                "The chunk's tokens end a context of the given length. per token = the native kernel one query token "
+                "at a time over the blocks; chunk = its prompt-chunk path (a block of query tokens per pass over each "
+                "tile of keys, causal); SDPA = the path without native kernels: gather the context, one flash SDPA "
+                f"call with a causal mask. Requests with at most MAX_KERNEL_QUERY_LEN = {MAX_KERNEL_QUERY_LEN} new "
+                "tokens go token by token, longer ones as chunks.\n\n"
                 + markdown_table(
                     [
                         "context",

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from common import RESULTS, machine_line, markdown_table
-
 from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.quant import quantize_int4, quantize_int8
 
@@ -156,9 +155,10 @@ def main() -> None:
             f"Command: `python benchmarks/gemm.py --repeats {args.repeats}`. One SmolLM2-135M step's products "
             f"({flops_per_row / 1e6:.0f} MFLOP per row), best of {args.repeats} interleaved rounds. Load average "
             f"(1 min) {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. The MKL column needs a "
-            f"float32 copy of the weights ({weight_mb:.0f} MB), the oneDNN one a bfloat16 copy ({weight_mb / 2:.0f} MB); "
-            "the native products read the packed Q4_1 / Q8_0 bytes. Exact: float32 sums of the float32 activations. "
-            "Rounded: the products `int8_activations=True` can run on this CPU (the engine takes the bfloat16 tiles where "
+            f"float32 copy of the weights ({weight_mb:.0f} MB), the oneDNN one a bfloat16 copy "
+            f"({weight_mb / 2:.0f} MB); the native products read the packed Q4_1 / Q8_0 bytes. Exact: float32 sums "
+            "of the float32 activations. Rounded: the products `int8_activations=True` can run on this CPU (the "
+            "engine takes the bfloat16 tiles where "
             "the CPU has AMX), against F.linear in bfloat16 (activations and weights rounded to bfloat16, float32 "
             "sums).",
             "",

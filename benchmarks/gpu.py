@@ -349,8 +349,8 @@ def model_cases(args: argparse.Namespace, workdir: Path) -> list[Callable[[], Mo
                 f"kept packed, as a Q4 GGUF's are"
             )
             builders.append(
-                lambda s=shape, l=label, d=description: random_case(
-                    "llama-1b", l, d, s, workdir / "llama-1b", args.device, PACKED_VARIANTS
+                lambda s=shape, name=label, d=description: random_case(
+                    "llama-1b", name, d, s, workdir / "llama-1b", args.device, PACKED_VARIANTS
                 )
             )
     return builders

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from common import RESULTS, machine_line, markdown_table
-
 from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, unpack_int4
 
@@ -140,14 +139,15 @@ def make_candidates(out_features: int, in_features: int, num_rows: int) -> list[
             ("native int4 g32 (Q4_1) int8 x", int4, True, True),
         ):
             size = weight_q.qweight.numel() + (4 if is_int4 else 2) * weight_q.scales.numel()
-            if is_int4:
-                bind = lambda w=weight_q, a=activations_int8: kernels.bind_int4(
-                    w.qweight.clone(), w.scales.clone(), w.mins.clone(), w.group_size, "int8" if a else None
-                )
-            else:
-                bind = lambda w=weight_q, a=activations_int8: kernels.bind_int8(
-                    w.qweight.clone(), w.scales.clone(), w.group_size, "int8" if a else None
-                )
+
+            def bind(w=weight_q, a=activations_int8, is_int4=is_int4):
+                rounding = "int8" if a else None
+                if is_int4:
+                    return kernels.bind_int4(
+                        w.qweight.clone(), w.scales.clone(), w.mins.clone(), w.group_size, rounding
+                    )
+                return kernels.bind_int8(w.qweight.clone(), w.scales.clone(), w.group_size, rounding)
+
             add(name, size, bind, lambda linear: linear(x32))
         if num_rows >= 8:
             # What Int4Linear does above max_gemv_rows (gemm.cpp), and the float32 sgemm it replaced.

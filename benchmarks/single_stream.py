@@ -17,7 +17,6 @@ import time
 import torch
 
 from common import RESULTS, machine_line, markdown_table, prompt_ids
-
 from tokenriver import LLM, SamplingParams
 from tokenriver.loader.load import default_model_path, load_model
 

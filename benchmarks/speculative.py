@@ -26,7 +26,6 @@ import time
 import torch
 
 from common import RESULTS, machine_line, markdown_table
-
 from tokenriver import LLM, SamplingParams
 from tokenriver.loader.load import load_model
 
@@ -189,8 +188,9 @@ def main() -> None:
         "Configurations: `none` = plain decoding; `ngram:K` = prompt-lookup drafts (suffix n-grams of 2..4 tokens "
         "looked up in the request's own tokens), up to K per step; `self:N:K` = the model's first N of 30 layers "
         "as a draft model, K drafts per step; `q4:K` = the GGUF file itself as the draft model, its Q4_1 weights "
-        "kept packed (a 4-bit copy of the target), K drafts per step. Decode tokens/s = generated tokens / (last token time - first token "
-        "time), summed over the task's prompts. Acceptance = accepted / proposed draft tokens (first repeat). "
+        "kept packed (a 4-bit copy of the target), K drafts per step. Decode tokens/s = generated tokens / "
+        "(last token time - first token time), summed over the task's prompts. Acceptance = accepted / proposed "
+        "draft tokens (first repeat). "
         "`same tokens` = greedy output identical to plain decoding for every prompt.",
         "",
         markdown_table(

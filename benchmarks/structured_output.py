@@ -18,7 +18,6 @@ import statistics
 import sys
 
 from common import RESULTS, machine_line, markdown_table
-
 from tokenriver import LLM, SamplingParams, StructuredOutput
 
 SCHEMA = {

@@ -27,7 +27,6 @@ import time
 import torch
 
 from common import RESULTS, machine_line, markdown_table, prompt_ids, rounded_products
-
 from tokenriver import LLM, SamplingParams
 from tokenriver.loader.load import default_model_path, load_model
 

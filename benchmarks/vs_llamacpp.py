@@ -28,9 +28,9 @@ int8 = `quantization="int8"` (one scale per output channel); the same with int8 
 bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`, the dequantized reference),
 every one with `num_scheduler_steps=8` (multi-step scheduling, as vLLM's --num-scheduler-steps: while every request
 is a plain greedy decode, a step runs up to 8 forward passes and schedules and processes outputs once; the tokens
-and text are those of single steps), prefix caching on (the engine's default, as in vLLM: the chat prompts of the throughput runs share the template's
-system prompt) and its cache emptied before every measurement, so no run reuses an earlier
-one's prompts; llama.cpp through llama-cpp-python on the same file (Q4_1);
+and text are those of single steps), prefix caching on (the engine's default, as in vLLM: the chat prompts of the
+throughput runs share the template's system prompt) and its cache emptied before every measurement, so no run reuses
+an earlier one's prompts; llama.cpp through llama-cpp-python on the same file (Q4_1);
 transformers' `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32 and bfloat16.
 
 Needs the `bench` extra (`pip install -e '.[bench]'`; llama-cpp-python compiles llama.cpp from source, which needs a
@@ -463,7 +463,6 @@ def build_prompts(model_path: str, settings: Settings) -> dict[str, object]:
     """The token ids every engine gets, from tokenriver's tokenizer (llama.cpp and transformers take ids)."""
     from common import prompt_ids
     from throughput import make_prompts
-
     from tokenriver.loader.load import load_model
 
     tokenizer = load_model(model_path).tokenizer
@@ -717,6 +716,7 @@ def report(
 ) -> str:
     import llama_cpp
     import transformers
+
     from common import machine_line, markdown_table, rounded_products
 
     labels = [s.label for s in specs]
@@ -858,7 +858,8 @@ def report(
         "",
         f"Peak RSS: ru_maxrss of the engine's worker process after every measurement above (loading, Python and its "
         f"imports included); RSS at the end: its VmRSS then, what the engine keeps. tokenriver's KV pool holds "
-        f"{results.num_kv_tokens} tokens ({max(counts)} sequences of the throughput workload); llama.cpp's context 2,048 tokens of one sequence; transformers' cache grows with its batch. "
+        f"{results.num_kv_tokens} tokens ({max(counts)} sequences of the throughput workload); llama.cpp's context "
+        "2,048 tokens of one sequence; transformers' cache grows with its batch. "
         f"Cold start: a fresh process from its start to its first generated token (imports, model load, chat "
         f"prompt); the CLI row is `tokenriver generate` (default settings) to its first byte of output.",
         "",

@@ -40,7 +40,8 @@ class Logprob:
 
 @dataclass
 class TokenLogprobs:
-    """Internal record of one position's log-probabilities (sampler → scheduler → engine); the API gets `Logprob` dicts."""
+    """Internal record of one position's log-probabilities (sampler → scheduler → engine); the API gets `Logprob`
+    dicts."""
 
     # The token at this position (sampled, or the next prompt token).
     token_id: int

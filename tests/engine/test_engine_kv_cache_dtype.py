@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_engine_batching import greedy_tokens, make_prompts
 
 from tokenriver.engine.llm import LLM

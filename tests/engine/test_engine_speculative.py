@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenriver.decoding import draft_model
 from tokenriver.config import EngineConfig
+from tokenriver.decoding import draft_model
 from tokenriver.engine.llm import LLM
 from tokenriver.params import SamplingParams
 
@@ -13,7 +13,10 @@ TEXT = (
     "The river carries the tokens downstream. Each token is a small boat; the cache is the harbour where "
     "the boats rest, and the scheduler decides which boats sail at every step."
 )
-CODE = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n"
+CODE = (
+    "def area(width, height):\n    return width * height\n\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n"
+)
 # Input-grounded prompts, where n-gram drafts hit, and open ones, where they mostly miss.
 PROMPTS = [
     [{"role": "user", "content": f"Repeat this text exactly:\n{TEXT}"}],

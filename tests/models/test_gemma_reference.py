@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tokenriver.kv.cache import KVCache
-from tokenriver.loader.assemble import build_model
-
 from arch_reference import (
     BLOCK_SIZE,
     greedy_ours,
@@ -28,6 +24,9 @@ from arch_reference import (
     transformers_logits,
     widen,
 )
+
+from tokenriver.kv.cache import KVCache
+from tokenriver.loader.assemble import build_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from arch_reference import random_ids, relative_error, run_one, transformers_logits, widen
+from gguf_convert import GEMMA_SPECIALS, Q, write_gguf
 
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.assemble import build_model
 from tokenriver.loader.gguf import read_gguf
 from tokenriver.loader.load import load_model
 from tokenriver.models.quant import Int8Linear
-
-from arch_reference import random_ids, relative_error, run_one, transformers_logits, widen
-from gguf_convert import GEMMA_SPECIALS, Q, write_gguf
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from arch_reference import (
     greedy_ours,
     greedy_transformers,

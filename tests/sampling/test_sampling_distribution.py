@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sampling_helpers import make_state, random_logits
+
 from tokenriver.params import SamplingParams
 from tokenriver.sampling.sampler import Sampler
 

@@ -12,8 +12,8 @@ import importlib.metadata
 import llguidance
 import pytest
 import torch
-
 from sampling_helpers import make_state, random_logits
+
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.tokenizer_files import tokenizer_from_gguf_fields
 from tokenriver.params import SamplingParams, StructuredOutput

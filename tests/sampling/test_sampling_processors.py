@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 import torch
-
 from sampling_helpers import random_logits
+
 from tokenriver.sampling import processors
 
 transformers = pytest.importorskip("transformers")

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from sampling_helpers import make_state, random_logits
+
 from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.params import SamplingParams
 from tokenriver.sampling import processors

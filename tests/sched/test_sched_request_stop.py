@@ -1,8 +1,8 @@
 """Request state machine and token-level stop conditions."""
 
 import pytest
-
 from sched_fake_runner import make_request
+
 from tokenriver.outputs import FinishReason
 from tokenriver.sched.request import RequestStatus
 from tokenriver.sched.stop import StopDecision, check_stop

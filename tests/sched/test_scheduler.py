@@ -8,7 +8,6 @@ preemption and recompute must not change a single token.
 import itertools
 
 import pytest
-
 from sched_fake_runner import (
     check_pool_invariants,
     make_request,
@@ -16,6 +15,7 @@ from sched_fake_runner import (
     prompt_logprob_entry,
     reference_tokens,
 )
+
 from tokenriver.errors import ContextLengthError, InvalidParameterError
 from tokenriver.outputs import FinishReason
 from tokenriver.sched.output import RequestStepResult, RunnerOutput

@@ -10,8 +10,8 @@ everything finishes and the pool is entirely free.
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from sched_fake_runner import check_pool_invariants, make_request, make_setup, prompt_logprob_entry, reference_tokens
+
 from tokenriver.outputs import FinishReason
 
 BLOCK_SIZE = 4

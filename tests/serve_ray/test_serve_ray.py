@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-
 from tests.serve_ray.conftest import deploy, ray_cluster
+
 from tokenriver.engine.llm import LLM
 from tokenriver.params import SamplingParams
 

@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import start_server, stop_server
 
 # Long enough (~3 s here) that SIGTERM always lands while the request is still generating: with 24 tokens it

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from visualizer_harness import (
     HTTP_ERROR_LOG,
     SEED,

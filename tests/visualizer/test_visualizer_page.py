@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from visualizer_harness import (
     CHAT_REQUEST,
     HTTP_ERROR_LOG,

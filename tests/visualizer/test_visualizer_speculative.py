@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from visualizer_harness import (
     doc_screenshot,
     open_page,

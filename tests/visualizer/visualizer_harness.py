@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import shutil
 import socket
 import subprocess
 import sys

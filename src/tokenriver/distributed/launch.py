@@ -25,12 +25,12 @@ import torch
 
 from tokenriver.config import EngineConfig, default_num_threads
 from tokenriver.distributed.group import TensorParallelGroup, env_rank, free_local_address, init_method_for
+from tokenriver.distributed.runner import TensorParallelRunner, serve_steps
 from tokenriver.distributed.sharding import ShardLayout, shard_model
 from tokenriver.errors import InvalidParameterError
 from tokenriver.kv.cache import KVCache
 from tokenriver.loader.load import LoadedModel, load_model
 from tokenriver.runner.model_runner import ModelRunner
-from tokenriver.distributed.runner import TensorParallelRunner, serve_steps
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ import torch
 from tokenriver.config import EngineConfig, default_num_threads
 from tokenriver.decoding.beam_groups import BeamGroups
 from tokenriver.decoding.speculative import Speculator, build_speculator
-from tokenriver.errors import InvalidParameterError, RequestNotFoundError
-from tokenriver.engine.output_processor import OutputProcessor
 from tokenriver.distributed.launch import start_tensor_parallel
+from tokenriver.engine.output_processor import OutputProcessor
+from tokenriver.errors import InvalidParameterError, RequestNotFoundError
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache, bytes_per_block
 from tokenriver.loader.load import LoadedModel, load_model

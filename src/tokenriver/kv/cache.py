@@ -20,7 +20,6 @@ import mmap
 
 import torch
 
-
 # Bytes after an int8 entry's head_dim values: its float32 scale.
 INT8_SCALE_BYTES = 4
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
-from tokenriver.models.config import ModelConfig
 from tokenriver.models.buffers import Allocate, heap_empty
+from tokenriver.models.config import ModelConfig
 from tokenriver.models.quant import (
     Int4Linear,
     Int4Weight,

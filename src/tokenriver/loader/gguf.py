@@ -39,8 +39,8 @@ from tokenriver.loader import gguf_arch as families
 from tokenriver.loader import gguf_cache
 from tokenriver.loader.assemble import fused_groups
 from tokenriver.loader.gguf_blocks import CONVERSIONS, native_layout, to_packed
-from tokenriver.models.config import ModelConfig
 from tokenriver.models.buffers import Allocate, heap_empty
+from tokenriver.models.config import ModelConfig
 from tokenriver.models.quant import Int4Weight, Int8Weight
 from tokenriver.models.registry import canonical_architecture
 

@@ -5,16 +5,16 @@ maybe a minimum) per run of 16-32 weights", and the kernels already stream 4-bit
 minimum, and 8-bit groups with a scale, at memory speed, in decode GEMVs, batched GEMMs and the int8-activation
 VNNI path. So each type is mapped once, at load, onto one of those, rows kept, with no float copy:
 
-| GGUF type                  | becomes                        | how                                                       |
-|----------------------------|--------------------------------|-----------------------------------------------------------|
-| Q4_0, Q4_1, Q8_0           | Int4 / Int8, groups of 32      | byte copy (models/quant.py's repack_*): exact      |
-| Q5_0, Q5_1                 | Int4 + fifth bits (5-bit)      | byte copy (Q5_0's min -16·d): exact                       |
-| Q5_K                       | Int4 + fifth bits (5-bit)      | regrouped as Q4_K, scale d·sc and min -dmin·m as float16  |
-| IQ4_NL                     | Int8, groups of 32             | values widened to int8 under the block's own scale: exact |
-| Q4_K                       | Int4, groups of 32             | sub-block scale d·sc and minimum -dmin·m as float16       |
-| IQ4_XS                     | Int8, groups of 32             | table values as int8, sub-block scale d·(ls - 32) as f16  |
-| Q2_K, Q3_K,                | Int8, groups of 32             | dequantized, then rounded to int8 per 32 (max|w| / 127)   |
-| Q6_K, other IQ types       |                                |                                                           |
+| GGUF type              | becomes                     | how                                                       |
+|------------------------|-----------------------------|-----------------------------------------------------------|
+| Q4_0, Q4_1, Q8_0       | Int4 / Int8, groups of 32   | byte copy (models/quant.py's repack_*): exact             |
+| Q5_0, Q5_1             | Int4 + fifth bits (5-bit)   | byte copy (Q5_0's min -16·d): exact                       |
+| Q5_K                   | Int4 + fifth bits (5-bit)   | regrouped as Q4_K, scale d·sc and min -dmin·m as float16  |
+| IQ4_NL                 | Int8, groups of 32          | values widened to int8 under the block's own scale: exact |
+| Q4_K                   | Int4, groups of 32          | sub-block scale d·sc and minimum -dmin·m as float16       |
+| IQ4_XS                 | Int8, groups of 32          | table values as int8, sub-block scale d·(ls - 32) as f16  |
+| Q2_K, Q3_K,            | Int8, groups of 32          | dequantized, then rounded to int8 per 32 (max|w| / 127)   |
+| Q6_K, other IQ types   |                             |                                                           |
 
 "float16" rows: the product of two stored factors is rounded once to float16 (relative error at most 2^-11 of
 the scale, far below the format's own step). "Dequantized, then rounded": the types whose groups are 16 wide do

@@ -17,9 +17,9 @@ Where the platform has no huge pages, nothing moves.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
-import contextlib
 import math
 import mmap
 import threading

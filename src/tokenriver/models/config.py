@@ -9,7 +9,6 @@ on construction, so model code can trust it. Stdlib only.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Any
 

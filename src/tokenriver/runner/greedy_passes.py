@@ -26,7 +26,7 @@ from torch import nn
 from tokenriver.kv.cache import KVCache
 from tokenriver.runner.inputs import ModelInputs, advance_decode
 from tokenriver.runner.native_stack import NativeStack
-from tokenriver.sampling.sampler import SampleResult, Sampler, SamplingState, torch_row_reductions
+from tokenriver.sampling.sampler import Sampler, SampleResult, SamplingState, torch_row_reductions
 from tokenriver.sched.output import RequestStepResult
 
 # The runner's forward pass (CUDA graph or NativeStack), counted: inputs → final-norm hidden states.

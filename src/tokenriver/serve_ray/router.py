@@ -1,7 +1,7 @@
 """Ray Serve request routers for engine replicas (ray.serve.request_router's RequestRouter API).
 
-`PrefixAwareRouter` ranks the live replicas with serve_ray/replica_choice.py's rules from each request's RoutingHint (the
-prompt's block hashes) and each replica's load. Load is Ray's own count of the
+`PrefixAwareRouter` ranks the live replicas with serve_ray/replica_choice.py's rules from each request's RoutingHint
+(the prompt's block hashes) and each replica's load. Load is Ray's own count of the
 requests ongoing at the replica where it has one, else what the replica last reported through
 `record_routing_stats` (its active requests; Ray Serve collects them every request_routing_stats_period_s) plus the
 requests this router sent it since that report, so a burst routed between two reports still spreads. KV usage and

@@ -2,7 +2,8 @@
 
 Kept apart from the OpenAI routes so the page's needs never change their shapes: GET /v1/visualizer/info
 names the tokens that end a generation (so the page can end a branch the user forced onto one, as the engine
-would), the vocabulary's size (what the grammar stage's allowed tokens are counted against) and the KV cache's geometry (so it can state memory in bytes rather than in blocks); GET
+would), the vocabulary's size (what the grammar stage's allowed tokens are counted against) and the KV cache's
+geometry (so it can state memory in bytes rather than in blocks); GET
 /v1/visualizer/passes lists the engine's recent steps with the requests each forward pass carried, so the page
 can draw batching: which requests shared a pass, as prompt chunks or as decode rows.
 """

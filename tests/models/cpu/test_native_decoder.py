@@ -21,14 +21,14 @@ from tokenriver.decoding.draft_model import first_layers
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.gemma import GemmaForCausalLM
+from tokenriver.models.cpu.decoder import NativeDecoder
 from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.gemma import GemmaForCausalLM
 from tokenriver.models.llama import LlamaForCausalLM
 from tokenriver.models.phi3 import Phi3ForCausalLM
+from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 from tokenriver.models.registry import model_class
-from tokenriver.models.cpu.decoder import NativeDecoder
-from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.runner.native_stack import NativeStack
 
 pytestmark = pytest.mark.skipif(

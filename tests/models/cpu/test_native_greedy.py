@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_native_decoder import BLOCK_SIZE, family_tiny_model, quantized_tiny_model
 
 from tokenriver.engine.llm import LLM
 from tokenriver.kv.cache import KVCache
@@ -23,8 +24,6 @@ from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.quant import Int4Linear, Int8Linear, QuantizedEmbedding, quantize_int4, quantize_int8
 from tokenriver.params import SamplingParams
 from tokenriver.runner.native_stack import NativeStack
-
-from test_native_decoder import BLOCK_SIZE, family_tiny_model, quantized_tiny_model
 
 pytestmark = pytest.mark.skipif(
     load_kernels() is None, reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler"

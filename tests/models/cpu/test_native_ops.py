@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tokenriver.kv.cache import KVCache
-from tokenriver.models.cpu import fast_path as cpu_fast_path
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.cpu import fast_path as cpu_fast_path
 from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.layers import (
     RMSNorm,

@@ -12,7 +12,6 @@ import importlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tokenriver.models.layers import apply_rotary, gelu_tanh_and_mul_torch, rms_norm_torch, silu_and_mul_torch
 

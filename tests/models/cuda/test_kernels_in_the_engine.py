@@ -4,7 +4,8 @@ Where no GPU is at hand the kernels run in Triton's interpreter on CPU tensors: 
 dispatch is pointed at them for CPU tensors, and a tiny model's greedy outputs (float32, widened random weights:
 logits far apart) must be the ones the PyTorch path gives. Llama covers RMSNorm, rotary on the fused qkv view,
 SiLU, the cache writes, decode attention and batched fresh prompts beside a prefix-cache hit; Gemma 3 sliding
-windows, q/k norms and GeLU; Gemma 2 soft-capped scores. On a GPU the `cuda` tests run the same kernels for real (tests/engine).
+windows, q/k norms and GeLU; Gemma 2 soft-capped scores. On a GPU the `cuda` tests run the same kernels for real
+(tests/engine).
 """
 
 from __future__ import annotations

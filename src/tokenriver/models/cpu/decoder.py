@@ -40,9 +40,6 @@ from torch import nn
 from tokenriver.kv.cache import KVCache, head_dim_of
 from tokenriver.models.attention_metadata import AttentionMetadata
 from tokenriver.models.cpu import fast_path as cpu_fast_path
-from tokenriver.models.gemma import GemmaDecoderLayer
-from tokenriver.models.llama import LlamaDecoderLayer
-from tokenriver.models.moe import SparseMoeBlock
 from tokenriver.models.cpu.kernels import (
     ROUNDINGS,
     DecoderSpec,
@@ -57,6 +54,9 @@ from tokenriver.models.cpu.kernels import (
     kv_cache_format,
     load_kernels,
 )
+from tokenriver.models.gemma import GemmaDecoderLayer
+from tokenriver.models.llama import LlamaDecoderLayer
+from tokenriver.models.moe import SparseMoeBlock
 from tokenriver.models.phi3 import Phi3DecoderLayer
 from tokenriver.models.quant import Int4Linear, Int8Linear
 from tokenriver.models.qwen3 import Qwen3DecoderLayer

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from tokenriver.kv.cache import KVCache
-from tokenriver.models.gemma import GemmaRMSNorm
-from tokenriver.models.layers import RMSNorm, RotaryEmbedding
 from tokenriver.models.cpu.decoder import NativeDecoder, linear_spec
 from tokenriver.models.cpu.kernels import GreedyLoopSpec, LinearSpec, is_contiguous_f32
+from tokenriver.models.gemma import GemmaRMSNorm
+from tokenriver.models.layers import RMSNorm, RotaryEmbedding
 from tokenriver.models.quant import QuantizedEmbedding
 
 # (argmax, largest logit, log-sum-exp) per pass and row: [passes, rows] each.

@@ -786,12 +786,13 @@ class NativeKernels:
         query, out [T, num_heads, head_dim] and key, value [T, num_kv_heads, head_dim] are float32 rows (views into
         wider rows are fine); slot_mapping [T] int64; caches [num_blocks, block_size, num_kv_heads, entry_size]
         contiguous, both float32, float16 or int8 (kv/cache.py's formats); block_tables [num_requests, max_blocks]
-        int64 contiguous. queries [n, 3] int64 contiguous, one row per single query token: (its row in query/out, its request's row
-        in block_tables, how many tokens it sees); chunks [c, 4] int64 contiguous, one row per prompt chunk whose
-        tokens attend causally: (its first row, its request's row, its number of tokens, the request's context
-        length after it). Either may be None. Out's other rows are left untouched. window > 0: each token sees only
-        the last `window` positions up to its own (sliding-window attention); 0: its whole context. softcap: the
-        scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2); None: as they are.
+        int64 contiguous. queries [n, 3] int64 contiguous, one row per single query token: (its row in query/out,
+        its request's row in block_tables, how many tokens it sees); chunks [c, 4] int64 contiguous, one row per
+        prompt chunk whose tokens attend causally: (its first row, its request's row, its number of tokens, the
+        request's context length after it). Either may be None. Out's other rows are left untouched. window > 0:
+        each token sees only the last `window` positions up to its own (sliding-window attention); 0: its whole
+        context. softcap: the scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2); None: as
+        they are.
         """
         num_tokens = query.shape[0]
         if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0] == num_tokens):
