@@ -52,11 +52,11 @@ def rounded_products() -> str:
     from tokenriver.models.cpu.kernels import load_kernels
 
     kernels = load_kernels()
-    if kernels is not None and kernels.gemm_amx:
-        return "bfloat16 tiles (this CPU has AMX)"
-    if kernels is not None and kernels.gemm_int8:
-        return "int8 activations (this CPU has AVX512-VNNI)"
-    return "exact (this CPU has neither AMX nor AVX512-VNNI)"
+    if kernels is None:
+        return "PyTorch's products (no native kernels)"
+    if kernels.gemm_int8:
+        return "int8 activations, the GEMM (this CPU has AVX512-VNNI)"
+    return "int8 activations, the GEMV (this CPU lacks AVX512-VNNI)"
 
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:

@@ -6,9 +6,8 @@ gemm.cpp decodes a few weight rows at a time into a small buffer instead, with n
 whole SmolLM2-135M step's products (30 layers of fused qkv 960×576, o 576×576, fused gate/up 3072×576, down
 576×1536, then the tied 49152×576 lm_head; Q4_1 and Q8_0 weights as in the GGUF file, random values):
 - exact float32: the native GEMM against MKL's sgemm on a float32 copy;
-- the rounded mode (models/quant.py, `int8_activations=True`), as this CPU runs it: int8 activations where it has
-  AVX512-VNNI (gemm.cpp), bfloat16 tiles where it has AMX (gemm_amx.cpp), each where present; against F.linear on a
-  bfloat16 copy (oneDNN, AMX where the CPU has it: what transformers runs in bfloat16).
+- the rounded mode (models/quant.py, `int8_activations=True`): int8 activations where the CPU has AVX512-VNNI
+  (gemm.cpp); against F.linear on a bfloat16 copy (oneDNN: what transformers runs in bfloat16).
 Every kind runs in interleaved rounds so that drift hits all alike; the best round counts (noise only adds time).
 The 1-10-row GEMV is measured in kernels.py; the engine switches from it to the GEMM above max_gemv_rows.
 
@@ -38,9 +37,9 @@ LM_HEAD = (49152, 576)
 
 def step_products(kernels) -> tuple[dict[str, list], list]:
     """({kind: native product functions}, float32 weights) for every product of one step, the same weights in
-    all; kinds: "exact", and "int8" / "bfloat16" where this CPU's kernels have them."""
+    all; kinds: "exact", and "int8" where this CPU's kernels have it."""
     shapes = [shape for _ in range(NUM_LAYERS) for shape in LAYER] + [LM_HEAD]
-    roundings = [None] + (["int8"] if kernels.gemm_int8 else []) + (["bfloat16"] if kernels.gemm_amx else [])
+    roundings = [None] + (["int8"] if kernels.gemm_int8 else [])
     native: dict[str | None, list] = {rounding: [] for rounding in roundings}
     dense = []
     for index, (out_features, in_features) in enumerate(shapes):
@@ -61,7 +60,6 @@ def step_products(kernels) -> tuple[dict[str, list], list]:
 NAMES = {
     None: "native GEMM, exact (gemm.cpp)",
     "int8": "native, int8 activations (gemm.cpp, VNNI)",
-    "bfloat16": "native, bfloat16 tiles (gemm_amx.cpp, AMX)",
 }
 MKL = "MKL sgemm on a float32 copy"
 ONEDNN = "F.linear on a bfloat16 copy (oneDNN)"
@@ -157,10 +155,9 @@ def main() -> None:
             f"(1 min) {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. The MKL column needs a "
             f"float32 copy of the weights ({weight_mb:.0f} MB), the oneDNN one a bfloat16 copy "
             f"({weight_mb / 2:.0f} MB); the native products read the packed Q4_1 / Q8_0 bytes. Exact: float32 sums "
-            "of the float32 activations. Rounded: the products `int8_activations=True` can run on this CPU (the "
-            "engine takes the bfloat16 tiles where "
-            "the CPU has AMX), against F.linear in bfloat16 (activations and weights rounded to bfloat16, float32 "
-            "sums).",
+            "of the float32 activations. Rounded: the products `int8_activations=True` runs (activations rounded to "
+            "int8 per 32 columns), against F.linear in bfloat16 (activations and weights rounded to bfloat16, "
+            "float32 sums).",
             "",
             f"![gemm]({output.name})",
             "",

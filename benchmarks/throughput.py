@@ -10,8 +10,8 @@ Writes benchmarks/results/throughput.md and throughput.png.
     python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-prompts 64] [--max-tokens 128] [--rounds 2]
         [--int8-activations] [--kv-cache-dtype float16|int8] [--hf-dtypes float32 bfloat16]
 
---int8-activations runs tokenriver's rounded arithmetic (int8 activations in decode-sized products; larger ones on
-bfloat16 tiles where the CPU has AMX, with int8 activations where it has AVX512-VNNI); --hf-dtypes then lets
+--int8-activations runs tokenriver's rounded arithmetic (activations rounded to int8 per 32 columns in every
+product); --hf-dtypes then lets
 transformers run in bfloat16 too, in the same run, so that its best configuration in either dtype is the reference.
 """
 

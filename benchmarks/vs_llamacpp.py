@@ -19,10 +19,8 @@ Measured, all greedy, on the same prompt token ids for every engine:
 
 Engines: tokenriver's `LLM` on the GGUF (int4 = the file's own Q4_1 weights kept packed, `quantization="auto"`;
 int4 with int8 activations and f16 KV = the same with `int8_activations=True, kv_cache_dtype="float16"`, llama.cpp's
-own arithmetic for Q4_1 weights and its default KV cache type in decode-sized products, and in products of more
-than 10 rows the rounded mode's fastest on this CPU: bfloat16 tiles where it has AMX, int8 activations where it
-has AVX512-VNNI, else exact; the same with an int8 KV cache = `kv_cache_dtype="int8"` (about llama.cpp's q8_0 cache
-type);
+own arithmetic for Q4_1 weights and its default KV cache type, in every product; the same with an int8 KV cache =
+`kv_cache_dtype="int8"` (about llama.cpp's q8_0 cache type);
 int8 = `quantization="int8"` (one scale per output channel); the same with int8 activations and an int8 KV cache
 (its products of more than 10 rows scale each 32-column block's integer sums by the activation scale alone);
 bf16 = `quantization="none", dtype="bfloat16"`; float32 = `quantization="none"`, the dequantized reference),

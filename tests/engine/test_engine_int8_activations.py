@@ -36,8 +36,7 @@ def test_every_quantized_layer_rounds_the_int8_output_layer_included(loaded_int8
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert int4 and all(m.int8_activations for m in int4)
     assert model.lm_head in int8 and all(m.int8_activations for m in int8)
-    kernels = load_kernels()
-    expected = None if kernels is None else "bfloat16" if kernels.gemm_amx else "int8" if kernels.gemm_int8 else None
+    expected = None if load_kernels() is None else "int8"  # many rows round as one does, on every CPU
     assert all(m.gemm_rounding == expected for m in int4 + int8)
     assert loaded_int8_activations.int8_activations
 
@@ -87,8 +86,7 @@ def test_a_setting_without_effect_is_refused(default_model_path, loaded_packed):
 
 
 @pytest.mark.skipif(
-    load_kernels() is None or not (load_kernels().gemm_amx or load_kernels().gemm_int8),
-    reason="the argmax product needs AVX512-VNNI or AMX tiles",
+    load_kernels() is None or not load_kernels().gemm_int8, reason="the argmax product needs AVX512-VNNI"
 )
 def test_greedy_batches_skip_the_logits_and_pick_the_same_tokens(loaded_int8_activations):
     """More than max_gemv_rows plain greedy rows: the runner takes the output projection's per-row reductions

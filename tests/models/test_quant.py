@@ -4,9 +4,11 @@
   gguf.quants.quantize, random bytes with valid float16 scales, and the embedded model's real tensors).
 - Every layer and backend matches F.linear over the dequantized float32 weight, for several row counts and
   float32 / bfloat16 activations; the native kernel and the pure-PyTorch fallback agree.
-- The native many-row products (gemm.cpp, and gemm_amx.cpp on CPUs with AMX tiles) give each row the same bits
-  whatever batch it is computed in; their rounded variants (int8 activations, bfloat16 tiles) match the reference
-  backend's identical rounding up to the float summation order.
+- The native many-row products (gemm.cpp) give each row the same bits whatever batch it is computed in; their
+  rounded variant (int8 activations) matches the reference backend's identical rounding up to the float summation
+  order.
+- With int8 activations every product gives a row one arithmetic: the GEMV and the GEMM the same bits, at every row
+  count and thread count.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from tokenriver.models.quant import (
     repack_q4_1,
     repack_q8_0,
     round_activations_int8,
-    round_bfloat16,
     unpack_int4,
 )
 
@@ -49,13 +50,7 @@ REPACKERS = {
 }
 HAS_NATIVE = load_kernels() is not None
 HAS_INT8_GEMM = HAS_NATIVE and load_kernels().gemm_int8
-HAS_AMX_GEMM = HAS_NATIVE and load_kernels().gemm_amx
-HAS_ROUNDED_GEMM = HAS_NATIVE and (load_kernels().gemm_amx or load_kernels().gemm_int8)
 INT8_GEMM = pytest.param("int8", marks=pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI"))
-BF16_GEMM = pytest.param(
-    "bfloat16",
-    marks=pytest.mark.skipif(not HAS_AMX_GEMM, reason="the CPU lacks AMX tiles (or the OS does not grant them)"),
-)
 BACKENDS = [
     "reference",
     pytest.param(
@@ -228,9 +223,8 @@ def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
         scale = expected.abs().max().item()
         # Same integer arithmetic, only the float summation order differs.
         assert (native(x) - expected).abs().max().item() <= 2e-5 * scale
-        # Rounding x to 8 bits moves the result by well under 1% of its range; above max_gemv_rows it is exact
-        # unless the CPU has AVX512-VNNI or AMX.
-        tolerance = 1e-2 if num_rows <= 8 or native.gemm_rounding else 2e-5
+        # Rounding x to 8 bits moves the result by well under 1% of its range, at any row count.
+        tolerance = 1e-2
         assert (native(x) - exact(x)).abs().max().item() <= tolerance * scale
 
 
@@ -292,40 +286,30 @@ def rounded_reference(layer: Int4Linear | Int8Linear, x: torch.Tensor, rounding:
     """F.linear over the dequantized weight with the inputs rounded as `rounding` says (no bias)."""
     if rounding == "int8":
         return F.linear(round_activations_int8(x), layer.dequantize())
-    if rounding == "bfloat16":
-        return F.linear(round_bfloat16(x), round_bfloat16(layer.dequantize()))
     return F.linear(x, layer.dequantize())
 
 
 def rounding_bound(layer: Int4Linear | Int8Linear, x: torch.Tensor, rounding: str) -> torch.Tensor:
     """Per output, the most that rounding the inputs can move x @ Wᵀ (the triangle inequality, term by term)."""
-    weight = layer.dequantize()
-    if rounding == "int8":
-        return F.linear((round_activations_int8(x) - x).abs(), weight.abs())
-    rounded_weight = round_bfloat16(weight)
-    return F.linear((round_bfloat16(x) - x).abs(), rounded_weight.abs()) + F.linear(
-        x.abs(), (rounded_weight - weight).abs()
-    )
+    return F.linear((round_activations_int8(x) - x).abs(), layer.dequantize().abs())
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-def test_rounded_layers_pick_the_fastest_rounding_of_this_cpu() -> None:
+def test_rounded_layers_round_many_rows_as_they_round_one() -> None:
     layer = make_layer("int4-g32", 40, 576, "native", int8_activations=True)
-    assert layer.gemm_rounding == ("bfloat16" if HAS_AMX_GEMM else "int8" if HAS_INT8_GEMM else None)
+    assert layer.gemm_rounding == "int8"
     assert make_layer("int4-g32", 40, 576, "native").gemm_rounding is None
     reference = make_layer("int4-g32", 40, 576, "reference", int8_activations=True)
     assert reference.gemm_rounding == layer.gemm_rounding  # so that the two backends stay interchangeable
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("rounding", [pytest.param(None, id="f32"), INT8_GEMM, BF16_GEMM])
+@pytest.mark.parametrize("rounding", [pytest.param(None, id="f32"), INT8_GEMM])
 @pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0", "q5_0"])
 def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | None) -> None:
-    # 40 outputs: six-row weight tiles plus a remainder of 4 (float32, int8), or 16-row tiles plus 8 (bfloat16).
-    # K = 1536: 80 float32 activation rows per pass, 336 in int8, 320 in bfloat16, so 1000 rows take one to
-    # thirteen passes. Batches of 9 to 1000 put the same rows in half panels, full panels, partial tiles and
-    # later passes; in bfloat16, batches of 128 rows or more take the activations as the row operand, smaller
-    # ones the transposed form (gemm_amx.cpp), and both must give the same bits.
+    # 40 outputs: six-row weight tiles plus a remainder of 4. K = 1536: 80 float32 activation rows per pass, 336 in
+    # int8, so 1000 rows take one to thirteen passes. Batches of 9 to 1000 put the same rows in half panels, full
+    # panels, partial tiles and later passes.
     layer = make_layer(kind, 40, 1536, "native")
     gemm = bind_gemm(layer, rounding)
     rows = torch.randn(1000, 1536)
@@ -338,14 +322,14 @@ def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | 
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("rounding", [INT8_GEMM, BF16_GEMM])
+@pytest.mark.parametrize("rounding", [INT8_GEMM])
 @pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int4-g128", "int8-channel", "q8_0", "q5_0"])
 @pytest.mark.parametrize("out_features, in_features", [(45, 576), (45, 1536), (45, 128), (16, 32), (77, 96)])
 def test_rounded_gemm_matches_the_reference_rounding(
     kind: str, out_features: int, in_features: int, rounding: str
 ) -> None:
-    """int8: activations rounded per 32 columns, integer sums exact. bfloat16: both inputs rounded, products exact
-    in float32. Either way only the float summation order differs from the reference."""
+    """Activations rounded per 32 columns, integer sums exact: only the float summation order differs from the
+    reference."""
     group_size = {"int4-g64": 64, "int4-g128": 128}.get(kind, 32)
     if in_features % group_size:
         pytest.skip(f"groups of {group_size} need in_features a multiple of {group_size}")
@@ -482,11 +466,11 @@ def test_moving_the_layer_rebinds_the_kernel() -> None:
     torch.testing.assert_close(layer(x), 2 * before, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not HAS_ROUNDED_GEMM, reason="the argmax product needs AVX512-VNNI or AMX tiles")
+@pytest.mark.skipif(not HAS_INT8_GEMM, reason="the argmax product needs AVX512-VNNI")
 @pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "q8_0"])
 def test_argmax_logsumexp_reduces_the_rounded_product_without_writing_it(kind: str) -> None:
-    # 1,000 outputs: on AMX 62 whole tiles and one of 8 columns; with VNNI 166 tiles of 6 and one of 4, folded 12
-    # columns at a time. Rows 11-1,000: both AMX product forms, one and several passes (VNNI: 896 rows a pass).
+    # 1,000 outputs: 166 tiles of 6 and one of 4, folded 12 columns at a time. Rows 11-1,000: one and several passes
+    # (896 rows a pass).
     layer = make_layer(kind, 1000, 576, "native", max_gemv_rows=10, int8_activations=True)
     assert layer.gemm_rounding is not None
     generator = torch.Generator().manual_seed(3)
@@ -509,7 +493,7 @@ def test_argmax_logsumexp_reduces_the_rounded_product_without_writing_it(kind: s
     assert argmax.tolist()[:4] == [3, 40, 16, 16]
 
 
-@pytest.mark.skipif(not HAS_ROUNDED_GEMM, reason="the argmax product needs AVX512-VNNI or AMX tiles")
+@pytest.mark.skipif(not HAS_INT8_GEMM, reason="the argmax product needs AVX512-VNNI")
 def test_argmax_logsumexp_declines_what_it_does_not_compute() -> None:
     layer = make_layer("q8_0", 100, 64, "native", max_gemv_rows=10, int8_activations=True)
     assert layer.argmax_logsumexp(torch.randn(10, 64)) is None  # decode-sized: the GEMV's arithmetic
@@ -521,6 +505,34 @@ def test_argmax_logsumexp_declines_what_it_does_not_compute() -> None:
     assert exact.argmax_logsumexp(torch.randn(12, 64)) is None  # exact float32 products have no such kernel
     biased = make_layer("q8_0", 100, 64, "native", bias=True, max_gemv_rows=10, int8_activations=True)
     assert biased.argmax_logsumexp(torch.randn(12, 64)) is None
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
+@pytest.mark.parametrize("out_features, in_features", [(45, 576), (40, 1536), (16, 32), (77, 96)])
+def test_int8_activation_products_give_a_row_one_arithmetic(kind: str, out_features: int, in_features: int) -> None:
+    """The GEMV (gemv.cpp) and, where the CPU has it, the GEMM (gemm.cpp) give a row the same bits at every row count
+    from 1 to 64 (the layer's own switch between them at max_gemv_rows included), wherever the row sits among the
+    others, and at every thread count."""
+    group_size = {"int4-g64": 64}.get(kind, 32)
+    if in_features % group_size:
+        pytest.skip(f"groups of {group_size} need in_features a multiple of {group_size}")
+    layer = make_layer(kind, out_features, in_features, "native", max_gemv_rows=10, int8_activations=True)
+    products = [layer.packed.gemv, bind_gemm(layer, "int8") if HAS_INT8_GEMM else layer.packed.gemm]
+    rows = torch.randn(64, in_features, generator=torch.Generator().manual_seed(in_features))
+    alone = torch.cat([layer.packed.gemv(rows[i : i + 1]) for i in range(64)])
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for count in range(1, 65):
+                start = (7 * count) % (65 - count)
+                batch = rows[start : start + count]
+                assert torch.equal(layer(batch), alone[start : start + count]), (num_threads, count)
+                for product in products:
+                    assert torch.equal(product(batch), alone[start : start + count]), (num_threads, count)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_q5_0_keeps_its_bytes_as_five_bit_codes_and_converts_exactly_to_int8() -> None:

@@ -36,14 +36,10 @@ products keep up with memory (benchmarks/results/kernels.md); for int8 weights i
 weight byte to float32, about a quarter of a large GEMV's time. The engine sets it with
 `load_model(..., int8_activations=True)`. The int4 min term uses the rounded activations too: the error is then
 W · (x̂ - x) with W's centred values, not a shared offset from the 0..15 codes. Larger products (prefill, batched
-decode) are bound by arithmetic, not by reading weights, and with the same setting they round too, by what the CPU
-does fastest (`gemm_rounding`):
-- "bfloat16" where it has AMX tiles (gemm_amx.cpp): the activations and the decoded weights rounded to bfloat16,
-  float32 sums; one tile instruction adds 8,192 products, and no per-block scaling follows it.
-- "int8" where it has AVX512-VNNI (gemm.cpp): the activations rounded to int8 per 32 columns as in decode steps, so
-  a row rounds alike alone or in a batch, and multiplied as integers.
-- None (exact float32) elsewhere.
-The reference backend rounds exactly as the native one would on the same machine, so the two stay interchangeable.
+decode) round the same way (`gemm_rounding` "int8"), and every int8-activation product computes a row in one
+arithmetic (gemv.cpp): the GEMV and the GEMM (gemm.cpp, where the CPU has AVX512-VNNI; elsewhere the GEMV takes
+every row count) give a row the same bits whatever rows share the call. The reference backend rounds the
+activations as the native one does; its float sums are PyTorch's, close to the kernels' but not bit for bit.
 """
 
 from __future__ import annotations
@@ -362,14 +358,9 @@ def repack_q8_0(blocks: torch.Tensor | np.ndarray) -> Int8Weight:
 
 def gemm_rounding(rounded_arithmetic: bool, in_features: int, device: torch.device | str = "cpu") -> str | None:
     """How many-row products on `device` round (module docstring): None unless asked for, or where the device's fast
-    path has no rounded product; on a CPU "bfloat16" where it has AMX tiles, "int8" where it has AVX512-VNNI."""
+    path has no rounded product ("int8" on a CPU the native kernels build on)."""
     fast = fast_path_for(device)
     return None if fast is None else fast.gemm_rounding(rounded_arithmetic, in_features)
-
-
-def round_bfloat16(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to the nearest bfloat16 (ties to even), back in float32: what the bfloat16 tiles compute with."""
-    return x.to(torch.bfloat16).float()
 
 
 class QuantizedLinear(nn.Module):
@@ -430,7 +421,7 @@ class QuantizedLinear(nn.Module):
 
     def argmax_logsumexp(self, x: torch.Tensor) -> Reductions | None:
         """Per row of forward(x): (argmax, largest value, log-sum-exp) without writing the [M, N] output, where this
-        layer has such a product: the rounded mode's (int8 activations on AVX512-VNNI, bfloat16 tiles on AMX), for
+        layer has such a product: the rounded mode's (int8 activations, where the CPU has AVX512-VNNI), for
         2-D float32 rows more than a GEMV's and no bias. None otherwise, or when an output is NaN or infinite: the
         caller then takes forward's output. The argmax and largest value are those of forward(x) bit for bit."""
         if self.packed is None or self.bias is not None or x.dim() != 2 or x.shape[1] != self.in_features:
@@ -473,8 +464,6 @@ class QuantizedLinear(nn.Module):
         definition the kernels are tested against."""
         if rounding == "int8":
             return F.linear(round_activations_int8(rows), self.dequantize())
-        if rounding == "bfloat16":
-            return F.linear(round_bfloat16(rows), round_bfloat16(self.dequantize()))
         return F.linear(rows, self.dequantize())
 
     def extra_repr(self) -> str:

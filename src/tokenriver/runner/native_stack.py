@@ -74,7 +74,7 @@ class NativeStack:
     @torch.inference_mode()
     def greedy_reductions(self, hidden: torch.Tensor) -> Reductions | None:
         """Per row of compute_logits(hidden): (argmax, largest logit, log-sum-exp), without writing the logits,
-        where the output projection can (quantized, rounded mode on VNNI or AMX: models/quant.py); else
+        where the output projection can (quantized, rounded mode on AVX512-VNNI: models/quant.py); else
         None. A greedy step that reports nothing but the chosen tokens' logprobs needs only these."""
         if getattr(self.model.config, "final_logit_softcapping", None) is not None:
             return None  # Soft-capped logits (Gemma 2): the projection's log-sum-exp is not theirs.

@@ -153,16 +153,13 @@ class CpuFastPath:
     def sigmoid_gate(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return self.kernels.sigmoid_gate(x, weight) if x.dim() == 2 and is_contiguous_f32(x) else None
 
-    # ----- packed weights (gemv.cpp, gemm.cpp, gemm_amx.cpp, convert.cpp) --------------------------------------
+    # ----- packed weights (gemv.cpp, gemm.cpp, convert.cpp) -------------------------------------------------------
 
     def gemm_rounding(self, rounded_arithmetic: bool, in_features: int) -> str | None:
-        """ "bfloat16" where this CPU has AMX tiles, "int8" where it has AVX512-VNNI, else None (exact float32); None
-        unless asked for. Both kernels take the columns in runs of 32."""
-        if not rounded_arithmetic or in_features % 32:
-            return None
-        if self.kernels.gemm_amx:
-            return "bfloat16"
-        return "int8" if self.kernels.gemm_int8 else None
+        """ "int8" where asked for (the activations of many-row products rounded as a decode row's are, so that a row
+        gets the same bits in a batch and alone: gemv.cpp), on every CPU the kernels build on; else None (exact
+        float32). The kernels take the columns in runs of 32."""
+        return "int8" if rounded_arithmetic and in_features % 32 == 0 else None
 
     def bind_packed(self, layer: nn.Module) -> NativePacked | None:
         return NativePacked(self.kernels, layer) if layer.qweight.is_cpu else None
@@ -206,7 +203,7 @@ class NativePacked:
         self.gemv = self._bind("int8" if layer.int8_activations else None, many_rows=False)
         self.gemm = self._bind(layer.gemm_rounding, many_rows=True)
         self.argmax = None
-        if layer.gemm_rounding is not None:
+        if layer.gemm_rounding == "int8" and kernels.gemm_int8:
             kind = "int4" if self.is_int4 else "int8"
             *weight, high_bits = self.tensors if self.is_int4 else (*self.tensors, None)
             self.argmax = kernels.bind_argmax(

@@ -1,6 +1,6 @@
-"""Build and call the native CPU kernels: quantized GEMV (gemv.cpp) and GEMM (gemm.cpp, and gemm_amx.cpp on CPUs with
-AMX tiles), the small ops of a layer (ops.cpp), paged decode attention (attention.cpp), and a whole decoder stack
-made of them (decoder.cpp: Llama, Qwen3 and Gemma layers).
+"""Build and call the native CPU kernels: quantized GEMV (gemv.cpp) and GEMM (gemm.cpp), the small ops of a layer
+(ops.cpp), paged decode attention (attention.cpp), and a whole decoder stack made of them (decoder.cpp: Llama, Qwen3
+and Gemma layers).
 
 PyTorch's own packed-weight CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) stream the weights
 of a one-row product far below memory speed on this class of machine (see benchmarks/results/kernels.md), so the
@@ -40,17 +40,16 @@ logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    KERNELS_DIR / name
-    for name in ("gemv.cpp", "gemm.cpp", "gemm_amx.cpp", "ops.cpp", "attention.cpp", "decoder.cpp", "convert.cpp")
+    KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp", "convert.cpp")
 )
-HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "gemm_amx.h", KERNELS_DIR / "reductions.h")
+HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "reductions.h")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
 # order of its kv_cache_format codes (0, 1, 2).
 NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
-# How a product rounds its inputs (models/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1, 2):
-# exact float32, activations to int8 per 32 columns, or activations and weights to bfloat16.
-ROUNDINGS = (None, "int8", "bfloat16")
+# How a product rounds its inputs (models/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1): exact
+# float32, or activations to int8 per 32 columns.
+ROUNDINGS = (None, "int8")
 # Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
 Reductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
@@ -351,13 +350,10 @@ class NativeKernels:
             function.argtypes = argtypes
             function.restype = restype
             self._functions[name] = function
-        # The rounded GEMMs exist only where the compiler targeted their instructions: int8 activations on
-        # AVX512-VNNI (gemm.cpp), bfloat16 tiles on AMX, where the OS also lets this process use the tiles
-        # (gemm_amx.cpp).
+        # The int8-activation GEMM exists only where the compiler targeted AVX512-VNNI (gemm.cpp); elsewhere those
+        # products of many rows run the GEMV, in the same arithmetic.
         library.gemm_int8x_supported.restype = c_int
-        library.gemm_bf16_amx_supported.restype = c_int
         self.gemm_int8 = bool(library.gemm_int8x_supported())
-        self.gemm_amx = bool(library.gemm_bf16_amx_supported())
         # The argmax products take argmax, max and lse pointers where the products take y.
         int4_argmax_args = int4_args[:-2] + [ptr, ptr, ptr, c_int]
         int8_argmax_args = int8_args[:-2] + [ptr, ptr, ptr, c_int]
@@ -368,13 +364,6 @@ class NativeKernels:
                 ("int8_gemm_int8x", int8_args, None),
                 ("int4_argmax_int8x", int4_argmax_args, i64),
                 ("int8_argmax_int8x", int8_argmax_args, i64),
-            ]
-        if self.gemm_amx:
-            rounded += [
-                ("int4_gemm_bf16_amx", int4_args, None),
-                ("int8_gemm_bf16_amx", int8_args, None),
-                ("int4_argmax_bf16_amx", int4_argmax_args, i64),
-                ("int8_argmax_bf16_amx", int8_argmax_args, i64),
             ]
         for name, argtypes, restype in rounded:
             function = getattr(library, name)
@@ -394,17 +383,11 @@ class NativeKernels:
         self.attention_head_dims = frozenset(size for size in range(8, 1025, 8) if supports(size))
 
     def _product(self, kind: str, rounding: str | None, many_rows: bool) -> Callable[..., None]:
-        if rounding not in ROUNDINGS or (rounding == "bfloat16" and not many_rows):
-            raise ValueError(f"rounding must be one of {ROUNDINGS} (bfloat16 only with many_rows), got {rounding!r}")
-        if many_rows and rounding == "int8" and not self.gemm_int8:
-            raise ValueError(
-                "the many-row product rounds activations to int8 only on CPUs with AVX512-VNNI; check gemm_int8 first"
-            )
-        if rounding == "bfloat16" and not self.gemm_amx:
-            raise ValueError("the bfloat16 many-row product runs only on CPUs with AMX tiles; check gemm_amx first")
-        if many_rows:
-            suffix = {None: "f32", "int8": "int8x", "bfloat16": "bf16_amx"}[rounding]
-            return self._functions[f"{kind}_gemm_{suffix}"]
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        if many_rows and (rounding is None or self.gemm_int8):
+            # Without AVX512-VNNI the int8 products of many rows run the GEMV: the same arithmetic (gemv.cpp).
+            return self._functions[f"{kind}_gemm_{'int8x' if rounding else 'f32'}"]
         return self._functions[f"{kind}_linear_{'int8x' if rounding else 'f32'}"]
 
     def bind_int4(
@@ -421,10 +404,10 @@ class NativeKernels:
 
         rounding "int8" rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact; K and
         the group size multiples of 32. many_rows picks the GEMM (gemm.cpp) over the GEMV: for more rows than a
-        decode step has, where the product is bound by arithmetic rather than by reading the weights; with "int8"
-        only where gemm_int8 is True, and "bfloat16" (x and the decoded weights rounded to bfloat16, float32 sums:
-        gemm_amx.cpp) only there and only where gemm_amx is True. high_bits [N, K / 32] int32 makes the weight 5-bit
-        (quant.py's Int4Weight). The function keeps the tensors alive; rebind after moving or replacing them.
+        decode step has, where the product is bound by arithmetic rather than by reading the weights (with "int8",
+        where gemm_int8 is True; elsewhere the GEMV, whose arithmetic per row is the same). high_bits [N, K / 32]
+        int32 makes the weight 5-bit (quant.py's Int4Weight). The function keeps the tensors alive; rebind after
+        moving or replacing them.
         """
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
         function = self._product("int4", rounding, many_rows)
@@ -476,21 +459,19 @@ class NativeKernels:
         many_rows compute it (the same values): its argmax (first of equal maxima, as torch.argmax), largest value
         and log(sum(exp(row))), without writing y (reductions.h). Or None when some value of y is NaN or infinite,
         cases the caller leaves to PyTorch. kind "int4" with (qweight, scales, mins, group_size), "int8" with
-        (qweight, scales, group_size), high_bits with int4 as in bind_int4; rounding "int8" only where gemm_int8 is
-        True, "bfloat16" where gemm_amx is.
+        (qweight, scales, group_size), high_bits with int4 as in bind_int4; rounding "int8", only where gemm_int8 is
+        True.
         """
         if kind not in ("int4", "int8"):
             raise ValueError(f"kind must be 'int4' or 'int8', got {kind!r}")
-        if rounding not in ("int8", "bfloat16"):
-            raise ValueError(f"rounding must be 'int8' or 'bfloat16', got {rounding!r}")
-        if rounding == "int8" and not self.gemm_int8:
+        if rounding != "int8":
+            raise ValueError(f"rounding must be 'int8', got {rounding!r}")
+        if not self.gemm_int8:
             raise ValueError("the int8 argmax product runs only on CPUs with AVX512-VNNI; check gemm_int8 first")
-        if rounding == "bfloat16" and not self.gemm_amx:
-            raise ValueError("the bfloat16 argmax product runs only on CPUs with AMX tiles; check gemm_amx first")
         *tensors, group_size = weight
         qweight = tensors[0]
         out_features, in_features = qweight.shape[0], qweight.shape[1] * (2 if kind == "int4" else 1)
-        function = self._functions[f"{kind}_argmax_{'int8x' if rounding == 'int8' else 'bf16_amx'}"]
+        function = self._functions[f"{kind}_argmax_int8x"]
         pointers = [t.data_ptr() for t in tensors]
         if kind == "int4":
             pointers.append(None if high_bits is None else high_bits.data_ptr())

@@ -43,6 +43,7 @@ namespace {
 using tokenriver::exp256;
 using tokenriver::horizontal_max;
 using tokenriver::horizontal_sum;
+using tokenriver::transpose8;
 
 // Eight cache entries as floats.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -779,32 +780,6 @@ inline void chunk_values_pairs_all(const uint32_t* value_pairs, int64_t pairs, c
 template <typename Cache, int ND>
 constexpr bool kPairProducts = false;
 #endif
-
-// rows[0..7] transposed in place: lane e of rows[k] becomes lane k of rows[e].
-inline void transpose8(__m256 rows[8]) {
-  const __m256 t0 = _mm256_unpacklo_ps(rows[0], rows[1]), t1 = _mm256_unpackhi_ps(rows[0], rows[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(rows[2], rows[3]), t3 = _mm256_unpackhi_ps(rows[2], rows[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(rows[4], rows[5]), t5 = _mm256_unpackhi_ps(rows[4], rows[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(rows[6], rows[7]), t7 = _mm256_unpackhi_ps(rows[6], rows[7]);
-  // s0 = lanes 0 and 4 of rows 0-3, s1 = lanes 1 and 5, s2 = lanes 2 and 6, s3 = lanes 3 and 7; s4-s7 likewise
-  // of rows 4-7.
-  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-  rows[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
-  rows[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-  rows[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
-  rows[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-  rows[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
-  rows[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-  rows[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
-  rows[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-}
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // A tile's keys and values as bfloat16 pairs (kPairProducts): key_pairs[i * kTile + j] holds dimensions 2i, 2i + 1

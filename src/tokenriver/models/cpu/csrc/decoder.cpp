@@ -30,7 +30,6 @@
 #include <chrono>
 #include <vector>
 
-#include "gemm_amx.h"
 
 extern "C" {
 void int4_linear_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
@@ -92,7 +91,7 @@ struct Linear {
   int64_t max_gemv_rows;    // up to this many rows take the GEMV, more take the GEMM
   int32_t is_int4;
   int32_t int8_activations; // the GEMV rounds activations to int8
-  int32_t gemm_rounding;    // the GEMM: 0 exact, 1 activations to int8, 2 bfloat16 tiles (set only where it exists)
+  int32_t gemm_rounding;    // the many-row products: 0 exact, 1 activations to int8
 };
 
 // A mixture-of-experts MLP (models/moe.py's SparseMoeBlock; native.py's MoeSpec): a float32 router, each expert's
@@ -198,18 +197,16 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
   const bool gemm = M > l.max_gemv_rows;
   auto int4_gemm = int4_gemm_f32;
   auto int8_gemm = int8_gemm_f32;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if (l.gemm_rounding == 1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     int4_gemm = int4_gemm_int8x;
     int8_gemm = int8_gemm_int8x;
-  }
+#else
+    // Without VNNI the int8 products of many rows run the GEMV: the same arithmetic (gemv.cpp).
+    int4_gemm = int4_linear_int8x;
+    int8_gemm = int8_linear_int8x;
 #endif
-#ifdef TOKENRIVER_GEMM_AMX
-  if (l.gemm_rounding == 2) {
-    int4_gemm = int4_gemm_bf16_amx;
-    int8_gemm = int8_gemm_bf16_amx;
   }
-#endif
   if (l.is_int4) {
     auto product = gemm ? int4_gemm : l.int8_activations ? int4_linear_int8x : int4_linear_f32;
     product(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, x, M, y, threads);

@@ -40,6 +40,7 @@ using tokenriver::decode_int8;
 using tokenriver::half_to_float;
 using tokenriver::prefetch_group_terms;
 using tokenriver::quantize_activations;
+using tokenriver::transpose8;
 
 // Weight rows per tile, activation rows per vector, and activation rows per packed panel (two vectors).
 constexpr int kRows = 6;
@@ -175,26 +176,6 @@ void weight_rows(const float* w, const float* panels, int64_t K, int64_t rows, f
       tile_6x8(w, panel, K, m, valid, y, N, n0);
     else
       tile<RT, 1>(w, panel, K, m, valid, y, N, n0);
-  }
-}
-
-// Transposes 8 rows of 8 floats (r[i] = row i) into 8 columns: r[j] = column j.
-inline void transpose8(__m256 r[8]) {
-  __m256 t[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  __m256 u[8];
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
   }
 }
 

@@ -19,7 +19,8 @@
 // Two arithmetic modes: float32 activations (exact up to summation order), or activations rounded to int8 per 32
 // columns and multiplied as integers, as llama.cpp does (see quantize_activations). For int4 weights the float
 // path is bound by decoding (about sixteen vector operations per 16 weight bytes) and streams the weights at about
-// half the memory speed; the int8 path (int4_pair_tile) takes about a third of the operations and keeps up with it.
+// half the memory speed; the int8 path takes about a third of the operations and keeps up with it. The int8 path
+// computes a row in the arithmetic gemm.cpp's GEMM shares ("one arithmetic per row" below), for any row count.
 // Parallel over output rows with OpenMP; it shares PyTorch's libgomp (same soname), so the threads are PyTorch's.
 
 #include <immintrin.h>
@@ -60,7 +61,9 @@ using tokenriver::decode_int8;
 using tokenriver::fifth_bits;
 using tokenriver::half_to_float;
 using tokenriver::horizontal_sum;
+using tokenriver::prefetch_group_terms;
 using tokenriver::quantize_activations;
+using tokenriver::transpose8;
 
 // Per-group sums of x: xsum [M, K/G].
 std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
@@ -75,9 +78,10 @@ std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
   return sums;
 }
 
-// How far ahead of the bytes being decoded to prefetch weight bytes, and into which cache. The rows of a tile are
-// adjacent in memory, so this reaches into the next tiles. Into L2, 8 KB ahead: faster than into L1 4 KB ahead,
-// and 16 KB ahead was no better (benchmarks/HISTORY.md). Without any prefetch the products ran at half the speed.
+// How far ahead of the bytes being decoded the float path prefetches weight bytes, and into which cache. The rows
+// of a tile are adjacent in memory, so this reaches into the next tiles. Into L2, 8 KB ahead: faster than into L1
+// 4 KB ahead, and 16 KB ahead was no better (benchmarks/HISTORY.md). Without any prefetch the products ran at half
+// the speed. (The int8 path's tiles are 16 rows: it fetches a tile ahead, the scales with it.)
 constexpr int64_t kPrefetchBytes = 8192;
 
 // Groups whose float16 scales are converted to float32 at a time, into a buffer on the stack.
@@ -153,57 +157,7 @@ void tile(const float* x, int64_t K, const float* xsum, const uint8_t* qweight, 
     }
 }
 
-// Integer dot of 32 int8 weights with 32 int8 activations → 8 int32 partial sums as floats. maddubs multiplies
-// unsigned by signed bytes, so the weights pass their sign to the activations (|w| * sign(w) x); no pair sum
-// overflows int16 (2 * 128 * 127 < 32768).
-inline __m256 dot32(__m256i w, __m256i xq) {
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-// tile() with int8 activations, for int8 weights (int4 weights take int4_pair_tile): the same tiling and scales.
-// Int8 weights stream at memory speed on either path; this one exists for llama.cpp's arithmetic.
-template <int RT, int MT>
-void tile_q8(const int8_t* xq, const float* xscale, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-             int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
-  const int64_t num_groups = K / G;
-  const int64_t row_bytes = K;
-  __m256 acc[RT][MT];
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-  alignas(32) float scale_buffer[RT][kScaleChunk];
-  for (int64_t g0 = 0; g0 < num_groups; g0 += kScaleChunk) {
-    const int64_t chunk = num_groups - g0 < kScaleChunk ? num_groups - g0 : kScaleChunk;
-    for (int r = 0; r < RT; ++r) halves_to_floats(scales + (n0 + r) * num_groups + g0, chunk, scale_buffer[r]);
-    for (int64_t g = g0; g < g0 + chunk; ++g) {
-      __m256 partial[RT][MT];
-      for (int r = 0; r < RT; ++r)
-        for (int m = 0; m < MT; ++m) partial[r][m] = _mm256_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-        __m256i xv[MT];
-        __m256 xs[MT];
-        for (int m = 0; m < MT; ++m) {
-          xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m0 + m) * K + k));
-          xs[m] = _mm256_broadcast_ss(xscale + ((m0 + m) * K + k) / 32);
-        }
-        for (int r = 0; r < RT; ++r) {
-          const uint8_t* row = qweight + (n0 + r) * row_bytes;
-          _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T1);
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
-          for (int m = 0; m < MT; ++m) partial[r][m] = _mm256_fmadd_ps(dot32(w, xv[m]), xs[m], partial[r][m]);
-        }
-      }
-      for (int r = 0; r < RT; ++r) {
-        const __m256 scale = _mm256_broadcast_ss(&scale_buffer[r][g - g0]);
-        for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(scale, partial[r][m], acc[r][m]);
-      }
-    }
-  }
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n0 + r] = horizontal_sum(acc[r][m]);
-}
-
-// One row of int8 activations in the order int4_pair_tile reads them. For blocks 2p and 2p+1 (32 columns each),
+// One row of int8 activations in the order the int4 tiles read them. For blocks 2p and 2p+1 (32 columns each),
 // the 32 bytes lo[p] are [columns 0-15 of block 2p | columns 0-15 of block 2p+1] and hi[p] the same for columns
 // 16-31: one 32-byte load of the two blocks' weights (16 bytes each) gives their low nibbles in lo's order after one
 // AND and their high nibbles in hi's order after a shift and an AND, so no weight byte is moved. An odd last block
@@ -218,284 +172,465 @@ void pair_activations(const int8_t* xq, int64_t K, int8_t* lo, int8_t* hi) {
   }
 }
 
-// Two int4 blocks (32 bytes) against their paired activations: 8 int32 sums as floats, lanes 0-3 over the first
-// block's columns, 4-7 over the second's. Each 16-bit pair sum is at most 2 * 15 * 127, the sum of the low and
-// high halves twice that: no saturation.
-// HIGH (int5): low_bits and high_bits are the fifth bits of low's and high's 32 codes, in their order; the sums
-// stay within int16 (2 * (31 * 127) * 2 < 32768).
-template <bool HIGH = false>
-inline __m256 pair_sums(const uint8_t* bytes, const int8_t* lo, const int8_t* hi, uint32_t low_bits = 0,
-                        uint32_t high_bits = 0) {
+// ---- Int8 activations: one arithmetic per row ----------------------------------------------------------------
+//
+// Every product with int8 activations computes an output as one chain over its blocks of 32 columns, in order, the
+// same here and in gemm.cpp's GEMM (int8_tile), so a row's bits depend on that row alone: not on how many rows
+// share the product, where the row sits among them, or which thread computes it. Per block b,
+//     S_b = the exact integer sum of the block's codes times the row's rounded activations
+//     acc = fma(S_b, ws_b * xs_b, acc)          ws_b the weight's scale for the block, xs_b the activations'
+//     acc = fma(min_b, xs_b * T_b, acc)          int4 weights only: T_b the block's sum of rounded activations
+// and y = acc. Int8 weights with one scale per output channel (group size K) take acc = fma(S_b, xs_b, acc) and
+// y = acc * ws. The integer sums are exact whatever instructions add them, so only the float chain fixes the bits.
+// Here a vector's lanes are 8 weight rows of one activation row; in the GEMM they are 16 activation rows of one
+// weight row. Each lane goes through the same operations either way.
+
+// 8 int32 lanes → the integer block sums of 8 weight rows (the rows' vectors t[0..7]): for int4 pairs each t[r]
+// holds block 2p's partial sums in lanes 0-3 and block 2p+1's in 4-7, and the two results are those blocks' sums of
+// rows 0-7; for int8 each t[r] is one block's 8 partial sums, and first gets the sums (second is unused).
+template <bool PAIRED>
+inline void block_sums_of_rows(const __m256i t[8], __m256i& first, __m256i& second) {
+  const __m256i rows0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
+  const __m256i rows4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(t[4], t[5]), _mm256_hadd_epi32(t[6], t[7]));
+  // Each: [rows' sums over lanes 0-3 | rows' sums over lanes 4-7].
+  const __m256i low = _mm256_permute2x128_si256(rows0123, rows4567, 0x20);
+  const __m256i high = _mm256_permute2x128_si256(rows0123, rows4567, 0x31);
+  if (PAIRED) {
+    first = low;
+    second = high;
+  } else {
+    first = _mm256_add_epi32(low, high);
+    second = first;
+  }
+}
+
+// Integer partial sums of two int4 blocks (32 bytes) against their paired activations: lanes 0-3 over the first
+// block's columns, 4-7 over the second's. Each 16-bit pair sum is at most 2 * 31 * 127: no saturation.
+// HIGH (int5): low_bits and high_bits are the fifth bits of low's and high's 32 codes, in their order.
+template <bool HIGH>
+inline __m256i pair_sums(__m256i raw, __m256i xl, __m256i xh, uint32_t low_bits, uint32_t high_bits) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
   __m256i low = _mm256_and_si256(raw, nibble);
   __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
   if (HIGH) {
     low = _mm256_or_si256(low, fifth_bits(low_bits));
     high = _mm256_or_si256(high, fifth_bits(high_bits));
   }
-  const __m256i xl = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
-  const __m256i xh = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  // One instruction per 32 bytes where the CPU has VNNI: unsigned nibbles times signed activations, each four
-  // products summed into an int32 lane. The same integer sums as the three instructions below.
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), low, xl), high, xh));
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), low, xl), high, xh);
 #else
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, xl), _mm256_maddubs_epi16(high, xh));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #endif
 }
 
-// Int4 weights against int8 activations, two blocks per step: per 32 weight bytes and activation row, two maddubs,
-// an add, a madd, a conversion and one FMA by [s_2p x4 | s_2p+1 x4] (s_b = weight scale * activation scale of block
-// b), about a third of the float path's operations per weight, so the product streams the weights at memory speed.
-// Block scales are built 8 blocks at a time, permuted to [s0 s2 s4 s6 | s1 s3 s5 s7] so that pair j's scales are
-// element j of each 128-bit half, an in-lane broadcast. block_group[b] is block b's group (no division per row).
-// The result for an (output row, activation row) pair is the same whatever RT and MT: the tile shape only decides
-// which loads are shared.
-// HIGH: int5 weights, qh their high bits. A pair's low codes are columns 0-15 of both blocks, its high codes
-// columns 16-31 of both (pair_activations), so each takes half of either block's word.
-template <int RT, int MT, bool HIGH>
-void int4_pair_tile(const int8_t* lo, const int8_t* hi, const float* xscale, const float* xsum,
-                    const int32_t* block_group, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-                    const uint16_t* mins, const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y,
-                    int64_t N) {
-  const auto low_bits = [](uint32_t first, uint32_t second) { return (first & 0xFFFFu) | (second << 16); };
-  const auto high_bits = [](uint32_t first, uint32_t second) { return (first >> 16) | (second & 0xFFFF0000u); };
-  const int64_t num_blocks = K / 32, num_groups = K / G, pair_bytes = 32 * ((num_blocks + 1) / 2);
-  const int64_t row_bytes = K / 2;
-  const __m256i by_pair = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-  const int8_t* lo_rows = lo + m0 * pair_bytes;
-  const int8_t* hi_rows = hi + m0 * pair_bytes;
-  const float* xscale_rows = xscale + m0 * num_blocks;
-  __m256 acc[RT][MT];
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-  int64_t b0 = 0;
-  for (; b0 + 8 <= num_blocks; b0 += 8) {
-    alignas(32) float block_scale[RT][MT][8];
-    for (int r = 0; r < RT; ++r) {
-      const uint16_t* row_scales = scales + (n0 + r) * num_groups;
-      __m128i halves;
-      if (G == 32) {
-        halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scales + b0));
-      } else {
-        alignas(16) uint16_t gathered[8];
-        for (int b = 0; b < 8; ++b) gathered[b] = row_scales[block_group[b0 + b]];
-        halves = _mm_load_si128(reinterpret_cast<const __m128i*>(gathered));
-      }
-      const __m256 weight_scale = _mm256_cvtph_ps(halves);
-      for (int m = 0; m < MT; ++m)
-        _mm256_store_ps(block_scale[r][m], _mm256_permutevar8x32_ps(
-            _mm256_mul_ps(weight_scale, _mm256_loadu_ps(xscale_rows + m * num_blocks + b0)), by_pair));
-    }
-    // Pair j of the 8 blocks, j a compile-time constant so that the in-lane broadcast takes an immediate and
-    // every loop unrolls: the RT * MT accumulators then stay in registers.
-    const auto pair = [&](auto j) {
-      constexpr int kBroadcast = decltype(j)::value * 0x55;
-      const int64_t at = 16 * b0 + 32 * decltype(j)::value;
-#pragma GCC unroll 8
-      for (int r = 0; r < RT; ++r) {
-        const uint8_t* bytes = qweight + (n0 + r) * row_bytes + at;
-        _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T1);
-        uint32_t first_bits = 0, second_bits = 0;
-        if (HIGH) {
-          const uint32_t* words = qh + (n0 + r) * num_blocks + b0 + 2 * decltype(j)::value;
-          first_bits = low_bits(words[0], words[1]);
-          second_bits = high_bits(words[0], words[1]);
-        }
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
-          const __m256 sums = pair_sums<HIGH>(bytes, lo_rows + m * pair_bytes + at, hi_rows + m * pair_bytes + at,
-                                              first_bits, second_bits);
-          const __m256 scale = _mm256_permute_ps(_mm256_load_ps(block_scale[r][m]), kBroadcast);
-          acc[r][m] = _mm256_fmadd_ps(sums, scale, acc[r][m]);
-        }
-      }
-    };
-    pair(std::integral_constant<int, 0>{});
-    pair(std::integral_constant<int, 1>{});
-    pair(std::integral_constant<int, 2>{});
-    pair(std::integral_constant<int, 3>{});
-  }
-  // The last 1-7 blocks a pair at a time; an odd last block reads its 16 bytes into a zero-padded copy.
-  for (; b0 < num_blocks; b0 += 2) {
-    const bool single = b0 + 1 == num_blocks;
-    const int64_t at = 16 * b0;
-    for (int r = 0; r < RT; ++r) {
-      const uint16_t* row_scales = scales + (n0 + r) * num_groups;
-      const float first_weight_scale = half_to_float(row_scales[block_group[b0]]);
-      const float second_weight_scale = single ? 0.0f : half_to_float(row_scales[block_group[b0 + 1]]);
-      alignas(32) uint8_t padded[32] = {};
-      const uint8_t* bytes = qweight + (n0 + r) * row_bytes + at;
-      // The rows' last bytes too: rows whose length is not a multiple of 256 bytes would otherwise leave a line
-      // of every row unprefetched, a DRAM stall per row.
-      _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T1);
-      if (single) {
-        memcpy(padded, bytes, 16);
-        bytes = padded;
-      }
-      uint32_t first_bits = 0, second_bits = 0;
-      if (HIGH) {
-        const uint32_t* words = qh + (n0 + r) * num_blocks + b0;
-        const uint32_t second_word = single ? 0u : words[1];
-        first_bits = low_bits(words[0], second_word);
-        second_bits = high_bits(words[0], second_word);
-      }
-      for (int m = 0; m < MT; ++m) {
-        const float* xs = xscale_rows + m * num_blocks + b0;
-        const float first = first_weight_scale * xs[0], second = single ? 0.0f : second_weight_scale * xs[1];
-        const __m256 scale = _mm256_setr_ps(first, first, first, first, second, second, second, second);
-        const __m256 sums = pair_sums<HIGH>(bytes, lo_rows + m * pair_bytes + at, hi_rows + m * pair_bytes + at,
-                                            first_bits, second_bits);
-        acc[r][m] = _mm256_fmadd_ps(sums, scale, acc[r][m]);
-      }
-    }
-  }
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < MT; ++m)
-      y[(m0 + m) * N + n0 + r] = horizontal_sum(acc[r][m]) +
-                                 min_term(mins + (n0 + r) * num_groups, xsum + (m0 + m) * num_groups, num_groups);
+// Integer partial sums of one int8 block (32 signed weights) against 32 signed activations, 8 int32 lanes. maddubs
+// multiplies unsigned by signed bytes, so the weights pass their sign to the activations (|w| * sign(w) x); no
+// pair sum overflows int16 (2 * 128 * 127 < 32768).
+inline __m256i int8_sums(const uint8_t* bytes, const int8_t* x) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// The activations as the tiles read them: float rows, their per-group sums, and (int8 mode) their int8 copy.
-struct Activations {
-  const float* x;       // [M, K]
-  int64_t M, K;
-  const float* xsum;    // [M, K/G], int4 only
-  const int8_t* xq;     // [M, K], int8 mode only
-  const float* xscale;  // [M, K/32], int8 mode only
+// One activation row as the int8 tiles read it: rounded (quantize_activations), per block its scale and (int4)
+// xs_b * T_b, and for int4 weights the paired copy.
+struct RowActivations {
+  int64_t K, pair_bytes;
+  std::vector<int8_t> xq;
+  std::vector<float> xscale, xterm;
+  std::vector<int32_t> xsum;  // per block, the sum of its rounded activations
+  std::vector<int8_t, AlignedAllocator<int8_t>> lo, hi;
+
+  RowActivations(const float* x, int64_t K_, bool is_int4)
+      : K(K_), pair_bytes(32 * ((K_ / 32 + 1) / 2)), xq(K_), xscale(K_ / 32), xterm(K_ / 32), xsum(K_ / 32) {
+    quantize_activations(x, 1, K, xq.data(), xscale.data());
+    for (int64_t b = 0; b < K / 32; ++b) {
+      int32_t total = 0;
+      for (int i = 0; i < 32; ++i) total += xq[32 * b + i];
+      xsum[b] = total;
+      xterm[b] = xscale[b] * static_cast<float>(total);
+    }
+    if (is_int4) {
+      lo.resize(pair_bytes);
+      hi.resize(pair_bytes);
+      pair_activations(xq.data(), K, lo.data(), hi.data());
+    }
+  }
 };
 
-template <bool IS_INT4, bool INT8_X, int RT, int MT>
-inline void run_tile(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
-                     const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
-  static_assert(!(IS_INT4 && INT8_X), "int4 weights with int8 activations run int4_linear_pairs");
-  if (INT8_X)
-    tile_q8<RT, MT>(a.xq, a.xscale, a.K, qweight, scales, G, n0, m0, y, N);
-  else
-    tile<IS_INT4, RT, MT>(a.x, a.K, a.xsum, qweight, scales, mins, qh, G, n0, m0, y, N);
+// Weight rows per tile: the float chains of 16 rows run side by side, so that one row's serial chain does not
+// bound the tile.
+constexpr int kTileRows = 16;
+
+// One term (scales or mins) of blocks [b0, b0 + count) (count <= 8) for the tile's 16 rows, float32, block-major
+// into out[b * 16 + r]. G == 32: each row's halves for the blocks are contiguous.
+inline void transpose_terms(const uint16_t* source, const int64_t rows[kTileRows], int64_t num_groups, int64_t b0,
+                            int64_t count, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // z[k] = rows k, k + 4, k + 8, k + 12 in its 128-bit lanes; lane L of z[0..3] then holds rows 4L .. 4L + 3, whose
+  // 8 × 4 halves a 16-bit transpose within each lane turns into 64-bit runs of 4 rows per block.
+  const __mmask8 mask = static_cast<__mmask8>((1u << count) - 1);
+  __m512i z[4];
+  for (int k = 0; k < 4; ++k) {
+    z[k] = _mm512_castsi128_si512(_mm_maskz_loadu_epi16(mask, source + rows[k] * num_groups + b0));
+    for (int lane = 1; lane < 4; ++lane)
+      z[k] = _mm512_inserti32x4(z[k], _mm_maskz_loadu_epi16(mask, source + rows[k + 4 * lane] * num_groups + b0),
+                                lane);
+  }
+  const __m512i a = _mm512_unpacklo_epi16(z[0], z[1]), b = _mm512_unpackhi_epi16(z[0], z[1]);
+  const __m512i c = _mm512_unpacklo_epi16(z[2], z[3]), d = _mm512_unpackhi_epi16(z[2], z[3]);
+  // Per lane, 64-bit runs: [block 0 | block 1], [2 | 3], [4 | 5], [6 | 7], each run rows 4L .. 4L + 3.
+  const __m512i pairs[4] = {_mm512_unpacklo_epi32(a, c), _mm512_unpackhi_epi32(a, c), _mm512_unpacklo_epi32(b, d),
+                            _mm512_unpackhi_epi32(b, d)};
+  const __m512i by_block = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  for (int p = 0; p < 4 && 2 * p < count; ++p) {
+    const __m512i blocks = _mm512_permutexvar_epi64(by_block, pairs[p]);  // [block 2p rows 0-15 | block 2p + 1]
+    _mm512_storeu_ps(out + (b0 + 2 * p) * kTileRows, _mm512_cvtph_ps(_mm512_castsi512_si256(blocks)));
+    if (2 * p + 1 < count)
+      _mm512_storeu_ps(out + (b0 + 2 * p + 1) * kTileRows, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(blocks, 1)));
+  }
+#else
+  for (int half = 0; half < kTileRows / 8; ++half) {
+    __m256 v[8];  // row r's blocks, then transposed: block j's 8 rows
+    for (int r = 0; r < 8; ++r) {
+      alignas(16) uint16_t padded[8] = {};
+      memcpy(padded, source + rows[8 * half + r] * num_groups + b0, count * sizeof(uint16_t));
+      v[r] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(padded)));
+    }
+    transpose8(v);
+    for (int j = 0; j < count; ++j) _mm256_storeu_ps(out + (b0 + j) * kTileRows + 8 * half, v[j]);
+  }
+#endif
 }
 
+// Per block of 32 columns, the tile's 16 weight rows' scales (and int4 mins) as floats, block-major:
+// out[b * 16 + r]. rows[r] is the weight row of lane r. Int8 weights with one scale per row: out[r] only.
+template <bool IS_INT4>
+void tile_terms(const uint16_t* scales, const uint16_t* mins, const int64_t rows[kTileRows], int64_t K, int64_t G,
+                float* out_scales, float* out_mins) {
+  const int64_t num_blocks = K / 32, num_groups = K / G;
+  if (!IS_INT4 && G == K) {
+    for (int r = 0; r < kTileRows; ++r) out_scales[r] = half_to_float(scales[rows[r]]);
+    return;
+  }
+  for (int term = 0; term < (IS_INT4 ? 2 : 1); ++term) {
+    const uint16_t* source = term == 0 ? scales : mins;
+    float* out = term == 0 ? out_scales : out_mins;
+    if (G == 32) {
+      for (int64_t b0 = 0; b0 < num_blocks; b0 += 8)
+        transpose_terms(source, rows, num_groups, b0, std::min<int64_t>(8, num_blocks - b0), out);
+      continue;
+    }
+    const int64_t blocks_per_group = G / 32;
+    for (int64_t b = 0; b < num_blocks; ++b)
+      for (int r = 0; r < kTileRows; ++r)
+        out[b * kTileRows + r] = half_to_float(source[rows[r] * num_groups + b / blocks_per_group]);
+  }
+}
+
+// The float chain (above) of a tile's 16 weight rows for one activation row, a lane per row: one 16-lane vector
+// where the CPU has AVX-512, two 8-lane ones elsewhere, the same operations lane by lane.
+template <bool IS_INT4, bool PER_ROW>
+struct Chain {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+
+  template <typename Sums>
+  void step(Sums sums, const float* scales, const float* mins, float x_scale, float x_term) {
+    const __m512 exact = _mm512_cvtepi32_ps(sums);
+    if (PER_ROW) {
+      acc = _mm512_fmadd_ps(exact, _mm512_set1_ps(x_scale), acc);
+      return;
+    }
+    acc = _mm512_fmadd_ps(exact, _mm512_mul_ps(_mm512_loadu_ps(scales), _mm512_set1_ps(x_scale)), acc);
+    if (IS_INT4) acc = _mm512_fmadd_ps(_mm512_loadu_ps(mins), _mm512_set1_ps(x_term), acc);
+  }
+
+  void store(const float* row_scales, float out[kTileRows]) {
+    _mm512_storeu_ps(out, PER_ROW ? _mm512_mul_ps(acc, _mm512_loadu_ps(row_scales)) : acc);
+  }
+#else
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+
+  template <typename Sums>
+  void step(Sums sums, const float* scales, const float* mins, float x_scale, float x_term) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256 exact = _mm256_cvtepi32_ps(sums.rows[h]);
+      if (PER_ROW) {
+        acc[h] = _mm256_fmadd_ps(exact, _mm256_set1_ps(x_scale), acc[h]);
+        continue;
+      }
+      acc[h] = _mm256_fmadd_ps(exact, _mm256_mul_ps(_mm256_loadu_ps(scales + 8 * h), _mm256_set1_ps(x_scale)),
+                               acc[h]);
+      if (IS_INT4) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8 * h), _mm256_set1_ps(x_term), acc[h]);
+    }
+  }
+
+  void store(const float* row_scales, float out[kTileRows]) {
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(out + 8 * h, PER_ROW ? _mm256_mul_ps(acc[h], _mm256_loadu_ps(row_scales + 8 * h)) : acc[h]);
+  }
+#endif
+};
+
+// Integer sums of two int4 blocks (b, b + 1) for 8 weight rows: the blocks' sums of rows 0-7 (an odd last block:
+// first only).
+template <bool HIGH>
+inline void int4_block_sums(const RowActivations& a, const uint8_t* qweight, const uint32_t* qh, const int64_t* rows,
+                            int64_t b, __m256i& first, __m256i& second) {
+  const int64_t num_blocks = a.K / 32, row_bytes = a.K / 2;
+  const bool single = b + 1 == num_blocks;
+  const __m256i xl = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.lo.data() + 16 * b));
+  const __m256i xh = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.hi.data() + 16 * b));
+  __m256i t[8];
+  for (int r = 0; r < 8; ++r) {
+    const uint8_t* bytes = qweight + rows[r] * row_bytes + 16 * b;
+    _mm_prefetch(reinterpret_cast<const char*>(bytes) + kTileRows * row_bytes, _MM_HINT_T1);  // the next tile's
+    // An odd last block: its 16 bytes and zeros (its partner's activations are zero too).
+    const __m256i raw = single ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)))
+                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    uint32_t low_bits = 0, high_bits = 0;
+    if (HIGH) {
+      const uint32_t* words = qh + rows[r] * num_blocks + b;
+      const uint32_t next = single ? 0u : words[1];
+      low_bits = (words[0] & 0xFFFFu) | (next << 16);
+      high_bits = (words[0] >> 16) | (next & 0xFFFF0000u);
+    }
+    t[r] = pair_sums<HIGH>(raw, xl, xh, low_bits, high_bits);
+  }
+  block_sums_of_rows<true>(t, first, second);
+}
+
+// Integer sums of one int8 block for 8 weight rows.
+inline __m256i int8_block_sums(const RowActivations& a, const uint8_t* qweight, const int64_t* rows, int64_t b) {
+  __m256i t[8];
+  for (int r = 0; r < 8; ++r) {
+    const uint8_t* bytes = qweight + rows[r] * a.K + 32 * b;
+    _mm_prefetch(reinterpret_cast<const char*>(bytes) + 2 * kTileRows * a.K, _MM_HINT_T1);  // two tiles ahead
+    t[r] = int8_sums(bytes, a.xq.data() + 32 * b);
+  }
+  __m256i sums, unused;
+  block_sums_of_rows<false>(t, sums, unused);
+  return sums;
+}
+
+// The integer block sums of a tile's 16 weight rows for one block, rows 0-15 in order: one 16-lane vector where the
+// CPU has AVX-512 (VNNI), two 8-lane ones elsewhere. Integer sums are exact, so both hold the same values.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+using RowSums = __m512i;
+
+// Per 128-bit lane the four sums of four rows, from t[0..3] whose lane holds each row's four partial sums there:
+// lane k of the result holds [t0, t1, t2, t3]'s totals over lane k.
+inline __m512i four_row_totals(const __m512i t[4]) {
+  const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(t[0], t[1]), _mm512_unpackhi_epi32(t[0], t[1]));
+  const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(t[2], t[3]), _mm512_unpackhi_epi32(t[2], t[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+}
+
+// From lows (rows 0-3 in lanes 0-1, rows 8-11 in 2-3) and highs (rows 4-7, 12-15): lanes `first` and `first + 2` of
+// each, as rows 0-15 in order.
+template <int FIRST>
+inline __m512i rows_in_order(__m512i lows, __m512i highs) {
+  constexpr int kPick = FIRST | ((FIRST + 2) << 2) | (FIRST << 4) | ((FIRST + 2) << 6);
+  const __m512i picked = _mm512_shuffle_i32x4(lows, highs, kPick);  // [lows f, lows f+2, highs f, highs f+2]
+  return _mm512_shuffle_i32x4(picked, picked, 0b11011000);            // [lows f, highs f, lows f+2, highs f+2]
+}
+
+// Two int4 blocks (b, b + 1) of rows[0..15]: each vector t[i] holds rows i and i + 8, 32 bytes each; per row, lanes
+// 0-3 are block b's partial sums and 4-7 block b + 1's. An odd last block: its 16 bytes and zeros.
+template <bool HIGH>
+inline void int4_row_sums(const RowActivations& a, const uint8_t* qweight, const uint32_t* qh, const int64_t* rows,
+                          int64_t b, RowSums& first, RowSums& second) {
+  const int64_t num_blocks = a.K / 32, row_bytes = a.K / 2;
+  const bool single = b + 1 == num_blocks;
+  const __m512i xl = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(a.lo.data() + 16 * b)));
+  const __m512i xh = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(a.hi.data() + 16 * b)));
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512i t[8];
+  for (int i = 0; i < 8; ++i) {
+    const uint8_t* upper = qweight + rows[i] * row_bytes + 16 * b;
+    const uint8_t* lower = qweight + rows[i + 8] * row_bytes + 16 * b;
+    if (b % 4 == 0) {  // once per 64-byte line: the next tile's
+      _mm_prefetch(reinterpret_cast<const char*>(upper) + kTileRows * row_bytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(lower) + kTileRows * row_bytes, _MM_HINT_T1);
+    }
+    const auto load = [single](const uint8_t* p) {
+      return single ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+                    : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    };
+    const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(load(upper)), load(lower), 1);
+    __m512i low = _mm512_and_si512(raw, nibble);
+    __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    if (HIGH) {
+      uint64_t low_bits = 0, high_bits = 0;
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t* words = qh + rows[i + 8 * half] * num_blocks + b;
+        const uint32_t next = single ? 0u : words[1];
+        low_bits |= uint64_t{(words[0] & 0xFFFFu) | (next << 16)} << (32 * half);
+        high_bits |= uint64_t{(words[0] >> 16) | (next & 0xFFFF0000u)} << (32 * half);
+      }
+      low = _mm512_or_si512(low, _mm512_maskz_mov_epi8(low_bits, _mm512_set1_epi8(0x10)));
+      high = _mm512_or_si512(high, _mm512_maskz_mov_epi8(high_bits, _mm512_set1_epi8(0x10)));
+    }
+    t[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, xl), high, xh);
+  }
+  // Per lane: lane 0 rows (0-3 | 4-7) block b, lane 1 block b + 1, lanes 2-3 the same for rows 8-11 | 12-15.
+  const __m512i lows = four_row_totals(t), highs = four_row_totals(t + 4);
+  first = rows_in_order<0>(lows, highs);
+  second = rows_in_order<1>(lows, highs);
+}
+
+// One int8 block of rows[0..15]: weights offset to unsigned (q + 128) for dpbusd, whose sums then carry 128 times
+// the block's sum of activations, taken off after (exact).
+inline RowSums int8_row_sums(const RowActivations& a, const uint8_t* qweight, const int64_t* rows, int64_t b) {
+  const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq.data() + 32 * b)));
+  const __m512i offset = _mm512_set1_epi8(-128);
+  __m512i t[8];
+  for (int i = 0; i < 8; ++i) {
+    const uint8_t* upper = qweight + rows[i] * a.K + 32 * b;
+    const uint8_t* lower = qweight + rows[i + 8] * a.K + 32 * b;
+    if (b % 2 == 0) {  // once per 64-byte line: two tiles ahead
+      _mm_prefetch(reinterpret_cast<const char*>(upper) + 2 * kTileRows * a.K, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(lower) + 2 * kTileRows * a.K, _MM_HINT_T1);
+    }
+    const __m512i raw = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(upper))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lower)), 1);
+    t[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(raw, offset), x);
+  }
+  // Per lane: halves of the block (lanes 0, 1: rows 0-3 | 4-7; lanes 2, 3: rows 8-11 | 12-15); added in pairs.
+  __m512i lows = four_row_totals(t), highs = four_row_totals(t + 4);
+  lows = _mm512_add_epi32(lows, _mm512_shuffle_i32x4(lows, lows, 0b10110001));
+  highs = _mm512_add_epi32(highs, _mm512_shuffle_i32x4(highs, highs, 0b10110001));
+  return _mm512_sub_epi32(rows_in_order<0>(lows, highs), _mm512_set1_epi32(128 * a.xsum[b]));
+}
+
+inline __m512 exact_sums(RowSums sums) { return _mm512_cvtepi32_ps(sums); }
+#else
+struct RowSums {
+  __m256i rows[2];  // rows 0-7, 8-15
+};
+
+template <bool HIGH>
+inline void int4_row_sums(const RowActivations& a, const uint8_t* qweight, const uint32_t* qh, const int64_t* rows,
+                          int64_t b, RowSums& first, RowSums& second) {
+  for (int half = 0; half < 2; ++half)
+    int4_block_sums<HIGH>(a, qweight, qh, rows + 8 * half, b, first.rows[half], second.rows[half]);
+}
+
+inline RowSums int8_row_sums(const RowActivations& a, const uint8_t* qweight, const int64_t* rows, int64_t b) {
+  return RowSums{{int8_block_sums(a, qweight, rows, b), int8_block_sums(a, qweight, rows + 8, b)}};
+}
+#endif
+
+// A tile's 16 weight rows (rows[r], the last row repeated past N) × one activation row: y's outputs, the first
+// `valid` stored. Int4: blocks two at a time (one 32-byte load per row).
+template <bool IS_INT4, bool HIGH, bool PER_ROW>
+void int8_tile(const RowActivations& a, const uint8_t* qweight, const uint32_t* qh, const int64_t rows[kTileRows],
+               const float* row_scales, const float* row_mins, int valid, float* y_row) {
+  const int64_t num_blocks = a.K / 32;
+  Chain<IS_INT4, PER_ROW> chain;
+  const auto step = [&](RowSums sums, int64_t b) {
+    chain.step(sums, row_scales + kTileRows * b, IS_INT4 ? row_mins + kTileRows * b : nullptr, a.xscale[b],
+               a.xterm[b]);
+  };
+  if (IS_INT4) {
+    for (int64_t b = 0; b < num_blocks; b += 2) {
+      RowSums first, second;
+      int4_row_sums<HIGH>(a, qweight, qh, rows, b, first, second);
+      step(first, b);
+      if (b + 1 < num_blocks) step(second, b + 1);
+    }
+  } else {
+    for (int64_t b = 0; b < num_blocks; ++b) step(int8_row_sums(a, qweight, rows, b), b);
+  }
+  alignas(64) float out[kTileRows];
+  chain.store(row_scales, out);
+  for (int r = 0; r < valid; ++r) y_row[r] = out[r];
+}
+
+// y [M, N] = x [M, K] with int8 activations @ the weight [N, K]ᵀ (int4, int5 with qh, or int8): tiles of 16 weight
+// rows in parallel, each against every activation row in turn (its weights stay in L1 between rows).
+template <bool IS_INT4, bool HIGH, bool PER_ROW>
+void linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
+                 const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
+  std::vector<RowActivations> activations;
+  activations.reserve(M);
+  for (int64_t m = 0; m < M; ++m) activations.emplace_back(x + m * K, K, IS_INT4);
+  const int64_t num_tiles = (N + kTileRows - 1) / kTileRows, num_blocks = K / 32;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> row_scales(kTileRows * num_blocks), row_mins(IS_INT4 ? kTileRows * num_blocks : 0);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      int64_t rows[kTileRows];
+      for (int r = 0; r < kTileRows; ++r) rows[r] = std::min<int64_t>(kTileRows * t + r, N - 1);
+      const int valid = static_cast<int>(std::min<int64_t>(kTileRows, N - kTileRows * t));
+      // The next tile's scales and mins into L2 while this one computes: read at a tile's start, they would
+      // otherwise come from memory, one stall per tile.
+      if (kTileRows * (t + 1) < N)
+        prefetch_group_terms<IS_INT4>(scales, mins, K, G, kTileRows * (t + 1),
+                                      std::min<int64_t>(kTileRows, N - kTileRows * (t + 1)));
+      tile_terms<IS_INT4>(scales, mins, rows, K, G, row_scales.data(), row_mins.data());
+      for (int64_t m = 0; m < M; ++m)
+        int8_tile<IS_INT4, HIGH, PER_ROW>(activations[m], qweight, qh, rows, row_scales.data(), row_mins.data(),
+                                          valid, y + m * N + kTileRows * t);
+    }
+  }
+}
+
+// ---- Float32 activations --------------------------------------------------------------------------------------
+
+// The activations as the float tiles read them: float rows and their per-group sums.
+struct Activations {
+  const float* x;     // [M, K]
+  int64_t M, K;
+  const float* xsum;  // [M, K/G], int4 only
+};
+
 // Four output rows of one activation-row count MT: each decoded weight vector feeds all MT activation rows.
-template <bool IS_INT4, bool INT8_X, int MT>
+template <bool IS_INT4, int MT>
 inline void four_rows_of(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
                          const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
-  for (int r = 0; r < 4; ++r) run_tile<IS_INT4, INT8_X, 1, MT>(a, qweight, scales, mins, qh, G, n0 + r, m0, y, N);
+  for (int r = 0; r < 4; ++r) tile<IS_INT4, 1, MT>(a.x, a.K, a.xsum, qweight, scales, mins, qh, G, n0 + r, m0, y, N);
 }
 
 // Four output rows starting at n0 against every activation row. Eight activation rows at a time, then the rest in
-// one tile, so every weight is decoded once per eight rows: speculative verification (1 + k rows) then costs
-// little more than one row. A single activation row takes 4 output rows per tile instead (its activations are
-// loaded once for all four), two take 2 × 2.
-template <bool IS_INT4, bool INT8_X>
+// one tile, so every weight is decoded once per eight rows. A single activation row takes 4 output rows per tile
+// instead (its activations are loaded once for all four), two take 2 × 2.
+template <bool IS_INT4>
 void four_rows(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
                const uint32_t* qh, int64_t G, int64_t n0, float* y, int64_t N) {
   int64_t m0 = 0;
-  for (; m0 + 8 <= a.M; m0 += 8) four_rows_of<IS_INT4, INT8_X, 8>(a, qweight, scales, mins, qh, G, n0, m0, y, N);
+  for (; m0 + 8 <= a.M; m0 += 8) four_rows_of<IS_INT4, 8>(a, qweight, scales, mins, qh, G, n0, m0, y, N);
   switch (a.M - m0) {
-    case 1: run_tile<IS_INT4, INT8_X, 4, 1>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 1: tile<IS_INT4, 4, 1>(a.x, a.K, a.xsum, qweight, scales, mins, qh, G, n0, m0, y, N); break;
     case 2:
-      for (int r = 0; r < 4; r += 2)
-        run_tile<IS_INT4, INT8_X, 2, 2>(a, qweight, scales, mins, qh, G, n0 + r, m0, y, N);
+      for (int r = 0; r < 4; r += 2) tile<IS_INT4, 2, 2>(a.x, a.K, a.xsum, qweight, scales, mins, qh, G, n0 + r, m0, y, N);
       break;
-    case 3: four_rows_of<IS_INT4, INT8_X, 3>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
-    case 4: four_rows_of<IS_INT4, INT8_X, 4>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
-    case 5: four_rows_of<IS_INT4, INT8_X, 5>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
-    case 6: four_rows_of<IS_INT4, INT8_X, 6>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
-    case 7: four_rows_of<IS_INT4, INT8_X, 7>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 3: four_rows_of<IS_INT4, 3>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 4: four_rows_of<IS_INT4, 4>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 5: four_rows_of<IS_INT4, 5>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 6: four_rows_of<IS_INT4, 6>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 7: four_rows_of<IS_INT4, 7>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
     default: break;
   }
 }
 
-// Activation rows quantized for int4_pair_tile, one row per call (rows are independent and run in parallel):
-// xq and xscale as quantize_activations makes them, the paired copies, and the per-group sums of the rounded
-// activations that the min term multiplies.
-struct PairedActivations {
-  int64_t K, G, pair_bytes;
-  std::vector<int8_t> xq;
-  std::vector<float> xscale, xsum;
-  std::vector<int8_t, AlignedAllocator<int8_t>> lo, hi;
-  std::vector<int32_t> block_group;
-
-  PairedActivations(const float* x, int64_t M, int64_t K_, int64_t G_, int num_threads)
-      : K(K_), G(G_), pair_bytes(32 * ((K_ / 32 + 1) / 2)), xq(M * K_), xscale(M * K_ / 32), xsum(M * K_ / G_),
-        lo(M * pair_bytes), hi(M * pair_bytes), block_group(K_ / 32) {
-    for (int64_t b = 0; b < K / 32; ++b) block_group[b] = static_cast<int32_t>(b * 32 / G);
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; ++m) {
-      quantize_activations(x + m * K, 1, K, xq.data() + m * K, xscale.data() + m * K / 32);
-      // Per group: each block's exact integer sum times its scale, one multiply per 32 values.
-      for (int64_t g = 0; g < K / G; ++g) {
-        float sum = 0.0f;
-        for (int64_t b = g * G / 32; b < (g + 1) * G / 32; ++b) {
-          const int8_t* block = xq.data() + m * K + 32 * b;
-          int32_t block_sum = 0;
-          for (int i = 0; i < 32; ++i) block_sum += block[i];
-          sum += xscale[m * (K / 32) + b] * static_cast<float>(block_sum);
-        }
-        xsum[m * (K / G) + g] = sum;
-      }
-      pair_activations(xq.data() + m * K, K, lo.data() + m * pair_bytes, hi.data() + m * pair_bytes);
-    }
-  }
-};
-
-// Activation rows [m_begin, m_end) against RT weight rows from n0, three activation rows per tile.
-template <int RT, bool HIGH>
-void pair_rows(const PairedActivations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
-               const uint32_t* qh, int64_t n0, int64_t m_begin, int64_t m_end, float* y, int64_t N) {
-  const auto tile = [&](auto rows, int64_t m0) {
-    int4_pair_tile<RT, decltype(rows)::value, HIGH>(a.lo.data(), a.hi.data(), a.xscale.data(), a.xsum.data(),
-                                                    a.block_group.data(), a.K, qweight, scales, mins, qh, a.G, n0,
-                                                    m0, y, N);
-  };
-  int64_t m0 = m_begin;
-  for (; m0 + 3 <= m_end; m0 += 3) tile(std::integral_constant<int, 3>{}, m0);
-  if (m_end - m0 == 2) tile(std::integral_constant<int, 2>{}, m0);
-  if (m_end - m0 == 1) tile(std::integral_constant<int, 1>{}, m0);
-}
-
-// Paired activation bytes per pass: they should stay in L2 while every weight tile sweeps over them.
-constexpr int64_t kPairChunkBytes = 256 * 1024;
-
-// Int4 weights with int8 activations, any number of rows. Every output is int4_pair_tile's arithmetic on its own
-// (weight row, activation row) pair, in the same order whatever the tile shape, so a row's result does not depend
-// on how many rows came with it: one row (decode) and 2,048 (prefill) give the same bits for the same row.
-template <bool HIGH>
-void int4_linear_pairs(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-                       const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
-  const PairedActivations a(x, M, K, G, num_threads);
-  const int64_t chunk = std::max<int64_t>(3, kPairChunkBytes / (2 * a.pair_bytes) / 3 * 3);
-  for (int64_t m_begin = 0; m_begin < M; m_begin += chunk) {
-    const int64_t m_end = std::min(M, m_begin + chunk);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < N / 4; ++t)
-      pair_rows<4, HIGH>(a, qweight, scales, mins, qh, 4 * t, m_begin, m_end, y, N);
-    for (int64_t n = 4 * (N / 4); n < N; ++n)
-      pair_rows<1, HIGH>(a, qweight, scales, mins, qh, n, m_begin, m_end, y, N);
-  }
-}
-
-template <bool IS_INT4, bool INT8_X>
-void linear(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-            const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
-  std::vector<int8_t> xq;
-  std::vector<float> xscale;
-  if (INT8_X) {
-    xq.resize(M * K);
-    xscale.resize(M * K / 32);
-    quantize_activations(x, M, K, xq.data(), xscale.data());
-  }
+template <bool IS_INT4>
+void linear_f32(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
+                const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
   std::vector<float> xsum;
   if (IS_INT4) xsum = group_sums(x, M, K, G);
-  const Activations a{x, M, K, xsum.data(), xq.data(), xscale.data()};
+  const Activations a{x, M, K, xsum.data()};
   // Tiles of 4 output rows, then the remainder one row at a time.
   const int64_t num_tiles = N / 4;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t t = 0; t < num_tiles; ++t) four_rows<IS_INT4, INT8_X>(a, qweight, scales, mins, qh, G, 4 * t, y, N);
+  for (int64_t t = 0; t < num_tiles; ++t) four_rows<IS_INT4>(a, qweight, scales, mins, qh, G, 4 * t, y, N);
   for (int64_t n = 4 * num_tiles; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) run_tile<IS_INT4, INT8_X, 1, 1>(a, qweight, scales, mins, qh, G, n, m, y, N);
+    for (int64_t m = 0; m < M; ++m) tile<IS_INT4, 1, 1>(x, K, a.xsum, qweight, scales, mins, qh, G, n, m, y, N);
 }
 
 }  // namespace
@@ -507,29 +642,33 @@ extern "C" {
 void int4_linear_f32(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
                      int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, float* y,
                      int num_threads) {
-  linear<true, false>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
+  linear_f32<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
 }
 
 void int8_linear_f32(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                      const float* x, int64_t M, float* y, int num_threads) {
-  linear<false, false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size,
-                       y, num_threads);
+  linear_f32<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size, y,
+                    num_threads);
 }
 
-// The same products with activations rounded to int8 per 32 columns (quantize_activations).
+// The same products with activations rounded to int8 per 32 columns (quantize_activations), any number of rows,
+// in the arithmetic gemm.cpp's int8 GEMM shares (above).
 void int4_linear_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
                        int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, float* y,
                        int num_threads) {
   if (qh == nullptr)
-    int4_linear_pairs<false>(x, M, K, qweight, scales, mins, nullptr, N, group_size, y, num_threads);
+    linear_int8<true, false, false>(x, M, K, qweight, scales, mins, nullptr, N, group_size, y, num_threads);
   else
-    int4_linear_pairs<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
+    linear_int8<true, true, false>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
 }
 
 void int8_linear_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                        const float* x, int64_t M, float* y, int num_threads) {
-  linear<false, true>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size,
-                      y, num_threads);
+  const auto* bytes = reinterpret_cast<const uint8_t*>(qweight);
+  if (group_size == K)
+    linear_int8<false, false, true>(x, M, K, bytes, scales, nullptr, nullptr, N, group_size, y, num_threads);
+  else
+    linear_int8<false, false, false>(x, M, K, bytes, scales, nullptr, nullptr, N, group_size, y, num_threads);
 }
 
 }  // extern "C"

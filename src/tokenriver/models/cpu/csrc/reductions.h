@@ -1,7 +1,7 @@
 // Per-row reductions of a matrix product's output without writing it: each activation row's argmax (first of equal
 // maxima), largest value and log-sum-exp. The output projection of a greedy step needs nothing else; 64 rows of the
-// embedded model's 49,152 logits are 12.6 MB written and read back otherwise. gemm.cpp (int8 activations) and
-// gemm_amx.cpp (bfloat16 tiles) fold their sums tiles in here instead of storing them.
+// embedded model's 49,152 logits are 12.6 MB written and read back otherwise. gemm.cpp (int8 activations) folds its
+// sums tiles in here instead of storing them.
 #pragma once
 
 #include <math.h>

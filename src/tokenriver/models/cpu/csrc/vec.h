@@ -102,6 +102,26 @@ inline __m512 gelu_tanh_times(__m512 g, __m512 up) {
 }
 #endif
 
+// Transposes 8 rows of 8 floats (r[i] = row i) into 8 columns: r[j] = column j.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 // The scales and (int4) mins of weight rows [n, n + rows) into L2.
@@ -113,17 +133,6 @@ inline void prefetch_group_terms(const uint16_t* scales, const uint16_t* mins, i
     _mm_prefetch(reinterpret_cast<const char*>(scales + n * num_groups) + o, _MM_HINT_T1);
     if (IS_INT4) _mm_prefetch(reinterpret_cast<const char*>(mins + n * num_groups) + o, _MM_HINT_T1);
   }
-}
-
-// The bytes of weight rows [n, n + rows) with their scales and (int4) mins into L2 (gemm_amx.cpp's products fetch
-// the next tile's while computing one).
-template <bool IS_INT4>
-inline void prefetch_weight_rows(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, int64_t K,
-                                 int64_t G, int64_t n, int64_t rows) {
-  const int64_t row_bytes = IS_INT4 ? K / 2 : K;
-  const char* bytes = reinterpret_cast<const char*>(qweight + n * row_bytes);
-  for (int64_t o = 0; o < rows * row_bytes; o += 64) _mm_prefetch(bytes + o, _MM_HINT_T1);
-  prefetch_group_terms<IS_INT4>(scales, mins, K, G, n, rows);
 }
 
 // 32 int4 columns (16 bytes) → four vectors of 8 floats: columns 0-7, 8-15, 16-23, 24-31.
