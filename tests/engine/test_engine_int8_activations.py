@@ -83,32 +83,3 @@ def test_a_setting_without_effect_is_refused(default_model_path, loaded_packed):
         load_model(default_model_path, quantization="none", int8_activations=True)
     with pytest.raises(InvalidParameterError, match="loaded with int8_activations=False"):
         LLM.from_loaded(loaded_packed, int8_activations=True)
-
-
-@pytest.mark.skipif(
-    load_kernels() is None or not load_kernels().gemm_int8, reason="the argmax product needs AVX512-VNNI"
-)
-def test_greedy_batches_skip_the_logits_and_pick_the_same_tokens(loaded_int8_activations):
-    """More than max_gemv_rows plain greedy rows: the runner takes the output projection's per-row reductions
-    (NativeStack.greedy_reductions), not logits. Tokens as with logits, logprobs within float rounding."""
-    prompts = [f"{prompt} ({i})" for i in range(4) for prompt in PROMPTS]  # 12 rows a step
-    head = loaded_int8_activations.model.lm_head
-    calls = []
-    reductions = head.argmax_logsumexp
-    head.argmax_logsumexp = lambda hidden: calls.append(hidden.shape[0]) or reductions(hidden)
-    try:
-        # A fresh engine each: a cached prefix would change which products (and so which rounding) a step runs.
-        reduced = LLM.from_loaded(loaded_int8_activations).generate(
-            prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False
-        )
-        assert calls and max(calls) == 12
-        del calls[:]
-        with_logits = LLM.from_loaded(loaded_int8_activations).generate(
-            prompts, SamplingParams(max_tokens=8, temperature=0.0, logprobs=1), use_tqdm=False
-        )
-        assert calls == []  # logprobs asked for: the logits path
-    finally:
-        del head.argmax_logsumexp
-    for a, b in zip(reduced, with_logits):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)

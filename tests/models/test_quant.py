@@ -466,47 +466,6 @@ def test_moving_the_layer_rebinds_the_kernel() -> None:
     torch.testing.assert_close(layer(x), 2 * before, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not HAS_INT8_GEMM, reason="the argmax product needs AVX512-VNNI")
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "q8_0"])
-def test_argmax_logsumexp_reduces_the_rounded_product_without_writing_it(kind: str) -> None:
-    # 1,000 outputs: 166 tiles of 6 and one of 4, folded 12 columns at a time. Rows 11-1,000: one and several passes
-    # (896 rows a pass).
-    layer = make_layer(kind, 1000, 576, "native", max_gemv_rows=10, int8_activations=True)
-    assert layer.gemm_rounding is not None
-    generator = torch.Generator().manual_seed(3)
-    for num_rows in (11, 16, 17, 64, 200, 300, 1000):
-        x = torch.randn(num_rows, 576, generator=generator)
-        y = layer(x)
-        argmax, largest, lse = layer.argmax_logsumexp(x)
-        assert torch.equal(argmax, y.argmax(dim=1)) and torch.equal(largest, y.amax(dim=1))
-        assert torch.allclose(lse, torch.logsumexp(y, dim=1), rtol=0, atol=1e-5)
-    # Equal maxima: the first column wins, as torch.argmax's, wherever the copies sit (tiles, threads).
-    tied = make_layer(kind, 1000, 576, "native", max_gemv_rows=10, int8_activations=True)
-    for first, copy in ((3, 997), (40, 41), (500, 16)):
-        tied.qweight[copy] = tied.qweight[first]
-        tied.scales[copy] = tied.scales[first]
-        if kind.startswith("int4"):
-            tied.mins[copy] = tied.mins[first]
-    x = tied.dequantize()[[3, 40, 500, 16]].repeat(4, 1) * 10  # rows whose largest outputs are the tied pairs
-    argmax, _, _ = tied.argmax_logsumexp(x)
-    assert torch.equal(argmax, tied(x).argmax(dim=1))
-    assert argmax.tolist()[:4] == [3, 40, 16, 16]
-
-
-@pytest.mark.skipif(not HAS_INT8_GEMM, reason="the argmax product needs AVX512-VNNI")
-def test_argmax_logsumexp_declines_what_it_does_not_compute() -> None:
-    layer = make_layer("q8_0", 100, 64, "native", max_gemv_rows=10, int8_activations=True)
-    assert layer.argmax_logsumexp(torch.randn(10, 64)) is None  # decode-sized: the GEMV's arithmetic
-    assert layer.argmax_logsumexp(torch.randn(12, 64).double()) is None
-    nan_column = make_layer("q8_0", 100, 64, "native", max_gemv_rows=10, int8_activations=True)
-    nan_column.scales[7, 1] = float("nan")
-    assert nan_column.argmax_logsumexp(torch.randn(12, 64)) is None  # NaN outputs: PyTorch defines that case
-    exact = make_layer("q8_0", 100, 64, "native", max_gemv_rows=10)
-    assert exact.argmax_logsumexp(torch.randn(12, 64)) is None  # exact float32 products have no such kernel
-    biased = make_layer("q8_0", 100, 64, "native", bias=True, max_gemv_rows=10, int8_activations=True)
-    assert biased.argmax_logsumexp(torch.randn(12, 64)) is None
-
-
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
 @pytest.mark.parametrize("out_features, in_features", [(45, 576), (40, 1536), (16, 32), (77, 96)])

@@ -33,9 +33,6 @@ class PackedProducts(Protocol):
     def matmul(self, rows: torch.Tensor) -> torch.Tensor | None:
         """rows [M, K] @ the layer's weightᵀ, [M, N] (None: the definition computes it)."""
 
-    def argmax_logsumexp(self, rows: torch.Tensor) -> Reductions | None:
-        """Per row of matmul(rows): (argmax, largest value, log-sum-exp), without writing the product."""
-
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor | None:
         """Float32 rows [len(row_ids), K] of the weight (a tied embedding's lookup)."""
 

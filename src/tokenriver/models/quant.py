@@ -54,7 +54,7 @@ from torch import nn
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.models.buffers import Allocate, heap_empty
-from tokenriver.models.fast_path import PackedProducts, Reductions, fast_path_for
+from tokenriver.models.fast_path import PackedProducts, fast_path_for
 
 Backend = Literal["auto", "native", "triton", "reference"]
 BACKENDS = ("auto", "native", "triton", "reference")
@@ -418,15 +418,6 @@ class QuantizedLinear(nn.Module):
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-
-    def argmax_logsumexp(self, x: torch.Tensor) -> Reductions | None:
-        """Per row of forward(x): (argmax, largest value, log-sum-exp) without writing the [M, N] output, where this
-        layer has such a product: the rounded mode's (int8 activations, where the CPU has AVX512-VNNI), for
-        2-D float32 rows more than a GEMV's and no bias. None otherwise, or when an output is NaN or infinite: the
-        caller then takes forward's output. The argmax and largest value are those of forward(x) bit for bit."""
-        if self.packed is None or self.bias is not None or x.dim() != 2 or x.shape[1] != self.in_features:
-            return None
-        return self.packed.argmax_logsumexp(x)
 
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows [len(row_ids), K] of the weight: the lookup of a tied embedding, without the whole matrix."""

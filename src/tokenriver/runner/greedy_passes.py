@@ -1,19 +1,14 @@
-"""GreedyPasses: a plain greedy batch sampled without its logits, and a multi-step step's further passes.
+"""GreedyPasses: the passes after the first of a multi-step step (SchedulerOutput.num_decode_passes), each feeding
+every request the token it sampled in the pass before.
 
-Two shortcuts the runner takes when every sampled row is plain greedy (Sampler.takes_raw_argmax), each giving the
-tokens the logits would give:
-- `sample`: each row's argmax, largest logit and log-sum-exp from the model's output layer where it computes those
-  without writing the [rows, vocab] logits (NativeStack.greedy_reductions); the logprobs within float rounding
-  (docs/performance.md). Rows whose grammar refuses their argmax get their logits (those rows only) and the
-  sampler's masked argmax.
-- `decode_ahead`: the passes after the first of a multi-step step (SchedulerOutput.num_decode_passes), each feeding
-  every request the token it sampled in the pass before. The scheduler grants them to plain greedy decodes only,
-  whose sampling reads nothing the passes change but a grammar's state. Without grammars they run, where they can:
-  - in the model's native loop, every pass in one call (NativeStack.greedy_passes, models/cpu/greedy.py);
-  - off the CPU, queued on the device one after the other: each pass's argmax stays there as the next pass's input
-    and the tokens of all of them come back in one copy at the end, so the host prepares a pass while the GPU runs
-    the one before instead of waiting for every pass's tokens;
-  and otherwise one at a time, as the runner runs its first pass.
+The scheduler grants them to plain greedy decodes only (Sampler.takes_raw_argmax), whose sampling reads nothing the
+passes change but a grammar's state. Without grammars they run, where they can:
+- in the model's native loop, every pass in one call (NativeStack.greedy_passes, models/cpu/greedy.py);
+- off the CPU, queued on the device one after the other: each pass's argmax stays there as the next pass's input and
+  the tokens of all of them come back in one copy at the end, so the host prepares a pass while the GPU runs the one
+  before instead of waiting for every pass's tokens;
+and otherwise one at a time, as the runner runs its first pass. Every way gives the tokens and logprobs of the
+passes run one by one: each pass's logits, reduced per row as the sampler reduces them.
 """
 
 from __future__ import annotations
@@ -64,30 +59,6 @@ class GreedyPasses:
         # Passes run by the native loop, which does not go through run_model (the runner adds them to its count).
         self.num_native_passes = 0
 
-    def sample(
-        self,
-        inputs: ModelInputs,
-        states: list[SamplingState],
-        hidden: torch.Tensor,
-        results: dict[str, RequestStepResult],
-    ) -> bool:
-        """Every row's token from the output layer's reductions, appended to results; False if it did not apply."""
-        if not self.sampler.takes_raw_argmax(states):
-            return False
-        reduced = self.forward.greedy_reductions(hidden)
-        if reduced is None:
-            return False
-        samples = self.sampler.sample_reduced(reduced, states)
-        refused = [i for i, sample in enumerate(samples) if sample is None]
-        if refused:
-            index = torch.tensor(refused, dtype=torch.long, device=self.device)  # [r]
-            logits = self.model.compute_logits(hidden.index_select(0, index))  # [r, vocab]
-            for i, sample in zip(refused, self.sampler.sample(logits, [states[i] for i in refused])):
-                samples[i] = sample
-        for request, sample in zip(inputs.sampling_requests, samples):
-            append_samples(results.setdefault(request.request_id, RequestStepResult()), [sample])
-        return True
-
     def decode_ahead(
         self, num_passes: int, inputs: ModelInputs, states: list[SamplingState], results: dict[str, RequestStepResult]
     ) -> None:
@@ -114,8 +85,6 @@ class GreedyPasses:
                     states,
                     [request.output_token_ids + results[request.request_id].token_ids for request in requests],
                 )
-            if self.sample(inputs, states, hidden, results):
-                continue
             samples = self.sampler.sample(self.model.compute_logits(hidden), states)
             for request, sample in zip(requests, samples):
                 append_samples(results.setdefault(request.request_id, RequestStepResult()), [sample])

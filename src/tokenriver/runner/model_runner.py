@@ -12,10 +12,9 @@ A beam-search request gets its most likely next tokens instead of a sample.
 The model runs through NativeStack (runner/native_stack.py), which hands its decoder
 layers to the native decoder where they can run there; on a GPU a batch of one-token decodes
 replays a recorded CUDA graph of the same pass instead (runner/cuda_graphs.py).
-A step whose rows are all plain greedy takes runner/greedy_passes.py's shortcuts: its tokens
-from the output layer's per-row reductions instead of its logits, and a multi-step step's
-further passes (SchedulerOutput.num_decode_passes > 1), each feeding every request the token
-it just sampled.
+A multi-step step's further passes (SchedulerOutput.num_decode_passes > 1, plain greedy
+decodes only), each feeding every request the token it just sampled, run in
+runner/greedy_passes.py.
 A request with structured output gets its grammar's allowed-token mask with every
 row the sampler sees (sampling/grammar.py); its drafts are cut at the first token the
 grammar rejects, and beam candidates are ranked among the allowed tokens only. The
@@ -199,9 +198,6 @@ class ModelRunner:
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
             hidden = hidden.index_select(0, to_device(all_rows, self.device))
         self._add_grammars(inputs.sampling_requests, states, pending_masks)
-        if len(all_rows) == len(inputs.sample_rows) and self.greedy.sample(inputs, states, hidden, results):
-            self.greedy.decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
-            return RunnerOutput(results=results)
         # [num_sample_rows + num_draft_rows + num_beam_rows, vocab] float32
         logits = self.model.compute_logits(hidden)
         num_sample_rows = len(inputs.sample_rows)

@@ -27,7 +27,6 @@ from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention_metadata import AttentionMetadata
 from tokenriver.models.cpu.decoder import NativeDecoder
 from tokenriver.models.cpu.greedy import GreedyLoop, PassReductions
-from tokenriver.models.fast_path import Reductions
 
 # Layer layouts decoder.cpp runs (models/cpu/decoder.py's LAYOUTS): "llama" is LlamaDecoderLayer's pre-norm
 # residual-stream block (fused qkv and gate/up projections, RMSNorm, SwiGLU); "qwen3" adds per-head q/k norms and
@@ -70,16 +69,6 @@ class NativeStack:
         else:
             hidden, residual = decoder.run_layers(rope, hidden, kv_cache, metadata)
         return decoder.final_norm(hidden, residual)
-
-    @torch.inference_mode()
-    def greedy_reductions(self, hidden: torch.Tensor) -> Reductions | None:
-        """Per row of compute_logits(hidden): (argmax, largest logit, log-sum-exp), without writing the logits,
-        where the output projection can (quantized, rounded mode on AVX512-VNNI: models/quant.py); else
-        None. A greedy step that reports nothing but the chosen tokens' logprobs needs only these."""
-        if getattr(self.model.config, "final_logit_softcapping", None) is not None:
-            return None  # Soft-capped logits (Gemma 2): the projection's log-sum-exp is not theirs.
-        reductions = getattr(getattr(self.model, "lm_head", None), "argmax_logsumexp", None)
-        return reductions(hidden) if reductions is not None else None
 
     @torch.inference_mode()
     def greedy_passes(

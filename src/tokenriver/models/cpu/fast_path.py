@@ -131,7 +131,7 @@ class CpuFastPath:
         )
         return output
 
-    # ----- sampling's reductions and a mixture of experts' routing (ops.cpp, reductions.h) ---------------------
+    # ----- sampling's reductions and a mixture of experts' routing (ops.cpp) -----------------------------------
 
     def row_reductions(self) -> Callable[[torch.Tensor], Reductions | None]:
         return self.kernels.argmax_logsumexp
@@ -202,17 +202,6 @@ class NativePacked:
         )
         self.gemv = self._bind("int8" if layer.int8_activations else None, many_rows=False)
         self.gemm = self._bind(layer.gemm_rounding, many_rows=True)
-        self.argmax = None
-        if layer.gemm_rounding == "int8" and kernels.gemm_int8:
-            kind = "int4" if self.is_int4 else "int8"
-            *weight, high_bits = self.tensors if self.is_int4 else (*self.tensors, None)
-            self.argmax = kernels.bind_argmax(
-                kind,
-                layer.gemm_rounding,
-                *weight,
-                self.group_size,
-                **({"high_bits": high_bits} if self.is_int4 else {}),
-            )
 
     def _bind(self, rounding: str | None, many_rows: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.is_int4:
@@ -230,12 +219,6 @@ class NativePacked:
         rows32 = rows if rows.dtype == torch.float32 else rows.float()
         rows32 = rows32 if rows32.is_contiguous() else rows32.contiguous()
         return self.gemv(rows32) if rows32.shape[0] <= self.max_gemv_rows else self.gemm(rows32)
-
-    def argmax_logsumexp(self, rows: torch.Tensor) -> Reductions | None:
-        """The rounded GEMM's per-row reductions (reductions.h), for contiguous float32 rows above a GEMV's count."""
-        if self.argmax is None or rows.dim() != 2 or not is_contiguous_f32(rows) or rows.shape[0] <= self.max_gemv_rows:
-            return None
-        return self.argmax(rows)
 
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor | None:
         """One call instead of eight tensor ops per decode step; the same values (tested)."""

@@ -42,7 +42,7 @@ KERNELS_DIR = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp", "convert.cpp")
 )
-HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "reductions.h")
+HEADERS = (KERNELS_DIR / "vec.h",)
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
 # order of its kv_cache_format codes (0, 1, 2).
@@ -354,17 +354,7 @@ class NativeKernels:
         # products of many rows run the GEMV, in the same arithmetic.
         library.gemm_int8x_supported.restype = c_int
         self.gemm_int8 = bool(library.gemm_int8x_supported())
-        # The argmax products take argmax, max and lse pointers where the products take y.
-        int4_argmax_args = int4_args[:-2] + [ptr, ptr, ptr, c_int]
-        int8_argmax_args = int8_args[:-2] + [ptr, ptr, ptr, c_int]
-        rounded = []
-        if self.gemm_int8:
-            rounded += [
-                ("int4_gemm_int8x", int4_args, None),
-                ("int8_gemm_int8x", int8_args, None),
-                ("int4_argmax_int8x", int4_argmax_args, i64),
-                ("int8_argmax_int8x", int8_argmax_args, i64),
-            ]
+        rounded = [("int4_gemm_int8x", int4_args, None), ("int8_gemm_int8x", int8_args, None)] if self.gemm_int8 else []
         for name, argtypes, restype in rounded:
             function = getattr(library, name)
             function.argtypes = argtypes
@@ -451,51 +441,6 @@ class NativeKernels:
 
         linear.tensors = tensors  # the closure holds raw pointers: keep the tensors they point into alive
         return linear
-
-    def bind_argmax(
-        self, kind: str, rounding: str, *weight: torch.Tensor | int, high_bits: torch.Tensor | None = None
-    ) -> Callable[[torch.Tensor], Reductions | None]:
-        """x [M, K] float32 ↦ per row of y = x @ Wᵀ, computed as bind_int4 / bind_int8 with this rounding and
-        many_rows compute it (the same values): its argmax (first of equal maxima, as torch.argmax), largest value
-        and log(sum(exp(row))), without writing y (reductions.h). Or None when some value of y is NaN or infinite,
-        cases the caller leaves to PyTorch. kind "int4" with (qweight, scales, mins, group_size), "int8" with
-        (qweight, scales, group_size), high_bits with int4 as in bind_int4; rounding "int8", only where gemm_int8 is
-        True.
-        """
-        if kind not in ("int4", "int8"):
-            raise ValueError(f"kind must be 'int4' or 'int8', got {kind!r}")
-        if rounding != "int8":
-            raise ValueError(f"rounding must be 'int8', got {rounding!r}")
-        if not self.gemm_int8:
-            raise ValueError("the int8 argmax product runs only on CPUs with AVX512-VNNI; check gemm_int8 first")
-        *tensors, group_size = weight
-        qweight = tensors[0]
-        out_features, in_features = qweight.shape[0], qweight.shape[1] * (2 if kind == "int4" else 1)
-        function = self._functions[f"{kind}_argmax_int8x"]
-        pointers = [t.data_ptr() for t in tensors]
-        if kind == "int4":
-            pointers.append(None if high_bits is None else high_bits.data_ptr())
-            tensors.append(high_bits)
-        arguments = (*pointers, out_features, in_features, group_size)
-
-        def reductions(x: torch.Tensor) -> Reductions | None:
-            num_rows = x.shape[0]
-            argmax = torch.empty(num_rows, dtype=torch.int64)  # [M]
-            max_values = torch.empty(num_rows, dtype=torch.float32)  # [M]
-            lse = torch.empty(num_rows, dtype=torch.float32)  # [M]
-            not_finite = function(
-                *arguments,
-                x.data_ptr(),
-                num_rows,
-                argmax.data_ptr(),
-                max_values.data_ptr(),
-                lse.data_ptr(),
-                torch.get_num_threads(),
-            )
-            return (argmax, max_values, lse) if not_finite == 0 else None
-
-        reductions.tensors = tuple(tensors)  # the closure holds raw pointers: keep the tensors alive
-        return reductions
 
     def int4_dequantize(
         self,

@@ -126,9 +126,6 @@ class TritonPacked:
             return quant_matmul.int4_matmul(rows, *self.tensors, self.group_size)
         return quant_matmul.int8_matmul(rows, *self.tensors, self.group_size)
 
-    def argmax_logsumexp(self, rows: torch.Tensor) -> None:
-        return None
-
     def dequantize_rows(self, row_ids: torch.Tensor) -> None:
         return None
 

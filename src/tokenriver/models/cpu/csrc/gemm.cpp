@@ -30,7 +30,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "reductions.h"
 #include "vec.h"
 
 namespace {
@@ -46,8 +45,6 @@ using tokenriver::transpose8;
 constexpr int kRows = 6;
 constexpr int kLanes = 8;
 constexpr int kPanel = 2 * kLanes;
-// Columns of y folded into row reductions at once, at most (argmax_int8): two tiles of six.
-constexpr int kPendingColumns = 16;
 
 // Activation rows transposed per pass: [K, chunk] floats should sit in L2 (512 KB) while every weight tile of the
 // matrix sweeps over them. Larger batches are taken in chunks, each re-decoding the weights (cheap next to the
@@ -241,8 +238,6 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const ui
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-using tokenriver::reduce_columns;
-using tokenriver::RowReductions;
 
 // Int8 activations. A panel holds 16 activation rows rounded to int8, as 32-bit words of four consecutive columns,
 // transposed ([K/4, 16]: one 512-bit vector per four columns), with each row's scale and a term of its rounded
@@ -444,7 +439,7 @@ struct TilePrefetch {
 template <bool IS_INT4, int RT, bool PER_ROW = false>
 void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int64_t K, const uint32_t* quads,
                const float* x_scales, const float* x_terms, int valid, float* y, int64_t N, int64_t m0, int64_t n0,
-               float* columns_out, int64_t y_ld, const TilePrefetch& prefetch, bool gelu = false) {
+               int64_t y_ld, const TilePrefetch& prefetch, bool gelu = false) {
   static_assert(!(IS_INT4 && PER_ROW), "int4 weights keep a scale and a min per group");
   const int64_t num_blocks = K / 32;
   const int64_t lines_per_block = (prefetch.lines + num_blocks - 1) / num_blocks;
@@ -492,11 +487,6 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
                                  : tokenriver::silu_times(acc[r], acc[r + RT / 2]));
     return;
   }
-  // For row reductions instead of y: weight row r's 16 sums at columns_out + 16 r.
-  if (columns_out != nullptr) {
-    for (int r = 0; r < RT; ++r) _mm512_storeu_ps(columns_out + 16 * r, acc[r]);
-    return;
-  }
   // Out through registers: the 8 × 16 matrix of weight rows (zero past RT) by activation rows, transposed as two
   // 8 × 8 halves, gives each activation row its RT sums in one vector, stored under a mask, instead of a scalar
   // store per sum through a stack copy.
@@ -514,8 +504,6 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
   }
 }
 
-// reductions: null to write y; else y is not written and each thread folds the columns it computes into its
-// reductions (reductions.h), a few tiles' columns at a time.
 // x_ld: 0 for x [M, K] row after row; else x is stored feature-major, column k at x + k * x_ld, the rows
 // consecutive. The same values either way.
 // swiglu_up > 0: weight rows [0, N) are an MLP's gates and [swiglu_up, swiglu_up + N) their ups, and y [N, y_ld]
@@ -525,8 +513,7 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
 template <bool IS_INT4>
 void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
                const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads,
-               const RowReductions* reductions = nullptr, int64_t x_ld = 0, int64_t swiglu_up = 0,
-               bool gelu = false) {
+               int64_t x_ld = 0, int64_t swiglu_up = 0, bool gelu = false) {
   const int64_t y_ld = swiglu_up > 0 ? M : 0;
   const int64_t num_blocks = K / 32, panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
   const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
@@ -556,24 +543,13 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
     // Each thread's scratch, kept between calls (thread_local: here, each worker's own): allocated and zero-filled
     // per call (~40 KB per thread and product, 120 products a decode step), its memset showed up in profiles.
     thread_local std::vector<int8_t> xq;
-    thread_local std::vector<float> xscale, w_scales, w_mins, pending;
+    thread_local std::vector<float> xscale, w_scales, w_mins;
     thread_local std::vector<uint8_t> w;
     grow(xq, kPanel * K);
     grow(xscale, kPanel * num_blocks);
     grow(w, kRows * K);
     grow(w_scales, kRows * num_blocks);
     grow(w_mins, kRows * num_blocks);
-    // Reductions: the sums of up to kPendingColumns consecutive columns of y per panel of the chunk, folded in
-    // together (one rescaling of the running sums per fold, not per tile).
-    if (reductions != nullptr) grow(pending, num_panels * kPendingColumns * kPanel);
-    int64_t pending_n0 = 0, pending_columns = 0, pending_m0 = 0, pending_rows = 0;
-    const auto fold = [&]() {
-      for (int64_t m = 0; m < pending_rows; m += kPanel)
-        reduce_columns(pending.data() + m / kPanel * kPendingColumns * kPanel, kPanel, pending_rows - m,
-                       static_cast<int>(pending_columns), pending_m0 + m, pending_n0,
-                       reductions[omp_get_thread_num()]);
-      pending_columns = 0;
-    };
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
 #pragma omp for schedule(static)
@@ -586,8 +562,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
           pack_int8_panel<IS_INT4>(x + (m0 + p * kPanel) * K, valid, K, xq.data(), xscale.data(),
                                    quads + p * panel_words, x_scales + p * panel_blocks, x_terms + p * panel_blocks);
       }
-      // null: reductions instead of y
-      float* y_chunk = y == nullptr ? nullptr : y_ld > 0 ? y + m0 : y + m0 * N;
+      float* y_chunk = y_ld > 0 ? y + m0 : y + m0 * N;
 #pragma omp for schedule(guided, 2)
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t n0 = t * tile_outputs;
@@ -616,26 +591,15 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
             tile_row<IS_INT4>(qweight, qh, K, swiglu_up + n0 + r, w.data() + 32 * (count + r));
         }
         const int64_t tile_rows = swiglu_up > 0 ? 2 * count : count;
-        if (reductions != nullptr) {
-          if (pending_columns > 0 && (pending_n0 + pending_columns != n0 || pending_columns + count > kPendingColumns))
-            fold();
-          if (pending_columns == 0) {
-            pending_n0 = n0;
-            pending_m0 = m0;
-            pending_rows = rows;
-          }
-        }
         const auto run = [&](auto rows_per_tile) {
           constexpr int RT = decltype(rows_per_tile)::value;
           for (int64_t m = 0; m < rows; m += kPanel) {
             const int64_t p = m / kPanel;
-            float* columns = reductions != nullptr
-                                 ? pending.data() + (p * kPendingColumns + pending_columns) * kPanel : nullptr;
             const auto tile = [&](auto per_row_tile) {
               int8_tile<IS_INT4, RT, decltype(per_row_tile)::value>(
                   w.data(), w_scales.data(), w_mins.data(), K, quads + p * panel_words, x_scales + p * panel_blocks,
                   x_terms + p * panel_blocks, static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m,
-                  n0, columns, y_ld, p == 0 ? prefetch : TilePrefetch{}, gelu);
+                  n0, y_ld, p == 0 ? prefetch : TilePrefetch{}, gelu);
             };
             // per_row is never true for int4; the constant keeps the int4 build from instantiating PER_ROW.
             if (per_row)
@@ -652,25 +616,11 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
           case 2: run(std::integral_constant<int, 2>{}); break;
           default: run(std::integral_constant<int, 1>{}); break;
         }
-        if (reductions != nullptr) pending_columns += count;
       }
-      if (pending_columns > 0) fold();
     }
   }
 }
 
-// Per activation row of y = x Wᵀ as gemm_int8 computes it (the same values): its argmax, largest value and
-// log-sum-exp, without writing y (reductions.h). Returns how many values of y were NaN or infinite (the results are
-// then not to be used).
-template <bool IS_INT4>
-int64_t argmax_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-                    const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, int64_t* argmax, float* max,
-                    float* lse, int num_threads) {
-  const auto product = [&](int threads, const RowReductions* reductions) {
-    gemm_int8<IS_INT4>(x, M, K, qweight, scales, mins, qh, N, G, nullptr, threads, reductions);
-  };
-  return tokenriver::reduce_rows(num_threads, M, product, argmax, max, lse);
-}
 #endif
 
 template <bool IS_INT4>
@@ -726,35 +676,19 @@ void int8_gemm_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, i
                    num_threads);
 }
 
-// Per row of the int4_gemm_int8x / int8_gemm_int8x product, without writing it: argmax [M] (first of equal maxima),
-// max [M] and log-sum-exp [M]. Returns how many values of the product were NaN or infinite.
-int64_t int4_argmax_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
-                          int64_t N, int64_t K,
-                          int64_t group_size, const float* x, int64_t M, int64_t* argmax, float* max, float* lse,
-                          int num_threads) {
-  return argmax_int8<true>(x, M, K, qweight, scales, mins, qh, N, group_size, argmax, max, lse, num_threads);
-}
-
-int64_t int8_argmax_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
-                          const float* x, int64_t M, int64_t* argmax, float* max, float* lse, int num_threads) {
-  return argmax_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size,
-                            argmax, max, lse, num_threads);
-}
-
 // int4_gemm_int8x / int8_gemm_int8x with x stored feature-major ([K, x_ld]): the native decoder's MLP keeps its
 // intermediate so, and the same values come out.
 void int4_gemm_int8x_strided(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
                              int64_t N,
                              int64_t K, int64_t group_size, const float* x, int64_t M, int64_t x_ld, float* y,
                              int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads, nullptr, x_ld);
+  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads, x_ld);
 }
 
 void int8_gemm_int8x_strided(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                              const float* x, int64_t M, int64_t x_ld, float* y, int num_threads) {
   gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size, y,
-                   num_threads,
-                   nullptr, x_ld);
+                   num_threads, x_ld);
 }
 
 // y [I, M] (feature-major) = silu(x Wᵀ [:, :I]) * x Wᵀ [:, I:2I] for a fused gate/up weight [2I, K]: the native
@@ -762,26 +696,26 @@ void int8_gemm_int8x_strided(const int8_t* qweight, const uint16_t* scales, int6
 void int4_gemm_int8x_swiglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
                             int64_t I,
                             int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, I, group_size, y, num_threads, nullptr, 0, I);
+  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, I, group_size, y, num_threads, 0, I);
 }
 
 void int8_gemm_int8x_swiglu(const int8_t* qweight, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
                             const float* x, int64_t M, float* y, int num_threads) {
   gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, I, group_size, y,
-                   num_threads, nullptr, 0, I);
+                   num_threads, 0, I);
 }
 
 // The same with GeGLU, gelu_tanh(gate) * up (Gemma's MLP): ops.cpp's GeGLU on int4_gemm_int8x's values.
 void int4_gemm_int8x_geglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
                            int64_t I,
                            int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, I, group_size, y, num_threads, nullptr, 0, I, true);
+  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, I, group_size, y, num_threads, 0, I, true);
 }
 
 void int8_gemm_int8x_geglu(const int8_t* qweight, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
                            const float* x, int64_t M, float* y, int num_threads) {
   gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, I, group_size, y,
-                   num_threads, nullptr, 0, I, true);
+                   num_threads, 0, I, true);
 }
 
 int gemm_int8x_supported() { return 1; }
