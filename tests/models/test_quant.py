@@ -467,17 +467,22 @@ def test_moving_the_layer_rebinds_the_kernel() -> None:
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("int8_activations", [True, False], ids=["int8-activations", "float-activations"])
 @pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
 @pytest.mark.parametrize("out_features, in_features", [(45, 576), (40, 1536), (16, 32), (77, 96)])
-def test_int8_activation_products_give_a_row_one_arithmetic(kind: str, out_features: int, in_features: int) -> None:
-    """The GEMV (gemv.cpp) and, where the CPU has it, the GEMM (gemm.cpp) give a row the same bits at every row count
-    from 1 to 64 (the layer's own switch between them at max_gemv_rows included), wherever the row sits among the
-    others, and at every thread count."""
+def test_products_give_a_row_one_arithmetic(
+    kind: str, out_features: int, in_features: int, int8_activations: bool
+) -> None:
+    """The GEMV (gemv.cpp) and the GEMM (gemm.cpp; with int8 activations where the CPU has VNNI) give a row the same
+    bits at every row count from 1 to 64 (the layer's own switch between them at max_gemv_rows included), wherever
+    the row sits among the others, and at every thread count: with int8 activations and with float32 ones."""
     group_size = {"int4-g64": 64}.get(kind, 32)
     if in_features % group_size:
         pytest.skip(f"groups of {group_size} need in_features a multiple of {group_size}")
-    layer = make_layer(kind, out_features, in_features, "native", max_gemv_rows=10, int8_activations=True)
-    products = [layer.packed.gemv, bind_gemm(layer, "int8") if HAS_INT8_GEMM else layer.packed.gemm]
+    layer = make_layer(kind, out_features, in_features, "native", max_gemv_rows=10, int8_activations=int8_activations)
+    rounding = "int8" if int8_activations else None
+    has_gemm = HAS_INT8_GEMM or not int8_activations
+    products = [layer.packed.gemv, bind_gemm(layer, rounding) if has_gemm else layer.packed.gemm]
     rows = torch.randn(64, in_features, generator=torch.Generator().manual_seed(in_features))
     alone = torch.cat([layer.packed.gemv(rows[i : i + 1]) for i in range(64)])
     threads = torch.get_num_threads()

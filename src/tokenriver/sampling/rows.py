@@ -82,17 +82,15 @@ def raw_logprobs(
     token_ids: torch.Tensor,
     num_top: list[int],
     is_rank_one: list[bool],
-    log_normalizer: torch.Tensor | None = None,
+    log_normalizer: torch.Tensor,
 ) -> list[TokenLogprobs]:
     """Logprob and rank of token_ids[i] under log_softmax(logits[i]), plus the num_top[i] best alternatives.
 
     rank = 1 + the number of tokens with a strictly larger logit (ties share a rank; the argmax is always 1).
     Rows flagged in is_rank_one are known to hold an argmax, which saves a pass over their vocabulary.
-    log_normalizer: logsumexp of each row when the caller has it already.
+    log_normalizer: logsumexp of each row [N] (Sampler.log_normalizers).
     """
     num_rows = logits.shape[0]
-    if log_normalizer is None:
-        log_normalizer = torch.logsumexp(logits, dim=1)  # [N]
     chosen_logits = logits.gather(1, token_ids.unsqueeze(1))  # [N, 1]
     chosen_logprobs = (chosen_logits.squeeze(1) - log_normalizer).tolist()
     ranks = [1] * num_rows

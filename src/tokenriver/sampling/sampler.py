@@ -72,11 +72,18 @@ RowReductions = Callable[[torch.Tensor], "RowReductionsResult | None"]
 
 
 def torch_row_reductions(logits: torch.Tensor) -> RowReductionsResult:
-    """RowReductions in three PyTorch ops, for devices without the native kernels: a greedy batch on a GPU then
-    takes its tokens from these instead of the general path's dozen small launches. torch.argmax takes the first of
-    equal maxima, as the general path's argmax does."""
+    """RowReductions in PyTorch ops, for devices without the native kernels: a greedy batch on a GPU then takes its
+    tokens from these instead of the general path's dozen small launches. torch.argmax takes the first of equal
+    maxima, as the general path's argmax does. The log-sum-exp comes from log_softmax, whose rows PyTorch computes
+    one at a time: torch.logsumexp splits a lone row's sum across threads, so a row's value would depend on its
+    batch."""
     argmax = logits.argmax(dim=-1)  # [N]
-    return argmax, logits.gather(-1, argmax[:, None]).squeeze(-1), torch.logsumexp(logits, dim=-1)
+    largest = logits.gather(-1, argmax[:, None])  # [N, 1]
+    return (
+        argmax,
+        largest.squeeze(-1),
+        (largest - torch.log_softmax(logits, dim=-1).gather(-1, argmax[:, None])).squeeze(-1),
+    )
 
 
 # The rows each logits-changing stage of Sampler.process_logits applies to.
@@ -113,6 +120,12 @@ class Sampler:
         # A faster argmax + logsumexp of raw logits rows (the native kernels'), same argmax, logsumexp within
         # float rounding; the runner passes it where the kernels are built.
         self.row_reductions = row_reductions
+
+    def log_normalizers(self, logits: torch.Tensor) -> torch.Tensor:
+        """logsumexp of each row of logits [N, V] → [N], from the row reductions: one arithmetic per row, so a
+        logprob does not depend on the rows it was computed with (a batch, a verification, a prompt chunk)."""
+        reduced = self.row_reductions(logits) if self.row_reductions is not None else None
+        return (reduced if reduced is not None else torch_row_reductions(logits))[2]
 
     @staticmethod
     def takes_raw_argmax(states: list[SamplingState]) -> bool:
@@ -193,6 +206,8 @@ class Sampler:
         # Untouched greedy rows picked the raw argmax: nothing ranks above it, no need to count.
         is_rank_one = [state.params.is_greedy and i not in modified_rows for i, state in enumerate(states)]
         num_top = [state.params.logprobs or 0 for state in states]
+        if log_normalizer is None:
+            log_normalizer = torch_row_reductions(logits)[2]
         logprobs = raw_logprobs(logits, token_ids, num_top, is_rank_one, log_normalizer)
         traces = tracer.finish(processed, token_ids, states) if tracer else {}
         if sampled_rows and traces:
@@ -203,7 +218,7 @@ class Sampler:
 
     def verify(self, logits: torch.Tensor, checks: list[DraftCheck]) -> list[VerifyResult]:
         """Accept or reject each request's draft tokens (see tokenriver.sampling.verify)."""
-        return verify.verify(logits, checks, self.process_logits, self.uniforms)
+        return verify.verify(logits, checks, self.process_logits, self.uniforms, self.log_normalizers)
 
     def top_logprobs(
         self, logits: torch.Tensor, num_top: list[int], allowed_token_masks: list[torch.Tensor | None] | None = None
@@ -218,7 +233,7 @@ class Sampler:
             raise ValueError(f"logits must be [len(num_top)={len(num_top)}, vocab_size], got {tuple(logits.shape)}")
         if not num_top:
             return []
-        log_normalizer = torch.logsumexp(logits, dim=1, keepdim=True)  # [N, 1]
+        log_normalizer = self.log_normalizers(logits).unsqueeze(1)  # [N, 1]
         masked_rows = [i for i, mask in enumerate(allowed_token_masks or []) if mask is not None]
         if masked_rows:
             # Grammars fill their masks on the host; they meet the logits where those are.
@@ -273,7 +288,9 @@ class Sampler:
             chunk_ids = next_token_ids[start : start + PROMPT_LOGPROBS_CHUNK]
             token_ids = torch.tensor(chunk_ids, dtype=torch.int64)  # [t]
             chunk = logits[start : start + len(chunk_ids)]  # [t, V]
-            results += raw_logprobs(chunk, token_ids, [num_top] * len(chunk_ids), [False] * len(chunk_ids))
+            results += raw_logprobs(
+                chunk, token_ids, [num_top] * len(chunk_ids), [False] * len(chunk_ids), self.log_normalizers(chunk)
+            )
         return results
 
     def process_logits(

@@ -62,8 +62,10 @@ class Tracer:
         final_rows = select_rows(final, self.rows)  # [T, V]
         prob_raw = self.raw.softmax(dim=1)  # [T, V]
         prob_final = final_rows.softmax(dim=1)  # [T, V]
-        entropy_raw = torch.special.entr(prob_raw).sum(dim=1).tolist()
-        entropy_final = torch.special.entr(prob_final).sum(dim=1).tolist()
+        # A row at a time: PyTorch sums one row of a [T, V] tensor in another order when T is 1, and a row's trace
+        # must not depend on how many rows were traced beside it.
+        entropy_raw = [float(torch.special.entr(row).sum()) for row in prob_raw]
+        entropy_final = [float(torch.special.entr(row).sum()) for row in prob_final]
         num_kept = torch.isfinite(final_rows).sum(dim=1).tolist()
         chosen = token_ids[self.index]  # [T]
         chosen_logits = self.raw.gather(1, chosen.unsqueeze(1))  # [T, 1]

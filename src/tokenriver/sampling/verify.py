@@ -61,7 +61,11 @@ def residual_distribution(target: torch.Tensor, draft: torch.Tensor) -> torch.Te
 
 
 def verify(
-    logits: torch.Tensor, checks: list[DraftCheck], process: ProcessLogits, uniforms: Uniforms
+    logits: torch.Tensor,
+    checks: list[DraftCheck],
+    process: ProcessLogits,
+    uniforms: Uniforms,
+    log_normalizers: Callable[[torch.Tensor], torch.Tensor],
 ) -> list[VerifyResult]:
     """Accept or reject each request's draft tokens; logits [R, V] hold 1 + len(drafts) rows per check, in order.
 
@@ -109,7 +113,8 @@ def verify(
     is_rank_one = [row_states[row].params.is_greedy and row not in modified_rows for row in rows]
     num_top = [row_states[row].params.logprobs or 0 for row in rows]
     index = torch.tensor(rows, dtype=torch.int64)  # [E]
-    logprobs = raw_logprobs(logits[index], token_ids[index], num_top, is_rank_one)
+    emitted_logits = logits[index]  # [E, V]
+    logprobs = raw_logprobs(emitted_logits, token_ids[index], num_top, is_rank_one, log_normalizers(emitted_logits))
     traces = tracer.finish(processed, token_ids, row_states) if tracer else {}
     results = [VerifyResult(samples=[], num_accepted=count) for count in num_accepted]
     chosen_ids = token_ids.tolist()

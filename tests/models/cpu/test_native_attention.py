@@ -97,19 +97,27 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> N
     assert error <= rtol * want.abs().max().item(), f"max error {error:.3e}, max |want| {want.abs().max():.3e}"
 
 
+def int8_rounded_queries(query: torch.Tensor) -> torch.Tensor:
+    """Queries [..., head_dim] as the kernel rounds them for an int8 pool: to int8 per 32 head dimensions (zeros
+    padding the last block), scale max|x| / 127, to nearest even."""
+    head_dim = query.shape[-1]
+    padded = -(-head_dim // 32) * 32
+    blocks = torch.nn.functional.pad(query, (0, padded - head_dim)).unflatten(-1, (padded // 32, 32))
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    codes = torch.round(blocks / torch.where(scale > 0, scale, 1.0))
+    return (codes * scale).flatten(-2)[..., :head_dim]
+
+
 def assert_int8_close(batch: Batch, got: torch.Tensor, rtol: float = 1e-5, **options) -> None:
-    """An int8 cache's result against torch's. Rows of the per-token kernel: within float32 rounding (rtol). Rows
-    of the chunk path, which multiplies in bfloat16 where the CPU has it: against torch given the queries rounded
-    to bfloat16 (as the kernel rounds them), within the softmax weights' rounding: each weight moves by at most
-    2^-8 of itself, so an output, a weighted mean of values, by at most 2^-8 of the largest |value|."""
-    want, _, values = batch.run(paged_attention_torch, **options)
+    """An int8 cache's result against torch's given the queries rounded as the kernel rounds them (int8 per 32
+    head dimensions), within the softmax weights' rounding where the CPU multiplies values in bfloat16: each weight
+    moves by at most 2^-8 of itself, so an output, a weighted mean of values, by at most 2^-8 of the largest
+    |value|."""
     rounded = copy.copy(batch)
     rounded.qkv = batch.qkv.clone()
-    rounded.qkv[:, : batch.split[0]] = batch.qkv[:, : batch.split[0]].bfloat16().float()
-    want_rounded, *_ = rounded.run(paged_attention_torch, **options)
-    chunk_rows = torch.cat([torch.full((length,), length > MAX_KERNEL_QUERY_LEN) for length in batch.query_lens])
-    assert_close(got[~chunk_rows], want[~chunk_rows], rtol)
-    error = (got[chunk_rows] - want_rounded[chunk_rows]).abs().max().item()
+    rounded.qkv[:, : batch.split[0]] = int8_rounded_queries(batch.qkv[:, : batch.split[0]])
+    want, _, values = rounded.run(paged_attention_torch, **options)
+    error = (got - want).abs().max().item()
     largest_value = decode_entries(values, torch.float32).abs().max().item()
     assert error <= 2**-8 * largest_value + rtol * want.abs().max().item(), (error, largest_value)
 
@@ -163,26 +171,6 @@ def test_many_decodes_take_the_threaded_path():
     got, *_ = batch.run(paged_attention)
     want, *_ = batch.run(paged_attention_torch)
     assert_close(got, want)
-
-
-def test_a_request_does_not_depend_on_its_batch_or_the_thread_count():
-    alone = Batch([(1, 700)], 9, 3, 64, seed=5)
-    mixed = Batch([(1, 40), (1, 700), (4, 90), (1, 2000)], 9, 3, 64, seed=6)
-    # The same request (context, cache contents, query) inside the mixed batch: copy its blocks and its query.
-    mixed.key_cache[mixed.tables[1]] = alone.key_cache[alone.tables[0]]
-    mixed.value_cache[mixed.tables[1]] = alone.value_cache[alone.tables[0]]
-    mixed.qkv[1] = alone.qkv[0]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single_thread, *_ = alone.run(paged_attention)
-        torch.set_num_threads(2)
-        two_threads, *_ = alone.run(paged_attention)
-        in_batch, *_ = mixed.run(paged_attention)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(single_thread[0], two_threads[0])
-    assert torch.equal(in_batch[1], two_threads[0])
 
 
 def test_out_of_range_slot_raises_without_writing():
@@ -267,25 +255,64 @@ def test_int8_cache_is_within_its_rounding_of_the_float32_cache():
     assert 0 < error < 0.3, error
 
 
-def test_a_prompt_token_does_not_depend_on_how_its_prompt_is_chunked():
-    """100 prompt tokens in one chunk vs the last 40 as a later chunk (batched with another request): equal."""
-    whole = Batch([(100, 100)], 9, 3, 64, seed=9)
-    got_whole, key_cache, value_cache = whole.run(paged_attention)
+def attend_pieces(whole: Batch, kv_cache, pieces: list[tuple[int, int]], decodes: bool, **options) -> torch.Tensor:
+    """The outputs of whole's prompt tokens [start, end) of each piece, computed as a chunk after the tokens before
+    it (or, with decodes, token by token as decoding requests in one call), batched with a 7-token prompt of
+    another request."""
     query, key, value = whole.qkv.split(whole.split, dim=1)
-    other = torch.randn(7, *whole.qkv.shape[1:])  # a 7-token prompt of another request, in the same call
+    spare = next(b for b in range(kv_cache[0].shape[0]) if b not in whole.tables[0])
+    other = torch.randn(7, *whole.qkv.shape[1:], generator=torch.Generator().manual_seed(1))
     other_query, other_key, other_value = other.split(whole.split, dim=1)
-    spare = next(b for b in range(key_cache.shape[0]) if b not in whole.tables[0])  # the other request's block
-    tables = [whole.tables[0], [spare]]
-    metadata = AttentionMetadata.build([40, 7], [100, 7], tables, BLOCK_SIZE)
-    later = paged_attention(
-        torch.cat([query[60:], other_query]),
-        torch.cat([key[60:], other_key]),
-        torch.cat([value[60:], other_value]),
-        (key_cache, value_cache),
-        metadata,
-        whole.scale,
-    )
-    assert torch.equal(later[:40], got_whole[60:])
+    outputs = []
+    for start, end in pieces:
+        if decodes:
+            query_lens, seq_lens = [1] * (end - start) + [7], [*range(start + 1, end + 1), 7]
+            tables = [whole.tables[0]] * (end - start) + [[spare]]
+        else:
+            query_lens, seq_lens, tables = [end - start, 7], [end, 7], [whole.tables[0], [spare]]
+        metadata = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
+        out = paged_attention(
+            torch.cat([query[start:end], other_query]),
+            torch.cat([key[start:end], other_key]),
+            torch.cat([value[start:end], other_value]),
+            kv_cache,
+            metadata,
+            whole.scale,
+            options.get("window", 0),
+            options.get("softcap"),
+        )
+        outputs.append(out[: end - start])
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8], ids=["float32", "float16", "int8"])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,window,softcap",
+    [(9, 3, 64, 0, None), (6, 1, 80, 0, None), (8, 2, 128, 100, 50.0), (4, 1, 256, 40, None), (4, 1, 256, 0, 5.0)],
+)
+def test_a_query_token_has_one_result_however_it_is_computed(
+    cache_dtype, num_heads, num_kv_heads, head_dim, window, softcap
+):
+    """A 300-token prompt (three splits, its last tile partial) attended whole, with 1 and with 2 threads; in
+    chunks of 37, 2, 100 and 161 tokens; and its last 45 tokens decoded one by one: every token's output the same
+    bits, whatever its chunk, its batch or the thread count."""
+    whole = Batch([(300, 300)], num_heads, num_kv_heads, head_dim, seed=9, cache_dtype=cache_dtype)
+    options = {"window": window, "softcap": softcap}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single_thread, *_ = whole.run(paged_attention, **options)
+        torch.set_num_threads(2)
+        got_whole, key_cache, value_cache = whole.run(paged_attention, **options)
+        chunked = attend_pieces(
+            whole, (key_cache, value_cache), [(0, 37), (37, 39), (39, 139), (139, 300)], False, **options
+        )
+        decoded = attend_pieces(whole, (key_cache, value_cache), [(255, 300)], True, **options)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single_thread, got_whole)
+    assert torch.equal(chunked, got_whole)
+    assert torch.equal(decoded, got_whole[255:])
 
 
 def test_an_out_of_range_chunk_raises():

@@ -1,38 +1,39 @@
-// Paged attention for short queries, read straight from the KV block pool (after writing this step's keys and
-// values into it).
+// Paged attention read straight from the KV block pool, after writing this step's keys and values into it.
 //
 // Each query token attends to the first context_len tokens of its request, whose keys and values sit in the
-// blocks its block table names: key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]. No
-// gathered copy of the context is made: the kernel walks the block table. Grouped-query attention: query heads
-// h * G .. h * G + G - 1 share kv head h (G = heads / kv heads). One work item computes every head of a query
-// token, so a token's keys and values (all kv heads side by side) are read from memory once, in block order,
-// and serve all its dot products from L1.
+// blocks its block table names: key_cache, value_cache [num_blocks, block_size, num_kv_heads, entry]. No gathered
+// copy of the context is made: the kernel walks the block table. Grouped-query attention: query heads
+// h * G .. h * G + G - 1 share kv head h (G = heads / kv heads).
 //
-// Softmax is online, in float32 (flash attention's rule): per tile of tokens, scores s = q.k * scale, the
-// running max m is raised to the tile's max, the running sum l and the accumulator acc = sum e^(s - m) v are
-// rescaled by e^(m_old - m_new), then the tile's terms are added. The result is acc / l.
+// One arithmetic per query token: its result depends on its query and its context alone, not on whether it is
+// decoded or sits in a prompt chunk, how its prompt was chunked or found in the prefix cache, what it is batched
+// with, or the thread count. Every query token goes through the same code (attend_kv) in the same order:
+// - the context is cut at fixed positions: tiles of kTile tokens from position 0, splits of kSplitTokens tokens (a
+//   whole number of tiles); a sliding window masks the positions before it in its first tile;
+// - per tile, the scores (a vector lane per context token), then flash attention's online-softmax update of the
+//   running max m, sum l and accumulator acc = sum e^(s - m) v (a lane per head dimension), in float32;
+// - per split, (m, l, acc) start afresh and are folded into the token's result in split order (merge_split), so a
+//   long context's splits can run on several threads (flash-decoding) and still give a prompt chunk's numbers.
+// Rows that share a pass (the query heads of a kv head, the tokens of a chunk) each keep their own chains, so
+// which rows share one changes no bit. Work items: kQueryBlock tokens of a prompt chunk and one kv head; a decode
+// token's heads, or one split of them where its context is longer than a split.
 //
-// Parallel over (query token, split): a context longer than kSplitTokens is cut into splits whose partial
-// (m, l, acc) are merged at the end (flash-decoding), so one long request still keeps every thread busy. The
-// splits depend only on the request's own context length, never on the batch, so a request's numbers do not
-// change with what it is batched with. Each thread takes a contiguous run of these items of about equal work
-// and fetches the next item's first tile while it finishes the current one (equal_work_run).
-//
-// The pool holds float32, float16 or int8 (a 16-bit KV cache halves the bytes each step reads and doubles the
-// tokens a pool of given memory holds; int8 takes a bit more than half of that again). Float16 entries are widened
-// to float32 on load (F16C) and everything after is float32; this step's keys and values are rounded to float16
-// (to nearest, ties to even) when stored, exactly as PyTorch's .to(torch.float16) rounds them. An int8 entry (one
-// token's vector for one kv head) is head_dim values q and then its float32 scale s, 4 bytes: the vector is s * q,
-// with s = max|x| / 127 and q = x / s rounded to nearest, ties to even (kv/cache.py's encode_int8, the same
-// operations in the same order). Scores are q . k_q * s_k, values enter as weight * s_v * v_q. Where the CPU has
-// AVX512-BF16, an int8 pool's prompt chunks multiply in bfloat16 (kPairProducts): the integers are exact there, and
-// the queries and softmax weights are rounded, as llama.cpp rounds them to float16 for its float16 cache.
+// The pool holds float32, float16 or int8. Float16 entries are widened to float32 on load (F16C); this step's keys
+// and values are rounded to float16 (to nearest, ties to even) when stored, exactly as PyTorch's .to(torch.float16)
+// rounds them. An int8 entry (one token's vector for one kv head) is head_dim values q and then its float32 scale s,
+// 4 bytes: the vector is s * q, with s = max|x| / 127 and q = x / s rounded to nearest, ties to even
+// (kv/cache.py's encode_int8, the same operations in the same order). With an int8 pool the queries are rounded to
+// int8 per 32 head dimensions as well (quantize_activations, as llama.cpp rounds them for its q8_0 cache): a score
+// is then integer products summed exactly per 32 dimensions (VNNI where the CPU has it), scaled by the query's block
+// scales in order and by the key's scale. Where the CPU has AVX512-BF16 an int8 pool's values are multiplied in
+// bfloat16 pairs: the stored integers are exact there, the softmax weights rounded to nearest even.
 
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -43,6 +44,7 @@ namespace {
 using tokenriver::exp256;
 using tokenriver::horizontal_max;
 using tokenriver::horizontal_sum;
+using tokenriver::quantize_activations;
 using tokenriver::transpose8;
 
 // Eight cache entries as floats.
@@ -53,12 +55,7 @@ inline __m256 load8(const int8_t* p) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-// Where the CPU has AVX-512, decode steps read head dimensions 16 at a time when head_dim is a multiple of 16: one
-// conversion and one FMA per 16 values instead of per 8. An int8 pool is bound by those operations more than by
-// memory (each value is widened twice, to int32 and to float), so it gains; a float16 pool, bound by memory, does
-// not (benchmarks/results/attention.md measures the kernel). Scores sum
-// in another order than 8 at a time, so their last bits differ from the 8-wide path's; a request's results still do
-// not depend on its batch or the thread count.
+// Sixteen cache entries as floats.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -109,14 +106,19 @@ inline void store_entries(const float* in, int64_t heads, int64_t D, int8_t* out
   }
 }
 
-// Context tokens per split. Small enough that a single decoding request spreads over the threads (splits of 512
-// left one thread with most of a 717-token context); with many requests at once the split size hardly matters.
-constexpr int64_t kSplitTokens = 128;
-// Scores computed per softmax update; a multiple of 8.
+// Context tokens per tile: scored, and taken into the online softmax, together. A multiple of 16.
 constexpr int64_t kTile = 32;
-// Below this many (token, head) score products the whole call runs on one thread (about 230 tokens of context
-// for 9 heads: shorter ones finish before a second thread would have started).
+// Context tokens per split, a whole number of tiles: small enough that one long decoding request spreads over the
+// threads.
+constexpr int64_t kSplitTokens = 128;
+// Query tokens of a prompt chunk per work item.
+constexpr int64_t kQueryBlock = 32;
+// Below this many (token, head) score products the whole call runs on one thread (shorter ones finish before a
+// second thread would have started).
 constexpr int64_t kParallelWork = 1 << 11;
+
+// Head dimensions per block of a query's int8 rounding (vec.h's quantize_activations).
+constexpr int64_t kQueryBlockDims = 32;
 
 template <typename Cache>
 struct Problem {
@@ -129,30 +131,32 @@ struct Problem {
   int64_t num_heads, num_kv_heads, block_size;
   const int64_t* block_tables;  // [num_requests, max_blocks]
   int64_t max_blocks;
-  const int64_t* queries;  // [num_queries, 3]: token row, request index, context length
   float scale;
   // Sliding window: a token sees only the last `window` positions up to itself (0: the whole context).
   int64_t window;
   // Soft-capping (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax (0: none).
   float softcap;
-
-  // First context position query token qi sees: its window's start.
-  int64_t first_visible(int64_t qi) const {
-    const int64_t context = queries[3 * qi + 2];
-    return window > 0 && context > window ? context - window : 0;
-  }
-  // How many context tokens query token qi sees.
-  int64_t visible(int64_t qi) const { return queries[3 * qi + 2] - first_visible(qi); }
 };
 
-// The eight horizontal sums of v[0..7], as one vector: lane k = sum of the lanes of v[k].
-inline __m256 sum_each(const __m256 v[8]) {
-  // hadd adds neighbouring pairs within each 128-bit half; two rounds leave, per half, four partial sums.
-  const __m256 pairs0 = _mm256_hadd_ps(v[0], v[1]), pairs1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 pairs2 = _mm256_hadd_ps(v[4], v[5]), pairs3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 quads0 = _mm256_hadd_ps(pairs0, pairs1), quads1 = _mm256_hadd_ps(pairs2, pairs3);
-  // quads0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low half | high half), quads1 likewise for v[4..7].
-  return _mm256_add_ps(_mm256_permute2f128_ps(quads0, quads1, 0x20), _mm256_permute2f128_ps(quads0, quads1, 0x31));
+// Query tokens [row, row + length) of one request, at positions context - length .. context - 1: a prompt chunk, or
+// one decoding token (length 1).
+struct Span {
+  int64_t row, request, length, context;
+};
+
+// The first position a token at `position` sees: its window's start.
+inline int64_t window_start(int64_t window, int64_t position) {
+  return window > 0 && position + 1 > window ? position + 1 - window : 0;
+}
+
+// pass(std::integral_constant<int, R>{}, r) over rows [ra, rb): kMax rows at a time, then the rest in one pass.
+template <int kMax, typename Pass>
+inline void in_row_groups(int64_t ra, int64_t rb, const Pass& pass) {
+  int64_t r = ra;
+  for (; r + kMax <= rb; r += kMax) pass(std::integral_constant<int, kMax>{}, r);
+  if constexpr (kMax > 1) {
+    if (r < rb) in_row_groups<kMax - 1>(r, rb, pass);
+  }
 }
 
 // Soft-capped scores in place, s = cap * tanh(s / cap) (Gemma 2's attention; cap > 0), for count scores, a
@@ -168,441 +172,57 @@ inline void soft_cap(float* scores, int64_t count, float cap) {
   }
 }
 
-// One head's online-softmax update over a tile's scores (count of them, a multiple of 8; padding lanes -inf):
-// raises the running max m to the tile's, turns the scores into e^(s - m), rescales the running sum l and adds
-// theirs, and returns e^(m_old - m_new), the factor the head's accumulator must be rescaled by.
-inline float online_softmax(float* scores, int64_t count, float& m, float& l) {
+// One row's online-softmax update over a tile's kTile scores (masked ones -inf): raises the running max m to the
+// tile's, turns the scores into weights e^(s - m), rescales the running sum l and adds theirs, and returns
+// e^(m_old - m_new), the factor the row's accumulator must be rescaled by. Int8 entries: each weight then times its
+// value's scale (the value pass multiplies the stored integers). PAIRS: the weights rounded to bfloat16, in the
+// first kTile / 2 floats' bytes. One pass over the scores after the max, so no store waits on another.
+template <typename Cache, bool PAIRS>
+inline float online_softmax(float* scores, const float* value_scales, float& m, float& l) {
   __m256 max_vector = _mm256_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < count; j += 8) max_vector = _mm256_max_ps(max_vector, _mm256_load_ps(scores + j));
+  for (int64_t j = 0; j < kTile; j += 8) max_vector = _mm256_max_ps(max_vector, _mm256_load_ps(scores + j));
   const float new_max = fmaxf(m, horizontal_max(max_vector));
   const float rescale = m == -INFINITY ? 0.0f : expf(m - new_max);
   const __m256 shift = _mm256_set1_ps(new_max);
   __m256 total = _mm256_setzero_ps();
-  for (int64_t j = 0; j < count; j += 8) {
+  for (int64_t j = 0; j < kTile; j += 8) {
     const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(scores + j), shift));
-    _mm256_store_ps(scores + j, e);
     total = _mm256_add_ps(total, e);
+    const __m256 weight = kEntryExtra<Cache> > 0 ? _mm256_mul_ps(e, _mm256_load_ps(value_scales + j)) : e;
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if constexpr (PAIRS) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<uint16_t*>(scores) + j),
+                       (__m128i)_mm256_cvtneps_pbh(weight));
+      continue;
+    }
+#endif
+    _mm256_store_ps(scores + j, weight);
   }
   m = new_max;
   l = l * rescale + horizontal_sum(total);
   return rescale;
 }
 
-// acc[hh] = acc[hh] * rescale[hh] + sum over the n tokens of weights[hh * kTile + j] * value row j, for head
-// dimensions [8 * c0, 8 * (c0 + CW)): HC × CW accumulators, each value vector loaded serving HC heads.
-template <int ND, int HC, int CW, typename Cache>
-inline void chunk_values(const Cache* const* value_rows, int64_t n, const float* weights, const float* rescale,
-                         int c0, float* acc) {
-  constexpr int64_t D = ND * 8;
-  __m256 sum[HC][CW];
-  for (int hh = 0; hh < HC; ++hh)
-    for (int c = 0; c < CW; ++c)
-      sum[hh][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + hh * D + 8 * (c0 + c)), _mm256_set1_ps(rescale[hh]));
-  for (int64_t j = 0; j < n; ++j) {
-    __m256 values[CW];
-    for (int c = 0; c < CW; ++c) values[c] = load8(value_rows[j] + 8 * (c0 + c));
-    for (int hh = 0; hh < HC; ++hh) {
-      const __m256 weight = _mm256_broadcast_ss(weights + hh * kTile + j);
-      for (int c = 0; c < CW; ++c) sum[hh][c] = _mm256_fmadd_ps(weight, values[c], sum[hh][c]);
-    }
-  }
-  for (int hh = 0; hh < HC; ++hh)
-    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + hh * D + 8 * (c0 + c), sum[hh][c]);
-}
-
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-// The eight horizontal sums of v[0..7] (16 lanes each), as one 8-lane vector: each folded to 8 lanes first.
-inline __m256 sum_each(const __m512 v[8]) {
-  __m256 halves[8];
-  for (int k = 0; k < 8; ++k) halves[k] = _mm256_add_ps(_mm512_castps512_ps256(v[k]), _mm512_extractf32x8_ps(v[k], 1));
-  return sum_each(halves);
-}
-
-// chunk_values for all head dimensions at once, 16 at a time (NZ = head_dim / 16 vectors per head).
-template <int NZ, int HC, typename Cache>
-inline void values_wide(const Cache* const* value_rows, int64_t n, const float* weights, const float* rescale,
-                        float* acc) {
-  constexpr int64_t D = NZ * 16;
-  __m512 sum[HC][NZ];
-  for (int hh = 0; hh < HC; ++hh)
-    for (int c = 0; c < NZ; ++c)
-      sum[hh][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + hh * D + 16 * c), _mm512_set1_ps(rescale[hh]));
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 values[NZ];
-    for (int c = 0; c < NZ; ++c) values[c] = load16(value_rows[j] + 16 * c);
-    for (int hh = 0; hh < HC; ++hh) {
-      const __m512 weight = _mm512_set1_ps(weights[hh * kTile + j]);
-      for (int c = 0; c < NZ; ++c) sum[hh][c] = _mm512_fmadd_ps(weight, values[c], sum[hh][c]);
-    }
-  }
-  for (int hh = 0; hh < HC; ++hh)
-    for (int c = 0; c < NZ; ++c) _mm512_storeu_ps(acc + hh * D + 16 * c, sum[hh][c]);
-}
-
-// tile_heads' score pass, 16 head dimensions at a time: scores[hh * kTile + j] = q_hh . k_j (unscaled) for the n
-// keys, eight keys at a time (per head eight FMA chains, then one fold-and-add for the eight sums).
-template <int NZ, int HC, typename Cache>
-inline void scores_wide(const float* q, const Cache* const* keys, int64_t n, float* scores) {
-  constexpr int64_t D = NZ * 16;
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m512 sums[HC][8];
-    for (int hh = 0; hh < HC; ++hh)
-      for (int k = 0; k < 8; ++k) sums[hh][k] = _mm512_setzero_ps();
-    for (int i = 0; i < NZ; ++i) {
-      __m512 query[HC];
-      for (int hh = 0; hh < HC; ++hh) query[hh] = _mm512_loadu_ps(q + hh * D + 16 * i);
-      for (int k = 0; k < 8; ++k) {
-        const __m512 key = load16(keys[j + k] + 16 * i);
-        for (int hh = 0; hh < HC; ++hh) sums[hh][k] = _mm512_fmadd_ps(query[hh], key, sums[hh][k]);
-      }
-    }
-    for (int hh = 0; hh < HC; ++hh) _mm256_store_ps(scores + hh * kTile + j, sum_each(sums[hh]));
-  }
-  for (; j < n; ++j)
-    for (int hh = 0; hh < HC; ++hh) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int i = 0; i < NZ; ++i)
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + hh * D + 16 * i), load16(keys[j] + 16 * i), sum);
-      scores[hh * kTile + j] = _mm512_reduce_add_ps(sum);
-    }
-}
-#endif
-
-// The scales of a tile's n entries (entries[j]: values of head size D) into scales[kTile], padded with ones to a
-// multiple of 8. Int8 entries only.
-template <typename Cache>
-inline void gather_scales(const Cache* const* entries, int64_t n, int64_t D, float* scales) {
-  for (int64_t j = 0; j < n; ++j) scales[j] = entry_scale(entries[j], D);
-  for (int64_t j = n; j < (n + 7) / 8 * 8; ++j) scales[j] = 1.0f;
-}
-
-// Int8 entries: the softmax weights of the n tokens (weights[hh * kTile + j], after the running sum took them)
-// times each value entry's scale, so that the value pass multiplies the stored integers. Float entries: nothing.
-template <int HC, typename Cache>
-inline void scale_by_values(const float* value_scales, int64_t n, float* weights) {
-  if (kEntryExtra<Cache> == 0) return;
-  for (int hh = 0; hh < HC; ++hh)
-    for (int64_t j = 0; j < n; j += 8)
-      _mm256_store_ps(weights + hh * kTile + j,
-                      _mm256_mul_ps(_mm256_load_ps(weights + hh * kTile + j), _mm256_load_ps(value_scales + j)));
-}
-
-// One tile of n context tokens for HC query heads that share a kv head (keys, values: rows of that kv head): the
-// heads' scores, then the online-softmax update of their m, l and acc ([HC][D], not normalized). Each key and value
-// vector is loaded and widened once for all HC heads instead of once per head; per head the arithmetic and its
-// order are those of a head alone, so grouping changes no bit. It pays when the pool is in cache; read from
-// memory, the prefetches bound it, so they are spread over the three phases of each call (issued in one burst per
-// call, the queued requests stalled it).
-template <int ND, int HC, typename Cache, typename Prefetch>
-void tile_heads(const float* q, const Cache* const* keys, const Cache* const* values, const float* key_scales,
-                const float* value_scales, int64_t n, float scale, float softcap, float* m, float* l, float* acc,
-                Prefetch& prefetch) {
-  constexpr int64_t D = ND * 8;
-  alignas(32) float scores[HC * kTile];
-  const __m256 factor = _mm256_set1_ps(scale);
-  prefetch();
-  int64_t j = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  if constexpr (ND % 2 == 0) {
-    scores_wide<ND / 2, HC, Cache>(q, keys, n, scores);
-    for (int64_t k = 0; k < n; k += 8) {
-      const __m256 key_factor = kEntryExtra<Cache> > 0 ? _mm256_mul_ps(factor, _mm256_load_ps(key_scales + k)) : factor;
-      for (int hh = 0; hh < HC; ++hh)
-        _mm256_store_ps(scores + hh * kTile + k, _mm256_mul_ps(_mm256_load_ps(scores + hh * kTile + k), key_factor));
-    }
-    j = n;
-  }
-#endif
-  // Eight keys at a time: per head eight independent FMA chains, then one transpose-and-add for the eight sums.
-  for (; j + 8 <= n; j += 8) {
-    __m256 sums[HC][8];
-    for (int hh = 0; hh < HC; ++hh)
-      for (int k = 0; k < 8; ++k) sums[hh][k] = _mm256_setzero_ps();
-    for (int i = 0; i < ND; ++i) {
-      __m256 query[HC];
-      for (int hh = 0; hh < HC; ++hh) query[hh] = _mm256_loadu_ps(q + hh * D + 8 * i);
-      for (int k = 0; k < 8; ++k) {
-        const __m256 key = load8(keys[j + k] + 8 * i);
-        for (int hh = 0; hh < HC; ++hh) sums[hh][k] = _mm256_fmadd_ps(query[hh], key, sums[hh][k]);
-      }
-    }
-    const __m256 key_factor = kEntryExtra<Cache> > 0 ? _mm256_mul_ps(factor, _mm256_load_ps(key_scales + j)) : factor;
-    for (int hh = 0; hh < HC; ++hh)
-      _mm256_store_ps(scores + hh * kTile + j, _mm256_mul_ps(sum_each(sums[hh]), key_factor));
-  }
-  for (; j < n; ++j)
-    for (int hh = 0; hh < HC; ++hh) {
-      __m256 sum = _mm256_setzero_ps();
-      for (int i = 0; i < ND; ++i)
-        sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + hh * D + 8 * i), load8(keys[j] + 8 * i), sum);
-      scores[hh * kTile + j] = horizontal_sum(sum) * (kEntryExtra<Cache> > 0 ? scale * key_scales[j] : scale);
-    }
-  prefetch();
-  float rescale[HC];
-  for (int hh = 0; hh < HC; ++hh) {
-    // Padding lanes of the last vector of scores: -inf, so they add e^-inf = 0 and never raise the max.
-    float* s = scores + hh * kTile;
-    if (softcap > 0.0f) soft_cap(s, (n + 7) / 8 * 8, softcap);  // the padding lanes are set below
-    for (int64_t k = n; k < (n + 7) / 8 * 8; ++k) s[k] = -INFINITY;
-    rescale[hh] = online_softmax(s, (n + 7) / 8 * 8, m[hh], l[hh]);
-  }
-  prefetch();
-  scale_by_values<HC, Cache>(value_scales, n, scores);
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  if constexpr (ND % 2 == 0) {
-    values_wide<ND / 2, HC, Cache>(values, n, scores, rescale, acc);
+// Folds one split's (m, l, acc) of a row into the row's result so far (M, L, A): both brought to the larger max.
+// A split the row saw nothing of (m = -inf) leaves it as it is. -ffp-contract=off keeps every product rounded.
+inline void merge_split(float& M, float& L, float* A, float m, float l, const float* acc, int64_t D) {
+  if (m == -INFINITY) return;
+  if (M == -INFINITY) {
+    M = m;
+    L = l;
+    memcpy(A, acc, D * sizeof(float));
     return;
   }
-#endif
-  int c0 = 0;
-  for (; c0 + 3 <= ND; c0 += 3) chunk_values<ND, HC, 3, Cache>(values, n, scores, rescale, c0, acc);
-  if (ND - c0 == 2) chunk_values<ND, HC, 2, Cache>(values, n, scores, rescale, c0, acc);
-  if (ND - c0 == 1) chunk_values<ND, HC, 1, Cache>(values, n, scores, rescale, c0, acc);
+  const float top = fmaxf(M, m);
+  const float a = expf(M - top), b = expf(m - top);
+  L = L * a + l * b;
+  for (int64_t d = 0; d < D; ++d) A[d] = A[d] * a + acc[d] * b;
+  M = top;
 }
-
-// Partial attention of every head of query token `query` over context tokens [t0, t1). Writes m[num_heads],
-// l[num_heads] and acc[num_heads][ND * 8] (not normalized). A tile's tokens are visited once per kv head while
-// their rows (all kv heads of a token side by side) are still in L1, so memory is read in order, once. During
-// the last tile it prefetches tokens [next_t0, next_t1) of query next_query, the caller's next item (if >= 0).
-template <int ND, typename Cache>
-void attend(const Problem<Cache>& p, int64_t query, int64_t t0, int64_t t1, float* m, float* l, float* acc,
-            int64_t next_query = -1, int64_t next_t0 = 0, int64_t next_t1 = 0) {
-  constexpr int64_t D = ND * 8;
-  const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t entry = D + kEntryExtra<Cache>;
-  const int64_t token_stride = p.num_kv_heads * entry;  // cache elements between consecutive tokens of a block
-  constexpr int64_t kLine = 64 / sizeof(Cache);        // cache elements per cache line
-  const int64_t* row = p.queries + 3 * query;
-  const int64_t* blocks = p.block_tables + row[1] * p.max_blocks;
-  const float* q_row = p.query + row[0] * p.q_row_stride;
-  for (int64_t h = 0; h < p.num_heads; ++h) {
-    m[h] = -INFINITY;
-    l[h] = 0.0f;
-    for (int64_t d = 0; d < D; ++d) acc[h * D + d] = 0.0f;
-  }
-  const Cache* key_rows[kTile];
-  const Cache* value_rows[kTile];
-  const Cache* kv_keys[kTile];  // key_rows and value_rows at the current kv head
-  const Cache* kv_values[kTile];
-  alignas(32) float key_scales[kTile], value_scales[kTile];  // their scales (int8 entries)
-  for (int64_t tile = t0; tile < t1; tile += kTile) {
-    const int64_t n = t1 - tile < kTile ? t1 - tile : kTile;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = tile + j;
-      const int64_t offset = (blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride;
-      key_rows[j] = p.key_cache + offset;
-      value_rows[j] = p.value_cache + offset;
-    }
-    // Ask for the next tile's rows (into L2: this tile fills L1) while this one computes: blocks are scattered,
-    // so the hardware prefetcher stops at each block boundary. Spread over the work in shares: all at
-    // once, the requests queued up behind each other and stalled the core.
-    int64_t next_begin = tile + kTile, next_end = tile + kTile + kTile < t1 ? tile + kTile + kTile : t1;
-    const int64_t* next_blocks = blocks;
-    if (next_begin >= t1 && next_query >= 0) {
-      next_blocks = p.block_tables + p.queries[3 * next_query + 1] * p.max_blocks;
-      next_begin = next_t0;
-      next_end = next_t0 + kTile < next_t1 ? next_t0 + kTile : next_t1;
-    }
-    // Query heads kv * G .. (kv + 1) * G - 1 read kv head kv, three at a time; each call of tile_heads issues
-    // three shares of the prefetches.
-    const int64_t num_shares = p.num_kv_heads * ((G + 2) / 3) * 3;
-    int64_t share = 0;
-    const auto prefetch = [&]() {
-      const int64_t share_begin = next_begin + (next_end - next_begin) * share / num_shares;
-      const int64_t share_end = next_begin + (next_end - next_begin) * (share + 1) / num_shares;
-      ++share;
-      for (int64_t t = share_begin; t < share_end; ++t) {
-        const int64_t offset = (next_blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride;
-        for (int64_t f = 0; f < token_stride; f += kLine) {
-          _mm_prefetch(reinterpret_cast<const char*>(p.key_cache + offset + f), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(p.value_cache + offset + f), _MM_HINT_T1);
-        }
-      }
-    };
-    for (int64_t kv = 0; kv < p.num_kv_heads; ++kv) {
-      for (int64_t j = 0; j < n; ++j) {
-        kv_keys[j] = key_rows[j] + kv * entry;
-        kv_values[j] = value_rows[j] + kv * entry;
-      }
-      if (kEntryExtra<Cache> > 0) {
-        gather_scales(kv_keys, n, D, key_scales);
-        gather_scales(kv_values, n, D, value_scales);
-      }
-      for (int64_t h = kv * G; h < (kv + 1) * G; h += 3) {
-        const float* q = q_row + h * D;
-        float* head_acc = acc + h * D;
-        switch ((kv + 1) * G - h) {
-          case 1:
-            tile_heads<ND, 1>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, p.softcap, m + h, l + h, head_acc,
-                              prefetch);
-            break;
-          case 2:
-            tile_heads<ND, 2>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, p.softcap, m + h, l + h, head_acc,
-                              prefetch);
-            break;
-          default:
-            tile_heads<ND, 3>(q, kv_keys, kv_values, key_scales, value_scales, n, p.scale, p.softcap, m + h, l + h, head_acc,
-                              prefetch);
-        }
-      }
-    }
-  }
-}
-
-// Thread `part` of `parts`'s share of items [0, n): a contiguous run of about equal work (work(i): tokens item i
-// attends over). A thread walks its run in order, so while it computes an item's last tile it already fetches the
-// next item's first one; handed out one by one (dynamic scheduling), the next item was unknown and each item's
-// first tile came from memory cold.
-template <typename Work>
-void equal_work_run(int64_t n, int part, int parts, Work work, int64_t& begin, int64_t& end) {
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += work(i);
-  // Run k starts at the item boundary whose work before it is nearest k / parts of the total.
-  const auto boundary = [&](int k) {
-    if (k <= 0) return int64_t{0};
-    if (k >= parts) return n;
-    int64_t best = 0, best_gap = total * k, sum = 0;
-    for (int64_t i = 0; i <= n; ++i) {
-      const int64_t gap = sum * parts > total * k ? sum * parts - total * k : total * k - sum * parts;
-      if (gap < best_gap) {
-        best = i;
-        best_gap = gap;
-      }
-      if (i < n) sum += work(i);
-    }
-    return best;
-  };
-  begin = boundary(part);
-  end = boundary(part + 1);
-}
-
-// One (query, split) piece of work of a call with split contexts.
-struct Item {
-  int64_t query, split, num_splits;
-  int64_t scratch;  // first partial result of this query in the scratch buffer, or -1 if not split
-};
-
-// Contexts of at most kSplitTokens: one item per query token, accumulating straight into its output row.
-template <int ND, typename Cache>
-void run_unsplit(const Problem<Cache>& p, int64_t num_queries, int threads) {
-  constexpr int64_t D = ND * 8;
-  auto body = [&](int64_t query, float* m, float* l, int64_t next) {
-    float* out = p.out + p.queries[3 * query] * p.out_row_stride;
-    attend<ND, Cache>(p, query, p.first_visible(query), p.queries[3 * query + 2], m, l, out,
-                      next < num_queries ? next : -1, next < num_queries ? p.first_visible(next) : 0,
-                      next < num_queries ? p.queries[3 * next + 2] : 0);
-    for (int64_t h = 0; h < p.num_heads; ++h)
-      for (int64_t d = 0; d < D; ++d) out[h * D + d] /= l[h];
-  };
-  if (threads == 1) {
-    std::vector<float> ml(2 * p.num_heads);
-    for (int64_t query = 0; query < num_queries; ++query) body(query, ml.data(), ml.data() + p.num_heads, query + 1);
-    return;
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> ml(2 * p.num_heads);
-    int64_t begin, end;
-    equal_work_run(num_queries, omp_get_thread_num(), omp_get_num_threads(),
-                   [&](int64_t query) { return p.visible(query); }, begin, end);
-    for (int64_t query = begin; query < end; ++query)
-      body(query, ml.data(), ml.data() + p.num_heads, query + 1 < end ? query + 1 : num_queries);
-  }
-}
-
-// Some context is longer than kSplitTokens: items of (query, split); split ones leave partial results in a
-// scratch buffer, merged once all are done.
-template <int ND, typename Cache>
-void run_split(const Problem<Cache>& p, int64_t num_queries, int threads) {
-  constexpr int64_t D = ND * 8;
-  const int64_t H = p.num_heads;
-  const int64_t partial_floats = H * (D + 2);  // m[H], l[H], acc[H][D]
-  std::vector<Item> items;
-  int64_t num_partials = 0;
-  for (int64_t qi = 0; qi < num_queries; ++qi) {
-    const int64_t num_splits = (p.visible(qi) + kSplitTokens - 1) / kSplitTokens;
-    const int64_t scratch = num_splits > 1 ? num_partials : -1;
-    if (num_splits > 1) num_partials += num_splits;
-    for (int64_t s = 0; s < num_splits; ++s) items.push_back({qi, s, num_splits, scratch});
-  }
-  std::vector<float> partials(num_partials * partial_floats);
-  const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> ml(2 * H);
-    const auto span = [&](int64_t i, int64_t& t0, int64_t& t1) {
-      const int64_t context = p.queries[3 * items[i].query + 2];
-      t0 = p.first_visible(items[i].query) + items[i].split * kSplitTokens;
-      t1 = t0 + kSplitTokens < context ? t0 + kSplitTokens : context;
-    };
-    int64_t begin, end;
-    equal_work_run(num_items, omp_get_thread_num(), omp_get_num_threads(), [&](int64_t i) {
-      int64_t t0, t1;
-      span(i, t0, t1);
-      return t1 - t0;
-    }, begin, end);
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& item = items[i];
-      int64_t t0, t1, next_query = -1, next_t0 = 0, next_t1 = 0;
-      span(i, t0, t1);
-      if (i + 1 < end) {
-        next_query = items[i + 1].query;
-        span(i + 1, next_t0, next_t1);
-      }
-      float* out = p.out + p.queries[3 * item.query] * p.out_row_stride;
-      if (item.scratch < 0) {
-        attend<ND, Cache>(p, item.query, t0, t1, ml.data(), ml.data() + H, out, next_query, next_t0, next_t1);
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t d = 0; d < D; ++d) out[h * D + d] /= ml[H + h];
-        continue;
-      }
-      float* part = partials.data() + (item.scratch + item.split) * partial_floats;
-      attend<ND, Cache>(p, item.query, t0, t1, part, part + H, part + 2 * H, next_query, next_t0, next_t1);
-    }
-#pragma omp barrier
-    // Merge the splits: weights e^(m_s - max m) bring every partial to the same reference max.
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < num_items; ++i) {
-      const Item& item = items[i];
-      if (item.scratch < 0 || item.split != 0) continue;
-      float* out = p.out + p.queries[3 * item.query] * p.out_row_stride;
-      for (int64_t h = 0; h < H; ++h) {
-        float max = -INFINITY;
-        for (int64_t s = 0; s < item.num_splits; ++s)
-          max = fmaxf(max, partials[(item.scratch + s) * partial_floats + h]);
-        float total = 0.0f;
-        for (int64_t d = 0; d < D; ++d) out[h * D + d] = 0.0f;
-        for (int64_t s = 0; s < item.num_splits; ++s) {
-          const float* part = partials.data() + (item.scratch + s) * partial_floats;
-          const float weight = expf(part[h] - max);
-          total += part[H + h] * weight;
-          for (int64_t d = 0; d < D; ++d) out[h * D + d] += part[2 * H + h * D + d] * weight;
-        }
-        for (int64_t d = 0; d < D; ++d) out[h * D + d] /= total;
-      }
-    }
-  }
-}
-
-// Prompt chunks: many query tokens of one request against the same keys, so the work is arranged like a matrix
-// product (flash attention's blocks). A work item is a chunk, one kv head and kQueryBlock consecutive query tokens;
-// its rows are the (query token, query head of that kv head) pairs, their queries packed once into [rows, head_dim].
-// Per tile of kTile context tokens, the tile's keys are transposed (int8 ones times their scales) once into
-// [head_dim, kTile] and values not already float32 are widened once into [kTile, head_dim]; then three passes over
-// the rows that see the tile: scores, kScoreRows rows at a time (a broadcast query element times a row of the
-// transposed keys per FMA: no horizontal sums); each row's online-softmax update; values, kValueRows rows ×
-// kValueVectors vectors of head dimensions at a time (each value vector loaded serves those rows). Causal: the
-// token at position pos sees positions 0..pos, so a tile is skipped by the tokens it lies wholly after and masked
-// (-inf scores) where it straddles them. A row's arithmetic and its order do not depend on the vector width or on
-// which rows share a pass: a score is one FMA chain over the head dimensions in order, an output one chain over
-// the tile's tokens in order. An int8 pool on a CPU with AVX512-BF16 runs the same passes on bfloat16 pairs
-// (kPairProducts): dimension pairs in the scores, token pairs in the values.
-constexpr int64_t kQueryBlock = 32;
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 // 16 lanes, 32 registers: 8 rows × 2 vectors of scores, 4 rows × 4 vectors of outputs.
-struct ChunkVector {
+struct Vector {
   using V = __m512;
   static constexpr int kWidth = 16;
   static V zero() { return _mm512_setzero_ps(); }
@@ -616,7 +236,7 @@ constexpr int kScoreRows = 8, kValueRows = 4, kValueVectors = 4;
 #else
 // 8 lanes, 16 registers: 3 rows × 4 vectors of scores (the keys taken from L1 as FMA operands), 3 rows × 3 vectors
 // of outputs (four vectors spilled an accumulator to the stack).
-struct ChunkVector {
+struct Vector {
   using V = __m256;
   static constexpr int kWidth = 8;
   static V zero() { return _mm256_setzero_ps(); }
@@ -629,48 +249,228 @@ struct ChunkVector {
 constexpr int kScoreRows = 3, kValueRows = 3, kValueVectors = 3;
 #endif
 
-// scores[r * kTile + j] = q_r . k_j * scale for kScoreRows packed query rows q ([kScoreRows, head_dim]) and the
-// tile's keys, transposed: keys_t[d * kTile + j].
-template <int ND>
-inline void chunk_scores(const float* q, const float* keys_t, float scale, float* scores) {
-  using Vec = ChunkVector;
+// Float pools: scores[r * kTile + j] = (q_r . k_j) * scale for R packed query rows q ([R, head_dim]) and the tile's
+// keys transposed, keys_t[d * kTile + j]: per score one FMA chain over the head dimensions in order.
+template <int ND, int R>
+inline void float_scores(const float* q, const float* keys_t, float scale, float* scores) {
+  using Vec = Vector;
   constexpr int64_t D = ND * 8;
   constexpr int kVectors = kTile / Vec::kWidth;
-  typename Vec::V sums[kScoreRows][kVectors];
-  for (int r = 0; r < kScoreRows; ++r)
+  typename Vec::V sums[R][kVectors];
+  for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVectors; ++v) sums[r][v] = Vec::zero();
   for (int64_t d = 0; d < D; ++d) {
     typename Vec::V keys[kVectors];
     for (int v = 0; v < kVectors; ++v) keys[v] = Vec::load(keys_t + d * kTile + Vec::kWidth * v);
-    for (int r = 0; r < kScoreRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const typename Vec::V element = Vec::broadcast(q[r * D + d]);
       for (int v = 0; v < kVectors; ++v) sums[r][v] = Vec::fmadd(element, keys[v], sums[r][v]);
     }
   }
   const typename Vec::V factor = Vec::broadcast(scale);
-  for (int r = 0; r < kScoreRows; ++r)
+  for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVectors; ++v) Vec::store(scores + r * kTile + Vec::kWidth * v, Vec::mul(sums[r][v], factor));
 }
 
-// acc_r = acc_r * rescale[r] + sum over the tile's n tokens of weights_r[j] * value row j, for kValueRows rows
-// (acc[r], weights[r]) and head dimensions [W * c0, W * (c0 + CW)), W the vector width.
-template <int ND, int CW>
-inline void chunk_values(const float* const* value_rows, int64_t n, const float* const* weights, const float* rescale,
+// A tile's keys (float or float16 entries) transposed into keys_t[d * kTile + j], eight tokens × eight head
+// dimensions at a time; tokens past n are zeros.
+template <int ND, typename Cache>
+inline void transpose_float_keys(const Cache* const* keys, int64_t n, float* keys_t) {
+  constexpr int64_t D = ND * 8;
+  for (int64_t j0 = 0; j0 < kTile; j0 += 8)
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 rows[8];
+      for (int e = 0; e < 8; ++e) rows[e] = j0 + e < n ? load8(keys[j0 + e] + d) : _mm256_setzero_ps();
+      transpose8(rows);
+      for (int e = 0; e < 8; ++e) _mm256_store_ps(keys_t + (d + e) * kTile + j0, rows[e]);
+    }
+}
+
+// ---- Int8 pools: integer scores ------------------------------------------------------------------------------
+//
+// A query row is rounded to int8 per 32 head dimensions (codes c, block scales qs_b; head_dim padded to a multiple
+// of 32 with zeros). For key j (codes k, scale s_j) the score is
+//     acc = fma(I_b, qs_b, acc) over the blocks b in order, I_b = sum over the block of c_d k_d (an exact integer)
+//     score = acc * (scale * s_j)
+// The tile's keys are transposed into 32-bit words (four dimensions of one token), word-major:
+// key_words[w * kTile + j]. With VNNI each code is stored plus 128 (unsigned, as vpdpbusd wants) and I_b comes out
+// 128 times the block's sum of query codes too high, which is taken off (exact).
+
+// Head dimensions a query row is rounded over: head_dim up to a multiple of 32.
+template <int ND>
+constexpr int64_t kPaddedDims = (ND * 8 + kQueryBlockDims - 1) / kQueryBlockDims * kQueryBlockDims;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+// 4 rows × 2 vectors of integer sums and of float chains.
+constexpr int kInt8ScoreRows = 4;
+
+// Transposes 16 rows of 16 32-bit words (r[i] = row i) into 16 columns: r[j] = column j.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // Per 128-bit lane c: r[4i + e] holds word 4c + e of rows 4i .. 4i + 3.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Column 4c + e is lane c of r[e], r[4 + e], r[8 + e], r[12 + e].
+  __m512i out[16];
+  for (int e = 0; e < 4; ++e) {
+    const __m512i ab_low = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), ab_high = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+    const __m512i cd_low = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+    const __m512i cd_high = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+    out[e] = _mm512_shuffle_i32x4(ab_low, cd_low, 0x88);
+    out[4 + e] = _mm512_shuffle_i32x4(ab_low, cd_low, 0xDD);
+    out[8 + e] = _mm512_shuffle_i32x4(ab_high, cd_high, 0x88);
+    out[12 + e] = _mm512_shuffle_i32x4(ab_high, cd_high, 0xDD);
+  }
+  for (int k = 0; k < 16; ++k) r[k] = out[k];
+}
+
+// The tile's int8 keys as words (see above), codes plus 128; tokens past n, and dimensions past head_dim, code 0.
+template <int ND>
+inline void int8_key_words(const int8_t* const* keys, int64_t n, uint32_t* key_words) {
+  constexpr int64_t kWords = ND * 2, kPaddedWords = kPaddedDims<ND> / 4;
+  const __m512i offset = _mm512_set1_epi8(-128);
+  for (int64_t j0 = 0; j0 < kTile; j0 += 16)
+    for (int64_t w0 = 0; w0 < kPaddedWords; w0 += 16) {
+      const int64_t valid = std::min<int64_t>(std::max<int64_t>(kWords - w0, 0), 16);
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+      __m512i rows[16];
+      for (int e = 0; e < 16; ++e)
+        rows[e] = j0 + e < n ? _mm512_maskz_loadu_epi32(mask, keys[j0 + e] + 4 * w0) : _mm512_setzero_si512();
+      transpose16(rows);
+      for (int64_t e = 0; e < 16 && w0 + e < kPaddedWords; ++e)
+        _mm512_store_si512(key_words + (w0 + e) * kTile + j0, _mm512_xor_si512(rows[e], offset));
+    }
+}
+
+// scores[r * kTile + j] for R query rows: codes as words (q_words[r * padded words + w]), block scales and
+// offsets (128 times each block's sum of codes) [r * blocks + b]; factors[j] = scale * s_j.
+template <int ND, int R>
+inline void int8_scores(const uint32_t* q_words, const float* q_scales, const int32_t* q_offsets,
+                        const uint32_t* key_words, const float* factors, float* scores) {
+  constexpr int64_t kPaddedWords = kPaddedDims<ND> / 4, kBlocks = kPaddedDims<ND> / kQueryBlockDims;
+  constexpr int kVectors = kTile / 16;
+  __m512 acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < kBlocks; ++b) {
+    __m512i sums[R][kVectors];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_setzero_si512();
+    for (int64_t w = 8 * b; w < 8 * b + 8; ++w) {
+      __m512i keys[kVectors];
+      for (int v = 0; v < kVectors; ++v) keys[v] = _mm512_load_si512(key_words + w * kTile + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m512i element = _mm512_set1_epi32(static_cast<int>(q_words[r * kPaddedWords + w]));
+        for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], keys[v], element);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(q_offsets[r * kBlocks + b]);
+      const __m512 block_scale = _mm512_set1_ps(q_scales[r * kBlocks + b]);
+      for (int v = 0; v < kVectors; ++v)
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][v], offset)), block_scale, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v)
+      _mm512_storeu_ps(scores + r * kTile + 16 * v, _mm512_mul_ps(acc[r][v], _mm512_loadu_ps(factors + 16 * v)));
+}
+#else
+constexpr bool kVnni = false;
+// 2 rows × 4 vectors of integer sums and of float chains.
+constexpr int kInt8ScoreRows = 2;
+
+// The tile's int8 keys as words (see above), codes as they are; tokens past n, and dimensions past head_dim, 0.
+template <int ND>
+inline void int8_key_words(const int8_t* const* keys, int64_t n, uint32_t* key_words) {
+  constexpr int64_t kWords = ND * 2, kPaddedWords = kPaddedDims<ND> / 4;
+  for (int64_t j0 = 0; j0 < kTile; j0 += 8)
+    for (int64_t w0 = 0; w0 < kPaddedWords; w0 += 8) {
+      const int64_t valid = std::min<int64_t>(std::max<int64_t>(kWords - w0, 0), 8);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256 rows[8];
+      for (int e = 0; e < 8; ++e)
+        rows[e] = j0 + e < n ? _mm256_castsi256_ps(_mm256_maskload_epi32(
+                                   reinterpret_cast<const int*>(keys[j0 + e] + 4 * w0), mask))
+                             : _mm256_setzero_ps();
+      transpose8(rows);
+      for (int64_t e = 0; e < 8 && w0 + e < kPaddedWords; ++e)
+        _mm256_store_ps(reinterpret_cast<float*>(key_words + (w0 + e) * kTile + j0), rows[e]);
+    }
+}
+
+// int8_scores without VNNI: |k| times the query codes carrying k's sign (maddubs: pairs of them, at most
+// 2 * 127 * 127 in 16 bits), then pairs of those (madd).
+template <int ND, int R>
+inline void int8_scores(const uint32_t* q_words, const float* q_scales, const int32_t* q_offsets,
+                        const uint32_t* key_words, const float* factors, float* scores) {
+  constexpr int64_t kPaddedWords = kPaddedDims<ND> / 4, kBlocks = kPaddedDims<ND> / kQueryBlockDims;
+  constexpr int kVectors = kTile / 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kBlocks; ++b) {
+    __m256i sums[R][kVectors];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm256_setzero_si256();
+    for (int64_t w = 8 * b; w < 8 * b + 8; ++w) {
+      __m256i keys[kVectors];
+      for (int v = 0; v < kVectors; ++v)
+        keys[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(key_words + w * kTile + 8 * v));
+      for (int r = 0; r < R; ++r) {
+        const __m256i element = _mm256_set1_epi32(static_cast<int>(q_words[r * kPaddedWords + w]));
+        for (int v = 0; v < kVectors; ++v) {
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(keys[v]), _mm256_sign_epi8(element, keys[v]));
+          sums[r][v] = _mm256_add_epi32(sums[r][v], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 block_scale = _mm256_set1_ps(q_scales[r * kBlocks + b]);
+      for (int v = 0; v < kVectors; ++v)
+        acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][v]), block_scale, acc[r][v]);
+    }
+  }
+  (void)q_offsets;
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v)
+      _mm256_storeu_ps(scores + r * kTile + 8 * v, _mm256_mul_ps(acc[r][v], _mm256_loadu_ps(factors + 8 * v)));
+}
+#endif
+
+// ---- Values --------------------------------------------------------------------------------------------------
+
+// acc_r = acc_r * rescale[r] + sum over the tile's n tokens of weights_r[j] * value row j, for R rows (acc[r],
+// weights[r]) and head dimensions [W * c0, W * (c0 + CW)), W the vector width: per output one chain over the
+// tokens in order.
+template <int R, int CW>
+inline void float_values(const float* const* value_rows, int64_t n, const float* const* weights, const float* rescale,
                          int c0, float* const* acc) {
-  using Vec = ChunkVector;
+  using Vec = Vector;
   constexpr int W = Vec::kWidth;
-  typename Vec::V sum[kValueRows][CW];
-  for (int r = 0; r < kValueRows; ++r)
+  typename Vec::V sum[R][CW];
+  for (int r = 0; r < R; ++r)
     for (int c = 0; c < CW; ++c) sum[r][c] = Vec::mul(Vec::load(acc[r] + W * (c0 + c)), Vec::broadcast(rescale[r]));
   for (int64_t j = 0; j < n; ++j) {
     typename Vec::V values[CW];
     for (int c = 0; c < CW; ++c) values[c] = Vec::load(value_rows[j] + W * (c0 + c));
-    for (int r = 0; r < kValueRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const typename Vec::V weight = Vec::broadcast(weights[r][j]);
       for (int c = 0; c < CW; ++c) sum[r][c] = Vec::fmadd(weight, values[c], sum[r][c]);
     }
   }
-  for (int r = 0; r < kValueRows; ++r)
+  for (int r = 0; r < R; ++r)
     for (int c = 0; c < CW; ++c) Vec::store(acc[r] + W * (c0 + c), sum[r][c]);
 }
 
@@ -685,121 +485,25 @@ inline void in_value_passes(const Pass& pass) {
   if (kVectors - c0 == 1) pass(std::integral_constant<int, 1>{}, c0);
 }
 
-// chunk_values over all head dimensions.
-template <int ND>
-inline void chunk_values_all(const float* const* value_rows, int64_t n, const float* const* weights,
-                             const float* rescale, float* const* acc) {
-  in_value_passes<ND * 8 / ChunkVector::kWidth>([&](auto width, int c0) {
-    chunk_values<ND, decltype(width)::value>(value_rows, n, weights, rescale, c0, acc);
-  });
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// An int8 pool's chunk path multiplies in bfloat16 pairs (vdpbf16ps: 32 products per instruction, twice a float32
-// FMA's 16). The stored integers (|q| <= 127) are exact in bfloat16, so only the queries and the softmax weights
-// are rounded, to nearest even (within 2^-8 relative); every product is exact and every sum float32. Keys enter
-// unscaled: a score is (q . k_q) * scale * s_k. Head dimensions must come 16 at a time (head_dim % 16 == 0).
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+// An int8 pool's values in bfloat16 pairs (vdpbf16ps: 32 products per instruction, twice a float32 FMA's 16). The
+// stored integers (|q| <= 127) are exact in bfloat16, so only the softmax weights are rounded, to nearest even
+// (within 2^-8 relative); every product is exact and every sum float32. Head dimensions come 16 at a time.
 template <typename Cache, int ND>
 constexpr bool kPairProducts = std::is_same<Cache, int8_t>::value && ND % 2 == 0;
 
 // Pairs of bfloat16 (element 2i in the low half of 32-bit lane i, 2i + 1 in the high half) from two vectors of
 // floats that are exact in bfloat16 (small integers): their high halves, no rounding needed.
-inline __m256i pair_exact(__m256 low, __m256 high) {
-  return _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(high), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))),
-                         _mm256_srli_epi32(_mm256_castps_si256(low), 16));
-}
 inline __m512i pair_exact(__m512 low, __m512 high) {
   return _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(high), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))),
                          _mm512_srli_epi32(_mm512_castps_si512(low), 16));
 }
 
-// count floats (a multiple of 32) rounded to bfloat16 in place: the first count / 2 floats' bytes hold them.
-inline void round_to_bf16(float* values, int64_t count) {
-  for (int64_t j = 0; j < count; j += 32) {
-    const __m256bh low = _mm512_cvtneps_pbh(_mm512_loadu_ps(values + j));
-    const __m256bh high = _mm512_cvtneps_pbh(_mm512_loadu_ps(values + j + 16));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + j / 2), (__m256i)low);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + j / 2 + 8), (__m256i)high);
-  }
-}
-
-// chunk_scores in pairs: scores[r * kTile + j] = (q_r . k_j) * factors[j] for kScoreRows rows of bfloat16 queries
-// (q_pairs[r * D / 2 + i]: dimensions 2i, 2i + 1) and the tile's keys as pairs, key_pairs[i * kTile + j].
+// A tile's int8 values as bfloat16 pairs: value_pairs[i * D + d] holds dimension d of tokens 2i and 2i + 1 (a
+// missing last token: zero).
 template <int ND>
-inline void chunk_scores_pairs(const uint32_t* q_pairs, const uint32_t* key_pairs, const float* factors,
-                               float* scores) {
-  constexpr int64_t P = ND * 4;
-  constexpr int kVectors = kTile / 16;
-  __m512 sums[kScoreRows][kVectors];
-  for (int r = 0; r < kScoreRows; ++r)
-    for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < P; ++i) {
-    __m512bh keys[kVectors];
-    for (int v = 0; v < kVectors; ++v) keys[v] = (__m512bh)_mm512_loadu_si512(key_pairs + i * kTile + 16 * v);
-    for (int r = 0; r < kScoreRows; ++r) {
-      const __m512bh element = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[r * P + i]));
-      for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], element, keys[v]);
-    }
-  }
-  for (int r = 0; r < kScoreRows; ++r)
-    for (int v = 0; v < kVectors; ++v)
-      _mm512_storeu_ps(scores + r * kTile + 16 * v, _mm512_mul_ps(sums[r][v], _mm512_loadu_ps(factors + 16 * v)));
-}
-
-// chunk_values in pairs: acc_r = acc_r * rescale[r] + sum over the tile's token pairs i of weights_r's pair i
-// (bfloat16) times value_pairs row i ([D] lanes, each the two tokens' values of one head dimension), for head
-// dimensions [16 * c0, 16 * (c0 + CW)).
-template <int ND, int CW>
-inline void chunk_values_pairs(const uint32_t* value_pairs, int64_t pairs, const uint32_t* const* weights,
-                               const float* rescale, int c0, float* const* acc) {
+inline void pair_values(const int8_t* const* values, int64_t n, uint32_t* value_pairs) {
   constexpr int64_t D = ND * 8;
-  __m512 sum[kValueRows][CW];
-  for (int r = 0; r < kValueRows; ++r)
-    for (int c = 0; c < CW; ++c)
-      sum[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + c)), _mm512_set1_ps(rescale[r]));
-  for (int64_t i = 0; i < pairs; ++i) {
-    __m512bh values[CW];
-    for (int c = 0; c < CW; ++c) values[c] = (__m512bh)_mm512_loadu_si512(value_pairs + i * D + 16 * (c0 + c));
-    for (int r = 0; r < kValueRows; ++r) {
-      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r][i]));
-      for (int c = 0; c < CW; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], weight, values[c]);
-    }
-  }
-  for (int r = 0; r < kValueRows; ++r)
-    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(acc[r] + 16 * (c0 + c), sum[r][c]);
-}
-
-template <int ND>
-inline void chunk_values_pairs_all(const uint32_t* value_pairs, int64_t pairs, const uint32_t* const* weights,
-                                   const float* rescale, float* const* acc) {
-  in_value_passes<ND / 2>([&](auto width, int c0) {
-    chunk_values_pairs<ND, decltype(width)::value>(value_pairs, pairs, weights, rescale, c0, acc);
-  });
-}
-#else
-template <typename Cache, int ND>
-constexpr bool kPairProducts = false;
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// A tile's keys and values as bfloat16 pairs (kPairProducts): key_pairs[i * kTile + j] holds dimensions 2i, 2i + 1
-// of key j, unscaled (tokens past n: zeros); value_pairs[i * D + d] holds dimension d of tokens 2i and 2i + 1 (a
-// missing last token: zero). factors[kTile] comes in as the keys' scales and leaves as scale times them (zero past
-// n), what the pair scores are multiplied by.
-template <int ND>
-inline void pair_tile(const int8_t* const* keys, const int8_t* const* values, int64_t n, float scale, float* factors,
-                      uint32_t* key_pairs, uint32_t* value_pairs) {
-  constexpr int64_t D = ND * 8;
-  for (int64_t j = 0; j < kTile; ++j) factors[j] = j < n ? factors[j] * scale : 0.0f;
-  for (int64_t j0 = 0; j0 < kTile; j0 += 8)
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 rows[8];
-      for (int e = 0; e < 8; ++e) rows[e] = j0 + e < n ? load8(keys[j0 + e] + d) : _mm256_setzero_ps();
-      transpose8(rows);
-      for (int e = 0; e < 8; e += 2)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(key_pairs + (d + e) / 2 * kTile + j0),
-                            pair_exact(rows[e], rows[e + 1]));
-    }
   for (int64_t i = 0; 2 * i < n; ++i)
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 low = load16(values[2 * i] + d);
@@ -807,204 +511,340 @@ inline void pair_tile(const int8_t* const* keys, const int8_t* const* values, in
       _mm512_storeu_si512(value_pairs + i * D + d, pair_exact(low, high));
     }
 }
-#endif
 
-// Query tokens [i0, i1) of prompt chunk `chunk` (rows: first row, request index, number of new tokens, context
-// length), the query heads of kv head kv; writes their output rows.
-template <int ND, typename Cache>
-void attend_chunk(const Problem<Cache>& p, const int64_t* chunk, int64_t kv, int64_t i0, int64_t i1) {
+// float_values in pairs: acc_r = acc_r * rescale[r] + sum over the tile's token pairs i of weights_r's pair i
+// (bfloat16) times value_pairs row i, for head dimensions [16 * c0, 16 * (c0 + CW)).
+template <int ND, int R, int CW>
+inline void pair_values_pass(const uint32_t* value_pairs, int64_t pairs, const uint32_t* const* weights,
+                             const float* rescale, int c0, float* const* acc) {
   constexpr int64_t D = ND * 8;
-  constexpr bool kIsFloat = std::is_same<Cache, float>::value;
-  constexpr bool kPairs = kPairProducts<Cache, ND>;
-  const int64_t G = p.num_heads / p.num_kv_heads;
+  __m512 sum[R][CW];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CW; ++c)
+      sum[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + c)), _mm512_set1_ps(rescale[r]));
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh values[CW];
+    for (int c = 0; c < CW; ++c) values[c] = (__m512bh)_mm512_loadu_si512(value_pairs + i * D + 16 * (c0 + c));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r][i]));
+      for (int c = 0; c < CW; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], weight, values[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(acc[r] + 16 * (c0 + c), sum[r][c]);
+}
+#else
+template <typename Cache, int ND>
+constexpr bool kPairProducts = false;
+#endif
+
+// ---- One kv head's rows over their context -------------------------------------------------------------------
+
+// Scratch of a work item, carved from one 64-byte aligned buffer per thread, reused from call to call. Rows: the
+// (query token, query head of the kv head) pairs, row r token i0 + r / G, head kv * G + r % G.
+struct Workspace {
+  float* queries;      // float pools: [rows, head_dim]
+  uint32_t* q_words;   // int8 pools: [rows, padded dims / 4], the rounded queries
+  float* q_scales;     // int8 pools: [rows, blocks]
+  int32_t* q_offsets;  // int8 pools with VNNI: [rows, blocks], 128 times each block's sum of codes
+  float* keys;         // the tile's keys: [head_dim, kTile] floats, or [padded dims / 4, kTile] words
+  float* values;       // the tile's widened values [kTile, head_dim], or bfloat16 pairs [kTile / 2, head_dim]
+  float* scores;       // [rows, kTile]
+  float *m, *l, *rescale, *acc;  // the current split: [rows] each, acc [rows, head_dim]
+  float *M, *L, *A;              // the result so far: [rows] each, A [rows, head_dim]
+
+  Workspace(int64_t rows, int64_t D) {
+    struct alignas(64) Line {
+      float values[16];
+    };
+    static thread_local std::vector<Line> buffer;
+    const auto lines = [](int64_t floats) { return (floats + 15) / 16; };
+    const int64_t words = (D + kQueryBlockDims - 1) / kQueryBlockDims * kQueryBlockDims / 4;
+    const int64_t sizes[] = {rows * D, rows * words, rows * words / 8, rows * words / 8, kTile * std::max(words, D),
+                             kTile * D, rows * kTile, rows, rows, rows, rows * D, rows, rows, rows * D};
+    float* parts[14];
+    float* next = nullptr;
+    int64_t total = 0;
+    for (const int64_t size : sizes) total += lines(size);
+    if (static_cast<int64_t>(buffer.size()) < total) buffer.resize(total);
+    next = buffer.data()->values;
+    for (int k = 0; k < 14; ++k) {
+      parts[k] = next;
+      next += 16 * lines(sizes[k]);
+    }
+    queries = parts[0];
+    q_words = reinterpret_cast<uint32_t*>(parts[1]);
+    q_scales = parts[2];
+    q_offsets = reinterpret_cast<int32_t*>(parts[3]);
+    keys = parts[4];
+    values = parts[5];
+    scores = parts[6];
+    m = parts[7];
+    l = parts[8];
+    rescale = parts[9];
+    acc = parts[10];
+    M = parts[11];
+    L = parts[12];
+    A = parts[13];
+  }
+};
+
+// The rows' queries into the workspace: copied for a float pool, rounded to int8 per 32 head dimensions for an int8
+// one.
+template <int ND, typename Cache>
+void pack_queries(const Problem<Cache>& p, const Span& span, int64_t kv, int64_t i0, int64_t num_rows, int64_t G,
+                  Workspace& w) {
+  constexpr int64_t D = ND * 8, kPadded = kPaddedDims<ND>, kBlocks = kPadded / kQueryBlockDims;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const float* query = p.query + (span.row + i0 + r / G) * p.q_row_stride + (kv * G + r % G) * D;
+    if constexpr (std::is_same<Cache, int8_t>::value) {
+      alignas(64) float padded[kPadded] = {};
+      memcpy(padded, query, D * sizeof(float));
+      int8_t* codes = reinterpret_cast<int8_t*>(w.q_words + r * kPadded / 4);
+      quantize_activations(padded, 1, kPadded, codes, w.q_scales + r * kBlocks);
+      for (int64_t b = 0; b < kBlocks; ++b) {
+        int32_t sum = 0;
+        for (int64_t d = 0; d < kQueryBlockDims; ++d) sum += codes[b * kQueryBlockDims + d];
+        w.q_offsets[r * kBlocks + b] = 128 * sum;
+      }
+    } else {
+      memcpy(w.queries + r * D, query, D * sizeof(float));
+    }
+  }
+}
+
+// The tile's keys and values into the workspace (tokens [tile, tile + n) of kv head kv): value_rows[j] points at
+// token j's values as floats, value_scales[j] its int8 scale; factors[j] = scale times key j's int8 scale.
+template <int ND, typename Cache>
+void load_tile(const Problem<Cache>& p, const int64_t* blocks, int64_t kv, int64_t tile, int64_t n, Workspace& w,
+               const float** value_rows, float* value_scales, float* factors) {
+  constexpr int64_t D = ND * 8;
   const int64_t entry = D + kEntryExtra<Cache>;
-  const int64_t token_stride = p.num_kv_heads * entry;
-  const int64_t first_row = chunk[0], query_len = chunk[2], context = chunk[3];
-  const int64_t* blocks = p.block_tables + chunk[1] * p.max_blocks;
-  const int64_t first_position = context - query_len;  // position of the chunk's token 0
-  const int64_t num_rows = (i1 - i0) * G;               // row r: token i0 + r / G, head kv * G + r % G
-  // A score pass may run past the last row: kScoreRows - 1 padding rows of queries (zeros) and scores.
-  const int64_t padded_rows = num_rows + kScoreRows - 1;
-  // One 64-byte aligned buffer: transposed keys [D, kTile], widened values [kTile, D], queries [padded_rows, D],
-  // scores [padded_rows, kTile], acc [num_rows, D], a spare acc row [D] and a row of kTile zero weights (for passes
-  // past the rows that see a tile), then m, l and the rescale factors [num_rows] each.
-  struct alignas(64) Line {
-    float values[16];
-  };
-  const int64_t num_floats = (2 * kTile + padded_rows) * D + padded_rows * kTile + num_rows * D + D + kTile;
-  std::vector<Line> buffer((num_floats + 3 * num_rows + 15) / 16);
-  float* keys_t = buffer.data()->values;
-  float* values_w = keys_t + D * kTile;
-  float* queries = values_w + kTile * D;
-  float* scores = queries + padded_rows * D;
-  float* acc = scores + padded_rows * kTile;
-  float* spare = acc + num_rows * D;
-  const float* zeros = spare + D;
-  float* m = spare + D + kTile;
-  float* l = m + num_rows;
-  float* rescale = l + num_rows;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const float* query = p.query + (first_row + i0 + r / G) * p.q_row_stride + (kv * G + r % G) * D;
-    if constexpr (kPairs) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-      // Pair mode: the rows are bfloat16 ([padded_rows, D] of them in the first half of the queries' space).
-      for (int64_t d = 0; d < D; d += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(queries) + r * D + d),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(query + d)));
-#endif
-    } else {
-      memcpy(queries + r * D, query, D * sizeof(float));
-    }
-    m[r] = -INFINITY;
+  const Cache* keys[kTile];
+  const Cache* values[kTile];
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = tile + j;
+    const int64_t offset =
+        (blocks[t / p.block_size] * p.block_size + t % p.block_size) * p.num_kv_heads * entry + kv * entry;
+    keys[j] = p.key_cache + offset;
+    values[j] = p.value_cache + offset;
   }
-  const float* value_rows[kTile];
-  alignas(32) float value_scales[kTile];  // int8 entries' scales
-  const int64_t last_position = first_position + i1 - 1;
-  // Tiles stay aligned to multiples of kTile from position 0 (a token's numbers do not depend on its chunk);
-  // a window skips the tiles wholly before the first token's window.
-  const int64_t first_seen =
-      p.window > 0 && first_position + i0 + 1 > p.window ? first_position + i0 + 1 - p.window : 0;
-  for (int64_t tile = first_seen / kTile * kTile; tile <= last_position; tile += kTile) {
-    const int64_t n = last_position + 1 - tile < kTile ? last_position + 1 - tile : kTile;
-    // The tokens that see the tile: [ia, ib), those at or after its start whose window reaches into it.
-    int64_t ia = tile > first_position + i0 ? tile - first_position : i0, ib = i1;
-    if (p.window > 0) {
-      while (ib > ia && first_position + ib - p.window >= tile + n) --ib;
+  if constexpr (std::is_same<Cache, int8_t>::value) {
+    for (int64_t j = 0; j < kTile; ++j) {
+      factors[j] = j < n ? p.scale * entry_scale(keys[j], D) : 0.0f;
+      value_scales[j] = j < n ? entry_scale(values[j], D) : 1.0f;
     }
-    if (ia >= ib) continue;
-    const Cache* key_entries[kTile];
-    const Cache* value_entries[kTile];
-    alignas(32) float key_scales[kTile];
+    int8_key_words<ND>(keys, n, reinterpret_cast<uint32_t*>(w.keys));
+  } else {
+    transpose_float_keys<ND>(keys, n, w.keys);
+  }
+  if constexpr (kPairProducts<Cache, ND>) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+    pair_values<ND>(values, n, reinterpret_cast<uint32_t*>(w.values));
+#endif
+  } else {
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = tile + j;
-      const int64_t offset = (blocks[t / p.block_size] * p.block_size + t % p.block_size) * token_stride + kv * entry;
-      key_entries[j] = p.key_cache + offset;
-      value_entries[j] = p.value_cache + offset;
-      if constexpr (kIsFloat) {
-        value_rows[j] = value_entries[j];
-      } else if constexpr (!kPairs) {
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(values_w + j * D + d, load8(value_entries[j] + d));
-        value_rows[j] = values_w + j * D;
+      if constexpr (std::is_same<Cache, float>::value) {
+        value_rows[j] = values[j];
+        continue;
       }
+      for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(w.values + j * D + d, load8(values[j] + d));
+      value_rows[j] = w.values + j * D;
     }
-    if (kEntryExtra<Cache> > 0) gather_scales(key_entries, n, D, key_scales);
+  }
+}
+
+// One tile for rows [ra, rb) (the tokens that see it): their scores, each row's masked online-softmax update, then
+// their value sums.
+template <int ND, typename Cache>
+void attend_tile(const Problem<Cache>& p, const int64_t* blocks, int64_t kv, int64_t tile, int64_t n,
+                 int64_t first_position, int64_t i0, int64_t ia, int64_t ib, int64_t G, Workspace& w) {
+  constexpr int64_t D = ND * 8, kPaddedWords = kPaddedDims<ND> / 4, kBlocks = kPaddedDims<ND> / kQueryBlockDims;
+  constexpr bool kPairs = kPairProducts<Cache, ND>;
+  const float* value_rows[kTile];
+  alignas(32) float value_scales[kTile], factors[kTile];
+  load_tile<ND, Cache>(p, blocks, kv, tile, n, w, value_rows, value_scales, factors);
+  const int64_t ra = (ia - i0) * G, rb = (ib - i0) * G;
+  if constexpr (std::is_same<Cache, int8_t>::value) {
+    in_row_groups<kInt8ScoreRows>(ra, rb, [&](auto rows, int64_t r) {
+      int8_scores<ND, decltype(rows)::value>(w.q_words + r * kPaddedWords, w.q_scales + r * kBlocks,
+                                             w.q_offsets + r * kBlocks, reinterpret_cast<const uint32_t*>(w.keys),
+                                             factors, w.scores + r * kTile);
+    });
+  } else {
+    in_row_groups<kScoreRows>(ra, rb, [&](auto rows, int64_t r) {
+      float_scores<ND, decltype(rows)::value>(w.queries + r * D, w.keys, p.scale, w.scores + r * kTile);
+    });
+  }
+  if (p.softcap > 0.0f) soft_cap(w.scores + ra * kTile, (rb - ra) * kTile, p.softcap);
+  for (int64_t i = ia; i < ib; ++i) {
+    const int64_t position = first_position + i;
+    const int64_t visible = std::min(position + 1 - tile, n);
+    const int64_t hidden = std::max<int64_t>(window_start(p.window, position) - tile, 0);
+    for (int64_t r = (i - i0) * G; r < (i - i0 + 1) * G; ++r) {
+      float* s = w.scores + r * kTile;
+      for (int64_t j = 0; j < hidden; ++j) s[j] = -INFINITY;
+      for (int64_t j = visible; j < kTile; ++j) s[j] = -INFINITY;
+      // hidden < visible, so the max is finite.
+      w.rescale[r] = online_softmax<Cache, kPairs>(s, value_scales, w.m[r], w.l[r]);
+    }
+  }
+  in_row_groups<kValueRows>(ra, rb, [&](auto rows, int64_t r) {
+    constexpr int R = decltype(rows)::value;
+    const float* weights[R];
+    float* acc[R];
+    for (int k = 0; k < R; ++k) {
+      weights[k] = w.scores + (r + k) * kTile;
+      acc[k] = w.acc + (r + k) * D;
+    }
     if constexpr (kPairs) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-      pair_tile<ND>(key_entries, value_entries, n, p.scale, key_scales, reinterpret_cast<uint32_t*>(keys_t),
-                    reinterpret_cast<uint32_t*>(values_w));
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+      const uint32_t* pair_weights[R];
+      for (int k = 0; k < R; ++k) pair_weights[k] = reinterpret_cast<const uint32_t*>(weights[k]);
+      in_value_passes<ND / 2>([&](auto width, int c0) {
+        pair_values_pass<ND, R, decltype(width)::value>(reinterpret_cast<const uint32_t*>(w.values), (n + 1) / 2,
+                                                        pair_weights, w.rescale + r, c0, acc);
+      });
 #endif
     } else {
-      // The keys (int8 ones times their scales) transposed eight tokens × eight head dimensions at a time; tokens
-      // past the tile's n are zeros.
-      for (int64_t j0 = 0; j0 < kTile; j0 += 8)
-        for (int64_t d = 0; d < D; d += 8) {
-          __m256 rows[8];
-          for (int e = 0; e < 8; ++e) {
-            const int64_t j = j0 + e;
-            if (j >= n)
-              rows[e] = _mm256_setzero_ps();
-            else if (kEntryExtra<Cache> > 0)
-              rows[e] = _mm256_mul_ps(load8(key_entries[j] + d), _mm256_set1_ps(key_scales[j]));
-            else
-              rows[e] = load8(key_entries[j] + d);
-          }
-          transpose8(rows);
-          for (int e = 0; e < 8; ++e) _mm256_store_ps(keys_t + (d + e) * kTile + j0, rows[e]);
-        }
+      in_value_passes<D / Vector::kWidth>([&](auto width, int c0) {
+        float_values<R, decltype(width)::value>(value_rows, n, weights, w.rescale + r, c0, acc);
+      });
     }
-    if (kEntryExtra<Cache> > 0) gather_scales(value_entries, n, D, value_scales);
-    const int64_t ra = (ia - i0) * G, rb = (ib - i0) * G;
-    for (int64_t r = ra; r < rb; r += kScoreRows) {
-      if constexpr (kPairs) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-        chunk_scores_pairs<ND>(reinterpret_cast<const uint32_t*>(queries) + r * D / 2,
-                               reinterpret_cast<const uint32_t*>(keys_t), key_scales, scores + r * kTile);
-#endif
-      } else {
-        chunk_scores<ND>(queries + r * D, keys_t, p.scale, scores + r * kTile);
-      }
-    }
-    if (p.softcap > 0.0f) soft_cap(scores + ra * kTile, (rb - ra) * kTile, p.softcap);
-    for (int64_t i = ia; i < ib; ++i) {
-      const int64_t position = first_position + i;
-      const int64_t visible = position + 1 - tile < n ? position + 1 - tile : n;
-      const int64_t window_start = p.window > 0 && position + 1 > p.window ? position + 1 - p.window : 0;
-      const int64_t hidden = window_start > tile ? window_start - tile : 0;
-      for (int64_t r = (i - i0) * G; r < (i - i0 + 1) * G; ++r) {
-        float* s = scores + r * kTile;
-        for (int64_t j = 0; j < hidden; ++j) s[j] = -INFINITY;
-        for (int64_t j = visible; j < kTile; ++j) s[j] = -INFINITY;
-        // hidden < visible, so the max is finite.
-        rescale[r] = online_softmax(s, kTile, m[r], l[r]);
-        scale_by_values<1, Cache>(value_scales, n, s);
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-        if constexpr (kPairs) round_to_bf16(s, kTile);
-#endif
-      }
-    }
-    for (int64_t r = ra; r < rb; r += kValueRows) {
-      const float* weights[kValueRows];
-      float* rows[kValueRows];
-      float factors[kValueRows];
-      for (int k = 0; k < kValueRows; ++k) {
-        const bool is_row = r + k < rb;
-        weights[k] = is_row ? scores + (r + k) * kTile : zeros;
-        rows[k] = is_row ? acc + (r + k) * D : spare;
-        factors[k] = is_row ? rescale[r + k] : 0.0f;
-      }
-      if constexpr (kPairs) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-        const uint32_t* pair_weights[kValueRows];
-        for (int k = 0; k < kValueRows; ++k) pair_weights[k] = reinterpret_cast<const uint32_t*>(weights[k]);
-        chunk_values_pairs_all<ND>(reinterpret_cast<const uint32_t*>(values_w), (n + 1) / 2, pair_weights, factors,
-                                   rows);
-#endif
-      } else {
-        chunk_values_all<ND>(value_rows, n, weights, factors, rows);
-      }
-    }
-  }
+  });
+}
+
+// Query tokens [i0, i1) of `span`, the query heads of kv head kv, over their whole context (split < 0) or over one
+// split of it: leaves each row's (M, L, A) in the workspace, its output A / L.
+template <int ND, typename Cache>
+void attend_kv(const Problem<Cache>& p, const Span& span, int64_t kv, int64_t i0, int64_t i1, int64_t split,
+               Workspace& w) {
+  constexpr int64_t D = ND * 8;
+  const int64_t G = p.num_heads / p.num_kv_heads, num_rows = (i1 - i0) * G;
+  const int64_t* blocks = p.block_tables + span.request * p.max_blocks;
+  const int64_t first_position = span.context - span.length, last_position = first_position + i1 - 1;
+  pack_queries<ND, Cache>(p, span, kv, i0, num_rows, G, w);
+  const int64_t first_seen = window_start(p.window, first_position + i0);
+  const int64_t s0 = split >= 0 ? split : first_seen / kSplitTokens;
+  const int64_t s1 = split >= 0 ? split + 1 : last_position / kSplitTokens + 1;
   for (int64_t r = 0; r < num_rows; ++r) {
-    float* out = p.out + (first_row + i0 + r / G) * p.out_row_stride + (kv * G + r % G) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = acc[r * D + d] / l[r];
+    w.M[r] = -INFINITY;
+    w.L[r] = 0.0f;
+  }
+  for (int64_t s = s0; s < s1; ++s) {
+    for (int64_t r = 0; r < num_rows; ++r) {
+      w.m[r] = -INFINITY;
+      w.l[r] = 0.0f;
+    }
+    memset(w.acc, 0, num_rows * D * sizeof(float));
+    const int64_t begin = std::max(s * kSplitTokens, first_seen / kTile * kTile);
+    const int64_t end = std::min((s + 1) * kSplitTokens, last_position + 1);
+    for (int64_t tile = begin; tile < end; tile += kTile) {
+      const int64_t n = std::min(last_position + 1 - tile, kTile);
+      // The tokens that see the tile: [ia, ib), those at or after its start whose window reaches into it.
+      const int64_t ia = tile > first_position + i0 ? tile - first_position : i0;
+      int64_t ib = i1;
+      while (ib > ia && window_start(p.window, first_position + ib - 1) >= tile + n) --ib;
+      if (ia < ib) attend_tile<ND, Cache>(p, blocks, kv, tile, n, first_position, i0, ia, ib, G, w);
+    }
+    for (int64_t r = 0; r < num_rows; ++r) merge_split(w.M[r], w.L[r], w.A + r * D, w.m[r], w.l[r], w.acc + r * D, D);
   }
 }
 
-// Every prompt chunk: work items of (chunk, kv head, block of kQueryBlock query tokens), the later blocks (which
-// see more context) first, handed out dynamically.
-template <int ND, typename Cache>
-void run_chunks(const Problem<Cache>& p, const int64_t* chunks, int64_t num_chunks, int threads) {
-  struct ChunkItem {
-    int64_t chunk, kv, i0, i1;
-  };
-  std::vector<ChunkItem> items;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t query_len = chunks[4 * c + 2];
-    for (int64_t i0 = (query_len - 1) / kQueryBlock * kQueryBlock; i0 >= 0; i0 -= kQueryBlock)
-      for (int64_t kv = 0; kv < p.num_kv_heads; ++kv)
-        items.push_back({c, kv, i0, i0 + kQueryBlock < query_len ? i0 + kQueryBlock : query_len});
-  }
-  const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-  for (int64_t i = 0; i < num_items; ++i)
-    attend_chunk<ND, Cache>(p, chunks + 4 * items[i].chunk, items[i].kv, items[i].i0, items[i].i1);
+// ---- Work items ----------------------------------------------------------------------------------------------
+
+// A piece of work: query tokens [i0, i1) of a span with one kv head (kv >= 0) or all of them (kv < 0), over the
+// whole context (split < 0) or one split, whose partial result then goes to scratch.
+struct Item {
+  int64_t span, kv, i0, i1, split, scratch;
+};
+
+// The splits a decoding token's context covers: [first, last].
+inline void decode_splits(const Span& span, int64_t window, int64_t& first, int64_t& last) {
+  first = window_start(window, span.context - 1) / kSplitTokens;
+  last = (span.context - 1) / kSplitTokens;
 }
 
+// Runs one item: its rows' outputs A / L into out, or their (M, L, A) into scratch (per head: M, L, then A).
 template <int ND, typename Cache>
-void run(const Problem<Cache>& p, int64_t num_queries, const int64_t* chunks, int64_t num_chunks, int num_threads) {
-  if (num_chunks > 0) run_chunks<ND, Cache>(p, chunks, num_chunks, num_threads);
-  if (num_queries == 0) return;
-  int64_t work = 0;
-  bool is_split = false;
-  for (int64_t qi = 0; qi < num_queries; ++qi) {
-    work += p.visible(qi) * p.num_heads;
-    is_split = is_split || p.visible(qi) > kSplitTokens;
+void run_item(const Problem<Cache>& p, const std::vector<Span>& spans, const Item& item, float* scratch) {
+  constexpr int64_t D = ND * 8;
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const Span& span = spans[item.span];
+  Workspace w((item.i1 - item.i0) * G, D);
+  const int64_t kv0 = item.kv >= 0 ? item.kv : 0, kv1 = item.kv >= 0 ? item.kv + 1 : p.num_kv_heads;
+  for (int64_t kv = kv0; kv < kv1; ++kv) {
+    attend_kv<ND, Cache>(p, span, kv, item.i0, item.i1, item.split, w);
+    for (int64_t r = 0; r < (item.i1 - item.i0) * G; ++r) {
+      const int64_t head = kv * G + r % G;
+      if (item.scratch >= 0) {
+        float* partial = scratch + item.scratch + head * (D + 2);
+        partial[0] = w.M[r];
+        partial[1] = w.L[r];
+        memcpy(partial + 2, w.A + r * D, D * sizeof(float));
+        continue;
+      }
+      float* out = p.out + (span.row + item.i0 + r / G) * p.out_row_stride + head * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = w.A[r * D + d] / w.L[r];
+    }
   }
+}
+
+// Every span: prompt chunks in items of kQueryBlock tokens and one kv head (the later blocks, which see more
+// context, first), decoding tokens in one item for all heads, or one per split where there are several, whose
+// partial results are then folded in split order.
+template <int ND, typename Cache>
+void run(const Problem<Cache>& p, const std::vector<Span>& spans, int num_threads) {
+  constexpr int64_t D = ND * 8;
+  const int64_t H = p.num_heads, partial_floats = H * (D + 2);
+  std::vector<Item> items;
+  std::vector<int64_t> merges;  // spans whose splits run apart
+  int64_t num_partials = 0, work = 0;
+  for (int64_t c = 0; c < static_cast<int64_t>(spans.size()); ++c) {
+    const Span& span = spans[c];
+    work += span.length * std::min(span.context, p.window > 0 ? p.window : span.context) * H;
+    if (span.length > 1) {
+      for (int64_t i0 = (span.length - 1) / kQueryBlock * kQueryBlock; i0 >= 0; i0 -= kQueryBlock)
+        for (int64_t kv = 0; kv < p.num_kv_heads; ++kv)
+          items.push_back({c, kv, i0, std::min(i0 + kQueryBlock, span.length), -1, -1});
+      continue;
+    }
+    int64_t first, last;
+    decode_splits(span, p.window, first, last);
+    if (first == last) {
+      items.push_back({c, -1, 0, 1, -1, -1});
+      continue;
+    }
+    merges.push_back(c);
+    for (int64_t s = first; s <= last; ++s) items.push_back({c, -1, 0, 1, s, (num_partials++) * partial_floats});
+  }
+  std::vector<float> scratch(num_partials * partial_floats);
   const int threads = work >= kParallelWork ? num_threads : 1;
-  if (is_split)
-    run_split<ND, Cache>(p, num_queries, threads);
-  else
-    run_unsplit<ND, Cache>(p, num_queries, threads);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic) if (threads > 1)
+  for (int64_t i = 0; i < num_items; ++i) run_item<ND, Cache>(p, spans, items[i], scratch.data());
+  if (merges.empty()) return;
+  // Each split span's partial results: consecutive in scratch, in split order, from its first item's offset.
+  std::vector<int64_t> first_partial(spans.size(), -1);
+  for (const Item& item : items)
+    if (item.scratch >= 0 && first_partial[item.span] < 0) first_partial[item.span] = item.scratch;
+  const int64_t num_merges = static_cast<int64_t>(merges.size());
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t k = 0; k < num_merges; ++k) {
+    const Span& span = spans[merges[k]];
+    int64_t first, last;
+    decode_splits(span, p.window, first, last);
+    std::vector<float> A(D);
+    for (int64_t h = 0; h < H; ++h) {
+      float M = -INFINITY, L = 0.0f;
+      for (int64_t s = 0; s <= last - first; ++s) {
+        const float* partial = scratch.data() + first_partial[merges[k]] + s * partial_floats + h * (D + 2);
+        merge_split(M, L, A.data(), partial[0], partial[1], partial + 2, D);
+      }
+      float* out = p.out + span.row * p.out_row_stride + h * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = A[d] / L;
+    }
+  }
 }
 
 // Head sizes run() is compiled for (head_dim = 8 * ND).
@@ -1054,16 +894,20 @@ int paged_attention(const float* query, int64_t q_row_stride, int64_t num_rows, 
     store_entries(key + t * k_row_stride, num_kv_heads, head_dim, key_cache + slots[t] * width);
     store_entries(value + t * v_row_stride, num_kv_heads, head_dim, value_cache + slots[t] * width);
   }
-  const Problem<Cache> p{query,     q_row_stride, out,          out_row_stride, key_cache, value_cache, num_heads,
-                         num_kv_heads, block_size, block_tables, max_blocks,   queries,   scale,
-                         window,    softcap};
+  const Problem<Cache> p{query,        q_row_stride, out,          out_row_stride, key_cache, value_cache,
+                         num_heads,    num_kv_heads, block_size,   block_tables,   max_blocks, scale,
+                         window,       softcap};
+  std::vector<Span> spans;
+  spans.reserve(num_chunks + num_queries);
+  for (int64_t c = 0; c < num_chunks; ++c) spans.push_back({chunks[4 * c], chunks[4 * c + 1], chunks[4 * c + 2], chunks[4 * c + 3]});
+  for (int64_t qi = 0; qi < num_queries; ++qi) spans.push_back({queries[3 * qi], queries[3 * qi + 1], 1, queries[3 * qi + 2]});
   switch (head_dim) {
-    case 32: run<4, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
-    case 64: run<8, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
-    case 80: run<10, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
-    case 96: run<12, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
-    case 128: run<16, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
-    case 256: run<32, Cache>(p, num_queries, chunks, num_chunks, num_threads); break;
+    case 32: run<4, Cache>(p, spans, num_threads); break;
+    case 64: run<8, Cache>(p, spans, num_threads); break;
+    case 80: run<10, Cache>(p, spans, num_threads); break;
+    case 96: run<12, Cache>(p, spans, num_threads); break;
+    case 128: run<16, Cache>(p, spans, num_threads); break;
+    case 256: run<32, Cache>(p, spans, num_threads); break;
   }
   return 0;
 }

@@ -6,11 +6,9 @@
 // it would be 540 MB), and on these skinny shapes sgemm on such a copy is far from its peak
 // (benchmarks/results/gemm.md compares the two).
 //
-// The register tile is 6 weight rows × 16 activation rows: per column k, two vector loads of the activations
-// (stored transposed, [K, M], so that 8 rows are one vector), six broadcasts of decoded weights and twelve FMAs
-// into twelve accumulators. Each output y[m, n] is the sum over k in order 0..K-1 of one FMA per column, in its
-// own accumulator lane: the result for a row does not depend on how many other rows are in the batch or where
-// it sits in it, so batching never changes a sequence's logits.
+// Float32 activations: RT = 4 decoded weight rows × 4 activation rows of accumulators, in vec.h's float arithmetic
+// (one FMA chain per lane of column residues, folded in a fixed tree), the arithmetic of gemv.cpp's float GEMV, so a
+// row gives the same bits here and there, whatever the batch.
 //
 // Where the CPU has AVX512-VNNI a second product is compiled in for models/quant.py's rounded mode: the activations
 // are rounded to int8 per 32 columns exactly as gemv.cpp's int8 path rounds them, and multiplied as integers (see
@@ -36,19 +34,27 @@ namespace {
 
 using tokenriver::decode_int4;
 using tokenriver::decode_int8;
+using tokenriver::FloatLanes;
+using tokenriver::fma_lanes;
+using tokenriver::fold_lanes;
+using tokenriver::kFloatLanes;
+using tokenriver::load_lanes;
+using tokenriver::zero_lanes;
 using tokenriver::half_to_float;
 using tokenriver::prefetch_group_terms;
 using tokenriver::quantize_activations;
 using tokenriver::transpose8;
 
-// Weight rows per tile, activation rows per vector, and activation rows per packed panel (two vectors).
+// Float products: decoded weight rows per tile (four rows × four activation rows of accumulators).
+constexpr int kFloatRows = 4;
+// Int8 products: weight rows per tile, activation rows per vector, and per packed panel (two vectors).
 constexpr int kRows = 6;
 constexpr int kLanes = 8;
 constexpr int kPanel = 2 * kLanes;
 
-// Activation rows transposed per pass: [K, chunk] floats should sit in L2 (512 KB) while every weight tile of the
-// matrix sweeps over them. Larger batches are taken in chunks, each re-decoding the weights (cheap next to the
-// chunk's arithmetic: ~20 instructions per 32 weights against 2 FMAs per weight per 16 rows).
+// Activation rows per pass: [chunk, K] floats should sit in L2 (512 KB) while every weight tile of the matrix sweeps
+// over them. Larger batches are taken in chunks, each re-decoding the weights (cheap next to the chunk's arithmetic:
+// ~20 instructions per 32 weights against one FMA per weight and activation row).
 constexpr int64_t kChunkBytes = 512 * 1024;
 
 // Weight row n, columns [0, K), decoded to float32.
@@ -71,166 +77,64 @@ inline void decode_row(const uint8_t* qweight, const uint16_t* scales, const uin
   }
 }
 
-// Writes a tile's sums, out[r][i] for weight row r and activation row i, to y[m0 + i, n0 + r] for the first
-// `valid` activation rows (the transposed activations are zero-padded past the batch).
-template <int RT, int VT>
-inline void store_tile(const float (&out)[RT][VT * kLanes], int valid, float* y, int64_t N, int64_t m0,
-                       int64_t n0) {
-  for (int i = 0; i < valid; ++i)
-    for (int r = 0; r < RT; ++r) y[(m0 + i) * N + n0 + r] = out[r][i];
-}
-
-// The main tile, 6 weight rows (w, row stride K) × the 16 activation rows of one panel ([K, 16], rows m0..,
-// the first `valid` of them real):
-// written out with named accumulators because GCC keeps an array of twelve vectors on the stack, storing it
-// every column.
-void tile_6x16(const float* w, const float* panel, int64_t K, int64_t m0, int valid, float* y, int64_t N,
-               int64_t n0) {
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
-         a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-  const float* column = panel;
-  for (int64_t k = 0; k < K; ++k, column += kPanel) {
-    const __m256 x0 = _mm256_loadu_ps(column), x1 = _mm256_loadu_ps(column + kLanes);
-    __m256 b = _mm256_broadcast_ss(w + k);
-    a00 = _mm256_fmadd_ps(b, x0, a00);
-    a01 = _mm256_fmadd_ps(b, x1, a01);
-    b = _mm256_broadcast_ss(w + K + k);
-    a10 = _mm256_fmadd_ps(b, x0, a10);
-    a11 = _mm256_fmadd_ps(b, x1, a11);
-    b = _mm256_broadcast_ss(w + 2 * K + k);
-    a20 = _mm256_fmadd_ps(b, x0, a20);
-    a21 = _mm256_fmadd_ps(b, x1, a21);
-    b = _mm256_broadcast_ss(w + 3 * K + k);
-    a30 = _mm256_fmadd_ps(b, x0, a30);
-    a31 = _mm256_fmadd_ps(b, x1, a31);
-    b = _mm256_broadcast_ss(w + 4 * K + k);
-    a40 = _mm256_fmadd_ps(b, x0, a40);
-    a41 = _mm256_fmadd_ps(b, x1, a41);
-    b = _mm256_broadcast_ss(w + 5 * K + k);
-    a50 = _mm256_fmadd_ps(b, x0, a50);
-    a51 = _mm256_fmadd_ps(b, x1, a51);
-  }
-  alignas(32) float out[kRows][2 * kLanes];
-  const __m256 sums[kRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
-  for (int r = 0; r < kRows; ++r)
-    for (int v = 0; v < 2; ++v) _mm256_store_ps(&out[r][kLanes * v], sums[r][v]);
-  store_tile<kRows, 2>(out, valid, y, N, m0, n0);
-}
-
-// Half a panel: 6 weight rows × the first 8 activation rows of a panel (a batch's last few rows).
-void tile_6x8(const float* w, const float* panel, int64_t K, int64_t m0, int valid, float* y, int64_t N,
-              int64_t n0) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-  const float* column = panel;
-  for (int64_t k = 0; k < K; ++k, column += kPanel) {
-    const __m256 x = _mm256_loadu_ps(column);
-    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + k), x, a0);
-    a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + K + k), x, a1);
-    a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + 2 * K + k), x, a2);
-    a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + 3 * K + k), x, a3);
-    a4 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + 4 * K + k), x, a4);
-    a5 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + 5 * K + k), x, a5);
-  }
-  alignas(32) float out[kRows][kLanes];
-  const __m256 sums[kRows] = {a0, a1, a2, a3, a4, a5};
-  for (int r = 0; r < kRows; ++r) _mm256_store_ps(out[r], sums[r]);
-  store_tile<kRows, 1>(out, valid, y, N, m0, n0);
-}
-
-// Any smaller tile (the last weight rows of a matrix, the last 8 activation rows of a batch): the same sums in the
-// same order, so a row's result does not depend on which tile computed it.
-template <int RT, int VT>
-void tile(const float* w, const float* panel, int64_t K, int64_t m0, int valid, float* y, int64_t N, int64_t n0) {
-  __m256 acc[RT][VT];
+// RT decoded weight rows (w, row stride K) × MT activation rows of x from m0: vec.h's float arithmetic, one lane
+// chain per column residue, folded.
+template <int RT, int MT>
+void float_tile(const float* w, const float* x, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
+  FloatLanes acc[RT][MT];
   for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < VT; ++v) acc[r][v] = _mm256_setzero_ps();
-  const float* column = panel;
-  for (int64_t k = 0; k < K; ++k, column += kPanel) {
-    __m256 x[VT];
-    for (int v = 0; v < VT; ++v) x[v] = _mm256_loadu_ps(column + kLanes * v);
+    for (int m = 0; m < MT; ++m) acc[r][m] = zero_lanes();
+  for (int64_t k = 0; k < K; k += kFloatLanes) {
+    FloatLanes xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = load_lanes(x + (m0 + m) * K + k);
     for (int r = 0; r < RT; ++r) {
-      const __m256 weight = _mm256_broadcast_ss(w + r * K + k);
-      for (int v = 0; v < VT; ++v) acc[r][v] = _mm256_fmadd_ps(weight, x[v], acc[r][v]);
+      const FloatLanes wv = load_lanes(w + r * K + k);
+      for (int m = 0; m < MT; ++m) acc[r][m] = fma_lanes(wv, xv[m], acc[r][m]);
     }
   }
-  alignas(32) float out[RT][VT * kLanes];
   for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < VT; ++v) _mm256_store_ps(&out[r][kLanes * v], acc[r][v]);
-  store_tile<RT, VT>(out, valid, y, N, m0, n0);
+    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n0 + r] = fold_lanes(acc[r][m]);
 }
 
-// RT weight rows against the activation rows [0, rows) of the packed chunk, one panel at a time.
+// RT decoded weight rows against activation rows [m_begin, m_end), kFloatRows at a time, then the rest.
 template <int RT>
-void weight_rows(const float* w, const float* panels, int64_t K, int64_t rows, float* y, int64_t N, int64_t n0) {
-  for (int64_t m = 0; m < rows; m += kPanel) {
-    const float* panel = panels + m * K;
-    const int valid = static_cast<int>(std::min<int64_t>(kPanel, rows - m));
-    if (valid > kLanes && RT == kRows)
-      tile_6x16(w, panel, K, m, valid, y, N, n0);
-    else if (valid > kLanes)
-      tile<RT, 2>(w, panel, K, m, valid, y, N, n0);
-    else if (RT == kRows)
-      tile_6x8(w, panel, K, m, valid, y, N, n0);
-    else
-      tile<RT, 1>(w, panel, K, m, valid, y, N, n0);
+void float_rows(const float* w, const float* x, int64_t K, int64_t m_begin, int64_t m_end, float* y, int64_t N,
+                int64_t n0) {
+  int64_t m = m_begin;
+  for (; m + 4 <= m_end; m += 4) float_tile<RT, 4>(w, x, K, m, y, N, n0);
+  switch (m_end - m) {
+    case 3: float_tile<RT, 3>(w, x, K, m, y, N, n0); break;
+    case 2: float_tile<RT, 2>(w, x, K, m, y, N, n0); break;
+    case 1: float_tile<RT, 1>(w, x, K, m, y, N, n0); break;
+    default: break;
   }
-}
-
-// One panel: rows [0, valid) of x (row-major, K columns) transposed into panel [K, 16]; rows past valid read
-// `zeros`. Eight columns of eight rows at a time through registers, not one strided store per element, which
-// measurably slowed prefill (benchmarks/HISTORY.md).
-inline void pack_panel(const float* x, int64_t valid, int64_t K, const float* zeros, float* panel) {
-  const float* rows[kPanel];
-  for (int64_t i = 0; i < kPanel; ++i) rows[i] = i < valid ? x + i * K : zeros;
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes)
-    for (int half = 0; half < 2; ++half) {
-      __m256 r[kLanes];
-      for (int i = 0; i < kLanes; ++i) r[i] = _mm256_loadu_ps(rows[half * kLanes + i] + k);
-      transpose8(r);
-      for (int j = 0; j < kLanes; ++j) _mm256_storeu_ps(panel + (k + j) * kPanel + half * kLanes, r[j]);
-    }
-  for (; k < K; ++k)
-    for (int64_t i = 0; i < kPanel; ++i) panel[k * kPanel + i] = rows[i][k];
 }
 
 template <bool IS_INT4>
 void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
           const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
-  const int64_t fit = kChunkBytes / (K * static_cast<int64_t>(sizeof(float)));
-  const int64_t chunk = std::max<int64_t>(kPanel, fit / kPanel * kPanel);
-  const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
-  // Not zero-filled: packing writes every element, zeros included.
-  const std::unique_ptr<float[]> panels(new float[num_panels * K * kPanel]);
-  const std::vector<float> zeros(K);  // the rows of a last partial panel past the batch
-  const int64_t num_tiles = (N + kRows - 1) / kRows;
+  // Activation rows per pass: their [chunk, K] floats should sit in L2 while every weight tile sweeps over them.
+  const int64_t chunk = std::max<int64_t>(4, kChunkBytes / (K * static_cast<int64_t>(sizeof(float))) / 4 * 4);
+  const int64_t num_tiles = (N + kFloatRows - 1) / kFloatRows;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, M - m0);
-    // Pack the chunk's rows 16 at a time into panels [K, 16], zero past the last row.
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p)
-      pack_panel(x + (m0 + p * kPanel) * K, std::min<int64_t>(kPanel, rows - p * kPanel), K, zeros.data(),
-                 panels.get() + p * K * kPanel);
-    float* y_chunk = y + m0 * N;
+    const int64_t m1 = std::min(M, m0 + chunk);
 #pragma omp parallel num_threads(num_threads)
     {
-      std::vector<float> w(kRows * K);
+      std::vector<float> w(kFloatRows * K);
       // Handed out a few tiles at a time, not split in halves up front: the two cores of a shared machine often
       // run at different speeds, and with fixed halves the faster one waited at the barrier. Which thread
       // computes a tile does not change its result.
 #pragma omp for schedule(dynamic, 8)
       for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t n0 = t * kRows;
-        const int64_t count = std::min<int64_t>(kRows, N - n0);
+        const int64_t n0 = t * kFloatRows;
+        const int64_t count = std::min<int64_t>(kFloatRows, N - n0);
         for (int64_t r = 0; r < count; ++r)
           decode_row<IS_INT4>(qweight, scales, mins, qh, K, G, n0 + r, w.data() + r * K);
         switch (count) {
-          case 6: weight_rows<6>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
-          case 5: weight_rows<5>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
-          case 4: weight_rows<4>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
-          case 3: weight_rows<3>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
-          case 2: weight_rows<2>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
-          default: weight_rows<1>(w.data(), panels.get(), K, rows, y_chunk, N, n0); break;
+          case 4: float_rows<4>(w.data(), x, K, m0, m1, y, N, n0); break;
+          case 3: float_rows<3>(w.data(), x, K, m0, m1, y, N, n0); break;
+          case 2: float_rows<2>(w.data(), x, K, m0, m1, y, N, n0); break;
+          default: float_rows<1>(w.data(), x, K, m0, m1, y, N, n0); break;
         }
       }
     }

@@ -14,13 +14,13 @@
 //   int8: qweight [N, K] int8, scales [N, K/G] float16: w[n, k] = scale[n, k/G] * q[n, k].
 // Activations x [M, K] and outputs y [M, N] are float32, row-major and contiguous.
 //
-// The sum is split per group: y[m, n] = sum_g scale_g * (sum_{k in g} q_k x_k) + sum_g min_g * (sum_{k in g} x_k).
-// The second term needs only the per-group sums of x, computed once per call and shared by every output.
-// Two arithmetic modes: float32 activations (exact up to summation order), or activations rounded to int8 per 32
-// columns and multiplied as integers, as llama.cpp does (see quantize_activations). For int4 weights the float
-// path is bound by decoding (about sixteen vector operations per 16 weight bytes) and streams the weights at about
-// half the memory speed; the int8 path takes about a third of the operations and keeps up with it. The int8 path
-// computes a row in the arithmetic gemm.cpp's GEMM shares ("one arithmetic per row" below), for any row count.
+// Two arithmetic modes, each computing a row the same way in this GEMV and in gemm.cpp's GEMM, so a row's bits never
+// depend on how many rows share the product:
+// - float32 activations: vec.h's float arithmetic (the exact dequantized weight times x, one FMA chain per lane of
+//   column residues, a fixed fold of the lanes), the weights decoded in registers a block of 32 columns at a time;
+// - activations rounded to int8 per 32 columns and multiplied as integers, as llama.cpp does (quantize_activations):
+//   for int4 weights about a third of the float path's operations, so the products keep up with memory ("one
+//   arithmetic per row" below).
 // Parallel over output rows with OpenMP; it shares PyTorch's libgomp (same soname), so the threads are PyTorch's.
 
 #include <immintrin.h>
@@ -57,105 +57,20 @@ struct AlignedAllocator {
 };
 
 using tokenriver::decode_int4;
+using tokenriver::decode_block;
 using tokenriver::decode_int8;
+using tokenriver::FloatLanes;
+using tokenriver::fma_lanes;
+using tokenriver::fold_lanes;
+using tokenriver::kFloatLanes;
+using tokenriver::load_lanes;
+using tokenriver::zero_lanes;
 using tokenriver::fifth_bits;
 using tokenriver::half_to_float;
 using tokenriver::horizontal_sum;
 using tokenriver::prefetch_group_terms;
 using tokenriver::quantize_activations;
 using tokenriver::transpose8;
-
-// Per-group sums of x: xsum [M, K/G].
-std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
-  int64_t num_groups = K / G;
-  std::vector<float> sums(M * num_groups);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < num_groups; ++g) {
-      float s = 0.0f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) s += x[m * K + k];
-      sums[m * num_groups + g] = s;
-    }
-  return sums;
-}
-
-// How far ahead of the bytes being decoded the float path prefetches weight bytes, and into which cache. The rows
-// of a tile are adjacent in memory, so this reaches into the next tiles. Into L2, 8 KB ahead: faster than into L1
-// 4 KB ahead, and 16 KB ahead was no better (benchmarks/HISTORY.md). Without any prefetch the products ran at half
-// the speed. (The int8 path's tiles are 16 rows: it fetches a tile ahead, the scales with it.)
-constexpr int64_t kPrefetchBytes = 8192;
-
-// Groups whose float16 scales are converted to float32 at a time, into a buffer on the stack.
-constexpr int64_t kScaleChunk = 64;
-
-// Float16 → float32 for n values (n <= kScaleChunk), eight at a time.
-inline void halves_to_floats(const uint16_t* in, int64_t n, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
-  for (; i < n; ++i) out[i] = half_to_float(in[i]);
-}
-
-// sum_g min_g * xsum_g over one weight row: the part of an int4 product that the mins contribute.
-inline float min_term(const uint16_t* row_mins, const float* row_xsum, int64_t num_groups) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= num_groups; g += 8)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_mins + g))),
-                          _mm256_loadu_ps(row_xsum + g), acc);
-  float total = horizontal_sum(acc);
-  for (; g < num_groups; ++g) total += half_to_float(row_mins[g]) * row_xsum[g];
-  return total;
-}
-
-// RT output rows × MT activation rows (RT * MT <= 8). Per 32 columns each (row, activation row) pair takes two
-// short partial sums (four products), scales them by the block's group scale and adds them into its accumulator:
-// a flat loop with every accumulator in a register, which beat accumulating per group first (that version kept
-// its per-group sums on the stack). The min term sum_g min_g * xsum_g is a short dot
-// product done once at the end.
-template <bool IS_INT4, int RT, int MT>
-void tile(const float* x, int64_t K, const float* xsum, const uint8_t* qweight, const uint16_t* scales,
-          const uint16_t* mins, const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
-  const int64_t num_groups = K / G;
-  const int64_t row_bytes = IS_INT4 ? K / 2 : K;
-  const int64_t blocks_per_group = G / 32;
-  __m256 acc[RT][MT];
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    float scale_of_row[RT];
-    for (int r = 0; r < RT; ++r) scale_of_row[r] = half_to_float(scales[(n0 + r) * num_groups + g]);
-    for (int64_t block = 0; block < blocks_per_group; ++block) {
-      const int64_t k = (g * blocks_per_group + block) * 32;
-      // Activations loaded once per 32 columns and reused by every output row of the tile.
-      __m256 xv[MT][4];
-      for (int m = 0; m < MT; ++m)
-        for (int i = 0; i < 4; ++i) xv[m][i] = _mm256_loadu_ps(x + (m0 + m) * K + k + 8 * i);
-      for (int r = 0; r < RT; ++r) {
-        const uint8_t* row = qweight + (n0 + r) * row_bytes;
-        _mm_prefetch(reinterpret_cast<const char*>(row + (IS_INT4 ? k / 2 : k)) + kPrefetchBytes, _MM_HINT_T1);
-        __m256 w[4];
-        if (IS_INT4)
-          decode_int4(row + k / 2, w, qh == nullptr ? nullptr : qh + (n0 + r) * (K / 32) + k / 32);
-        else
-          decode_int8(reinterpret_cast<const int8_t*>(row + k), w);
-        const __m256 scale = _mm256_set1_ps(scale_of_row[r]);
-        for (int m = 0; m < MT; ++m) {
-          __m256 even = _mm256_mul_ps(w[0], xv[m][0]);
-          __m256 odd = _mm256_mul_ps(w[1], xv[m][1]);
-          even = _mm256_fmadd_ps(w[2], xv[m][2], even);
-          odd = _mm256_fmadd_ps(w[3], xv[m][3], odd);
-          acc[r][m] = _mm256_fmadd_ps(scale, _mm256_add_ps(even, odd), acc[r][m]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < MT; ++m) {
-      float total = horizontal_sum(acc[r][m]);
-      if (IS_INT4) total += min_term(mins + (n0 + r) * num_groups, xsum + (m0 + m) * num_groups, num_groups);
-      y[(m0 + m) * N + n0 + r] = total;
-    }
-}
 
 // One row of int8 activations in the order the int4 tiles read them. For blocks 2p and 2p+1 (32 columns each),
 // the 32 bytes lo[p] are [columns 0-15 of block 2p | columns 0-15 of block 2p+1] and hi[p] the same for columns
@@ -331,10 +246,10 @@ void tile_terms(const uint16_t* scales, const uint16_t* mins, const int64_t rows
 }
 
 // The float chain (above) of a tile's 16 weight rows for one activation row, a lane per row: one 16-lane vector
-// where the CPU has AVX-512, two 8-lane ones elsewhere, the same operations lane by lane.
+// where the CPU has AVX-512 VNNI (as RowSums), two 8-lane ones elsewhere, the same operations lane by lane.
 template <bool IS_INT4, bool PER_ROW>
 struct Chain {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   __m512 acc = _mm512_setzero_ps();
 
   template <typename Sums>
@@ -581,40 +496,52 @@ void linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, c
   }
 }
 
-// ---- Float32 activations --------------------------------------------------------------------------------------
+// ---- Float32 activations ----------------------------------------------------------------------------------------
+//
+// vec.h's float arithmetic (decode_block, one lane chain per column residue, fold_lanes), the weights decoded in
+// registers block by block: RT weight rows × MT activation rows per tile, each decoded block feeding all MT rows.
 
-// The activations as the float tiles read them: float rows and their per-group sums.
-struct Activations {
-  const float* x;     // [M, K]
-  int64_t M, K;
-  const float* xsum;  // [M, K/G], int4 only
-};
+// How far ahead of the bytes being decoded the float path prefetches weight bytes, into L2: the rows of a tile are
+// adjacent in memory, so this reaches into the next tiles (benchmarks/HISTORY.md has the distances tried).
+constexpr int64_t kPrefetchBytes = 8192;
 
-// Four output rows of one activation-row count MT: each decoded weight vector feeds all MT activation rows.
-template <bool IS_INT4, int MT>
-inline void four_rows_of(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
-                         const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
-  for (int r = 0; r < 4; ++r) tile<IS_INT4, 1, MT>(a.x, a.K, a.xsum, qweight, scales, mins, qh, G, n0 + r, m0, y, N);
+template <bool IS_INT4, int RT, int MT>
+void float_tile(const float* x, int64_t K, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
+                const uint32_t* qh, int64_t G, int64_t n0, int64_t m0, float* y, int64_t N) {
+  constexpr int kVectors = 32 / kFloatLanes;
+  const int64_t num_groups = K / G, row_bytes = IS_INT4 ? K / 2 : K;
+  FloatLanes acc[RT][MT];
+  for (int r = 0; r < RT; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = zero_lanes();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    FloatLanes xv[MT][kVectors];
+    for (int m = 0; m < MT; ++m)
+      for (int i = 0; i < kVectors; ++i) xv[m][i] = load_lanes(x + (m0 + m) * K + 32 * b + kFloatLanes * i);
+    for (int r = 0; r < RT; ++r) {
+      const int64_t n = n0 + r, at = n * num_groups + 32 * b / G;
+      const uint8_t* bytes = qweight + n * row_bytes + (IS_INT4 ? 16 * b : 32 * b);
+      _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T1);
+      FloatLanes w[kVectors];
+      decode_block<IS_INT4>(bytes, qh == nullptr ? nullptr : qh + n * (K / 32) + b, half_to_float(scales[at]),
+                            IS_INT4 ? half_to_float(mins[at]) : 0.0f, w);
+      for (int m = 0; m < MT; ++m)
+        for (int i = 0; i < kVectors; ++i) acc[r][m] = fma_lanes(w[i], xv[m][i], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n0 + r] = fold_lanes(acc[r][m]);
 }
 
-// Four output rows starting at n0 against every activation row. Eight activation rows at a time, then the rest in
-// one tile, so every weight is decoded once per eight rows. A single activation row takes 4 output rows per tile
-// instead (its activations are loaded once for all four), two take 2 × 2.
-template <bool IS_INT4>
-void four_rows(const Activations& a, const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
-               const uint32_t* qh, int64_t G, int64_t n0, float* y, int64_t N) {
+// RT weight rows from n0 against every activation row, four at a time, then the rest in one tile.
+template <bool IS_INT4, int RT>
+void float_rows(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
+                const uint16_t* mins, const uint32_t* qh, int64_t G, int64_t n0, float* y, int64_t N) {
   int64_t m0 = 0;
-  for (; m0 + 8 <= a.M; m0 += 8) four_rows_of<IS_INT4, 8>(a, qweight, scales, mins, qh, G, n0, m0, y, N);
-  switch (a.M - m0) {
-    case 1: tile<IS_INT4, 4, 1>(a.x, a.K, a.xsum, qweight, scales, mins, qh, G, n0, m0, y, N); break;
-    case 2:
-      for (int r = 0; r < 4; r += 2) tile<IS_INT4, 2, 2>(a.x, a.K, a.xsum, qweight, scales, mins, qh, G, n0 + r, m0, y, N);
-      break;
-    case 3: four_rows_of<IS_INT4, 3>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
-    case 4: four_rows_of<IS_INT4, 4>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
-    case 5: four_rows_of<IS_INT4, 5>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
-    case 6: four_rows_of<IS_INT4, 6>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
-    case 7: four_rows_of<IS_INT4, 7>(a, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+  for (; m0 + 4 <= M; m0 += 4) float_tile<IS_INT4, RT, 4>(x, K, qweight, scales, mins, qh, G, n0, m0, y, N);
+  switch (M - m0) {
+    case 3: float_tile<IS_INT4, RT, 3>(x, K, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 2: float_tile<IS_INT4, RT, 2>(x, K, qweight, scales, mins, qh, G, n0, m0, y, N); break;
+    case 1: float_tile<IS_INT4, RT, 1>(x, K, qweight, scales, mins, qh, G, n0, m0, y, N); break;
     default: break;
   }
 }
@@ -622,15 +549,11 @@ void four_rows(const Activations& a, const uint8_t* qweight, const uint16_t* sca
 template <bool IS_INT4>
 void linear_f32(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
                 const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
-  std::vector<float> xsum;
-  if (IS_INT4) xsum = group_sums(x, M, K, G);
-  const Activations a{x, M, K, xsum.data()};
-  // Tiles of 4 output rows, then the remainder one row at a time.
+  // Tiles of 4 weight rows, then the remainder one row at a time.
   const int64_t num_tiles = N / 4;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t t = 0; t < num_tiles; ++t) four_rows<IS_INT4>(a, qweight, scales, mins, qh, G, 4 * t, y, N);
-  for (int64_t n = 4 * num_tiles; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) tile<IS_INT4, 1, 1>(x, K, a.xsum, qweight, scales, mins, qh, G, n, m, y, N);
+  for (int64_t t = 0; t < num_tiles; ++t) float_rows<IS_INT4, 4>(x, M, K, qweight, scales, mins, qh, G, 4 * t, y, N);
+  for (int64_t n = 4 * num_tiles; n < N; ++n) float_rows<IS_INT4, 1>(x, M, K, qweight, scales, mins, qh, G, n, y, N);
 }
 
 }  // namespace

@@ -177,6 +177,69 @@ inline void decode_int8(const int8_t* bytes, __m256 w[4]) {
   }
 }
 
+// ---- Float32 activations: the arithmetic of every float product (gemv.cpp's GEMV, gemm.cpp's GEMM) -------------
+//
+// An output y[m, n] = sum over k of w[n, k] x[m, k], with w the weight as dequantized (int4: fma(scale, q, min), one
+// rounding; int8: scale * q, exact). Lane l of a vector accumulator takes the columns k = l, l + W, l + 2W, ... in
+// order, acc = fma(w, x, acc) (W = kFloatLanes: 16 where the CPU has AVX-512, else 8), and the lanes are then added
+// in a fixed tree (fold_lanes). The GEMV decodes each block of weights in registers (decode_block), the GEMM into a
+// buffer of decoded rows; both run these operations, so a row's bits do not depend on which one computes it or on
+// what else is in the batch.
+#if defined(__AVX512F__)
+using FloatLanes = __m512;
+constexpr int kFloatLanes = 16;
+inline __m512 zero_lanes() { return _mm512_setzero_ps(); }
+inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 fma_lanes(__m512 w, __m512 x, __m512 acc) { return _mm512_fmadd_ps(w, x, acc); }
+inline float fold_lanes(__m512 v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return horizontal_sum(_mm256_add_ps(_mm512_castps512_ps256(v), high));
+}
+#else
+using FloatLanes = __m256;
+constexpr int kFloatLanes = 8;
+inline __m256 zero_lanes() { return _mm256_setzero_ps(); }
+inline __m256 load_lanes(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 fma_lanes(__m256 w, __m256 x, __m256 acc) { return _mm256_fmadd_ps(w, x, acc); }
+inline float fold_lanes(__m256 v) { return horizontal_sum(v); }
+#endif
+
+// One block of 32 columns of a weight row, dequantized into 32 / kFloatLanes vectors in column order: int4 bytes
+// (with high, the fifth bits of int5 codes) as fma(scale, q, min), int8 ones as scale * q.
+template <bool IS_INT4>
+inline void decode_block(const uint8_t* bytes, const uint32_t* high, float scale, float min, FloatLanes* w) {
+#if defined(__AVX512F__)
+  const __m512 factor = _mm512_set1_ps(scale);
+  if (IS_INT4) {
+    // Byte j: column j in its low nibble, column j + 16 in its high one.
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    __m512i low = _mm512_and_si512(codes, _mm512_set1_epi32(0x0F)), upper = _mm512_srli_epi32(codes, 4);
+    if (high != nullptr) {
+      const __m512i sixteen = _mm512_set1_epi32(16);
+      low = _mm512_mask_add_epi32(low, static_cast<__mmask16>(*high & 0xFFFFu), low, sixteen);
+      upper = _mm512_mask_add_epi32(upper, static_cast<__mmask16>(*high >> 16), upper, sixteen);
+    }
+    const __m512 offset = _mm512_set1_ps(min);
+    w[0] = _mm512_fmadd_ps(factor, _mm512_cvtepi32_ps(low), offset);
+    w[1] = _mm512_fmadd_ps(factor, _mm512_cvtepi32_ps(upper), offset);
+  } else {
+    for (int i = 0; i < 2; ++i)
+      w[i] = _mm512_mul_ps(factor, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * i)))));
+  }
+#else
+  const __m256 factor = _mm256_set1_ps(scale);
+  __m256 codes[4];
+  if (IS_INT4) {
+    decode_int4(bytes, codes, high);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(factor, codes[i], _mm256_set1_ps(min));
+  } else {
+    decode_int8(reinterpret_cast<const int8_t*>(bytes), codes);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(factor, codes[i]);
+  }
+#endif
+}
+
 // Activations quantized to int8 per run of 32 columns, as llama.cpp does on CPUs (gemv.cpp's and gemm.cpp's int8
 // products): x ≈ xscale * xq with xscale = max|x| / 127 over the run and xq = round(x / xscale). Integer products
 // then cost one instruction per 32 weights (maddubs) instead of four conversions and four FMAs; the error is that
