@@ -592,11 +592,11 @@ struct Workspace {
 // The rows' queries into the workspace: copied for a float pool, rounded to int8 per 32 head dimensions for an int8
 // one.
 template <int ND, typename Cache>
-void pack_queries(const Problem<Cache>& p, const Span& span, int64_t kv, int64_t i0, int64_t num_rows, int64_t G,
-                  Workspace& w) {
+void pack_queries(const Problem<Cache>& p, const Span& span, int64_t kv, int64_t i0, int64_t row_base,
+                  int64_t num_rows, int64_t G, Workspace& w) {
   constexpr int64_t D = ND * 8, kPadded = kPaddedDims<ND>, kBlocks = kPadded / kQueryBlockDims;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const float* query = p.query + (span.row + i0 + r / G) * p.q_row_stride + (kv * G + r % G) * D;
+  for (int64_t r = row_base; r < row_base + num_rows; ++r) {
+    const float* query = p.query + (span.row + i0 + (r - row_base) / G) * p.q_row_stride + (kv * G + r % G) * D;
     if constexpr (std::is_same<Cache, int8_t>::value) {
       alignas(64) float padded[kPadded] = {};
       memcpy(padded, query, D * sizeof(float));
@@ -613,21 +613,18 @@ void pack_queries(const Problem<Cache>& p, const Span& span, int64_t kv, int64_t
   }
 }
 
-// The tile's keys and values into the workspace (tokens [tile, tile + n) of kv head kv): value_rows[j] points at
+// The tile's keys and values into the workspace (its n tokens' rows at offsets, kv head kv): value_rows[j] points at
 // token j's values as floats, value_scales[j] its int8 scale; factors[j] = scale times key j's int8 scale.
 template <int ND, typename Cache>
-void load_tile(const Problem<Cache>& p, const int64_t* blocks, int64_t kv, int64_t tile, int64_t n, Workspace& w,
+void load_tile(const Problem<Cache>& p, const int64_t* offsets, int64_t kv, int64_t n, Workspace& w,
                const float** value_rows, float* value_scales, float* factors) {
   constexpr int64_t D = ND * 8;
   const int64_t entry = D + kEntryExtra<Cache>;
   const Cache* keys[kTile];
   const Cache* values[kTile];
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = tile + j;
-    const int64_t offset =
-        (blocks[t / p.block_size] * p.block_size + t % p.block_size) * p.num_kv_heads * entry + kv * entry;
-    keys[j] = p.key_cache + offset;
-    values[j] = p.value_cache + offset;
+    keys[j] = p.key_cache + offsets[j] + kv * entry;
+    values[j] = p.value_cache + offsets[j] + kv * entry;
   }
   if constexpr (std::is_same<Cache, int8_t>::value) {
     for (int64_t j = 0; j < kTile; ++j) {
@@ -654,17 +651,86 @@ void load_tile(const Problem<Cache>& p, const int64_t* blocks, int64_t kv, int64
   }
 }
 
-// One tile for rows [ra, rb) (the tokens that see it): their scores, each row's masked online-softmax update, then
-// their value sums.
+// The pool offsets (in cache elements) of the rows of context tokens [t0, t0 + n) of a request (blocks: its block
+// table): one division for the run, not two per token.
+template <typename Cache>
+inline void token_offsets(const Problem<Cache>& p, const int64_t* blocks, int64_t t0, int64_t n, int64_t entry,
+                          int64_t* offsets) {
+  const int64_t token_stride = p.num_kv_heads * entry;
+  int64_t block = t0 / p.block_size, slot = t0 % p.block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    offsets[j] = (blocks[block] * p.block_size + slot) * token_stride;
+    if (++slot == p.block_size) {
+      slot = 0;
+      ++block;
+    }
+  }
+}
+
+// Asks for the entries of kv heads [kv0, kv1) of context tokens [t0, t1) into L2: the blocks are scattered, so the
+// hardware prefetcher stops at each block's end, and a tile read cold waits on memory once per token.
 template <int ND, typename Cache>
-void attend_tile(const Problem<Cache>& p, const int64_t* blocks, int64_t kv, int64_t tile, int64_t n,
-                 int64_t first_position, int64_t i0, int64_t ia, int64_t ib, int64_t G, Workspace& w) {
+inline void prefetch_tile(const Problem<Cache>& p, const int64_t* blocks, int64_t kv0, int64_t kv1, int64_t t0,
+                          int64_t t1) {
+  const int64_t entry = ND * 8 + kEntryExtra<Cache>, bytes = (kv1 - kv0) * entry * sizeof(Cache);
+  for (int64_t start = t0; start < t1; start += kTile) {
+    int64_t offsets[kTile];
+    const int64_t count = std::min(kTile, t1 - start);
+    token_offsets(p, blocks, start, count, entry, offsets);
+    for (int64_t j = 0; j < count; ++j)
+      for (const Cache* pool : {p.key_cache, p.value_cache}) {
+        const char* first = reinterpret_cast<const char*>(pool + offsets[j] + kv0 * entry);
+        for (int64_t line = 0; line < bytes + 63; line += 64) _mm_prefetch(first + std::min(line, bytes - 1), _MM_HINT_T0);
+      }
+  }
+}
+
+// The next tile's token rows (the entries of kv heads [kv0, kv1)), asked for into L2 a few tokens at a time between
+// the phases of the current tile's work: issued in one burst, the requests queued up behind each other and stalled
+// the core.
+template <typename Cache>
+struct TilePrefetcher {
+  const Cache* pools[2] = {nullptr, nullptr};
+  int64_t offsets[kTile];
+  int64_t count = 0, done = 0, per_step = 0, bytes = 0;
+
+  void plan(const Problem<Cache>& p, const int64_t* blocks, int64_t entry, int64_t kv0, int64_t kv1, int64_t t0,
+            int64_t t1, int64_t steps) {
+    pools[0] = p.key_cache + kv0 * entry;
+    pools[1] = p.value_cache + kv0 * entry;
+    count = std::max<int64_t>(t1 - t0, 0);
+    done = 0;
+    per_step = (count + steps - 1) / steps;
+    bytes = (kv1 - kv0) * entry * static_cast<int64_t>(sizeof(Cache));
+    token_offsets(p, blocks, t0, count, entry, offsets);
+  }
+  void step() {
+    const int64_t until = std::min(count, done + per_step);
+    for (; done < until; ++done)
+      for (const Cache* pool : pools) {
+        const char* first = reinterpret_cast<const char*>(pool + offsets[done]);
+        for (int64_t line = 0; line < bytes + 63; line += 64) _mm_prefetch(first + std::min(line, bytes - 1), _MM_HINT_T1);
+      }
+  }
+  void finish() {
+    per_step = count;
+    step();
+  }
+};
+
+// One tile of kv head kv for its rows of tokens [ia, ib) (those that see it; the head's rows start at row_base):
+// their scores, each row's masked online-softmax update, then their value sums.
+template <int ND, typename Cache>
+void attend_tile(const Problem<Cache>& p, const int64_t* offsets, int64_t kv, int64_t tile, int64_t n,
+                 int64_t first_position, int64_t i0, int64_t ia, int64_t ib, int64_t G, int64_t row_base,
+                 Workspace& w, TilePrefetcher<Cache>& prefetch) {
   constexpr int64_t D = ND * 8, kPaddedWords = kPaddedDims<ND> / 4, kBlocks = kPaddedDims<ND> / kQueryBlockDims;
   constexpr bool kPairs = kPairProducts<Cache, ND>;
   const float* value_rows[kTile];
   alignas(32) float value_scales[kTile], factors[kTile];
-  load_tile<ND, Cache>(p, blocks, kv, tile, n, w, value_rows, value_scales, factors);
-  const int64_t ra = (ia - i0) * G, rb = (ib - i0) * G;
+  load_tile<ND, Cache>(p, offsets, kv, n, w, value_rows, value_scales, factors);
+  prefetch.step();
+  const int64_t ra = row_base + (ia - i0) * G, rb = row_base + (ib - i0) * G;
   if constexpr (std::is_same<Cache, int8_t>::value) {
     in_row_groups<kInt8ScoreRows>(ra, rb, [&](auto rows, int64_t r) {
       int8_scores<ND, decltype(rows)::value>(w.q_words + r * kPaddedWords, w.q_scales + r * kBlocks,
@@ -676,12 +742,13 @@ void attend_tile(const Problem<Cache>& p, const int64_t* blocks, int64_t kv, int
       float_scores<ND, decltype(rows)::value>(w.queries + r * D, w.keys, p.scale, w.scores + r * kTile);
     });
   }
+  prefetch.step();
   if (p.softcap > 0.0f) soft_cap(w.scores + ra * kTile, (rb - ra) * kTile, p.softcap);
   for (int64_t i = ia; i < ib; ++i) {
     const int64_t position = first_position + i;
     const int64_t visible = std::min(position + 1 - tile, n);
     const int64_t hidden = std::max<int64_t>(window_start(p.window, position) - tile, 0);
-    for (int64_t r = (i - i0) * G; r < (i - i0 + 1) * G; ++r) {
+    for (int64_t r = row_base + (i - i0) * G; r < row_base + (i - i0 + 1) * G; ++r) {
       float* s = w.scores + r * kTile;
       for (int64_t j = 0; j < hidden; ++j) s[j] = -INFINITY;
       for (int64_t j = visible; j < kTile; ++j) s[j] = -INFINITY;
@@ -689,6 +756,7 @@ void attend_tile(const Problem<Cache>& p, const int64_t* blocks, int64_t kv, int
       w.rescale[r] = online_softmax<Cache, kPairs>(s, value_scales, w.m[r], w.l[r]);
     }
   }
+  prefetch.step();
   in_row_groups<kValueRows>(ra, rb, [&](auto rows, int64_t r) {
     constexpr int R = decltype(rows)::value;
     const float* weights[R];
@@ -714,16 +782,18 @@ void attend_tile(const Problem<Cache>& p, const int64_t* blocks, int64_t kv, int
   });
 }
 
-// Query tokens [i0, i1) of `span`, the query heads of kv head kv, over their whole context (split < 0) or over one
-// split of it: leaves each row's (M, L, A) in the workspace, its output A / L.
+// Query tokens [i0, i1) of `span`, the query heads of kv heads [kv0, kv1), over their whole context (split < 0) or
+// over one split of it: leaves each row's (M, L, A) in the workspace, its output A / L. Row r of kv head kv0 + k is
+// row k * (i1 - i0) * G + r of the workspace. Each tile is taken by every kv head in turn while its token rows (all
+// kv heads side by side) are in L1.
 template <int ND, typename Cache>
-void attend_kv(const Problem<Cache>& p, const Span& span, int64_t kv, int64_t i0, int64_t i1, int64_t split,
-               Workspace& w) {
+void attend_rows(const Problem<Cache>& p, const Span& span, int64_t kv0, int64_t kv1, int64_t i0, int64_t i1,
+                 int64_t split, Workspace& w) {
   constexpr int64_t D = ND * 8;
-  const int64_t G = p.num_heads / p.num_kv_heads, num_rows = (i1 - i0) * G;
+  const int64_t G = p.num_heads / p.num_kv_heads, head_rows = (i1 - i0) * G, num_rows = (kv1 - kv0) * head_rows;
   const int64_t* blocks = p.block_tables + span.request * p.max_blocks;
   const int64_t first_position = span.context - span.length, last_position = first_position + i1 - 1;
-  pack_queries<ND, Cache>(p, span, kv, i0, num_rows, G, w);
+  for (int64_t kv = kv0; kv < kv1; ++kv) pack_queries<ND, Cache>(p, span, kv, i0, (kv - kv0) * head_rows, head_rows, G, w);
   const int64_t first_seen = window_start(p.window, first_position + i0);
   const int64_t s0 = split >= 0 ? split : first_seen / kSplitTokens;
   const int64_t s1 = split >= 0 ? split + 1 : last_position / kSplitTokens + 1;
@@ -745,7 +815,17 @@ void attend_kv(const Problem<Cache>& p, const Span& span, int64_t kv, int64_t i0
       const int64_t ia = tile > first_position + i0 ? tile - first_position : i0;
       int64_t ib = i1;
       while (ib > ia && window_start(p.window, first_position + ib - 1) >= tile + n) --ib;
-      if (ia < ib) attend_tile<ND, Cache>(p, blocks, kv, tile, n, first_position, i0, ia, ib, G, w);
+      TilePrefetcher<Cache> prefetch;
+      prefetch.plan(p, blocks, D + kEntryExtra<Cache>, kv0, kv1, tile + kTile, std::min(tile + 2 * kTile, end),
+                    3 * (kv1 - kv0));
+      if (ia < ib) {
+        int64_t offsets[kTile];
+        token_offsets(p, blocks, tile, n, D + kEntryExtra<Cache>, offsets);
+        for (int64_t kv = kv0; kv < kv1; ++kv)
+          attend_tile<ND, Cache>(p, offsets, kv, tile, n, first_position, i0, ia, ib, G, (kv - kv0) * head_rows, w,
+                                 prefetch);
+      }
+      prefetch.finish();
     }
     for (int64_t r = 0; r < num_rows; ++r) merge_split(w.M[r], w.L[r], w.A + r * D, w.m[r], w.l[r], w.acc + r * D, D);
   }
@@ -765,28 +845,61 @@ inline void decode_splits(const Span& span, int64_t window, int64_t& first, int6
   last = (span.context - 1) / kSplitTokens;
 }
 
+// Thread `part` of `parts`'s share of items [0, n): a contiguous run of about equal work (work(i) of item i), so
+// that a thread knows the item it takes next.
+template <typename Work>
+void equal_work_run(int64_t n, int part, int parts, Work work, int64_t& begin, int64_t& end) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += work(i);
+  // Run k starts at the item boundary whose work before it is nearest k / parts of the total.
+  const auto boundary = [&](int k) {
+    if (k <= 0) return int64_t{0};
+    if (k >= parts) return n;
+    int64_t best = 0, best_gap = total * k, sum = 0;
+    for (int64_t i = 0; i <= n; ++i) {
+      const int64_t gap = sum * parts > total * k ? sum * parts - total * k : total * k - sum * parts;
+      if (gap < best_gap) {
+        best = i;
+        best_gap = gap;
+      }
+      if (i < n) sum += work(i);
+    }
+    return best;
+  };
+  begin = boundary(part);
+  end = boundary(part + 1);
+}
+
+// The first tile a decoding token's item (its whole context, or split `split`) reads, into L2.
+template <int ND, typename Cache>
+inline void prefetch_first_tiles(const Problem<Cache>& p, const Span& span, int64_t split) {
+  const int64_t last = span.context - 1, first_seen = window_start(p.window, last);
+  const int64_t begin = split >= 0 ? std::max(split * kSplitTokens, first_seen / kTile * kTile) : first_seen / kTile * kTile;
+  prefetch_tile<ND, Cache>(p, p.block_tables + span.request * p.max_blocks, 0, p.num_kv_heads, begin,
+                           std::min(begin + kTile, last + 1));
+}
+
 // Runs one item: its rows' outputs A / L into out, or their (M, L, A) into scratch (per head: M, L, then A).
 template <int ND, typename Cache>
 void run_item(const Problem<Cache>& p, const std::vector<Span>& spans, const Item& item, float* scratch) {
   constexpr int64_t D = ND * 8;
   const int64_t G = p.num_heads / p.num_kv_heads;
   const Span& span = spans[item.span];
-  Workspace w((item.i1 - item.i0) * G, D);
   const int64_t kv0 = item.kv >= 0 ? item.kv : 0, kv1 = item.kv >= 0 ? item.kv + 1 : p.num_kv_heads;
-  for (int64_t kv = kv0; kv < kv1; ++kv) {
-    attend_kv<ND, Cache>(p, span, kv, item.i0, item.i1, item.split, w);
-    for (int64_t r = 0; r < (item.i1 - item.i0) * G; ++r) {
-      const int64_t head = kv * G + r % G;
-      if (item.scratch >= 0) {
-        float* partial = scratch + item.scratch + head * (D + 2);
-        partial[0] = w.M[r];
-        partial[1] = w.L[r];
-        memcpy(partial + 2, w.A + r * D, D * sizeof(float));
-        continue;
-      }
-      float* out = p.out + (span.row + item.i0 + r / G) * p.out_row_stride + head * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = w.A[r * D + d] / w.L[r];
+  const int64_t head_rows = (item.i1 - item.i0) * G;
+  Workspace w((kv1 - kv0) * head_rows, D);
+  attend_rows<ND, Cache>(p, span, kv0, kv1, item.i0, item.i1, item.split, w);
+  for (int64_t r = 0; r < (kv1 - kv0) * head_rows; ++r) {
+    const int64_t head = (kv0 + r / head_rows) * G + r % G, token = item.i0 + r % head_rows / G;
+    if (item.scratch >= 0) {
+      float* partial = scratch + item.scratch + head * (D + 2);
+      partial[0] = w.M[r];
+      partial[1] = w.L[r];
+      memcpy(partial + 2, w.A + r * D, D * sizeof(float));
+      continue;
     }
+    float* out = p.out + (span.row + token) * p.out_row_stride + head * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = w.A[r * D + d] / w.L[r];
   }
 }
 
@@ -821,8 +934,26 @@ void run(const Problem<Cache>& p, const std::vector<Span>& spans, int num_thread
   std::vector<float> scratch(num_partials * partial_floats);
   const int threads = work >= kParallelWork ? num_threads : 1;
   const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel for num_threads(threads) schedule(dynamic) if (threads > 1)
-  for (int64_t i = 0; i < num_items; ++i) run_item<ND, Cache>(p, spans, items[i], scratch.data());
+  int64_t num_chunk_items = 0;
+  while (num_chunk_items < num_items && items[num_chunk_items].kv >= 0) ++num_chunk_items;
+  // Prompt chunks handed out one at a time; then decoding tokens in one contiguous run of about equal work per
+  // thread, each item's first tiles fetched while the one before it computes (their blocks are cold and scattered).
+  const auto decode_work = [&](int64_t i) {
+    const Span& span = spans[items[i].span];
+    return items[i].split >= 0 ? kSplitTokens : std::min(span.context, p.window > 0 ? p.window : span.context);
+  };
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(dynamic) nowait
+    for (int64_t i = 0; i < num_chunk_items; ++i) run_item<ND, Cache>(p, spans, items[i], scratch.data());
+    int64_t begin, end;
+    equal_work_run(num_items - num_chunk_items, omp_get_thread_num(), omp_get_num_threads(),
+                   [&](int64_t i) { return decode_work(num_chunk_items + i); }, begin, end);
+    for (int64_t i = num_chunk_items + begin; i < num_chunk_items + end; ++i) {
+      if (i + 1 < num_chunk_items + end) prefetch_first_tiles<ND, Cache>(p, spans[items[i + 1].span], items[i + 1].split);
+      run_item<ND, Cache>(p, spans, items[i], scratch.data());
+    }
+  }
   if (merges.empty()) return;
   // Each split span's partial results: consecutive in scratch, in split order, from its first item's offset.
   std::vector<int64_t> first_partial(spans.size(), -1);
