@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from common import RESULTS, machine_line, markdown_table
 from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.cpu.tiles import tile
 from tokenriver.models.quant import quantize_int4, quantize_int8
 
 # [out_features N, in_features K] of one layer with the engine's fused projections, and the lm_head.
@@ -47,12 +48,16 @@ def step_products(kernels) -> tuple[dict[str, list], list]:
         if index == len(shapes) - 1:
             q8 = quantize_int8(weight, 32)
             for rounding in roundings:
-                native[rounding].append(kernels.bind_int8(q8.qweight, q8.scales, 32, rounding, many_rows=True))
+                native[rounding].append(
+                    kernels.bind(tile(q8.qweight, q8.scales, None, None, 32), rounding, many_rows=True)
+                )
             dense.append(kernels.int8_dequantize(q8.qweight, q8.scales, 32))
         else:
             q4 = quantize_int4(weight, 32)
             for rounding in roundings:
-                native[rounding].append(kernels.bind_int4(q4.qweight, q4.scales, q4.mins, 32, rounding, many_rows=True))
+                native[rounding].append(
+                    kernels.bind(tile(q4.qweight, q4.scales, q4.mins, None, 32), rounding, many_rows=True)
+                )
             dense.append(kernels.int4_dequantize(q4.qweight, q4.scales, q4.mins, 32))
     return native, dense
 

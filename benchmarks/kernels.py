@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from common import RESULTS, machine_line, markdown_table
 from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.cpu.tiles import tile
 from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, unpack_int4
 
 # [out_features N, in_features K]: SmolLM2-135M's q/o, gate/up, down, tied lm_head; and a 7B-class square matrix.
@@ -142,11 +143,8 @@ def make_candidates(out_features: int, in_features: int, num_rows: int) -> list[
 
             def bind(w=weight_q, a=activations_int8, is_int4=is_int4):
                 rounding = "int8" if a else None
-                if is_int4:
-                    return kernels.bind_int4(
-                        w.qweight.clone(), w.scales.clone(), w.mins.clone(), w.group_size, rounding
-                    )
-                return kernels.bind_int8(w.qweight.clone(), w.scales.clone(), w.group_size, rounding)
+                mins = w.mins if is_int4 else None
+                return kernels.bind(tile(w.qweight, w.scales, mins, None, w.group_size), rounding)
 
             add(name, size, bind, lambda linear: linear(x32))
         if num_rows >= 8:
@@ -154,9 +152,7 @@ def make_candidates(out_features: int, in_features: int, num_rows: int) -> list[
             add(
                 "native int4 GEMM (Q4_1)",
                 int4_bytes,
-                lambda: kernels.bind_int4(
-                    int4.qweight.clone(), int4.scales.clone(), int4.mins.clone(), 32, many_rows=True
-                ),
+                lambda: kernels.bind(tile(int4.qweight, int4.scales, int4.mins, None, 32), many_rows=True),
                 lambda gemm: gemm(x32),
             )
             add(

@@ -268,18 +268,7 @@ def test_int8_activations_int4_rows_do_not_depend_on_the_batch(kind: str) -> Non
 
 def bind_gemm(layer: Int4Linear | Int8Linear, rounding: str | None):
     """The layer's many-row native product with the given rounding, whichever one the layer itself would pick."""
-    kernels = load_kernels()
-    if isinstance(layer, Int4Linear):
-        return kernels.bind_int4(
-            layer.qweight,
-            layer.scales,
-            layer.mins,
-            layer.group_size,
-            rounding,
-            many_rows=True,
-            high_bits=layer.high_bits,
-        )
-    return kernels.bind_int8(layer.qweight, layer.scales, layer.group_size, rounding, many_rows=True)
+    return load_kernels().bind(layer.packed.tiles, rounding, many_rows=True)
 
 
 def rounded_reference(layer: Int4Linear | Int8Linear, x: torch.Tensor, rounding: str | None) -> torch.Tensor:
@@ -382,15 +371,17 @@ def test_int8_activations_rounding_matches_its_definition() -> None:
 @pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])
 def test_native_dequantize_equals_torch_dequantize(kind: str) -> None:
     layer = make_layer(kind, 64, 128, "native")
-    is_int4 = isinstance(layer, Int4Linear)
+    weight = layer.row_major_weight()
+    is_int4 = isinstance(weight, Int4Weight)
     native = cpu_fast_path.load().dequantize(
-        layer.qweight,
-        layer.scales,
-        layer.mins if is_int4 else None,
-        layer.group_size,
-        layer.high_bits if is_int4 else None,
+        weight.qweight,
+        weight.scales,
+        weight.mins if is_int4 else None,
+        weight.group_size,
+        weight.high_bits if is_int4 else None,
     )
     assert torch.equal(native, layer.dequantize())
+    assert torch.equal(native, weight.dequantize())
     assert torch.equal(layer.dequantize_rows(torch.tensor([5, 0, 63])), layer.dequantize()[[5, 0, 63]])
 
 

@@ -71,18 +71,21 @@ def take_rows(layer: nn.Module, runs: list[tuple[int, int]]) -> nn.Module:
     """A column-parallel shard: the output rows [start, end) of each run, in order, as one layer of the same kind."""
     index = torch.cat([torch.arange(start, end) for start, end in runs]).to(_weight_device(layer))  # [rows]
     bias = None if layer.bias is None else layer.bias.detach().index_select(0, index)
-    if isinstance(layer, Int4Linear):
-        high_bits = None if layer.high_bits is None else layer.high_bits.index_select(0, index)
-        weight = Int4Weight(
-            layer.qweight.index_select(0, index),
-            layer.scales.index_select(0, index),
-            layer.mins.index_select(0, index),
-            layer.group_size,
-            high_bits,
-        )
-        return _quantized_like(layer, weight, bias)
-    if isinstance(layer, Int8Linear):
-        weight = Int8Weight(layer.qweight.index_select(0, index), layer.scales.index_select(0, index), layer.group_size)
+    if isinstance(layer, (Int4Linear, Int8Linear)):
+        whole = layer.row_major_weight()
+        if isinstance(whole, Int4Weight):
+            high_bits = None if whole.high_bits is None else whole.high_bits.index_select(0, index)
+            weight = Int4Weight(
+                whole.qweight.index_select(0, index),
+                whole.scales.index_select(0, index),
+                whole.mins.index_select(0, index),
+                whole.group_size,
+                high_bits,
+            )
+        else:
+            weight = Int8Weight(
+                whole.qweight.index_select(0, index), whole.scales.index_select(0, index), whole.group_size
+            )
         return _quantized_like(layer, weight, bias)
     if isinstance(layer, nn.Linear):
         return _linear(layer.weight.detach().index_select(0, index), bias)
@@ -104,23 +107,24 @@ def take_columns(layer: nn.Module, start: int, end: int, keep_bias: bool) -> nn.
                 f"weight's groups of {unit}: use a tensor_parallel_size that splits the heads at such a boundary",
                 param="tensor_parallel_size",
             )
+        whole = layer.row_major_weight()
         # Per-channel scales ([N, 1]) stay whole; the shard's one group is its own columns.
-        scales = layer.scales if per_channel else layer.scales[:, start // unit : end // unit]
+        scales = whole.scales if per_channel else whole.scales[:, start // unit : end // unit]
         group_size = end - start if per_channel else layer.group_size
-        if isinstance(layer, Int4Linear):
+        if isinstance(whole, Int4Weight):
             # Within each 32-column run, byte j holds columns j and j + 16: a run of 32 columns is 16 whole bytes.
-            mins = layer.mins if per_channel else layer.mins[:, start // unit : end // unit]
+            mins = whole.mins if per_channel else whole.mins[:, start // unit : end // unit]
             # The fifth bits are a word per 32 columns, and unit is a multiple of 32.
-            high_bits = None if layer.high_bits is None else layer.high_bits[:, start // 32 : end // 32].contiguous()
+            high_bits = None if whole.high_bits is None else whole.high_bits[:, start // 32 : end // 32].contiguous()
             weight = Int4Weight(
-                layer.qweight[:, start // 2 : end // 2].contiguous(),
+                whole.qweight[:, start // 2 : end // 2].contiguous(),
                 scales.contiguous(),
                 mins.contiguous(),
                 group_size,
                 high_bits,
             )
         else:
-            weight = Int8Weight(layer.qweight[:, start:end].contiguous(), scales.contiguous(), group_size)
+            weight = Int8Weight(whole.qweight[:, start:end].contiguous(), scales.contiguous(), group_size)
         return _quantized_like(layer, weight, bias)
     if isinstance(layer, nn.Linear):
         return _linear(layer.weight.detach()[:, start:end].contiguous(), bias)

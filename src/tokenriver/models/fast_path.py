@@ -36,6 +36,10 @@ class PackedProducts(Protocol):
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor | None:
         """Float32 rows [len(row_ids), K] of the weight (a tied embedding's lookup)."""
 
+    def row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """(qweight, scales, mins, high_bits) row after row where the path keeps the layer's packing in another
+        layout (the CPU's row tiles); None where the layer's buffers are the row-major ones."""
+
 
 class FastPath(Protocol):
     """The ops a device's fast path offers the definitions; each answers None where it does not take the call."""

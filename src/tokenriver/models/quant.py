@@ -385,6 +385,9 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.backend: Backend = _resolve_backend(backend, device)
         self.packed: PackedProducts | None = None
+        # How the packed buffers are laid out: "rows" as the formats above, or "tiles", the CPU kernels' row tiles
+        # (models/cpu/tiles.py), into which the CPU's fast path moves them when it binds the layer.
+        self.layout = "rows"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] → [..., out_features] in x's dtype."""
@@ -424,6 +427,46 @@ class QuantizedLinear(nn.Module):
         rows = None if self.packed is None else self.packed.dequantize_rows(row_ids)
         return self._dequantize_rows(row_ids) if rows is None else rows
 
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K], with torch ops (any device)."""
+        return self.row_major_weight().dequantize()
+
+    def _dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
+        # index_select, not advanced indexing: on the CPU the latter is far slower for row gathers.
+        weight = self.row_major_weight()
+        fields = {"qweight": weight.qweight, "scales": weight.scales}
+        if isinstance(weight, Int4Weight):
+            fields |= {"mins": weight.mins, "high_bits": weight.high_bits}
+        picked = {name: None if t is None else t.index_select(0, row_ids) for name, t in fields.items()}
+        return type(weight)(**picked, group_size=weight.group_size).dequantize()
+
+    def row_major_weight(self) -> Int4Weight | Int8Weight:
+        """The layer's weight as the formats above lay it out, row after row (a copy where the buffers are in
+        another layout): what tensor parallelism cuts and the reference path dequantizes."""
+        rows = None if self.packed is None or self.layout == "rows" else self.packed.row_major()
+        qweight, scales, mins, high_bits = rows or (
+            self.qweight,
+            self.scales,
+            getattr(self, "mins", None),
+            getattr(self, "high_bits", None),
+        )
+        if mins is None:
+            return Int8Weight(qweight, scales, self.group_size)
+        return Int4Weight(qweight, scales, mins, self.group_size, high_bits)
+
+    def adopt(self, layout: str, **buffers: torch.Tensor | None) -> None:
+        """Take the packed buffers in another layout (the same values, moved): each written into the storage of
+        the buffer it replaces where the byte counts agree, so that the weights stay where the loader put them (its
+        huge-page arena); a fast path calls this when it binds the layer."""
+        for name, tensor in buffers.items():
+            old = getattr(self, name)
+            if tensor is not None and old is not None and old.is_contiguous() and old.nbytes == tensor.nbytes:
+                storage = old.view(-1).view(torch.uint8)
+                storage.copy_(tensor.reshape(-1).view(torch.uint8))
+                tensor = storage.view(tensor.dtype).view(tensor.shape)
+            setattr(self, name, tensor)
+        self.layout = layout
+
     def set_int8_activations(self, enabled: bool) -> None:
         """Switch to the rounded arithmetic of the module docstring: int8 activations in decode-sized products,
         and in larger ones where the CPU has the instructions (or back to exact float32)."""
@@ -441,6 +484,12 @@ class QuantizedLinear(nn.Module):
         whoever moves the buffers' data without .to() (the loader's arena) calls this again."""
         fast = fast_path_for(self.qweight.device) if self.backend != "reference" else None
         self.packed = None if fast is None else fast.bind_packed(self)
+        if self.layout != "rows" and self.packed is None:
+            raise InvalidParameterError(
+                f"this layer's weights are laid out for the CPU kernels ({self.layout}) and cannot run on "
+                f"{self.qweight.device}: load the model on the device it should run on",
+                param="device",
+            )
         self._gemv = None if self.packed is None else self.packed.gemv
         self._gemm = None if self.packed is None else self.packed.gemm
 
@@ -535,21 +584,6 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("high_bits", high_bits)  # [N, K // 32] int32 for 5-bit codes, or None
         self.rebind()
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight [N, K], with torch ops (any device)."""
-        return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size, self.high_bits)
-
-    def _dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
-        # index_select, not advanced indexing: on the CPU the latter is far slower for row gathers.
-        high_bits = None if self.high_bits is None else self.high_bits.index_select(0, row_ids)
-        return dequantize_int4(
-            self.qweight.index_select(0, row_ids),
-            self.scales.index_select(0, row_ids),
-            self.mins.index_select(0, row_ids),
-            self.group_size,
-            high_bits,
-        )
-
 
 class QuantizedEmbedding(nn.Module):
     """Token embedding looked up in a quantized matrix: only the rows of this step's tokens are dequantized.
@@ -587,12 +621,3 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("qweight", weight.qweight.contiguous())  # [N, K] int8
         self.register_buffer("scales", weight.scales.contiguous())  # [N, K // G] float16
         self.rebind()
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight [N, K], with torch ops (any device)."""
-        return dequantize_int8(self.qweight, self.scales, self.group_size)
-
-    def _dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_int8(
-            self.qweight.index_select(0, row_ids), self.scales.index_select(0, row_ids), self.group_size
-        )

@@ -16,6 +16,7 @@ from torch import nn
 
 from tokenriver.config import default_num_threads
 from tokenriver.kv.cache import head_dim_of
+from tokenriver.models.cpu import tiles
 from tokenriver.models.cpu.kernels import (
     NativeKernels,
     Reductions,
@@ -186,31 +187,25 @@ class CpuFastPath:
 class NativePacked:
     """A quantized layer's weights bound to the native products (the PackedProducts of models/fast_path.py): the
     weight's pointers go to C once, not on each of a decode step's ~200 calls. `gemv` and `gemm` take contiguous
-    float32 rows; the layer calls them straight from its forward (models/quant.py). Bound again whenever the layer's
-    buffers move: the functions hold raw pointers (and the tensors, alive)."""
+    float32 rows; the layer calls them straight from its forward (models/quant.py). The first binding moves the
+    layer's packing into row tiles (models/cpu/tiles.py), in the buffers' own storage where the sizes allow. Bound
+    again whenever the layer's buffers move: the functions hold raw pointers (and the tensors, alive)."""
 
     def __init__(self, kernels: NativeKernels, layer: nn.Module) -> None:
         self.kernels = kernels
         self.max_gemv_rows = layer.max_gemv_rows
-        self.group_size = layer.group_size
-        self.is_int4 = layer.qweight.dtype == torch.uint8
-        # (qweight, scales, mins, high_bits) of an Int4 packing, (qweight, scales) of an Int8 one.
-        self.tensors = (
-            (layer.qweight, layer.scales, layer.mins, layer.high_bits)
-            if self.is_int4
-            else (layer.qweight, layer.scales)
+        is_int4 = layer.qweight.dtype == torch.uint8
+        mins, high_bits = (layer.mins, layer.high_bits) if is_int4 else (None, None)
+        if layer.layout == "rows":
+            tiled = tiles.tile(layer.qweight, layer.scales, mins, high_bits, layer.group_size)
+            extra = {"mins": tiled.mins, "high_bits": tiled.fifth} if is_int4 else {}
+            layer.adopt("tiles", qweight=tiled.codes, scales=tiled.scales, **extra)
+            mins, high_bits = (layer.mins, layer.high_bits) if is_int4 else (None, None)
+        self.tiles = tiles.Tiles(
+            layer.qweight, layer.scales, mins, high_bits, layer.out_features, layer.in_features, layer.group_size
         )
-        self.gemv = self._bind("int8" if layer.int8_activations else None, many_rows=False)
-        self.gemm = self._bind(layer.gemm_rounding, many_rows=True)
-
-    def _bind(self, rounding: str | None, many_rows: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-        if self.is_int4:
-            qweight, scales, mins, high_bits = self.tensors
-            return self.kernels.bind_int4(
-                qweight, scales, mins, self.group_size, rounding, many_rows=many_rows, high_bits=high_bits
-            )
-        qweight, scales = self.tensors
-        return self.kernels.bind_int8(qweight, scales, self.group_size, rounding, many_rows=many_rows)
+        self.gemv = kernels.bind(self.tiles, "int8" if layer.int8_activations else None, many_rows=False)
+        self.gemm = kernels.bind(self.tiles, layer.gemm_rounding, many_rows=True)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor | None:
         """rows [M, K] on the CPU @ Wᵀ, [M, N] float32: the GEMV up to the layer's max_gemv_rows, else the GEMM."""
@@ -222,11 +217,11 @@ class NativePacked:
 
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor | None:
         """One call instead of eight tensor ops per decode step; the same values (tested)."""
-        qweight, scales, *rest = (t if t is None else t.index_select(0, row_ids) for t in self.tensors)
-        if not self.is_int4:
-            return self.kernels.int8_dequantize(qweight, scales, self.group_size)
-        mins, high_bits = rest
-        return self.kernels.int4_dequantize(qweight, scales, mins, self.group_size, high_bits)
+        return self.kernels.dequantize_rows(self.tiles, row_ids.to(torch.int64).contiguous())
+
+    def row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The packing row after row (qweight, scales, mins, high_bits), as the layer was given it."""
+        return tiles.untile(self.tiles)
 
 
 def load() -> CpuFastPath | None:

@@ -35,6 +35,7 @@ import torch
 
 from tokenriver.kv.cache import head_dim_of
 from tokenriver.models.buffers import Allocate, heap_empty
+from tokenriver.models.cpu.tiles import Tiles
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ KERNELS_DIR = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp", "convert.cpp")
 )
-HEADERS = (KERNELS_DIR / "vec.h",)
+HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "tiles.h")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
 # order of its kv_cache_format codes (0, 1, 2).
@@ -290,6 +291,8 @@ class NativeKernels:
             "int8_gemm_f32": (int8_args, None),
             "int4_dequantize": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
             "int8_dequantize": ([ptr, ptr, i64, i64, i64, ptr, c_int], None),
+            "int4_dequantize_rows": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int], None),
+            "int8_dequantize_rows": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int], None),
             "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
             "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, c_int], None),
             "silu_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
@@ -380,67 +383,52 @@ class NativeKernels:
             return self._functions[f"{kind}_gemm_{'int8x' if rounding else 'f32'}"]
         return self._functions[f"{kind}_linear_{'int8x' if rounding else 'f32'}"]
 
-    def bind_int4(
-        self,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        mins: torch.Tensor,
-        group_size: int,
-        rounding: str | None = None,
-        many_rows: bool = False,
-        high_bits: torch.Tensor | None = None,
+    def bind(
+        self, tiles: Tiles, rounding: str | None = None, many_rows: bool = False
     ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x [M, K] float32 ↦ x @ dequantized int4 weight [N, K]ᵀ, [M, N] float32.
+        """x [M, K] float32 ↦ x @ the dequantized weight [N, K]ᵀ, [M, N] float32, for a weight in row tiles
+        (models/cpu/tiles.py: int4, int5 or int8).
 
         rounding "int8" rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact; K and
         the group size multiples of 32. many_rows picks the GEMM (gemm.cpp) over the GEMV: for more rows than a
         decode step has, where the product is bound by arithmetic rather than by reading the weights (with "int8",
-        where gemm_int8 is True; elsewhere the GEMV, whose arithmetic per row is the same). high_bits [N, K / 32]
-        int32 makes the weight 5-bit (quant.py's Int4Weight). The function keeps the tensors alive; rebind after
-        moving or replacing them.
+        where gemm_int8 is True; elsewhere the GEMV, whose arithmetic per row is the same). The function keeps the
+        tensors alive; bind again after moving or replacing them.
         """
-        out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
-        function = self._product("int4", rounding, many_rows)
-        weight = (
-            qweight.data_ptr(),
-            scales.data_ptr(),
-            mins.data_ptr(),
-            None if high_bits is None else high_bits.data_ptr(),
-            out_features,
-            in_features,
-            group_size,
+        function = self._product("int4" if tiles.is_int4 else "int8", rounding, many_rows)
+        weight = self._weight_arguments(tiles)
+        out_features = tiles.rows
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            y = torch.empty(x.shape[0], out_features, dtype=torch.float32)  # [M, N]
+            function(*weight, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
+            return y
+
+        linear.tiles = tiles  # the closure holds raw pointers: keep the tensors they point into alive
+        return linear
+
+    @staticmethod
+    def _weight_arguments(tiles: Tiles) -> tuple:
+        """The leading arguments of the products and dequantize_rows for a tiled weight."""
+        if not tiles.is_int4:
+            return tiles.codes.data_ptr(), tiles.scales.data_ptr(), tiles.rows, tiles.cols, tiles.group_size
+        fifth = None if tiles.fifth is None else tiles.fifth.data_ptr()
+        sizes = (tiles.rows, tiles.cols, tiles.group_size)
+        return tiles.codes.data_ptr(), tiles.scales.data_ptr(), tiles.mins.data_ptr(), fifth, *sizes
+
+    def dequantize_rows(self, tiles: Tiles, row_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows [len(row_ids), K] of a weight in row tiles, decoded as the products decode them; row_ids
+        int64, contiguous, each in [0, N)."""
+        out = torch.empty(row_ids.shape[0], tiles.cols, dtype=torch.float32)
+        function = self._functions["int4_dequantize_rows" if tiles.is_int4 else "int8_dequantize_rows"]
+        function(
+            *self._weight_arguments(tiles),
+            row_ids.data_ptr(),
+            row_ids.shape[0],
+            out.data_ptr(),
+            torch.get_num_threads(),
         )
-        tensors = (qweight, scales, mins, high_bits)
-
-        def linear(x: torch.Tensor) -> torch.Tensor:
-            y = torch.empty(x.shape[0], out_features, dtype=torch.float32)  # [M, N]
-            function(*weight, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
-            return y
-
-        linear.tensors = tensors  # the closure holds raw pointers: keep the tensors they point into alive
-        return linear
-
-    def bind_int8(
-        self,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        group_size: int,
-        rounding: str | None = None,
-        many_rows: bool = False,
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x [M, K] float32 ↦ x @ dequantized int8 weight [N, K]ᵀ, [M, N] float32 (options as in bind_int4)."""
-        out_features, in_features = qweight.shape
-        function = self._product("int8", rounding, many_rows)
-        weight = (qweight.data_ptr(), scales.data_ptr(), out_features, in_features, group_size)
-        tensors = (qweight, scales)
-
-        def linear(x: torch.Tensor) -> torch.Tensor:
-            y = torch.empty(x.shape[0], out_features, dtype=torch.float32)  # [M, N]
-            function(*weight, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
-            return y
-
-        linear.tensors = tensors  # the closure holds raw pointers: keep the tensors they point into alive
-        return linear
+        return out
 
     def int4_dequantize(
         self,
@@ -450,7 +438,8 @@ class NativeKernels:
         group_size: int,
         high_bits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The float32 weight [N, K], decoded as the products decode it."""
+        """The float32 weight [N, K] of a row-major packing (the loader's, before tiling), decoded as the products
+        decode it."""
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
         out = torch.empty(out_features, in_features, dtype=torch.float32)  # [N, K]
         self._functions["int4_dequantize"](

@@ -129,6 +129,10 @@ class TritonPacked:
     def dequantize_rows(self, row_ids: torch.Tensor) -> None:
         return None
 
+    def row_major(self) -> None:
+        """The layer's buffers are its packing, row after row."""
+        return None
+
 
 @functools.cache
 def load() -> CudaFastPath | None:

@@ -32,36 +32,37 @@
 
 
 extern "C" {
-void int4_linear_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+void int4_linear_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
                      const float*, int64_t, float*, int);
-void int4_linear_int8x(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+void int4_linear_int8x(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
                        const float*, int64_t, float*, int);
-void int4_gemm_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+void int4_gemm_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
                    const float*, int64_t, float*, int);
 void int8_linear_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
 void int8_linear_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
 void int8_gemm_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-void int4_gemm_int8x(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+void int4_gemm_int8x(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
                      const float*, int64_t, float*, int);
 void int8_gemm_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
-void int4_gemm_int8x_strided(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t,
+void int4_gemm_int8x_strided(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t,
                              int64_t, const float*, int64_t, int64_t, float*, int);
 void int8_gemm_int8x_strided(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
                              float*, int);
-void int4_gemm_int8x_swiglu(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t,
+void int4_gemm_int8x_swiglu(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t,
                             int64_t, const float*, int64_t, float*, int);
 void int8_gemm_int8x_swiglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                             int);
-void int4_gemm_int8x_geglu(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
+void int4_gemm_int8x_geglu(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
                            const float*, int64_t, float*, int);
 void int8_gemm_int8x_geglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                            int);
 #endif
 void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
-void int4_dequantize(const uint8_t*, const uint16_t*, const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t,
-                     float*, int);
-void int8_dequantize(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, int);
+void int4_dequantize_rows(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
+                          const int64_t*, int64_t, float*, int);
+void int8_dequantize_rows(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const int64_t*, int64_t, float*,
+                          int);
 int argmax_logsumexp_f32(const float*, int64_t, int64_t, int64_t*, float*, float*, int);
 void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
                 int64_t, int);
@@ -82,10 +83,10 @@ namespace {
 // A quantized linear layer (models/quant.py): the weight in gemv.cpp's format and how the layer runs it.
 // Mirrored field for field by native.py's LinearSpec.
 struct Linear {
-  const uint8_t* qweight;   // int4 [N, K/2] or int8 [N, K]
-  const uint16_t* scales;   // [N, K/G] float16
-  const uint16_t* mins;     // [N, K/G] float16, int4 only
-  const uint32_t* high_bits;  // [N, K/32] int5's fifth bits (gemv.cpp), or null
+  const uint8_t* qweight;   // in row tiles (tiles.h): int4 [tiles, K/32, 4, 16, 4] or int8 [tiles, K/32, 8, 16, 4]
+  const uint16_t* scales;   // [tiles, K/G, 16] float16
+  const uint16_t* mins;     // [tiles, K/G, 16] float16, int4 only
+  const uint64_t* high_bits;  // [tiles, K/32, 2, 4] int5's fifth-bit masks (tiles.h), or null
   const float* bias;        // [N] or null
   int64_t out_features, in_features, group_size;
   int64_t max_gemv_rows;    // up to this many rows take the GEMV, more take the GEMM
@@ -229,8 +230,9 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
 bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
   const Linear& gate_up = layer.gate_up;
   const Linear& down = layer.down;
+  // I a whole number of row tiles (tiles.h): a tile of gates then has its ups in one tile.
   return T > gate_up.max_gemv_rows && T > down.max_gemv_rows && gate_up.gemm_rounding == 1 &&
-         down.gemm_rounding == 1 && gate_up.bias == nullptr && down.bias == nullptr && I % 8 == 0;
+         down.gemm_rounding == 1 && gate_up.bias == nullptr && down.bias == nullptr && I % 16 == 0;
 }
 
 // The down product: linear's int8-activation GEMM reading x feature-major ([K, x_ld]).
@@ -611,15 +613,13 @@ int decoder_greedy_f32(const Decoder* d, const Step* base, const GreedyLoop* g) 
       if (g->table == nullptr) {
         memcpy(row, g->float_table + token * H, H * sizeof(float));
       } else if (g->table->is_int4) {
-        const int64_t groups = H / g->table->group_size;
-        const uint32_t* high_bits = g->table->high_bits;
-        int4_dequantize(g->table->qweight + token * (H / 2), g->table->scales + token * groups,
-                        g->table->mins + token * groups, high_bits == nullptr ? nullptr : high_bits + token * (H / 32),
-                        1, H, g->table->group_size, row, threads);
+        const Linear& t = *g->table;
+        int4_dequantize_rows(t.qweight, t.scales, t.mins, t.high_bits, t.out_features, H, t.group_size, &token, 1, row,
+                             threads);
       } else {
-        int8_dequantize(reinterpret_cast<const int8_t*>(g->table->qweight) + token * H,
-                        g->table->scales + token * (H / g->table->group_size), 1, H, g->table->group_size, row,
-                        threads);
+        const Linear& t = *g->table;
+        int8_dequantize_rows(reinterpret_cast<const int8_t*>(t.qweight), t.scales, t.out_features, H, t.group_size,
+                             &token, 1, row, threads);
       }
       if (g->embed_scale != 0.0f)
         for (int64_t h = 0; h < H; ++h) row[h] *= g->embed_scale;

@@ -28,12 +28,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "tiles.h"
 #include "vec.h"
 
 namespace {
 
 using tokenriver::decode_int4;
 using tokenriver::decode_int8;
+using tokenriver::kTileRows;
+using tokenriver::TiledWeight;
 using tokenriver::FloatLanes;
 using tokenriver::fma_lanes;
 using tokenriver::fold_lanes;
@@ -41,14 +44,13 @@ using tokenriver::kFloatLanes;
 using tokenriver::load_lanes;
 using tokenriver::zero_lanes;
 using tokenriver::half_to_float;
-using tokenriver::prefetch_group_terms;
 using tokenriver::quantize_activations;
 using tokenriver::transpose8;
 
 // Float products: decoded weight rows per tile (four rows × four activation rows of accumulators).
 constexpr int kFloatRows = 4;
 // Int8 products: weight rows per tile, activation rows per vector, and per packed panel (two vectors).
-constexpr int kRows = 6;
+constexpr int kRows = 8;
 constexpr int kLanes = 8;
 constexpr int kPanel = 2 * kLanes;
 
@@ -73,6 +75,27 @@ inline void decode_row(const uint8_t* qweight, const uint16_t* scales, const uin
     } else {
       decode_int8(reinterpret_cast<const int8_t*>(qweight) + n * K + k, w);
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + k + 8 * i, _mm256_mul_ps(scale, w[i]));
+    }
+  }
+}
+
+// Row n of a tiled weight (tiles.h), columns [0, K), decoded to float32: the values decode_row gives the same row
+// stored row after row.
+template <bool IS_INT4>
+inline void decode_tiled_row(const TiledWeight& w, int64_t n, float* out) {
+  for (int64_t b = 0; b < w.blocks(); ++b) {
+    alignas(32) uint8_t bytes[32];
+    w.row_block(n, b, bytes);
+    const __m256 scale = _mm256_set1_ps(w.row_scale(n, b));
+    __m256 codes[4];
+    if (IS_INT4) {
+      const uint32_t fifth = w.fifth != nullptr ? w.row_fifth(n, b) : 0;
+      decode_int4(bytes, codes, w.fifth != nullptr ? &fifth : nullptr);
+      const __m256 min = _mm256_set1_ps(w.row_min(n, b));
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 32 * b + 8 * i, _mm256_fmadd_ps(scale, codes[i], min));
+    } else {
+      decode_int8(reinterpret_cast<const int8_t*>(bytes), codes);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 32 * b + 8 * i, _mm256_mul_ps(scale, codes[i]));
     }
   }
 }
@@ -111,8 +134,8 @@ void float_rows(const float* w, const float* x, int64_t K, int64_t m_begin, int6
 }
 
 template <bool IS_INT4>
-void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-          const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads) {
+void gemm(const float* x, int64_t M, const TiledWeight& weight, float* y, int num_threads) {
+  const int64_t K = weight.K, N = weight.N;
   // Activation rows per pass: their [chunk, K] floats should sit in L2 while every weight tile sweeps over them.
   const int64_t chunk = std::max<int64_t>(4, kChunkBytes / (K * static_cast<int64_t>(sizeof(float))) / 4 * 4);
   const int64_t num_tiles = (N + kFloatRows - 1) / kFloatRows;
@@ -128,8 +151,7 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const ui
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t n0 = t * kFloatRows;
         const int64_t count = std::min<int64_t>(kFloatRows, N - n0);
-        for (int64_t r = 0; r < count; ++r)
-          decode_row<IS_INT4>(qweight, scales, mins, qh, K, G, n0 + r, w.data() + r * K);
+        for (int64_t r = 0; r < count; ++r) decode_tiled_row<IS_INT4>(weight, n0 + r, w.data() + r * K);
         switch (count) {
           case 4: float_rows<4>(w.data(), x, K, m0, m1, y, N, n0); break;
           case 3: float_rows<3>(w.data(), x, K, m0, m1, y, N, n0); break;
@@ -244,86 +266,43 @@ constexpr bool one_scale_per_row(int64_t K, int64_t G) {
   return !IS_INT4 && G == K;
 }
 
-// Per block of 32 columns of weight rows [n0, n0 + count), the scale and (int4) the min, as floats [count, K/32];
-// int8 weights with one scale per row: that scale, [count].
-// With groups of 32 the half-precision scales and mins of a row are contiguous and convert 16 at a time.
-template <bool IS_INT4>
-void block_terms(const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G, int64_t n0, int64_t count,
-                 float* out_scales, float* out_mins) {
-  const int64_t num_blocks = K / 32, num_groups = K / G;
-  if (one_scale_per_row<IS_INT4>(K, G)) {  // int8_tile's PER_ROW reads out_scales [count]
-    for (int64_t r = 0; r < count; ++r) out_scales[r] = half_to_float(scales[n0 + r]);
-    return;
-  }
-  for (int64_t r = 0; r < count; ++r) {
-    const int64_t n = n0 + r;
-    float* row_scales = out_scales + r * num_blocks;
-    float* row_mins = out_mins + r * num_blocks;
-    if (G == 32) {
-      for (int64_t b = 0; b < num_blocks; b += 16) {
-        const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, num_blocks - b)) - 1);
-        const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, scales + n * num_groups + b));
-        _mm512_mask_storeu_ps(row_scales + b, mask, s);
-        if (IS_INT4)
-          _mm512_mask_storeu_ps(row_mins + b, mask,
-                                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + n * num_groups + b)));
-      }
-    } else {
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        row_scales[b] = half_to_float(scales[n * num_groups + b * 32 / G]);
-        if (IS_INT4) row_mins[b] = half_to_float(mins[n * num_groups + b * 32 / G]);
-      }
-    }
-  }
-}
-
-// Weight row n as the int8 tile reads it: its K columns as unsigned bytes in order (int4: the 0..15 codes, int5 the
-// 0..31 codes with their high bits qh; int8: q + 128), block b (32 columns) at out + 32 * kRows * b, so that the
-// tile's rows of a block sit together at fixed offsets.
-template <bool IS_INT4>
-inline void tile_row(const uint8_t* qweight, const uint32_t* qh, int64_t K, int64_t n, uint8_t* out) {
-  int64_t b = 0;
-  if (IS_INT4) {
-    // Four blocks at a time: their 64 bytes give the four blocks' low nibbles in the 128-bit lanes of lo and their
-    // high ones in hi's, and block i's 32 bytes are lane i of lo then lane i of hi.
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i blocks01 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const __m512i blocks23 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    for (; b + 4 <= K / 32; b += 4, out += 4 * 32 * kRows) {
-      const __m512i raw = _mm512_loadu_si512(qweight + n * (K / 2) + 16 * b);
-      const __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-      __m512i first = _mm512_permutex2var_epi64(lo, blocks01, hi);
-      __m512i second = _mm512_permutex2var_epi64(lo, blocks23, hi);
-      if (qh != nullptr) {
-        // first holds blocks b and b + 1 in column order, second b + 2 and b + 3: each one high-bit word a block.
-        const uint32_t* words = qh + n * (K / 32) + b;
-        const __m512i fifth = _mm512_set1_epi8(0x10);
-        first = _mm512_or_si512(first, _mm512_maskz_mov_epi8(words[0] | uint64_t{words[1]} << 32, fifth));
-        second = _mm512_or_si512(second, _mm512_maskz_mov_epi8(words[2] | uint64_t{words[3]} << 32, fifth));
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_castsi512_si256(first));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * kRows), _mm512_extracti64x4_epi64(first, 1));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * kRows), _mm512_castsi512_si256(second));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 96 * kRows), _mm512_extracti64x4_epi64(second, 1));
-    }
-  }
-  for (; b < K / 32; ++b, out += 32 * kRows) {
+// A row tile's codes and terms as int8_tile reads them ("staged"), for S rows side by side: 16, or 32 for a fused
+// gate/up weight (the tile's 16 gates, then the tile of their 16 ups). Per block b, words [8][S]: word j of row r
+// holds the unsigned codes of columns 4j .. 4j + 3 (int4: 0..15, int5 with their fifth bits 0..31; int8: q + 128),
+// a row tile's word taken whole for 16 rows at a time; scales and mins [K/32][S] as floats (int8 weights with one
+// scale per row: [S]).
+template <bool IS_INT4, int S>
+inline void stage_tile(const TiledWeight& w, int64_t t, int row0, uint32_t* words, float* scales, float* mins) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < w.blocks(); ++b) {
+    const uint8_t* block = w.block(t, b);
+    uint32_t* out = words + 8 * S * b + row0;
     if (IS_INT4) {
-      const __m128i nibble = _mm_set1_epi8(0x0F);
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qweight + n * (K / 2) + 16 * b));
-      __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-      if (qh != nullptr) {
-        const uint32_t word = qh[n * (K / 32) + b];
-        low = _mm_or_si128(low, _mm_maskz_mov_epi8(static_cast<__mmask16>(word), _mm_set1_epi8(0x10)));
-        high = _mm_or_si128(high, _mm_maskz_mov_epi8(static_cast<__mmask16>(word >> 16), _mm_set1_epi8(0x10)));
+      const uint64_t* masks = w.fifth != nullptr ? w.block_fifth(t, b) : nullptr;
+      for (int j = 0; j < 4; ++j) {
+        const __m512i raw = _mm512_loadu_si512(block + 64 * j);
+        __m512i low = _mm512_and_si512(raw, nibble), high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        if (masks != nullptr) {
+          low = _mm512_mask_add_epi8(low, masks[j], low, _mm512_set1_epi8(16));
+          high = _mm512_mask_add_epi8(high, masks[4 + j], high, _mm512_set1_epi8(16));
+        }
+        _mm512_storeu_si512(out + S * j, low);
+        _mm512_storeu_si512(out + S * (4 + j), high);
       }
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), low);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), high);
     } else {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qweight + n * K + 32 * b));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_xor_si256(q, _mm256_set1_epi8(-128)));
+      for (int j = 0; j < 8; ++j)
+        _mm512_storeu_si512(out + S * j, _mm512_xor_si512(_mm512_loadu_si512(block + 64 * j), _mm512_set1_epi8(-128)));
     }
+    if (one_scale_per_row<IS_INT4>(w.K, w.G)) continue;
+    _mm512_storeu_ps(scales + S * b + row0,
+                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, b)))));
+    if (IS_INT4)
+      _mm512_storeu_ps(mins + S * b + row0,
+                       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_mins(t, b)))));
   }
+  if (one_scale_per_row<IS_INT4>(w.K, w.G))
+    _mm512_storeu_ps(scales + row0,
+                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, 0)))));
 }
 
 // A later tile's weight bytes, for int8_tile to fetch into L2 a few 64-byte lines per block of 32 columns while it
@@ -333,28 +312,34 @@ struct TilePrefetch {
   int64_t lines = 0;
 };
 
-// RT weight rows (w: tile_row's layout; scales and mins [RT, K/32]) × one panel's 16 activation rows, the first
-// `valid` of them real, into y[m0 + i, n0 + r]. Each weight word's address is the block's base plus a constant:
-// with rows K bytes apart instead, the compiler kept one pointer per (row, column) and spilled them, and the tile
-// ran at 1.3 instead of 2.5 billion dpbusd per second.
-// PER_ROW (int8 weights with one scale per output channel, w_scales [RT, 1]): a block's sums are scaled by the
-// activation scale alone and the row's weight scale multiplies the total once, so each block and row costs one FMA
-// instead of a multiply and an FMA, and the loop runs closer to dpbusd's rate.
-template <bool IS_INT4, int RT, bool PER_ROW = false>
-void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int64_t K, const uint32_t* quads,
-               const float* x_scales, const float* x_terms, int valid, float* y, int64_t N, int64_t m0, int64_t n0,
-               int64_t y_ld, const TilePrefetch& prefetch, bool gelu = false) {
+// RT weight rows of a staged tile (stage_tile: S rows side by side, these from row0; with FUSED the first RT / 2
+// are gates and the rest their ups, S / 2 rows further) × one panel's 16 activation rows, the first `valid` of them
+// real, into y[m0 + i, n0 + r] for the first real_rows rows (the rest: a last tile's zero rows). Each weight word's address is the block's base plus a constant: with rows K bytes
+// apart instead, the compiler kept one pointer per (row, column) and spilled them, and the tile ran at 1.3 instead
+// of 2.5 billion dpbusd per second.
+// PER_ROW (int8 weights with one scale per output channel): a block's sums are scaled by the activation scale alone
+// and the row's weight scale multiplies the total once, so each block and row costs one FMA instead of a multiply
+// and an FMA, and the loop runs closer to dpbusd's rate.
+template <bool IS_INT4, int RT, bool PER_ROW, int S, bool FUSED>
+void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins, int row0, int64_t K,
+               const uint32_t* quads, const float* x_scales, const float* x_terms, int valid, float* y, int64_t N,
+               int64_t m0, int64_t n0, int64_t y_ld, int real_rows, const TilePrefetch& prefetch,
+               bool gelu = false) {
   static_assert(!(IS_INT4 && PER_ROW), "int4 weights keep a scale and a min per group");
+  // Lane of weight row r in the staged tile.
+  constexpr auto lane = [](int r) { return FUSED && r >= RT / 2 ? S / 2 + r - RT / 2 : r; };
   const int64_t num_blocks = K / 32;
   const int64_t lines_per_block = (prefetch.lines + num_blocks - 1) / num_blocks;
-  const uint32_t* w_words = reinterpret_cast<const uint32_t*>(w);
+  words += row0;
+  w_scales += row0;
+  w_mins += row0;
   __m512 acc[RT];
   for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     __m512i sums[RT];
     const __m512i start = IS_INT4 ? _mm512_setzero_si512() : _mm512_cvtps_epi32(_mm512_loadu_ps(x_terms + b * kPanel));
     for (int r = 0; r < RT; ++r) sums[r] = start;
-    const uint32_t* block_words = w_words + 8 * kRows * b;
+    const uint32_t* block_words = words + 8 * S * b;
     const uint32_t* block_quads = quads + 8 * kPanel * b;
     for (int64_t l = b * lines_per_block; l < std::min(prefetch.lines, (b + 1) * lines_per_block); ++l)
       for (const char* start : prefetch.starts)
@@ -363,7 +348,7 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
     for (int j = 0; j < 8; ++j) {
       const __m512i x = _mm512_loadu_si512(block_quads + j * kPanel);
       for (int r = 0; r < RT; ++r) {
-        const __m512i weights = _mm512_set1_epi32(static_cast<int>(block_words[8 * r + j]));
+        const __m512i weights = _mm512_set1_epi32(static_cast<int>(block_words[S * j + lane(r)]));
         sums[r] = _mm512_dpbusd_epi32(sums[r], weights, x);
       }
     }
@@ -375,12 +360,12 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
         acc[r] = _mm512_fmadd_ps(exact, x_scale, acc[r]);
         continue;
       }
-      acc[r] = _mm512_fmadd_ps(exact, _mm512_mul_ps(_mm512_set1_ps(w_scales[r * num_blocks + b]), x_scale), acc[r]);
-      if (IS_INT4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w_mins[r * num_blocks + b]), x_sum, acc[r]);
+      acc[r] = _mm512_fmadd_ps(exact, _mm512_mul_ps(_mm512_set1_ps(w_scales[S * b + lane(r)]), x_scale), acc[r]);
+      if (IS_INT4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w_mins[S * b + lane(r)]), x_sum, acc[r]);
     }
   }
   if (PER_ROW)
-    for (int r = 0; r < RT; ++r) acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(w_scales[r]));
+    for (int r = 0; r < RT; ++r) acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(w_scales[lane(r)]));
   // SwiGLU (GeGLU if gelu) into y feature-major ([N, y_ld]): rows r < RT / 2 are gates and the rest their ups, and
   // row n0 + r of y (activation rows m0.. of it) is silu(gate r) * up r (gelu_tanh(gate r) * up r).
   if (y_ld > 0) {
@@ -394,7 +379,7 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
   // Out through registers: the 8 × 16 matrix of weight rows (zero past RT) by activation rows, transposed as two
   // 8 × 8 halves, gives each activation row its RT sums in one vector, stored under a mask, instead of a scalar
   // store per sum through a stack copy.
-  const __mmask8 columns = static_cast<__mmask8>((1u << RT) - 1);
+  const __mmask8 columns = static_cast<__mmask8>((1u << std::min(RT, real_rows)) - 1);
   for (int half = 0; half < 2; ++half) {
     __m256 rows[kLanes];
     // The extract's lane index must be an immediate: spelled out, not `half`, which is one only once the loop is
@@ -410,14 +395,15 @@ void int8_tile(const uint8_t* w, const float* w_scales, const float* w_mins, int
 
 // x_ld: 0 for x [M, K] row after row; else x is stored feature-major, column k at x + k * x_ld, the rows
 // consecutive. The same values either way.
-// swiglu_up > 0: weight rows [0, N) are an MLP's gates and [swiglu_up, swiglu_up + N) their ups, and y [N, y_ld]
-// (feature-major) gets silu(gate) * up. A tile then takes three gates and their three ups, and SwiGLU runs on its
-// sums in registers: no [2N, M] product is written and read back by a pass of its own. The values are those of
-// the product row after row and ops.cpp's SwiGLU.
+// swiglu_up > 0: weight rows [0, N) are an MLP's gates and [swiglu_up, swiglu_up + N) their ups (swiglu_up a
+// multiple of 16, so that a tile of gates has its ups in one tile), and y [N, y_ld] (feature-major) gets
+// silu(gate) * up. A tile then takes three gates and their three ups, and SwiGLU runs on its sums in registers: no
+// [2N, M] product is written and read back by a pass of its own. The values are those of the product row after
+// row and ops.cpp's SwiGLU.
 template <bool IS_INT4>
-void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, const uint16_t* scales,
-               const uint16_t* mins, const uint32_t* qh, int64_t N, int64_t G, float* y, int num_threads,
-               int64_t x_ld = 0, int64_t swiglu_up = 0, bool gelu = false) {
+void gemm_int8(const float* x, int64_t M, const TiledWeight& weight, float* y, int num_threads, int64_t x_ld = 0,
+               int64_t swiglu_up = 0, bool gelu = false) {
+  const int64_t K = weight.K, N = swiglu_up > 0 ? swiglu_up : weight.N;
   const int64_t y_ld = swiglu_up > 0 ? M : 0;
   const int64_t num_blocks = K / 32, panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
   const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
@@ -433,11 +419,9 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* const x_scales = reinterpret_cast<float*>(quads + num_panels * panel_words);
   float* const x_terms = x_scales + num_panels * panel_blocks;
-  // Rows of y per tile.
-  const int64_t tile_outputs = swiglu_up > 0 ? kRows / 2 : kRows;
-  const bool per_row = one_scale_per_row<IS_INT4>(K, G);
-  const int64_t row_terms = per_row ? 1 : num_blocks;  // block_terms' floats per weight row
-  const int64_t num_tiles = (N + tile_outputs - 1) / tile_outputs;
+  const bool per_row = one_scale_per_row<IS_INT4>(K, weight.G);
+  const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t tile_bytes = num_blocks * weight.words() * 64;
   // One parallel region for packing and products (one fork and join per product, not two per chunk). Tiles are
   // handed out in runs that shrink as the product nears its end (guided, down to 2 tiles): each thread mostly
   // takes the tiles after its last one, as the weight prefetch below assumes, and neither thread waits long at the
@@ -448,12 +432,12 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
     // per call (~40 KB per thread and product, 120 products a decode step), its memset showed up in profiles.
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> xscale, w_scales, w_mins;
-    thread_local std::vector<uint8_t> w;
+    thread_local std::vector<uint32_t> w;
     grow(xq, kPanel * K);
     grow(xscale, kPanel * num_blocks);
-    grow(w, kRows * K);
-    grow(w_scales, kRows * num_blocks);
-    grow(w_mins, kRows * num_blocks);
+    grow(w, 2 * kTileRows * K / 4);
+    grow(w_scales, 2 * kTileRows * num_blocks);
+    grow(w_mins, 2 * kTileRows * num_blocks);
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
 #pragma omp for schedule(static)
@@ -469,41 +453,28 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
       float* y_chunk = y_ld > 0 ? y + m0 : y + m0 * N;
 #pragma omp for schedule(guided, 2)
       for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t n0 = t * tile_outputs;
-        const int64_t count = std::min<int64_t>(tile_outputs, N - n0);
-        // The weights of the tile after next, into L2 while this one computes (the products of a decode step read
-        // them from memory): their bytes spread over the first panel's blocks (int8_tile), their scales now.
-        // Issued all at once, the bytes (54 lines a tile of K = 576, 144 of K = 1536) stalled the core until
-        // miss buffers freed up (benchmarks/HISTORY.md).
+        const int64_t n0 = t * kTileRows;
+        const int count = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
+        // The tile after next, into L2 while this one computes (the products of a decode step read it from
+        // memory): its bytes spread over the first panel's blocks (int8_tile). Issued all at once, the lines
+        // stalled the core until miss buffers freed up (benchmarks/HISTORY.md).
         TilePrefetch prefetch;
-        if (n0 + 2 * tile_outputs < N) {
-          const int64_t later = n0 + 2 * tile_outputs, later_rows = std::min<int64_t>(tile_outputs, N - later);
-          const int64_t row_bytes = IS_INT4 ? K / 2 : K;
-          prefetch.starts[0] = reinterpret_cast<const char*>(qweight + later * row_bytes);
+        if (t + 2 < num_tiles) {
+          prefetch.starts[0] = reinterpret_cast<const char*>(weight.block(t + 2, 0));
           if (swiglu_up > 0)
-            prefetch.starts[1] = reinterpret_cast<const char*>(qweight + (swiglu_up + later) * row_bytes);
-          prefetch.lines = (later_rows * row_bytes + 63) / 64;
-          prefetch_group_terms<IS_INT4>(scales, mins, K, G, later, later_rows);
-          if (swiglu_up > 0) prefetch_group_terms<IS_INT4>(scales, mins, K, G, swiglu_up + later, later_rows);
+            prefetch.starts[1] = reinterpret_cast<const char*>(weight.block(swiglu_up / kTileRows + t + 2, 0));
+          prefetch.lines = tile_bytes / 64;
         }
-        block_terms<IS_INT4>(scales, mins, K, G, n0, count, w_scales.data(), w_mins.data());
-        for (int64_t r = 0; r < count; ++r) tile_row<IS_INT4>(qweight, qh, K, n0 + r, w.data() + 32 * r);
-        if (swiglu_up > 0) {
-          block_terms<IS_INT4>(scales, mins, K, G, swiglu_up + n0, count, w_scales.data() + count * row_terms,
-                               w_mins.data() + count * row_terms);
-          for (int64_t r = 0; r < count; ++r)
-            tile_row<IS_INT4>(qweight, qh, K, swiglu_up + n0 + r, w.data() + 32 * (count + r));
-        }
-        const int64_t tile_rows = swiglu_up > 0 ? 2 * count : count;
-        const auto run = [&](auto rows_per_tile) {
-          constexpr int RT = decltype(rows_per_tile)::value;
+        const auto run = [&](auto rows_per_tile, auto stride, auto fused, int row0, int64_t first) {
+          constexpr int RT = decltype(rows_per_tile)::value, S = decltype(stride)::value;
           for (int64_t m = 0; m < rows; m += kPanel) {
             const int64_t p = m / kPanel;
             const auto tile = [&](auto per_row_tile) {
-              int8_tile<IS_INT4, RT, decltype(per_row_tile)::value>(
-                  w.data(), w_scales.data(), w_mins.data(), K, quads + p * panel_words, x_scales + p * panel_blocks,
-                  x_terms + p * panel_blocks, static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m,
-                  n0, y_ld, p == 0 ? prefetch : TilePrefetch{}, gelu);
+              int8_tile<IS_INT4, RT, decltype(per_row_tile)::value, S, decltype(fused)::value>(
+                  w.data(), w_scales.data(), w_mins.data(), row0, K, quads + p * panel_words,
+                  x_scales + p * panel_blocks, x_terms + p * panel_blocks,
+                  static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m, first, y_ld, count - row0,
+                  p == 0 && row0 == 0 ? prefetch : TilePrefetch{}, gelu);
             };
             // per_row is never true for int4; the constant keeps the int4 build from instantiating PER_ROW.
             if (per_row)
@@ -512,14 +483,22 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* qweight, con
               tile(std::false_type{});
           }
         };
-        switch (tile_rows) {
-          case 6: run(std::integral_constant<int, 6>{}); break;
-          case 5: run(std::integral_constant<int, 5>{}); break;
-          case 4: run(std::integral_constant<int, 4>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          default: run(std::integral_constant<int, 1>{}); break;
+        if (swiglu_up > 0) {
+          constexpr int S = 2 * kTileRows;
+          stage_tile<IS_INT4, S>(weight, t, 0, w.data(), w_scales.data(), w_mins.data());
+          stage_tile<IS_INT4, S>(weight, swiglu_up / kTileRows + t, kTileRows, w.data(), w_scales.data(),
+                                 w_mins.data());
+          // Four gates and their four ups at a time (a tile's gates are all real: N is a multiple of 16).
+          for (int row0 = 0; row0 < count; row0 += kRows / 2)
+            run(std::integral_constant<int, kRows>{}, std::integral_constant<int, S>{}, std::true_type{}, row0,
+                n0 + row0);
+          continue;
         }
+        stage_tile<IS_INT4, kTileRows>(weight, t, 0, w.data(), w_scales.data(), w_mins.data());
+        // Eight rows at a time: a tile is two runs, and the last tile's zero rows past N are computed, not stored.
+        for (int row0 = 0; row0 < count; row0 += kRows)
+          run(std::integral_constant<int, kRows>{}, std::integral_constant<int, kTileRows>{}, std::false_type{}, row0,
+              n0 + row0);
       }
     }
   }
@@ -535,27 +514,42 @@ void dequantize(const uint8_t* qweight, const uint16_t* scales, const uint16_t* 
   for (int64_t n = 0; n < N; ++n) decode_row<IS_INT4>(qweight, scales, mins, qh, K, G, n, out + n * K);
 }
 
+TiledWeight int4_weight(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
+                        int64_t N, int64_t K, int64_t G) {
+  return TiledWeight{codes, scales, mins, fifth, N, K, G, true};
+}
+
+TiledWeight int8_weight(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G) {
+  return TiledWeight{reinterpret_cast<const uint8_t*>(codes), scales, nullptr, nullptr, N, K, G, false};
+}
+
+// Rows ids[i] of a tiled weight decoded into out [count, K].
+template <bool IS_INT4>
+void dequantize_rows(const TiledWeight& w, const int64_t* ids, int64_t count, float* out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (count > 1)
+  for (int64_t i = 0; i < count; ++i) decode_tiled_row<IS_INT4>(w, ids[i], out + i * w.K);
+}
+
 }  // namespace
 
 extern "C" {
 
-// y [M, N] = x [M, K] @ dequantized weight [N, K]ᵀ; arguments in the order of gemv.cpp's int4_linear_f32.
-void int4_gemm_f32(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
-                   int64_t N, int64_t K,
-                   int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
+// y [M, N] = x [M, K] @ dequantized weight [N, K]ᵀ, the weight in row tiles (tiles.h); arguments in the order of
+// gemv.cpp's int4_linear_f32.
+void int4_gemm_f32(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
+                   int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
+  gemm<true>(x, M, int4_weight(codes, scales, mins, fifth, N, K, group_size), y, num_threads);
 }
 
-void int8_gemm_f32(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
+void int8_gemm_f32(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                    const float* x, int64_t M, float* y, int num_threads) {
-  gemm<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size, y,
-              num_threads);
+  gemm<false>(x, M, int8_weight(codes, scales, N, K, group_size), y, num_threads);
 }
 
-// Float32 copy of the weights, [N, K], decoded exactly as the products decode them.
+// Float32 copy of weights stored row after row (the loader's formats, before they are tiled), [N, K], decoded
+// exactly as the products decode them.
 void int4_dequantize(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
-                     int64_t N, int64_t K,
-                     int64_t group_size, float* out, int num_threads) {
+                     int64_t N, int64_t K, int64_t group_size, float* out, int num_threads) {
   dequantize<true>(qweight, scales, mins, qh, N, K, group_size, out, num_threads);
 }
 
@@ -565,61 +559,68 @@ void int8_dequantize(const int8_t* qweight, const uint16_t* scales, int64_t N, i
                     num_threads);
 }
 
+// Rows ids [count] of a weight in row tiles, decoded into out [count, K]: an embedding's lookup, or the whole
+// matrix (ids 0 .. N - 1).
+void int4_dequantize_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
+                          int64_t N, int64_t K, int64_t group_size, const int64_t* ids, int64_t count, float* out,
+                          int num_threads) {
+  dequantize_rows<true>(int4_weight(codes, scales, mins, fifth, N, K, group_size), ids, count, out, num_threads);
+}
+
+void int8_dequantize_rows(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
+                          const int64_t* ids, int64_t count, float* out, int num_threads) {
+  dequantize_rows<false>(int8_weight(codes, scales, N, K, group_size), ids, count, out, num_threads);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // The same products with the activations rounded to int8 per 32 columns (models/quant.py's rounded mode), where the
 // CPU has AVX512-VNNI; K a multiple of 32, groups a multiple of 32. Present only then: gemm_int8x_supported says.
-void int4_gemm_int8x(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
-                     int64_t N, int64_t K,
-                     int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads);
+void int4_gemm_int8x(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
+                     int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
+  gemm_int8<true>(x, M, int4_weight(codes, scales, mins, fifth, N, K, group_size), y, num_threads);
 }
 
-void int8_gemm_int8x(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
+void int8_gemm_int8x(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                      const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size, y,
-                   num_threads);
+  gemm_int8<false>(x, M, int8_weight(codes, scales, N, K, group_size), y, num_threads);
 }
 
 // int4_gemm_int8x / int8_gemm_int8x with x stored feature-major ([K, x_ld]): the native decoder's MLP keeps its
 // intermediate so, and the same values come out.
-void int4_gemm_int8x_strided(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
-                             int64_t N,
-                             int64_t K, int64_t group_size, const float* x, int64_t M, int64_t x_ld, float* y,
-                             int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, N, group_size, y, num_threads, x_ld);
+void int4_gemm_int8x_strided(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
+                             int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, int64_t x_ld,
+                             float* y, int num_threads) {
+  gemm_int8<true>(x, M, int4_weight(codes, scales, mins, fifth, N, K, group_size), y, num_threads, x_ld);
 }
 
-void int8_gemm_int8x_strided(const int8_t* qweight, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
+void int8_gemm_int8x_strided(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
                              const float* x, int64_t M, int64_t x_ld, float* y, int num_threads) {
-  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, N, group_size, y,
-                   num_threads, x_ld);
+  gemm_int8<false>(x, M, int8_weight(codes, scales, N, K, group_size), y, num_threads, x_ld);
 }
 
 // y [I, M] (feature-major) = silu(x Wᵀ [:, :I]) * x Wᵀ [:, I:2I] for a fused gate/up weight [2I, K]: the native
 // decoder's MLP intermediate, the values of int4_gemm_int8x and ops.cpp's SwiGLU.
-void int4_gemm_int8x_swiglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
-                            int64_t I,
-                            int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, I, group_size, y, num_threads, 0, I);
+void int4_gemm_int8x_swiglu(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
+                            int64_t I, int64_t K, int64_t group_size, const float* x, int64_t M, float* y,
+                            int num_threads) {
+  gemm_int8<true>(x, M, int4_weight(codes, scales, mins, fifth, 2 * I, K, group_size), y, num_threads, 0, I);
 }
 
-void int8_gemm_int8x_swiglu(const int8_t* qweight, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
+void int8_gemm_int8x_swiglu(const int8_t* codes, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
                             const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, I, group_size, y,
-                   num_threads, 0, I);
+  gemm_int8<false>(x, M, int8_weight(codes, scales, 2 * I, K, group_size), y, num_threads, 0, I);
 }
 
 // The same with GeGLU, gelu_tanh(gate) * up (Gemma's MLP): ops.cpp's GeGLU on int4_gemm_int8x's values.
-void int4_gemm_int8x_geglu(const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins, const uint32_t* qh,
-                           int64_t I,
-                           int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<true>(x, M, K, qweight, scales, mins, qh, I, group_size, y, num_threads, 0, I, true);
+void int4_gemm_int8x_geglu(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
+                           int64_t I, int64_t K, int64_t group_size, const float* x, int64_t M, float* y,
+                           int num_threads) {
+  gemm_int8<true>(x, M, int4_weight(codes, scales, mins, fifth, 2 * I, K, group_size), y, num_threads, 0, I, true);
 }
 
-void int8_gemm_int8x_geglu(const int8_t* qweight, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
+void int8_gemm_int8x_geglu(const int8_t* codes, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
                            const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<false>(x, M, K, reinterpret_cast<const uint8_t*>(qweight), scales, nullptr, nullptr, I, group_size, y,
-                   num_threads, 0, I, true);
+  gemm_int8<false>(x, M, int8_weight(codes, scales, 2 * I, K, group_size), y, num_threads, 0, I, true);
 }
 
 int gemm_int8x_supported() { return 1; }

@@ -124,17 +124,6 @@ inline void transpose8(__m256 r[8]) {
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-// The scales and (int4) mins of weight rows [n, n + rows) into L2.
-template <bool IS_INT4>
-inline void prefetch_group_terms(const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t G, int64_t n,
-                                 int64_t rows) {
-  const int64_t num_groups = K / G;
-  for (int64_t o = 0; o < rows * num_groups * 2; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(scales + n * num_groups) + o, _MM_HINT_T1);
-    if (IS_INT4) _mm_prefetch(reinterpret_cast<const char*>(mins + n * num_groups) + o, _MM_HINT_T1);
-  }
-}
-
 // 32 int4 columns (16 bytes) → four vectors of 8 floats: columns 0-7, 8-15, 16-23, 24-31.
 // Bytes 0-7 widened to 32-bit lanes hold columns 0-7 in their low nibbles and 16-23 in their high nibbles.
 // With `high` (5-bit codes), bit j of *high is bit 4 of column j's code.
