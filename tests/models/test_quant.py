@@ -202,7 +202,7 @@ def test_linear_matches_dequantized_reference(backend: str, kind: str, dtype: to
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0", "q5_0"])
 def test_native_handles_odd_shapes_bias_and_leading_dims(kind: str) -> None:
-    # 37 outputs: tiles of 4 (GEMV) or 6 (GEMM) rows plus a remainder; 3-D input; bias; the GEMM above max_gemv_rows.
+    # 37 outputs: two row tiles and a partial one (zero rows padded); 3-D input; bias; the GEMM above max_gemv_rows.
     layer = make_layer(kind, 37, 96, "native", bias=True, max_gemv_rows=4)
     reference = make_layer(kind, 37, 96, "reference", bias=True)
     for shape in ((1, 96), (2, 3, 96), (9, 96)):
@@ -296,7 +296,7 @@ def test_rounded_layers_round_many_rows_as_they_round_one() -> None:
 @pytest.mark.parametrize("rounding", [pytest.param(None, id="f32"), INT8_GEMM])
 @pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0", "q5_0"])
 def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | None) -> None:
-    # 40 outputs: six-row weight tiles plus a remainder of 4. K = 1536: 80 float32 activation rows per pass, 336 in
+    # 40 outputs: two row tiles of 16 and one of 8 real rows. K = 1536: 80 float32 activation rows per pass, 336 in
     # int8, so 1000 rows take one to thirteen passes. Batches of 9 to 1000 put the same rows in half panels, full
     # panels, partial tiles and later passes.
     layer = make_layer(kind, 40, 1536, "native")

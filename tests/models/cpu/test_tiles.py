@@ -1,0 +1,53 @@
+"""Row tiles (models/cpu/tiles.py): the packed bytes moved, not changed, and decoded as the row-major layout decodes."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from tokenriver.loader.gguf_blocks import repack_q5_0
+from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.cpu.tiles import tile, untile
+from tokenriver.models.quant import quantize_int4, quantize_int8
+
+HAS_NATIVE = load_kernels() is not None
+
+
+def packed(kind: str, rows: int, cols: int):
+    """(qweight, scales, mins, high_bits, group_size) of a random weight in one of the packed layouts."""
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols)) * 0.05
+    if kind == "int4":
+        w = quantize_int4(weight, 64)
+        return w.qweight, w.scales, w.mins, None, 64
+    if kind == "int5":
+        w = repack_q5_0(quantize(weight.numpy(), GGMLQuantizationType.Q5_0))
+        return w.qweight, w.scales, w.mins, w.high_bits, 32
+    w = quantize_int8(weight, 32)
+    return w.qweight, w.scales, None, None, 32
+
+
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_untile_gives_the_row_major_bytes_back(kind: str, rows: int) -> None:
+    qweight, scales, mins, high_bits, group_size = packed(kind, rows, 128)
+    tiles = tile(qweight, scales, mins, high_bits, group_size)
+    assert tiles.codes.shape[0] == -(-rows // 16)  # the last tile padded with zero rows
+    assert (tiles.rows, tiles.cols, tiles.is_int4) == (rows, 128, kind != "int8")
+    for got, expected in zip(untile(tiles), (qweight, scales, mins, high_bits), strict=True):
+        assert (got is None) == (expected is None)
+        if expected is not None:
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
+def test_tiled_rows_decode_as_the_row_major_layout_does(kind: str) -> None:
+    kernels = load_kernels()
+    qweight, scales, mins, high_bits, group_size = packed(kind, 37, 192)
+    if kind == "int8":
+        dense = kernels.int8_dequantize(qweight, scales, group_size)
+    else:
+        dense = kernels.int4_dequantize(qweight, scales, mins, group_size, high_bits)
+    ids = torch.tensor([36, 0, 17, 15, 16, 36], dtype=torch.int64)
+    rows = kernels.dequantize_rows(tile(qweight, scales, mins, high_bits, group_size), ids)
+    assert torch.equal(rows, dense[ids])
