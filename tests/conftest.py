@@ -43,10 +43,19 @@ def loaded_float32(default_model_path):
 
 @pytest.fixture(scope="session")
 def loaded_packed(default_model_path):
-    """The embedded model as the engine loads it by default: Q4_1 / Q8_0 weights kept packed (native kernels)."""
+    """The embedded model with its Q4_1 / Q8_0 weights kept packed (native kernels) and float32 activations."""
     from tokenriver.loader.load import load_model
 
     return load_model(default_model_path, quantization="auto")
+
+
+@pytest.fixture(scope="session")
+def loaded_default(default_model_path):
+    """The embedded model exactly as `LLM()` loads it: packed weights and int8-rounded activations (and so, in the
+    engine, an int8 KV pool)."""
+    from tokenriver.loader.load import load_model
+
+    return load_model(default_model_path, int8_activations=None)
 
 
 @pytest.fixture(scope="session")
