@@ -11,9 +11,8 @@ from server_harness import ServerProcess, start_server, stop_server
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
-    # Its tests compare requests with each other (a stream with its non-streamed twin, the same seed twice), so it
-    # runs the batch-invariant reference numerics: with int8-rounded activations a request's last prompt tokens
-    # computed after a prefix-cache hit round differently from the same tokens inside a whole prompt.
-    started = start_server(["--reference-numerics"])
+    # The defaults, as `tokenriver serve` runs with no flags: its tests compare requests with each other (a stream
+    # with its non-streamed twin, the same seed twice, requests sent together and one by one), bit for bit.
+    started = start_server()
     yield started
     stop_server(started)

@@ -4,20 +4,15 @@ int8 KV pool, and says so in its startup line."""
 from __future__ import annotations
 
 import httpx
-from server_harness import start_server, stop_server
 
 
-def test_default_server_runs_and_reports_the_fast_settings():
-    server = start_server()
-    try:
-        log = server.log()
-        assert "int8)" in log and "int4 per 32" in log and "file types: F32" in log, log
-        reply = httpx.post(
-            server.url + "/v1/completions",
-            headers={"Authorization": f"Bearer {server.api_key}"},
-            json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
-            timeout=60,
-        )
-        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
-    finally:
-        stop_server(server)
+def test_default_server_runs_and_reports_the_fast_settings(server):
+    log = server.log()
+    assert "int8)" in log and "int4 per 32" in log and "file types: F32" in log, log
+    reply = httpx.post(
+        server.url + "/v1/completions",
+        headers=server.headers(),
+        json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    )
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"]

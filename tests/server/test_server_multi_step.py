@@ -15,8 +15,8 @@ NUM_TOKENS = 13
 
 @pytest.fixture(scope="module")
 def multi_step_server() -> Iterator[ServerProcess]:
-    # The shared single-step server's numerics (tests/server/conftest.py): only the scheduling differs.
-    started = start_server(["--reference-numerics", "--num-scheduler-steps", "4"])
+    # The shared single-step server's defaults (tests/server/conftest.py): only the scheduling differs.
+    started = start_server(["--num-scheduler-steps", "4"])
     yield started
     stop_server(started)
 

@@ -35,8 +35,8 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def speculative_server() -> Iterator[ServerProcess]:
-    # The shared server's numerics (tests/server/conftest.py), so that its greedy output is the one to equal.
-    started = start_server(["--reference-numerics", "--speculative-draft", "ngram"])
+    # The shared server's defaults (tests/server/conftest.py), so that its greedy output is the one to equal.
+    started = start_server(["--speculative-draft", "ngram"])
     yield started
     stop_server(started)
 

@@ -123,20 +123,9 @@ def running_server(extra_args: tuple[str, ...] = (), name: str = "server") -> It
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            # Reference numerics: the tests compare a step's replays and a speculative run with the recorded tokens,
-            # which needs the batch-invariant arithmetic (docs/models.md, "Batch invariance").
-            [
-                sys.executable,
-                "-m",
-                "tokenriver.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--reference-numerics",
-                *extra_args,
-            ],
+            # The defaults, as `make run` serves: the tests compare a step's replays and a speculative run with the
+            # recorded tokens, bit for bit.
+            [sys.executable, "-m", "tokenriver.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args],
             cwd=ROOT,
             env=env,
             stdout=log,
