@@ -4,7 +4,7 @@
     python benchmarks/scale_out.py --parts tp      # one part: tp, replicas, routing
 
 - tp: decode step time of the embedded model in one process and split over 2 gloo ranks (processes), with the time
-  rank 0 spends inside all-reduces measured separately (it includes waiting for the slower rank).
+  rank 0 spends inside the row-parallel gathers measured separately (it includes waiting for the slower rank).
 - replicas: the same batch of concurrent completions against 1 and 2 engine replicas (one CPU, one thread each).
 - routing: 8 system prompts x many users, a few users at a time, against 2 replicas routed by longest cached
   prefix or round robin: TTFT (request sent → first streamed token) and the prefix-cache hit rate from /metrics.
@@ -53,8 +53,8 @@ def decode_steps(tensor_parallel_size: int, num_threads: int, num_prompts: int, 
             )
         engine.step()  # the prompts' prefill
         times = getattr(getattr(engine.runner, "group", None), "times", None)
-        reduce_before = times.all_reduce_seconds if times else 0.0
-        count_before = times.num_all_reduces if times else 0
+        reduce_before = times.gather_seconds if times else 0.0
+        count_before = times.num_gathers if times else 0
         durations = []
         while engine.has_unfinished_requests():
             started = time.perf_counter()
@@ -64,8 +64,8 @@ def decode_steps(tensor_parallel_size: int, num_threads: int, num_prompts: int, 
         return {
             "step_ms": 1000 * statistics.median(durations),
             "mean_ms": 1000 * sum(durations) / steps,
-            "reduce_ms": 1000 * (times.all_reduce_seconds - reduce_before) / steps if times else 0.0,
-            "reduces": (times.num_all_reduces - count_before) / steps if times else 0.0,
+            "reduce_ms": 1000 * (times.gather_seconds - reduce_before) / steps if times else 0.0,
+            "reduces": (times.num_gathers - count_before) / steps if times else 0.0,
             "steps": steps,
         }
     finally:
@@ -93,7 +93,8 @@ def run_tp(args: argparse.Namespace) -> str:
         f"{args.tp_batch} greedy requests decoding {args.tp_tokens} tokens each; one engine step = one forward "
         "pass for all of them. TP=1: one process, 1 or 2 threads (the native one-call decoder). TP=2: two gloo "
         "ranks on this machine, 1 thread each, the module path (sharded layers are not native-runnable). "
-        "All-reduce time is rank 0's wall time inside `dist.all_reduce`, waiting for rank 1 included.\n\n"
+        "Gather time is rank 0's wall time inside the row-parallel projections' `all_gather`, waiting for rank 1 "
+        "included.\n\n"
         + markdown_table(
             [
                 "TP",
@@ -102,8 +103,8 @@ def run_tp(args: argparse.Namespace) -> str:
                 "decode steps",
                 "step p50 ms",
                 "step mean ms",
-                "all-reduces / step",
-                "all-reduce ms / step",
+                "gathers / step",
+                "gather ms / step",
             ],
             rows,
         )

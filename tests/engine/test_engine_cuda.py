@@ -10,7 +10,6 @@ Every test is marked `cuda` and skipped where PyTorch sees no GPU (tests/conftes
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -28,30 +27,13 @@ from tokenriver.models.quant import Int4Linear
 from tokenriver.params import SamplingParams, StructuredOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
-from arch_reference import random_ids, relative_error, widen  # noqa: E402
+from arch_reference import random_ids, relative_error, widen, write_byte_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
 DEVICE = "cuda"
 VOCAB = 257  # 256 bytes and <|endoftext|>
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def _write_byte_tokenizer(folder: Path, with_eos: bool = True) -> None:
-    """A byte-level BPE with no merges: every byte one token, then <|endoftext|> (the last byte stands for it in a
-    256-token model's vocabulary)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    eos = "<|endoftext|>" if with_eos else alphabet[-1]
-    vocab = {piece: i for i, piece in enumerate(alphabet)} | ({eos: len(alphabet)} if with_eos else {})
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    if with_eos:
-        tokenizer.add_special_tokens([eos])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +55,7 @@ def folder(tmp_path_factory) -> str:
     )
     torch.manual_seed(0)
     widen(transformers.LlamaForCausalLM(config), seed=1).save_pretrained(path, safe_serialization=True)
-    _write_byte_tokenizer(path)
+    write_byte_tokenizer(path)
     return str(path)
 
 
@@ -226,7 +208,7 @@ def test_windows_soft_capping_and_experts_match_transformers(kind, tmp_path):
 
     reference = tiny_gemma(kind) if kind.startswith("gemma") else tiny(kind)
     reference.save_pretrained(tmp_path, safe_serialization=True)
-    _write_byte_tokenizer(tmp_path, with_eos=False)
+    write_byte_tokenizer(tmp_path, with_eos=False)
     reference = reference.to(DEVICE)
     llm = _engine(str(tmp_path), quantization="none")  # float experts, as transformers has them
     prompts = [ids[:40] for ids in PROMPTS[2:]]

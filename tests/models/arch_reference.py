@@ -7,6 +7,9 @@ show in the logits. Token ids are random: these tests depend on the model code a
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -28,6 +31,23 @@ def widen(model: nn.Module, seed: int, norm_range: tuple[float, float] = (0.5, 1
             else:
                 param.normal_(0, 0.2)
     return model.eval()
+
+
+def write_byte_tokenizer(folder: Path, with_eos: bool = True) -> None:
+    """A byte-level BPE with no merges: every byte one token, then <|endoftext|> (the last byte stands for it in a
+    256-token model's vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    eos = "<|endoftext|>" if with_eos else alphabet[-1]
+    vocab = {piece: i for i, piece in enumerate(alphabet)} | ({eos: len(alphabet)} if with_eos else {})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    if with_eos:
+        tokenizer.add_special_tokens([eos])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
 
 
 def random_ids(count: int, vocab_size: int, seed: int = 0) -> list[int]:

@@ -56,8 +56,8 @@ def init_method_for(address: str | None) -> str:
 class CollectiveTimes:
     """Seconds spent in collectives since start, and how many there were."""
 
-    all_reduce_seconds: float = 0.0
-    num_all_reduces: int = 0
+    gather_seconds: float = 0.0
+    num_gathers: int = 0
     broadcast_seconds: float = 0.0
     num_broadcasts: int = 0
 
@@ -89,13 +89,14 @@ class TensorParallelGroup:
         )
         return cls(rank, world_size, torch_device)
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place; every rank gets the same result."""
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (the same shape on each), stacked in rank order: [world_size, *tensor.shape]."""
         started = time.perf_counter()
-        dist.all_reduce(tensor)
-        self.times.all_reduce_seconds += time.perf_counter() - started
-        self.times.num_all_reduces += 1
-        return tensor
+        gathered = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
+        dist.all_gather_single(gathered, tensor.contiguous())  # ranks' tensors concatenated along dim 0
+        self.times.gather_seconds += time.perf_counter() - started
+        self.times.num_gathers += 1
+        return gathered.view(self.world_size, *tensor.shape)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's obj on every rank (the others pass nothing). For plain data only: it travels pickled between

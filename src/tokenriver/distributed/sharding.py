@@ -27,32 +27,38 @@ from torch import nn
 from tokenriver.distributed.group import TensorParallelGroup
 from tokenriver.errors import InvalidParameterError
 from tokenriver.models.quant import Int4Linear, Int4Weight, Int8Linear, Int8Weight
-
-# Row-parallel splits of an unquantized layer still fall on this many columns: the int8 activation rounding and the
-# packed layouts work in runs of 32.
-COLUMN_UNIT = 32
-
-
-def partition(num_units: int, world_size: int, rank: int) -> tuple[int, int]:
-    """The [start, end) run of num_units that rank keeps: contiguous, sizes differing by at most one."""
-    base, extra = divmod(num_units, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+from tokenriver.models.row_chains import BLOCK, feature_unit, partition, projection_runs, run_boundaries
 
 
 class RowParallel(nn.Module):
-    """A row-parallel projection: this rank's partial product, summed over the ranks."""
+    """A row-parallel projection: this rank's runs of input columns (models/row_chains.py), each a product of its
+    own; every rank gathers all the runs' results and adds them in order, then the bias: one process's sum."""
 
-    def __init__(self, shard: nn.Module, group: TensorParallelGroup) -> None:
+    def __init__(
+        self, runs: list[nn.Module], runs_per_rank: list[int], bias: torch.Tensor | None, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.shard = shard
+        self.runs = nn.ModuleList(runs)
+        self.runs_per_rank = runs_per_rank
+        self.register_buffer("bias", bias)
         self.group = group
-        self.in_features = shard.in_features
-        self.out_features = shard.out_features
+        self.in_features = sum(run.in_features for run in runs)
+        self.out_features = runs[0].out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, this rank's in_features] → [T, out_features], the same on every rank."""
-        return self.group.all_reduce(self.shard(x).contiguous())
+        partials, start = [], 0
+        for run in self.runs:
+            partials.append(run(x[..., start : start + run.in_features].contiguous()))
+            start += run.in_features
+        slots = max(self.runs_per_rank)
+        partials += [torch.zeros_like(partials[0])] * (slots - len(partials))  # all_gather takes equal shapes
+        gathered = self.group.all_gather(torch.stack(partials))  # [ranks, slots, T, out_features]
+        results = [gathered[rank, i] for rank, count in enumerate(self.runs_per_rank) for i in range(count)]
+        total = results[0]
+        for result in results[1:]:
+            total = total + result
+        return total if self.bias is None else total + self.bias
 
 
 def _quantized_like(
@@ -100,7 +106,7 @@ def take_columns(layer: nn.Module, start: int, end: int, keep_bias: bool) -> nn.
     bias = layer.bias.detach() if keep_bias and layer.bias is not None else None
     if isinstance(layer, (Int4Linear, Int8Linear)):
         per_channel = layer.group_size == layer.in_features
-        unit = COLUMN_UNIT if per_channel else layer.group_size
+        unit = BLOCK if per_channel else layer.group_size
         if start % unit or end % unit:
             raise InvalidParameterError(
                 f"a rank's share of {layer.in_features} input columns, [{start}, {end}), does not fall on the "
@@ -165,7 +171,7 @@ class ShardLayout:
 
 
 def shard_layout(
-    num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int, rank: int, unit: int = COLUMN_UNIT
+    num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int, rank: int, unit: int = BLOCK
 ) -> ShardLayout:
     """Split kv heads (with their query heads) and the MLP's features (in runs of `unit`) across world_size ranks."""
     if num_kv_heads < world_size:
@@ -205,18 +211,42 @@ def shard_decoder_layers(layers: nn.ModuleList, group: TensorParallelGroup) -> S
             param="tensor_parallel_size",
         )
     intermediate_size = mlp.down_proj.in_features
-    group_size = getattr(mlp.down_proj, "group_size", COLUMN_UNIT)
-    unit = COLUMN_UNIT if group_size == intermediate_size else max(group_size, COLUMN_UNIT)
     layout = shard_layout(
-        attention.num_heads, attention.num_kv_heads, intermediate_size, group.world_size, group.rank, unit
+        attention.num_heads,
+        attention.num_kv_heads,
+        intermediate_size,
+        group.world_size,
+        group.rank,
+        feature_unit(mlp.down_proj),
     )
     for layer in layers:
-        _shard_attention(layer.self_attn, layout, group)
-        _shard_mlp(layer.mlp, layout, intermediate_size, group)
+        runs = projection_runs(layer)
+        _shard_attention(layer.self_attn, layout, runs["o_proj"], group)
+        _shard_mlp(layer.mlp, layout, intermediate_size, runs["down_proj"], group)
     return layout
 
 
-def _shard_attention(attention: nn.Module, layout: ShardLayout, group: TensorParallelGroup) -> None:
+def rank_runs(num_units: int, world_size: int) -> list[list[tuple[int, int]]]:
+    """Each rank's runs of units, [start, end): models/row_chains.py's runs, cut also where this world size draws
+    a rank's boundary (for 2, 4 and 8 ranks it draws none of its own, so the sums are one process's)."""
+    ends = sorted(set(run_boundaries(num_units)) | {partition(num_units, world_size, r)[1] for r in range(world_size)})
+    runs = list(zip([0, *ends[:-1]], ends, strict=True))
+    shares = [partition(num_units, world_size, rank) for rank in range(world_size)]
+    return [[(start, end) for start, end in runs if low <= start and end <= high] for low, high in shares]
+
+
+def row_parallel(layer: nn.Module, units: tuple[int, int], group: TensorParallelGroup) -> RowParallel:
+    """This rank's RowParallel of a row-parallel projection cut in (number of units, columns per unit)."""
+    num_units, unit_columns = units
+    runs = rank_runs(num_units, group.world_size)
+    shards = [take_columns(layer, start * unit_columns, end * unit_columns, False) for start, end in runs[group.rank]]
+    bias = None if layer.bias is None else layer.bias.detach()
+    return RowParallel(shards, [len(share) for share in runs], bias, group)
+
+
+def _shard_attention(
+    attention: nn.Module, layout: ShardLayout, o_units: tuple[int, int], group: TensorParallelGroup
+) -> None:
     head_dim, num_heads, num_kv_heads = attention.head_dim, attention.num_heads, attention.num_kv_heads
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     (h_start, h_end), (kv_start, kv_end) = layout.heads, layout.kv_heads
@@ -229,19 +259,23 @@ def _shard_attention(attention: nn.Module, layout: ShardLayout, group: TensorPar
             (q_size + kv_size + kv_start * head_dim, q_size + kv_size + kv_end * head_dim),
         ],
     )
-    attention.o_proj = RowParallel(
-        take_columns(attention.o_proj, h_start * head_dim, h_end * head_dim, keep_bias=group.rank == 0), group
-    )
+    attention.o_proj = row_parallel(attention.o_proj, o_units, group)
     attention.num_heads = h_end - h_start
     attention.num_kv_heads = kv_end - kv_start
     attention.q_size = attention.num_heads * head_dim
 
 
-def _shard_mlp(mlp: nn.Module, layout: ShardLayout, intermediate_size: int, group: TensorParallelGroup) -> None:
+def _shard_mlp(
+    mlp: nn.Module,
+    layout: ShardLayout,
+    intermediate_size: int,
+    down_units: tuple[int, int],
+    group: TensorParallelGroup,
+) -> None:
     start, end = layout.intermediate
     # gate_up_proj's output rows: [gate of all features | up of all features].
     mlp.gate_up_proj = take_rows(mlp.gate_up_proj, [(start, end), (intermediate_size + start, intermediate_size + end)])
-    mlp.down_proj = RowParallel(take_columns(mlp.down_proj, start, end, keep_bias=group.rank == 0), group)
+    mlp.down_proj = row_parallel(mlp.down_proj, down_units, group)
 
 
 def shard_model(model: nn.Module, group: TensorParallelGroup) -> ShardLayout:

@@ -34,6 +34,7 @@ from tokenriver.models.quant import (
     quantize_int8,
 )
 from tokenriver.models.registry import model_class
+from tokenriver.models.row_chains import split_row_chains
 
 QuantWeight = Int4Weight | Int8Weight
 Weight = torch.Tensor | QuantWeight
@@ -94,6 +95,9 @@ def build_model(
     _check_fit(model, floats, config, path)
     model.load_state_dict(floats, assign=True, strict=False)
     model.requires_grad_(False)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        split_row_chains(layers)  # so that tensor parallelism sums as one process does (models/row_chains.py)
     return model.eval()
 
 

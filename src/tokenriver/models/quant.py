@@ -388,6 +388,9 @@ class QuantizedLinear(nn.Module):
         # How the packed buffers are laid out: "rows" as the formats above, or "tiles", the CPU kernels' row tiles
         # (models/cpu/tiles.py), into which the CPU's fast path moves them when it binds the layer.
         self.layout = "rows"
+        # Where the int8-activation products split a row's sum into sub-chains (models/row_chains.py): int64 block
+        # indices, the last in_features / 32; None for one chain.
+        self.chain_ends: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] → [..., out_features] in x's dtype."""
@@ -466,6 +469,16 @@ class QuantizedLinear(nn.Module):
                 tensor = storage.view(tensor.dtype).view(tensor.shape)
             setattr(self, name, tensor)
         self.layout = layout
+
+    def split_row_chains(self, ends: list[int] | None) -> None:
+        """Sum each row of the int8-activation products in sub-chains ending at these blocks of 32 columns, their
+        results added in order (models/row_chains.py), or in one chain (None)."""
+        if ends is not None and (ends != sorted(set(ends)) or ends[0] <= 0 or ends[-1] * 32 != self.in_features):
+            raise InvalidParameterError(
+                f"sub-chain ends must rise to in_features / 32 = {self.in_features // 32}, got {ends}", param="ends"
+            )
+        self.chain_ends = None if ends is None else torch.tensor(ends, dtype=torch.int64)
+        self.rebind()
 
     def set_int8_activations(self, enabled: bool) -> None:
         """Switch to the rounded arithmetic of the module docstring: int8 activations in decode-sized products,

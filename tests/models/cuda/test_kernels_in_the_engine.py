@@ -22,8 +22,7 @@ from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "engine"))
-from arch_reference import random_ids, widen  # noqa: E402
+from arch_reference import random_ids, widen, write_byte_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -59,7 +58,6 @@ def _kernels_on_cpu(monkeypatch) -> dict[str, int]:
 
 
 def _model(kind: str, folder: Path) -> str:
-    from test_engine_cuda import _write_byte_tokenizer
     from test_gemma_reference import tiny_gemma
 
     if kind == "llama":
@@ -82,7 +80,7 @@ def _model(kind: str, folder: Path) -> str:
     else:
         model = tiny_gemma(kind)
     model.save_pretrained(folder, safe_serialization=True)
-    _write_byte_tokenizer(folder, with_eos=kind == "llama")
+    write_byte_tokenizer(folder, with_eos=kind == "llama")
     return str(folder)
 
 

@@ -83,6 +83,7 @@ def linear_spec(linear: nn.Module) -> LinearSpec | None:
         int(is_int4),
         int(linear.int8_activations),
         ROUNDINGS.index(linear.gemm_rounding),
+        None if linear.chain_ends is None else linear.chain_ends.data_ptr(),
     )
 
 

@@ -202,7 +202,14 @@ class NativePacked:
             layer.adopt("tiles", qweight=tiled.codes, scales=tiled.scales, **extra)
             mins, high_bits = (layer.mins, layer.high_bits) if is_int4 else (None, None)
         self.tiles = tiles.Tiles(
-            layer.qweight, layer.scales, mins, high_bits, layer.out_features, layer.in_features, layer.group_size
+            layer.qweight,
+            layer.scales,
+            mins,
+            high_bits,
+            layer.out_features,
+            layer.in_features,
+            layer.group_size,
+            layer.chain_ends,
         )
         self.gemv = kernels.bind(self.tiles, "int8" if layer.int8_activations else None, many_rows=False)
         self.gemm = kernels.bind(self.tiles, layer.gemm_rounding, many_rows=True)

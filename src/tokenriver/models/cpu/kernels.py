@@ -153,6 +153,7 @@ class LinearSpec(ctypes.Structure):
         ("is_int4", ctypes.c_int32),
         ("int8_activations", ctypes.c_int32),
         ("gemm_rounding", ctypes.c_int32),
+        ("chain_ends", _ptr),
     ]
 
 
@@ -282,11 +283,14 @@ class NativeKernels:
         i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         int4_args = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]  # qweight, scales, mins, high bits...
         int8_args = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]
+        # The int8-activation products take the weight's sub-chains (tiles.h's chain_ends) after its sizes.
+        int4_rounded_args = [*int4_args[:7], ptr, *int4_args[7:]]
+        int8_rounded_args = [*int8_args[:5], ptr, *int8_args[5:]]
         signatures = {
             "int4_linear_f32": (int4_args, None),
-            "int4_linear_int8x": (int4_args, None),
+            "int4_linear_int8x": (int4_rounded_args, None),
             "int8_linear_f32": (int8_args, None),
-            "int8_linear_int8x": (int8_args, None),
+            "int8_linear_int8x": (int8_rounded_args, None),
             "int4_gemm_f32": (int4_args, None),
             "int8_gemm_f32": (int8_args, None),
             "int4_dequantize": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
@@ -357,7 +361,11 @@ class NativeKernels:
         # products of many rows run the GEMV, in the same arithmetic.
         library.gemm_int8x_supported.restype = c_int
         self.gemm_int8 = bool(library.gemm_int8x_supported())
-        rounded = [("int4_gemm_int8x", int4_args, None), ("int8_gemm_int8x", int8_args, None)] if self.gemm_int8 else []
+        rounded = (
+            [("int4_gemm_int8x", int4_rounded_args, None), ("int8_gemm_int8x", int8_rounded_args, None)]
+            if self.gemm_int8
+            else []
+        )
         for name, argtypes, restype in rounded:
             function = getattr(library, name)
             function.argtypes = argtypes
@@ -392,11 +400,14 @@ class NativeKernels:
         rounding "int8" rounds x to int8 per 32 columns first (llama.cpp's arithmetic): faster, less exact; K and
         the group size multiples of 32. many_rows picks the GEMM (gemm.cpp) over the GEMV: for more rows than a
         decode step has, where the product is bound by arithmetic rather than by reading the weights (with "int8",
-        where gemm_int8 is True; elsewhere the GEMV, whose arithmetic per row is the same). The function keeps the
-        tensors alive; bind again after moving or replacing them.
+        where gemm_int8 is True; elsewhere the GEMV, whose arithmetic per row is the same); with "int8" the tiles'
+        chain_ends split each row's sum. The function keeps the tensors alive; bind again after moving or replacing
+        them.
         """
         function = self._product("int4" if tiles.is_int4 else "int8", rounding, many_rows)
         weight = self._weight_arguments(tiles)
+        if rounding is not None:
+            weight = (*weight, None if tiles.chain_ends is None else tiles.chain_ends.data_ptr())
         out_features = tiles.rows
 
         def linear(x: torch.Tensor) -> torch.Tensor:

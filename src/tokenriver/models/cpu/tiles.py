@@ -89,6 +89,8 @@ class Tiles:
     rows: int
     cols: int
     group_size: int
+    # The int8-activation products' sub-chains of a row (models/row_chains.py): int64 block indices, or None.
+    chain_ends: torch.Tensor | None = None
 
     @property
     def is_int4(self) -> bool:

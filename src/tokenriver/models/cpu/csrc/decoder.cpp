@@ -35,20 +35,22 @@ extern "C" {
 void int4_linear_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
                      const float*, int64_t, float*, int);
 void int4_linear_int8x(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
-                       const float*, int64_t, float*, int);
+                       const int64_t*, const float*, int64_t, float*, int);
 void int4_gemm_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
                    const float*, int64_t, float*, int);
 void int8_linear_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
-void int8_linear_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
+void int8_linear_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const int64_t*, const float*,
+                       int64_t, float*, int);
 void int8_gemm_f32(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 void int4_gemm_int8x(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
-                     const float*, int64_t, float*, int);
-void int8_gemm_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int);
+                     const int64_t*, const float*, int64_t, float*, int);
+void int8_gemm_int8x(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const int64_t*, const float*, int64_t,
+                     float*, int);
 void int4_gemm_int8x_strided(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t,
-                             int64_t, const float*, int64_t, int64_t, float*, int);
-void int8_gemm_int8x_strided(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
-                             float*, int);
+                             int64_t, const int64_t*, const float*, int64_t, int64_t, float*, int);
+void int8_gemm_int8x_strided(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const int64_t*, const float*,
+                             int64_t, int64_t, float*, int);
 void int4_gemm_int8x_swiglu(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t,
                             int64_t, const float*, int64_t, float*, int);
 void int8_gemm_int8x_swiglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
@@ -93,6 +95,7 @@ struct Linear {
   int32_t is_int4;
   int32_t int8_activations; // the GEMV rounds activations to int8
   int32_t gemm_rounding;    // the many-row products: 0 exact, 1 activations to int8
+  const int64_t* chain_ends;  // the int8-activation products' sub-chains (tiles.h), or null
 };
 
 // A mixture-of-experts MLP (models/moe.py's SparseMoeBlock; native.py's MoeSpec): a float32 router, each expert's
@@ -196,24 +199,24 @@ struct GreedyLoop {
 void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
   const int64_t N = l.out_features, K = l.in_features, G = l.group_size;
   const bool gemm = M > l.max_gemv_rows;
-  auto int4_gemm = int4_gemm_f32;
-  auto int8_gemm = int8_gemm_f32;
-  if (l.gemm_rounding == 1) {
+  const int8_t* codes8 = reinterpret_cast<const int8_t*>(l.qweight);
+  if (!(gemm ? l.gemm_rounding == 1 : l.int8_activations)) {
+    if (l.is_int4)
+      (gemm ? int4_gemm_f32 : int4_linear_f32)(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, x, M, y, threads);
+    else
+      (gemm ? int8_gemm_f32 : int8_linear_f32)(codes8, l.scales, N, K, G, x, M, y, threads);
+  } else if (l.is_int4) {
+    auto product = int4_linear_int8x;  // without VNNI the int8 products of many rows run the GEMV (gemv.cpp)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    int4_gemm = int4_gemm_int8x;
-    int8_gemm = int8_gemm_int8x;
-#else
-    // Without VNNI the int8 products of many rows run the GEMV: the same arithmetic (gemv.cpp).
-    int4_gemm = int4_linear_int8x;
-    int8_gemm = int8_linear_int8x;
+    if (gemm) product = int4_gemm_int8x;
 #endif
-  }
-  if (l.is_int4) {
-    auto product = gemm ? int4_gemm : l.int8_activations ? int4_linear_int8x : int4_linear_f32;
-    product(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, x, M, y, threads);
+    product(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, l.chain_ends, x, M, y, threads);
   } else {
-    auto product = gemm ? int8_gemm : l.int8_activations ? int8_linear_int8x : int8_linear_f32;
-    product(reinterpret_cast<const int8_t*>(l.qweight), l.scales, N, K, G, x, M, y, threads);
+    auto product = int8_linear_int8x;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (gemm) product = int8_gemm_int8x;
+#endif
+    product(codes8, l.scales, N, K, G, l.chain_ends, x, M, y, threads);
   }
   if (l.bias != nullptr)
     for (int64_t m = 0; m < M; ++m)
@@ -239,9 +242,10 @@ bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
 void linear_from_feature_major(const Linear& l, const float* x, int64_t M, int64_t x_ld, float* y, int threads) {
   const int64_t N = l.out_features, K = l.in_features, G = l.group_size;
   if (l.is_int4)
-    int4_gemm_int8x_strided(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, x, M, x_ld, y, threads);
+    int4_gemm_int8x_strided(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, l.chain_ends, x, M, x_ld, y, threads);
   else
-    int8_gemm_int8x_strided(reinterpret_cast<const int8_t*>(l.qweight), l.scales, N, K, G, x, M, x_ld, y, threads);
+    int8_gemm_int8x_strided(reinterpret_cast<const int8_t*>(l.qweight), l.scales, N, K, G, l.chain_ends, x, M, x_ld,
+                            y, threads);
 }
 
 // silu(gate) * up (gelu_tanh(gate) * up if gelu) into y [I, M] (feature-major) from the fused gate/up layer

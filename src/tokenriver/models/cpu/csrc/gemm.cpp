@@ -260,17 +260,11 @@ inline void grow(std::vector<T>& v, int64_t n) {
   if (v.size() < static_cast<size_t>(n)) v.resize(n);
 }
 
-// Int8 weights with one scale per output channel (group size K): int8_tile's PER_ROW epilogue.
-template <bool IS_INT4>
-constexpr bool one_scale_per_row(int64_t K, int64_t G) {
-  return !IS_INT4 && G == K;
-}
-
 // A row tile's codes and terms as int8_tile reads them ("staged"), for S rows side by side: 16, or 32 for a fused
 // gate/up weight (the tile's 16 gates, then the tile of their 16 ups). Per block b, words [8][S]: word j of row r
 // holds the unsigned codes of columns 4j .. 4j + 3 (int4: 0..15, int5 with their fifth bits 0..31; int8: q + 128),
-// a row tile's word taken whole for 16 rows at a time; scales and mins [K/32][S] as floats (int8 weights with one
-// scale per row: [S]).
+// a row tile's word taken whole for 16 rows at a time; scales and mins [K/32][S] as floats (for one scale per row
+// the same scales at every block).
 template <bool IS_INT4, int S>
 inline void stage_tile(const TiledWeight& w, int64_t t, int row0, uint32_t* words, float* scales, float* mins) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -293,16 +287,12 @@ inline void stage_tile(const TiledWeight& w, int64_t t, int row0, uint32_t* word
       for (int j = 0; j < 8; ++j)
         _mm512_storeu_si512(out + S * j, _mm512_xor_si512(_mm512_loadu_si512(block + 64 * j), _mm512_set1_epi8(-128)));
     }
-    if (one_scale_per_row<IS_INT4>(w.K, w.G)) continue;
     _mm512_storeu_ps(scales + S * b + row0,
                      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, b)))));
     if (IS_INT4)
       _mm512_storeu_ps(mins + S * b + row0,
                        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_mins(t, b)))));
   }
-  if (one_scale_per_row<IS_INT4>(w.K, w.G))
-    _mm512_storeu_ps(scales + row0,
-                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, 0)))));
 }
 
 // A later tile's weight bytes, for int8_tile to fetch into L2 a few 64-byte lines per block of 32 columns while it
@@ -314,18 +304,14 @@ struct TilePrefetch {
 
 // RT weight rows of a staged tile (stage_tile: S rows side by side, these from row0; with FUSED the first RT / 2
 // are gates and the rest their ups, S / 2 rows further) × one panel's 16 activation rows, the first `valid` of them
-// real, into y[m0 + i, n0 + r] for the first real_rows rows (the rest: a last tile's zero rows). Each weight word's address is the block's base plus a constant: with rows K bytes
-// apart instead, the compiler kept one pointer per (row, column) and spilled them, and the tile ran at 1.3 instead
-// of 2.5 billion dpbusd per second.
-// PER_ROW (int8 weights with one scale per output channel): a block's sums are scaled by the activation scale alone
-// and the row's weight scale multiplies the total once, so each block and row costs one FMA instead of a multiply
-// and an FMA, and the loop runs closer to dpbusd's rate.
-template <bool IS_INT4, int RT, bool PER_ROW, int S, bool FUSED>
+// real, into y[m0 + i, n0 + r] for the first real_rows rows (the rest: a last tile's zero rows). Each weight
+// word's address is the block's base plus a constant: with rows K bytes apart instead, the compiler kept one
+// pointer per (row, column) and spilled them, and the tile ran at 1.3 instead of 2.5 billion dpbusd per second.
+template <bool IS_INT4, int RT, int S, bool FUSED>
 void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins, int row0, int64_t K,
                const uint32_t* quads, const float* x_scales, const float* x_terms, int valid, float* y, int64_t N,
-               int64_t m0, int64_t n0, int64_t y_ld, int real_rows, const TilePrefetch& prefetch,
-               bool gelu = false) {
-  static_assert(!(IS_INT4 && PER_ROW), "int4 weights keep a scale and a min per group");
+               int64_t m0, int64_t n0, int64_t y_ld, int real_rows, const int64_t* chain_ends,
+               const TilePrefetch& prefetch, bool gelu = false) {
   // Lane of weight row r in the staged tile.
   constexpr auto lane = [](int r) { return FUSED && r >= RT / 2 ? S / 2 + r - RT / 2 : r; };
   const int64_t num_blocks = K / 32;
@@ -333,39 +319,41 @@ void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins
   words += row0;
   w_scales += row0;
   w_mins += row0;
+  // acc: the row's result, its sub-chains (chain_ends, tiles.h) added in order; one chain where chain_ends is null.
   __m512 acc[RT];
-  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    __m512i sums[RT];
-    const __m512i start = IS_INT4 ? _mm512_setzero_si512() : _mm512_cvtps_epi32(_mm512_loadu_ps(x_terms + b * kPanel));
-    for (int r = 0; r < RT; ++r) sums[r] = start;
-    const uint32_t* block_words = words + 8 * S * b;
-    const uint32_t* block_quads = quads + 8 * kPanel * b;
-    for (int64_t l = b * lines_per_block; l < std::min(prefetch.lines, (b + 1) * lines_per_block); ++l)
-      for (const char* start : prefetch.starts)
-        if (start != nullptr) _mm_prefetch(start + 64 * l, _MM_HINT_T1);
+  for (int64_t c = 0, begin = 0; begin < num_blocks; begin = chain_ends == nullptr ? num_blocks : chain_ends[c++]) {
+    const int64_t end = chain_ends == nullptr ? num_blocks : chain_ends[c];
+    __m512 chain[RT];
+    for (int r = 0; r < RT; ++r) chain[r] = _mm512_setzero_ps();
+    for (int64_t b = begin; b < end; ++b) {
+      __m512i sums[RT];
+      const __m512i start =
+          IS_INT4 ? _mm512_setzero_si512() : _mm512_cvtps_epi32(_mm512_loadu_ps(x_terms + b * kPanel));
+      for (int r = 0; r < RT; ++r) sums[r] = start;
+      const uint32_t* block_words = words + 8 * S * b;
+      const uint32_t* block_quads = quads + 8 * kPanel * b;
+      for (int64_t l = b * lines_per_block; l < std::min(prefetch.lines, (b + 1) * lines_per_block); ++l)
+        for (const char* start : prefetch.starts)
+          if (start != nullptr) _mm_prefetch(start + 64 * l, _MM_HINT_T1);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m512i x = _mm512_loadu_si512(block_quads + j * kPanel);
+      for (int j = 0; j < 8; ++j) {
+        const __m512i x = _mm512_loadu_si512(block_quads + j * kPanel);
+        for (int r = 0; r < RT; ++r) {
+          const __m512i weights = _mm512_set1_epi32(static_cast<int>(block_words[S * j + lane(r)]));
+          sums[r] = _mm512_dpbusd_epi32(sums[r], weights, x);
+        }
+      }
+      const __m512 x_scale = _mm512_loadu_ps(x_scales + b * kPanel);
+      const __m512 x_sum = IS_INT4 ? _mm512_loadu_ps(x_terms + b * kPanel) : _mm512_setzero_ps();
       for (int r = 0; r < RT; ++r) {
-        const __m512i weights = _mm512_set1_epi32(static_cast<int>(block_words[S * j + lane(r)]));
-        sums[r] = _mm512_dpbusd_epi32(sums[r], weights, x);
+        const __m512 exact = _mm512_cvtepi32_ps(sums[r]);
+        chain[r] =
+            _mm512_fmadd_ps(exact, _mm512_mul_ps(_mm512_set1_ps(w_scales[S * b + lane(r)]), x_scale), chain[r]);
+        if (IS_INT4) chain[r] = _mm512_fmadd_ps(_mm512_set1_ps(w_mins[S * b + lane(r)]), x_sum, chain[r]);
       }
     }
-    const __m512 x_scale = _mm512_loadu_ps(x_scales + b * kPanel);
-    const __m512 x_sum = IS_INT4 ? _mm512_loadu_ps(x_terms + b * kPanel) : _mm512_setzero_ps();
-    for (int r = 0; r < RT; ++r) {
-      const __m512 exact = _mm512_cvtepi32_ps(sums[r]);
-      if (PER_ROW) {
-        acc[r] = _mm512_fmadd_ps(exact, x_scale, acc[r]);
-        continue;
-      }
-      acc[r] = _mm512_fmadd_ps(exact, _mm512_mul_ps(_mm512_set1_ps(w_scales[S * b + lane(r)]), x_scale), acc[r]);
-      if (IS_INT4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w_mins[S * b + lane(r)]), x_sum, acc[r]);
-    }
+    for (int r = 0; r < RT; ++r) acc[r] = c == 0 ? chain[r] : _mm512_add_ps(acc[r], chain[r]);
   }
-  if (PER_ROW)
-    for (int r = 0; r < RT; ++r) acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(w_scales[lane(r)]));
   // SwiGLU (GeGLU if gelu) into y feature-major ([N, y_ld]): rows r < RT / 2 are gates and the rest their ups, and
   // row n0 + r of y (activation rows m0.. of it) is silu(gate r) * up r (gelu_tanh(gate r) * up r).
   if (y_ld > 0) {
@@ -419,7 +407,6 @@ void gemm_int8(const float* x, int64_t M, const TiledWeight& weight, float* y, i
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* const x_scales = reinterpret_cast<float*>(quads + num_panels * panel_words);
   float* const x_terms = x_scales + num_panels * panel_blocks;
-  const bool per_row = one_scale_per_row<IS_INT4>(K, weight.G);
   const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t tile_bytes = num_blocks * weight.words() * 64;
   // One parallel region for packing and products (one fork and join per product, not two per chunk). Tiles are
@@ -469,18 +456,10 @@ void gemm_int8(const float* x, int64_t M, const TiledWeight& weight, float* y, i
           constexpr int RT = decltype(rows_per_tile)::value, S = decltype(stride)::value;
           for (int64_t m = 0; m < rows; m += kPanel) {
             const int64_t p = m / kPanel;
-            const auto tile = [&](auto per_row_tile) {
-              int8_tile<IS_INT4, RT, decltype(per_row_tile)::value, S, decltype(fused)::value>(
-                  w.data(), w_scales.data(), w_mins.data(), row0, K, quads + p * panel_words,
-                  x_scales + p * panel_blocks, x_terms + p * panel_blocks,
-                  static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m, first, y_ld, count - row0,
-                  p == 0 && row0 == 0 ? prefetch : TilePrefetch{}, gelu);
-            };
-            // per_row is never true for int4; the constant keeps the int4 build from instantiating PER_ROW.
-            if (per_row)
-              tile(std::integral_constant<bool, !IS_INT4>{});
-            else
-              tile(std::false_type{});
+            int8_tile<IS_INT4, RT, S, decltype(fused)::value>(
+                w.data(), w_scales.data(), w_mins.data(), row0, K, quads + p * panel_words, x_scales + p * panel_blocks,
+                x_terms + p * panel_blocks, static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y_chunk, N, m, first,
+                y_ld, count - row0, weight.chain_ends, p == 0 && row0 == 0 ? prefetch : TilePrefetch{}, gelu);
           }
         };
         if (swiglu_up > 0) {
@@ -575,27 +554,38 @@ void int8_dequantize_rows(const int8_t* codes, const uint16_t* scales, int64_t N
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // The same products with the activations rounded to int8 per 32 columns (models/quant.py's rounded mode), where the
 // CPU has AVX512-VNNI; K a multiple of 32, groups a multiple of 32. Present only then: gemm_int8x_supported says.
+// chain_ends: the weight's sub-chains (tiles.h), or null.
 void int4_gemm_int8x(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
-                     int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<true>(x, M, int4_weight(codes, scales, mins, fifth, N, K, group_size), y, num_threads);
+                     int64_t N, int64_t K, int64_t group_size, const int64_t* chain_ends, const float* x, int64_t M,
+                     float* y, int num_threads) {
+  TiledWeight w = int4_weight(codes, scales, mins, fifth, N, K, group_size);
+  w.chain_ends = chain_ends;
+  gemm_int8<true>(x, M, w, y, num_threads);
 }
 
 void int8_gemm_int8x(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
-                     const float* x, int64_t M, float* y, int num_threads) {
-  gemm_int8<false>(x, M, int8_weight(codes, scales, N, K, group_size), y, num_threads);
+                     const int64_t* chain_ends, const float* x, int64_t M, float* y, int num_threads) {
+  TiledWeight w = int8_weight(codes, scales, N, K, group_size);
+  w.chain_ends = chain_ends;
+  gemm_int8<false>(x, M, w, y, num_threads);
 }
 
 // int4_gemm_int8x / int8_gemm_int8x with x stored feature-major ([K, x_ld]): the native decoder's MLP keeps its
 // intermediate so, and the same values come out.
 void int4_gemm_int8x_strided(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
-                             int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, int64_t x_ld,
-                             float* y, int num_threads) {
-  gemm_int8<true>(x, M, int4_weight(codes, scales, mins, fifth, N, K, group_size), y, num_threads, x_ld);
+                             int64_t N, int64_t K, int64_t group_size, const int64_t* chain_ends, const float* x,
+                             int64_t M, int64_t x_ld, float* y, int num_threads) {
+  TiledWeight w = int4_weight(codes, scales, mins, fifth, N, K, group_size);
+  w.chain_ends = chain_ends;
+  gemm_int8<true>(x, M, w, y, num_threads, x_ld);
 }
 
 void int8_gemm_int8x_strided(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
-                             const float* x, int64_t M, int64_t x_ld, float* y, int num_threads) {
-  gemm_int8<false>(x, M, int8_weight(codes, scales, N, K, group_size), y, num_threads, x_ld);
+                             const int64_t* chain_ends, const float* x, int64_t M, int64_t x_ld, float* y,
+                             int num_threads) {
+  TiledWeight w = int8_weight(codes, scales, N, K, group_size);
+  w.chain_ends = chain_ends;
+  gemm_int8<false>(x, M, w, y, num_threads, x_ld);
 }
 
 // y [I, M] (feature-major) = silu(x Wᵀ [:, :I]) * x Wᵀ [:, I:2I] for a fused gate/up weight [2I, K]: the native

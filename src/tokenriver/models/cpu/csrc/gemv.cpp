@@ -58,8 +58,12 @@ constexpr int64_t kPrefetchBytes = 8192;
 //     S_b = the exact integer sum of the block's codes times the row's rounded activations
 //     acc = fma(S_b, ws_b * xs_b, acc)          ws_b the weight's scale for the block, xs_b the activations'
 //     acc = fma(min_b, xs_b * T_b, acc)          int4 weights only: T_b the block's sum of rounded activations
-// and y = acc. Int8 weights with one scale per output channel (group size K) take acc = fma(S_b, xs_b, acc) and
-// y = acc * ws. The integer sums are exact whatever instructions add them, so only the float chain fixes the bits.
+// and y = acc; int8 weights with one scale per output channel (group size K) the same, ws_b that scale. The integer
+// sums are exact whatever instructions add them, so only the float chain fixes the bits. A weight with chain_ends
+// (tiles.h; the projections tensor parallelism splits by columns, models/row_chains.py) runs one such chain per run
+// of blocks, each from zero, and y adds the chains' results in order: what a rank's product of those columns gives,
+// and how the ranks' results are added. (So a run's product has one arithmetic whatever its group size: a run of
+// one group of a per-group weight has one scale per row too.)
 // Here a vector's lanes are the 16 weight rows of a tile, each word of the tile's block one load; in the GEMM they
 // are 16 activation rows of one weight row. Each lane goes through the same operations either way.
 
@@ -121,35 +125,33 @@ inline __m512i block_sums(const __m512i codes[8], const RowActivations& a, int64
 }
 
 // Tile t's 16 rows against MT activation rows (a[0..MT)), y's outputs of those rows (ld: y's row stride).
-template <bool IS_INT4, bool HIGH, bool PER_ROW, int MT>
+template <bool IS_INT4, bool HIGH, int MT>
 void int8_tile(const TiledWeight& w, int64_t t, const RowActivations* a, float* y, int64_t ld) {
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < w.blocks(); ++b) {
-    __m512i codes[8];
-    block_codes<IS_INT4, HIGH>(w, t, b, codes);
-    const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, b))));
-    const __m512 mins = IS_INT4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_mins(t, b))))
-                                : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m) {
-      __m512i sums = block_sums(codes, a[m], b);
-      if (!IS_INT4) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(a[m].offset[b]));
-      const __m512 exact = _mm512_cvtepi32_ps(sums);
-      if (PER_ROW) {
-        acc[m] = _mm512_fmadd_ps(exact, _mm512_set1_ps(a[m].xscale[b]), acc[m]);
-        continue;
+  __m512 total[MT];
+  for (int64_t c = 0, begin = 0; begin < w.blocks(); begin = w.chain_end(c++)) {
+    __m512 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = begin; b < w.chain_end(c); ++b) {
+      __m512i codes[8];
+      block_codes<IS_INT4, HIGH>(w, t, b, codes);
+      const __m512 scales =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, b))));
+      const __m512 mins =
+          IS_INT4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_mins(t, b))))
+                  : _mm512_setzero_ps();
+      for (int m = 0; m < MT; ++m) {
+        __m512i sums = block_sums(codes, a[m], b);
+        if (!IS_INT4) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(a[m].offset[b]));
+        const __m512 exact = _mm512_cvtepi32_ps(sums);
+        acc[m] = _mm512_fmadd_ps(exact, _mm512_mul_ps(scales, _mm512_set1_ps(a[m].xscale[b])), acc[m]);
+        if (IS_INT4) acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a[m].xterm[b]), acc[m]);
       }
-      acc[m] = _mm512_fmadd_ps(exact, _mm512_mul_ps(scales, _mm512_set1_ps(a[m].xscale[b])), acc[m]);
-      if (IS_INT4) acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a[m].xterm[b]), acc[m]);
     }
+    for (int m = 0; m < MT; ++m) total[m] = c == 0 ? acc[m] : _mm512_add_ps(total[m], acc[m]);
   }
   const int valid = static_cast<int>(std::min<int64_t>(kTileRows, w.N - kTileRows * t));
   const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512 row_scales =
-      PER_ROW ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, 0))))
-              : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m)
-    _mm512_mask_storeu_ps(y + m * ld + kTileRows * t, lanes, PER_ROW ? _mm512_mul_ps(acc[m], row_scales) : acc[m]);
+  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + m * ld + kTileRows * t, lanes, total[m]);
 }
 #else
 // Without AVX512-VNNI: the same sums 8 lanes at a time (rows 8h .. 8h + 7 of the tile in half h). maddubs
@@ -189,38 +191,34 @@ inline __m256i block_sums(const __m256i codes[8], const RowActivations& a, int64
   return sums;
 }
 
-template <bool IS_INT4, bool HIGH, bool PER_ROW, int MT>
+template <bool IS_INT4, bool HIGH, int MT>
 void int8_tile(const TiledWeight& w, int64_t t, const RowActivations* a, float* y, int64_t ld) {
-  __m256 acc[MT][2];
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < w.blocks(); ++b)
-    for (int h = 0; h < 2; ++h) {
-      __m256i codes[8];
-      block_codes<IS_INT4, HIGH>(w, t, b, h, codes);
-      const auto terms = [&](const uint16_t* p) {
-        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h)));
-      };
-      const __m256 scales = terms(w.block_scales(t, b));
-      const __m256 mins = IS_INT4 ? terms(w.block_mins(t, b)) : _mm256_setzero_ps();
-      for (int m = 0; m < MT; ++m) {
-        const __m256 exact = _mm256_cvtepi32_ps(block_sums<IS_INT4>(codes, a[m], b));
-        if (PER_ROW) {
-          acc[m][h] = _mm256_fmadd_ps(exact, _mm256_set1_ps(a[m].xscale[b]), acc[m][h]);
-          continue;
+  __m256 total[MT][2];
+  for (int64_t c = 0, begin = 0; begin < w.blocks(); begin = w.chain_end(c++)) {
+    __m256 acc[MT][2];
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t b = begin; b < w.chain_end(c); ++b)
+      for (int h = 0; h < 2; ++h) {
+        __m256i codes[8];
+        block_codes<IS_INT4, HIGH>(w, t, b, h, codes);
+        const auto terms = [&](const uint16_t* p) {
+          return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h)));
+        };
+        const __m256 scales = terms(w.block_scales(t, b));
+        const __m256 mins = IS_INT4 ? terms(w.block_mins(t, b)) : _mm256_setzero_ps();
+        for (int m = 0; m < MT; ++m) {
+          const __m256 exact = _mm256_cvtepi32_ps(block_sums<IS_INT4>(codes, a[m], b));
+          acc[m][h] = _mm256_fmadd_ps(exact, _mm256_mul_ps(scales, _mm256_set1_ps(a[m].xscale[b])), acc[m][h]);
+          if (IS_INT4) acc[m][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a[m].xterm[b]), acc[m][h]);
         }
-        acc[m][h] = _mm256_fmadd_ps(exact, _mm256_mul_ps(scales, _mm256_set1_ps(a[m].xscale[b])), acc[m][h]);
-        if (IS_INT4) acc[m][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a[m].xterm[b]), acc[m][h]);
       }
-    }
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h) total[m][h] = c == 0 ? acc[m][h] : _mm256_add_ps(total[m][h], acc[m][h]);
+  }
   alignas(32) float out[kTileRows];
   const int valid = static_cast<int>(std::min<int64_t>(kTileRows, w.N - kTileRows * t));
   for (int m = 0; m < MT; ++m) {
-    for (int h = 0; h < 2; ++h) {
-      const __m256 row_scales =
-          PER_ROW ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_scales(t, 0) + 8 * h)))
-                  : _mm256_set1_ps(1.0f);
-      _mm256_store_ps(out + 8 * h, PER_ROW ? _mm256_mul_ps(acc[m][h], row_scales) : acc[m][h]);
-    }
+    for (int h = 0; h < 2; ++h) _mm256_store_ps(out + 8 * h, total[m][h]);
     memcpy(y + m * ld + kTileRows * t, out, valid * sizeof(float));
   }
 }
@@ -228,7 +226,7 @@ void int8_tile(const TiledWeight& w, int64_t t, const RowActivations* a, float* 
 
 // y [M, N] = x [M, K] with int8 activations @ the tiled weight's [N, K]ᵀ: tiles in parallel, each against the
 // activation rows four at a time (its blocks stay in L1 between groups).
-template <bool IS_INT4, bool HIGH, bool PER_ROW>
+template <bool IS_INT4, bool HIGH>
 void linear_int8(const float* x, int64_t M, const TiledWeight& w, float* y, int num_threads) {
   std::vector<RowActivations> activations;
   activations.reserve(M);
@@ -237,11 +235,11 @@ void linear_int8(const float* x, int64_t M, const TiledWeight& w, float* y, int 
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t t = 0; t < num_tiles; ++t) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) int8_tile<IS_INT4, HIGH, PER_ROW, 4>(w, t, activations.data() + m, y + m * w.N, w.N);
+    for (; m + 4 <= M; m += 4) int8_tile<IS_INT4, HIGH, 4>(w, t, activations.data() + m, y + m * w.N, w.N);
     switch (M - m) {
-      case 3: int8_tile<IS_INT4, HIGH, PER_ROW, 3>(w, t, activations.data() + m, y + m * w.N, w.N); break;
-      case 2: int8_tile<IS_INT4, HIGH, PER_ROW, 2>(w, t, activations.data() + m, y + m * w.N, w.N); break;
-      case 1: int8_tile<IS_INT4, HIGH, PER_ROW, 1>(w, t, activations.data() + m, y + m * w.N, w.N); break;
+      case 3: int8_tile<IS_INT4, HIGH, 3>(w, t, activations.data() + m, y + m * w.N, w.N); break;
+      case 2: int8_tile<IS_INT4, HIGH, 2>(w, t, activations.data() + m, y + m * w.N, w.N); break;
+      case 1: int8_tile<IS_INT4, HIGH, 1>(w, t, activations.data() + m, y + m * w.N, w.N); break;
       default: break;
     }
   }
@@ -330,23 +328,23 @@ void int8_linear_f32(const int8_t* codes, const uint16_t* scales, int64_t N, int
 
 // The same products with activations rounded to int8 per 32 columns (quantize_activations), any number of rows,
 // in the arithmetic gemm.cpp's int8 GEMM shares (above).
+// chain_ends: the weight's sub-chains (tiles.h), or null.
 void int4_linear_int8x(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const uint64_t* fifth,
-                       int64_t N, int64_t K, int64_t group_size, const float* x, int64_t M, float* y,
-                       int num_threads) {
-  const TiledWeight w = int4_weight(codes, scales, mins, fifth, N, K, group_size);
+                       int64_t N, int64_t K, int64_t group_size, const int64_t* chain_ends, const float* x, int64_t M,
+                       float* y, int num_threads) {
+  TiledWeight w = int4_weight(codes, scales, mins, fifth, N, K, group_size);
+  w.chain_ends = chain_ends;
   if (fifth == nullptr)
-    linear_int8<true, false, false>(x, M, w, y, num_threads);
+    linear_int8<true, false>(x, M, w, y, num_threads);
   else
-    linear_int8<true, true, false>(x, M, w, y, num_threads);
+    linear_int8<true, true>(x, M, w, y, num_threads);
 }
 
 void int8_linear_int8x(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t group_size,
-                       const float* x, int64_t M, float* y, int num_threads) {
-  const TiledWeight w = int8_weight(codes, scales, N, K, group_size);
-  if (group_size == K)
-    linear_int8<false, false, true>(x, M, w, y, num_threads);
-  else
-    linear_int8<false, false, false>(x, M, w, y, num_threads);
+                       const int64_t* chain_ends, const float* x, int64_t M, float* y, int num_threads) {
+  TiledWeight w = int8_weight(codes, scales, N, K, group_size);
+  w.chain_ends = chain_ends;
+  linear_int8<false, false>(x, M, w, y, num_threads);
 }
 
 }  // extern "C"

@@ -22,8 +22,13 @@ struct TiledWeight {
   const uint64_t* fifth;   // int5: [tiles, K/32, 2, 4]; else null
   int64_t N, K, G;
   bool is_int4;
+  // Int8-activation products only: where each sub-chain of a row's sum ends, in blocks, ascending, the last K/32;
+  // null for one chain (gemv.cpp, "one arithmetic per row"; models/row_chains.py says why a row has several).
+  const int64_t* chain_ends = nullptr;
 
   int64_t blocks() const { return K / 32; }
+  // The block where sub-chain c ends.
+  int64_t chain_end(int64_t c) const { return chain_ends == nullptr ? blocks() : chain_ends[c]; }
   int64_t groups() const { return K / G; }
   int words() const { return is_int4 ? 4 : 8; }
   // Block b of tile t: words() × 64 bytes.
