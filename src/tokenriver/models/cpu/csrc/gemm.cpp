@@ -319,12 +319,13 @@ void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins
   words += row0;
   w_scales += row0;
   w_mins += row0;
-  // acc: the row's result, its sub-chains (chain_ends, tiles.h) added in order; one chain where chain_ends is null.
+  // acc: one sub-chain of the row (chain_ends, tiles.h; one chain where it is null), then the row's result: the
+  // finished sub-chains wait in memory, added in order, so that the block loop holds only one chain in registers.
   __m512 acc[RT];
-  for (int64_t c = 0, begin = 0; begin < num_blocks; begin = chain_ends == nullptr ? num_blocks : chain_ends[c++]) {
-    const int64_t end = chain_ends == nullptr ? num_blocks : chain_ends[c];
-    __m512 chain[RT];
-    for (int r = 0; r < RT; ++r) chain[r] = _mm512_setzero_ps();
+  alignas(64) float finished[RT][kPanel];
+  for (int64_t c = 0, begin = 0, end; begin < num_blocks; begin = end, ++c) {
+    end = chain_ends == nullptr ? num_blocks : chain_ends[c];
+    for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = begin; b < end; ++b) {
       __m512i sums[RT];
       const __m512i start =
@@ -347,12 +348,15 @@ void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins
       const __m512 x_sum = IS_INT4 ? _mm512_loadu_ps(x_terms + b * kPanel) : _mm512_setzero_ps();
       for (int r = 0; r < RT; ++r) {
         const __m512 exact = _mm512_cvtepi32_ps(sums[r]);
-        chain[r] =
-            _mm512_fmadd_ps(exact, _mm512_mul_ps(_mm512_set1_ps(w_scales[S * b + lane(r)]), x_scale), chain[r]);
-        if (IS_INT4) chain[r] = _mm512_fmadd_ps(_mm512_set1_ps(w_mins[S * b + lane(r)]), x_sum, chain[r]);
+        acc[r] =
+            _mm512_fmadd_ps(exact, _mm512_mul_ps(_mm512_set1_ps(w_scales[S * b + lane(r)]), x_scale), acc[r]);
+        if (IS_INT4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w_mins[S * b + lane(r)]), x_sum, acc[r]);
       }
     }
-    for (int r = 0; r < RT; ++r) acc[r] = c == 0 ? chain[r] : _mm512_add_ps(acc[r], chain[r]);
+    for (int r = 0; r < RT; ++r) {
+      if (c > 0) acc[r] = _mm512_add_ps(_mm512_load_ps(finished[r]), acc[r]);
+      if (end < num_blocks) _mm512_store_ps(finished[r], acc[r]);
+    }
   }
   // SwiGLU (GeGLU if gelu) into y feature-major ([N, y_ld]): rows r < RT / 2 are gates and the rest their ups, and
   // row n0 + r of y (activation rows m0.. of it) is silu(gate r) * up r (gelu_tanh(gate r) * up r).

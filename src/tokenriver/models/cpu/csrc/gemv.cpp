@@ -128,10 +128,11 @@ inline __m512i block_sums(const __m512i codes[8], const RowActivations& a, int64
 template <bool IS_INT4, bool HIGH, int MT>
 void int8_tile(const TiledWeight& w, int64_t t, const RowActivations* a, float* y, int64_t ld) {
   __m512 total[MT];
-  for (int64_t c = 0, begin = 0; begin < w.blocks(); begin = w.chain_end(c++)) {
+  for (int64_t c = 0, begin = 0, end; begin < w.blocks(); begin = end, ++c) {
+    end = w.chain_end(c);
     __m512 acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = begin; b < w.chain_end(c); ++b) {
+    for (int64_t b = begin; b < end; ++b) {
       __m512i codes[8];
       block_codes<IS_INT4, HIGH>(w, t, b, codes);
       const __m512 scales =
@@ -194,10 +195,11 @@ inline __m256i block_sums(const __m256i codes[8], const RowActivations& a, int64
 template <bool IS_INT4, bool HIGH, int MT>
 void int8_tile(const TiledWeight& w, int64_t t, const RowActivations* a, float* y, int64_t ld) {
   __m256 total[MT][2];
-  for (int64_t c = 0, begin = 0; begin < w.blocks(); begin = w.chain_end(c++)) {
+  for (int64_t c = 0, begin = 0, end; begin < w.blocks(); begin = end, ++c) {
+    end = w.chain_end(c);
     __m256 acc[MT][2];
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t b = begin; b < w.chain_end(c); ++b)
+    for (int64_t b = begin; b < end; ++b)
       for (int h = 0; h < 2; ++h) {
         __m256i codes[8];
         block_codes<IS_INT4, HIGH>(w, t, b, h, codes);
