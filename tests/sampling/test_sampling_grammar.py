@@ -158,12 +158,20 @@ def test_a_constraint_starting_after_thinking_masks_nothing_before_it(tokenizer,
     )
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 def test_invalid_and_unenforceable_constraints_are_refused(compiler):
     for spec, words in (
         (StructuredOutput.json({"type": "foo"}), "foo"),
         (StructuredOutput.json({"type": "string", "format": "no-such-format"}), "no-such-format"),
         (StructuredOutput.regex("a(b"), "unclosed group"),
         (StructuredOutput.grammar("start: missing_rule"), "missing_rule"),
+        (StructuredOutput.json(_nested(100)), "recursion limit"),  # llguidance raised ValueError: a 500
     ):
         with pytest.raises(InvalidParameterError) as error:
             compiler.compile(spec)

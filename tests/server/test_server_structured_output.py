@@ -229,6 +229,32 @@ def test_invalid_constraints_get_400_naming_the_field(server, model):
             assert words in error["message"], error
 
 
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_schema_past_the_grammar_recursion_limit_is_400_on_every_route(server, model):
+    """llguidance refuses a schema nested 100 deep ("recursion limit exceeded"): the user's error, a 400 naming the
+    field on chat completions and completions alike, and the engine holds nothing afterwards."""
+    schema = {"type": "json_schema", "json_schema": {"name": "deep", "schema": _nested_schema(100)}}
+    requests = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "response_format": schema},
+        "/v1/completions": {"prompt": "x", "structured_outputs": {"json": _nested_schema(100)}},
+    }
+    for route, body in requests.items():
+        response = httpx.post(
+            server.url + route, json={"model": model, "max_tokens": 4, **body}, headers=server.headers(), timeout=60
+        )
+        assert response.status_code == 400, (route, response.text)
+        error = response.json()["error"]
+        assert "recursion limit" in error["message"] and error["param"].split(".")[0] in body, (route, error)
+    engine = httpx.get(server.url + "/v1/engine", headers=server.headers(), timeout=60).json()
+    assert (engine["num_running"], engine["num_waiting"], engine["num_blocks_used"]) == (0, 0, 0)
+
+
 def test_continuation_with_prefix_ids_matches_the_whole_request(server, model):
     # A request that continues a constrained output (its tokens at the prompt's tail and in
     # structured_output_prefix_ids) generates what the whole request generated after them.

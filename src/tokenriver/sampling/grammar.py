@@ -38,7 +38,16 @@ def mask_width(vocab_size: int) -> int:
 
 
 def grammar_text(spec: StructuredOutput) -> str:
-    """The llguidance grammar of a constraint (not yet checked)."""
+    """The llguidance grammar of a constraint (not yet checked). A constraint llguidance cannot read (a GBNF grammar
+    the converter refuses, a schema nested past its recursion limit, a bad regex) is the caller's error."""
+    try:
+        return _grammar_text(spec)
+    except ValueError as error:
+        what = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice"}.get(spec.kind, "grammar")
+        raise InvalidParameterError(f"the {what} is invalid: {error}", param="structured_output") from error
+
+
+def _grammar_text(spec: StructuredOutput) -> str:
     if spec.kind == "json_schema":
         return llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=JSON_LAYOUT)
     if spec.kind == "json_object":
@@ -47,10 +56,7 @@ def grammar_text(spec: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":
         return llguidance.grammar_from("choice", spec.text)
-    try:
-        return llguidance.grammar_from("grammar", spec.text)
-    except ValueError as error:  # a GBNF grammar the converter could not read
-        raise InvalidParameterError(f"the grammar is invalid: {error}", param="structured_output") from error
+    return llguidance.grammar_from("grammar", spec.text)
 
 
 class GrammarCompiler:
