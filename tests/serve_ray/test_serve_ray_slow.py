@@ -41,8 +41,10 @@ def _live_replicas(client: httpx.Client, count: int, without: str | None = None)
 def test_killing_a_replica_mid_load_loses_no_unstreamed_request(base_url):
     deploy(2, "round_robin")
     prompts = [f"Item {i}: the colour of the sky is" for i in range(24)]
-    reference = LLM(max_num_kv_tokens=4096, num_threads=1, reference_numerics=True).generate(
-        prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False
+    # 96 tokens each, EOS ignored: the load still runs when the victim dies (the defaults are fast enough to finish
+    # 24 tokens before then).
+    reference = LLM(max_num_kv_tokens=4096, num_threads=1).generate(
+        prompts, SamplingParams(max_tokens=96, temperature=0, ignore_eos=True), use_tqdm=False
     )
     with httpx.Client(base_url=base_url, timeout=120) as client:
         victim = _live_replicas(client, 2)[0]
@@ -51,7 +53,10 @@ def test_killing_a_replica_mid_load_loses_no_unstreamed_request(base_url):
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
             tasks = [
                 asyncio.create_task(
-                    client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
+                    client.post(
+                        "/v1/completions",
+                        json={"prompt": prompt, "max_tokens": 96, "temperature": 0, "ignore_eos": True},
+                    )
                 )
                 for prompt in prompts
             ]
