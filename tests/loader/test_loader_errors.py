@@ -161,3 +161,28 @@ def test_gguf_without_a_vocabulary(tmp_path):
     path = tmp_path / "no_vocab.gguf"
     write_gguf(str(path), tiny_llama_tensors([Q.F32] * 8, np.random.default_rng(0)))
     assert "tokenizer.ggml.tokens" in load_error(path)
+
+
+def _damaged_copy(tmp_path, default_model_path, tensor: str, edit) -> str:
+    """The embedded file with one tensor's dimensions (GGUF order: columns first) edited in its header."""
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(open(default_model_path, "rb").read())
+    reader = gguf.GGUFReader(str(path), "r+")
+    dims = next(t for t in reader.tensors if t.name == tensor).field.parts[3]
+    edit(dims)
+    del reader  # the memory map writes the edit through
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "tensor, edit, expected",
+    [
+        # Rows of no columns: the file once loaded and crashed the native decoder at the first token.
+        ("token_embd.weight", lambda dims: dims.__setitem__(0, 0), "wrong shape: lm_head.weight (49152, 0)"),
+        ("token_embd.weight", lambda dims: dims.__setitem__(1, 0), "vocab_size=0"),
+        ("blk.3.ffn_down.weight", lambda dims: dims.__setitem__(slice(0, 2), dims[::-1].copy()), "wrong shape"),
+    ],
+)
+def test_a_tensor_of_the_wrong_shape_is_refused_at_load(tmp_path, default_model_path, tensor, edit, expected):
+    message = load_error(_damaged_copy(tmp_path, default_model_path, tensor, edit))
+    assert expected in message, message

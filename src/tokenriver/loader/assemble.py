@@ -14,6 +14,8 @@ models/quant.py's formats (loader/gguf_blocks.py). Here they become the model th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -84,7 +86,7 @@ def build_model(
         weights = _quantize_all(weights, quantization)
     with torch.device("meta"):
         model = cls(config)
-    _install_quantized(model, weights, device, dtype)
+    _install_quantized(model, weights, device, dtype, lambda problem: _misfit(config, path, [problem]))
     floats = {
         name: tensor.to(device=device, dtype=dtype)
         for name, tensor in weights.items()
@@ -171,22 +173,40 @@ def _quantize_all(weights: dict[str, Weight], quantization: str) -> dict[str, We
 
 
 def _install_quantized(
-    model: nn.Module, weights: dict[str, Weight], device: str | torch.device, dtype: torch.dtype
+    model: nn.Module,
+    weights: dict[str, Weight],
+    device: str | torch.device,
+    dtype: torch.dtype,
+    misfit: Callable[[str], ModelLoadError],
 ) -> None:
     """Swap in an Int4Linear/Int8Linear for each nn.Linear whose weight is quantized, popping the weight (and
-    its bias) from `weights`; a quantized embedding reads its rows from the output layer when the two are tied."""
+    its bias) from `weights`; a quantized embedding reads its rows from the output layer when the two are tied.
+    Each weight's shape must be the module's (the native kernels trust it): else misfit's error."""
     embedding = weights.get(_EMBEDDING)
     installed: dict[int, Int4Linear | Int8Linear] = {}  # id(weight) → its layer
     for name in [n for n, w in weights.items() if not isinstance(w, torch.Tensor) and n != _EMBEDDING]:
         module_name = name.removesuffix(".weight")
         weight = weights.pop(name)
+        _check_shape(model, module_name, weight, misfit)
         layer = _quantized_linear(weight, weights.pop(f"{module_name}.bias", None), device)
         installed[id(weight)] = layer
         model.set_submodule(module_name, layer)
     if embedding is not None and not isinstance(embedding, torch.Tensor):
         del weights[_EMBEDDING]
+        _check_shape(model, "model.embed_tokens", embedding, misfit)
         table = installed.get(id(embedding)) or _quantized_linear(embedding, None, device)
         model.set_submodule("model.embed_tokens", QuantizedEmbedding(table, dtype))
+
+
+def _check_shape(
+    model: nn.Module, module_name: str, weight: QuantWeight, misfit: Callable[[str], ModelLoadError]
+) -> None:
+    try:
+        expected = tuple(model.get_submodule(module_name).weight.shape)
+    except AttributeError:
+        raise misfit(f"unexpected: {module_name}.weight") from None
+    if tuple(weight.shape) != expected:
+        raise misfit(f"wrong shape: {module_name}.weight {tuple(weight.shape)} (expected {expected})")
 
 
 def _quantized_linear(
@@ -227,8 +247,13 @@ def _check_fit(model: nn.Module, floats: dict[str, torch.Tensor], config: ModelC
             for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", mismatched))
             if names
         ]
-        raise ModelLoadError(
-            f"{path}: the weights do not fit a {config.architecture} model with this config "
-            f"({'; '.join(problems)}); the file is incomplete or mislabeled",
-            path=path,
-        )
+        raise _misfit(config, path, problems)
+
+
+def _misfit(config: ModelConfig, path: str, problems: list[str]) -> ModelLoadError:
+    """The error for weights that do not fit the model the config describes."""
+    return ModelLoadError(
+        f"{path}: the weights do not fit a {config.architecture} model with this config "
+        f"({'; '.join(problems)}); the file is incomplete or mislabeled",
+        path=path,
+    )
