@@ -127,6 +127,9 @@ class RequestMetrics:
     num_accepted_draft_tokens: int = 0
     # Verification passes that carried at least one draft token.
     num_speculative_steps: int = 0
+    # Forward passes of the model that computed this request: one per prompt chunk and per decode step (a
+    # verification of drafts is one pass however many tokens it accepts), one per token in a multi-step step.
+    num_forward_passes: int = 0
 
     @property
     def num_rejected_draft_tokens(self) -> int:

@@ -59,7 +59,12 @@ def test_schema_with_ngram_speculation(server, speculative_server):
     text = speculative["choices"][0]["message"]["content"]
     assert text == plain["choices"][0]["message"]["content"]
     jsonschema.validate(json.loads(text), SCHEMA)
-    assert speculative["metrics"]["num_draft_tokens"] > 0  # drafts were proposed and verified under the grammar
+    metrics = speculative["metrics"]
+    assert metrics["num_draft_tokens"] > 0  # drafts were proposed and verified under the grammar
+    # Passes, not tokens: each accepted draft token saved one (a draft accepted past the stop saved none).
+    generated, accepted = metrics["num_generated_tokens"], metrics["num_accepted_draft_tokens"]
+    assert generated - accepted <= metrics["num_forward_passes"] < plain["metrics"]["num_forward_passes"]
+    assert plain["metrics"]["num_forward_passes"] == plain["metrics"]["num_generated_tokens"]
     sampled = _chat(speculative_server, temperature=1.0, seed=3, n=2)
     for choice in sampled["choices"]:
         jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)

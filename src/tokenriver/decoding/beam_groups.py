@@ -116,6 +116,10 @@ class BeamGroups:
             if update.metrics is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = update.metrics.first_scheduled_time
                 group.metrics.num_cached_tokens = update.num_cached_tokens
+            if update.metrics is not None:
+                # A beam forked from its parent carries the parent's count: the beams share their passes.
+                passes = max(group.metrics.num_forward_passes, update.metrics.num_forward_passes)
+                group.metrics.num_forward_passes = passes
             if update.beam_candidates:
                 group.candidates[update.request_id] = self._with_top(group.params, update.beam_candidates)
                 ready[request_id] = group

@@ -311,4 +311,5 @@ def _merge_metrics(metrics: list[RequestMetrics]) -> RequestMetrics:
         num_draft_tokens=sum(m.num_draft_tokens for m in metrics),
         num_accepted_draft_tokens=sum(m.num_accepted_draft_tokens for m in metrics),
         num_speculative_steps=sum(m.num_speculative_steps for m in metrics),
+        num_forward_passes=max(m.num_forward_passes for m in metrics),  # the candidates share their passes
     )

@@ -391,6 +391,8 @@ class Scheduler:
             if multi_step and new_token_ids:
                 # Each pass after the first computed the K/V of the token sampled before it.
                 request.num_computed_tokens += len(new_token_ids) - 1
+            # The passes past a multi-step request's stop computed only the others' tokens.
+            request.metrics.num_forward_passes += len(new_token_ids) if multi_step else 1
             if stop is not None:
                 self._finish(request, stop.reason, stop.stop_reason)
             elif self.recompute_every_step and new_token_ids:

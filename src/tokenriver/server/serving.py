@@ -138,7 +138,6 @@ class OpenAIServing:
         info = engine.model_info
         self.vocab_size = info.vocab_size
         self.block_size = info.block_size
-        self.max_num_batched_tokens = info.max_num_batched_tokens
         self.max_num_seqs = info.max_num_seqs
 
     # ----- request → engine -------------------------------------------------------------------------
@@ -622,11 +621,10 @@ class OpenAIServing:
         ]
 
     def request_metrics(self, output: RequestOutput) -> RequestMetricsInfo:
-        """tokenriver's per-request metrics (docs/serving.md); forward passes are estimated from token counts."""
+        """tokenriver's per-request metrics (docs/serving.md): the engine's own counts."""
         num_prompt = len(output.prompt_token_ids)
         num_cached = output.metrics.num_cached_tokens
         longest = max((len(c.token_ids) for c in output.outputs), default=0)
-        num_prefill_passes = math.ceil(max(num_prompt - num_cached, 0) / self.max_num_batched_tokens)
         return RequestMetricsInfo(
             time_to_first_token=output.metrics.time_to_first_token,
             time_per_output_token=output.metrics.time_per_output_token(longest),
@@ -634,7 +632,7 @@ class OpenAIServing:
             num_cached_tokens=num_cached,
             num_prompt_tokens=num_prompt,
             num_generated_tokens=sum(len(c.token_ids) for c in output.outputs),
-            num_forward_passes=max(num_prefill_passes + longest - 1, 0),
+            num_forward_passes=output.metrics.num_forward_passes,
             kv_blocks=math.ceil((num_prompt + longest) / self.block_size),
             **_speculative_metrics(output),
         )
