@@ -16,10 +16,10 @@ the rows of attn_q/attn_k so each head's rotary pairs are interleaved
 rotate_half layout, pairing (x_i, x_{i+d/2}), so those rows are put back in
 their original order here (as transformers' GGUF loader does).
 
-The header (metadata and tensor table) is parsed by gguf.GGUFReader the first
-time a file is seen and indexed in a small JSON cache (loader/gguf_cache.py);
-later loads take the index from there and slice the tensors out of a memory
-map. Both ways hand the same arrays to the same repack/dequantize code below.
+The header (metadata and tensor table) is read in one pass (loader/gguf_header.py)
+the first time a file is seen and indexed in a small JSON cache (loader/gguf_cache.py);
+later loads take the index from there. Either way the tensors are sliced out of a
+memory map and handed to the same repack/dequantize code below.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from tokenriver.loader import gguf_arch as families
 from tokenriver.loader import gguf_cache
 from tokenriver.loader.assemble import fused_groups
 from tokenriver.loader.gguf_blocks import CONVERSIONS, native_layout, to_packed
+from tokenriver.loader.gguf_header import GGUFHeaderError, is_big_endian, read_header
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.quant import Int4Weight, Int8Weight
@@ -166,8 +167,7 @@ def read_gguf(
             weights[name] = families.as_hf_shape(name, _dequantize(path, tensor, gguf_arch, config).to(dtype))
             if families.stores_norm_plus_one(gguf_arch, tensor.name):
                 weights[name] -= 1.0  # Gemma: the file holds 1 + w, the model's parameter is w.
-        if mapped is not None:
-            mapped.release(tensor.data)
+        mapped.release(tensor.data)
     return GGUFCheckpoint(
         config=config, weights=weights, tokenizer_fields=_tokenizer_fields(fields, gguf_arch), stored_types=stored_types
     )
@@ -208,33 +208,35 @@ class _MappedFile:
         self._map.madvise(mmap.MADV_DONTNEED, first, start + data.nbytes - first)
 
 
-def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list[_Tensor], _MappedFile | None]:
-    """Metadata fields and tensors: from the cached index when it matches the file (with the mapping, to release
-    converted tensors from), else from GGUFReader (then cached for the next load)."""
+def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list[_Tensor], _MappedFile]:
+    """Metadata fields and tensors (views of the mapping, which read_gguf releases as it converts them): from the
+    cached index when it matches the file, else read from the file (loader/gguf_header.py) and cached."""
     _check_file(path)
+    mapped = _MappedFile(path)
     index = gguf_cache.load_index(path, cache_dir)
-    if index is not None:
-        mapped = _MappedFile(path)
-        return (
-            index.fields,
-            [_Tensor(t.name, t.tensor_type, t.shape, gguf_cache.tensor_array(mapped.array, t)) for t in index.tensors],
-            mapped,
+    if index is None:
+        index = _parse(path, mapped.array)
+        header = mapped.array[: index.header_length].tobytes()
+        gguf_cache.store_index(path, index, header, os.stat(path), cache_dir)
+    tensors = [_Tensor(t.name, t.tensor_type, t.shape, gguf_cache.tensor_array(mapped.array, t)) for t in index.tensors]
+    return index.fields, tensors, mapped
+
+
+def _parse(path: str, data: np.ndarray) -> gguf_cache.GGUFIndex:
+    if is_big_endian(data):
+        raise ModelLoadError(
+            f"{path}: the GGUF file is big-endian, which only a big-endian machine can run (as with llama.cpp); "
+            f"convert the model again without --bigendian",
+            path=path,
         )
-    stat = os.stat(path)
-    reader = _open(path)
-    fields = {name: field.contents() for name, field in reader.fields.items()}
-    tensors = [_Tensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data) for t in reader.tensors]
-    if reader.byte_order == "I":  # A byte-swapped (big-endian) file is rare: it is parsed every time.
-        index = gguf_cache.GGUFIndex(
-            fields=fields,
-            tensors=[
-                gguf_cache.TensorEntry(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes)
-                for t in reader.tensors
-            ],
-            header_length=reader.data_offset,
-        )
-        gguf_cache.store_index(path, index, reader.data[: reader.data_offset].tobytes(), stat, cache_dir)
-    return fields, tensors, None
+    try:
+        return read_header(data)
+    except GGUFHeaderError as error:
+        raise ModelLoadError(
+            f"{path}: the GGUF file is truncated or damaged ({len(data)} bytes; reading its header failed: "
+            f"{error}); download or convert it again",
+            path=path,
+        ) from error
 
 
 def _check_file(path: str) -> None:
@@ -251,19 +253,6 @@ def _check_file(path: str) -> None:
             f"pass a .gguf file, or a Hugging Face folder with config.json and *.safetensors",
             path=path,
         )
-
-
-def _open(path: str) -> gguf.GGUFReader:
-    """Memory-map and parse the file with gguf's reader."""
-    try:
-        return gguf.GGUFReader(path, "r")
-    except (ValueError, IndexError, KeyError, OSError) as error:
-        size = os.path.getsize(path)
-        raise ModelLoadError(
-            f"{path}: the GGUF file is truncated or damaged ({size} bytes; reading it failed: "
-            f"{error}); download or convert it again",
-            path=path,
-        ) from error
 
 
 def _config(

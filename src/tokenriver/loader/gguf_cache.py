@@ -1,16 +1,15 @@
-"""A small on-disk index of a GGUF file's header, so that loading the file again skips parsing it.
+"""A small on-disk index of a GGUF file's header, so that loading the file again skips reading it.
 
-gguf.GGUFReader stays the reader of record: the first load of a file parses it (loader/gguf.py) and stores
-here what tokenriver takes from the header: every metadata field as a plain value (the tokenizer's vocabulary
-and merges included) and the tensor table (name, type, shape, byte offset). Later loads read that JSON and
-slice each tensor out of a read-only memory map of the file at its stored offset. Why: GGUFReader makes one
-numpy view per element of every metadata array, ~150k of them for a 49k-token vocabulary (seconds); the
-JSON takes milliseconds.
+The first load of a file reads its header (loader/gguf_header.py, called by loader/gguf.py) and stores here what
+tokenriver takes from it: every metadata field as a plain value (the tokenizer's vocabulary and merges included)
+and the tensor table (name, type, shape, byte offset). Later loads read that JSON, whose parser decodes a large
+vocabulary's strings in C rather than one by one in Python, and slice each tensor out of a read-only memory map
+of the file at its stored offset.
 
 An entry is used only when it describes the bytes on disk now: same real path, size, modification time and
 format version, and the same SHA-256 of the header (metadata, tensor table and padding, everything before
 the first tensor's data). Anything else (no entry, a stale or malformed one, an unreadable or unwritable
-cache directory) is logged at INFO and the caller parses the file with GGUFReader: a cache problem costs
+cache directory) is logged at INFO and the caller reads the header from the file: a cache problem costs
 time, never gives a wrong model. JSON only, never pickle.
 """
 
@@ -32,7 +31,7 @@ logger = logging.getLogger(__name__)
 # Bump when what an entry holds, or how it is read, changes: older entries are then ignored and rewritten.
 FORMAT_VERSION = 1
 
-# Tensor types GGUFReader exposes as typed arrays; every other type is raw bytes (see `tensor_array`).
+# Tensor types read as typed arrays (as GGUFReader gives them); every other type is raw bytes (`tensor_array`).
 _ITEM_TYPES = {
     gguf.GGMLQuantizationType.F16: np.float16,
     gguf.GGMLQuantizationType.F32: np.float32,
@@ -59,7 +58,7 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class GGUFIndex:
-    """What tokenriver takes from a GGUF header, as GGUFReader parsed it."""
+    """What tokenriver takes from a GGUF header."""
 
     # Every metadata key → field.contents() (str, int, float, bool, or a list of them).
     fields: dict[str, Any]
