@@ -52,8 +52,8 @@ def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
         httpx.post(
             server.url + "/v1/completions",
             headers=server.headers(),
-            timeout=1.5,
-            json={"prompt": "A very long story:", "max_tokens": 480, "ignore_eos": True},
+            timeout=0.5,  # the context's 500 tokens take the defaults more than a second
+            json={"prompt": "A very long story:", "max_tokens": 500, "ignore_eos": True},
         )
     _wait_until_idle(server)
     assert server.metric("tokenriver_kv_cache_blocks_used") == 0
