@@ -201,15 +201,13 @@ def shard_decoder_layers(layers: nn.ModuleList, group: TensorParallelGroup) -> S
     `gate_up_proj` and `down_proj`. Anything else is refused with a clear error.
     """
     first = layers[0]
-    attention, mlp = getattr(first, "self_attn", None), getattr(first, "mlp", None)
-    if not all(
-        hasattr(attention, name) for name in ("qkv_proj", "o_proj", "num_heads", "num_kv_heads", "head_dim")
-    ) or not all(hasattr(mlp, name) for name in ("gate_up_proj", "down_proj")):
+    if not projection_runs(first):  # what models/row_chains.py calls a Llama-family layer
         raise InvalidParameterError(
             f"tensor parallelism shards Llama-family layers (fused qkv_proj / gate_up_proj); "
             f"{type(first).__name__} is not one",
             param="tensor_parallel_size",
         )
+    attention, mlp = first.self_attn, first.mlp
     intermediate_size = mlp.down_proj.in_features
     layout = shard_layout(
         attention.num_heads,

@@ -51,9 +51,9 @@ def projection_runs(layer: nn.Module) -> dict[str, tuple[int, int]]:
     and gate_up_proj, as sharding.py takes them), or {} for any other."""
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     needs = ("qkv_proj", "o_proj", "num_heads", "num_kv_heads", "head_dim")
-    if not all(hasattr(attention, name) for name in needs) or not hasattr(mlp, "gate_up_proj"):
-        return {}
-    if not hasattr(mlp, "down_proj"):
+    if not all(hasattr(attention, name) for name in needs) or not all(
+        hasattr(mlp, name) for name in ("gate_up_proj", "down_proj")
+    ):
         return {}
     heads_per_kv = attention.num_heads // attention.num_kv_heads
     unit = feature_unit(mlp.down_proj)
