@@ -27,6 +27,7 @@ to float32, exact arithmetic) on tests/data/perplexity_text.md, for every SmolLM
 and int8-rounded activations cost on each type.
 
     python benchmarks/real_models.py [--threads 2] [--repeats 3] [--models embedded,Q4_K_M,...] [--quick]
+    python benchmarks/real_models.py --model ~/models/my-model.Q4_K_M.gguf   # your own file(s), into /tmp
 
 Needs the `bench` extra (llama-cpp-python). Writes benchmarks/results/real_models.md and real_models.png, and
 benchmarks/results/gguf_types.md (perplexities).
@@ -302,7 +303,7 @@ def report(
         "",
         f"Machine: {machine_line()}; {args.threads} threads each; llama-cpp-python {llama_cpp.__version__}.",
         f"Command: `python benchmarks/real_models.py --threads {args.threads} --repeats {args.repeats}"
-        f"{' --no-perplexity' if args.no_perplexity else ''}`",
+        f"{' --no-perplexity' if args.no_perplexity else ''}{''.join(f' --model {m}' for m in args.model or [])}`",
         "",
         f"Medians of {args.repeats} alternating runs, each (file, engine) in a fresh process. Tokens/s; "
         "decode after a chat prompt, 128 tokens; prefill of 512 tokens; 32 chat prompts x 128 tokens "
@@ -369,6 +370,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--no-perplexity", action="store_true")
     parser.add_argument("--quick", action="store_true", help="1 repeat, 16 tokens, 4 prompts; writes to /tmp")
+    parser.add_argument(
+        "--model",
+        action="append",
+        type=Path,
+        help="a GGUF file of your own (repeatable): compares on it instead of --models; writes to /tmp",
+    )
     args = parser.parse_args()
     if args.worker:
         engine, path, threads, prompts_file = args.worker
@@ -376,8 +383,8 @@ def main() -> None:
         return
     if args.quick:
         args.repeats, args.max_tokens, args.batch, args.no_perplexity = 1, 16, 4, True
-    files = {}
-    for name in args.models.split(","):
+    files = {} if args.model is None else own_files(parser, args.model)
+    for name in args.models.split(",") if args.model is None else []:
         if name == "embedded":
             files["SmolLM2 135M Q4_1 (embedded)"] = embedded_model_path()
         elif name == "large":
@@ -395,10 +402,20 @@ def main() -> None:
     work_dir = Path("/tmp") / "tokenriver-real-models"
     work_dir.mkdir(exist_ok=True)
     results = measure(files, args, work_dir)
-    ppl_rows = [] if args.no_perplexity else perplexities(args)
-    out_dir = work_dir if args.quick else RESULTS
+    ppl_rows = [] if args.no_perplexity or args.model else perplexities(args)
+    out_dir = work_dir if args.quick or args.model else RESULTS
     report(results, ppl_rows, files, args, out_dir)
     print(f"wrote {out_dir / 'real_models.md'}")
+
+
+def own_files(parser: argparse.ArgumentParser, paths: list[Path]) -> dict[str, str]:
+    """{file name: path} of the user's files, each checked to be a GGUF file."""
+    files = {}
+    for path in paths:
+        if not path.is_file() or path.open("rb").read(4) != b"GGUF":
+            parser.error(f"--model {path}: not a GGUF file")
+        files[path.name] = str(path.resolve())
+    return files
 
 
 def gemma3_file() -> str | None:
