@@ -589,6 +589,7 @@ def test_layout_colours_and_wording(browser: object, base_url: str) -> None:
     assert "token 1 of 1" in page.inner_text("[data-testid=why-step]")
     shape = page.inner_text("[data-testid=engine-shape]")
     assert "tokens per block" in shape and "tokens max" in shape
+    assert "int8 keys and values" in shape and "weights" not in shape  # the default pool; never a weight format
     assert "bytes" in page.inner_text("[data-testid=kv-bytes]") or "KiB" in page.inner_text("[data-testid=kv-bytes]")
     assert watch.unexpected() == []
     page.close()

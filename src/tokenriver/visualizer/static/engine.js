@@ -214,8 +214,8 @@ function engineSummary(engine) {
     ["prefix-cache hit rate", fmtPercent(engine.prefix_cache_hit_rate || 0), "engine-hit-rate"],
     ["forward passes since start", String(engine.num_forward_passes), "engine-forward-passes"],
     [
-      "KV block size · dtype · context",
-      `${plural(engine.block_size, "token")} per block · ${engine.dtype} weights · ${plural(engine.max_model_len, "token")} max`,
+      "KV block size · KV dtype · context",
+      `${plural(engine.block_size, "token")} per block · ${engine.kv_cache_dtype} keys and values · ${plural(engine.max_model_len, "token")} max`,
       "engine-shape",
     ],
   ];
