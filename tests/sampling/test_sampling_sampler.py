@@ -236,9 +236,9 @@ def test_all_greedy_rows_take_the_native_shortcut_with_the_same_results():
         assert ours.trace is None
 
 
-def test_takes_raw_argmax_only_when_no_stage_or_report_needs_the_logits():
+def test_all_plain_greedy_only_when_no_stage_or_report_needs_the_logits():
     plain = make_state(SamplingParams(temperature=0.0), eos=[2])
-    assert Sampler.takes_raw_argmax([plain, plain])
+    assert Sampler.all_plain_greedy([plain, plain])
     needs_logits = [
         make_state(SamplingParams(temperature=0.7)),
         make_state(SamplingParams(temperature=0.0, logprobs=1)),
@@ -250,9 +250,9 @@ def test_takes_raw_argmax_only_when_no_stage_or_report_needs_the_logits():
         make_state(SamplingParams(temperature=0.0, min_tokens=3), output=[7], eos=[2]),
     ]
     for state in needs_logits:
-        assert not Sampler.takes_raw_argmax([plain, state]), state.params
+        assert not Sampler.all_plain_greedy([plain, state]), state.params
     # min_tokens reached, or nothing to block: the logits are untouched again.
-    assert Sampler.takes_raw_argmax(
+    assert Sampler.all_plain_greedy(
         [
             make_state(SamplingParams(temperature=0.0, min_tokens=1), output=[7], eos=[2]),
             make_state(SamplingParams(temperature=0.0, min_tokens=3)),
@@ -290,7 +290,7 @@ def test_grammar_rows_take_the_reduced_path_unless_it_refuses_the_argmax():
     states = [make_state(SamplingParams(temperature=0.0)) for _ in range(3)]
     for state, tokens in zip(states, allowed):
         state.allowed_token_mask = _bitmask(tokens, vocab_size)
-    assert Sampler.takes_raw_argmax(states)
+    assert Sampler.all_plain_greedy(states)
     reduced = (logits.argmax(dim=1), logits.amax(dim=1), torch.logsumexp(logits, dim=1))
     quick = Sampler.sample_reduced(reduced, states)
     assert quick[1] is None and [quick[0].token_id, quick[2].token_id] == [top[0], top[2]]

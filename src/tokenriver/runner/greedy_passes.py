@@ -1,7 +1,7 @@
 """GreedyPasses: the passes after the first of a multi-step step (SchedulerOutput.num_decode_passes), each feeding
 every request the token it sampled in the pass before.
 
-The scheduler grants them to plain greedy decodes only (Sampler.takes_raw_argmax), whose sampling reads nothing the
+The scheduler grants them to plain greedy decodes only (Sampler.all_plain_greedy), whose sampling reads nothing the
 passes change but a grammar's state. Without grammars they run, where they can:
 - in the model's native loop, every pass in one call (NativeStack.greedy_passes, models/cpu/greedy.py);
 - off the CPU, queued on the device one after the other: each pass's argmax stays there as the next pass's input and
@@ -93,7 +93,7 @@ class GreedyPasses:
         return (
             num_passes > 0
             and not any(state.grammar is not None for state in states)
-            and self.sampler.takes_raw_argmax(states)
+            and self.sampler.all_plain_greedy(states)
         )
 
     def _native(

@@ -120,7 +120,7 @@ class ModelRunner:
         if (
             self._mask_worker is None
             or all(r.sampling_params.structured_output is None for r in requests)
-            or self.sampler.takes_raw_argmax(states)
+            or self.sampler.all_plain_greedy(states)
         ):
             return None
         return self._mask_worker.submit(lambda: [self._allowed_token_mask(request) for request in requests])

@@ -13,7 +13,7 @@ Invariants:
 - Stages no row uses are skipped, and each stage runs only on the rows that use
   it; a batch of greedy rows without penalties costs an argmax and a logsumexp
   (one native pass per row when the runner hands the sampler its kernels), and
-  such a batch (`takes_raw_argmax`) can be answered from those three numbers per
+  such a batch (`all_plain_greedy`) can be answered from those three numbers per
   row without logits at all (`sample_reduced`; the runner asks the model for them).
 - Logprobs and ranks are those of the raw distribution (log_softmax of the
   unprocessed logits), as OpenAI and vLLM report them.
@@ -106,11 +106,6 @@ def _allows(state: SamplingState, token_id: int) -> bool:
     return state.grammar is None or state.grammar.accepts(token_id)
 
 
-def _blocks_stop_tokens(state: SamplingState) -> bool:
-    """min_tokens not reached yet, with EOS or stop tokens to hold back."""
-    return holds_stop_tokens(state.params, len(state.output_token_ids), state.eos_token_ids)
-
-
 class Sampler:
     """Turns a step's logits into tokens, logprobs and traces."""
 
@@ -128,16 +123,16 @@ class Sampler:
         return (reduced if reduced is not None else torch_row_reductions(logits))[2]
 
     @staticmethod
-    def takes_raw_argmax(states: list[SamplingState]) -> bool:
-        """Whether every row takes its raw argmax and reports nothing but that token's logprob: greedy, no
-        logprobs, no trace, and no stage that would change its logits. Such a batch needs, per row, only the
-        argmax, the largest logit and the log-sum-exp (`sample_reduced`), which a model can compute without
-        writing its logits."""
+    def all_plain_greedy(states: list[SamplingState]) -> bool:
+        """Whether every row is plain greedy (params.is_plain_greedy): it takes its raw argmax and reports nothing
+        but that token's logprob (greedy, no logprobs, no trace, no stage that would change its logits). Such a
+        batch needs, per row, only the argmax, the largest logit and the log-sum-exp (`sample_reduced`), which a
+        model can compute without writing its logits."""
         return all(is_plain_greedy(state.params, len(state.output_token_ids), state.eos_token_ids) for state in states)
 
     @staticmethod
     def sample_reduced(reduced: RowReductionsResult, states: list[SamplingState]) -> list[SampleResult | None]:
-        """The rows of a batch that `takes_raw_argmax`, from (argmax [N], max [N], logsumexp [N]): each takes its
+        """The rows of a batch that is `all_plain_greedy`, from (argmax [N], max [N], logsumexp [N]): each takes its
         argmax, whose logprob is the row's max minus its log-normalizer.
 
         A row whose grammar does not allow its argmax gets None: its token is the argmax of the masked logits,
@@ -161,7 +156,7 @@ class Sampler:
         if num_rows == 0:
             return []
         reduced = self.row_reductions(logits) if self.row_reductions is not None else None
-        if reduced is None or not self.takes_raw_argmax(states):
+        if reduced is None or not self.all_plain_greedy(states):
             return self._sample_processed(logits, states, reduced)
         # The common decode step: skips the general path's dozen small tensor ops, which show in single-stream
         # decode. Only rows whose grammar refuses their argmax go through it.
@@ -346,7 +341,9 @@ class Sampler:
         if tracer:
             tracer.keep_processed(work.tensor)
 
-        rows = [i for i, s in enumerate(states) if _blocks_stop_tokens(s)]
+        rows = [
+            i for i, s in enumerate(states) if holds_stop_tokens(s.params, len(s.output_token_ids), s.eos_token_ids)
+        ]
         if rows:
             blocked = processors.pad_token_ids(
                 [states[i].eos_token_ids + states[i].params.stop_token_ids for i in rows], vocab_size, device
