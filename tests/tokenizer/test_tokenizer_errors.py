@@ -64,8 +64,8 @@ def test_gguf_fields_without_vocabulary():
 
 
 def test_gguf_unsupported_tokenizer_model(smollm_fields):
-    with pytest.raises(ModelLoadError, match="'bert' is not supported"):
-        tokenizer_from_gguf_fields({**smollm_fields, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(ModelLoadError, match="'t5' is not supported"):
+        tokenizer_from_gguf_fields({**smollm_fields, "tokenizer.ggml.model": "t5"})
 
 
 def test_gguf_special_id_outside_vocabulary(smollm_fields):

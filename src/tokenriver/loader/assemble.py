@@ -7,7 +7,8 @@ models/quant.py's formats (loader/gguf_blocks.py). Here they become the model th
   both modes (it is the largest matrix of a small model and the most sensitive one, as in llama.cpp's
   Q4_K_M files, which keep it at 6 bits);
 - each quantized weight replaces its nn.Linear with an Int4Linear/Int8Linear, and a quantized token embedding
-  becomes a QuantizedEmbedding reading the same matrix (no float copy of the vocabulary table);
+  becomes a QuantizedEmbedding reading the same matrix (no float copy of the vocabulary table); the other embedding
+  tables (an encoder's position and token-type tables) stay float when quantizing at load;
 - the remaining float tensors are assigned in place of the meta-device parameters, after checking that every
   one the model needs is there with the right shape.
 """
@@ -82,11 +83,13 @@ def build_model(
     weights = _fuse(weights, getattr(cls, "fused_projections", {}), empty)
     for name in [n for n in weights if n.endswith(_ROUTERS) and not isinstance(weights[n], torch.Tensor)]:
         weights[name] = dequantize_packed(weights[name])
-    if quantization in ("int8", "int4"):
-        weights = _quantize_all(weights, quantization)
     with torch.device("meta"):
         model = cls(config)
-    _install_quantized(model, weights, device, dtype, lambda problem: _misfit(config, path, [problem]))
+    # Embedding tables are looked up, not multiplied: quantizing one at load would turn it into a linear layer.
+    tables = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Embedding)}
+    if quantization in ("int8", "int4"):
+        weights = _quantize_all(weights, quantization, tables)
+    _install_quantized(model, weights, device, dtype, lambda problem: _misfit(config, path, [problem]), tables)
     floats = {
         name: tensor.to(device=device, dtype=dtype)
         for name, tensor in weights.items()
@@ -155,19 +158,25 @@ def _as_int8(weight: Weight) -> Int8Weight:
     return quantize_int8(matrix.float(), INT8_GROUP_SIZE)
 
 
-def _quantize_all(weights: dict[str, Weight], quantization: str) -> dict[str, Weight]:
+def _quantize_all(weights: dict[str, Weight], quantization: str, tables: set[str]) -> dict[str, Weight]:
     """Bring every linear matrix to the requested format: float ones are quantized, packed ones of the other
-    format dequantized and quantized again; the output projection (and a tied embedding with it) goes to int8."""
+    format dequantized and quantized again; the output projection (and a tied embedding with it) goes to int8.
+    Embedding tables (`tables`) keep their format."""
     out = dict(weights)
     for name, weight in weights.items():
-        if name == _EMBEDDING or name.endswith(_ROUTERS) or (isinstance(weight, torch.Tensor) and weight.dim() != 2):
+        if (
+            name == _EMBEDDING
+            or name in tables
+            or name.endswith(_ROUTERS)
+            or (isinstance(weight, torch.Tensor) and weight.dim() != 2)
+        ):
             continue
         target = Int8Weight if name == _OUTPUT or quantization == "int8" else Int4Weight
         if isinstance(weight, target) or weight.shape[1] % INT4_GROUP_SIZE:
             continue
         matrix = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
         out[name] = quantize_int8(matrix) if target is Int8Weight else quantize_int4(matrix, INT4_GROUP_SIZE)
-    if weights.get(_EMBEDDING) is weights.get(_OUTPUT):
+    if _EMBEDDING in weights and weights[_EMBEDDING] is weights.get(_OUTPUT):
         out[_EMBEDDING] = out[_OUTPUT]
     return out
 
@@ -178,11 +187,22 @@ def _install_quantized(
     device: str | torch.device,
     dtype: torch.dtype,
     misfit: Callable[[str], ModelLoadError],
+    tables: set[str],
 ) -> None:
     """Swap in an Int4Linear/Int8Linear for each nn.Linear whose weight is quantized, popping the weight (and
     its bias) from `weights`; a quantized embedding reads its rows from the output layer when the two are tied.
-    Each weight's shape must be the module's (the native kernels trust it): else misfit's error."""
+    Another quantized embedding table (`tables`: an encoder's word embeddings in a GGUF file) becomes a
+    QuantizedEmbedding of its own. Each weight's shape must be the module's (the native kernels trust it): else
+    misfit's error."""
     embedding = weights.get(_EMBEDDING)
+    for name in sorted(tables - {_EMBEDDING}):
+        table = weights.get(name)
+        if table is None or isinstance(table, torch.Tensor):
+            continue
+        del weights[name]
+        module_name = name.removesuffix(".weight")
+        _check_shape(model, module_name, table, misfit)
+        model.set_submodule(module_name, QuantizedEmbedding(_quantized_linear(table, None, device), dtype))
     installed: dict[int, Int4Linear | Int8Linear] = {}  # id(weight) → its layer
     for name in [n for n, w in weights.items() if not isinstance(w, torch.Tensor) and n != _EMBEDDING]:
         module_name = name.removesuffix(".weight")

@@ -3,8 +3,8 @@
 The only module that knows llama.cpp's naming: metadata keys
 (`llama.attention.head_count`, ...) become ModelConfig fields, tensor names
 (`blk.3.attn_q.weight`, ...) become Hugging Face parameter names; what other
-architectures (Gemma, Qwen3, Phi-3, mixture-of-experts) name or store
-differently is in loader/gguf_arch.py. Quantized matrices of every type can
+architectures (Gemma, Qwen3, Phi-3, mixture-of-experts, the BERT encoders) name
+or store differently is in loader/gguf_arch.py. Quantized matrices of every type can
 stay packed (loader/gguf_blocks.py re-encodes each GGUF block format into
 models/quant.py's formats); every other tensor is dequantized by
 `gguf.quants.dequantize`.
@@ -295,21 +295,42 @@ def _config(
         head_dim=head_dim,
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=_rope_scaling(path, fields, gguf_arch, tensors),
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        # An encoder's LayerNorms have their own epsilon (gguf_arch.config_fields); it has no RMSNorm.
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6 if gguf_arch in families.ENCODER_NAMES else None),
         max_position_embeddings=get("context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         attention_out_bias="blk.0.attn_output.bias" in tensors,
         name=fields.get("general.name") or os.path.basename(path),
         partial_rotary_factor=rope_dim / head_dim,
+        pooling=_pooling(path, get("pooling_type", 0)),
     )
     values.update(families.config_fields(gguf_arch, get, tensors))
+    if gguf_arch in families.ENCODER_NAMES:
+        values["sep_token_id"] = fields.get("tokenizer.ggml.seperator_token_id")  # llama.cpp's spelling
+        if "cls.output.weight" in tensors and "cls.weight" not in tensors:
+            raise ModelLoadError(
+                f"{path}: the classification head has no dense layer before its output (llama.cpp's converter "
+                f"leaves out BERT's pooler), so its scores would not be the model's; load the Hugging Face folder "
+                f"it was converted from instead",
+                path=path,
+            )
     if "blk.0.attn_qkv.weight" in tensors:
         values["attention_bias"] = "blk.0.attn_qkv.bias" in tensors
     try:
         return ModelConfig(**values)
     except ModelLoadError as error:
         raise ModelLoadError(f"{path}: {error.message}", path=path) from error
+
+
+def _pooling(path: str, pooling_type: int) -> str | None:
+    """`<arch>.pooling_type` (llama.cpp's enum) → ModelConfig.pooling."""
+    if pooling_type not in families.POOLING_TYPES:
+        raise ModelLoadError(
+            f"{path}: pooling_type={pooling_type} is not one tokenriver knows (0 none, 1 mean, 2 cls, 3 last, 4 rank)",
+            path=path,
+        )
+    return families.POOLING_TYPES[pooling_type]
 
 
 def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: dict[str, _Tensor]) -> dict | None:
@@ -348,22 +369,31 @@ def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: di
 
 def _hf_name(path: str, name: str, gguf_arch: str) -> str:
     """llama.cpp tensor name → Hugging Face parameter name (per-expert names come from _split_stacked_experts)."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    if name.startswith("model.layers."):
-        return name
-    match = _LAYER_TENSOR.fullmatch(name)
-    module = (
-        None if match is None else (families.layer_name(gguf_arch, match.group(2)) or _LAYER_NAMES.get(match.group(2)))
-    )
-    if match is None or module is None:
+    if gguf_arch in families.ENCODER_NAMES:
+        hf_name = families.encoder_name(gguf_arch, name)
+    elif name in _GLOBAL_NAMES:
+        hf_name = _GLOBAL_NAMES[name]
+    elif name.startswith("model.layers."):
+        hf_name = name
+    else:
+        hf_name = _decoder_layer_name(name, gguf_arch)
+    if hf_name is None:
         raise ModelLoadError(
             f"{path}: tensor {name!r} has no place in a {gguf_arch} model; the file holds a "
             f"different architecture than its metadata says",
             path=path,
         )
-    layer, _, kind = match.groups()
-    return f"model.layers.{layer}.{module}.{kind}"
+    return hf_name
+
+
+def _decoder_layer_name(name: str, gguf_arch: str) -> str | None:
+    """A decoder layer's tensor ("blk.3.attn_q.weight") → its Hugging Face name, or None."""
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None:
+        return None
+    layer, part, kind = match.groups()
+    module = families.layer_name(gguf_arch, part) or _LAYER_NAMES.get(part)
+    return None if module is None else f"model.layers.{layer}.{module}.{kind}"
 
 
 def _split_stacked_experts(tensors: list[_Tensor]) -> list[_Tensor]:

@@ -10,7 +10,11 @@ converter named and stored what the Llama family does not have:
 - Phi-3: q/k/v and gate/up stored fused (`attn_qkv`, `ffn_up` with both halves), LongRoPE factor tensors;
 - mixture-of-experts (Qwen3-MoE; Mixtral, which llama.cpp writes as "llama" with an expert count): the router
   (`ffn_gate_inp`) and each layer's experts stacked in one tensor per projection (`ffn_gate_exps` [n_expert, ...]),
-  split here into Hugging Face's per-expert names.
+  split here into Hugging Face's per-expert names;
+- the encoders, BERT (also XLM-RoBERTa, which llama.cpp converts as "bert" with its position table cut to the rows
+  used) and nomic-bert: every tensor has a name of its own (`ENCODER_NAMES`, `ENCODER_LAYER_NAMES`), LayerNorms
+  have biases, and the classification head of a reranker is `cls` (dense, then tanh) and `cls.output`. What a file
+  asks to pool its tokens with is `<arch>.pooling_type`, for every architecture (`POOLING_TYPES`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,56 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     "llama": _EXPERTS,
 }
 
+# Encoders: llama.cpp tensor → Hugging Face parameter, for the tensors outside the layers...
+ENCODER_NAMES: dict[str, dict[str, str]] = {
+    "bert": {
+        "token_embd.weight": "bert.embeddings.word_embeddings.weight",
+        "position_embd.weight": "bert.embeddings.position_embeddings.weight",
+        "token_types.weight": "bert.embeddings.token_type_embeddings.weight",
+        "token_embd_norm.weight": "bert.embeddings.LayerNorm.weight",
+        "token_embd_norm.bias": "bert.embeddings.LayerNorm.bias",
+        # A reranker's head: BERT's pooler and classifier, XLM-RoBERTa's classifier.dense and out_proj (the same
+        # arithmetic: out(tanh(dense(x))) of the first token).
+        "cls.weight": "bert.pooler.dense.weight",
+        "cls.bias": "bert.pooler.dense.bias",
+        "cls.output.weight": "classifier.weight",
+        "cls.output.bias": "classifier.bias",
+    },
+    "nomic-bert": {
+        "token_embd.weight": "embeddings.word_embeddings.weight",
+        "token_types.weight": "embeddings.token_type_embeddings.weight",
+        "token_embd_norm.weight": "emb_ln.weight",
+        "token_embd_norm.bias": "emb_ln.bias",
+    },
+}
+# ...and inside layer i: the layer's prefix, and llama.cpp's part → the Hugging Face module under it.
+ENCODER_LAYER_PREFIXES = {"bert": "bert.encoder.layer", "nomic-bert": "encoder.layers"}
+ENCODER_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "bert": {
+        "attn_q": "attention.self.query",
+        "attn_k": "attention.self.key",
+        "attn_v": "attention.self.value",
+        "attn_qkv": "attention.self.qkv_proj",
+        "attn_output": "attention.output.dense",
+        "attn_output_norm": "attention.output.LayerNorm",
+        "ffn_up": "intermediate.dense",
+        "ffn_down": "output.dense",
+        "layer_output_norm": "output.LayerNorm",
+    },
+    "nomic-bert": {
+        "attn_qkv": "attn.Wqkv",
+        "attn_output": "attn.out_proj",
+        "attn_output_norm": "norm1",
+        "ffn_gate": "mlp.fc12",
+        "ffn_up": "mlp.fc11",
+        "ffn_down": "mlp.fc2",
+        "layer_output_norm": "norm2",
+    },
+}
+# llama.cpp's pooling types (`<arch>.pooling_type`) → ModelConfig.pooling. RANK (4) is a reranker's: its score
+# reads the first token, so that is what it pools.
+POOLING_TYPES: dict[int, str | None] = {0: None, 1: "mean", 2: "cls", 3: "last", 4: "cls"}
+
 # Stacked expert tensors → the per-expert Hugging Face module ("{e}": the expert index).
 STACKED_EXPERTS = {
     "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
@@ -63,6 +117,7 @@ _ARCHITECTURE_KEYS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 _STACKED = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
+_ENCODER_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def architecture_key(gguf_arch: str, fields: dict[str, Any]) -> str:
@@ -96,6 +151,15 @@ def config_fields(gguf_arch: str, get: Callable[..., Any], tensors: dict[str, An
             fields["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
     elif gguf_arch in ("qwen3", "qwen3moe"):
         fields["qk_norm"] = True
+    elif gguf_arch in ENCODER_NAMES:
+        fields.update(
+            is_causal=False,
+            tie_word_embeddings=False,
+            layer_norm_eps=get("attention.layer_norm_epsilon"),
+            hidden_act="gelu" if gguf_arch == "bert" else "silu",
+            type_vocab_size=int(tensors["token_types.weight"].shape[1]) if "token_types.weight" in tensors else 0,
+            num_labels=int(tensors["cls.output.weight"].shape[1]) if "cls.output.weight" in tensors else 0,
+        )
     if gguf_arch == "phi3":
         window = get("attention.sliding_window", 0)
         if window and window < get("context_length"):
@@ -119,6 +183,17 @@ def _layer_types(pattern: int | list[bool], num_layers: int) -> tuple[str, ...]:
     if isinstance(pattern, list):
         return tuple("sliding_attention" if flag else "full_attention" for flag in pattern)
     return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+
+
+def encoder_name(gguf_arch: str, name: str) -> str | None:
+    """The Hugging Face parameter of an encoder's tensor `name` (e.g. "blk.3.attn_output_norm.bias"), or None."""
+    if name in ENCODER_NAMES[gguf_arch]:
+        return ENCODER_NAMES[gguf_arch][name]
+    match = _ENCODER_LAYER_TENSOR.fullmatch(name)
+    module = None if match is None else ENCODER_LAYER_NAMES[gguf_arch].get(match.group(2))
+    if match is None or module is None:
+        return None
+    return f"{ENCODER_LAYER_PREFIXES[gguf_arch]}.{match.group(1)}.{module}.{match.group(3)}"
 
 
 def layer_name(gguf_arch: str, part: str) -> str | None:

@@ -3,7 +3,9 @@
 Reads config.json as written by transformers 4.x (`rope_theta`, `rope_scaling`)
 or 5.x (`rope_parameters`), and the weights from one model.safetensors or the
 shards listed in model.safetensors.index.json. Parameter names are already
-Hugging Face's, which is what the models use, so no renaming happens here.
+Hugging Face's, which is what the models use; only families whose checkpoints
+name them otherwise are renamed (loader/hf_arch.py). sentence-transformers' files
+beside config.json give the pooling (loader/embedding_files.py).
 Only safetensors are read: pickle-based checkpoints (pytorch_model.bin) can run
 code when loaded and are refused.
 """
@@ -20,7 +22,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenriver.errors import ModelLoadError
-from tokenriver.loader.hf_arch import family_fields, hidden_act, rename_weights
+from tokenriver.loader.embedding_files import read_pooling
+from tokenriver.loader.hf_arch import (
+    encoder_weights,
+    family_fields,
+    hidden_act,
+    rename_weights,
+    standard_keys,
+    supported_activations,
+)
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.registry import canonical_architecture
 
@@ -50,11 +60,12 @@ def read_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> HFCheckpoin
                 f"{file}: cannot read this safetensors file ({error}); download it again", path=file
             ) from error
     weights = rename_weights(config.architecture, weights)
+    weights = encoder_weights(config, weights)
     # Older checkpoints store the rotary frequencies; ours are computed from the config.
     weights = {name: w for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in weights:
+    elif "lm_head.weight" not in weights and config.is_causal:
         raise ModelLoadError(
             f"{path}: config.json says tie_word_embeddings is false but the safetensors files "
             f"have no lm_head.weight; the checkpoint is incomplete",
@@ -104,10 +115,12 @@ def _to_model_config(config_path: str, raw: dict[str, Any]) -> ModelConfig:
             f"{config_path}: neither 'architectures' nor 'model_type' says which model this is", path=config_path
         )
     architecture = canonical_architecture(names[0], config_path)
+    raw = standard_keys(architecture, raw)
     activation = hidden_act(architecture, raw)
-    if activation not in ("silu", "gelu_pytorch_tanh"):
+    if activation not in supported_activations(architecture):
         raise ModelLoadError(
-            f"{config_path}: hidden_act={activation!r} is not supported (silu, or gelu_pytorch_tanh for Gemma)",
+            f"{config_path}: hidden_act={activation!r} is not supported for {architecture} "
+            f"(supported: {', '.join(supported_activations(architecture))})",
             path=config_path,
         )
     if raw.get("mlp_bias", False):
@@ -140,6 +153,7 @@ def _to_model_config(config_path: str, raw: dict[str, Any]) -> ModelConfig:
         name=raw.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(config_path))),
     )
     values.update(family_fields(architecture, raw, config_path))
+    values["pooling"], values["normalize"] = read_pooling(os.path.dirname(config_path))
     return ModelConfig(**values)
 
 

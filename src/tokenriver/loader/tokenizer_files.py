@@ -11,6 +11,9 @@ this module only assembles it from what the model ships:
   * model "llama": SentencePiece-style BPE: spaces become "▁", a "▁" is put in front of the text when
     `tokenizer.ggml.add_space_prefix` (default true), characters missing from the vocabulary fall back to
     `<0xNN>` byte tokens, and merges are derived from the token scores when the file lists none.
+  * model "bert": BERT's WordPiece (`_wordpiece`), which llama.cpp's converter respelled: word-initial pieces
+    carry a "▁", continuations lost their "##". Every text is lowercased (llama.cpp's rule: an uncased BERT's) and
+    wrapped as "[CLS] text [SEP]", a pair as "[CLS] first [SEP] second [SEP]".
   Control tokens become special added tokens (matched whole in text, skipped when decoding with
   `skip_special_tokens`); user-defined tokens are matched whole but stay visible in decoded text.
 - A Hugging Face folder carries `tokenizer.json`; `tokenizer_config.json`, `special_tokens_map.json`,
@@ -33,7 +36,7 @@ from typing import Any
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import BPE
+from tokenizers.models import BPE, WordPiece
 
 from tokenriver.errors import ModelLoadError
 from tokenriver.loader.gguf_cache import default_cache_dir, write_atomically
@@ -117,10 +120,13 @@ def tokenizer_from_gguf_fields(fields: dict[str, object], cache_dir: str | None 
         backend = _sentencepiece_bpe(tokens, fields, cache_dir)
         # llama.cpp and transformers add BOS to a SentencePiece vocabulary that does not say otherwise.
         default_add_bos = True
+    elif model_type == "bert":
+        backend = _wordpiece(tokens, token_types, fields)
+        default_add_bos = True  # [CLS], the "BOS" llama.cpp's converter names
     else:
         raise ModelLoadError(
             f"GGUF field tokenizer.ggml.model={model_type!r} is not supported: tokenriver reads 'gpt2' "
-            "(byte-level BPE) and 'llama' (SentencePiece BPE) vocabularies."
+            "(byte-level BPE), 'llama' (SentencePiece BPE) and 'bert' (WordPiece) vocabularies."
         )
 
     def token_id(key: str) -> int | None:
@@ -140,10 +146,13 @@ def tokenizer_from_gguf_fields(fields: dict[str, object], cache_dir: str | None 
     add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", default_add_bos))
     add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False))
     bos_id, eos_id = named["bos"], named["eos"]
-    processor = _bos_eos_processor(
-        (tokens[bos_id], bos_id) if add_bos and bos_id is not None else None,
-        (tokens[eos_id], eos_id) if add_eos and eos_id is not None else None,
-    )
+    if model_type == "bert":
+        processor = _cls_sep_processor(backend, fields, add_bos)
+    else:
+        processor = _bos_eos_processor(
+            (tokens[bos_id], bos_id) if add_bos and bos_id is not None else None,
+            (tokens[eos_id], eos_id) if add_eos and eos_id is not None else None,
+        )
     if processor is not None:
         backend.post_processor = processor
 
@@ -384,6 +393,53 @@ def _sentencepiece_bpe(tokens: list[str], fields: dict[str, object], cache_dir: 
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)
     return backend
+
+
+def _wordpiece(tokens: list[str], token_types: list[int], fields: dict[str, object]) -> BackendTokenizer:
+    """BERT's WordPiece from llama.cpp's respelled vocabulary: a piece with a leading "▁" starts a word (the "▁"
+    goes), any other piece but a control token continues one (it gets its "##" back). The normalizer is an uncased
+    BERT's (lowercase, accents removed, Chinese characters split apart), as llama.cpp lowercases every text."""
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        if index < len(token_types) and token_types[index] == _TOKEN_TYPE_CONTROL:
+            piece = token
+        elif token.startswith(_SPM_SPACE):
+            piece = token[len(_SPM_SPACE) :]
+        else:
+            piece = "##" + token
+        vocab.setdefault(piece, index)
+    unknown_id = fields.get("tokenizer.ggml.unknown_token_id")
+    unknown = tokens[unknown_id] if isinstance(unknown_id, int) and 0 <= unknown_id < len(tokens) else "[UNK]"
+    backend = BackendTokenizer(WordPiece(vocab, unk_token=unknown, max_input_chars_per_word=100))
+    backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    return backend
+
+
+def _cls_sep_processor(
+    backend: BackendTokenizer, fields: dict[str, object], add_cls: bool
+) -> processors.TemplateProcessing | None:
+    """BERT's post-processor: "[CLS] A [SEP]", and "[CLS] A [SEP] B [SEP]" with B and its [SEP] of type 1. [CLS] is
+    the file's BOS (llama.cpp's converter names it so), [SEP] its separator, else the tokens of those names."""
+
+    def named(key: str, fallback: str) -> tuple[str, int] | None:
+        token_id = fields.get(f"tokenizer.ggml.{key}")
+        if isinstance(token_id, int):
+            token = backend.id_to_token(token_id)
+            return None if token is None else (token, token_id)
+        token_id = backend.token_to_id(fallback)
+        return None if token_id is None else (fallback, token_id)
+
+    cls, sep = named("bos_token_id", "[CLS]"), named("seperator_token_id", "[SEP]")  # llama.cpp's spelling
+    if sep is None:
+        return None
+    head = [cls[0]] if add_cls and cls is not None else []
+    return processors.TemplateProcessing(
+        single=[*head, "$A", sep[0]],
+        pair=[*head, "$A", sep[0], "$B:1", f"{sep[0]}:1"],
+        special_tokens=[token for token in (cls if head else None, sep) if token is not None],
+    )
 
 
 def _add_gguf_tokens(

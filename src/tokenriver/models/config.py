@@ -22,16 +22,21 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 
-# Activations of the gated MLP: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma).
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+# Activations of the MLP: SwiGLU's silu, GeGLU's tanh-approximated gelu (Gemma), or the exact (erf) gelu of BERT's
+# ungated MLP.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 # Attention kinds of a layer (transformers' `layer_types`).
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# How a file says to pool an embedding: the average of every token, the first token ([CLS]), or the last token.
+POOLINGS = ("mean", "cls", "last")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of a decoder: the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2) and the fields the other
-    families add (Gemma 2/3, Qwen3, Phi-3, mixture-of-experts), each with the value that switches it off."""
+    families add (Gemma 2/3, Qwen3, Phi-3, mixture-of-experts), each with the value that switches it off; and of the
+    BERT family of encoders (BERT, nomic-bert, XLM-RoBERTa: `is_causal` False), which embed or score a text rather
+    than continue it."""
 
     # Registry key of the model class, e.g. "llama" or "qwen2" (see models/registry.py).
     architecture: str
@@ -98,6 +103,27 @@ class ModelConfig:
     norm_topk_prob: bool = True
     # Hidden width of the always-on shared expert, gated by a sigmoid (Qwen2-MoE); 0: none.
     shared_expert_intermediate_size: int = 0
+    # Causal attention (a token sees the ones before it) and generation; False for an encoder, whose tokens all
+    # see each other and which only embeds or scores its input.
+    is_causal: bool = True
+    # The pooling the file asks for (see POOLINGS): GGUF `<arch>.pooling_type`, or a sentence-transformers folder's
+    # 1_Pooling/config.json; None when the file says nothing.
+    pooling: str | None = None
+    # Whether the file's sentence-transformers pipeline normalizes the pooled vector (a Normalize module); None when
+    # the file says nothing.
+    normalize: bool | None = None
+    # Outputs of the classification head (models/bert.py's `score`); 0: no head, the model only embeds.
+    num_labels: int = 0
+    # Rows of an encoder's token-type (segment) embedding; 0: none.
+    type_vocab_size: int = 0
+    # Epsilon added to the variance in an encoder's LayerNorm.
+    layer_norm_eps: float = 1e-12
+    # Added to each position before the position-embedding lookup: XLM-RoBERTa counts positions from
+    # padding_idx + 1 (the rows before are never used); 0 for BERT.
+    position_offset: int = 0
+    # The [SEP] token: an encoder gives the tokens after the first one token type 1 (the second text of a pair);
+    # None: every token has type 0.
+    sep_token_id: int | None = None
 
     def __post_init__(self) -> None:
         problems = [
@@ -145,6 +171,12 @@ class ModelConfig:
             problems.append(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}"
             )
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            problems.append(f"pooling={self.pooling!r} is not supported (supported: {', '.join(POOLINGS)}, or none)")
+        if self.num_labels < 0 or self.type_vocab_size < 0 or self.position_offset < 0:
+            problems.append("num_labels, type_vocab_size and position_offset must not be negative")
+        if self.num_labels and self.is_causal:
+            problems.append(f"num_labels={self.num_labels}: a classification head needs an encoder (is_causal false)")
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             cap = getattr(self, name)
             if cap is not None and not 0.0 < cap < math.inf:

@@ -13,9 +13,11 @@ from __future__ import annotations
 from torch import nn
 
 from tokenriver.errors import ModelLoadError
+from tokenriver.models.bert import BertForPooling, XLMRobertaForPooling
 from tokenriver.models.gemma import GemmaForCausalLM
 from tokenriver.models.llama import LlamaForCausalLM
 from tokenriver.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from tokenriver.models.nomic_bert import NomicBertForPooling
 from tokenriver.models.phi3 import Phi3ForCausalLM
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 
@@ -31,6 +33,10 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "mixtral": MixtralForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
     "phi3": Phi3ForCausalLM,
+    # Encoders (ModelConfig.is_causal false): embeddings and cross-encoder scores, no generation.
+    "bert": BertForPooling,
+    "nomic-bert": NomicBertForPooling,
+    "xlm-roberta": XLMRobertaForPooling,
 }
 
 # Names found in files → canonical key.
@@ -46,6 +52,13 @@ _ALIASES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Phi3ForCausalLM": "phi3",
+    # A bare encoder and the same encoder with a classification head run as one class (num_labels says which).
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert",
+    "NomicBertModel": "nomic-bert",
+    "nomic_bert": "nomic-bert",
+    "XLMRobertaModel": "xlm-roberta",
+    "XLMRobertaForSequenceClassification": "xlm-roberta",
 }
 
 

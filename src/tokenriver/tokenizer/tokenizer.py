@@ -128,6 +128,17 @@ class Tokenizer:
             raise InvalidParameterError(f"prompt must be a string, got {type(text).__name__}.", param="prompt")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of a text pair joined as the model's tokenizer joins pairs, special tokens included: BERT's
+        "[CLS] first [SEP] second [SEP]", XLM-RoBERTa's "<s> first </s></s> second </s>". A cross-encoder reads
+        (query, document) this way; transformers' `tokenizer(first, second)` gives the same ids."""
+        for text in (first, second):
+            if not isinstance(text, str):
+                raise InvalidParameterError(
+                    f"each text of a pair must be a string, got {type(text).__name__}.", param="prompt"
+                )
+        return self._backend.encode(first, second, add_special_tokens=True).ids
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
