@@ -1,9 +1,11 @@
 """The command line end to end: `tokenriver generate` (with --trace) and `tokenriver chat` (scripted stdin) in a
-subprocess on the embedded model, their text against LLM's greedy output for the same prompts; `--help` for every
+subprocess on the embedded model, their text against LLM's greedy output for the same prompts; `embed` and
+`rerank` against LLM.embed and LLM.rerank; `--help` for every
 command; bad values refused with a one-line error and exit status 2."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,9 +15,9 @@ import torch
 
 from tokenriver.cli import build_parser, main
 from tokenriver.engine.llm import LLM
-from tokenriver.params import SamplingParams
+from tokenriver.params import PoolingParams, SamplingParams
 
-COMMANDS = ["generate", "chat", "serve", "visualize"]
+COMMANDS = ["generate", "chat", "embed", "rerank", "serve", "visualize"]
 PROMPT = "The capital of France is"
 
 
@@ -71,6 +73,20 @@ def test_chat_reads_turns_from_stdin_and_resets(loaded_packed):
     assert result.stdout.count("you> ") == 5  # two questions, /reset, the empty line, /exit
 
 
+def test_embed_and_rerank_print_what_the_python_api_returns(loaded_packed):
+    texts = ["The cat sat.", "Paris is in France."]
+    embedded = _tokenriver("embed", *texts, "--dimensions", "8", "--pooling", "mean")
+    assert embedded.returncode == 0, embedded.stderr
+    llm = LLM.from_loaded(loaded_packed)
+    want = llm.embed(texts, PoolingParams(pooling="mean", dimensions=8), use_tqdm=False)
+    lines = [json.loads(line) for line in embedded.stdout.splitlines()]
+    assert lines == [{"index": i, "embedding": output.embedding} for i, output in enumerate(want)]
+    ranked = _tokenriver("rerank", "Where is Paris?", *texts)
+    assert ranked.returncode == 0, ranked.stderr
+    results = llm.rerank("Where is Paris?", texts, use_tqdm=False)
+    assert ranked.stdout.splitlines() == [f"{r.relevance_score:.4f}  [{r.index}]  {r.document}" for r in results]
+
+
 @pytest.mark.parametrize("command", [None, *COMMANDS])
 def test_help_for_every_command(command, capsys):
     argv = ["--help"] if command is None else [command, "--help"]
@@ -94,6 +110,7 @@ def test_every_command_is_tested():
         (["generate", "hi", "--temperature", "-1"], "temperature"),
         (["generate", "hi", "--kv-cache-memory", "lots"], "kv_cache_memory"),
         (["generate", "hi", "--kv-cache-memory", "1GiB", "--max-num-kv-tokens", "64"], "give one of them"),
+        (["embed", "hi", "--dimensions", "0"], "dimensions"),
     ],
 )
 def test_bad_values_are_one_line_errors(argv, message, capsys):

@@ -1,4 +1,4 @@
-"""tokenriver's command line: generate, chat, serve, visualize.
+"""tokenriver's command line: generate, chat, embed, rerank, serve, visualize.
 
 Engine flags are generated from EngineConfig's fields (their help in each
 field's metadata, flags.py) and sampling flags from SamplingParams' fields, so a
@@ -22,7 +22,7 @@ from tokenriver.config import EngineConfig
 from tokenriver.errors import InvalidParameterError, TokenriverError
 from tokenriver.flags import add_flags, collect
 from tokenriver.outputs import CompletionOutput, RequestOutput
-from tokenriver.params import SamplingParams, StructuredOutput
+from tokenriver.params import POOLING_TYPES, PoolingParams, SamplingParams, StructuredOutput
 from tokenriver.server.cli_serve import add_serve_command
 from tokenriver.tool_calls import CHOICES, ToolCalling
 from tokenriver.trace import StepTrace
@@ -298,6 +298,55 @@ def cmd_chat(args: argparse.Namespace) -> int:
             )
 
 
+def cmd_embed(args: argparse.Namespace) -> int:
+    """One JSON line per text: its index and its embedding."""
+    from tokenriver.engine.llm import LLM
+
+    params = PoolingParams(pooling=args.pooling, normalize=not args.no_normalize, dimensions=args.dimensions)
+    llm = LLM(**dataclasses.asdict(engine_config_from(args)))
+    for index, output in enumerate(llm.embed(args.texts, params, use_tqdm=False)):
+        print(json.dumps({"index": index, "embedding": output.embedding}))
+    return 0
+
+
+def cmd_rerank(args: argparse.Namespace) -> int:
+    """The documents best first, one line each: score, index, text."""
+    from tokenriver.engine.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_config_from(args)))
+    for result in llm.rerank(args.query, args.documents, args.top_n, args.instruction, use_tqdm=False):
+        print(f"{result.relevance_score:.4f}  [{result.index}]  {result.document}")
+    return 0
+
+
+def _add_pooling_commands(commands: Any) -> None:
+    embed = commands.add_parser(
+        "embed",
+        help="print the embedding of each text (one JSON line per text)",
+        description="Embed each TEXT with the model and print one JSON line per text: its index and its vector.",
+    )
+    embed.add_argument("texts", nargs="+", metavar="TEXT", help="a text to embed")
+    embed.add_argument(
+        "--pooling", choices=POOLING_TYPES, default=None, help="which tokens make the vector (default: the model's)"
+    )
+    embed.add_argument("--dimensions", type=int, default=None, help="keep the first N values (Matryoshka models)")
+    embed.add_argument("--no-normalize", action="store_true", help="leave the vectors at their own length")
+    rerank = commands.add_parser(
+        "rerank",
+        help="rank documents by relevance to a query",
+        description="Score each DOCUMENT against QUERY (a cross-encoder's head, or a causal model's yes/no) and "
+        "print them best first.",
+    )
+    rerank.add_argument("query", help="what the documents should answer")
+    rerank.add_argument("documents", nargs="+", metavar="DOCUMENT", help="a text to rank")
+    rerank.add_argument("--top-n", type=int, default=None, help="print only the best N")
+    rerank.add_argument("--instruction", default=None, help="a causal judge's instruction: what relevant means")
+    for sub in (embed, rerank):
+        add_engine_flags(sub)
+    embed.set_defaults(handler=cmd_embed)
+    rerank.set_defaults(handler=cmd_rerank)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenriver",
@@ -305,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog='Examples:\n  tokenriver generate "The capital of France is" --max-tokens 32\n'
         '  tokenriver generate "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 1 --trace\n'
         "  tokenriver chat --model path/to/model.gguf\n"
+        '  tokenriver embed "first text" "second text"\n'
         "  tokenriver serve --port 8000      (OpenAI-compatible API; the visualizer at /)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -334,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_tool_flags(sub)
     generate.set_defaults(handler=cmd_generate)
     chat.set_defaults(handler=cmd_chat)
+    _add_pooling_commands(commands)
     add_serve_command(commands, add_engine_flags=add_engine_flags, engine_config_from=engine_config_from)
     _add_scale_out_flags(commands.choices["serve"])
     return parser

@@ -177,6 +177,10 @@ class RequestOutput:
     metrics: RequestMetrics
     # Per prompt position (None for the first), when SamplingParams.prompt_logprobs is set.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # A pooling request (PoolingParams) only: its embedding (task "embed") or its relevance score (task "score");
+    # such a request generates nothing, so `outputs` is empty.
+    embedding: list[float] | None = None
+    score: float | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -365,3 +365,44 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int, eos_token_id
 
     eos_token_ids: the ids the sampler holds back before min_tokens ([] when the request ignores EOS)."""
     return params.takes_raw_argmax and not holds_stop_tokens(params, num_output_tokens, eos_token_ids)
+
+
+# PoolingParams.pooling values: which positions' final hidden states make a request's one vector.
+POOLING_TYPES: tuple[str, ...] = ("last", "mean", "cls")
+# PoolingParams.task values: a vector per input, or one relevance score per (query, document) input.
+POOLING_TASKS: tuple[str, ...] = ("embed", "score")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """How one request turns its prompt's final hidden states into a vector or a score instead of tokens.
+
+    A pooling request runs its whole prompt in one forward pass and finishes there: no token is generated and
+    no KV block outlives the step (engine/core.py, sched/scheduler.py).
+    """
+
+    # "embed": the pooled hidden state (an embedding). "score": a relevance score of a (query, document) prompt,
+    # from the model's classification head (a cross-encoder) or from the yes/no logits of `score_token_ids`.
+    task: str = "embed"
+    # "last" (the last token: causal models), "mean" (every token), "cls" (the first token: encoders);
+    # None = what the model file asks for, else "last" for causal models and "cls" for encoders.
+    pooling: str | None = None
+    # Scale the embedding to unit length (cosine similarity becomes a dot product).
+    normalize: bool = True
+    # Keep only the first `dimensions` values before normalizing (Matryoshka embeddings); None = all.
+    dimensions: int | None = None
+    # task "score" on a causal model: (no, yes) token ids; the score is P(yes) / (P(yes) + P(no)) at the last
+    # position (Qwen3-Reranker's rule).
+    score_token_ids: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.task not in POOLING_TASKS:
+            _fail("task", self.task, f"use one of {', '.join(POOLING_TASKS)}")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            _fail("pooling", self.pooling, f"use one of {', '.join(POOLING_TYPES)}")
+        if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
+            _fail("dimensions", self.dimensions, "must be an integer >= 1")
+        if self.score_token_ids is not None and (
+            len(self.score_token_ids) != 2 or not all(_is_int(t) and t >= 0 for t in self.score_token_ids)
+        ):
+            _fail("score_token_ids", self.score_token_ids, "must be two token ids: (no, yes)")

@@ -22,9 +22,11 @@ def check_prompt(
     where: str = "prompt",
     param: str = "prompt",
     max_tokens_param: str = "max_tokens",
+    is_pooling: bool = False,
 ) -> list[int]:
     """token_ids as a list, if it is a non-empty list of ids inside the vocabulary that leaves the context room for
-    one generated token (for max_tokens of them when given); else InvalidParameterError / ContextLengthError."""
+    one generated token (for max_tokens of them when given; an input to embed or score may fill the context);
+    else InvalidParameterError / ContextLengthError."""
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise InvalidParameterError(
             f"{where} must be a list of token ids (integers), not {type(token_ids).__name__}", param=param
@@ -38,10 +40,10 @@ def check_prompt(
             f"{where} holds token id {bad[0]!r}, outside the vocabulary (integers 0..{vocab_size - 1})", param=param
         )
     num_tokens = len(ids)
-    if num_tokens >= max_model_len:
+    if num_tokens > max_model_len or (num_tokens == max_model_len and not is_pooling):
+        room = "" if is_pooling else " (and at least one must be generated)"
         raise ContextLengthError(
-            f"this model's context holds {max_model_len} tokens, but {where} has {num_tokens} tokens (and at least "
-            f"one must be generated); shorten it",
+            f"this model's context holds {max_model_len} tokens, but {where} has {num_tokens} tokens{room}; shorten it",
             num_tokens=num_tokens,
             max_tokens=max_model_len,
             param=param,

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from tokenriver.config import EngineConfig
@@ -29,7 +30,7 @@ from tokenriver.engine.core import EngineCore, ModelInfo, PassRow
 from tokenriver.errors import EngineDeadError, EngineOverloadedError
 from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
-from tokenriver.params import SamplingParams, StructuredOutput
+from tokenriver.params import PoolingParams, SamplingParams, StructuredOutput
 from tokenriver.sched.output import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class EngineSnapshot:
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     prompt: str | None
     priority: int
     stream: "_Stream"
@@ -138,7 +139,7 @@ class AsyncEngine:
     async def generate(
         self,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         prompt: str | None = None,
         priority: int = 0,
@@ -146,7 +147,7 @@ class AsyncEngine:
         """Stream a request's outputs; raises the engine's validation error if it cannot run."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}")
-        if params.structured_output is not None:
+        if isinstance(params, SamplingParams) and params.structured_output is not None:
             self.check_structured_output(params.structured_output)  # here, not on the engine thread
         request_id = request_id or self.new_request_id()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -165,6 +166,16 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def pool(
+        self, prompt_token_ids: list[int], params: PoolingParams, request_id: str | None = None, priority: int = 0
+    ) -> RequestOutput:
+        """Embed or score one input (its output's `embedding` or `score`); cancelling it aborts the request."""
+        async with aclosing(self.generate(prompt_token_ids, params, request_id, priority=priority)) as outputs:
+            async for output in outputs:
+                if output.finished:
+                    return output
+        raise EngineDeadError("the engine stopped before the request finished")
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished)."""

@@ -7,7 +7,8 @@ RequestOutput deltas; tokenizing prompts and formatting responses happen in
 the layers above. A user request with n or best_of > 1 runs as that many
 engine requests ("<id>#<i>") that share the prompt's cached blocks; a beam
 search runs as one engine request per live beam ("<id>#beam<j>", see
-decoding/beam_groups.py). With speculative decoding on, a proposer drafts
+decoding/beam_groups.py). A request with PoolingParams instead of SamplingParams
+embeds or scores its prompt in one step and generates nothing. With speculative decoding on, a proposer drafts
 tokens for the decoding requests before each step (decoding/speculative.py).
 """
 
@@ -30,7 +31,7 @@ from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache, bytes_per_block
 from tokenriver.loader.load import LoadedModel, load_model
 from tokenriver.outputs import FinishReason, RequestOutput
-from tokenriver.params import SamplingParams
+from tokenriver.params import PoolingParams, SamplingParams
 from tokenriver.prompts import check_prompt
 from tokenriver.runner.model_runner import ModelRunner
 from tokenriver.sampling.grammar import GrammarCompiler, GrammarMatchers
@@ -84,6 +85,11 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     # Bytes of K and V one token occupies across all layers.
     kv_bytes_per_token: int = 0
+    # What the model can do beyond generating: False for an encoder (it embeds and scores only), the width of
+    # its embeddings, and the outputs of its classification head (0 without one; a cross-encoder has 1 or 2).
+    is_causal: bool = True
+    hidden_size: int = 0
+    num_labels: int = 0
 
 
 @dataclass(slots=True)
@@ -138,6 +144,9 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int
     """Blocks in the KV pool: from kv_cache_memory, or max_num_kv_tokens, or the device's default memory
     (default_kv_cache_memory)."""
     model_config = loaded.config
+    if not model_config.is_causal:
+        # An encoder keeps no K/V: its blocks only give one step's tokens their slots.
+        return -(-config.max_num_batched_tokens // config.block_size) + config.max_num_seqs
     dtype = getattr(torch, config.resolved_kv_cache_dtype)
     per_block = bytes_per_block(
         model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype
@@ -256,6 +265,9 @@ class EngineCore:
             num_speculative_tokens=config.num_speculative_tokens,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             kv_bytes_per_token=self.kv_cache.num_bytes // (num_blocks * config.block_size),
+            is_causal=model_config.is_causal,
+            hidden_size=model_config.hidden_size,
+            num_labels=model_config.num_labels,
         )
         # (forward-pass counter after the step, its rows): which requests shared each recent step's pass.
         self.pass_log: deque[tuple[int, list[PassRow]]] = deque(maxlen=PASS_LOG_LENGTH)
@@ -264,24 +276,34 @@ class EngineCore:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         final_only: bool = False,
     ) -> None:
         """Queue a request; raises a clear error if it can never run. With final_only, step() reports it once,
-        finished, instead of after every step that changed it."""
+        finished, instead of after every step that changed it (a pooling request always reports once)."""
         if self.output_processor.has_request(request_id):
             raise InvalidParameterError(
                 f"request id {request_id!r} is already running; use a unique id", param="request_id"
             )
         vocab_size = self.loaded.config.vocab_size
-        prompt_token_ids = check_prompt(prompt_token_ids, vocab_size, self.max_model_len)
+        is_pooling = isinstance(params, PoolingParams)
+        prompt_token_ids = check_prompt(prompt_token_ids, vocab_size, self.max_model_len, is_pooling=is_pooling)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        if is_pooling:
+            self._add_pooling_request(request_id, prompt_token_ids, params, prompt, arrival_time, priority)
+            return
+        if not self.loaded.config.is_causal:
+            raise InvalidParameterError(
+                f"this model ({self.loaded.config.architecture}) is an encoder: it embeds and scores text, it does "
+                f"not generate; use embed or rerank",
+                param="model",
+            )
         params.validate_for_vocab(vocab_size)
         if params.structured_output is not None:
             self.grammar.compile(params.structured_output)  # a cache hit when the submitting thread compiled it
-        arrival_time = time.time() if arrival_time is None else arrival_time
         eos_token_ids = list(self.tokenizer.eos_token_ids)
         if params.use_beam_search:
             if params.beam_width > self.config.max_num_seqs:
@@ -328,6 +350,52 @@ class EngineCore:
             {child.request_id: child.metrics for child in children},
             final_only,
         )
+
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        prompt: str | None,
+        arrival_time: float,
+        priority: int,
+    ) -> None:
+        params = self.resolve_pooling(params)
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            SamplingParams(max_tokens=1),
+            [],
+            arrival_time,
+            priority,
+            pooling_params=params,
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add_pooling_request(request_id, prompt, prompt_token_ids, params, request.metrics)
+
+    def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """The params with their pooling settled (the request's, else the model file's, else the architecture's
+        natural one), or a clear error where this model cannot do what they ask."""
+        config = self.loaded.config
+        if params.task == "score":
+            if config.is_causal and params.score_token_ids is None:
+                raise InvalidParameterError(
+                    "scoring with a causal model reads the logits of its (no, yes) tokens: give score_token_ids",
+                    param="score_token_ids",
+                )
+            if not config.is_causal and config.num_labels not in (1, 2):
+                raise InvalidParameterError(
+                    f"this model ({config.architecture}) has no reranking head: serve a cross-encoder (a "
+                    f"sequence-classification model) or a causal model to score documents",
+                    param="model",
+                )
+        if params.dimensions is not None and params.dimensions > config.hidden_size:
+            raise InvalidParameterError(
+                f"dimensions={params.dimensions} but this model's embeddings have {config.hidden_size}",
+                param="dimensions",
+            )
+        pooling = params.pooling or config.pooling or ("last" if config.is_causal else "cls")
+        return dataclasses.replace(params, pooling=pooling)
 
     def special_token_id(self, text: str) -> int | None:
         """The id of `text` when the vocabulary holds it as one token that grammars must name by id (a special

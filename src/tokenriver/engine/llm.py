@@ -4,8 +4,9 @@
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
 `chat` renders conversations through the chat template and takes OpenAI's tools (tokenriver.tool_calls, as the
-server does). Prompts are strings (tokenized here) or {"prompt_token_ids": [...]}. All prompts
-go through one EngineCore together, so they are batched continuously.
+server does); `embed` and `rerank` pool instead of generating (PoolingParams). Prompts are strings (tokenized
+here) or {"prompt_token_ids": [...]}. All prompts go through one EngineCore together, so they are batched
+continuously.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from tqdm.auto import tqdm
 
 from tokenriver.config import EngineConfig
 from tokenriver.engine.core import EngineCore
+from tokenriver.engine.rerank import RerankResult, ranked, rerank_inputs
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
-from tokenriver.params import SamplingParams
+from tokenriver.params import PoolingParams, SamplingParams
 from tokenriver.tokenizer.tokenizer import Tokenizer
 from tokenriver.tool_calls import ToolCalling
 
@@ -92,10 +94,10 @@ class LLM:
     def _add(
         self,
         prompts: Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams],
+        sampling_params: SamplingParams | PoolingParams | Sequence[SamplingParams],
         final_only: bool = False,
     ) -> list[str]:
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, PoolingParams)):
             params_list = [sampling_params] * len(prompts)
         else:
             params_list = list(sampling_params)
@@ -120,10 +122,11 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | PoolingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. With PoolingParams each prompt is
+        embedded or scored instead (see embed)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         request_ids = self._add(list(prompts), sampling_params or SamplingParams(), final_only=True)
@@ -148,6 +151,40 @@ class LLM:
                 if request_id not in finished and self.engine.has_request(request_id):
                     self.engine.abort_request(request_id)
         return [finished[request_id] for request_id in request_ids]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Each prompt's embedding (`output.embedding`, unit length unless pooling_params say otherwise), all
+        prompts batched together as generate() batches them."""
+        params = pooling_params or PoolingParams()
+        if params.task != "embed":
+            raise InvalidParameterError("embed() takes PoolingParams with task='embed'", param="pooling_params")
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        top_n: int | None = None,
+        instruction: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RerankResult]:
+        """The documents ranked by relevance to the query, best first (engine/rerank.py says how each kind of
+        model judges a pair); `instruction` tells a causal judge what relevant means."""
+        if not isinstance(query, str) or not all(isinstance(d, str) for d in documents) or not documents:
+            raise InvalidParameterError("rerank takes a query string and a non-empty list of strings", param="query")
+        if top_n is not None and (not isinstance(top_n, int) or top_n < 1):
+            raise InvalidParameterError(f"top_n={top_n!r} must be an integer >= 1", param="top_n")
+        documents = list(documents)
+        inputs, params = rerank_inputs(
+            self.engine.tokenizer, self.engine.model_info.is_causal, query, documents, instruction
+        )
+        outputs = self.generate([{"prompt_token_ids": ids} for ids in inputs], params, use_tqdm=use_tqdm)
+        return ranked(documents, [output.score for output in outputs], top_n)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the KV of every prompt prefix cached so far (vLLM's `LLM.reset_prefix_cache`): the next prompts

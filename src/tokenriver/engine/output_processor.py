@@ -5,7 +5,8 @@ end a request the scheduler could not see end, so they are reported back),
 logprob dicts with token text, trace token text, and fanning n / best_of
 candidates of one user request back into a single RequestOutput. A beam search
 has no stream of deltas (its beams change until the end): its one output is
-built from the finished hypotheses (`beam_output`).
+built from the finished hypotheses (`beam_output`). A pooling request has no
+text either: its one output carries the embedding or score it finished with.
 
 Invariant: for every candidate, the concatenation of the streamed `delta_text`
 equals the final `text`.
@@ -28,7 +29,7 @@ from tokenriver.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
-from tokenriver.params import SamplingParams
+from tokenriver.params import PoolingParams, SamplingParams
 from tokenriver.sched.output import RequestUpdate
 from tokenriver.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenriver.tokenizer.stop_strings import StopStringChecker
@@ -42,6 +43,15 @@ class _Candidate:
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer
     stop_checker: StopStringChecker
+    metrics: RequestMetrics
+
+
+@dataclass
+class _PoolingRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: PoolingParams
     metrics: RequestMetrics
 
 
@@ -67,6 +77,8 @@ class OutputProcessor:
         self._requests: dict[str, _UserRequest] = {}
         # engine request id → user request id
         self._parent_of: dict[str, str] = {}
+        # Pooling requests (one engine request each, same id).
+        self._pooling: dict[str, _PoolingRequest] = {}
 
     def add_request(
         self,
@@ -100,6 +112,17 @@ class OutputProcessor:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             final_only=final_only,
         )
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        metrics: RequestMetrics,
+    ) -> None:
+        """Track a pooling request: it reports once, finished, with its embedding or score."""
+        self._pooling[request_id] = _PoolingRequest(request_id, prompt, prompt_token_ids, params, metrics)
 
     def add_beam_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
@@ -153,6 +176,8 @@ class OutputProcessor:
 
     def remove_request(self, request_id: str) -> list[str]:
         """Forget a user request (aborted); returns its engine request ids."""
+        if self._pooling.pop(request_id, None) is not None:
+            return [request_id]
         user = self._requests.pop(request_id, None)
         if user is None:
             return []
@@ -165,13 +190,17 @@ class OutputProcessor:
         return [] if user is None else list(user.candidates)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._pooling
 
     def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """Apply one step's updates; return the outputs that changed and (engine id, stop string) pairs to finish."""
         stopped: list[tuple[str, str]] = []
         touched: dict[str, _UserRequest] = {}
+        outputs = []
         for update in updates:
+            if update.pooled is not None:
+                outputs += self._pooled_output(update)
+                continue
             parent_id = self._parent_of.get(update.request_id)
             if parent_id is None:
                 continue
@@ -184,7 +213,6 @@ class OutputProcessor:
                 stopped.append((update.request_id, matched))
             user.changed.add(update.request_id)
             touched[parent_id] = user
-        outputs = []
         for user in touched.values():
             finished = all(c.output.finished for c in user.candidates.values())
             output = self._request_output(user) if finished or not user.final_only else None
@@ -194,6 +222,25 @@ class OutputProcessor:
             if finished:
                 self.remove_request(user.request_id)
         return outputs, stopped
+
+    def _pooled_output(self, update: RequestUpdate) -> list[RequestOutput]:
+        """The one output of a pooling request (none if it was aborted meanwhile); forgets the request."""
+        request = self._pooling.pop(update.request_id, None)
+        if request is None:
+            return []
+        is_score = request.params.task == "score"
+        return [
+            RequestOutput(
+                request_id=request.request_id,
+                prompt=request.prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                outputs=[],
+                finished=True,
+                metrics=dataclasses.replace(request.metrics),
+                embedding=None if is_score else update.pooled,
+                score=update.pooled[0] if is_score else None,
+            )
+        ]
 
     def _apply(self, params: SamplingParams, candidate: _Candidate, update: RequestUpdate) -> str | None:
         """Append one update to a candidate; return the stop string if one matched now."""

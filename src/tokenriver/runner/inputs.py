@@ -10,8 +10,10 @@ draft j, so the target scores all drafts (and one more token) in this one pass.
 `beam_rows` are the last-token rows of beam-search requests, which report their
 most likely next tokens instead of sampling. `prompt_logprob_rows` are the rows
 whose logits score the next prompt token (only for requests that asked for
-prompt logprobs). `advance_decode` derives a multi-step step's next pass from the
-one before: every request one position on, fed the token it sampled.
+prompt logprobs). `pooling_rows` are the row ranges of pooling requests' whole
+prompts, whose final hidden states are pooled instead of sampled. `advance_decode`
+derives a multi-step step's next pass from the one before: every request one
+position on, fed the token it sampled.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class ModelInputs:
     # Beam-search requests that reached their last token, and the flat row of that token.
     beam_requests: list[ScheduledRequest] = field(default_factory=list)
     beam_rows: list[int] = field(default_factory=list)
+    # Pooling requests, and per request the flat rows of its whole prompt (first row, number of rows).
+    pooling_requests: list[ScheduledRequest] = field(default_factory=list)
+    pooling_rows: list[tuple[int, int]] = field(default_factory=list)
 
 
 def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.device | str) -> ModelInputs:
@@ -73,6 +78,8 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
     draft_rows: list[list[int]] = []
     beam_requests: list[ScheduledRequest] = []
     beam_rows: list[int] = []
+    pooling_requests: list[ScheduledRequest] = []
+    pooling_rows: list[tuple[int, int]] = []
     for request in output.scheduled:
         first_row = len(input_ids)
         num_tokens = len(request.token_ids)
@@ -83,7 +90,10 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
         query_lens.append(num_scheduled)
         seq_lens.append(request.start_position + num_scheduled)
         block_tables.append(request.block_ids)
-        if request.sample and request.draft_token_ids:
+        if request.pooling_params is not None:
+            pooling_requests.append(request)
+            pooling_rows.append((first_row, num_tokens))
+        elif request.sample and request.draft_token_ids:
             draft_requests.append(request)
             draft_rows.append(list(range(first_row + num_tokens - 1, first_row + num_scheduled)))
         elif request.sample and request.num_beam_candidates:
@@ -116,6 +126,8 @@ def prepare_inputs(output: SchedulerOutput, block_size: int, device: torch.devic
         draft_rows=draft_rows,
         beam_requests=beam_requests,
         beam_rows=beam_rows,
+        pooling_requests=pooling_requests,
+        pooling_rows=pooling_rows,
     )
 
 
@@ -133,6 +145,7 @@ def advance_decode(
         or inputs.draft_requests
         or inputs.beam_requests
         or inputs.prompt_logprob_rows
+        or inputs.pooling_requests
     ):
         raise ValueError("advance_decode continues a batch of one-token decodes that all sample, with one token each")
     return ModelInputs(

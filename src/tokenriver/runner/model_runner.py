@@ -23,6 +23,8 @@ runs (both release the GIL): they depend only on the tokens known before the pas
 plain greedy batch computes no masks: each constrained row checks its argmax against its
 grammar, and only a row whose grammar refuses it gets its logits and its mask. Such a
 request takes the logits-free greedy path and multi-step passes like any other.
+A pooling request (an embedding or a score) samples nothing: its whole prompt's final hidden states are pooled
+(runner/pooling.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tokenriver.runner.cuda_graphs import DecodeGraphs
 from tokenriver.runner.greedy_passes import GreedyPasses, append_samples
 from tokenriver.runner.inputs import ModelInputs, prepare_inputs
 from tokenriver.runner.native_stack import NativeStack
+from tokenriver.runner.pooling import pool
 from tokenriver.sampling.grammar import GrammarMatchers, GrammarRow
 from tokenriver.sampling.sampler import DraftCheck, Sampler, SamplingState, torch_row_reductions
 from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -190,6 +193,9 @@ class ModelRunner:
         pending_masks = self._start_masks(inputs.sampling_requests, states)
         hidden = self._run_model(inputs)  # [num_tokens, hidden_size]
         results: dict[str, RequestStepResult] = {}
+        for request, (first, num_rows) in zip(inputs.pooling_requests, inputs.pooling_rows):
+            pooled = pool(self.model, hidden[first : first + num_rows], request.pooling_params)
+            results[request.request_id] = RequestStepResult(pooled=pooled)
         self._score_prompts(inputs, hidden, results)
         draft_rows = [row for rows in inputs.draft_rows for row in rows]
         all_rows = inputs.sample_rows + draft_rows + inputs.beam_rows

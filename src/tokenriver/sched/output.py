@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenriver.outputs import FinishReason, RequestMetrics, TokenLogprobs
-from tokenriver.params import SamplingParams
+from tokenriver.params import PoolingParams, SamplingParams
 
 
 @dataclass
@@ -41,6 +41,8 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     # Beam search: report this many most likely next tokens instead of sampling (0 = sample).
     num_beam_candidates: int = 0
+    # A pooling request: its whole prompt is scheduled, and the step pools it instead of sampling.
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +100,8 @@ class RequestStepResult:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Beam search: the most likely next tokens and their raw logprobs, best first (token_ids stays empty).
     beam_candidates: list[TokenLogprobs] = field(default_factory=list)
+    # A pooling request: its embedding, or [score] for task "score" (token_ids stays empty).
+    pooled: list[float] | None = None
 
 
 @dataclass
@@ -130,6 +134,8 @@ class RequestUpdate:
     metrics: RequestMetrics | None = None
     # Beam search: the beam's most likely next tokens, best first (new_token_ids stays empty).
     beam_candidates: list[TokenLogprobs] = field(default_factory=list)
+    # A pooling request, finished this step: its embedding, or [score] (RequestStepResult.pooled).
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

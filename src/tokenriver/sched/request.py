@@ -24,7 +24,7 @@ import dataclasses
 from enum import Enum
 
 from tokenriver.outputs import FinishReason, RequestMetrics
-from tokenriver.params import SamplingParams
+from tokenriver.params import PoolingParams, SamplingParams
 
 
 class RequestStatus(str, Enum):
@@ -75,9 +75,13 @@ class Request:
         eos_token_ids: list[int],
         arrival_time: float,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
+        # Set for a pooling request (an embedding or a score): its whole prompt runs in one step, which pools
+        # the final hidden states instead of sampling and finishes it; sampling_params are then unused.
+        self.pooling_params = pooling_params
         # Lower value = served first; equal priorities are served in arrival order.
         self.priority = priority
         self.arrival_time = arrival_time
@@ -148,6 +152,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def is_beam(self) -> bool:

@@ -43,6 +43,11 @@ tokens behind, and
   under max_num_seqs. Should every running request await a fork while a beam
   they wait for cannot be admitted, they are preempted to make room (their
   candidates are already known), so beams never deadlock.
+- pooling requests (embeddings, scores): the whole prompt in one step, never a
+  chunk, since the pooled vector reads every position's final hidden state (and
+  an encoder's attention sees the whole input at once). They neither use nor
+  fill the prefix cache (an encoder writes no K/V), and they finish in the step
+  that computes them, so their blocks are back in the pool before the next.
 
 Order: requests are ranked by (priority, arrival time, order added), lower first.
 Running requests are served first, best rank first; then waiting requests are
@@ -163,7 +168,9 @@ class Scheduler:
         num_prompt_tokens = request.num_prompt_tokens
         if num_prompt_tokens == 0:
             raise InvalidParameterError("the prompt is empty: give at least one token", param="prompt")
-        if num_prompt_tokens >= self.max_model_len:
+        if request.is_pooling:
+            self._check_pooling_fits(num_prompt_tokens)
+        elif num_prompt_tokens >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {num_prompt_tokens} tokens but max_model_len is {self.max_model_len}, which must "
                 f"also leave room for at least one generated token: shorten the prompt or raise max_model_len",
@@ -185,6 +192,21 @@ class Scheduler:
         self._ranks[request.request_id] = (request.priority, request.arrival_time, self._num_added)
         self._num_added += 1
         bisect.insort(self._waiting, request, key=self._rank)
+
+    def _check_pooling_fits(self, num_prompt_tokens: int) -> None:
+        """A pooling input runs in one step: it must fit the context and one step's token budget."""
+        limit, name = min(
+            (self.max_model_len, "max_model_len"),
+            (self.max_num_batched_tokens, "max_num_batched_tokens"),
+            (self._pool_num_tokens, "the KV pool's tokens"),
+        )
+        if num_prompt_tokens > limit:
+            raise ContextLengthError(
+                f"the input has {num_prompt_tokens} tokens but one forward pass takes at most {limit} "
+                f"({name}), and an embedding or score is computed in one pass: shorten the input, or raise {name}",
+                num_tokens=num_prompt_tokens,
+                max_tokens=limit,
+            )
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and everything it holds; False if it is unknown or already finished."""
@@ -313,6 +335,7 @@ class Scheduler:
         requests = [self._requests[item.request_id] for item in scheduled]
         if not all(
             item.num_tokens == 1
+            and item.pooling_params is None
             and item.sample
             and not item.draft_token_ids
             and not item.num_beam_candidates
@@ -374,6 +397,9 @@ class Scheduler:
                 continue
             request.num_computed_tokens += scheduled.num_tokens
             result = runner_output.results.get(request.request_id, _NO_RESULT)
+            if request.is_pooling:
+                updates.append(self._finish_pooling(request, result))
+                continue
             prompt_logprobs = self._new_prompt_logprobs(request, scheduled, result.prompt_logprobs)
             # A chunk that does not reach the last known token has nothing to sample.
             sampled_token_ids = result.token_ids if scheduled.sample else []
@@ -417,6 +443,20 @@ class Scheduler:
                     )
                 )
         return updates
+
+    def _finish_pooling(self, request: Request, result: RequestStepResult) -> RequestUpdate:
+        """A pooling request's one step is done: it finishes with its vector, and its blocks go back."""
+        if result.pooled is None:
+            raise RuntimeError(f"pooling request {request.request_id!r} ran but the runner pooled nothing")
+        request.metrics.num_forward_passes += 1
+        self._finish(request, FinishReason.STOP, None)
+        return RequestUpdate(
+            request_id=request.request_id,
+            finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=request.metrics,
+            pooled=result.pooled,
+        )
 
     def stats(self) -> SchedulerStats:
         manager = self.block_manager
@@ -483,6 +523,8 @@ class Scheduler:
         cached_block_ids = self._find_cached_blocks(request)
         num_cached_tokens = len(cached_block_ids) * manager.block_size
         num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+        if request.is_pooling and num_new_tokens < request.num_tokens:
+            return 0  # never a chunk: it waits for a step with room for its whole input
         num_new_blocks = manager.num_blocks_for(num_cached_tokens + num_new_tokens) - len(cached_block_ids)
         if not manager.can_allocate(num_new_blocks, cached_block_ids):
             return 0
@@ -503,8 +545,9 @@ class Scheduler:
         return 1
 
     def _may_reuse_prefix(self, request: Request) -> bool:
-        # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
-        return self._use_prefix_cache and request.sampling_params.prompt_logprobs is None
+        # Prompt logprobs need the logits of every prompt position, and pooling every position's hidden state,
+        # so nothing may be skipped.
+        return self._use_prefix_cache and request.sampling_params.prompt_logprobs is None and not request.is_pooling
 
     def _find_cached_blocks(self, request: Request) -> list[int]:
         if not self._may_reuse_prefix(request):
@@ -521,7 +564,7 @@ class Scheduler:
         already reuse them (n > 1 candidates, prompts sent together): the runner
         writes each layer's K/V for the whole step before any attention reads it.
         """
-        if not self._use_prefix_cache:
+        if not self._use_prefix_cache or request.is_pooling:
             return
         num_full_blocks = (request.num_computed_tokens + num_new_tokens) // self.block_manager.block_size
         start = request.num_committed_blocks
@@ -597,6 +640,7 @@ class Scheduler:
             eos_token_ids=[] if params.ignore_eos else request.eos_token_ids,
             draft_token_ids=draft_token_ids or [],
             num_beam_candidates=request.num_beam_candidates,
+            pooling_params=request.pooling_params,
         )
 
     def _count_step(self, scheduled: list[ScheduledRequest], num_passes: int) -> None:
