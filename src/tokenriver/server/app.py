@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, the per-request middleware, and the one table that maps errors to OpenAI's shape.
+"""The FastAPI app: routes, the per-request middleware, and the one table that maps errors to status and meaning.
 
 `build_app(engine, config)` wires an already-running AsyncEngine to HTTP; it
 starts nothing and binds nothing (serve.py does), so tests can drive it in
@@ -14,7 +14,9 @@ process. Every error a client can see goes through `error_payload`:
     anything else                                      500, logged with the request id
 
 User input never reaches the last row: what it can get wrong is checked
-before the engine sees it.
+before the engine sees it. The table speaks OpenAI's shape; errors on
+Anthropic's paths (/v1/messages…) come out in Anthropic's shape instead, the
+same status with its error type (`anthropic_error_payload`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ import tokenriver
 from tokenriver.engine.async_engine import AsyncEngine
 from tokenriver.errors import ContextLengthError, EngineDeadError, EngineOverloadedError, InvalidParameterError
 from tokenriver.server.config import ServerConfig
+from tokenriver.server.embeddings import PoolingServing, add_pooling_routes
+from tokenriver.server.messages import add_messages_routes
+from tokenriver.server.messages_protocol import AnthropicErrorInfo, AnthropicErrorResponse
 from tokenriver.server.metrics import ServerMetrics
 from tokenriver.server.protocol import (
     IGNORED_FIELDS,
@@ -56,6 +61,7 @@ from tokenriver.server.protocol import (
     TokenizeRequest,
     parse_request,
 )
+from tokenriver.server.responses import add_responses_routes
 from tokenriver.server.serving import GenerationPlan, OpenAIServing
 from tokenriver.server.visualizer_api import add_visualizer_routes
 
@@ -63,7 +69,7 @@ logger = logging.getLogger("tokenriver.server")
 
 DEFAULT_STATIC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "visualizer", "static")
 # Paths that need the API key when one is set; health, version, metrics and the visualizer's files stay open.
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1/", "/v2/", "/rerank", "/tokenize", "/detokenize")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # nginx's "client closed request": the access log's status for a request whose client went away.
 CLIENT_CLOSED_REQUEST = 499
@@ -104,7 +110,8 @@ def error_payload(error: BaseException, request_id: str) -> tuple[int, ErrorResp
     if isinstance(error, HTTPException):
         if error.status_code == 404:
             return 404, _body(
-                "no such route; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
+                "no such route; see GET /v1/models, POST /v1/completions, /v1/chat/completions, /v1/responses, "
+                "/v1/messages, /v1/embeddings, /v1/rerank",
                 "not_found_error",
                 None,
                 "not_found",
@@ -134,8 +141,39 @@ def error_payload(error: BaseException, request_id: str) -> tuple[int, ErrorResp
     )
 
 
-def error_response(error: BaseException, request_id: str) -> JSONResponse:
+# Anthropic's error type per status (its API's own table); other 4xx are invalid requests, other 5xx api errors.
+_ANTHROPIC_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_payload(error: BaseException, request_id: str) -> tuple[int, AnthropicErrorResponse]:
+    """The same status and meaning as `error_payload`, in Anthropic's shape; its body has no `param`, so the
+    message names the field."""
     status, body = error_payload(error, request_id)
+    default = "api_error" if status >= 500 else "invalid_request_error"
+    message, param = body.error.message, body.error.param
+    if param is not None and not message.startswith(param):
+        message = f"{param}: {message}"
+    info = AnthropicErrorInfo(type=_ANTHROPIC_ERROR_TYPES.get(status, default), message=message)
+    return status, AnthropicErrorResponse(error=info)
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a path belongs to Anthropic's Messages API, whose errors take Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_response(error: BaseException, request_id: str, path: str) -> JSONResponse:
+    """The error as a response in the shape of the API `path` belongs to."""
+    payload = anthropic_error_payload if is_anthropic_path(path) else error_payload
+    status, body = payload(error, request_id)
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else None
     return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
 
@@ -170,7 +208,8 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, 
 def _param_path(loc: tuple[Any, ...]) -> str | None:
     """("messages", 0, "content") → "messages[0].content"."""
     parts = [part for part in loc if part != "body"]
-    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts).lstrip(".") or None
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts).lstrip(".")
+    return path or (repr(parts[-1]) if parts else None)  # a field named "" is still named
 
 
 # ----- middleware ----------------------------------------------------------------------------------------
@@ -180,7 +219,7 @@ class RequestContextMiddleware:
     """Per HTTP request: its id (X-Request-Id in and out), the API key, the body limit, the access log and metrics.
 
     Also the last resort for errors: an exception no route handled becomes a
-    500 in OpenAI's shape (logged with the request id) instead of a bare page.
+    500 in its API's shape (logged with the request id) instead of a bare page.
     """
 
     def __init__(self, app: ASGIApp, config: ServerConfig, metrics: ServerMetrics) -> None:
@@ -220,14 +259,14 @@ class RequestContextMiddleware:
         try:
             refusal = self._refusal(scope, headers)
             if refusal is not None:
-                await error_response(refusal, request_id)(scope, receive, send_with_id)
+                await error_response(refusal, request_id, scope["path"])(scope, receive, send_with_id)
             else:
                 await self.app(scope, receive_limited, send_with_id)
         except Exception as error:
             if status:
                 logger.error("request %s failed after its response started", request_id, exc_info=error)
             else:
-                await error_response(error, request_id)(scope, receive, send_with_id)
+                await error_response(error, request_id, scope["path"])(scope, receive, send_with_id)
         finally:
             route = scope.get("route")
             self.metrics.observe_http(getattr(route, "path", "unmatched"), status)
@@ -248,16 +287,18 @@ class RequestContextMiddleware:
         key = self.config.api_key
         if key is None or scope["method"] == "OPTIONS" or not scope["path"].startswith(_PROTECTED_PREFIXES):
             return None
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
+        # OpenAI's clients send the key as a bearer token, Anthropic's SDK as x-api-key (Claude Code either way).
+        scheme, _, bearer = headers.get("authorization", "").partition(" ")
+        given = [k.strip() for k in (bearer if scheme.lower() == "bearer" else "", headers.get("x-api-key", "")) if k]
+        if not given:
             return ApiError(
                 401,
-                "missing API key: send the header 'Authorization: Bearer <key>'",
+                "missing API key: send the header 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 "authentication_error",
                 None,
                 "missing_api_key",
             )
-        if not hmac.compare_digest(given.strip().encode(), key.encode()):
+        if not any(hmac.compare_digest(k.encode(), key.encode()) for k in given):
             return ApiError(401, "wrong API key", "authentication_error", None, "invalid_api_key")
         return None
 
@@ -348,7 +389,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
 
     async def on_handled_error(request: Request, error: Exception) -> JSONResponse:
-        return error_response(error, request.state.request_id)
+        return error_response(error, request.state.request_id, request.url.path)
 
     app.add_exception_handler(HTTPException, on_handled_error)
     app.add_exception_handler(RequestValidationError, on_handled_error)
@@ -433,6 +474,17 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def engine_info() -> dict[str, Any]:
         return serving.engine_info()
 
+    add_pooling_routes(app, PoolingServing(engine, model_name), check_model, _until_disconnected, CLIENT_CLOSED_REQUEST)
+    add_messages_routes(app, serving, check_model, _until_disconnected, anthropic_error_payload, CLIENT_CLOSED_REQUEST)
+    add_responses_routes(
+        app,
+        serving,
+        check_model,
+        _until_disconnected,
+        error_payload,
+        CLIENT_CLOSED_REQUEST,
+        config.responses_store_size,
+    )
     add_visualizer_routes(app, engine)
 
     @app.get("/health")

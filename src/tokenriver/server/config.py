@@ -49,6 +49,11 @@ class ServerConfig:
         metavar="SIZE",
         type=str,
     )
+    # Responses kept for previous_response_id and GET /v1/responses/{id} (only those sent with store: true), least
+    # recently used dropped first; 0 = none (store: true is then refused).
+    responses_store_size: int = option(
+        100, "Responses API: responses kept for previous_response_id (store: true); 0 = none", metavar="N"
+    )
     # Seconds a SIGTERM waits for running requests before cancelling them.
     shutdown_timeout: float = option(30.0, "seconds SIGTERM waits for running requests", metavar="SECONDS")
     # Folder served at / and /static/; None = the visualizer shipped in tokenriver/visualizer/static.
@@ -79,6 +84,11 @@ class ServerConfig:
         if not isinstance(self.shutdown_timeout, (int, float)) or self.shutdown_timeout < 0:
             raise InvalidParameterError(
                 f"shutdown_timeout={self.shutdown_timeout!r} must be a number of seconds >= 0", param="shutdown_timeout"
+            )
+        if not isinstance(self.responses_store_size, int) or self.responses_store_size < 0:
+            raise InvalidParameterError(
+                f"responses_store_size={self.responses_store_size!r} must be an integer >= 0 (0 = keep none)",
+                param="responses_store_size",
             )
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise InvalidParameterError(

@@ -190,12 +190,26 @@ class OpenAIServing:
             raise InvalidParameterError(
                 "top_logprobs needs logprobs: true; set both, or drop top_logprobs", param="top_logprobs"
             )
-        num_top = request.top_logprobs or 0
         tool_calling = request_tools(request, self.tokenizer.chat_template, self.engine.special_token_id)
         prompt = self.render_chat(
             request.messages, request.add_generation_prompt, request.chat_template_kwargs, tool_calling
         )
         self._check_fits(prompt, max_tokens, max_tokens_param, "messages")
+        return self.plan_rendered_chat(request, prompt, tool_calling, max_tokens, max_tokens_param)
+
+    def plan_rendered_chat(
+        self,
+        request: ChatCompletionRequest,
+        prompt: PromptInput,
+        tool_calling: ToolCalling,
+        max_tokens: int | None,
+        max_tokens_param: str,
+        constraint_name: str = "response_format or structured_outputs",
+    ) -> GenerationPlan:
+        """The rest of plan_chat once the prompt is rendered and its length checked: for the APIs that translate
+        into a chat request but decide max_tokens from the prompt (Anthropic's Messages). constraint_name: the
+        output constraint's field as the client wrote it, for the error when tools also need a grammar."""
+        num_top = request.top_logprobs or 0
         params = sampling_params(
             request,
             max_tokens=max_tokens,
@@ -205,7 +219,7 @@ class OpenAIServing:
             prompt_logprobs=None,
             best_of=None,
         )
-        params = tool_calling.constrain(params, "response_format or structured_outputs")
+        params = tool_calling.constrain(params, constraint_name)
         has_reasoning = reasoning.has_reasoning(self.tokenizer.chat_template)
         if has_reasoning and params.structured_output is not None and reasoning.thinks_before_answering(prompt.text):
             end_of_thinking = tuple(self.tokenizer.encode(reasoning.THINK_CLOSE, add_special_tokens=False))
@@ -226,6 +240,13 @@ class OpenAIServing:
             tool_calling=tool_calling if tool_calling.is_active else None,
             starts_in_reasoning=reasoning.starts_in_reasoning(prompt.text) if has_reasoning else None,
         )
+
+    def max_tokens_within_context(self, prompt: PromptInput, max_tokens: int, where: str) -> int:
+        """max_tokens read as an upper bound, as llama.cpp reads Anthropic's: what the context leaves after the
+        prompt, at most max_tokens (clients such as Claude Code ask for more than most contexts hold). A prompt
+        that leaves no room at all is still refused."""
+        self._check_fits(prompt, None, "max_tokens", where)
+        return min(max_tokens, self.engine.max_model_len - len(prompt.token_ids))
 
     def render_chat(
         self,
