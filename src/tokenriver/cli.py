@@ -22,7 +22,7 @@ from tokenriver.config import EngineConfig
 from tokenriver.errors import InvalidParameterError, TokenriverError
 from tokenriver.flags import add_flags, collect
 from tokenriver.outputs import CompletionOutput, RequestOutput
-from tokenriver.params import POOLING_TYPES, PoolingParams, SamplingParams, StructuredOutput
+from tokenriver.params import PoolingParams, SamplingParams, StructuredOutput
 from tokenriver.server.cli_serve import add_serve_command
 from tokenriver.tool_calls import CHOICES, ToolCalling
 from tokenriver.trace import StepTrace
@@ -302,7 +302,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     """One JSON line per text: its index and its embedding."""
     from tokenriver.engine.llm import LLM
 
-    params = PoolingParams(pooling=args.pooling, normalize=not args.no_normalize, dimensions=args.dimensions)
+    params = PoolingParams(normalize=not args.no_normalize, dimensions=args.dimensions)  # pooling: --pooling
     llm = LLM(**dataclasses.asdict(engine_config_from(args)))
     for index, output in enumerate(llm.embed(args.texts, params, use_tqdm=False)):
         print(json.dumps({"index": index, "embedding": output.embedding}))
@@ -326,9 +326,6 @@ def _add_pooling_commands(commands: Any) -> None:
         description="Embed each TEXT with the model and print one JSON line per text: its index and its vector.",
     )
     embed.add_argument("texts", nargs="+", metavar="TEXT", help="a text to embed")
-    embed.add_argument(
-        "--pooling", choices=POOLING_TYPES, default=None, help="which tokens make the vector (default: the model's)"
-    )
     embed.add_argument("--dimensions", type=int, default=None, help="keep the first N values (Matryoshka models)")
     embed.add_argument("--no-normalize", action="store_true", help="leave the vectors at their own length")
     rerank = commands.add_parser(

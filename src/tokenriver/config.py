@@ -126,6 +126,14 @@ class EngineConfig:
     max_num_batched_tokens: int = option(
         2048, "most tokens computed in one step (prompt chunks + decode tokens)", metavar="TOKENS"
     )
+    # Embeddings: the pooling every request gets unless it names its own (PoolingParams.pooling), in place of the
+    # model file's; None = the file's, else "last" for causal models and "cls" for encoders (docs/embeddings.md).
+    pooling: str | None = option(
+        None,
+        "embeddings: which tokens make the vector, last, mean or cls (default: what the model file says, else last "
+        "for causal models and cls for encoders)",
+        choices=("last", "mean", "cls"),
+    )
     # Cap on engine requests waiting for a batch slot or KV blocks; past it AsyncEngine refuses new requests
     # (EngineOverloadedError, HTTP 429). None = the KV pool's block count: a waiting request needs a block at least,
     # so a longer queue could never be admitted at once. LLM.generate queues its prompts without this cap.
@@ -212,6 +220,10 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"quantization={self.quantization!r} is not supported: use auto, none, int8 or int4",
                 param="quantization",
+            )
+        if self.pooling not in (None, "last", "mean", "cls"):
+            raise InvalidParameterError(
+                f"pooling={self.pooling!r} is not supported: use last, mean or cls", param="pooling"
             )
         if self.int8_activations and self.reference_numerics:
             raise InvalidParameterError(

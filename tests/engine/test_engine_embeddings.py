@@ -189,6 +189,15 @@ def test_rerank_batched_equals_alone(llm):
     assert [r.index for r in best_two] == sorted(together, key=lambda i: -together[i])[:2]
 
 
+def test_the_engine_pooling_overrides_the_file_and_a_request_overrides_both(loaded_default):
+    mean_engine = LLM.from_loaded(loaded_default, pooling="mean")
+    default_engine = LLM.from_loaded(loaded_default)
+    assert embed(mean_engine, TEXTS[:1]) == embed(default_engine, TEXTS[:1], PoolingParams(pooling="mean"))
+    assert embed(mean_engine, TEXTS[:1], PoolingParams(pooling="last")) == embed(default_engine, TEXTS[:1])
+    with pytest.raises(InvalidParameterError, match="pooling"):
+        LLM.from_loaded(loaded_default, pooling="max")
+
+
 # ----- limits ------------------------------------------------------------------------------------------------
 
 

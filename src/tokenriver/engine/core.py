@@ -374,8 +374,8 @@ class EngineCore:
         self.output_processor.add_pooling_request(request_id, prompt, prompt_token_ids, params, request.metrics)
 
     def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
-        """The params with their pooling settled (the request's, else the model file's, else the architecture's
-        natural one), or a clear error where this model cannot do what they ask."""
+        """The params with their pooling settled (the request's, else the engine's --pooling, else the model
+        file's, else the architecture's natural one), or a clear error where this model cannot do what they ask."""
         config = self.loaded.config
         if params.task == "score":
             if config.is_causal and params.score_token_ids is None:
@@ -394,7 +394,7 @@ class EngineCore:
                 f"dimensions={params.dimensions} but this model's embeddings have {config.hidden_size}",
                 param="dimensions",
             )
-        pooling = params.pooling or config.pooling or ("last" if config.is_causal else "cls")
+        pooling = params.pooling or self.config.pooling or config.pooling or ("last" if config.is_causal else "cls")
         return dataclasses.replace(params, pooling=pooling)
 
     def special_token_id(self, text: str) -> int | None:
