@@ -35,6 +35,7 @@ _NOT_WITH_BEAM_SEARCH = {
     "logit_bias": None,
     "prompt_logprobs": None,
     "trace": False,
+    "trace_stages": False,
 }
 
 
@@ -185,6 +186,8 @@ class SamplingParams:
     trace: bool = False
     # How many candidates each StepTrace keeps.
     trace_top: int = DEFAULT_TRACE_TOP
+    # With trace: also record each sampling stage's distribution over the traced candidates (StepTrace.stages).
+    trace_stages: bool = False
     # Beam search with this many beams (None = off): the n best finished beams are returned, ranked by
     # cumulative log-probability / (generated length ** length_penalty), as transformers' generate(num_beams=...).
     beam_width: int | None = None
@@ -293,11 +296,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 _fail(name, value, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "trace"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "trace", "trace_stages"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be true or false")
         if not _is_int(self.trace_top) or not 1 <= self.trace_top <= 100:
             _fail("trace_top", self.trace_top, "must be an integer in [1, 100]")
+        if self.trace_stages and not self.trace:
+            _fail("trace_stages", self.trace_stages, "records the stages into the trace: set trace as well")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             _fail("structured_output", self.structured_output, "must be a StructuredOutput or None")
         if self.structured_output is not None and self.min_tokens:

@@ -5,7 +5,9 @@ model's distribution and what each sampling stage did to them. It is plain
 data (stdlib only) so it can travel from the sampler to the API, the CLI
 table and the visualizer unchanged.
 
-Stage names, in the order the sampler applies them, are listed in `STAGES`.
+Stage names, in the order the sampler applies them, are listed in `STAGES`. With `trace_stages` the trace also
+keeps, for each stage that ran on the row, the candidates' distribution right after it (`TraceStage`): what a
+reader sees is the step itself, not a replay of it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ class TraceCandidate:
 
 
 @dataclass
+class TraceStage:
+    """The candidates' distribution right after one sampling stage, as the sampler computed it at this step."""
+
+    # One of STAGES.
+    name: str
+    # Per candidate, in StepTrace.candidates' order: its logit after this stage (None once a stage removed it).
+    logits: list[float | None]
+    # Per candidate: softmax over the whole vocabulary of the logits after this stage.
+    probs: list[float]
+    # How many vocabulary entries are still possible after this stage.
+    num_kept: int
+
+
+@dataclass
 class StepTrace:
     """Everything the sampler knew when it chose one token."""
 
@@ -67,6 +83,8 @@ class StepTrace:
     # Extra per-strategy facts (speculative accept/reject, beam index; for a sampled token, "draw": the uniform
     # and the span of the cumulative distribution it landed in); empty when unused.
     extra: dict[str, object] = field(default_factory=dict)
+    # With trace_stages: every stage that ran on this row, in the sampler's order (None = not asked for).
+    stages: list[TraceStage] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form for the API and the visualizer."""
@@ -95,4 +113,7 @@ class StepTrace:
                 }
                 for c in self.candidates
             ],
+            "stages": None
+            if self.stages is None
+            else [{"name": s.name, "logits": s.logits, "probs": s.probs, "num_kept": s.num_kept} for s in self.stages],
         }

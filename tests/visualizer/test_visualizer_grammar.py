@@ -68,6 +68,7 @@ def test_grammar_stage_in_why_this_token(browser: object, base_url: str) -> None
         "seed": SEED,
         "trace": True,
         "trace_top": TRACE_TOP,
+        "trace_stages": True,
         "structured_outputs": {"regex": REGEX},
     }
     reference = request(base_url, "/v1/completions", body)["choices"][0]
@@ -98,6 +99,16 @@ def test_grammar_stage_in_why_this_token(browser: object, base_url: str) -> None
         assert badges.count() == len(removed) > 0
         assert badges.first.inner_text() == "removed by grammar"
         assert page.inner_text("[data-testid=grammar-removed-shown]").startswith(f"{len(removed)} of the ")
+        # The allowed tokens are listed with their mass after the grammar stage, the chosen one among them.
+        trace = reference["trace"][step]
+        stage = next(s for s in trace["stages"] if s["name"] == "grammar")
+        expected = {c["token_id"]: p for c, p in zip(trace["candidates"], stage["probs"]) if p > 0}
+        listed = page.eval_on_selector_all(
+            "[data-testid=grammar-allowed-token]",
+            "els => els.map(e => [Number(e.dataset.tokenId), Number(e.dataset.prob)])",
+        )
+        assert dict(listed) == expected and trace["chosen_token_id"] in expected
+        assert len(listed) == min(grammar["num_allowed"], TRACE_TOP)
 
     # The replay of a constrained step sends the constraint and the path before it: the recorded distribution.
     select_token(page, free[0])

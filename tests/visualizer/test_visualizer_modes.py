@@ -62,6 +62,13 @@ def test_step_through_shows_each_phase_of_one_token(browser: object, base_url: s
     assert new_slots == len(prompt_ids)  # a prompt shorter than one block: nothing cached, every slot computed
     assert page.locator("[data-testid=kv-strip-new]").count() == new_slots
     assert page.locator("[data-testid=kv-strip-next]").count() == 1
+    # The stage phases are the step's recorded stages (the top eight candidates of each).
+    trace = page.evaluate("pathOf(currentBranch())[0].trace")
+    top = sorted(range(len(trace["candidates"])), key=lambda i: trace["candidates"][i]["rank"])[:8]
+    phase_probs = page.eval_on_selector_all(
+        "[data-testid=stage-phase-prob]", "els => els.map(e => Number(e.dataset.prob))"
+    )
+    assert trace["stages"] and phase_probs == [stage["probs"][i] for stage in trace["stages"] for i in top]
     # The stepped token is the engine's: a one-token request with the position's seed.
     first = _stepped_reference(base_url, prompt_ids, SEED)
     assert path_token_ids(page) == [first]

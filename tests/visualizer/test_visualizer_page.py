@@ -224,13 +224,54 @@ def test_preview_replays_the_step_exactly_and_leaves_the_settings_alone(generate
     for c in hot:
         assert c["probPreview"] == expected.get(c["tokenId"], 0.0)
     assert hot[0]["probPreview"] != pytest.approx(same[0]["probPreview"], abs=1e-3)
+    assert page.inner_text("[data-testid=preview-status]").startswith("Replay (what-if)")
     # The generation settings are untouched, and the tree states which settings the path used.
     assert page.input_value("#temperature") == str(TEMPERATURE)
     assert page.inner_text("[data-testid=tree-settings]") == f"T {TEMPERATURE} · seed {SEED}"
     assert watch.unexpected() == []
 
 
-def test_every_stage_of_a_step(generated: tuple) -> None:
+def _stage_rows(page: object) -> dict[int, list[float]]:
+    """The stage table: token id → its probability in each column (raw softmax first)."""
+    rows = page.eval_on_selector_all(
+        "[data-testid=stages-table] tbody tr",
+        """rows => rows.map(r => [Number(r.dataset.tokenId),
+        [...r.querySelectorAll('[data-testid=stage-prob]')].map(td => Number(td.dataset.prob))])""",
+    )
+    return dict((token_id, probs) for token_id, probs in rows)
+
+
+def _check_stages_are_recorded_and_replays_equal_them(page: object, base_url: str, step: int, settings: dict) -> None:
+    """The stage table shows the step's recorded stages; a replay of the step under its own settings equals them."""
+    select_token(page, step)
+    page.click("[data-testid=show-stages]")
+    page.wait_for_selector("[data-testid=stages-table]")
+    trace = page.evaluate(f"pathOf(currentBranch())[{step}].trace")
+    shown = _stage_rows(page)
+    candidates_by_id = {c["token_id"]: i for i, c in enumerate(trace["candidates"])}
+    for token_id, probs in shown.items():
+        i = candidates_by_id[token_id]
+        assert probs[0] == trace["candidates"][i]["prob_raw"]
+        assert probs[1 : 1 + len(trace["stages"])] == [stage["probs"][i] for stage in trace["stages"]]
+    prefix = page.evaluate("state.treePromptIds") + path_token_ids(page)[:step]
+    replay = request(
+        base_url,
+        "/v1/completions",
+        {"prompt": prefix, "max_tokens": 1, "trace": True, "trace_top": 100, **settings},
+    )["choices"][0]["trace"][0]
+    final = {c["token_id"]: c["prob_final"] for c in replay["candidates"]}
+    raw = {c["token_id"]: c["prob_raw"] for c in replay["candidates"]}
+    for token_id, probs in shown.items():
+        assert probs[0] == pytest.approx(raw[token_id], abs=1e-6)
+        if trace["method"] == "greedy":
+            assert probs[-1] == (1.0 if token_id == trace["chosen_token_id"] else 0.0)
+        else:
+            assert probs[-1] == pytest.approx(final.get(token_id, 0.0), abs=1e-6)
+    if trace["method"] == "greedy":
+        assert replay["chosen_token_id"] == trace["chosen_token_id"]
+
+
+def test_every_stage_of_a_step_is_the_recorded_step(generated: tuple, base_url: str) -> None:
     page, watch = generated
     select_token(page, 1)
     page.click("[data-testid=show-stages]")
@@ -238,16 +279,15 @@ def test_every_stage_of_a_step(generated: tuple) -> None:
     doc_screenshot(page, "[data-testid=why]", "visualizer-why.png")
     names = page.eval_on_selector_all("[data-testid=stage-name]", "els => els.map(e => e.textContent)")
     assert names[0] == "raw softmax" and names[1].startswith(f"after temperature {TEMPERATURE}")
-    rows = page.eval_on_selector_all(
-        "[data-testid=stages-table] tbody tr",
-        """rows => rows.map(r =>
-        [...r.querySelectorAll('[data-testid=stage-prob]')].map(td => Number(td.dataset.prob)))""",
-    )
+    assert "not a replay" in page.inner_text("[data-testid=stages-table] caption")
+    settings = {"temperature": TEMPERATURE, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+    for step in range(MAX_TOKENS):
+        _check_stages_are_recorded_and_replays_equal_them(page, base_url, step, settings)
     shown = candidates(page)
-    # The last stage's column is the recorded final distribution and the first the raw one, each replay bit for bit.
-    for row, c in zip(rows, shown):
-        assert row[0] == c["probRaw"]
-        assert row[-1] == c["probFinal"]
+    rows = _stage_rows(page)
+    for c in shown:
+        if c["tokenId"] in rows:
+            assert rows[c["tokenId"]][-1] == c["probFinal"]
     assert watch.unexpected() == []
 
 
@@ -394,7 +434,21 @@ def test_forcing_the_end_of_sequence_token_ends_the_branch(generated: tuple, bas
     wait_finished(page, branch_count=rows_before + 1)
     assert path_token_ids(page)[-1] == eos
     assert len(path_token_ids(page)) == 2
-    assert page.inner_text("[data-testid=path-status]") == "finished: stop"
+    assert page.inner_text("[data-testid=path-status]") == "finished: stop (end-of-sequence token)"
+    assert page.get_attribute("[data-testid=path-status]", "data-stop-kind") == "eos"
+    # Its real raw probability and rank, as the model saw it there (the prompt's logprob of the same token)...
+    context = _prompt_ids(base_url) + path_token_ids(page)[:1]
+    echoed = request(
+        base_url, "/v1/completions", {"prompt": [*context, eos], "max_tokens": 1, "echo": True, "logprobs": 1}
+    )["choices"][0]["logprobs"]["token_logprobs"][len(context)]
+    prob = float(page.get_attribute("[data-testid=token][data-step='1']", "data-prob"))
+    assert prob == pytest.approx(math.exp(echoed), rel=1e-4)
+    select_token(page, 1)
+    assert int(page.inner_text("[data-testid=why-rank]")) >= 1
+    assert "null" not in page.inner_text("[data-testid=why]")
+    # ...and Σ log p counts it.
+    probs = [float(p) for p in page.eval_on_selector_all("[data-testid=token]", "els => els.map(e => e.dataset.prob)")]
+    assert float(page.inner_text("[data-testid=path-logprob]")) == pytest.approx(sum(map(math.log, probs)), abs=0.01)
     assert watch.unexpected() == []
 
 
@@ -523,6 +577,45 @@ def test_stop_leaves_an_engine_view_that_matches_the_engine(browser: object, bas
 # ---------------------------------------------------------------- explanations and legibility
 
 
+def test_each_stop_kind_reads_differently(browser: object, base_url: str) -> None:
+    """Length, a stop string (its tokens marked as trimmed) and, in slow motion, the same limits."""
+    page, watch = open_page(browser, base_url)
+    prompt_ids = request(base_url, "/tokenize", {"prompt": page.input_value("#prompt")})["tokens"]
+    greedy = request(
+        base_url, "/v1/completions", {"prompt": prompt_ids, "max_tokens": 6, "temperature": 0, "trace": True}
+    )["choices"][0]["trace"]
+    stop = next(c["text"] for s in greedy[2:] for c in s["candidates"]
+                if c["token_id"] == s["chosen_token_id"] and c["text"].strip() and "\n" not in c["text"])  # fmt: skip
+    set_controls(page, **{"max-tokens": "3", "temperature": "0"})
+    page.click("#generate")
+    wait_finished(page)
+    statuses = {
+        page.get_attribute("[data-testid=path-status]", "data-stop-kind"): page.inner_text("[data-testid=path-status]")
+    }
+    set_controls(page, **{"max-tokens": "12", "stop": stop})
+    page.click("#generate")
+    wait_finished(page, branch_count=2)
+    kind = page.get_attribute("[data-testid=path-status]", "data-stop-kind")
+    statuses[kind] = page.inner_text("[data-testid=path-status]")
+    assert kind == "stop-string" and stop.replace(" ", "␣") in statuses[kind] and "trimmed" in statuses[kind]
+    trimmed = page.eval_on_selector_all("[data-testid=token].trimmed", "els => els.map(e => e.textContent)")
+    assert trimmed and stop in "".join(trimmed).replace("␣", " ")
+    assert set(statuses) == {"length", "stop-string"} and len(set(statuses.values())) == 2
+    # Slow motion stops at max tokens too, and says so.
+    set_controls(page, **{"max-tokens": "2", "stop": ""})
+    page.click("[data-testid=tree-row][data-branch='1'] [data-testid=tree-select]")
+    select_token(page, 0)
+    page.click("#step-once")
+    page.wait_for_selector("[data-testid=stepper-phase][data-phase=appended]", timeout=30_000)
+    assert page.get_attribute("[data-testid=path-status]", "data-stop-kind") == "length"
+    page.click("#step-once")
+    page.wait_for_selector("[data-testid=error]:not([hidden])")
+    assert "max tokens" in page.inner_text("[data-testid=error-message]")
+    assert len(path_token_ids(page)) == 2
+    assert watch.unexpected() == []
+    page.close()
+
+
 def test_greedy_steps_are_one_hot(browser: object, base_url: str) -> None:
     """Defect 11: a greedy step's final distribution is one-hot on the argmax; one token is kept."""
     page, watch = open_page(browser, base_url)
@@ -536,6 +629,11 @@ def test_greedy_steps_are_one_hot(browser: object, base_url: str) -> None:
     assert page.inner_text("[data-testid=why-kept]").startswith("1 (greedy")
     assert page.inner_text("[data-testid=why-prob-final]") == "1.000"
     assert "greedy" in page.inner_text("[data-testid=why-method]")
+    # Its stage table is the recorded step, ending one-hot; a greedy replay picks the same token.
+    path = path_token_ids(page)
+    for step in range(len(path)):
+        _check_stages_are_recorded_and_replays_equal_them(page, base_url, step, {"temperature": 0})
+    assert _stage_rows(page)[path[-1]][-1] == 1.0
     assert watch.unexpected() == []
     page.close()
 
@@ -591,6 +689,38 @@ def test_layout_colours_and_wording(browser: object, base_url: str) -> None:
     assert "tokens per block" in shape and "tokens max" in shape
     assert "int8 keys and values" in shape and "weights" not in shape  # the default pool; never a weight format
     assert "bytes" in page.inner_text("[data-testid=kv-bytes]") or "KiB" in page.inner_text("[data-testid=kv-bytes]")
+    assert watch.unexpected() == []
+    page.close()
+
+
+CONTRAST_JS = """el => { const lum = c => { const [r, g, b] = c.match(/\\d+/g).slice(0, 3).map(v => {
+    v = Number(v) / 255; return v <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+  const style = getComputedStyle(el); const a = lum(style.color), b = lum(style.backgroundColor);
+  return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05); }"""
+
+
+def test_focus_live_text_and_contrast(browser: object, base_url: str) -> None:
+    """Defect 12: Generate keeps the keyboard focus, the finished text is announced, chips and lanes are legible."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"max-tokens": "8", "seed": str(SEED), "temperature": "1.2"})
+    page.focus("#generate")
+    page.keyboard.press("Enter")
+    wait_finished(page)
+    assert page.evaluate("document.activeElement.id") == "generate"
+    assert page.get_attribute("[data-testid=path-text]", "aria-live") == "polite"
+    text = page.evaluate("pathOf(currentBranch()).map(t => t.text).join('')")
+    page.wait_for_function("t => document.querySelector('[data-testid=path-text]').textContent.startsWith(t)", arg=text)
+    ratios = page.eval_on_selector_all("[data-testid=token]", f"els => els.map({CONTRAST_JS})")
+    assert min(ratios) >= 4.5, ratios
+    # Every colour of the scale, not only the ones this path happened to use.
+    scale = page.evaluate(f"""() => [...Array(101).keys()].map(i => {{ const e = document.createElement('span');
+        e.style.cssText = `background:${{probColor(i / 100)}};color:${{probInk(i / 100)}}`; document.body.append(e);
+        const ratio = ({CONTRAST_JS})(e); e.remove(); return ratio; }})""")
+    assert min(scale) >= 4.5
+    page.wait_for_selector(".lane-label")
+    sizes = page.eval_on_selector_all(".lane-label", "els => els.map(e => parseFloat(getComputedStyle(e).fontSize))")
+    assert min(sizes) >= 12
     assert watch.unexpected() == []
     page.close()
 

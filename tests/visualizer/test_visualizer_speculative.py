@@ -34,7 +34,8 @@ def test_speculative_view_marks_drafts_and_states_the_rule(browser: object, spec
     page.click("#generate")
     wait_finished(page)
     body = {"prompt": REPEATING_PROMPT, "max_tokens": 12, "temperature": 0, "trace": True}
-    reference = request(speculative_url, "/v1/completions", body)["choices"][0]["trace"]
+    response = request(speculative_url, "/v1/completions", body)
+    reference = response["choices"][0]["trace"]
     assert path_token_ids(page) == [s["chosen_token_id"] for s in reference]
     accepted = [s["index"] for s in reference if s["extra"].get("speculative", {}).get("accepted")]
     assert accepted, "the n-gram proposer drafted nothing on a repeating prompt"
@@ -46,6 +47,15 @@ def test_speculative_view_marks_drafts_and_states_the_rule(browser: object, spec
     note = page.inner_text("[data-testid=why-speculative]")
     assert "accepted" in note and "argmax" in note
     assert "ngram" in page.inner_text("[data-testid=engine-speculative]")
+    # Marks differ by shape, and a legend says which is which.
+    assert "accepted" in page.inner_text("[data-testid=spec-legend]")
+    style = page.eval_on_selector("[data-testid=token].draft-accepted", "e => getComputedStyle(e).borderBottomStyle")
+    assert style == "solid"
+    # The pass count is the engine's (passes, not tokens), and so are the per-pass figures.
+    metrics = response["metrics"]
+    assert int(page.inner_text("[data-testid=num-forward-passes]")) == metrics["num_forward_passes"] < len(reference)
+    per_pass = page.inner_text("[data-testid=spec-per-pass]")
+    assert per_pass.startswith(f"{metrics['num_generated_tokens'] / metrics['num_forward_passes']:.2f} tokens per pass")
     # The timeline marks the verification passes that carried draft tokens.
     assert page.locator("[data-testid=timeline-cell]").count() >= 1
     screenshot(page, "speculative.png")

@@ -299,7 +299,7 @@ class Sampler:
         def run(stage: str, rows: list[int], process: Callable[[torch.Tensor], torch.Tensor]) -> None:
             work.update(rows, process)
             if tracer:
-                tracer.record(stage, work.tensor)
+                tracer.record(stage, work.tensor, rows)
 
         # The processing order (trace.STAGES):
         #   penalties → logit bias → min_tokens blocking → grammar → temperature → top-k → top-p → min-p → draw.

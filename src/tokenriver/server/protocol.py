@@ -196,9 +196,11 @@ class SamplingFields(Request):
     include_stop_str_in_output: bool | None = None
     # Lower runs first when the engine must choose (vLLM's meaning).
     priority: Int64 | None = None
-    # tokenriver extensions: a StepTrace per generated token, keeping trace_top candidates.
+    # tokenriver extensions: a StepTrace per generated token, keeping trace_top candidates; trace_stages adds each
+    # sampling stage's distribution over them, as computed at that step.
     trace: bool | None = None
     trace_top: Int64 | None = None
+    trace_stages: bool | None = None
     # tokenriver extensions: beam search with beam_width beams (transformers' num_beams); the n best finished
     # beams come back as the choices, ranked by sum of logprobs / (length ** length_penalty). early_stopping:
     # true, false or "never", with transformers' meanings. No streaming deltas: one chunk when it ends.

@@ -792,6 +792,7 @@ def sampling_params(
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "trace": request.trace,
         "trace_top": request.trace_top,
+        "trace_stages": request.trace_stages,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
         "beam_width": request.beam_width,

@@ -8,9 +8,11 @@
  *
  * Data flow. POST /tokenize turns the prompt (or the chat-templated conversation) into token ids. Every
  * generation is a streamed POST /v1/completions whose prompt is those ids and which asks for a per-step
- * trace (`trace: true`): for each generated token, the top candidates with their logits and probabilities
- * before (prob_raw) and after (prob_final) sampling's processing, which stage removed which, and for a sampled
- * token the uniform it drew (extra.draw).
+ * trace (`trace: true`, `trace_stages: true`): for each generated token, the top candidates with their logits and
+ * probabilities before (prob_raw) and after (prob_final) sampling's processing, their distribution after each
+ * stage as the sampler computed it at that step (stages), which stage removed which, and for a sampled token
+ * the uniform it drew (extra.draw). Everything the page says about a step is read from that record; replays
+ * (new requests for the same context) are only for what-ifs under other settings, and are labelled so.
  *
  * A "branch" is one such request (or one choice of an n-sample request). The root branch starts after the
  * prompt. A child branch starts at step `forkStep` of its parent: its prompt is the prompt ids + the parent
@@ -376,6 +378,8 @@ function newBranch(parent, forkStep, prefix, forced, params) {
     tokens: forced ? [forced] : [],
     status: "streaming",
     finishReason: null,
+    // The API's stop_reason: the stop string matched, the stop token id, or null (end of sequence).
+    stopReason: null,
     metrics: null,
     usage: null,
     params,
@@ -433,6 +437,7 @@ function completionBody(branch, extra = {}) {
     stream: true,
     stream_options: { include_usage: true },
     trace: true,
+    trace_stages: true,
     logprobs: 5,
     ...apiSampling(branch.params),
     ...constraintFields(branch, pathOf(branch).length),
@@ -454,7 +459,10 @@ function applyChunk(chunk, byIndex) {
     const tokens = tokensOfChoice(choice);
     tokens.forEach(() => branch.tokenTimes.push(now));
     branch.tokens.push(...tokens);
-    if (choice.finish_reason) branch.finishReason = choice.finish_reason;
+    if (choice.finish_reason) {
+      branch.finishReason = choice.finish_reason;
+      branch.stopReason = choice.stop_reason ?? null;
+    }
     if (choice.metrics) branch.metrics = choice.metrics;
     if (state.isFollowing && state.currentId === branch.id) state.selectedStep = pathOf(branch).length - 1;
   }
@@ -531,8 +539,9 @@ function isBusy() {
 function updateBusy() {
   const busy = isBusy();
   $("stop-generation").disabled = !state.branches.some((b) => b.status === "streaming");
-  $("generate").disabled = busy;
-  $("step-once").disabled = busy;
+  // aria-disabled rather than disabled: a disabled button drops the keyboard focus of whoever pressed it.
+  $("generate").setAttribute("aria-disabled", String(busy));
+  $("step-once").setAttribute("aria-disabled", String(busy));
   document.body.classList.toggle("busy", busy);
 }
 
@@ -641,6 +650,10 @@ function forcedToken(trace, candidate) {
     trace: trace
       ? {
           ...trace,
+          // A token looked up outside the recorded candidates joins them, with its real rank and raw probability.
+          candidates: trace.candidates.some((c) => c.token_id === candidate.token_id)
+            ? trace.candidates
+            : trace.candidates.concat([candidate]),
           chosen_token_id: candidate.token_id,
           chosen_rank: candidate.rank,
           chosen_prob_raw: candidate.prob_raw,
@@ -847,24 +860,47 @@ function renderPath() {
     : isForcedStart(branch)
       ? ` forked from path ${parent.id} at step ${branch.forkStep + 1} with “${visibleText(branch.tokens[0].text)}”`
       : ` ${branch.kind === "step" ? "stepped" : "sampled"} from path ${parent.id} after token ${branch.forkStep}`;
-  info.replaceChildren(
+  setChildren(
+    info,
     el("span", { class: "badge", text: `path ${branch.id}` }),
     origin,
     el("span", { class: "sep", text: " · " }),
     `${plural(path.length, "token")} · Σ log p = `,
     el("strong", { "data-testid": "path-logprob", text: cumulativeLogprob(path).toFixed(2) }),
     el("span", { class: "sep", text: " · " }),
-    el("span", { class: `status status-${branch.status}`, "data-testid": "path-status", text: statusText(branch) }),
+    el("span", {
+      class: `status status-${branch.status}`,
+      "data-testid": "path-status",
+      "data-stop-kind": stopKind(branch) || "",
+      text: statusText(branch),
+    }),
+    path.some((t) => t.trace && t.trace.extra && t.trace.extra.speculative)
+      ? el("span", {
+          class: "spec-legend",
+          "data-testid": "spec-legend",
+          text: " · drafts: ✓ solid underline = accepted, ✗ dotted underline = rejected and replaced",
+        })
+      : null,
   );
   const selected = state.selectedStep;
   const focusStep = selected ?? path.length - 1;
+  const trimmed = trimmedSteps(branch);
   withFocusKept(box, () => {
-    box.replaceChildren(...path.map((token, step) => tokenChip(branch, token, step, selected, focusStep)).flat());
+    box.replaceChildren(
+      ...path.map((token, step) => tokenChip(branch, token, step, selected, focusStep, trimmed.has(step))).flat(),
+    );
   });
   renderTiming(branch);
+  announcePath(branch, path);
 }
 
-function tokenChip(branch, token, step, selected, focusStep) {
+/** The selected path's text for screen readers, once it is complete (not a word at a time while it streams). */
+function announcePath(branch, path) {
+  const text = branch.status === "streaming" ? "generating…" : `${path.map((t) => t.text).join("")} (${statusText(branch)})`;
+  if ($("path-text").textContent !== text) $("path-text").textContent = text;
+}
+
+function tokenChip(branch, token, step, selected, focusStep, isTrimmed) {
   const p = tokenProb(token);
   const isOwn = step >= branch.prefix.length;
   const speculative = token.trace && token.trace.extra && token.trace.extra.speculative;
@@ -872,6 +908,7 @@ function tokenChip(branch, token, step, selected, focusStep) {
   if (step === selected) classes.push("selected");
   if (token.isForced && isOwn) classes.push("forced");
   if (!isOwn) classes.push("inherited");
+  if (isTrimmed) classes.push("trimmed");
   // A bonus token (after every draft was accepted) was never drafted: it gets no draft mark.
   if (speculative && speculative.draft_token_id !== null)
     classes.push(speculative.accepted ? "draft-accepted" : "draft-replaced");
@@ -887,9 +924,11 @@ function tokenChip(branch, token, step, selected, focusStep) {
       "data-focus-key": `token-${step}`,
       tabindex: step === focusStep ? 0 : -1,
       "aria-pressed": step === selected ? "true" : "false",
-      "aria-label": `token ${step + 1}: “${token.text}”, probability ${fmtProb(p)}${token.isForced ? ", forced by a branch" : ""}`,
+      "aria-label":
+        `token ${step + 1}: “${token.text}”, probability ${fmtProb(p)}` +
+        `${token.isForced ? ", forced by a branch" : ""}${isTrimmed ? ", part of the stop string, trimmed from the text" : ""}`,
       style: p === null ? "" : `background:${probColor(p)};color:${probInk(p)}`,
-      title: `token ${step + 1} · id ${token.id} · p ${fmtProb(p)}`,
+      title: `token ${step + 1} · id ${token.id} · p ${fmtProb(p)}${isTrimmed ? " · stop string: trimmed from the text" : ""}`,
       onclick: () => {
         state.popoverStep = state.popoverStep === step ? null : step;
         selectStep(step);
@@ -900,9 +939,43 @@ function tokenChip(branch, token, step, selected, focusStep) {
   return token.text.includes("\n") ? [chip, el("br")] : [chip];
 }
 
+/** Why a finished path ended: "length", "eos", "stop-string", "stop-token", or its finish reason as is. */
+function stopKind(branch) {
+  if (branch.status !== "done") return null;
+  if (branch.finishReason !== "stop") return branch.finishReason;
+  if (typeof branch.stopReason === "string") return "stop-string";
+  if (typeof branch.stopReason === "number") return "stop-token";
+  return "eos";
+}
+
+const STOP_TEXTS = {
+  length: () => "finished: length (max tokens reached)",
+  eos: () => "finished: stop (end-of-sequence token)",
+  "stop-string": (b) => `finished: stop (stop string “${visibleText(b.stopReason)}”, trimmed from the text)`,
+  "stop-token": (b) => `finished: stop (stop token id ${b.stopReason})`,
+};
+
+/**
+ * The path's steps that hold its matched stop string (the API trims it from the text; the tokens stay): the
+ * shortest run of last tokens whose text contains it.
+ */
+function trimmedSteps(branch) {
+  if (stopKind(branch) !== "stop-string") return new Set();
+  const path = pathOf(branch);
+  let text = "";
+  for (let step = path.length - 1; step >= branch.prefix.length; step -= 1) {
+    text = path[step].text + text;
+    if (text.includes(branch.stopReason)) return new Set(path.map((_, i) => i).filter((i) => i >= step));
+  }
+  return new Set();
+}
+
 function statusText(branch) {
   if (branch.status === "streaming") return "generating…";
-  if (branch.status === "done") return `finished: ${branch.finishReason || "?"}`;
+  if (branch.status === "done") {
+    const describe = STOP_TEXTS[stopKind(branch)];
+    return describe ? describe(branch) : `finished: ${branch.finishReason || "?"}`;
+  }
   if (branch.status === "stopped") return "stopped";
   return `error: ${branch.error}`;
 }

@@ -47,11 +47,29 @@ function renderEngine() {
   setChildren(box, ...parts);
 }
 
+/**
+ * The request's passes split into prompt passes and decode passes. The prompt's passes come from the pass log
+ * when it still holds them (a long prompt is cut into chunks); the rest of the request's passes decoded, each
+ * yielding one token, or several under speculative decoding.
+ */
+function passSplit(m, branch) {
+  const labelled = [...timeline.requestLabels.entries()].find(
+    ([, label]) => Array.isArray(label) && label.includes(branch),
+  );
+  const prefix = labelled ? `${labelled[0]}-` : null;
+  const isPrompt = (pass) => pass.rows.some((r) => r.is_prompt && r.request_id.startsWith(prefix));
+  const prefill = Math.max(1, prefix ? timeline.passes.filter(isPrompt).length : 0);
+  return { prefill, decode: Math.max(0, m.num_forward_passes - prefill) };
+}
+
 function forwardPasses(m, branch) {
+  const siblings = branch.params.n ? state.branches.filter((b) => b.params.group === branch.params.group) : [branch];
+  // An n-sample request's metrics cover all its samples: they are shown as the request's, beside this path's share.
   const generated = m.num_generated_tokens;
   const passes = m.num_forward_passes;
-  const decodePasses = Math.max(0, generated - 1);
-  const prefillPasses = Math.max(1, passes - decodePasses);
+  const split = passSplit(m, branch);
+  const decodePasses = split.decode;
+  const prefillPasses = split.prefill;
   const computed = m.num_prompt_tokens - m.num_cached_tokens;
   const ttft = m.time_to_first_token || 0;
   const tpot = m.time_per_output_token || 0;
@@ -83,8 +101,9 @@ function forwardPasses(m, branch) {
       ` ${passes === 1 ? "forward pass" : "forward passes"} for ${plural(generated, "generated token")}: ` +
         `${prefillPasses} for the prompt (${plural(computed, "token")} computed`,
       m.num_cached_tokens ? `, ${plural(m.num_cached_tokens, "token")} reused from the prefix cache` : "",
-      `; it also yields the first token) + ${plural(decodePasses, "decode pass", "decode passes")} of one token each.`,
+      `; it also yields the first token) + ${plural(decodePasses, "decode pass", "decode passes")}.`,
     ]),
+    perPathFacts(m, branch, siblings, passes),
     svgEl(
       "svg",
       {
@@ -105,11 +124,38 @@ function forwardPasses(m, branch) {
   ]);
 }
 
+/** This path's own figures beside the request's: per sample of an n-sample request, and per pass under speculation. */
+function perPathFacts(m, branch, siblings, passes) {
+  const facts = [];
+  if (siblings.length > 1) {
+    const own = siblings.map((b) => generatedCount(b));
+    facts.push([
+      `this path (sample ${branch.params.choiceIndex + 1} of ${siblings.length})`,
+      `${plural(generatedCount(branch), "generated token")}; the request's ${m.num_generated_tokens} = ${own.join(" + ")}, ` +
+        `its ${plural(passes, "forward pass", "forward passes")} computed the samples together`,
+      "path-share",
+    ]);
+  }
+  if (m.num_draft_tokens) {
+    const decode = Math.max(1, passes - 1);
+    facts.push([
+      "speculative decoding",
+      `${(m.num_generated_tokens / passes).toFixed(2)} tokens per pass; ` +
+        `${(m.num_accepted_draft_tokens / decode).toFixed(2)} drafts accepted per decode pass ` +
+        `(${m.num_accepted_draft_tokens} of ${plural(m.num_draft_tokens, "draft")})`,
+      "spec-per-pass",
+    ]);
+  }
+  return facts.length ? factList(facts) : null;
+}
+
 function kvBlocks(m, blockSize, branch) {
-  const numBlocks = m.kv_blocks;
+  // An n-sample request's counts cover every sample: this path holds the prompt's blocks and its own tokens.
+  const isShare = Boolean(branch.params.n);
   const cached = m.num_cached_tokens || 0;
   const prompt = m.num_prompt_tokens;
-  const total = prompt + m.num_generated_tokens;
+  const total = prompt + (isShare ? generatedCount(branch) : m.num_generated_tokens);
+  const numBlocks = isShare ? Math.ceil(total / blockSize) : m.kv_blocks;
   const cols = Math.ceil(Math.sqrt(blockSize));
   const rowsPerBlock = Math.ceil(blockSize / cols);
   const slot = 9;

@@ -73,9 +73,22 @@ function probColor(p) {
   return `rgb(${rgb.join(" ")})`;
 }
 
-/** Text colour that stays readable on probColor(p): white on the dark half of viridis, ink on the light half. */
+/** WCAG relative luminance of an sRGB colour [r, g, b] (0–255). */
+function luminance(rgb) {
+  const [r, g, b] = rgb.map((c) => {
+    const v = c / 255;
+    return v <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+  });
+  return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+}
+
+/**
+ * Text colour on probColor(p): white or black, whichever contrasts more. One of the two always reaches 4.58:1 (they
+ * tie at a luminance of 0.179), above WCAG AA's 4.5:1 on every colour of the scale.
+ */
 function probInk(p) {
-  return p < 0.55 ? "#ffffff" : "#1d2330";
+  const background = luminance(probColor(p).match(/\d+/g).map(Number));
+  return 1.05 / (background + 0.05) >= (background + 0.05) / 0.05 ? "#ffffff" : "#000000";
 }
 
 function el(tag, attrs = {}, children = []) {

@@ -1,12 +1,11 @@
 "use strict";
 /*
- * Replaying recorded steps, exactly. A step's distribution depends only on the tokens before it, so asking
- * the engine for one token from "prompt + path before the step" gives that step's logits again (the prefix
- * cache makes it cheap). With other settings, the trace of that one-token request *is* the step under those
- * settings, computed by the engine's own sampler over the whole vocabulary: no renormalising over the few
- * candidates the page happens to hold. The same request, once per stage, gives every stage's distribution.
- * A constrained path's replay sends its constraint and the path's tokens before the step (constraint.js), so
- * the grammar stage is the recorded one too.
+ * Replays, for what-ifs only, and the recorded stages. A step's distribution depends only on the tokens before
+ * it, so one token from "prompt + path before the step" under other settings is that step under those settings,
+ * computed by the engine's own sampler over the whole vocabulary (the prefix cache makes it cheap). The preview
+ * is such a replay and says so; under the step's own settings it equals the recorded step bit for bit. The
+ * stage table shows the stages the sampler recorded while generating the step (trace.stages), never a replay.
+ * A constrained path's replay sends its constraint and the path's tokens before the step (constraint.js).
  *
  * Also here: export and import of a tree as JSON, replayed request by request and checked token by token.
  */
@@ -14,11 +13,8 @@
 // Candidates a replay asks for: the API's maximum, so what the page shows is never short of the distribution.
 const REPLAY_TOP = 100;
 
-/**
- * One token from the context before `step` of `branch`, under `settings`; returns that step's trace.
- * `withGrammar`: false to leave out the path's constraint (a stage that runs before the grammar).
- */
-async function replayStep(branch, step, settings, withGrammar = true) {
+/** One token from the context before `step` of `branch`, under `settings`; returns that step's trace. */
+async function replayStep(branch, step, settings) {
   const ids = state.treePromptIds.concat(
     pathOf(branch)
       .slice(0, step)
@@ -30,7 +26,7 @@ async function replayStep(branch, step, settings, withGrammar = true) {
     trace: true,
     trace_top: REPLAY_TOP,
     ...settings,
-    ...(withGrammar ? constraintFields(branch, step) : {}),
+    ...constraintFields(branch, step),
   };
   if (state.modelName) body.model = state.modelName;
   const out = await apiJson("/v1/completions", body);
@@ -107,9 +103,9 @@ function previewPanel(branch, step) {
   preview.key = key;
   preview.settings = stepSettings(branch);
   preview.trace = null;
-  preview.status = "Move a setting to replay this token under it.";
+  preview.status = "Move a setting to replay this token under it (a new request; the bars above are the recorded step).";
   preview.stagesNode = el("div", { class: "stages", "data-testid": "stages" });
-  preview.node = el("fieldset", { class: "preview", "data-testid": "preview" }, [
+  preview.node = el("fieldset", { class: "preview-box", "data-testid": "preview" }, [
     el("legend", { text: "Preview: replay this token under other settings (does not change the generation settings)" }),
     el("div", { class: "controls preview-controls" }, [
       previewInput("temperature", "temperature", { type: "range", min: 0, max: 2, step: 0.05 }),
@@ -130,7 +126,7 @@ function previewPanel(branch, step) {
         type: "button",
         class: "small",
         "data-testid": "show-stages",
-        text: "show every stage",
+        text: "show every stage (recorded)",
         onclick: () => showStages(currentBranch(), state.selectedStep, preview.stagesNode),
       }),
     ]),
@@ -164,7 +160,7 @@ async function runPreview() {
     preview.trace = trace;
     const shown = trace.candidates.reduce((sum, c) => sum + (finalDistribution(trace).get(c.token_id) || 0), 0);
     preview.status =
-      `Exact: the engine replayed this token at T ${settings.temperature}, top-k ${settings.top_k}, ` +
+      `Replay (what-if): the engine computed this token again at T ${settings.temperature}, top-k ${settings.top_k}, ` +
       `top-p ${settings.top_p}, min-p ${settings.min_p}: ${keptText(trace)} kept; the ${plural(trace.candidates.length, "candidate")} ` +
       `it returned hold ${fmtPercent(shown)} of the preview distribution.`;
     $("why").dataset.previewSerial = String(serial);
@@ -176,67 +172,62 @@ async function runPreview() {
 
 /* ---------------------------------------------------------------- every stage */
 
+/** A recorded stage's name as the page writes it, with the path's value for that control. */
+function stageLabel(name, params) {
+  const p = params || {};
+  const labels = {
+    penalty: "penalties",
+    bias: "logit bias",
+    min_tokens: "min tokens (end held back)",
+    grammar: p.structured_outputs ? `grammar (${constraintText(p.structured_outputs)})` : "grammar",
+    temperature: `temperature ${p.temperature ?? 1}`,
+    top_k: `top-k ${p.top_k}`,
+    top_p: `top-p ${p.top_p}`,
+    min_p: `min-p ${p.min_p}`,
+  };
+  return labels[name] || name;
+}
+
 /**
- * The sampler's stages in its order, each as the settings that stop right after it. A stage left at its
- * neutral value is skipped: it changes nothing. Each entry's distribution comes from its own replay. The
- * grammar (a constrained path's) runs before temperature, so every replay after it keeps it.
+ * The step's stages as the sampler recorded them while generating it (trace.stages), each as
+ * {name, probs: Map token id → probability, kept}. A greedy step ends with its argmax, one-hot.
  */
-function stagePlan(settings, constraint) {
-  const plan = [];
-  const base = { temperature: 1, top_k: 0, top_p: 1, min_p: 0, repetition_penalty: settings.repetition_penalty };
-  if (settings.repetition_penalty !== 1)
-    plan.push({ name: "penalties (repetition)", settings: { ...base }, isBeforeGrammar: true });
-  if (constraint) plan.push({ name: `grammar (${constraintText(constraint)})`, settings: { ...base } });
-  const greedy = settings.temperature === 0;
-  const scaled = { ...base, temperature: settings.temperature };
-  plan.push({
-    name: greedy ? "temperature 0: argmax (one-hot)" : `temperature ${settings.temperature}`,
-    settings: { ...scaled },
-  });
-  if (greedy) return plan;
-  if (settings.top_k > 0)
-    plan.push({ name: `top-k ${settings.top_k}`, settings: { ...scaled, top_k: settings.top_k } });
-  if (settings.top_p < 1)
-    plan.push({
-      name: `top-p ${settings.top_p}`,
-      settings: { ...scaled, top_k: settings.top_k, top_p: settings.top_p },
-    });
-  if (settings.min_p > 0) plan.push({ name: `min-p ${settings.min_p}`, settings: { ...settings } });
-  return plan;
+function recordedStages(trace, branch) {
+  const stages = (trace.stages || []).map((stage) => ({
+    name: stageLabel(stage.name, branch.params),
+    probs: new Map(trace.candidates.map((c, i) => [c.token_id, stage.probs[i]])),
+    kept: plural(stage.num_kept, "token"),
+  }));
+  if (trace.method === "greedy")
+    stages.push({ name: "temperature 0: argmax (one-hot)", probs: finalDistribution(trace), kept: "1" });
+  return stages;
 }
 
-/** Replays of every stage of a step, all at once (the engine batches them into shared forward passes). */
-async function stageTraces(branch, step, settings) {
-  const plan = stagePlan(settings, branch.params.structured_outputs);
-  const traces = await Promise.all(
-    plan.map((stage) => replayStep(branch, step, stage.settings, !stage.isBeforeGrammar)),
-  );
-  return plan.map((stage, i) => ({ name: stage.name, trace: traces[i] }));
-}
-
-async function showStages(branch, step, box) {
+function showStages(branch, step, box) {
   if (!branch || step === null) return;
-  box.replaceChildren(el("p", { class: "hint", text: "replaying each stage…" }));
-  try {
-    const stages = await stageTraces(branch, step, stepSettings(branch));
-    box.replaceChildren(stagesTable(pathOf(branch)[step].trace, stages));
-  } catch (error) {
-    box.replaceChildren(el("p", { class: "hint", text: `Replay failed: ${error.message}` }));
+  const trace = pathOf(branch)[step].trace;
+  if (!trace || !trace.stages) {
+    box.replaceChildren(el("p", { class: "hint", text: "This step was generated without its stages recorded." }));
+    return;
   }
+  box.replaceChildren(stagesTable(trace, recordedStages(trace, branch)));
 }
 
-/** Candidates down, stages across: raw softmax, then after each stage, each column summing to at most 1. */
+/**
+ * Candidates down, stages across: raw softmax, then after each stage, each column summing to at most 1. The top
+ * ten by rank, plus every candidate still possible at the end (a constrained step's allowed tokens).
+ */
 function stagesTable(trace, stages) {
+  const final = finalDistribution(trace);
   const candidates = trace.candidates
     .slice()
     .sort((a, b) => a.rank - b.rank)
-    .slice(0, 10);
+    .filter((c, i) => i < 10 || (final.get(c.token_id) ?? 0) > 0);
   const columns = [
     { name: "raw softmax", probs: new Map(trace.candidates.map((c) => [c.token_id, c.prob_raw])), kept: null },
-  ].concat(
-    stages.map((s) => ({ name: `after ${s.name}`, probs: finalDistribution(s.trace), kept: keptText(s.trace) })),
-  );
+  ].concat(stages.map((s) => ({ name: `after ${s.name}`, probs: s.probs, kept: s.kept })));
   return el("table", { class: "stages-table", "data-testid": "stages-table" }, [
+    el("caption", { class: "hint", text: "Recorded while this token was generated: the step itself, not a replay." }),
     el("thead", {}, [
       el("tr", {}, [
         el("th", { text: "token" }),
@@ -254,7 +245,7 @@ function stagesTable(trace, stages) {
       "tbody",
       {},
       candidates.map((c) =>
-        el("tr", { class: c.token_id === trace.chosen_token_id ? "picked" : "" }, [
+        el("tr", { class: c.token_id === trace.chosen_token_id ? "picked" : "", "data-token-id": c.token_id }, [
           el("td", { text: visibleText(c.text) }),
           el("td", { class: "num", text: c.logit.toFixed(2) }),
           ...columns.map((col) => {
@@ -294,6 +285,8 @@ function treeExport() {
         forced_token_id: isForcedStart(b) ? b.tokens[0].id : null,
         settings: { ...b.params },
         token_ids: b.tokens.map((t) => t.id),
+        // Each token's recorded step (its stages included), so a reader of the file sees what the page showed.
+        traces: b.tokens.map((t) => t.trace),
         finish_reason: b.finishReason,
       })),
   };
@@ -365,8 +358,8 @@ async function replayPath(saved, made) {
     const parentTrace = parent ? pathOf(parent)[saved.fork_step].trace : null;
     let candidate = parentTrace && parentTrace.candidates.find((c) => c.token_id === saved.forced_token_id);
     if (!candidate) {
-      const text = (await apiJson("/detokenize", { tokens: [saved.forced_token_id] })).prompt;
-      candidate = { token_id: saved.forced_token_id, text, rank: null, prob_raw: 0, prob_final: 0 };
+      if (!parent) throw new Error(`path ${saved.id} forces a token but has no parent`);
+      candidate = await lookUpCandidate(parent, saved.fork_step, saved.forced_token_id);
     }
     forced = forcedToken(parentTrace, candidate);
   }
@@ -393,13 +386,18 @@ async function replaySamples(group, made) {
   await runRequest(branches, completionBody(branches[0], { n: first.settings.n }));
 }
 
-function importVerdict(saved, made) {
-  const differing = saved.filter((s) => {
-    const branch = made.get(s.id);
-    return (
-      !branch || branch.tokens.length !== s.token_ids.length || branch.tokens.some((t, i) => t.id !== s.token_ids[i])
-    );
+/** Whether a path replayed with the same tokens, and the same recorded probability at each step (to 1e-6). */
+function replayedIdentically(saved, branch) {
+  if (!branch || branch.tokens.length !== saved.token_ids.length) return false;
+  return branch.tokens.every((t, i) => {
+    const before = saved.traces ? saved.traces[i] : null;
+    const same = (a, b) => !a || !b || Math.abs(a.chosen_prob_final - b.chosen_prob_final) <= 1e-6;
+    return t.id === saved.token_ids[i] && same(before, t.trace);
   });
+}
+
+function importVerdict(saved, made) {
+  const differing = saved.filter((s) => !replayedIdentically(s, made.get(s.id)));
   if (!differing.length)
     return `Imported and replayed ${plural(saved.length, "path")}: every token identical to the export.`;
   return (

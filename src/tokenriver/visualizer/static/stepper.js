@@ -5,7 +5,7 @@
  * phases are drawn from what the engine reports, never simulated:
  *   1. context → forward pass: tokens in, how many the KV cache already held, the engine's pass counter;
  *   2. logits: the model's raw scores for the top candidates;
- *   3. each sampling stage in the sampler's order, each a replay of this step stopped after that stage;
+ *   3. each sampling stage in the sampler's order, as the sampler recorded it at this step (trace.stages);
  *   4. the random draw: the uniform and where it landed in the cumulative distribution (trace extra.draw);
  *   5. the token appended, to be fed back as the next pass's input.
  */
@@ -56,17 +56,13 @@ async function stepOnce() {
     updateBusy();
   }
   const current = currentBranch();
-  const last = current ? pathOf(current)[pathOf(current).length - 1] : null;
   if (
     current &&
     current.kind === "step" &&
-    last &&
-    isEos(last.id) &&
+    ["stop", "length"].includes(current.finishReason) &&
     state.selectedStep === pathOf(current).length - 1
   ) {
-    showError(
-      inputError(null, "this path ended with the end-of-sequence token; select an earlier token to step from there"),
-    );
+    showError(inputError(null, `this path ${statusText(current)}; select an earlier token to step from there`));
     return;
   }
   const branch = stepTarget(params);
@@ -86,13 +82,13 @@ async function stepBranch(branch, animate) {
   const body = {
     prompt: promptIdsOf(branch),
     trace: true,
+    trace_stages: true,
     logprobs: 5,
     ...apiSampling(branch.params),
     ...constraintFields(branch, position),
     max_tokens: 1,
     seed: stepSeed(branch.params, position),
   };
-  delete body.stop;
   if (state.modelName) body.model = state.modelName;
   try {
     const out = await apiJson("/v1/completions", body);
@@ -101,13 +97,12 @@ async function stepBranch(branch, animate) {
     if (animate) await refreshPasses();
     const choice = out.choices[0];
     const token = tokensOfChoice(choice)[0];
-    const stages = animate ? await stageTraces(branch, position, stepSettings(branch)) : null;
     branch.tokens.push(token);
     if (state.currentId === branch.id) state.selectedStep = position;
     branch.metrics = out.metrics || branch.metrics;
-    branch.finishReason = isEos(token.id) ? "stop" : "step";
     branch.status = "done";
-    if (animate) showPhases({ branch, position, token, metrics: out.metrics, after, stages, responseId: out.id });
+    [branch.finishReason, branch.stopReason] = stepEnding(branch, choice);
+    if (animate) showPhases({ branch, position, token, metrics: out.metrics, after, responseId: out.id });
   } catch (error) {
     failBranch(branch, error);
     showError(error);
@@ -116,6 +111,21 @@ async function stepBranch(branch, animate) {
     pollEngineUntilIdle();
     scheduleRender();
   }
+}
+
+/**
+ * Whether a stepped path ends with its newest token, as a generation would: [finish reason, stop reason]. A stop
+ * string may span stepped tokens, so the path's generated text is searched, not only the last request's.
+ */
+function stepEnding(branch, choice) {
+  const path = pathOf(branch);
+  const text = path.map((t) => t.text).join("");
+  const stop = (branch.params.stop || []).find((s) => text.includes(s));
+  if (stop !== undefined) return ["stop", stop];
+  if (choice.finish_reason === "stop") return ["stop", choice.stop_reason ?? null];
+  if (isEos(path[path.length - 1].id)) return ["stop", null];
+  if (path.length >= (branch.params.max_tokens ?? 16)) return ["length", null];
+  return ["step", null];
 }
 
 /** Import: a stepped path of `count` tokens, stepped again with the same per-position seeds. */
@@ -212,16 +222,16 @@ function phaseItem(name, title, children) {
 function buildPhases(step) {
   const trace = step.token.trace;
   const phases = [contextPhase(step), logitsPhase(trace)];
-  for (const stage of step.stages || []) phases.push(stagePhase(stage));
+  for (const stage of recordedStages(trace, step.branch)) phases.push(stagePhase(trace, stage));
   phases.push(drawPhase(trace, step.token));
   phases.push(
     phaseItem("appended", "5. Appended", [
       el("p", {
         text:
           `“${visibleText(step.token.text)}” (id ${step.token.id}) becomes token ${step.position + 1}. ` +
-          (isEos(step.token.id)
-            ? "It is the end-of-sequence token: generation stops here."
-            : "The next forward pass takes it as input and writes its key and value into the KV cache."),
+          (step.branch.finishReason === "step"
+            ? "The next forward pass takes it as input and writes its key and value into the KV cache."
+            : `The path has ${statusText(step.branch)}: generation stops here.`),
       }),
     ]),
   );
@@ -332,9 +342,8 @@ function logitsPhase(trace) {
   ]);
 }
 
-function stagePhase(stage) {
-  const probs = finalDistribution(stage.trace);
-  const top = stage.trace.candidates
+function stagePhase(trace, stage) {
+  const top = trace.candidates
     .slice()
     .sort((a, b) => a.rank - b.rank)
     .slice(0, 8);
@@ -343,17 +352,17 @@ function stagePhase(stage) {
       "div",
       { class: "mini-bars" },
       top.map((c) => {
-        const p = probs.get(c.token_id) ?? 0;
+        const p = stage.probs.get(c.token_id) ?? 0;
         return el("div", { class: `mini-bar-row${p === 0 ? " removed" : ""}` }, [
           el("span", { class: "tok-text", text: visibleText(c.text) }),
           el("div", { class: "bar-track" }, [
             el("div", { class: "bar final", style: `width:${(p * 100).toFixed(1)}%` }),
           ]),
-          el("span", { class: "num", text: p === 0 ? "removed" : fmtProb(p) }),
+          el("span", { class: "num", "data-testid": "stage-phase-prob", "data-prob": p, text: p === 0 ? "removed" : fmtProb(p) }),
         ]);
       }),
     ),
-    el("p", { class: "hint", text: `${keptText(stage.trace)} kept after this stage.` }),
+    el("p", { class: "hint", text: `${stage.kept} kept after this stage.` }),
   ]);
 }
 

@@ -74,7 +74,8 @@ function finalDistribution(trace) {
   const map = new Map();
   const greedy = trace.method === "greedy";
   for (const c of trace.candidates) {
-    map.set(c.token_id, greedy ? (c.token_id === trace.chosen_token_id ? 1 : 0) : c.prob_final);
+    if (greedy) map.set(c.token_id, c.token_id === trace.chosen_token_id ? 1 : 0);
+    else if (c.prob_final !== null) map.set(c.token_id, c.prob_final);
   }
   return map;
 }
@@ -163,7 +164,13 @@ function whySummary(token, trace, branch) {
       ["chosen", `“${visibleText(token.text)}” (id ${token.id})`, "why-chosen"],
       ["rank", `${trace.chosen_rank}`, "why-rank"],
       ["p raw (model)", fmtProb(trace.chosen_prob_raw), "why-prob-raw"],
-      ["p final (drawn from)", fmtProb(finalDistribution(trace).get(trace.chosen_token_id)), "why-prob-final"],
+      [
+        "p final (drawn from)",
+        finalDistribution(trace).has(trace.chosen_token_id)
+          ? fmtProb(finalDistribution(trace).get(trace.chosen_token_id))
+          : "not recorded (outside the step's candidates)",
+        "why-prob-final",
+      ],
       [
         "entropy raw → final",
         `${trace.entropy_raw.toFixed(2)} → ${trace.method === "greedy" ? "0.00" : trace.entropy_final.toFixed(2)} nats`,
@@ -220,6 +227,7 @@ function grammarNote(trace) {
         ],
         "stats grammar-facts",
       ),
+      allowedList(trace),
       numRemovedShown
         ? el("p", {
             class: "hint",
@@ -228,6 +236,56 @@ function grammarNote(trace) {
         : null,
     ],
   );
+}
+
+/**
+ * The tokens the grammar allowed among the candidates, most likely first, each with its probability right after
+ * the grammar stage (the recorded stage; without it, the final probability).
+ */
+function allowedList(trace) {
+  const stage = (trace.stages || []).find((s) => s.name === "grammar");
+  const final = finalDistribution(trace);
+  const allowed = trace.candidates
+    .map((c, i) => ({ c, p: stage ? stage.probs[i] : (final.get(c.token_id) ?? 0) }))
+    .filter(({ c, p }) => (stage ? p > 0 : c.removed_by !== "grammar"))
+    .sort((a, b) => b.p - a.p);
+  const mass = allowed.reduce((sum, a) => sum + a.p, 0);
+  return el("div", { class: "allowed-tokens" }, [
+    el("p", {
+      text:
+        `Allowed here: ${plural(allowed.length, "token")} of the candidates, holding ${fmtShare(Math.min(1, mass))} ` +
+        `of the distribution ${stage ? "after the grammar stage" : "drawn from"}:`,
+    }),
+    el(
+      "ul",
+      { class: "allowed-list", "data-testid": "grammar-allowed-tokens" },
+      allowed.map(({ c, p }) =>
+        el("li", { "data-testid": "grammar-allowed-token", "data-token-id": c.token_id, "data-prob": p }, [
+          el("span", { class: "tok-text", text: visibleText(c.text) }),
+          ` ${fmtProb(p)}`,
+        ]),
+      ),
+    ),
+  ]);
+}
+
+// Texts of rejected drafts that were not among their step's candidates, by token id (fetched once each).
+const draftTexts = new Map();
+
+/** A draft token's text: from the step's candidates, else from /detokenize (the panel redraws when it comes). */
+function draftText(tokenId, trace) {
+  const candidate = trace.candidates.find((c) => c.token_id === tokenId);
+  if (candidate) return candidate.text;
+  if (!draftTexts.has(tokenId)) {
+    draftTexts.set(tokenId, `id ${tokenId}`);
+    apiJson("/detokenize", { tokens: [tokenId] })
+      .then((body) => {
+        draftTexts.set(tokenId, body.prompt);
+        scheduleRender();
+      })
+      .catch(() => {});
+  }
+  return draftTexts.get(tokenId);
 }
 
 function speculativeNote(trace) {
@@ -239,7 +297,7 @@ function speculativeNote(trace) {
       ? "a bonus token: every draft before it was accepted, so the verifying pass adds one more"
       : spec.accepted
         ? `the draft proposed it and the target model accepted it (${spec.num_accepted} of ${plural(drafted, "draft")} accepted in this pass)`
-        : `the draft proposed id ${spec.draft_token_id}; the target rejected it and put this token in its place`;
+        : `the draft proposed “${visibleText(draftText(spec.draft_token_id, trace))}”; the target rejected it and put this token in its place`;
   return el("p", { class: "spec-note", "data-testid": "why-speculative" }, [
     el("strong", { text: "Speculative decoding: " }),
     verdict,
@@ -397,12 +455,37 @@ async function forceTokenId(step, tokenId) {
   let candidate = trace && trace.candidates.find((c) => c.token_id === tokenId);
   if (!candidate) {
     try {
-      const body = await apiJson("/detokenize", { tokens: [tokenId] });
-      candidate = { token_id: tokenId, text: body.prompt, rank: null, prob_raw: 0, prob_final: 0 };
+      candidate = await lookUpCandidate(currentBranch(), step, tokenId);
     } catch (error) {
       showError(error);
       return;
     }
   }
   branchFrom(step, candidate);
+}
+
+/**
+ * A token outside the recorded candidates, as the model saw it at `step`: its logit, raw probability and rank,
+ * from a one-token request for the same context whose logit bias makes it the argmax (a bias changes what is
+ * chosen, never the raw distribution the trace reports). Its final probability was not recorded: null.
+ */
+async function lookUpCandidate(branch, step, tokenId) {
+  const body = {
+    prompt: state.treePromptIds.concat(
+      pathOf(branch)
+        .slice(0, step)
+        .map((t) => t.id),
+    ),
+    max_tokens: 1,
+    temperature: 0,
+    logit_bias: { [tokenId]: 100 },
+    trace: true,
+    trace_top: 1,
+  };
+  if (state.modelName) body.model = state.modelName;
+  const out = await apiJson("/v1/completions", body);
+  labelRequest(out.id, "look-up (forced token)");
+  const found = out.choices[0].trace[0].candidates.find((c) => c.token_id === tokenId);
+  if (!found) throw inputError(null, `token id ${tokenId} is not in this model's vocabulary`);
+  return { ...found, prob_final: null, removed_by: null };
 }
