@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from visualizer_harness import (
+    ACCESSIBILITY_JS,
     CHAT_REQUEST,
     HTTP_ERROR_LOG,
     MAX_TOKENS,
@@ -31,6 +32,7 @@ from visualizer_harness import (
     ConsoleWatch,
     candidates,
     doc_screenshot,
+    focus_order,
     open_page,
     path_token_ids,
     reference_completion,
@@ -740,5 +742,31 @@ def test_narrow_screen_has_no_horizontal_scroll(browser: object, base_url: str) 
     page.click("[data-testid=token][data-step='0']")
     assert page.evaluate("document.documentElement.scrollWidth") <= 400
     screenshot(page, "narrow.png")
+    assert watch.unexpected() == []
+    page.close()
+
+
+def test_no_contrast_or_focus_violations(browser: object, base_url: str) -> None:
+    """An axe-core stand-in run in the page: every visible text meets AA contrast against what is behind it, every
+    focusable control has a name and no positive tabindex, and Tab walks the controls with the focus drawn."""
+    page, watch = open_page(browser, base_url)
+    set_controls(page, **{"max-tokens": "8", "seed": str(SEED), "temperature": "1.2"})
+    page.click("#generate")
+    wait_finished(page)
+    select_token(page, 2)
+    page.click("[data-testid=show-stages]")
+    page.wait_for_selector("[data-testid=stages-table]")
+    page.click("#step-once")
+    page.wait_for_selector("[data-testid=stepper-phase][data-phase=appended]", timeout=30_000)
+    _select_path(page, 1)
+    page.wait_for_selector("[data-testid=kv-compare]")
+    problems = page.evaluate(ACCESSIBILITY_JS)
+    assert problems == [], "\n".join(problems)
+    order = focus_order(page, 30)
+    assert all(stop["tag"] != "body" for stop in order), order
+    assert all(stop["drawn"] for stop in order), [(s["tag"], s["id"], s["testid"]) for s in order if not s["drawn"]]
+    # The controls come first, in reading order: prompt, then Generate and Step one token.
+    ids = [stop["id"] for stop in order]
+    assert ids.index("prompt") < ids.index("generate") < ids.index("step-once")
     assert watch.unexpected() == []
     page.close()

@@ -252,3 +252,65 @@ def select_token(page: object, step: int) -> None:
     """Click the token chip of `step` and wait for "why this token" to show it."""
     page.click(f"[data-testid=token][data-step='{step}']")
     page.wait_for_selector(f"[data-testid=why-step][data-step='{step}']")
+
+
+# An in-page stand-in for axe-core's contrast and focus rules (no network, no library): every visible text's
+# contrast against the colour behind it (WCAG AA: 4.5:1, 3:1 for large text), and every focusable control named
+# and drawn with a visible focus indicator. Returns the violations, each a short description.
+ACCESSIBILITY_JS = """() => {
+  const parse = c => { const m = c.match(/[\\d.]+/g); if (!m) return null;
+    const [r, g, b, a] = m.map(Number); return {r, g, b, a: a === undefined ? 1 : a}; };
+  const lum = ({r, g, b}) => [r, g, b].map(v => { v /= 255;
+    return v <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; })
+    .reduce((s, v, i) => s + v * [0.2126, 0.7152, 0.0722][i], 0);
+  const blend = (top, under) => ({r: top.r * top.a + under.r * (1 - top.a), g: top.g * top.a + under.g * (1 - top.a),
+    b: top.b * top.a + under.b * (1 - top.a), a: 1});
+  // The colour behind an element: its own and its ancestors' backgrounds, composed; null behind an image.
+  const behind = el => { const layers = [];
+    for (let e = el; e; e = e.parentElement) { const s = getComputedStyle(e);
+      if (s.backgroundImage !== 'none') return null;
+      const c = parse(s.backgroundColor); if (c && c.a > 0) { layers.push(c); if (c.a === 1) break; } }
+    return layers.reverse().reduce((under, top) => blend(top, under), {r: 255, g: 255, b: 255, a: 1}); };
+  const visible = el => { const r = el.getBoundingClientRect(); const s = getComputedStyle(el);
+    return r.width > 0 && r.height > 0 && s.visibility !== 'hidden' && s.opacity !== '0' && !el.closest('[hidden]')
+      && !el.closest('.visually-hidden'); };
+  const problems = [];
+  for (const el of document.querySelectorAll('body *')) {
+    if (el.closest('svg') || !visible(el)) continue;
+    const hasText = [...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim());
+    if (!hasText) continue;
+    const s = getComputedStyle(el); const bg = behind(el); if (!bg) continue;
+    const fg = blend(parse(s.color), bg);
+    const ratio = (Math.max(lum(fg), lum(bg)) + 0.05) / (Math.min(lum(fg), lum(bg)) + 0.05);
+    const size = parseFloat(s.fontSize); const bold = Number(s.fontWeight) >= 700;
+    const needed = size >= 24 || (bold && size >= 18.66) ? 3 : 4.5;
+    if (ratio < needed) problems.push(`contrast ${ratio.toFixed(2)} < ${needed}: ${el.tagName.toLowerCase()}.`
+      + `${el.className} "${el.textContent.trim().slice(0, 30)}"`);
+  }
+  const focusable = [...document.querySelectorAll(
+    'button, input, select, textarea, a[href], summary, [tabindex]')].filter(e => visible(e) && e.tabIndex >= 0
+    && !e.disabled);
+  for (const el of focusable) {
+    if (el.tabIndex > 0) problems.push(`positive tabindex breaks the focus order: ${el.id || el.className}`);
+    const label = el.getAttribute('aria-label') || el.textContent.trim() || (el.labels && el.labels.length
+      && el.labels[0].textContent.trim()) || el.getAttribute('title') || el.closest('label');
+    if (!label) problems.push(`focusable without a name: ${el.tagName.toLowerCase()}#${el.id}.${el.className}`);
+  }
+  return problems; }"""
+
+
+def focus_order(page: object, presses: int) -> list[dict]:
+    """Tab through the page from the top: each focused element, and whether its focus is drawn."""
+    # A click on the (unfocusable) heading moves the sequential focus starting point to the top of the page.
+    page.click("h1")
+    seen = []
+    for _ in range(presses):
+        page.keyboard.press("Tab")
+        seen.append(
+            page.evaluate("""() => { const e = document.activeElement; const s = getComputedStyle(e);
+            return {tag: e.tagName.toLowerCase(), id: e.id, testid: e.dataset.testid || '',
+                    top: e.getBoundingClientRect().top + window.scrollY,
+                    drawn: (s.outlineStyle !== 'none' && parseFloat(s.outlineWidth) > 0)
+                           || s.boxShadow !== 'none'}; }""")
+        )
+    return seen

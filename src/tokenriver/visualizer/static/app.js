@@ -953,6 +953,8 @@ const STOP_TEXTS = {
   eos: () => "finished: stop (end-of-sequence token)",
   "stop-string": (b) => `finished: stop (stop string “${visibleText(b.stopReason)}”, trimmed from the text)`,
   "stop-token": (b) => `finished: stop (stop token id ${b.stopReason})`,
+  step: (b) =>
+    `slow motion: ${b.playback ? `${b.playback.next} of ${plural(b.playback.tokens.length, "token")}` : "stepped"} shown`,
 };
 
 /**
@@ -980,6 +982,28 @@ function statusText(branch) {
   return `error: ${branch.error}`;
 }
 
+/**
+ * Prefill time per prompt token the request computed (not the cached ones). Time to first token covers the prompt's
+ * passes and the first token's sampling: one large matrix product over all prompt tokens.
+ */
+function prefillPerToken(m) {
+  const computed = (m.num_prompt_tokens ?? 0) - (m.num_cached_tokens ?? 0);
+  if (!m.time_to_first_token || computed < 1) return null;
+  return m.time_to_first_token / computed;
+}
+
+function perTokenRatio(prefill, decode) {
+  return prefill <= decode
+    ? `${(decode / prefill).toFixed(1)}× cheaper per token`
+    : `${(prefill / decode).toFixed(1)}× dearer per token`;
+}
+
+/** Whether the branch's request ran the engine's first forward pass: its timings include the warm-up. */
+function isFirstRequest(branch) {
+  const rows = passRowsOf(branch);
+  return rows.length > 0 && rows[0].pass === 1;
+}
+
 function generatedCount(branch) {
   return branch.tokens.filter((t) => !t.isForced).length;
 }
@@ -988,8 +1012,30 @@ function renderTiming(branch) {
   const m = branch.metrics;
   const facts = [];
   if (m) {
-    facts.push(["prefill (time to first token)", fmtMs(m.time_to_first_token), "ttft"]);
+    const isWarmup = isFirstRequest(branch);
+    facts.push([
+      "prefill (time to first token)",
+      `${fmtMs(m.time_to_first_token)}${isWarmup ? " (warm-up)" : ""}`,
+      "ttft",
+    ]);
     facts.push(["decode, per token", fmtMs(m.time_per_output_token), "tpot"]);
+    const perPrompt = prefillPerToken(m);
+    if (perPrompt !== null) {
+      facts.push([
+        "per token: prompt (prefill) vs generated (decode)",
+        `${fmtMs(perPrompt)} per prompt token computed vs ${fmtMs(m.time_per_output_token)} per decode token` +
+          (m.time_per_output_token ? `: prefill is ${perTokenRatio(perPrompt, m.time_per_output_token)}` : ""),
+        "prefill-vs-decode",
+      ]);
+    }
+    if (isWarmup) {
+      facts.push([
+        "warm-up",
+        "this was the engine's first request since the server started: its prefill includes one-time setup; " +
+          "generate again for a typical figure",
+        "warmup",
+      ]);
+    }
     facts.push(["generated", plural(m.num_generated_tokens ?? generatedCount(branch), "token"), "num-generated"]);
     facts.push([
       "prompt (of it cached)",

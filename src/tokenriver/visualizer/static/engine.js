@@ -21,8 +21,18 @@ function renderEngine() {
   ];
   parts.push(passTimeline());
   const m = branch && branch.metrics;
-  if (m) {
+  if (branch && hasPendingTokens(branch)) {
+    parts.push(
+      el("p", {
+        "data-testid": "engine-pending",
+        text:
+          `Slow motion: ${branch.playback.next} of the request's ${plural(branch.playback.tokens.length, "token")} ` +
+          "shown; its counts show with its last token.",
+      }),
+    );
+  } else if (m) {
     parts.push(forwardPasses(m, branch));
+    parts.push(kvComparison(m, branch));
     if (engine) parts.push(kvBlocks(m, engine.block_size, branch));
   } else if (branch && branch.status === "streaming") {
     parts.push(
@@ -53,24 +63,37 @@ function renderEngine() {
  * yielding one token, or several under speculative decoding.
  */
 function passSplit(m, branch) {
-  const labelled = [...timeline.requestLabels.entries()].find(
-    ([, label]) => Array.isArray(label) && label.includes(branch),
-  );
-  const prefix = labelled ? `${labelled[0]}-` : null;
-  const isPrompt = (pass) => pass.rows.some((r) => r.is_prompt && r.request_id.startsWith(prefix));
-  const prefill = Math.max(1, prefix ? timeline.passes.filter(isPrompt).length : 0);
+  const prefill = Math.max(1, passRowsOf(branch).filter((r) => r.row.is_prompt).length);
   return { prefill, decode: Math.max(0, m.num_forward_passes - prefill) };
+}
+
+/**
+ * One sample's own passes, from the pass log rows of its engine request (`<id>-0#<i>`): the samples of an
+ * n-sample request are separate engine requests that share forward passes, so each has its own count.
+ */
+function samplePasses(branch) {
+  const rows = passRowsOf(branch);
+  const prompt = rows.filter((r) => r.row.is_prompt);
+  return {
+    passes: rows.map((r) => r.pass),
+    prefill: prompt.length,
+    decode: rows.length - prompt.length,
+    promptTokens: prompt.reduce((sum, r) => sum + r.row.num_tokens, 0),
+  };
 }
 
 function forwardPasses(m, branch) {
   const siblings = branch.params.n ? state.branches.filter((b) => b.params.group === branch.params.group) : [branch];
   // An n-sample request's metrics cover all its samples: they are shown as the request's, beside this path's share.
-  const generated = m.num_generated_tokens;
-  const passes = m.num_forward_passes;
-  const split = passSplit(m, branch);
+  const own = siblings.length > 1 ? samplePasses(branch) : null;
+  const isOwn = Boolean(own && own.passes.length);
+  // A sample's figures are its own (its passes from the pass log); the request's stand beside them.
+  const generated = isOwn ? generatedCount(branch) : m.num_generated_tokens;
+  const passes = isOwn ? own.passes.length : m.num_forward_passes;
+  const split = isOwn ? own : passSplit(m, branch);
   const decodePasses = split.decode;
   const prefillPasses = split.prefill;
-  const computed = m.num_prompt_tokens - m.num_cached_tokens;
+  const computed = isOwn ? own.promptTokens : m.num_prompt_tokens - m.num_cached_tokens;
   const ttft = m.time_to_first_token || 0;
   const tpot = m.time_per_output_token || 0;
   const total = ttft + tpot * decodePasses || 1;
@@ -98,12 +121,12 @@ function forwardPasses(m, branch) {
   return el("div", { class: "passes", "data-testid": "forward-passes" }, [
     el("p", { class: "big-fact" }, [
       el("strong", { "data-testid": "num-forward-passes", text: passes }),
-      ` ${passes === 1 ? "forward pass" : "forward passes"} for ${plural(generated, "generated token")}: ` +
+      ` ${passes === 1 ? "forward pass" : "forward passes"} for ${isOwn ? "this path's " : ""}${plural(generated, "generated token")}: ` +
         `${prefillPasses} for the prompt (${plural(computed, "token")} computed`,
-      m.num_cached_tokens ? `, ${plural(m.num_cached_tokens, "token")} reused from the prefix cache` : "",
+      !isOwn && m.num_cached_tokens ? `, ${plural(m.num_cached_tokens, "token")} reused from the prefix cache` : "",
       `; it also yields the first token) + ${plural(decodePasses, "decode pass", "decode passes")}.`,
     ]),
-    perPathFacts(m, branch, siblings, passes),
+    perPathFacts(m, branch, siblings),
     svgEl(
       "svg",
       {
@@ -124,19 +147,123 @@ function forwardPasses(m, branch) {
   ]);
 }
 
+/**
+ * With and without the KV cache, for this path's request: what each of its passes computed (the pass log), against
+ * what an engine without a KV cache (EngineConfig.use_kv_cache=False) recomputes at the same step: the whole
+ * context, prompt + the k tokens generated so far. Arithmetic from the pass log, not a second run; the time
+ * without the cache is this request's own prefill rate times the slots recomputed.
+ */
+function kvComparison(m, branch) {
+  const rows = passRowsOf(branch);
+  const generated = generatedCount(branch);
+  if (!rows.length || generated < 1) return null;
+  const context = m.num_prompt_tokens;
+  const promptSlots = rows.filter((r) => r.row.is_prompt).reduce((sum, r) => sum + r.row.num_tokens, 0);
+  const decodeRows = rows.filter((r) => !r.row.is_prompt);
+  // Step k (0-based): with the cache, the prompt's pass computes the uncached prompt, later passes their logged
+  // rows; without it, every step recomputes the context it starts from.
+  const steps = Array.from({ length: generated }, (_, k) => ({
+    withCache: k === 0 ? promptSlots : decodeRows[k - 1] ? decodeRows[k - 1].row.num_tokens : 1,
+    without: context + k,
+  }));
+  const totalWith = steps.reduce((sum, s) => sum + s.withCache, 0);
+  const totalWithout = steps.reduce((sum, s) => sum + s.without, 0);
+  const perToken = prefillPerToken(m);
+  const last = steps[steps.length - 1];
+  const height = 70;
+  const barW = Math.max(3, Math.min(14, Math.floor(560 / generated / 2)));
+  const width = generated * (2 * barW + 2);
+  const y = (slots) => (slots / last.without) * (height - 4);
+  const shapes = steps.flatMap((s, k) => [
+    svgEl("rect", {
+      x: k * (2 * barW + 2),
+      y: height - y(s.without),
+      width: barW,
+      height: y(s.without),
+      class: "kv-bar without",
+      "data-testid": "kv-compare-step",
+      "data-step": k,
+      "data-with": s.withCache,
+      "data-without": s.without,
+    }),
+    svgEl("rect", {
+      x: k * (2 * barW + 2) + barW,
+      y: height - Math.max(1, y(s.withCache)),
+      width: barW,
+      height: Math.max(1, y(s.withCache)),
+      class: "kv-bar with",
+    }),
+  ]);
+  return el("div", { class: "kv-compare", "data-testid": "kv-compare" }, [
+    el("h3", { text: "With and without the KV cache, for this path" }),
+    el("p", {}, [
+      "With the cache this request computed ",
+      el("strong", {
+        "data-testid": "kv-compare-with",
+        "data-slots": totalWith,
+        text: plural(totalWith, "KV slot"),
+      }),
+      ` for ${plural(generated, "token")}: the prompt once (${plural(promptSlots, "slot")}), then one new slot per pass. ` +
+        "Without it, every step recomputes the whole context: ",
+      el("strong", {
+        "data-testid": "kv-compare-without",
+        "data-slots": totalWithout,
+        text: plural(totalWithout, "slot"),
+      }),
+      ` (${context} + ${context + 1} + … + ${last.without}), growing with every token: O(n²) work for n tokens ` +
+        "against O(n).",
+    ]),
+    perToken !== null && m.time_per_output_token
+      ? el("p", { "data-testid": "kv-compare-time" }, [
+          `Time per step: ${fmtMs(m.time_per_output_token)} measured with the cache; without it step k would take about ` +
+            `${fmtMs(perToken * context)} to ${fmtMs(perToken * last.without)} at this request's prefill rate of ` +
+            `${fmtMs(perToken)} per token (an estimate, not measured).`,
+        ])
+      : null,
+    svgEl(
+      "svg",
+      {
+        width,
+        height,
+        viewBox: `0 0 ${width} ${height}`,
+        class: "kv-compare-svg",
+        role: "img",
+        "aria-label": `per step: ${context} to ${last.without} slots recomputed without the cache, 1 new slot with it`,
+      },
+      shapes,
+    ),
+    el("p", { class: "timeline-legend" }, [
+      el("span", { class: "key without" }),
+      " slots recomputed at each step without a KV cache ",
+      el("span", { class: "key with" }),
+      " new slots computed with it (the pass log)",
+      el("br"),
+      el("span", {
+        class: "hint",
+        text: "Arithmetic from the engine's pass log: the server runs with its KV cache; no request ran without it.",
+      }),
+    ]),
+  ]);
+}
+
 /** This path's own figures beside the request's: per sample of an n-sample request, and per pass under speculation. */
-function perPathFacts(m, branch, siblings, passes) {
+function perPathFacts(m, branch, siblings) {
   const facts = [];
   if (siblings.length > 1) {
-    const own = siblings.map((b) => generatedCount(b));
+    const tokens = siblings.map((b) => generatedCount(b));
+    const counts = siblings.map((b) => samplePasses(b).passes);
+    const shared = new Set(counts.flat());
     facts.push([
       `this path (sample ${branch.params.choiceIndex + 1} of ${siblings.length})`,
-      `${plural(generatedCount(branch), "generated token")}; the request's ${m.num_generated_tokens} = ${own.join(" + ")}, ` +
-        `its ${plural(passes, "forward pass", "forward passes")} computed the samples together`,
+      `${plural(generatedCount(branch), "generated token")} in ${plural(counts[branch.params.choiceIndex].length, "forward pass", "forward passes")}; ` +
+        `the request's ${m.num_generated_tokens} tokens = ${tokens.join(" + ")}; its ` +
+        `${plural(m.num_forward_passes, "forward pass", "forward passes")} carried the samples together ` +
+        `(${counts.map((c) => c.length).join(", ")} passes each, ${shared.size} distinct)`,
       "path-share",
     ]);
   }
   if (m.num_draft_tokens) {
+    const passes = m.num_forward_passes;
     const decode = Math.max(1, passes - 1);
     facts.push([
       "speculative decoding",

@@ -272,7 +272,8 @@ const EXPORT_FORMAT = "tokenriver-visualizer-tree";
 function treeExport() {
   return {
     format: EXPORT_FORMAT,
-    version: 1,
+    // 2: a stepped path is one request for the whole path, played back (1: one request per stepped token).
+    version: 2,
     model: state.modelName,
     prompt: { ...state.treePromptText, token_ids: state.treePromptIds },
     paths: state.branches
@@ -343,7 +344,7 @@ async function importTree(data) {
     }
   }
   state.importReport =
-    importVerdict(data.paths, made) +
+    importVerdict(data.paths, made, data.version || 1) +
     (data.model && data.model !== state.modelName
       ? ` The file was made with ${data.model}; this server runs ${state.modelName}.`
       : "");
@@ -386,22 +387,53 @@ async function replaySamples(group, made) {
   await runRequest(branches, completionBody(branches[0], { n: first.settings.n }));
 }
 
-/** Whether a path replayed with the same tokens, and the same recorded probability at each step (to 1e-6). */
-function replayedIdentically(saved, branch) {
-  if (!branch || branch.tokens.length !== saved.token_ids.length) return false;
-  return branch.tokens.every((t, i) => {
+/**
+ * Why a path replayed differently, or null when it did not: the first step whose token or recorded probability
+ * differs, and what differs there. The model's raw probabilities depend only on the context, so a different raw
+ * probability for the same context means another model or other numerics; the same raw distribution with another
+ * final probability means other sampling settings; the same distribution with another token means another draw.
+ */
+function replayDifference(saved, branch, version) {
+  if (!branch) return "it could not run";
+  const tokens = branch.tokens;
+  const count = Math.min(tokens.length, saved.token_ids.length);
+  for (let i = 0; i < count; i += 1) {
     const before = saved.traces ? saved.traces[i] : null;
-    const same = (a, b) => !a || !b || Math.abs(a.chosen_prob_final - b.chosen_prob_final) <= 1e-6;
-    return t.id === saved.token_ids[i] && same(before, t.trace);
-  });
+    const after = tokens[i].trace;
+    const at = `token ${saved.fork_step + i + 1}`;
+    if (before && after && before.chosen_token_id === saved.token_ids[i]) {
+      const raw = after.candidates.find((c) => c.token_id === saved.token_ids[i]);
+      const rawBefore = before.chosen_prob_raw;
+      if (!raw || Math.abs(raw.prob_raw - rawBefore) > 1e-6)
+        return (
+          `at ${at} the model gives the saved token another raw probability (${fmtProb(rawBefore)} then, ` +
+          `${raw ? fmtProb(raw.prob_raw) : "not among the candidates"} now): another model or other numerics settings`
+        );
+      if (tokens[i].id === saved.token_ids[i] && Math.abs(after.chosen_prob_final - before.chosen_prob_final) > 1e-6)
+        return `at ${at} the same raw distribution was sampled under other settings (penalties, temperature or filters)`;
+    }
+    if (tokens[i].id !== saved.token_ids[i]) {
+      if (version < 2 && saved.kind === "step")
+        return `at ${at} another draw: the page that saved it stepped one request per token, with its own seed each`;
+      return `at ${at} the same distribution gave another token: another random draw (seed)`;
+    }
+  }
+  if (tokens.length !== saved.token_ids.length && !saved.finish_reason)
+    return "it was saved while it was stopped, before it finished";
+  if (tokens.length !== saved.token_ids.length)
+    return `it ended after ${plural(tokens.length, "token")} instead of ${saved.token_ids.length} (another stop condition)`;
+  return null;
 }
 
-function importVerdict(saved, made) {
-  const differing = saved.filter((s) => !replayedIdentically(s, made.get(s.id)));
+function importVerdict(saved, made, version) {
+  const differing = saved
+    .map((s) => [s, replayDifference(s, made.get(s.id), version)])
+    .filter(([, cause]) => cause !== null);
   if (!differing.length)
     return `Imported and replayed ${plural(saved.length, "path")}: every token identical to the export.`;
   return (
-    `Imported ${plural(saved.length, "path")}; ${differing.map((s) => `path ${s.id}`).join(", ")} replayed differently ` +
-    "(another model, other engine settings, or a path saved while it was stopped)."
+    `Imported ${plural(saved.length, "path")}; replayed differently: ` +
+    differing.map(([s, cause]) => `path ${s.id} (${cause})`).join("; ") +
+    "."
   );
 }

@@ -1,9 +1,12 @@
 "use strict";
 /*
- * Slow motion: one token per click, shown phase by phase. Each click is a one-token request (with a seed
- * derived from the path's seed and the token's position, so a stepped path replays identically). The
- * phases are drawn from what the engine reports, never simulated:
- *   1. context → forward pass: tokens in, how many the KV cache already held, the engine's pass counter;
+ * Slow motion: a generated path played back one token per click, each token shown as the forward pass that made
+ * it. The first click on a new path runs one ordinary request for the whole path, the same request Generate
+ * sends (the path's seed and settings, its max tokens and stop strings), so the engine decodes it as it decodes
+ * any request: one prompt pass (or a few chunks), then one decode pass per token with the KV cache kept between
+ * passes. Each click then reveals the next token with what the engine recorded for it, never simulated:
+ *   1. its forward pass, from the engine's pass log (GET /v1/visualizer/passes): the first token's pass computed
+ *      the prompt (less the whole blocks the prefix cache held); every later pass computed one new KV slot;
  *   2. logits: the model's raw scores for the top candidates;
  *   3. each sampling stage in the sampler's order, as the sampler recorded it at this step (trace.stages);
  *   4. the random draw: the uniform and where it landed in the cumulative distribution (trace extra.draw);
@@ -31,12 +34,14 @@ function stepTarget(params) {
 function newStepBranch(parent, prefix, params) {
   const branch = newBranch(parent, prefix.length, prefix, null, params);
   branch.kind = "step";
+  branch.status = "done";
+  branch.finishReason = "step";
   return branch;
 }
 
-/** Seed of the token at path position `position`: distinct per position, fixed for a given path seed. */
-function stepSeed(params, position) {
-  return (params.seed + position) % 2 ** 31;
+/** Tokens of a step branch's request not shown yet. */
+function hasPendingTokens(branch) {
+  return Boolean(branch.playback) && branch.playback.next < branch.playback.tokens.length;
 }
 
 async function stepOnce() {
@@ -56,56 +61,56 @@ async function stepOnce() {
     updateBusy();
   }
   const current = currentBranch();
-  if (
-    current &&
-    current.kind === "step" &&
-    ["stop", "length"].includes(current.finishReason) &&
-    state.selectedStep === pathOf(current).length - 1
-  ) {
+  const atEnd = current && state.selectedStep === pathOf(current).length - 1;
+  if (current && current.kind === "step" && atEnd && !hasPendingTokens(current) && current.finishReason !== "step") {
     showError(inputError(null, `this path ${statusText(current)}; select an earlier token to step from there`));
     return;
   }
   const branch = stepTarget(params);
-  selectBranch(branch.id, pathOf(branch).length ? pathOf(branch).length - 1 : null);
-  branch.status = "streaming";
-  updateBusy();
-  scheduleRender();
-  await stepBranch(branch, true);
+  if (!hasPendingTokens(branch)) {
+    if (remainingTokens(branch) <= 0) {
+      state.branches = state.branches.filter((b) => b !== branch || b.tokens.length);
+      showError(inputError("max_tokens", "the path already has max tokens; raise max tokens to step further"));
+      scheduleRender();
+      return;
+    }
+    selectBranch(branch.id, pathOf(branch).length ? pathOf(branch).length - 1 : null);
+    if (!(await startPlayback(branch))) return;
+  }
+  revealNext(branch, true);
 }
 
 /**
- * Generate one token onto `branch` with a one-token request. `animate`: show the phases (an import replays
- * stepped paths without them).
+ * Run `branch`'s whole continuation as one request (not streamed) and keep its tokens to reveal one per click,
+ * with the engine's pass log for them. Returns false when the request failed.
  */
-async function stepBranch(branch, animate) {
-  const position = pathOf(branch).length;
-  const body = {
-    prompt: promptIdsOf(branch),
-    trace: true,
-    trace_stages: true,
-    logprobs: 5,
-    ...apiSampling(branch.params),
-    ...constraintFields(branch, position),
-    max_tokens: 1,
-    seed: stepSeed(branch.params, position),
-  };
-  if (state.modelName) body.model = state.modelName;
+async function startPlayback(branch) {
+  branch.status = "streaming";
+  updateBusy();
+  scheduleRender();
+  const body = completionBody(branch, { stream: false, stream_options: undefined });
   try {
     const out = await apiJson("/v1/completions", body);
     labelRequest(out.id, [branch]);
-    const after = animate ? await apiJson("/v1/engine") : null;
-    if (animate) await refreshPasses();
+    await refreshPasses();
     const choice = out.choices[0];
-    const token = tokensOfChoice(choice)[0];
-    branch.tokens.push(token);
-    if (state.currentId === branch.id) state.selectedStep = position;
-    branch.metrics = out.metrics || branch.metrics;
+    branch.playback = {
+      responseId: out.id,
+      tokens: tokensOfChoice(choice),
+      next: 0,
+      // Tokens of context the request's first pass started from: the prompt and the path before the first token.
+      contextLength: promptIdsOf(branch).length,
+      finishReason: choice.finish_reason,
+      stopReason: choice.stop_reason ?? null,
+      metrics: out.metrics,
+    };
     branch.status = "done";
-    [branch.finishReason, branch.stopReason] = stepEnding(branch, choice);
-    if (animate) showPhases({ branch, position, token, metrics: out.metrics, after, responseId: out.id });
+    branch.finishReason = "step";
+    return true;
   } catch (error) {
     failBranch(branch, error);
     showError(error);
+    return false;
   } finally {
     updateBusy();
     pollEngineUntilIdle();
@@ -113,28 +118,54 @@ async function stepBranch(branch, animate) {
   }
 }
 
-/**
- * Whether a stepped path ends with its newest token, as a generation would: [finish reason, stop reason]. A stop
- * string may span stepped tokens, so the path's generated text is searched, not only the last request's.
- */
-function stepEnding(branch, choice) {
-  const path = pathOf(branch);
-  const text = path.map((t) => t.text).join("");
-  const stop = (branch.params.stop || []).find((s) => text.includes(s));
-  if (stop !== undefined) return ["stop", stop];
-  if (choice.finish_reason === "stop") return ["stop", choice.stop_reason ?? null];
-  if (isEos(path[path.length - 1].id)) return ["stop", null];
-  if (path.length >= (branch.params.max_tokens ?? 16)) return ["length", null];
-  return ["step", null];
+/** Show the next recorded token of `branch`'s request; `animate`: play its phases (an import shows none). */
+function revealNext(branch, animate) {
+  const playback = branch.playback;
+  const index = playback.next;
+  const token = playback.tokens[index];
+  const position = pathOf(branch).length;
+  playback.next += 1;
+  branch.tokens.push(token);
+  if (!hasPendingTokens(branch)) {
+    branch.finishReason = playback.finishReason;
+    branch.stopReason = playback.stopReason;
+    branch.metrics = playback.metrics;
+  }
+  if (state.currentId === branch.id) {
+    state.selectedStep = position;
+    state.isFollowing = false;
+  }
+  if (animate) showPhases({ branch, position, token, index, pass: playbackPass(branch, index) });
+  scheduleRender();
 }
 
-/** Import: a stepped path of `count` tokens, stepped again with the same per-position seeds. */
-async function replaySteps(branch, count) {
-  for (let i = 0; i < count; i += 1) {
-    branch.status = "streaming";
-    await stepBranch(branch, false);
-    if (branch.status !== "done") return;
+/**
+ * The forward pass that produced token `index` of the branch's request, from the pass log: the prompt's pass (or
+ * its chunks) for the first token; after it, one decode row per token, where a verification pass under
+ * speculative decoding yields its accepted drafts and one more token. Returns {passes, rows} (empty when the log
+ * no longer holds them).
+ */
+function playbackPass(branch, index) {
+  const logged = passRowsOf(branch);
+  const prompt = logged.filter((r) => r.row.is_prompt);
+  if (index === 0) return { passes: prompt.map((r) => r.pass), rows: prompt.map((r) => r.row) };
+  const decode = logged.filter((r) => !r.row.is_prompt);
+  let rowIndex = 0;
+  for (let i = 1; i < index; i += 1) {
+    const trace = branch.playback.tokens[i].trace;
+    const spec = trace && trace.extra && trace.extra.speculative;
+    const isAcceptedDraft = spec && spec.draft_token_id !== null && spec.accepted;
+    if (!isAcceptedDraft) rowIndex += 1;
   }
+  const entry = decode[rowIndex];
+  return entry ? { passes: [entry.pass], rows: [entry.row] } : { passes: [], rows: [] };
+}
+
+/** Import: a stepped path of `count` tokens, run again as one request and revealed without the phases. */
+async function replaySteps(branch, count) {
+  branch.finishReason = "step";
+  if (!(await startPlayback(branch))) return;
+  for (let i = 0; i < count && hasPendingTokens(branch); i += 1) revealNext(branch, false);
 }
 
 /* ---------------------------------------------------------------- the phases */
@@ -165,8 +196,9 @@ function showPhases(step) {
     el("p", {
       class: "hint",
       text:
-        `Token ${step.position + 1} of path ${step.branch.id}, ${settingsText(step.branch.params)}, ` +
-        `seed ${stepSeed(step.branch.params, step.position)} for this token.`,
+        `Token ${step.position + 1} of path ${step.branch.id} (${settingsText(step.branch.params)}), played back ` +
+        `from its request: ${plural(step.branch.playback.tokens.length, "token")} decoded by the engine as ` +
+        "Generate would, shown one forward pass per click.",
     }),
     list,
     el("div", { class: "actions" }, [
@@ -229,7 +261,7 @@ function buildPhases(step) {
       el("p", {
         text:
           `“${visibleText(step.token.text)}” (id ${step.token.id}) becomes token ${step.position + 1}. ` +
-          (step.branch.finishReason === "step"
+          (hasPendingTokens(step.branch)
             ? "The next forward pass takes it as input and writes its key and value into the KV cache."
             : `The path has ${statusText(step.branch)}: generation stops here.`),
       }),
@@ -238,27 +270,54 @@ function buildPhases(step) {
   return phases;
 }
 
+/**
+ * The token's forward pass. The request's first pass takes the whole context and computes every slot the prefix
+ * cache did not hold; each later pass takes one token (the one the pass before it sampled) and computes its one
+ * new KV slot: the keys and values of everything before it are read from the cache, not recomputed.
+ */
 function contextPhase(step) {
-  const m = step.metrics || {};
-  const contextLength = m.num_prompt_tokens ?? promptIdsOf(step.branch).length - 1;
-  const cached = m.num_cached_tokens ?? 0;
-  const passes = passesOf(step.responseId);
-  return phaseItem("forward", "1. Context → forward pass", [
-    el("p", {}, [
-      `${plural(contextLength, "token")} of context go in; `,
-      el("span", { "data-testid": "stepper-cached", text: `${plural(cached, "token")} already in the KV cache` }),
-      ` (whole blocks found by the prefix cache), so this pass computes `,
-      el("strong", { "data-testid": "stepper-new-slots", text: plural(contextLength - cached, "new KV slot") }),
-      ".",
-    ]),
-    kvStrip(contextLength, cached),
-    el("p", { "data-testid": "stepper-pass-counter" }, [
-      passPhrase(passes),
-      "; the engine's forward-pass counter reads ",
-      el("strong", { text: step.after ? step.after.num_forward_passes : "?" }),
-      " now.",
-    ]),
-  ]);
+  const playback = step.branch.playback;
+  const isPrompt = step.index === 0;
+  const contextLength = playback.contextLength + step.index;
+  const logged = step.pass.rows.reduce((sum, row) => sum + row.num_tokens, 0);
+  const newSlots = step.pass.rows.length
+    ? logged
+    : isPrompt
+      ? contextLength - ((playback.metrics && playback.metrics.num_cached_tokens) || 0)
+      : 1;
+  const cached = contextLength - newSlots;
+  const cachedText = isPrompt
+    ? `${plural(cached, "token")} already in the KV cache (whole blocks found by the prefix cache)`
+    : `${plural(cached, "token")} already in the KV cache (written by this request's earlier passes)`;
+  return el(
+    "li",
+    {
+      class: "phase",
+      "data-testid": "stepper-phase",
+      "data-phase": "forward",
+      "data-request-id": `${playback.responseId}-0`,
+      "data-passes": step.pass.passes.join(","),
+      "data-context": contextLength,
+    },
+    [
+      el("strong", { text: isPrompt ? "1. Context → the prompt's forward pass" : "1. Context → one decode pass" }),
+      el("p", {}, [
+        `${plural(contextLength, "token")} of context; `,
+        el("span", { "data-testid": "stepper-cached", "data-cached": cached, text: cachedText }),
+        ", so this pass computes ",
+        el("strong", {
+          "data-testid": "stepper-new-slots",
+          "data-new-slots": newSlots,
+          text: plural(newSlots, "new KV slot"),
+        }),
+        isPrompt
+          ? "."
+          : ": the one token the previous pass sampled goes in, and attention reads the rest from the cache.",
+      ]),
+      kvStrip(contextLength, cached),
+      el("p", { "data-testid": "stepper-pass-counter" }, [passPhrase(step.pass.passes, step.pass.rows), "."]),
+    ],
+  );
 }
 
 /**
@@ -304,17 +363,21 @@ function kvStrip(contextLength, cached) {
   ]);
 }
 
-function passPhrase(passes) {
-  if (!passes.length) return "The engine ran it";
-  if (passes.length === 1) return `The engine ran it in forward pass ${passes[0]}`;
-  return `The engine ran it in forward passes ${passes.join(", ")} (the context was cut into chunks)`;
+function passPhrase(passes, rows) {
+  if (!passes.length) return "The engine's pass log no longer holds this pass";
+  const drafts = rows.reduce((sum, row) => sum + row.num_draft_tokens, 0);
+  const shared = passes.length === 1 ? sharedWith(passes[0]) : 0;
+  const tail =
+    (drafts ? `, verifying ${plural(drafts, "draft token")}` : "") +
+    (shared ? `; ${plural(shared, "other request")} shared it (batching)` : "");
+  if (passes.length === 1) return `The engine's pass log: forward pass ${passes[0]}${tail}`;
+  return `The engine's pass log: forward passes ${passes.join(", ")} (the prompt was cut into chunks)`;
 }
 
-/** The logged forward passes that carried the request `responseId` (GET /v1/visualizer/passes). */
-function passesOf(responseId) {
-  return timeline.passes
-    .filter((p) => p.rows.some((r) => r.request_id.startsWith(`${responseId}-`)))
-    .map((p) => p.pass);
+/** How many other requests a logged pass carried. */
+function sharedWith(pass) {
+  const logged = timeline.passes.find((p) => p.pass === pass);
+  return logged ? logged.rows.length - 1 : 0;
 }
 
 function logitsPhase(trace) {

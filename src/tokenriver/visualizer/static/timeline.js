@@ -10,11 +10,44 @@
 // Passes kept on screen: the last few generations' worth, so the grid stays readable.
 const TIMELINE_PASSES = 48;
 
-const timeline = { passes: [], lastPass: 0, requestLabels: new Map(), inflight: null, again: false };
+// Passes kept per engine request (slow motion, per-sample counts): every request's rows since the page opened, up
+// to the engine's own log length, so a path's count never loses passes that scrolled off the grid.
+const REQUEST_PASSES = 4096;
+
+const timeline = {
+  passes: [],
+  lastPass: 0,
+  requestLabels: new Map(),
+  // Engine request id → [{pass, row}], oldest first.
+  rowsByRequest: new Map(),
+  numRows: 0,
+  inflight: null,
+  again: false,
+};
 
 /** Remember which path (or replay) a response id belongs to, so its engine request gets a readable lane name. */
 function labelRequest(responseId, label) {
   if (responseId) timeline.requestLabels.set(responseId, label);
+}
+
+/**
+ * The engine's request id of `branch`'s request: `<response id>-0`, plus `#<choice>` for each of n samples (null
+ * before its first chunk arrived).
+ */
+function engineRequestId(branch) {
+  for (const [responseId, label] of timeline.requestLabels) {
+    if (!Array.isArray(label)) continue;
+    const index = label.indexOf(branch);
+    if (index < 0) continue;
+    return label.length > 1 || branch.params.n ? `${responseId}-0#${index}` : `${responseId}-0`;
+  }
+  return null;
+}
+
+/** The logged passes that computed `branch`'s request, oldest first: [{pass, row}]. */
+function passRowsOf(branch) {
+  const id = engineRequestId(branch);
+  return (id && timeline.rowsByRequest.get(id)) || [];
 }
 
 /** The engine's request id is `<response id>-<prompt index>`, plus `#<choice>` for each of n samples. */
@@ -53,6 +86,19 @@ async function fetchPassesOnce() {
     const body = await apiJson(`/v1/visualizer/passes?since=${timeline.lastPass}`);
     if (body.passes.length) {
       timeline.passes = timeline.passes.concat(body.passes).slice(-TIMELINE_PASSES);
+      for (const pass of body.passes) {
+        for (const row of pass.rows) {
+          if (!timeline.rowsByRequest.has(row.request_id)) timeline.rowsByRequest.set(row.request_id, []);
+          timeline.rowsByRequest.get(row.request_id).push({ pass: pass.pass, row });
+          timeline.numRows += 1;
+        }
+      }
+      // Oldest requests go first when the store is full.
+      for (const [id, rows] of timeline.rowsByRequest) {
+        if (timeline.numRows <= REQUEST_PASSES) break;
+        timeline.rowsByRequest.delete(id);
+        timeline.numRows -= rows.length;
+      }
       timeline.lastPass = body.passes[body.passes.length - 1].pass;
     }
   } catch (_) {
