@@ -41,3 +41,11 @@ def test_public_names_resolve_on_first_use():
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         tokenriver.nothing  # noqa: B018
     assert gc.isenabled()
+
+
+def test_the_offline_path_imports_no_library_it_does_not_use():
+    """LLM() loads the embedded model and builds the engine: no web server, no chat templates (jinja2), no grammar
+    engine (llguidance, on the first constrained request), no safetensors (a folder's format) and no transformers."""
+    modules = _modules_after("from tokenriver import LLM; LLM()")
+    unused = ("fastapi", "pydantic", "uvicorn", "jinja2", "llguidance", "safetensors", "transformers")
+    assert not [name for name in unused if name in modules]

@@ -12,7 +12,7 @@ from loader_gguf_writing import ENCODERS, QUANTIZABLE, RANDOM_CODED, encode
 
 from tokenriver.loader.gguf_blocks import CONVERSIONS, EXACT, REQUANTIZED, SCALES_FLOAT16, to_packed
 from tokenriver.models.cpu.kernels import load_kernels
-from tokenriver.models.quant import Int4Linear, Int4Weight, Int8Linear
+from tokenriver.models.quant import Int4Linear, Int4Weight, Int8Linear, repack_q4_0, repack_q4_1
 
 Q = gguf.GGMLQuantizationType
 # The types of the popular GGUF files, each of which must stay packed.
@@ -100,3 +100,21 @@ def test_native_conversion_equals_the_numpy_rule_bit_for_bit(qtype):
         assert (native.high_bits is None) == (portable.high_bits is None)
         if native.high_bits is not None:
             torch.testing.assert_close(native.high_bits, portable.high_bits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_q4_blocks_are_copied_into_the_allocators_tensors_as_models_repack_copies_them(qtype):
+    data = _stored(qtype, 24, 512)
+    reference = {Q.Q4_0: repack_q4_0, Q.Q4_1: repack_q4_1}[qtype](data)
+    made = []
+
+    def empty(shape, dtype):  # rows of a larger tensor, as a fused projection's allocator hands them out
+        tensor = torch.zeros((shape[0] + 8, *shape[1:]), dtype=dtype)[8:]
+        made.append(tensor)
+        return tensor
+
+    got = to_packed(data, qtype, empty=empty)
+    fields = (got.qweight, got.scales, got.mins)
+    assert [t.data_ptr() for t in fields] == [t.data_ptr() for t in made]
+    for tensor, expected in zip(fields, (reference.qweight, reference.scales, reference.mins), strict=True):
+        assert tensor.dtype == expected.dtype and torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from loader_gguf_writing import tiny_llama_tensors, write_gguf
 
-from tokenriver.loader.gguf_header import GGUFHeaderError, read_header
+from tokenriver.loader.gguf_header import GGUFHeaderError, check_layout, read_header
 
 Q = gguf.GGMLQuantizationType
 
@@ -29,6 +29,7 @@ def assert_reads_as_gguf_reader(path, nested: dict | None = None) -> None:
         (t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes) for t in reader.tensors
     ]
     assert index.header_length == reader.data_offset
+    check_layout(index)  # every file a writer made lays its tensors out as llama.cpp requires
 
 
 def test_the_embedded_file(default_model_path):
@@ -108,7 +109,14 @@ def _string(text: bytes) -> bytes:
         (_header(_string(b"k") + struct.pack("<I", 8) + _string(b"\xff\xfe"), 1), "not UTF-8"),
         (_header(b"", 0, _string(b"w") + struct.pack("<I", 9), 1), "dimensions"),
         (_header(b"", 0, _string(b"w") + struct.pack("<IQQIQ", 2, 32, 2, 999, 0), 1), "unknown type 999"),
-        (_header(b"", 0, _string(b"w") + struct.pack("<IQQIQ", 2, 32, 2**40, 0, 0), 1), "run past the end"),
+        (_header(b"", 0, _string(b"w") + struct.pack("<IQQIQ", 2, 32, 2**40, 0, 0), 1), "could hold"),
+        (_header(b"", 0, _string(b"w") + struct.pack("<IQQIQ", 2, 32, 64, 0, 0), 1), "run past the end"),
+        (_header(b"", 0, _string(b"w") + struct.pack("<IQQIQ", 2, 0, 2**62, 0, 0), 1), "could hold"),  # 0 bytes
+        (_header(b"", 0, _string(b"") + struct.pack("<IQIQ", 1, 32, 0, 0), 1), "empty name"),
+        (_header(b"", 0, _string(b"w") + struct.pack("<IIQ", 0, 2, 0), 1), "no dimensions"),  # a Q4_0 scalar
+        (_header(b"", 0, (_string(b"w") + struct.pack("<IQIQ", 1, 32, 0, 0)) * 2, 2), "names w twice"),
+        (_header((_string(b"k") + struct.pack("<IB", 0, 1)) * 2, 2), "repeats the name 'k'"),
+        (_header(_string(b"general.alignment") + struct.pack("<II", 4, 48), 1), "not a power of two"),
         (_header(b"", 0, _string(b"w") + struct.pack("<IQQIQ", 2, 30, 2, 2, 0), 1), "whole Q4_0 blocks"),
         (_header(b"", 2**62, b"", 2**62), "metadata count"),
         (_header(b"", 0, b"", 2**62), "tensor count"),

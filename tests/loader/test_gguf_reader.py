@@ -8,6 +8,7 @@ import pytest
 import torch
 from loader_gguf_writing import TINY, llamacpp_permute, stored_values, tiny_llama_tensors, write_gguf
 
+from tokenriver.loader import gguf as gguf_module
 from tokenriver.loader.gguf import SUPPORTED_TYPES, read_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -216,3 +217,28 @@ def test_real_model_weights_equal_transformers_gguf_loader(default_model_path, h
     ours["lm_head.weight"] = ours["model.embed_tokens.weight"]
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor.float()), name
+
+
+def test_a_matrix_converted_in_chunks_of_rows_is_the_matrix_converted_whole(tmp_path, monkeypatch):
+    """read_gguf converts large matrices a few MiB of the file at a time (so that their file pages are never all
+    resident): the same bytes as one conversion, for fused parts too (q/k/v of one type are converted into their
+    rows of the whole)."""
+    rng = np.random.default_rng(5)
+    types = [Q.Q8_0, Q.Q4_1, Q.Q4_1, Q.Q4_1, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K]
+    path = str(tmp_path / "mixed.gguf")
+    write_gguf(path, tiny_llama_tensors(types, rng), rng=rng)
+    whole = read_gguf(path, keep_quantized=True).weights
+    monkeypatch.setattr(gguf_module, "_CHUNK_BYTES", 700)  # a few rows of each matrix per chunk
+    chunked = read_gguf(path, keep_quantized=True).weights
+    assert whole.keys() == chunked.keys()
+    for name, weight in whole.items():
+        got = chunked[name]
+        assert type(got) is type(weight), name
+        if isinstance(weight, torch.Tensor):
+            assert torch.equal(got, weight), name
+            continue
+        for field in ("qweight", "scales", "mins", "high_bits"):
+            expected, tensor = getattr(weight, field, None), getattr(got, field, None)
+            assert (tensor is None) == (expected is None), (name, field)
+            if expected is not None:
+                assert torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8)), (name, field)

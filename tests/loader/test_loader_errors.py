@@ -177,10 +177,23 @@ def _damaged_copy(tmp_path, default_model_path, tensor: str, edit) -> str:
 @pytest.mark.parametrize(
     "tensor, edit, expected",
     [
-        # Rows of no columns: the file once loaded and crashed the native decoder at the first token.
-        ("token_embd.weight", lambda dims: dims.__setitem__(0, 0), "wrong shape: lm_head.weight (49152, 0)"),
-        ("token_embd.weight", lambda dims: dims.__setitem__(1, 0), "vocab_size=0"),
-        ("blk.3.ffn_down.weight", lambda dims: dims.__setitem__(slice(0, 2), dims[::-1].copy()), "wrong shape"),
+        # Rows of no columns: the file once loaded and crashed the native decoder at the first token. A dimension of
+        # 0 leaves the tensor no bytes, so it no longer ends where the next one starts.
+        (
+            "token_embd.weight",
+            lambda dims: dims.__setitem__(0, 0),
+            "token_embd.weight before it (Q8_0 [0, 49152], 0 bytes)",
+        ),
+        (
+            "token_embd.weight",
+            lambda dims: dims.__setitem__(1, 0),
+            "token_embd.weight before it (Q8_0 [576, 0], 0 bytes)",
+        ),
+        (
+            "blk.3.ffn_down.weight",
+            lambda dims: dims.__setitem__(slice(0, 2), dims[::-1].copy()),
+            "wrong shape: blk.3.ffn_down.weight (1536, 576) (expected (576, 1536))",
+        ),
     ],
 )
 def test_a_tensor_of_the_wrong_shape_is_refused_at_load(tmp_path, default_model_path, tensor, edit, expected):

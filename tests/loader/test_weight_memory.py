@@ -23,6 +23,7 @@ from tokenriver.loader.load import load_model
 from tokenriver.loader.weight_memory import huge_pages_available, move_weights_to_huge_pages
 from tokenriver.models.attention import AttentionMetadata
 from tokenriver.models.quant import Int4Linear, Int8Linear
+from tokenriver.process_memory import resident_bytes
 
 Q = gguf.GGMLQuantizationType
 IDS = [3, 17, 5, 29, 11, 0, 8, 21, 13, 2, 30, 7]
@@ -168,9 +169,11 @@ def test_a_load_makes_the_kept_packed_weights_in_the_arena_and_fuses_into_it(tin
         for name, weight in checkpoint.weights.items()
         if not isinstance(weight, torch.Tensor) and arena.holds(weight.qweight)
     }
-    # q/k are reordered and fused, v and gate/up are fused: they are copied again, so they are made elsewhere.
+    # q/k (Q4_K) and v (Q6_K) meet as int8 when fused: copied again, so they are made elsewhere. gate (Q4_0) and
+    # up (Q5_0) are both int4: converted straight into their rows of the fused projection.
     assert "model.layers.0.self_attn.o_proj.weight" in in_arena
-    assert not any(part in name for name in in_arena for part in ("q_proj", "k_proj", "v_proj", "gate_", "up_"))
+    assert not any(part in name for name in in_arena for part in ("q_proj", "k_proj", "v_proj"))
+    assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= in_arena
     model = build_model(checkpoint.config, checkpoint.weights, "cpu", tiny_file, "auto", empty=arena.empty)
     assert arena.holds(model.model.layers[0].self_attn.qkv_proj.qweight)
     assert arena.holds(model.model.layers[0].mlp.gate_up_proj.qweight)
@@ -280,3 +283,15 @@ def test_the_arena_holds_only_the_weights_the_model_keeps(tiny_file, monkeypatch
     }
     assert all(arena.holds(t) for t in (*model.parameters(), *model.buffers()))
     assert arena.used <= sum(tensors.values()) + 64 * len(tensors)  # each tensor aligned to 64 bytes, nothing more
+
+
+def test_pages_are_faulted_in_ahead_no_further_than_the_limit():
+    """The loader limits the faulting thread to the bytes the weights will at least take (load.py), so that it
+    faults in no page the weights then leave empty."""
+    arena = weight_memory.WeightArena(256 * 2**20, populate=True, populate_limit=3 * 2**20)
+    tensor = arena.empty((2**20,), torch.uint8)
+    time.sleep(0.2)  # time for the faulting thread to run ahead, were it not held back
+    resident = resident_bytes([(arena.storage.data_ptr(), arena.capacity)])
+    arena.close()
+    assert resident is None or resident <= 4 * 2**20  # the limit, rounded up to whole 2 MiB pages
+    del tensor

@@ -25,6 +25,7 @@ from tokenriver.config import EngineConfig, default_num_threads
 from tokenriver.decoding.beam_groups import BeamGroups
 from tokenriver.decoding.speculative import Speculator, build_speculator
 from tokenriver.distributed.launch import start_tensor_parallel
+from tokenriver.engine.memory import MemoryAccount, memory_account
 from tokenriver.engine.output_processor import OutputProcessor
 from tokenriver.errors import InvalidParameterError, RequestNotFoundError
 from tokenriver.kv.block_manager import BlockManager
@@ -90,6 +91,9 @@ class ModelInfo:
     is_causal: bool = True
     hidden_size: int = 0
     num_labels: int = 0
+    # The process's resident memory by part once the engine was built (engine/memory.py), one line for the startup
+    # log; empty where it cannot be read.
+    memory: str = ""
 
 
 @dataclass(slots=True)
@@ -246,6 +250,7 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
         self.last_step: StepStats | None = None
+        account = self.memory_account()
         self.model_info = ModelInfo(
             path=self.loaded.path,
             vocab_size=model_config.vocab_size,
@@ -268,6 +273,7 @@ class EngineCore:
             is_causal=model_config.is_causal,
             hidden_size=model_config.hidden_size,
             num_labels=model_config.num_labels,
+            memory="" if account is None else account.describe(),
         )
         # (forward-pass counter after the step, its rows): which requests shared each recent step's pass.
         self.pass_log: deque[tuple[int, list[PassRow]]] = deque(maxlen=PASS_LOG_LENGTH)
@@ -469,6 +475,10 @@ class EngineCore:
             self._num_draft_forward_passes(),
         )
         return outputs
+
+    def memory_account(self) -> MemoryAccount | None:
+        """The process's resident memory by part now (engine/memory.py); None where it cannot be read."""
+        return memory_account(self.loaded, [tensor for pair in self.kv_cache.layers for tensor in pair])
 
     def close(self) -> None:
         """Release what outlives a garbage collection: the other ranks of a tensor-parallel engine."""

@@ -20,10 +20,20 @@ The header (metadata and tensor table) is read in one pass (loader/gguf_header.p
 the first time a file is seen and indexed in a small JSON cache (loader/gguf_cache.py);
 later loads take the index from there. Either way the tensors are sliced out of a
 memory map and handed to the same repack/dequantize code below.
+
+A damaged or mislabeled file is refused before any tensor is converted, with a ModelLoadError that names what is
+wrong, in this order: the header's counts and lengths against the file (gguf_header.read_header); the tensors' data
+laid out as llama.cpp lays it out (gguf_header.check_layout: a damaged dimension, type or offset shows as a tensor
+that no longer meets the next); each metadata value the config takes of the kind and range it must have (sizes
+positive integers, the layer count that of the layers the tensors are named for, the expert count that of the
+stacked experts, the head count dividing the width); then every tensor's type and shape against the model the config
+describes (assemble.check_shapes). What is converted after that fits what the kernels will read.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import mmap
 import os
 import re
@@ -37,13 +47,15 @@ import torch
 from tokenriver.errors import ModelLoadError
 from tokenriver.loader import gguf_arch as families
 from tokenriver.loader import gguf_cache
-from tokenriver.loader.assemble import fused_groups
-from tokenriver.loader.gguf_blocks import CONVERSIONS, native_layout, to_packed
-from tokenriver.loader.gguf_header import GGUFHeaderError, is_big_endian, read_header
+from tokenriver.loader.assemble import check_shapes, fused_groups
+from tokenriver.loader.gguf_blocks import CONVERSIONS, FIVE_BIT, native_layout, to_packed
+from tokenriver.loader.gguf_header import GGUFHeaderError, check_layout, is_big_endian, read_header
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.quant import Int4Weight, Int8Weight
+from tokenriver.models.quant import Int4Weight, Int8Weight, concatenate
 from tokenriver.models.registry import canonical_architecture
+
+logger = logging.getLogger(__name__)
 
 Q = gguf.GGMLQuantizationType
 # Tensor types tokenriver dequantizes (all through gguf.quants.dequantize).
@@ -75,6 +87,9 @@ SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
 )
 
 
+# Bytes of a quantized matrix converted at a time (_convert_in_chunks): the file pages resident during a load.
+_CHUNK_BYTES = 4 * 2**20
+
 # GGUF architectures whose converter permuted attn_q/attn_k rows for interleaved rope.
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 
@@ -96,6 +111,9 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_INDEX = re.compile(r"blk\.(\d+)\.")
+# Tensors the config reads a row count from: each must be a matrix.
+_MATRICES_READ_BY_CONFIG = ("token_embd.weight", "output.weight", "token_types.weight", "cls.output.weight")
 
 
 @dataclass
@@ -128,6 +146,7 @@ def read_gguf(
     keep_quantized: bool = False,
     cache_dir: str | None = None,
     empty: Allocate = heap_empty,
+    opened: GGUFFile | None = None,
 ) -> GGUFCheckpoint:
     """Parse a GGUF file; raise ModelLoadError saying what is wrong with it otherwise.
 
@@ -137,8 +156,11 @@ def read_gguf(
     projection (q/k/v, gate/up) that convert to one packed format are converted straight into their rows of the
     whole, which build_model then takes without a copy; parts of mixed formats, which it re-packs, go to ordinary
     memory.
+    opened: the file as open_gguf gave it (the loader reads the header first, to build the tokenizer before the
+    weights); its tokenizer_fields are whatever it still holds.
     """
-    fields, tensor_list, mapped = _read_header(path, cache_dir)
+    opened = open_gguf(path, cache_dir) if opened is None else opened
+    fields, tensor_list, mapped = opened.fields, opened.tensors, opened.mapped
     gguf_arch = fields.get("general.architecture")
     if not isinstance(gguf_arch, str):
         raise ModelLoadError(
@@ -154,6 +176,7 @@ def read_gguf(
         for tensor in _split_stacked_experts(tensor_list)
         if tensor.name not in families.CONFIG_TENSORS
     }  # those are folded into config.rope_scaling
+    _check_tensors(path, config, named)
     groups = fused_groups(config.architecture, list(named)) if keep_quantized else []
     allocators = _fused_allocators(groups, named, empty)
     parts = {name for group in groups for name in group}
@@ -162,7 +185,7 @@ def read_gguf(
         stored_types[name] = tensor.tensor_type.name
         if keep_quantized and tensor.tensor_type in CONVERSIONS and len(tensor.shape) == 2:
             allocate = allocators.get(name, heap_empty if name in parts else empty)
-            weights[name] = _repack(path, tensor, gguf_arch, config, allocate)
+            weights[name] = _repack(path, tensor, gguf_arch, config, allocate, mapped)
         else:
             weights[name] = families.as_hf_shape(name, _dequantize(path, tensor, gguf_arch, config).to(dtype))
             if families.stores_norm_plus_one(gguf_arch, tensor.name):
@@ -176,8 +199,7 @@ def read_gguf(
 def read_tokenizer_fields(path: str, cache_dir: str | None = None) -> dict[str, Any]:
     """A GGUF file's tokenizer metadata as read_gguf gives it, without reading a tensor (a front end that only
     tokenizes needs no weights)."""
-    fields, _, _ = _read_header(path, cache_dir)
-    return _tokenizer_fields(fields, fields.get("general.architecture"))
+    return open_gguf(path, cache_dir).take_tokenizer_fields()
 
 
 def _tokenizer_fields(fields: dict[str, Any], gguf_arch: str | None) -> dict[str, Any]:
@@ -200,17 +222,47 @@ class _MappedFile:
         self.array = np.frombuffer(self._map, dtype=np.uint8)  # [file_size] uint8, read-only
 
     def release(self, data: np.ndarray) -> None:
-        """Drop the pages under `data` (a view of self.array) from resident memory."""
+        """Drop the pages under `data` (a view of self.array), and every page before them, from resident memory.
+
+        Why all before: a page fault on a file mapping maps the cached pages around the faulting one too ("fault
+        around", 64 KiB or a whole large folio), so converting a tensor maps back some pages of the tensors before
+        it. Tensors are converted in file order, and dropping a range whose pages are not mapped costs only the
+        walk of its page tables."""
         start = data.ctypes.data - self.array.ctypes.data
         if start < 0 or start + data.nbytes > self.array.nbytes:
             return  # not a view of this file (a converted copy)
-        first = start // mmap.PAGESIZE * mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, first, start + data.nbytes - first)
+        self._map.madvise(mmap.MADV_DONTNEED, 0, start + data.nbytes)
 
 
-def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list[_Tensor], _MappedFile]:
-    """Metadata fields and tensors (views of the mapping, which read_gguf releases as it converts them): from the
-    cached index when it matches the file, else read from the file (loader/gguf_header.py) and cached."""
+# Tokenizer fields the model's config reads too (an encoder derives its token types from the [SEP] id).
+_MODEL_TOKENIZER_FIELDS = frozenset({"tokenizer.ggml.seperator_token_id"})
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file opened for reading: its metadata, and its tensors as views of the file's read-only mapping (which
+    read_gguf releases as it converts them)."""
+
+    # Every metadata key → plain Python value (field.contents()).
+    fields: dict[str, Any]
+    tensors: list[_Tensor]
+    mapped: _MappedFile
+
+    def take_tokenizer_fields(self) -> dict[str, Any]:
+        """The tokenizer's fields (read_gguf's tokenizer_fields), taken out of `fields`: the vocabulary is most of
+        a header, and a loader that builds the tokenizer first need not keep it while the weights load."""
+        tokenizer_fields = _tokenizer_fields(self.fields, self.fields.get("general.architecture"))
+        self.fields = {
+            name: value
+            for name, value in self.fields.items()
+            if not name.startswith("tokenizer.") or name in _MODEL_TOKENIZER_FIELDS
+        }
+        return tokenizer_fields
+
+
+def open_gguf(path: str, cache_dir: str | None = None) -> GGUFFile:
+    """Metadata fields and tensors: from the cached index when it matches the file, else read from the file
+    (loader/gguf_header.py) and cached."""
     _check_file(path)
     mapped = _MappedFile(path)
     index = gguf_cache.load_index(path, cache_dir)
@@ -218,8 +270,10 @@ def _read_header(path: str, cache_dir: str | None) -> tuple[dict[str, Any], list
         index = _parse(path, mapped.array)
         header = mapped.array[: index.header_length].tobytes()
         gguf_cache.store_index(path, index, header, os.stat(path), cache_dir)
+        mapped.release(mapped.array[: index.header_length])
+    _check_index(path, index)
     tensors = [_Tensor(t.name, t.tensor_type, t.shape, gguf_cache.tensor_array(mapped.array, t)) for t in index.tensors]
-    return index.fields, tensors, mapped
+    return GGUFFile(index.fields, tensors, mapped)
 
 
 def _parse(path: str, data: np.ndarray) -> gguf_cache.GGUFIndex:
@@ -237,6 +291,31 @@ def _parse(path: str, data: np.ndarray) -> gguf_cache.GGUFIndex:
             f"{error}); download or convert it again",
             path=path,
         ) from error
+
+
+def _check_index(path: str, index: gguf_cache.GGUFIndex) -> None:
+    """What the header parser cannot see alone (the index may come from the cache): the tensors' data laid out as
+    llama.cpp lays it out (gguf_header.check_layout). A vocabulary with more tokens than the embedding has rows is
+    only logged: the engine refuses a prompt holding an id past the rows (prompts.check_prompt), and files written
+    for tests of the tokenizer alone carry such vocabularies."""
+    try:
+        check_layout(index)
+    except GGUFHeaderError as error:
+        raise ModelLoadError(
+            f"{path}: the GGUF file is damaged ({error}); download or convert it again", path=path
+        ) from error
+    tokens = index.fields.get("tokenizer.ggml.tokens")
+    embedding = next((tensor for tensor in index.tensors if tensor.name == "token_embd.weight"), None)
+    if isinstance(tokens, list) and embedding is not None and len(embedding.shape) == 2:
+        if len(tokens) > embedding.shape[1]:
+            logger.warning(
+                "%s: the vocabulary has %d tokens but token_embd.weight has %d rows: prompts holding a token id "
+                "from %d on will be refused",
+                path,
+                len(tokens),
+                embedding.shape[1],
+                embedding.shape[1],
+            )
 
 
 def _check_file(path: str) -> None:
@@ -270,34 +349,82 @@ def _config(
             )
         return value
 
+    def count(key: str, default: Any = None) -> int:
+        """A size: an integer of at least 1 (a boolean is not one)."""
+        value = get(key, default)
+        if type(value) is not int or value < 1:
+            raise ModelLoadError(
+                f"{path}: the GGUF metadata says {gguf_arch}.{key}={value!r}, which is not a positive integer; "
+                f"the file is damaged",
+                path=path,
+            )
+        return value
+
+    def number(key: str, default: Any = None, positive: bool = False) -> float:
+        """A finite number, greater than 0 with `positive`, else at least 0."""
+        value = get(key, default)
+        if type(value) not in (int, float) or not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ModelLoadError(
+                f"{path}: the GGUF metadata says {gguf_arch}.{key}={value!r}, which is not a finite number "
+                f"{'above' if positive else 'of at least'} 0; the file is damaged",
+                path=path,
+            )
+        return value
+
+    for name in _MATRICES_READ_BY_CONFIG:
+        if name in tensors and len(tensors[name].shape) != 2:
+            raise ModelLoadError(
+                f"{path}: tensor {name} has shape {list(tensors[name].shape)}, but it must be a matrix; the file is "
+                f"damaged",
+                path=path,
+            )
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(
             f"{path}: the GGUF file has no token_embd.weight tensor; it is not a complete model", path=path
         )
-    hidden_size = get("embedding_length")
-    num_heads = get("attention.head_count")
-    head_dim = get("attention.key_length", hidden_size // num_heads)
-    rope_dim = get("rope.dimension_count", head_dim)
-    if rope_dim != head_dim and gguf_arch != "phi3":
+    # Checked before anything is sized by it: a damaged count would otherwise build billions of layers or experts.
+    num_layers = count("block_count")
+    _check_counts_against_tensors(path, fields, gguf_arch, num_layers, tensors)
+    hidden_size = count("embedding_length")
+    num_heads = count("attention.head_count")
+    if f"{gguf_arch}.attention.key_length" not in fields and hidden_size % num_heads:
         raise ModelLoadError(
-            f"{path}: partial rotary embeddings (rope.dimension_count={rope_dim} < head_dim="
-            f"{head_dim}) are not supported for {gguf_arch}",
+            f"{path}: {gguf_arch}.embedding_length={hidden_size} is not a multiple of {gguf_arch}.attention.head_count="
+            f"{num_heads}, and the file has no attention.key_length to give the head size; the metadata is damaged",
             path=path,
         )
+    head_dim = count("attention.key_length", hidden_size // num_heads)
+    rope_dim = count("rope.dimension_count", head_dim)
+    if rope_dim != head_dim and gguf_arch != "phi3":
+        raise ModelLoadError(
+            f"{path}: rope.dimension_count={rope_dim} differs from the head size {head_dim}, which tokenriver "
+            f"supports (partial rotary embeddings) only for phi3, not {gguf_arch}; the file is damaged, or a "
+            f"variant tokenriver does not run",
+            path=path,
+        )
+    vocab_size = int(tensors["token_embd.weight"].shape[1])
+    stated_vocab_size = fields.get(f"{gguf_arch}.vocab_size", vocab_size)
+    if stated_vocab_size != vocab_size:
+        raise ModelLoadError(
+            f"{path}: the GGUF metadata says {gguf_arch}.vocab_size={stated_vocab_size!r}, but token_embd.weight has "
+            f"{vocab_size} rows; the file is damaged",
+            path=path,
+        )
+    context_length = count("context_length")
     values = dict(
         architecture=architecture,
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=get("feed_forward_length"),
-        num_layers=get("block_count"),
+        intermediate_size=count("feed_forward_length"),
+        num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=get("attention.head_count_kv", num_heads),
+        num_kv_heads=count("attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        rope_theta=get("rope.freq_base", 10000.0),
-        rope_scaling=_rope_scaling(path, fields, gguf_arch, tensors),
+        rope_theta=number("rope.freq_base", 10000.0, positive=True),
+        rope_scaling=_rope_scaling(path, fields, gguf_arch, tensors, rope_dim, context_length),
         # An encoder's LayerNorms have their own epsilon (gguf_arch.config_fields); it has no RMSNorm.
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6 if gguf_arch in families.ENCODER_NAMES else None),
-        max_position_embeddings=get("context_length"),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-6 if gguf_arch in families.ENCODER_NAMES else None),
+        max_position_embeddings=context_length,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         attention_out_bias="blk.0.attn_output.bias" in tensors,
@@ -323,9 +450,56 @@ def _config(
         raise ModelLoadError(f"{path}: {error.message}", path=path) from error
 
 
-def _pooling(path: str, pooling_type: int) -> str | None:
+def _check_counts_against_tensors(
+    path: str, fields: dict[str, Any], gguf_arch: str, num_layers: int, tensors: dict[str, _Tensor]
+) -> None:
+    """The layer count (block_count) is the number of layers the tensors are named for (blk.0 … blk.N-1), and an
+    expert count the expert dimension of every stacked expert tensor. A file of no layer tensors at all (a test's
+    file of its embedding alone, read for its config) has its layer count bounded by its tensor count."""
+    layers = {int(match.group(1)) for name in tensors if (match := _LAYER_INDEX.match(name))}
+    held = max(layers, default=-1) + 1
+    if num_layers != held and (held > 0 or num_layers > len(tensors)):
+        raise ModelLoadError(
+            f"{path}: the GGUF metadata says {gguf_arch}.block_count={num_layers}, but the file holds the tensors of "
+            f"{held} layers{f' (blk.0 to blk.{held - 1})' if held else ''}; the file is damaged",
+            path=path,
+        )
+    num_experts = fields.get(f"{gguf_arch}.expert_count", 0)
+    stacked = [tensor for name, tensor in tensors.items() if families.stacked_experts(name) is not None]
+    if not stacked and not num_experts:
+        return
+    if not stacked or any(len(tensor.shape) != 3 or tensor.shape[2] != num_experts for tensor in stacked):
+        shapes = ", ".join(f"{tensor.name} {list(tensor.shape)}" for tensor in stacked[:2]) or "no expert tensors"
+        raise ModelLoadError(
+            f"{path}: the GGUF metadata says {gguf_arch}.expert_count={num_experts!r}, which does not match the "
+            f"stacked experts ({shapes}: experts last); the file is damaged",
+            path=path,
+        )
+
+
+def _check_tensors(path: str, config: ModelConfig, named: dict[str, _Tensor]) -> None:
+    """Before any tensor is converted: each one's type is one tokenriver reads, and its shape the one the model the
+    config describes takes (assemble.check_shapes), named as the file names it."""
+    for tensor in named.values():
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            _refuse_type(path, tensor)
+    shapes = {name: families.hf_shape(name, tuple(int(d) for d in reversed(t.shape))) for name, t in named.items()}
+    check_shapes(config, shapes, path, {name: tensor.name for name, tensor in named.items()})
+
+
+def _refuse_type(path: str, tensor: _Tensor) -> None:
+    supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+    raise ModelLoadError(
+        f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which tokenriver "
+        f"cannot dequantize (supported: {supported}); re-quantize the model with llama.cpp's "
+        f"llama-quantize, e.g. to Q8_0 or Q4_K_M",
+        path=path,
+    )
+
+
+def _pooling(path: str, pooling_type: Any) -> str | None:
     """`<arch>.pooling_type` (llama.cpp's enum) → ModelConfig.pooling."""
-    if pooling_type not in families.POOLING_TYPES:
+    if type(pooling_type) is not int or pooling_type not in families.POOLING_TYPES:
         raise ModelLoadError(
             f"{path}: pooling_type={pooling_type} is not one tokenriver knows (0 none, 1 mean, 2 cls, 3 last, 4 rank)",
             path=path,
@@ -333,34 +507,57 @@ def _pooling(path: str, pooling_type: int) -> str | None:
     return families.POOLING_TYPES[pooling_type]
 
 
-def _rope_scaling(path: str, fields: dict[str, Any], gguf_arch: str, tensors: dict[str, _Tensor]) -> dict | None:
-    """Rope scaling as ModelConfig expects it: from rope.scaling.* keys or llama.cpp's rope_freqs tensor."""
+def _rope_scaling(
+    path: str, fields: dict[str, Any], gguf_arch: str, tensors: dict[str, _Tensor], rotary_dim: int, context_length: int
+) -> dict | None:
+    """Rope scaling as ModelConfig expects it: from rope.scaling.* keys or llama.cpp's rope_freqs tensor. Factor
+    tensors hold one positive divisor per rotated pair (rotary_dim / 2); scalar factors are positive numbers."""
+
+    def factors(name: str) -> list[float]:
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{path}: the GGUF file has rope_factors_long.weight but no {name}", path=path)
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            _refuse_type(path, tensor)
+        values = [float(f) for f in np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).reshape(-1)]
+        if len(values) != rotary_dim // 2 or not all(math.isfinite(f) and f > 0 for f in values):
+            raise ModelLoadError(
+                f"{path}: tensor {name} must hold {rotary_dim // 2} positive rope factors (one per rotated pair), "
+                f"it holds {len(values)} values{'' if len(values) != rotary_dim // 2 else ' not all positive'}; "
+                f"the file is damaged",
+                path=path,
+            )
+        return values
+
+    def number(key: str, default: Any) -> float:
+        value = fields.get(f"{gguf_arch}.{key}", default)
+        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+            raise ModelLoadError(
+                f"{path}: the GGUF metadata says {gguf_arch}.{key}={value!r}, which is not a positive number; the "
+                f"file is damaged",
+                path=path,
+            )
+        return value
+
     if "rope_factors_long.weight" in tensors:
         # Phi-3 LongRoPE: per-frequency divisors for short and long contexts, and the attention factor.
-        def factors(name: str) -> list[float]:
-            values = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
-            return [float(f) for f in np.asarray(values).reshape(-1)]
-
         scaling = {
             "rope_type": "longrope",
             "long_factor": factors("rope_factors_long.weight"),
             "short_factor": factors("rope_factors_short.weight"),
-            "original_max_position_embeddings": fields.get(
-                f"{gguf_arch}.rope.scaling.original_context_length", fields[f"{gguf_arch}.context_length"]
-            ),
+            "original_max_position_embeddings": number("rope.scaling.original_context_length", context_length),
         }
         if f"{gguf_arch}.rope.scaling.attn_factor" in fields:
-            scaling["attention_factor"] = float(fields[f"{gguf_arch}.rope.scaling.attn_factor"])
+            scaling["attention_factor"] = float(number("rope.scaling.attn_factor", None))
         return scaling
     if "rope_freqs.weight" in tensors:
         # Llama 3.x: the converter stores per-frequency divisors instead of the llama3 formula's parameters.
-        factors = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
-        return {"rope_type": "freq_factors", "factors": [float(f) for f in np.asarray(factors).reshape(-1)]}
+        return {"rope_type": "freq_factors", "factors": factors("rope_freqs.weight")}
     scaling_type = fields.get(f"{gguf_arch}.rope.scaling.type", "none")
     if scaling_type == "none":
         return None
     if scaling_type == "linear":
-        return {"rope_type": "linear", "factor": fields[f"{gguf_arch}.rope.scaling.factor"]}
+        return {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
     raise ModelLoadError(
         f"{path}: rope scaling type {scaling_type!r} is not supported (tokenriver supports linear and Llama 3 scaling)",
         path=path,
@@ -421,13 +618,7 @@ def _split_stacked_experts(tensors: list[_Tensor]) -> list[_Tensor]:
 def _dequantize(path: str, tensor: _Tensor, gguf_arch: str, config: ModelConfig) -> torch.Tensor:
     """One GGUF tensor → float32 torch tensor in PyTorch's [out_features, in_features] order."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
-        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-        raise ModelLoadError(
-            f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which tokenriver "
-            f"cannot dequantize (supported: {supported}); re-quantize the model with llama.cpp's "
-            f"llama-quantize, e.g. to Q8_0 or Q4_K_M",
-            path=path,
-        )
+        _refuse_type(path, tensor)
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first.
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     # A writable float32 copy only where needed (F32 tensors come back as read-only views of the mapped file).
@@ -442,6 +633,7 @@ def _repack(
     gguf_arch: str,
     config: ModelConfig,
     empty: Allocate,
+    mapped: _MappedFile,
 ) -> Int4Weight | Int8Weight:
     """One quantized matrix → packed weight, rows in PyTorch's order. Rows the q/k permutation moved are put back
     before converting: groups run along a row, so moving whole rows of the file's blocks leaves every block intact."""
@@ -449,10 +641,34 @@ def _repack(
     heads = _permuted_heads(tensor.name, gguf_arch, config)
     if heads is not None:
         data = data[_unpermute_rope_rows(torch.arange(data.shape[0]), heads).numpy()]  # [N, row bytes], a copy
+        mapped.release(tensor.data)
     try:
-        return to_packed(data, tensor.tensor_type, empty=empty)
+        return _convert_in_chunks(data, tensor.tensor_type, empty, mapped)
     except ModelLoadError as error:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {error.message}", path=path) from error
+
+
+def _convert_in_chunks(
+    data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, empty: Allocate, mapped: _MappedFile
+) -> Int4Weight | Int8Weight:
+    """to_packed over chunks of rows of at most _CHUNK_BYTES, each converted into its rows of the whole and its
+    pages of the file dropped then, so that a large matrix (a vocabulary's embedding) never has all of its file
+    pages resident at once. Every rule converts rows independently, so the result is that of one call."""
+    rows_per_chunk = max(1, _CHUNK_BYTES // max(1, data.shape[-1]))
+    if data.ndim != 2 or data.shape[0] <= rows_per_chunk:
+        return to_packed(data, tensor_type, empty=empty)
+    starts = range(0, data.shape[0], rows_per_chunk)
+    whole = _FusedRows([min(rows_per_chunk, data.shape[0] - start) for start in starts], empty)
+    parts = []
+    for index, start in enumerate(starts):
+        chunk = data[start : start + rows_per_chunk]
+        parts.append(to_packed(chunk, tensor_type, empty=whole.allocator(index)))
+        mapped.release(chunk)
+    if len({(type(part), getattr(part, "high_bits", None) is None) for part in parts}) > 1:
+        # A rule that picks its format from the values (Q5_0 keeps int8 codes where a scale is huge) picked
+        # differently for some chunks: the whole matrix at once, as one call picks.
+        return to_packed(data, tensor_type, empty=empty)
+    return concatenate(parts, empty)
 
 
 def _fused_allocators(groups: list[list[str]], named: dict[str, _Tensor], empty: Allocate) -> dict[str, Allocate]:
@@ -469,7 +685,9 @@ def _fused_allocators(groups: list[list[str]], named: dict[str, _Tensor], empty:
             or len({part.shape[0] for part in parts}) > 1
         ):  # GGUF order: shape[0] is in_features
             continue
-        whole = _FusedRows([int(part.shape[1]) for part in parts], empty)
+        # Where 4-bit parts meet 5-bit ones, stacking makes the fifth bits anew (zeros for the 4-bit parts).
+        five_bit = {part.tensor_type in FIVE_BIT for part in parts}
+        whole = _FusedRows([int(part.shape[1]) for part in parts], empty, num_shared=3 if len(five_bit) > 1 else None)
         for index, name in enumerate(names):
             allocators[name] = whole.allocator(index)
     return allocators
@@ -480,13 +698,15 @@ class _FusedRows:
     the first part asks, and handed out to each part as its rows.
 
     A part whose native conversion declines (a scale float16 cannot hold) is made elsewhere, and build_model then
-    copies the parts as it would otherwise; its rows here stay unused.
+    copies the parts as it would otherwise; its rows here stay unused. num_shared: tensors past the first
+    num_shared (the fifth bits of 5-bit parts beside 4-bit ones, which stacking makes anew) are made on the heap.
     """
 
-    def __init__(self, rows: list[int], empty: Allocate) -> None:
+    def __init__(self, rows: list[int], empty: Allocate, num_shared: int | None = None) -> None:
         self._starts = [sum(rows[:index]) for index in range(len(rows))]
         self._total = sum(rows)
         self._empty = empty
+        self._num_shared = num_shared
         self._tensors: list[torch.Tensor] = []
 
     def allocator(self, index: int) -> Allocate:
@@ -495,6 +715,8 @@ class _FusedRows:
 
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             nonlocal calls
+            if self._num_shared is not None and calls >= self._num_shared:
+                return heap_empty(shape, dtype)
             if calls == len(self._tensors):
                 self._tensors.append(self._empty((self._total, *shape[1:]), dtype))
             whole = self._tensors[calls]

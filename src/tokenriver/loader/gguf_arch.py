@@ -216,6 +216,11 @@ def as_hf_shape(name: str, weights: torch.Tensor) -> torch.Tensor:
     return weights
 
 
+def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape as_hf_shape gives a tensor of this name and (Hugging Face order) shape."""
+    return (1, *shape) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
+
+
 def stores_norm_plus_one(gguf_arch: str, name: str) -> bool:
     """Whether this tensor is a Gemma norm weight that the converter stored as 1 + w."""
     return gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight")

@@ -7,7 +7,7 @@ VNNI path. So each type is mapped once, at load, onto one of those, rows kept, w
 
 | GGUF type              | becomes                     | how                                                       |
 |------------------------|-----------------------------|-----------------------------------------------------------|
-| Q4_0, Q4_1, Q8_0       | Int4 / Int8, groups of 32   | byte copy (models/quant.py's repack_*): exact             |
+| Q4_0, Q4_1, Q8_0       | Int4 / Int8, groups of 32   | byte copy (as models/quant.py's repack_*): exact          |
 | Q5_0, Q5_1             | Int4 + fifth bits (5-bit)   | byte copy (Q5_0's min -16·d): exact                       |
 | Q5_K                   | Int4 + fifth bits (5-bit)   | regrouped as Q4_K, scale d·sc and min -dmin·m as float16  |
 | IQ4_NL                 | Int8, groups of 32          | values widened to int8 under the block's own scale: exact |
@@ -34,7 +34,7 @@ import torch
 from tokenriver.errors import ModelLoadError
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.cpu import convert
-from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q4_0, repack_q4_1, repack_q8_0
+from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q8_0
 
 Q = gguf.GGMLQuantizationType
 PackedWeight = Int4Weight | Int8Weight
@@ -79,6 +79,56 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     """Runs of 16 bytes, low nibbles the first 16 values and high nibbles the next 16 (Q4_0's order) → the 32
     values [..., 32] uint8."""
     return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def repack_q4_0(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight:
+    """Q4_0 (18 bytes per 32: f16 d, 16 bytes of nibbles; w = d * (q - 8)) → Int4Weight with scale d and min -8 d
+    (exact: a power-of-two multiple), the bytes copied straight from the blocks into tensors `empty` makes (the
+    values of models/quant.py's repack_q4_0)."""
+    words = _block_words(data, 18, "Q4_0")  # [N, B, 9]: d, then 8 words of nibbles
+    qweight, scales, mins = _int4_tensors(words.shape[0], words.shape[1], empty)
+    _words_of(scales, words.shape[1])[...] = words[:, :, 0:1]
+    if bool((scales.float().abs() * 8 > FLOAT16_MAX).any()):
+        raise ModelLoadError("Q4_0 block scale too large: -8 * scale does not fit float16; the file is damaged")
+    torch.mul(scales, -8, out=mins)
+    _words_of(qweight, words.shape[1])[...] = words[:, :, 1:9]
+    return Int4Weight(qweight, scales, mins, GROUP)
+
+
+def repack_q4_1(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight:
+    """Q4_1 (20 bytes per 32: f16 d, f16 m, 16 bytes of nibbles; w = d * q + m) → Int4Weight with scale d and min m,
+    the bytes copied straight from the blocks into tensors `empty` makes: exact."""
+    words = _block_words(data, 20, "Q4_1")  # [N, B, 10]: d, m, then 8 words of nibbles
+    qweight, scales, mins = _int4_tensors(words.shape[0], words.shape[1], empty)
+    _words_of(qweight, words.shape[1])[...] = words[:, :, 2:10]
+    _words_of(scales, words.shape[1])[...] = words[:, :, 0:1]
+    _words_of(mins, words.shape[1])[...] = words[:, :, 1:2]
+    return Int4Weight(qweight, scales, mins, GROUP)
+
+
+def _block_words(data: np.ndarray, block_bytes: int, kind: str) -> np.ndarray:
+    """Raw tensor bytes [N, blocks * block_bytes] → [N, blocks, block_bytes // 2] uint16: these blocks are whole
+    16-bit words (an f16 header, then the nibbles), and copying words moves half the elements bytes would."""
+    blocks = _blocks(data, block_bytes, kind)
+    if blocks.strides[1:] != (block_bytes, 1) or blocks.ctypes.data % 2:
+        blocks = np.ascontiguousarray(blocks)
+    return blocks.view(np.uint16)
+
+
+def _int4_tensors(num_rows: int, num_groups: int, empty: Allocate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 packing's qweight [N, 16 per 32] uint8, scales and mins [N, K // 32] float16, made by `empty` in the
+    order the native converters ask for them, so that the parts of a fused projection share one set of tensors
+    (loader/gguf.py's _FusedRows)."""
+    qweight = empty((num_rows, 16 * num_groups), torch.uint8)
+    scales = empty((num_rows, num_groups), torch.float16)
+    mins = empty((num_rows, num_groups), torch.float16)
+    return qweight, scales, mins
+
+
+def _words_of(tensor: torch.Tensor, num_groups: int) -> np.ndarray:
+    """A contiguous tensor [N, ...]'s bytes as a writable numpy view of 16-bit words [N, num_groups, words per
+    group]."""
+    return tensor.numpy().view(np.uint8).view(np.uint16).reshape(tensor.shape[0], num_groups, -1)
 
 
 def repack_q5_0(data: np.ndarray, empty: Allocate = heap_empty) -> Int4Weight | Int8Weight:
@@ -228,7 +278,7 @@ SCALES_FLOAT16 = "exact values, scales rounded to float16"
 REQUANTIZED = "re-quantized to int8 per 32"
 # GGUF type → (its conversion to a packed weight, what the conversion keeps).
 CONVERSIONS: dict[gguf.GGMLQuantizationType, tuple[Callable[[np.ndarray], PackedWeight], str]] = {
-    Q.Q4_0: (repack_q4_0, EXACT),
+    Q.Q4_0: (repack_q4_0, EXACT),  # these two copy bytes; models/quant.py's repack_* are the reference
     Q.Q4_1: (repack_q4_1, EXACT),
     Q.Q8_0: (repack_q8_0, EXACT),
     Q.Q5_0: (repack_q5_0, EXACT),
@@ -248,6 +298,12 @@ FIVE_BIT: dict[gguf.GGMLQuantizationType, Callable[[np.ndarray, Allocate], Packe
     Q.Q5_1: repack_q5_1,
     Q.Q5_K: repack_q5_k,
 }
+# The numpy rules that write into the tensors the loader's allocator hands out: the 5-bit types and the byte copies.
+ALLOCATED: dict[gguf.GGMLQuantizationType, Callable[[np.ndarray, Allocate], PackedWeight]] = {
+    Q.Q4_0: repack_q4_0,
+    Q.Q4_1: repack_q4_1,
+    **FIVE_BIT,
+}
 
 
 def to_packed(
@@ -257,7 +313,8 @@ def to_packed(
 
     native: take models/cpu/csrc/convert.cpp's version of the rule where it has one (the same values, bit for
     bit, in one pass over the bytes); the numpy one otherwise.
-    empty: makes the native rule's output tensors (the loader's weight arena); the numpy rules make their own.
+    empty: makes the output tensors (the loader's weight arena) of the native rules and of ALLOCATED's; the other
+    numpy rules make their own.
     """
     layout = native_layout(tensor_type) if native else None
     converter = convert.load()
@@ -275,8 +332,8 @@ def to_packed(
         if converted is not None:
             qweight, scales, mins, high_bits = converted
             return Int4Weight(qweight, scales, mins, GROUP, high_bits)
-    if tensor_type in FIVE_BIT:
-        return FIVE_BIT[tensor_type](data, empty)
+    if tensor_type in ALLOCATED:
+        return ALLOCATED[tensor_type](data, empty)
     if (
         layout is not None
         and converter is not None
@@ -301,8 +358,11 @@ def to_packed(
 
 def native_layout(tensor_type: gguf.GGMLQuantizationType) -> type[Int4Weight] | type[Int8Weight] | None:
     """The packed weight that to_packed makes of this GGUF type into the tensors its allocator hands out, in groups
-    of 32 with float16 scales (Q4_K: int4, Q5_0: int4 with fifth bits; the types convert_to_int8 takes: int8);
-    None where a numpy rule converts it, or there are no native kernels."""
+    of 32 with float16 scales (Q4_0, Q4_1, Q4_K: int4, Q5_0: int4 with fifth bits; the types convert_to_int8
+    takes: int8); None where a numpy rule makes its own tensors, or, for the native converters' types, there are
+    no native kernels."""
+    if tensor_type in (Q.Q4_0, Q.Q4_1):
+        return Int4Weight
     converter = convert.load()
     if converter is None:
         return None

@@ -29,7 +29,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 # Bump when what an entry holds, or how it is read, changes: older entries are then ignored and rewritten.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # Tensor types read as typed arrays (as GGUFReader gives them); every other type is raw bytes (`tensor_array`).
 _ITEM_TYPES = {

@@ -7,7 +7,10 @@ GGUFReader's `contents()` (tests/loader/test_gguf_header.py compares them on eve
 of arrays, which stays nested where GGUFReader flattens it.
 
 Every length and count is checked against the bytes left before it is used, so a damaged header is a
-GGUFHeaderError saying where, never a huge allocation, a read past the end or a hang.
+GGUFHeaderError saying where, never a huge allocation, a read past the end or a hang. Names are unique and not
+empty, and every tensor's bytes lie inside the file. `check_layout` adds llama.cpp's rule for where the tensors'
+data lies (one after another, in table order, each at the next multiple of the alignment): a tensor whose shape or
+type was damaged then no longer ends where the next one starts, which its byte count alone cannot show.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from tokenriver.loader.gguf_cache import GGUFIndex, TensorEntry
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+# The most values any GGML type packs into one byte (IQ1_S: 256 in 50 bytes), rounded up: no dimension of a tensor
+# whose bytes lie in a file can exceed this many times the file's size.
+_MAX_VALUES_PER_BYTE = 8
 # Scalar value types and their little-endian numpy types.
 _SCALARS = {
     GGUFValueType.UINT8: "<u1",
@@ -125,14 +131,60 @@ def read_header(data: np.ndarray) -> GGUFIndex:
         name = cursor.string(f"the name of metadata field {index}")
         if not name:
             raise GGUFHeaderError(f"metadata field {index} has an empty name")
+        if name in fields:
+            raise GGUFHeaderError(f"metadata field {index} repeats the name {name!r}")
         fields[name] = _value(cursor, name)
     tensors = [_tensor_info(cursor, index) for index in range(_bounded(num_tensors, cursor, 24, "the tensor count"))]
-    alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise GGUFHeaderError(f"general.alignment={alignment!r} is not a power of two")
+    names = [name for name, *_ in tensors]
+    if len(set(names)) != len(names):
+        repeated = next(name for index, name in enumerate(names) if name in names[:index])
+        raise GGUFHeaderError(f"the tensor table names {repeated} twice")
+    alignment = alignment_of(fields)
     data_start = -(-cursor.position // alignment) * alignment
     entries = [_entry(name, kind, shape, data_start + offset, len(data)) for name, kind, shape, offset in tensors]
     return GGUFIndex(fields=fields, tensors=entries, header_length=data_start)
+
+
+def alignment_of(fields: dict) -> int:
+    """The alignment of the tensors' data (general.alignment, else 32), a power of two."""
+    alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFHeaderError(f"general.alignment={alignment!r} is not a power of two")
+    return alignment
+
+
+def check_layout(index: GGUFIndex) -> None:
+    """llama.cpp's rule for where the data lies (its gguf_init refuses a file that breaks it): the first tensor at
+    the start of the data section, each next one at the end of the one before it rounded up to the alignment.
+
+    Why: read_header only knows that each tensor's bytes lie in the file. A damaged dimension or type changes how
+    many bytes a tensor takes, and a damaged offset moves them; either way the tensor would be read from bytes
+    that belong to its neighbours (or to none), and load as noise. Here such a tensor no longer meets the next.
+    """
+    alignment = alignment_of(index.fields)
+    expected = index.header_length
+    previous = None
+    for tensor in index.tensors:
+        start = tensor.data_offset - index.header_length  # where the table says, from the start of the data section
+        if start % alignment:
+            raise GGUFHeaderError(
+                f"tensor {tensor.name}'s data offset {start} is not a multiple of the alignment {alignment}"
+            )
+        if tensor.data_offset != expected:
+            if previous is None:
+                raise GGUFHeaderError(
+                    f"the first tensor, {tensor.name}, starts {start} bytes into the data section instead of at its "
+                    f"start"
+                )
+            shape = ", ".join(map(str, previous.shape))
+            raise GGUFHeaderError(
+                f"tensor {tensor.name}'s data starts at byte {tensor.data_offset}, but tensor {previous.name} before "
+                f"it ({previous.tensor_type.name} [{shape}], {previous.n_bytes} bytes) ends at byte "
+                f"{previous.data_offset + previous.n_bytes}, so {tensor.name} should start at byte {expected}: "
+                f"the shape or type of {previous.name}, or the offset of {tensor.name}, is damaged"
+            )
+        expected = -(-(tensor.data_offset + tensor.n_bytes) // alignment) * alignment
+        previous = tensor
 
 
 def _bounded(count: int, cursor: _Cursor, min_bytes: int, what: str) -> int:
@@ -172,6 +224,8 @@ def _value_type(code: int, name: str) -> GGUFValueType:
 
 def _tensor_info(cursor: _Cursor, index: int) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:
     name = cursor.string(f"the name of tensor {index}")
+    if not name:
+        raise GGUFHeaderError(f"tensor {index} has an empty name")
     num_dims = cursor.scalar("<u4", f"the dimension count of {name}")
     if num_dims > 4:
         raise GGUFHeaderError(f"tensor {name} has {num_dims} dimensions (at most 4)")
@@ -189,8 +243,12 @@ def _entry(name: str, kind: GGMLQuantizationType, shape: tuple[int, ...], offset
     if kind not in GGML_QUANT_SIZES:
         raise GGUFHeaderError(f"tensor {name} has type {kind.name}, whose block size gguf does not know")
     block_size, type_size = GGML_QUANT_SIZES[kind]
+    if block_size > 1 and not shape:
+        raise GGUFHeaderError(f"tensor {name} of type {kind.name} has no dimensions (its blocks need rows)")
     if shape and shape[0] % block_size:
         raise GGUFHeaderError(f"tensor {name}: rows of {shape[0]} values are not whole {kind.name} blocks")
+    if any(d > _MAX_VALUES_PER_BYTE * size for d in shape):  # bytes of 0 (another dimension is 0) still fit
+        raise GGUFHeaderError(f"tensor {name} has shape {list(shape)}, a dimension more than the file could hold")
     n_bytes = int(np.prod(shape, dtype=object)) // block_size * type_size
     if offset + n_bytes > size:
         raise GGUFHeaderError(f"tensor {name}'s {n_bytes} bytes at byte {offset} run past the end ({size} bytes)")

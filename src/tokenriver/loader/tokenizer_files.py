@@ -338,7 +338,9 @@ def _cached_merges_from_scores(
             or (pairs.size and not 0 <= pairs.min() <= pairs.max() < len(tokens))
         ):
             raise ValueError(f"an array of {pairs.dtype} {pairs.shape} is not [pairs, 2] token ids")
-        return [(tokens[left], tokens[right]) for left, right in pairs.tolist()]
+        # Two flat lists, not pairs.tolist(): half a million 2-item lists are a second of allocation, and the
+        # largest transient of a load.
+        return [(tokens[left], tokens[right]) for left, right in zip(pairs[:, 0].tolist(), pairs[:, 1].tolist())]
     except FileNotFoundError:
         logger.info("no merges cached for this vocabulary at %s; deriving them from the scores", path)
     except (OSError, ValueError) as error:

@@ -10,8 +10,7 @@ measurements):
   the pages a little ahead of them: in a VM a page the guest never touched is slow to fault in, and the other core
   is otherwise idle during much of a load;
 - whatever was made elsewhere moves in afterwards (`WeightArena.adopt`), storage by storage, each freed as soon as
-  its copy is made, so a load's peak memory grows by one storage at most. The loader runs that move on a second
-  thread while it reads the tokenizer (`moving_to_huge_pages`).
+  its copy is made, so a load's peak memory grows by one storage at most (`move_into_arena`).
 Where the platform has no huge pages, nothing moves.
 """
 
@@ -20,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import math
 import mmap
 import threading
@@ -58,8 +58,12 @@ class WeightArena:
     for, a little ahead of them), so a generous capacity costs address space, not memory.
     """
 
-    def __init__(self, capacity: int, populate: bool = False) -> None:
-        """Raises OSError where the mapping cannot be made (no huge pages, no address space)."""
+    def __init__(self, capacity: int, populate: bool = False, populate_limit: int | None = None) -> None:
+        """Raises OSError where the mapping cannot be made (no huge pages, no address space).
+
+        populate_limit: the populating thread faults in no page past this many bytes (the loader passes a lower
+        bound of what the weights will take, so that pages faulted ahead are pages the weights then fill; without
+        it, up to _POPULATE_AHEAD bytes past the last tensor stay resident until close())."""
         if not huge_pages_available():
             raise OSError("this platform has no transparent huge pages")
         # Private and anonymous: shared memory gets no huge pages. Not reserved: most of the capacity stays untouched.
@@ -69,6 +73,8 @@ class WeightArena:
         self.capacity = capacity
         self.used = 0
         self._populated = 0
+        limit = capacity if populate_limit is None else -(-max(0, populate_limit) // _HUGE_PAGE) * _HUGE_PAGE
+        self._populate_end = min(capacity, limit)
         self._closed = False
         self._changed = threading.Condition()
         self._populator: threading.Thread | None = None
@@ -150,12 +156,12 @@ class WeightArena:
         base = self._bytes.data_ptr()
         while True:
             with self._changed:
-                while not self._closed and self._populated >= min(self.used + _POPULATE_AHEAD, self.capacity):
+                while not self._closed and self._populated >= min(self.used + _POPULATE_AHEAD, self._populate_end):
                     self._changed.wait()
                 if self._closed:
                     return
                 start = self._populated
-            end = min(start + _POPULATE_STEP, self.capacity)
+            end = min(start + _POPULATE_STEP, self._populate_end)
             if (
                 madvise is None
                 or madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE) != 0
@@ -189,20 +195,12 @@ def moving_to_huge_pages(model: nn.Module, arena: WeightArena | None = None) -> 
     duration of the block, which must not touch the model's tensors; its error, if any, is raised at the end of
     the block."""
     errors: list[BaseException] = []
-    caller_threads = torch.get_num_threads()
 
     def move() -> None:
-        # The load runs on one PyTorch thread; copying (and faulting pages in) runs faster on all of them.
-        torch.set_num_threads(default_num_threads())
         try:
-            if arena is None or not arena.adopt(model):  # a full arena: everything to a mapping of its own
-                move_weights_to_huge_pages(model)
+            move_into_arena(model, arena)
         except BaseException as error:  # handed to the caller's thread below
             errors.append(error)
-        finally:
-            if arena is not None:
-                arena.close()
-            torch.set_num_threads(caller_threads)
 
     mover = threading.Thread(target=move, name="tokenriver-weight-move", daemon=True)
     mover.start()
@@ -212,6 +210,20 @@ def moving_to_huge_pages(model: nn.Module, arena: WeightArena | None = None) -> 
         mover.join()
     if errors:
         raise errors[0]
+
+
+def move_into_arena(model: nn.Module, arena: WeightArena | None = None) -> None:
+    """Move `model`'s weights made elsewhere into `arena` and close it; everything into a mapping of its own where
+    they do not fit, or into a new one without an arena. Copies on all of PyTorch's threads (a load runs on one)."""
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(default_num_threads())
+    try:
+        if arena is None or not arena.adopt(model):  # a full arena: everything to a mapping of its own
+            move_weights_to_huge_pages(model)
+    finally:
+        if arena is not None:
+            arena.close()
+        torch.set_num_threads(caller_threads)
 
 
 def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
@@ -249,6 +261,7 @@ def _rebind_native(model: nn.Module) -> None:
             module.rebind()
 
 
+@functools.cache
 def _libc_function(name: str) -> Callable[..., int] | None:
     library = ctypes.util.find_library("c")
     return getattr(ctypes.CDLL(library, use_errno=True), name, None) if library is not None else None

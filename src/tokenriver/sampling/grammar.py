@@ -20,13 +20,16 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import llguidance
 import torch
 
 from tokenriver.errors import InvalidParameterError
 from tokenriver.params import JSON_LAYOUT, StructuredOutput
 from tokenriver.sampling.processors import allows
+
+if TYPE_CHECKING:
+    import llguidance
 
 # Compiled grammars kept (least recently used dropped first).
 MAX_CACHED_GRAMMARS = 256
@@ -48,6 +51,8 @@ def grammar_text(spec: StructuredOutput) -> str:
 
 
 def _grammar_text(spec: StructuredOutput) -> str:
+    import llguidance  # on first use: most engines never constrain an output
+
     if spec.kind == "json_schema":
         return llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=JSON_LAYOUT)
     if spec.kind == "json_object":
@@ -76,6 +81,8 @@ class GrammarCompiler:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary, built on first use (it scans every token)."""
+        import llguidance
+
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
@@ -104,6 +111,8 @@ class GrammarCompiler:
             if template is not None:
                 self._templates.move_to_end(key)
                 return template.deep_copy()
+        import llguidance
+
         tokenizer = self.tokenizer
         grammar = grammar_text(spec)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)

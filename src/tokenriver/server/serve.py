@@ -100,6 +100,8 @@ def run_server(
         app = build_app(engine, server_config)
         url = server_url(server_config.host, sock.getsockname()[1])
         logger.info("loaded in %.1f s: %s", time.monotonic() - started, _describe(engine))
+        if engine.model_info.memory:
+            logger.info("%s", engine.model_info.memory)
         logger.info(
             "tokenriver serving %r at %s (OpenAI API under %s/v1, metrics at %s/metrics)",
             served_model_name(engine, server_config),

@@ -12,7 +12,6 @@ from typing import Any
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tokenriver.errors import InvalidParameterError
-from tokenriver.tokenizer.chat_template import render_chat_template
 
 # Special tokens with these names end generation, as in llama.cpp (llama-vocab.cpp, `special_eog_ids`).
 _END_OF_GENERATION_NAMES = frozenset(
@@ -163,6 +162,8 @@ class Tokenizer:
                 param="messages",
             )
         _validate_messages(messages)
+        from tokenriver.tokenizer.chat_template import render_chat_template  # jinja2, on the first chat
+
         text = render_chat_template(
             self._chat_template,
             messages,

@@ -6,8 +6,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from tokenriver.loader.gguf_blocks import repack_q5_0
+from tokenriver.models.cpu import tiles as tiles_module
 from tokenriver.models.cpu.kernels import load_kernels
-from tokenriver.models.cpu.tiles import tile, untile
+from tokenriver.models.cpu.tiles import tile, tile_in_place, untile
 from tokenriver.models.quant import quantize_int4, quantize_int8
 
 HAS_NATIVE = load_kernels() is not None
@@ -51,3 +52,29 @@ def test_tiled_rows_decode_as_the_row_major_layout_does(kind: str) -> None:
     ids = torch.tensor([36, 0, 17, 15, 16, 36], dtype=torch.int64)
     rows = kernels.dequantize_rows(tile(qweight, scales, mins, high_bits, group_size), ids)
     assert torch.equal(rows, dense[ids])
+
+
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
+@pytest.mark.parametrize("rows", [16, 80])
+def test_tiling_in_place_writes_tiles_bytes_over_the_buffers(kind: str, rows: int, monkeypatch) -> None:
+    monkeypatch.setattr(tiles_module, "_SLAB_BYTES", 1024)  # several slabs, as a vocabulary's table takes
+    qweight, scales, mins, high_bits, group_size = packed(kind, rows, 128)
+    expected = tile(qweight, scales, mins, high_bits, group_size)
+    buffers = [None if t is None else t.clone() for t in (qweight, scales, mins, high_bits)]
+    pointers = [None if t is None else t.data_ptr() for t in buffers]
+    got = tile_in_place(*buffers, group_size)
+    assert got is not None and (got.rows, got.cols) == (expected.rows, expected.cols)
+    fields = ("codes", "scales", "mins", "fifth")
+    for field, pointer in zip(fields, pointers, strict=True):
+        tiled, reference = getattr(got, field), getattr(expected, field)
+        assert (tiled is None) == (reference is None)
+        if reference is not None:
+            assert tiled.data_ptr() == pointer  # the buffer's own bytes, no copy kept
+            assert tiled.dtype == reference.dtype and torch.equal(tiled, reference)
+
+
+def test_tiling_in_place_declines_rows_that_are_not_whole_tiles() -> None:
+    qweight, scales, mins, high_bits, group_size = packed("int4", 37, 128)
+    before = qweight.clone()
+    assert tile_in_place(qweight, scales, mins, high_bits, group_size) is None
+    assert torch.equal(qweight, before)

@@ -25,6 +25,13 @@ How the threads share a step (`threading`, decoder.cpp's runs_in_row_groups): "a
 them unless, in a decode step of enough rows, they turn out not to share a cache; then each thread runs a group of
 the rows through the whole stack. "split" and "row_groups" force one way (where the step allows it); all three
 give the same results.
+
+What the C++ reads is checked before it runs, as the kernels' wrappers check theirs (models/cpu/kernels.py): at
+build, every bound tensor against the stack's shapes (each projection's rows and columns and its row tiles, each
+norm's width, a mixture's router and experts), raising ValueError where one does not fit; per cache, every layer's
+pools (once per cache object); per step, the activations, rotary tables and attention metadata (a few comparisons:
+`step_problem`, which `supports` answers from and a call raises). The indices inside the metadata (slots, block
+ids, context lengths) are range-checked by the attention kernel itself, which the stack runs before it writes.
 """
 
 from __future__ import annotations
@@ -49,11 +56,14 @@ from tokenriver.models.cpu.kernels import (
     MoeSpec,
     NativeKernels,
     StepSpec,
+    check_elements,
+    check_tiles,
     is_contiguous_f32,
     is_native_kv_pool,
     kv_cache_format,
     load_kernels,
 )
+from tokenriver.models.cpu.tiles import Tiles
 from tokenriver.models.gemma import GemmaDecoderLayer
 from tokenriver.models.llama import LlamaDecoderLayer
 from tokenriver.models.moe import SparseMoeBlock
@@ -65,11 +75,31 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotary_dim // 2]
 
 
 def linear_spec(linear: nn.Module) -> LinearSpec | None:
-    """The layer as decoder.cpp runs it, or None if it has no native kernel."""
-    if not isinstance(linear, (Int4Linear, Int8Linear)) or linear.backend != "native" or not linear.qweight.is_cpu:
+    """The layer as decoder.cpp runs it, or None if it has no native kernel (not a quantized layer bound to the
+    native products, whose binding moved its buffers into row tiles). ValueError if its buffers do not hold what
+    its shape says (kernels.check_tiles)."""
+    if (
+        not isinstance(linear, (Int4Linear, Int8Linear))
+        or linear.backend != "native"
+        or not linear.qweight.is_cpu
+        or linear.layout != "tiles"
+    ):
         return None
     is_int4 = isinstance(linear, Int4Linear)
     high_bits = linear.high_bits if is_int4 else None
+    tiles = Tiles(
+        linear.qweight,
+        linear.scales,
+        linear.mins if is_int4 else None,
+        high_bits,
+        linear.out_features,
+        linear.in_features,
+        linear.group_size,
+        linear.chain_ends,
+    )
+    check_tiles(tiles, f"a linear layer [{linear.out_features}, {linear.in_features}]")
+    if linear.bias is not None:
+        check_elements("a linear layer", "bias", linear.bias, torch.float32, linear.out_features)
     return LinearSpec(
         linear.qweight.data_ptr(),
         linear.scales.data_ptr(),
@@ -89,6 +119,26 @@ def linear_spec(linear: nn.Module) -> LinearSpec | None:
 
 def _is_index_array(array: torch.Tensor) -> bool:
     return array.dtype == torch.int64 and array.is_cpu and array.is_contiguous()
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """The sizes every layer of a stack must have (decoder.cpp's Decoder): the C++ sizes its scratch and reads
+    each layer's tensors by these."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # of the dense MLPs (0 where every layer is a mixture of experts)
+
+    def check_linear(self, spec: LinearSpec, what: str, out_features: int, in_features: int) -> None:
+        """ValueError unless the bound projection is [out_features, in_features]."""
+        if (spec.out_features, spec.in_features) != (out_features, in_features):
+            raise ValueError(
+                f"native decoder: {what} is [{spec.out_features}, {spec.in_features}], the stack needs "
+                f"[{out_features}, {in_features}]"
+            )
 
 
 THREADINGS = ("auto", "split", "row_groups")  # decoder.cpp's Step.threading codes 0, 1, 2
@@ -165,10 +215,10 @@ LAYOUTS: dict[type[nn.Module], Layout] = {
 }
 
 
-def _moe_spec(moe: SparseMoeBlock, keep: list[object]) -> MoeSpec | None:
+def _moe_spec(moe: SparseMoeBlock, shape: StackShape, keep: list[object]) -> MoeSpec | None:
     """A mixture of experts as decoder.cpp runs it, or None if a part has no native form (gates the CPU's fast
     path routes, every expert projection a native quantized linear); the ctypes structures it points into go into
-    `keep`."""
+    `keep`. ValueError where a part's shape is not the stack's (every expert [2I, H] and [H, I] of one I)."""
     fast = cpu_fast_path.load()
     if fast is None or not fast.routes_moe(moe.gates(), len(moe.experts)):
         return None
@@ -181,6 +231,19 @@ def _moe_spec(moe: SparseMoeBlock, keep: list[object]) -> MoeSpec | None:
     )
     if any(spec is None for spec in (*gate_ups, *downs, *shared)):
         return None
+    hidden = shape.hidden_size
+    check_elements("native decoder", "the router", moe.gate.weight, torch.float32, len(moe.experts) * hidden)
+    width = moe.experts[0].down_proj.in_features
+    for gate_up, down in zip(gate_ups, downs):
+        shape.check_linear(gate_up, "an expert's gate_up_proj", 2 * width, hidden)
+        shape.check_linear(down, "an expert's down_proj", hidden, width)
+    if shared:
+        shared_width = moe.shared_expert.down_proj.in_features
+        shape.check_linear(shared[0], "the shared expert's gate_up_proj", 2 * shared_width, hidden)
+        shape.check_linear(shared[1], "the shared expert's down_proj", hidden, shared_width)
+        check_elements(
+            "native decoder", "the shared expert's gate", moe.shared_expert_gate.weight, torch.float32, hidden
+        )
     arrays = [(LinearSpec * len(gate_ups))(*gate_ups), (LinearSpec * len(downs))(*downs), *shared]
     keep.extend(arrays)
     spec = MoeSpec(
@@ -200,10 +263,12 @@ def _moe_spec(moe: SparseMoeBlock, keep: list[object]) -> MoeSpec | None:
     return spec
 
 
-def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[object]) -> LayerSpec | None:
-    """The layer as decoder.cpp runs it, or None if a part has no native kernel; norm weights it computes (Gemma's
-    sums) and the ctypes structures a mixture of experts points into go into `computed`, which the decoder keeps
-    alive."""
+def _layer_spec(
+    layer: nn.Module, parts: LayerParts, eps: float, shape: StackShape, computed: list[object]
+) -> LayerSpec | None:
+    """The layer as decoder.cpp runs it, or None if a part has no native kernel (or a dense MLP's width is not the
+    stack's); norm weights it computes (Gemma's sums) and the ctypes structures a mixture of experts points into go
+    into `computed`, which the decoder keeps alive. ValueError where a bound tensor's shape is not the stack's."""
     norms: dict[str, int | None] = {}
     for name, norm in parts.norms.items():
         if norm is None:
@@ -211,6 +276,8 @@ def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[
             continue
         if not is_contiguous_f32(norm.weight) or norm.eps != eps:
             return None
+        width = shape.head_dim if name in ("q_norm", "k_norm") else shape.hidden_size
+        check_elements("native decoder", f"the {name} weight", norm.weight, torch.float32, width)
         weight = norm.weight.detach()
         if parts.norm_offset:
             weight = parts.norm_offset + weight  # as the module computes it each call
@@ -221,7 +288,7 @@ def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[
     attention, mlp = layer.self_attn, layer.mlp
     moe = None
     if isinstance(mlp, SparseMoeBlock):
-        moe = _moe_spec(mlp, computed)
+        moe = _moe_spec(mlp, shape, computed)
         if moe is None:
             return None
         projections = [linear_spec(attention.qkv_proj), linear_spec(attention.o_proj), LinearSpec(), LinearSpec()]
@@ -231,6 +298,14 @@ def _layer_spec(layer: nn.Module, parts: LayerParts, eps: float, computed: list[
         ]
     if any(spec is None for spec in projections):
         return None
+    hidden, q_width = shape.hidden_size, shape.num_heads * shape.head_dim
+    shape.check_linear(projections[0], "qkv_proj", q_width + 2 * shape.num_kv_heads * shape.head_dim, hidden)
+    shape.check_linear(projections[1], "o_proj", hidden, q_width)
+    if moe is None:
+        if projections[3].in_features != shape.intermediate_size:
+            return None  # the C++ runs every dense MLP at the stack's one width
+        shape.check_linear(projections[2], "gate_up_proj", 2 * shape.intermediate_size, hidden)
+        shape.check_linear(projections[3], "down_proj", hidden, shape.intermediate_size)
     return LayerSpec(
         norms["input_norm"],
         norms["pre_mlp_norm"],
@@ -256,6 +331,7 @@ class NativeDecoder:
         layers: nn.ModuleList,
         specs: list[LayerSpec],
         layout: Layout,
+        shape: StackShape,
         computed: list[object],
     ) -> None:
         self._kernels = kernels
@@ -272,14 +348,11 @@ class NativeDecoder:
         self._decoder = DecoderSpec(
             self._specs,
             len(specs),
-            attention.o_proj.out_features,
-            attention.num_heads,
-            attention.num_kv_heads,
-            attention.head_dim,
-            max(
-                (layer.mlp.down_proj.in_features for layer in layers if not isinstance(layer.mlp, SparseMoeBlock)),
-                default=0,
-            ),
+            shape.hidden_size,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.intermediate_size,
             first.input_layernorm.eps,
             attention.scale,
             ACTIVATIONS.index(layout.activation),
@@ -290,6 +363,8 @@ class NativeDecoder:
         # The cache the pointers below belong to, held weakly: binding a model must not keep an engine's pool alive.
         self._cache: weakref.ref[KVCache] | None = None
         self._cache_pointers: tuple[ctypes.Array, ctypes.Array] | None = None
+        # The last cache whose every layer's pools were found to fit the stack (cache_problem), held weakly too.
+        self._fitting_cache: weakref.ref[KVCache] | None = None
 
     @classmethod
     def build(cls, layers: nn.ModuleList) -> NativeDecoder | None:
@@ -303,49 +378,103 @@ class NativeDecoder:
         if layout is None or layers[0].self_attn.head_dim not in kernels.attention_head_dims:
             return None
         eps = layers[0].input_layernorm.eps
+        attention = layers[0].self_attn
+        dense = [layer.mlp.down_proj.in_features for layer in layers if not isinstance(layer.mlp, SparseMoeBlock)]
+        shape = StackShape(
+            attention.o_proj.out_features,
+            attention.num_heads,
+            attention.num_kv_heads,
+            attention.head_dim,
+            max(dense, default=0),
+        )
         specs: list[LayerSpec] = []
         computed: list[object] = []
         for layer in layers:
             parts = layout.parts(layer) if type(layer) is layer_type else None
-            spec = None if parts is None else _layer_spec(layer, parts, eps, computed)
+            spec = None if parts is None else _layer_spec(layer, parts, eps, shape, computed)
             if spec is None:
                 return None
             specs.append(spec)
-        return cls(kernels, layers, specs, layout, computed)
+        return cls(kernels, layers, specs, layout, shape, computed)
 
     def supports(
         self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache, metadata: AttentionMetadata
     ) -> bool:
         """Whether this step can run natively (see the module docstring)."""
-        tables = [table for pair in self._rope_tables(rope) for table in pair]
-        index_arrays = [metadata.slot_mapping, metadata.block_tables]
-        index_arrays += [a for a in (metadata.kernel_queries, metadata.kernel_chunks) if a is not None]
-        return (
-            hidden.dim() == 2
-            and is_contiguous_f32(hidden)
-            and all(map(is_contiguous_f32, tables))
-            and all(table.numel() == hidden.shape[0] * (self._decoder.rotary_dim // 2) for table in tables)
-            and metadata.slot_mapping.shape[0] == hidden.shape[0]
-            and all(_is_index_array(a) for a in index_arrays)
-            and self.supports_cache(kv_cache)
-        )
+        return self.step_problem(hidden, rope, kv_cache, metadata) is None
+
+    def step_problem(
+        self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> str | None:
+        """Why this step cannot run natively, or None: what the C++ reads of it, by shape (hidden [T, hidden_size]
+        float32; rope tables of T × rotary_dim / 2 values; slots [T], block tables [requests, max_blocks], queries
+        [n, 3] and chunks [c, 4], int64; the cache as cache_problem says), all contiguous on the CPU."""
+        num_tokens = hidden.shape[0] if hidden.dim() == 2 else -1
+        if num_tokens < 0 or not is_contiguous_f32(hidden) or hidden.shape[1] != self._decoder.hidden_size:
+            return f"hidden must be contiguous float32 [T, {self._decoder.hidden_size}] on the CPU"
+        half = self._decoder.rotary_dim // 2
+        for pair in self._rope_tables(rope):
+            for table in pair:
+                if not is_contiguous_f32(table) or table.numel() != num_tokens * half:
+                    return f"the rope tables must be contiguous float32 [{num_tokens}, {half}] on the CPU"
+        slots, tables = metadata.slot_mapping, metadata.block_tables
+        queries, chunks = metadata.kernel_queries, metadata.kernel_chunks
+        if (
+            not _is_index_array(slots)
+            or tuple(slots.shape) != (num_tokens,)
+            or not _is_index_array(tables)
+            or tables.dim() != 2
+            or (queries is not None and (not _is_index_array(queries) or queries.dim() != 2 or queries.shape[1] != 3))
+            or (chunks is not None and (not _is_index_array(chunks) or chunks.dim() != 2 or chunks.shape[1] != 4))
+        ):
+            return (
+                f"the attention metadata must be contiguous int64 on the CPU: slots [{num_tokens}], block tables "
+                f"[requests, max_blocks], queries [n, 3], chunks [c, 4]"
+            )
+        return self.cache_problem(kv_cache)
 
     def supports_cache(self, kv_cache: KVCache) -> bool:
         """Whether a step can run on this cache (one native pool per layer, of the stack's heads), autograd off."""
-        key_cache, value_cache = kv_cache[0]
-        return (
-            not torch.is_grad_enabled()
-            and len(kv_cache) == len(self._specs)
-            and is_native_kv_pool(key_cache, value_cache)
-            and key_cache.shape[2] == self._decoder.num_kv_heads
-            and head_dim_of(key_cache) == self._decoder.head_dim
-        )
+        return self.cache_problem(kv_cache) is None
+
+    def cache_problem(self, kv_cache: KVCache) -> str | None:
+        """Why a step cannot run on this cache, or None: autograd on, or a layer's pools not the native attention's
+        (contiguous CPU pools of one native dtype, [>= num_blocks, block_size, num_kv_heads, entry] of the stack's
+        heads). Every layer is looked at the first time a cache is seen; later steps on it compare one pointer."""
+        if torch.is_grad_enabled():
+            return "autograd is on"
+        if self._fitting_cache is not None and self._fitting_cache() is kv_cache:
+            return None
+        if len(kv_cache) != len(self._specs):
+            return f"the cache has {len(kv_cache)} layers, the stack {len(self._specs)}"
+        dtype = kv_cache[0][0].dtype
+        for index, (key_cache, value_cache) in enumerate(kv_cache.layers):
+            if (
+                not is_native_kv_pool(key_cache, value_cache)
+                or key_cache.dtype != dtype
+                or key_cache.dim() != 4
+                or value_cache.shape != key_cache.shape
+                or key_cache.shape[0] < kv_cache.num_blocks
+                or key_cache.shape[1] != kv_cache.block_size
+                or key_cache.shape[2] != self._decoder.num_kv_heads
+                or head_dim_of(key_cache) != self._decoder.head_dim
+            ):
+                return (
+                    f"layer {index}'s pools ({key_cache.dtype} {tuple(key_cache.shape)}) are not contiguous CPU pools "
+                    f"of {kv_cache.num_blocks} blocks of {kv_cache.block_size} tokens, {self._decoder.num_kv_heads} "
+                    f"heads of {self._decoder.head_dim}, in the dtype of the first layer's"
+                )
+        self._fitting_cache = weakref.ref(kv_cache)
+        return None
 
     def __call__(
         self, hidden: torch.Tensor, rope: Rope | tuple[Rope, Rope], kv_cache: KVCache, metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden_size] (the embeddings); rope as the model's embed returns it → (last layer's MLP
-        output, residual stream before it)."""
+        output, residual stream before it). ValueError where the step does not fit (step_problem)."""
+        problem = self.step_problem(hidden, rope, kv_cache, metadata)
+        if problem is not None:
+            raise ValueError(f"native decoder: {problem}")
         out = torch.empty_like(hidden)  # [T, hidden]
         residual = torch.empty_like(hidden)  # [T, hidden]
         (cos, sin), (local_cos, local_sin) = self._rope_tables(rope)
@@ -364,9 +493,19 @@ class NativeDecoder:
     def greedy_passes(self, loop: GreedyLoopSpec, kv_cache: KVCache, block_tables: torch.Tensor) -> int:
         """loop.num_passes greedy passes (models/cpu/greedy.py) of block_tables.shape[0] one-token requests,
         block_tables [B, max_blocks] int64 covering every pass's position: how many passes finished (0 where the
-        cache or the tables do not suit the stack)."""
+        cache or the tables do not suit the stack).
+
+        What the loop's own arrays hold is the caller's to guarantee: GreedyLoop.run makes its first tokens and
+        positions, and the outputs, from the same B requests as the block tables, and its rotary tables for every
+        position the passes reach. The C++ checks each token id against the embedding's rows and each position
+        against the tables before it reads them, and stops there (a shorter count comes back)."""
         if not (self.supports_cache(kv_cache) and _is_index_array(block_tables) and block_tables.dim() == 2):
             return 0
+        if loop.num_passes < 0 or loop.vocab_size <= 0 or loop.num_positions < 0:
+            raise ValueError(
+                f"native decoder: a greedy loop of {loop.num_passes} passes over {loop.vocab_size} rows and "
+                f"{loop.num_positions} positions"
+            )
         step = self._cache_step(StepSpec(), kv_cache, block_tables)
         return self._kernels.decoder_greedy(self._decoder, step, loop)
 

@@ -39,6 +39,11 @@ def _is_f32_heads(tensor: torch.Tensor) -> bool:
     )
 
 
+def _is_gate_up(tensor: torch.Tensor) -> bool:
+    """[M, 2I] float32 rows on the CPU, contiguous: a gate half and an up half."""
+    return tensor.dim() == 2 and tensor.shape[1] % 2 == 0 and is_contiguous_f32(tensor)
+
+
 class CpuFastPath:
     """The FastPath of models/fast_path.py on the native kernels."""
 
@@ -77,11 +82,11 @@ class CpuFastPath:
         return False
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        return self.kernels.silu_mul(gate_up) if gate_up.dim() == 2 and is_contiguous_f32(gate_up) else None
+        return self.kernels.silu_mul(gate_up) if _is_gate_up(gate_up) else None
 
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """The kernel the native decoder stack runs too (models/cpu/decoder.py): both paths give the same bits."""
-        return self.kernels.gelu_tanh_mul(gate_up) if gate_up.dim() == 2 and is_contiguous_f32(gate_up) else None
+        return self.kernels.gelu_tanh_mul(gate_up) if _is_gate_up(gate_up) else None
 
     # ----- attention (attention.cpp) ---------------------------------------------------------------------------
 
@@ -197,7 +202,9 @@ class NativePacked:
         is_int4 = layer.qweight.dtype == torch.uint8
         mins, high_bits = (layer.mins, layer.high_bits) if is_int4 else (None, None)
         if layer.layout == "rows":
-            tiled = tiles.tile(layer.qweight, layer.scales, mins, high_bits, layer.group_size)
+            tiled = tiles.tile_in_place(layer.qweight, layer.scales, mins, high_bits, layer.group_size)
+            if tiled is None:
+                tiled = tiles.tile(layer.qweight, layer.scales, mins, high_bits, layer.group_size)
             extra = {"mins": tiled.mins, "high_bits": tiled.fifth} if is_int4 else {}
             layer.adopt("tiles", qweight=tiled.codes, scales=tiled.scales, **extra)
             mins, high_bits = (layer.mins, layer.high_bits) if is_int4 else (None, None)
@@ -223,7 +230,10 @@ class NativePacked:
         return self.gemv(rows32) if rows32.shape[0] <= self.max_gemv_rows else self.gemm(rows32)
 
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor | None:
-        """One call instead of eight tensor ops per decode step; the same values (tested)."""
+        """One call instead of eight tensor ops per decode step; the same values (tested). The ids' range is the
+        caller's (kernels.NativeKernels.dequantize_rows says where an embedding's ids are checked)."""
+        if row_ids.dim() != 1 or not row_ids.is_cpu:
+            return None
         return self.kernels.dequantize_rows(self.tiles, row_ids.to(torch.int64).contiguous())
 
     def row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

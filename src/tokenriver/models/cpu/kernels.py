@@ -12,8 +12,15 @@ flags, and called through ctypes: no PyTorch headers, so a build takes seconds, 
 
 Contract: `load_kernels()` returns `NativeKernels`, or None when the CPU lacks AVX2/FMA/F16C or no compiler
 works; the definitions then run as they are, computing the same thing (models/quant.py, layers.py,
-attention.py). Nothing here knows about files or models: tensors in, tensors out, CPU only; the wrappers do not
-check dtypes or layouts, their callers do (see each method's docstring).
+attention.py). Nothing here knows about files or models: tensors in, tensors out, CPU only.
+
+Every wrapper checks, before it calls into C++, that each tensor it hands over has the dtype, the layout and the
+number of elements the kernel will read or write given the other arguments (rows, columns, group sizes), and raises
+ValueError saying which one does not: a wrong call is an error, never a read past a buffer. The checks are shape
+arithmetic, a few comparisons a call. What they do not do is read the data: indices inside tensors are checked where
+they come from, or by the kernel itself, as each docstring says (paged attention checks its slots, block ids and
+lengths; the greedy loop its token ids and positions). Callers that pick between these and the definitions (the fast
+path, models/cpu/fast_path.py) ask first and get None where a call does not fit; these errors are for bugs.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 
 from tokenriver.kv.cache import head_dim_of
 from tokenriver.models.buffers import Allocate, heap_empty
-from tokenriver.models.cpu.tiles import Tiles
+from tokenriver.models.cpu.tiles import TILE_ROWS, Tiles
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +138,65 @@ def is_native_kv_pool(key_cache: torch.Tensor, value_cache: torch.Tensor) -> boo
 
 def _is_int64_array(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.int64 and tensor.is_cpu and tensor.is_contiguous()
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    layout = "contiguous" if tensor.is_contiguous() else f"strides {tuple(tensor.stride())}"
+    return f"{str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)} ({layout}, on {tensor.device.type})"
+
+
+def check_array(where: str, name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """ValueError unless `tensor` is a contiguous CPU tensor of `dtype` and exactly `shape`: what a kernel reads as
+    one packed array."""
+    if tensor.dtype != dtype or not tensor.is_cpu or not tensor.is_contiguous() or tuple(tensor.shape) != shape:
+        expected = f"{str(dtype).removeprefix('torch.')} {shape}"
+        raise ValueError(f"{where}: {name} must be a contiguous CPU tensor {expected}, got {_describe(tensor)}")
+
+
+def check_elements(where: str, name: str, tensor: torch.Tensor, dtype: torch.dtype, numel: int) -> None:
+    """ValueError unless `tensor` is a contiguous CPU tensor of `dtype` with `numel` elements, of any shape (a
+    [T, 1, d] view read as [T, d])."""
+    if tensor.dtype != dtype or not tensor.is_cpu or not tensor.is_contiguous() or tensor.numel() != numel:
+        expected = f"{str(dtype).removeprefix('torch.')} of {numel} elements"
+        raise ValueError(f"{where}: {name} must be a contiguous CPU tensor, {expected}, got {_describe(tensor)}")
+
+
+def _check_rows_of(where: str, name: str, tensor: torch.Tensor, num_rows: int, heads: int, head_dim: int) -> None:
+    """[num_rows, heads, head_dim] float32 rows on the CPU, heads packed inside each row (is_f32_rows)."""
+    if not is_f32_rows(tensor) or tuple(tensor.shape) != (num_rows, heads, head_dim):
+        raise ValueError(
+            f"{where}: {name} must be float32 rows ({num_rows}, {heads}, {head_dim}) on the CPU, each row's heads "
+            f"packed, got {_describe(tensor)}"
+        )
+
+
+def check_tiles(tiles: Tiles, where: str = "packed weight") -> None:
+    """ValueError unless the row tiles hold every element the products (and dequantize_rows) read for a weight of
+    tiles.rows × tiles.cols in groups of tiles.group_size (tiles.h's layout): columns and groups in whole 32-column
+    blocks; codes [ceil(N/16), K/32, words, 16, 4]; scales (and an int4 weight's mins) [ceil(N/16), K/G, 16]; an int5
+    weight's masks [ceil(N/16), K/32, 2, 4]; sub-chain ends rising to K/32."""
+    rows, cols, group_size = tiles.rows, tiles.cols, tiles.group_size
+    if rows < 0 or cols <= 0 or cols % 32 or group_size <= 0 or group_size % 32 or cols % group_size:
+        raise ValueError(
+            f"{where}: {rows} x {cols} in groups of {group_size}: the columns and the group size must be positive "
+            f"multiples of 32, the group size dividing the columns"
+        )
+    num_tiles, blocks, groups = -(-rows // TILE_ROWS), cols // 32, cols // group_size
+    words = 4 if tiles.is_int4 else 8
+    check_elements(where, "codes", tiles.codes, tiles.codes.dtype, num_tiles * blocks * words * 64)
+    check_elements(where, "scales", tiles.scales, torch.float16, num_tiles * groups * TILE_ROWS)
+    if tiles.is_int4:
+        if tiles.mins is None:
+            raise ValueError(f"{where}: an int4 weight needs its mins")
+        check_elements(where, "mins", tiles.mins, torch.float16, num_tiles * groups * TILE_ROWS)
+    if tiles.fifth is not None:
+        check_elements(where, "fifth bits", tiles.fifth, torch.int64, num_tiles * blocks * 8)
+    if tiles.chain_ends is not None:
+        ends = tiles.chain_ends
+        check_elements(where, "chain_ends", ends, torch.int64, ends.numel())
+        values = ends.tolist()
+        if not values or values != sorted(set(values)) or values[0] <= 0 or values[-1] != blocks:
+            raise ValueError(f"{where}: chain_ends must rise from 1 to the {blocks} blocks of a row, got {values}")
 
 
 # decoder.cpp's structs, field for field. Pointers are raw addresses: whoever fills one keeps its tensors alive.
@@ -404,14 +470,20 @@ class NativeKernels:
         chain_ends split each row's sum. The function keeps the tensors alive; bind again after moving or replacing
         them.
         """
+        check_tiles(tiles, "bind")
         function = self._product("int4" if tiles.is_int4 else "int8", rounding, many_rows)
         weight = self._weight_arguments(tiles)
         if rounding is not None:
             weight = (*weight, None if tiles.chain_ends is None else tiles.chain_ends.data_ptr())
-        out_features = tiles.rows
+        out_features, in_features, f32 = tiles.rows, tiles.cols, torch.float32
 
         def linear(x: torch.Tensor) -> torch.Tensor:
-            y = torch.empty(x.shape[0], out_features, dtype=torch.float32)  # [M, N]
+            # The product reads x as M packed rows of K float32 values (its weight was checked when bound).
+            if x.dtype != f32 or x.dim() != 2 or x.shape[1] != in_features or not x.is_contiguous() or not x.is_cpu:
+                raise ValueError(
+                    f"linear: x must be contiguous float32 rows [M, {in_features}] on the CPU, got {_describe(x)}"
+                )
+            y = torch.empty(x.shape[0], out_features, dtype=f32)  # [M, N]
             function(*weight, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
             return y
 
@@ -429,7 +501,15 @@ class NativeKernels:
 
     def dequantize_rows(self, tiles: Tiles, row_ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows [len(row_ids), K] of a weight in row tiles, decoded as the products decode them; row_ids
-        int64, contiguous, each in [0, N)."""
+        int64, contiguous, each in [0, N).
+
+        The ids are not read here: an embedding's lookup takes token ids that the engine checked against the
+        vocabulary (prompts.check_prompt: every prompt id below config.vocab_size, the table's rows, which the loader
+        checked) or that sampling drew from the output projection's rows (as many, loader/assemble.check_shapes)."""
+        check_tiles(tiles, "dequantize_rows")
+        if row_ids.dim() != 1:
+            raise ValueError(f"dequantize_rows: row_ids must be one dimension of ids, got {_describe(row_ids)}")
+        check_elements("dequantize_rows", "row_ids", row_ids, torch.int64, row_ids.shape[0])
         out = torch.empty(row_ids.shape[0], tiles.cols, dtype=torch.float32)
         function = self._functions["int4_dequantize_rows" if tiles.is_int4 else "int8_dequantize_rows"]
         function(
@@ -450,8 +530,17 @@ class NativeKernels:
         high_bits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The float32 weight [N, K] of a row-major packing (the loader's, before tiling), decoded as the products
-        decode it."""
+        decode it: qweight [N, K / 2] uint8, scales and mins [N, K / group_size] float16, high_bits None or
+        [N, K / 32] int32."""
+        if qweight.dim() != 2:
+            raise ValueError(f"int4_dequantize: qweight must be [N, K / 2] uint8, got {_describe(qweight)}")
         out_features, in_features = qweight.shape[0], qweight.shape[1] * 2
+        groups = _groups("int4_dequantize", in_features, group_size)
+        check_array("int4_dequantize", "qweight", qweight, torch.uint8, (out_features, in_features // 2))
+        check_array("int4_dequantize", "scales", scales, torch.float16, (out_features, groups))
+        check_array("int4_dequantize", "mins", mins, torch.float16, (out_features, groups))
+        if high_bits is not None:
+            check_array("int4_dequantize", "high_bits", high_bits, torch.int32, (out_features, in_features // 32))
         out = torch.empty(out_features, in_features, dtype=torch.float32)  # [N, K]
         self._functions["int4_dequantize"](
             qweight.data_ptr(),
@@ -467,8 +556,13 @@ class NativeKernels:
         return out
 
     def int8_dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-        """The float32 weight [N, K]."""
+        """The float32 weight [N, K] of qweight [N, K] int8 and scales [N, K / group_size] float16."""
+        if qweight.dim() != 2:
+            raise ValueError(f"int8_dequantize: qweight must be [N, K] int8, got {_describe(qweight)}")
         out_features, in_features = qweight.shape
+        groups = _groups("int8_dequantize", in_features, group_size)
+        check_array("int8_dequantize", "qweight", qweight, torch.int8, (out_features, in_features))
+        check_array("int8_dequantize", "scales", scales, torch.float16, (out_features, groups))
         out = torch.empty(out_features, in_features, dtype=torch.float32)  # [N, K]
         self._functions["int8_dequantize"](
             qweight.data_ptr(),
@@ -492,9 +586,13 @@ class NativeKernels:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A GGUF matrix's bytes [N, row bytes] uint8 (C-contiguous, e.g. a view of the mapped file) → int8 codes
         [N, K] and float16 scales [N, K / 32], made by `empty`; None if a scale is not finite in float16."""
-        num_rows = blocks.shape[0]
+        if gguf_type not in _CONVERTED_BLOCKS or not self.converts_to_int8(gguf_type):
+            raise ValueError(f"convert_to_int8: GGUF type {gguf_type} is not one it converts")
+        num_rows = _check_blocks("convert_to_int8", blocks, in_features, *_CONVERTED_BLOCKS[gguf_type])
         q = empty((num_rows, in_features), torch.int8)  # [N, K]
         scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
+        check_array("convert_to_int8", "the allocated codes", q, torch.int8, (num_rows, in_features))
+        check_array("convert_to_int8", "the allocated scales", scales, torch.float16, (num_rows, in_features // 32))
         status = self._functions["convert_to_int8"](
             blocks.ctypes.data, gguf_type, num_rows, in_features, q.data_ptr(), scales.data_ptr(), num_threads
         )
@@ -507,6 +605,10 @@ class NativeKernels:
 
     def row_dots(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight [N, K]ᵀ → [M, N] in one fixed summation order (a router's logits)."""
+        if x.dim() != 2 or weight.dim() != 2:
+            raise ValueError(f"row_dots: x and weight must be matrices, got {_describe(x)} and {_describe(weight)}")
+        check_array("row_dots", "x", x, torch.float32, tuple(x.shape))
+        check_array("row_dots", "weight", weight, torch.float32, (weight.shape[0], x.shape[1]))
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [M, N]
         self._functions["row_dots_f32"](
             x.data_ptr(),
@@ -522,6 +624,9 @@ class NativeKernels:
     def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [M, E] (E ≤ MAX_EXPERTS) → (experts [M, top_k] int64, weights [M, top_k] float32): the
         softmax's top_k, largest first, the chosen probabilities renormalized to sum to one if `normalize`."""
+        if logits.dim() != 2:
+            raise ValueError(f"moe_route: logits must be [M, E], got {_describe(logits)}")
+        check_array("moe_route", "logits", logits, torch.float32, tuple(logits.shape))
         if not 0 < top_k <= logits.shape[1] <= self.MAX_EXPERTS:
             raise ValueError(f"moe_route: top_k {top_k} of {logits.shape[1]} experts (at most {self.MAX_EXPERTS})")
         experts = torch.empty(logits.shape[0], top_k, dtype=torch.int64)  # [M, top_k]
@@ -540,6 +645,10 @@ class NativeKernels:
 
     def sigmoid_gate(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """sigmoid(x [M, K] . weight [K]) → [M, 1] (Qwen2-MoE's shared-expert gate)."""
+        if x.dim() != 2:
+            raise ValueError(f"sigmoid_gate: x must be [M, K], got {_describe(x)}")
+        check_array("sigmoid_gate", "x", x, torch.float32, tuple(x.shape))
+        check_elements("sigmoid_gate", "weight", weight, torch.float32, x.shape[1])
         out = torch.empty(x.shape[0], 1, dtype=torch.float32)  # [M, 1]
         self._functions["sigmoid_gate_f32"](
             x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), out.data_ptr(), torch.get_num_threads()
@@ -549,7 +658,12 @@ class NativeKernels:
     def quantize_int8_groups(self, weight: torch.Tensor, num_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Finite float32 rows [N, K] (contiguous, K a multiple of 32) → int8 codes [N, K] and float16 scales
         [N, K / 32]: quant.py's quantize_int8 with groups of 32, the same codes, without its passes over memory."""
+        if weight.dim() != 2 or weight.shape[1] % 32:
+            raise ValueError(
+                f"quantize_int8_groups: weight must be [N, K] rows, K a multiple of 32, got {_describe(weight)}"
+            )
         num_rows, in_features = weight.shape
+        check_array("quantize_int8_groups", "weight", weight, torch.float32, (num_rows, in_features))
         q = torch.empty(num_rows, in_features, dtype=torch.int8)  # [N, K]
         scales = torch.empty(num_rows, in_features // 32, dtype=torch.float16)  # [N, K / 32]
         self._functions["quantize_int8_groups"](
@@ -566,10 +680,11 @@ class NativeKernels:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Q4_K bytes [N, K / 256 * 144] uint8 (C-contiguous) → nibbles [N, K / 2], float16 scales and mins
         [N, K / 32], made by `empty`; None if one is not finite in float16."""
-        num_rows = blocks.shape[0]
+        num_rows = _check_blocks("convert_q4_k", blocks, in_features, 256, 144)
         qweight = empty((num_rows, in_features // 2), torch.uint8)  # [N, K / 2]
         scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         mins = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
+        _check_int4_outputs("convert_q4_k", num_rows, in_features, qweight, scales, mins)
         status = self._functions["convert_q4_k"](
             blocks.ctypes.data,
             num_rows,
@@ -590,11 +705,13 @@ class NativeKernels:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Q5_K bytes [N, K / 256 * 176] uint8 (C-contiguous) → convert_q4_k's three tensors and the fifth bits
         [N, K / 32] int32, made by `empty`; None if a scale or min is not finite in float16."""
-        num_rows = blocks.shape[0]
+        num_rows = _check_blocks("convert_q5_k", blocks, in_features, 256, 176)
         qweight = empty((num_rows, in_features // 2), torch.uint8)  # [N, K / 2]
         scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         mins = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         high_bits = empty((num_rows, in_features // 32), torch.int32)  # [N, K / 32]
+        _check_int4_outputs("convert_q5_k", num_rows, in_features, qweight, scales, mins)
+        check_array("convert_q5_k", "the allocated high bits", high_bits, torch.int32, (num_rows, in_features // 32))
         status = self._functions["convert_q5_k"](
             blocks.ctypes.data,
             num_rows,
@@ -617,6 +734,12 @@ class NativeKernels:
 
         With residual (contiguous, like x): residual += x in place first, and the norm is of that sum.
         """
+        if x.dim() != 2:
+            raise ValueError(f"rms_norm: x must be [M, K], got {_describe(x)}")
+        check_array("rms_norm", "x", x, torch.float32, tuple(x.shape))
+        check_elements("rms_norm", "weight", weight, torch.float32, x.shape[1])
+        if residual is not None:
+            check_array("rms_norm", "residual", residual, torch.float32, tuple(x.shape))
         out = torch.empty_like(x)  # [M, K]
         self._rms_norm(
             x.data_ptr(),
@@ -637,6 +760,21 @@ class NativeKernels:
 
         cos, sin: [T, rotary_dim // 2] values, contiguous (a [T, 1, rotary_dim // 2] view is fine).
         """
+        _check_heads("rotary", "query", query)
+        _check_heads("rotary", "key", key)
+        num_tokens, rotary_dim = query.shape[0], query.shape[2]
+        if (
+            rotary_dim % 2
+            or key.shape[0] != num_tokens
+            or key.shape[2] != rotary_dim
+            or key.stride(1) != query.stride(1)
+        ):
+            raise ValueError(
+                f"rotary: query {_describe(query)} and key {_describe(key)} must have the same tokens, an even "
+                f"rotary_dim and heads as far apart"
+            )
+        check_elements("rotary", "cos", cos, torch.float32, num_tokens * (rotary_dim // 2))
+        check_elements("rotary", "sin", sin, torch.float32, num_tokens * (rotary_dim // 2))
         self._rotary(
             query.data_ptr(),
             query.stride(0),
@@ -654,6 +792,7 @@ class NativeKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2I] contiguous (gate, then up) → silu(gate) * up, [M, I]."""
+        _check_gate_up("silu_mul", gate_up)
         num_rows, width = gate_up.shape
         out = torch.empty(num_rows, width // 2, dtype=torch.float32)  # [M, I]
         self._silu_mul(gate_up.data_ptr(), num_rows, width // 2, out.data_ptr(), torch.get_num_threads())
@@ -661,6 +800,7 @@ class NativeKernels:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2I] contiguous (gate, then up) → gelu(gate, tanh approximation) * up, [M, I] (GeGLU)."""
+        _check_gate_up("gelu_tanh_mul", gate_up)
         num_rows, width = gate_up.shape
         out = torch.empty(num_rows, width // 2, dtype=torch.float32)  # [M, I]
         self._gelu_tanh_mul(gate_up.data_ptr(), num_rows, width // 2, out.data_ptr(), torch.get_num_threads())
@@ -740,8 +880,33 @@ class NativeKernels:
                 f"paged attention: the pools must be contiguous CPU tensors, both float32, float16 or "
                 f"int8, got {key_cache.dtype} and {value_cache.dtype}"
             )
+        if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+            raise ValueError(
+                f"paged attention: the pools must be [num_blocks, block_size, num_kv_heads, entry] alike, got "
+                f"{_describe(key_cache)} and {_describe(value_cache)}"
+            )
         num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
         head_dim = head_dim_of(key_cache)
+        num_heads = query.shape[1] if query.dim() == 3 else 0
+        if num_kv_heads < 1 or num_heads % num_kv_heads or head_dim < 1:
+            raise ValueError(
+                f"paged attention: {num_heads} query heads cannot share {num_kv_heads} key/value heads of {head_dim}"
+            )
+        _check_rows_of("paged attention", "query", query, num_tokens, num_heads, head_dim)
+        _check_rows_of("paged attention", "out", out, num_tokens, num_heads, head_dim)
+        _check_rows_of("paged attention", "key", key, num_tokens, num_kv_heads, head_dim)
+        _check_rows_of("paged attention", "value", value, num_tokens, num_kv_heads, head_dim)
+        # The kernel range-checks every slot, block id, row and context length it reads from these (status 1).
+        if (
+            slot_mapping.dim() != 1
+            or block_tables.dim() != 2
+            or (queries is not None and (queries.dim() != 2 or queries.shape[1] != 3))
+            or (chunks is not None and (chunks.dim() != 2 or chunks.shape[1] != 4))
+        ):
+            raise ValueError(
+                "paged attention: slot_mapping must be [T], block_tables [requests, max_blocks], queries [n, 3] and "
+                "chunks [c, 4]"
+            )
         status = self._paged_attention(
             query.data_ptr(),
             query.stride(0),
@@ -788,6 +953,66 @@ class NativeKernels:
         """Run loop.num_passes greedy passes of the stack (decoder.cpp's decoder_greedy_f32) and return how many
         it finished; the caller has checked every pointer and shape and runs the passes left its own way."""
         return self._functions["decoder_greedy_f32"](ctypes.byref(decoder), ctypes.byref(step), ctypes.byref(loop))
+
+
+# GGUF type code → (values, bytes) of one block, for the types convert_to_int8 takes (convert.cpp's block_bytes).
+_CONVERTED_BLOCKS = {8: (32, 34), 10: (256, 84), 11: (256, 110), 14: (256, 210), 20: (32, 18), 23: (256, 136)}
+
+
+def _groups(where: str, in_features: int, group_size: int) -> int:
+    """Groups per row: the columns and the group size whole 32-column blocks, the group size dividing the columns."""
+    if in_features <= 0 or in_features % 32 or group_size <= 0 or group_size % 32 or in_features % group_size:
+        raise ValueError(
+            f"{where}: {in_features} columns in groups of {group_size}: both must be positive multiples of 32, the "
+            f"group size dividing the columns"
+        )
+    return in_features // group_size
+
+
+def _check_blocks(where: str, blocks: np.ndarray, in_features: int, block_values: int, block_bytes: int) -> int:
+    """blocks: a GGUF matrix's bytes, [N, K / block_values * block_bytes] uint8, C-contiguous; returns N."""
+    if in_features <= 0 or in_features % block_values or in_features % 32:
+        raise ValueError(f"{where}: {in_features} columns are not whole blocks of {block_values}")
+    row_bytes = in_features // block_values * block_bytes
+    if (
+        not isinstance(blocks, np.ndarray)
+        or blocks.dtype != np.uint8
+        or blocks.ndim != 2
+        or blocks.shape[1] != row_bytes
+        or not blocks.flags.c_contiguous
+    ):
+        got = f"{blocks.dtype} {blocks.shape}" if isinstance(blocks, np.ndarray) else type(blocks).__name__
+        raise ValueError(f"{where}: blocks must be C-contiguous uint8 [N, {row_bytes}], got {got}")
+    return blocks.shape[0]
+
+
+def _check_int4_outputs(
+    where: str, num_rows: int, in_features: int, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> None:
+    """What an allocator handed a K-quant conversion to write: an int4 packing of num_rows × in_features."""
+    check_array(where, "the allocated codes", qweight, torch.uint8, (num_rows, in_features // 2))
+    check_array(where, "the allocated scales", scales, torch.float16, (num_rows, in_features // 32))
+    check_array(where, "the allocated mins", mins, torch.float16, (num_rows, in_features // 32))
+
+
+def _check_heads(where: str, name: str, tensor: torch.Tensor) -> None:
+    """[T, heads, d] float32 on the CPU, each head's d values contiguous and heads at least d apart."""
+    if (
+        tensor.dtype != torch.float32
+        or not tensor.is_cpu
+        or tensor.dim() != 3
+        or tensor.stride(2) != 1
+        or tensor.stride(1) < tensor.shape[2]
+    ):
+        raise ValueError(
+            f"{where}: {name} must be float32 [T, heads, d], each head's values contiguous, got {_describe(tensor)}"
+        )
+
+
+def _check_gate_up(where: str, gate_up: torch.Tensor) -> None:
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"{where}: gate_up must be [M, 2I], got {_describe(gate_up)}")
+    check_array(where, "gate_up", gate_up, torch.float32, tuple(gate_up.shape))
 
 
 def _raise_for_attention_status(status: int, head_dim: int) -> None:

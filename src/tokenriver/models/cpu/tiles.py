@@ -21,12 +21,15 @@ the reference path dequantizes it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 TILE_ROWS = 16
 BLOCK = 32
+# Bytes of scratch a tiling in place (tile_in_place) works in at a time.
+_SLAB_BYTES = 2**20
 
 
 def _padded(tensor: torch.Tensor) -> torch.Tensor:
@@ -117,6 +120,54 @@ def tile(
         cols,
         group_size,
     )
+
+
+def tile_in_place(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    high_bits: torch.Tensor | None,
+    group_size: int,
+) -> Tiles | None:
+    """tile's result written over the row-major buffers' own bytes, a slab of whole tiles at a time: a tile's 16
+    rows take the same bytes in either layout, so no second copy of the weight is ever whole (a vocabulary's
+    embedding is the largest tensor of a small model). None, changing nothing, where the rows are not whole tiles
+    or a buffer is not contiguous and 64-byte aligned (tile then makes new tensors)."""
+    rows = qweight.shape[0]
+    buffers = [tensor for tensor in (qweight, scales, mins, high_bits) if tensor is not None]
+    if (
+        rows == 0
+        or rows % TILE_ROWS
+        or not all(tensor.is_contiguous() and tensor.data_ptr() % 64 == 0 for tensor in buffers)
+    ):
+        return None
+    cols = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
+    # tile_fifth_bits works in 256 scratch bytes per stored byte (its bits and lanes), the others in one.
+    return Tiles(
+        _rewrite(qweight, tile_words, qweight.dtype, 1),
+        _rewrite(scales, tile_terms, scales.dtype, 1),
+        None if mins is None else _rewrite(mins, tile_terms, mins.dtype, 1),
+        None if high_bits is None else _rewrite(high_bits, tile_fifth_bits, torch.int64, 256),
+        rows,
+        cols,
+        group_size,
+    )
+
+
+def _rewrite(
+    tensor: torch.Tensor, tile_rows: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, scratch_per_byte: int
+) -> torch.Tensor:
+    """tensor [N, ...] (N whole tiles) replaced, slab by slab, by tile_rows of it, whose output for a slab takes
+    the slab's bytes; returns the result as a view of the same bytes."""
+    row_bytes = tensor[0].nbytes
+    rows_per_slab = max(TILE_ROWS, _SLAB_BYTES // (row_bytes * scratch_per_byte) // TILE_ROWS * TILE_ROWS)
+    flat = tensor.reshape(-1).view(torch.uint8)  # [N * row bytes], the tensor's own bytes
+    shape = None
+    for start in range(0, tensor.shape[0], rows_per_slab):
+        tiled = tile_rows(tensor[start : start + rows_per_slab])  # [slab tiles, ...]: a copy
+        flat[start * row_bytes : start * row_bytes + tiled.nbytes].copy_(tiled.reshape(-1).view(torch.uint8))
+        shape = tiled.shape[1:]
+    return flat.view(dtype).view(tensor.shape[0] // TILE_ROWS, *shape)
 
 
 def untile(tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
