@@ -205,4 +205,4 @@ def test_structured_output_shapes_are_checked():
     with pytest.raises(InvalidParameterError):
         SamplingParams(structured_output={"type": "object"})
     # A grammar narrows the argmax but needs no logits while it allows the raw one (Sampler.sample_reduced).
-    assert SamplingParams(temperature=0, structured_output=StructuredOutput.json_object()).takes_raw_argmax
+    assert is_plain_greedy(SamplingParams(temperature=0, structured_output=StructuredOutput.json_object()), 0, [])

@@ -221,22 +221,6 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
-    def takes_raw_argmax(self) -> bool:
-        """Greedy, and nothing read from the logits but the argmax and its logprob: no logprobs, trace, penalty or
-        bias. A grammar only narrows the argmax to the tokens it allows: the raw argmax stands when allowed, and
-        the sampler takes the masked logits only when it is not. (min_tokens may still hold back EOS: that
-        depends on the output so far; is_plain_greedy adds it.)"""
-        return (
-            self.is_greedy
-            and not self.logprobs
-            and not self.trace
-            and self.repetition_penalty == 1.0
-            and self.presence_penalty == 0
-            and self.frequency_penalty == 0
-            and not self.logit_bias
-        )
-
-    @property
     def use_beam_search(self) -> bool:
         return self.beam_width is not None
 
@@ -363,13 +347,24 @@ def holds_stop_tokens(params: SamplingParams, num_output_tokens: int, eos_token_
 
 
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int, eos_token_ids: Sequence[int]) -> bool:
-    """Whether the next token is the raw logits' argmax (among the tokens a grammar allows) and nothing but its
-    logprob is reported (SamplingParams.takes_raw_argmax, and no min_tokens hold at this length). The one definition
-    both users share: the sampler answers such rows from per-row reductions, and the scheduler may decode them
-    several passes a step (the runner then fills a constrained request's mask before each pass's sampling).
+    """Whether the next token is the raw logits' argmax and nothing but its logprob is reported: greedy, with no
+    logprobs, trace, penalty or bias, and no min_tokens hold at this length. A grammar only narrows the argmax to
+    the tokens it allows: the raw argmax stands when allowed, and the sampler takes the masked logits only when it
+    is not. The one definition both users share: the sampler answers such rows from per-row reductions, and the
+    scheduler may decode them several passes a step (the runner then fills a constrained request's mask before
+    each pass's sampling).
 
     eos_token_ids: the ids the sampler holds back before min_tokens ([] when the request ignores EOS)."""
-    return params.takes_raw_argmax and not holds_stop_tokens(params, num_output_tokens, eos_token_ids)
+    reads_only_the_argmax = (
+        params.is_greedy
+        and not params.logprobs
+        and not params.trace
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+        and not params.logit_bias
+    )
+    return reads_only_the_argmax and not holds_stop_tokens(params, num_output_tokens, eos_token_ids)
 
 
 # PoolingParams.pooling values: which positions' final hidden states make a request's one vector.

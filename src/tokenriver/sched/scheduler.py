@@ -90,7 +90,7 @@ from tokenriver.sched.stop import check_stop
 _NO_RESULT = RequestStepResult()
 
 
-def _decodes_plainly(request: Request) -> bool:
+def _needs_nothing_between_passes(request: Request) -> bool:
     """Whether the request's next tokens need nothing between forward passes: plain greedy (params.is_plain_greedy,
     the sampler's own test) and no stop strings, which the engine checks on text. Multi-step passes decode such
     requests only."""
@@ -339,7 +339,7 @@ class Scheduler:
             and item.sample
             and not item.draft_token_ids
             and not item.num_beam_candidates
-            and _decodes_plainly(request)
+            and _needs_nothing_between_passes(request)
             for item, request in zip(scheduled, requests)
         ):
             return 1
