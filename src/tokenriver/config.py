@@ -1,7 +1,8 @@
 """EngineConfig: every engine knob, frozen and validated once.
 
-Components receive the fields they need as arguments; nothing reads
-environment variables deep in the code. The CLI builds its flags from these
+Components receive the fields they need as arguments; no engine setting is read from the environment deep in
+the code (the one variable read there, models/cpu/kernels.py's switch to turn the native kernels off, is a
+debugging escape hatch, not a setting). The CLI builds its flags from these
 fields: each field's help text lives in its metadata (flags.option), so a knob and its flag are defined once.
 Stdlib only.
 """
@@ -69,8 +70,9 @@ class EngineConfig:
     dtype: str = option(
         "auto", "compute dtype (default: float32 on cpu, bfloat16 on a GPU)", choices=("auto", "float32", "bfloat16")
     )
-    # Weight format: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 weights packed (4/8-bit kernels) and float weights float;
-    # "none" dequantizes everything to dtype; "int8" / "int4" also quantize float weights at load.
+    # Weight format: "auto" keeps every GGUF quantized type packed (4/5/8-bit kernels; loader/gguf_blocks.py) and
+    # float weights float; "none" dequantizes everything to dtype; "int8" / "int4" also quantize float weights at
+    # load.
     quantization: str = option(
         "auto",
         "weights: auto keeps a GGUF's quantized matrices packed (every type), none dequantizes to --dtype, "

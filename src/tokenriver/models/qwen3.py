@@ -6,7 +6,8 @@ One page, top to bottom as in models/llama.py: embedding → N × (RMSNorm → a
 bias. The MLP is passed in (`mlp_factory`) so the mixture-of-experts pages (models/moe.py: Qwen3-MoE, Mixtral) are
 this page with another feed-forward block. Parameter names are Hugging Face's (Qwen3ForCausalLM), q/k/v and gate/up
 stacked into one projection each (`FUSED_PROJECTIONS`). The model exposes llama.py's embed / run_layers / final_norm
-steps, so that the runner can run a dense stack in one native call (runner/native_stack.py).
+steps, so that the runner can run the stack, dense or mixture of experts, in one native call
+(runner/native_stack.py).
 """
 
 from __future__ import annotations
@@ -146,8 +147,8 @@ class Qwen3ForCausalLM(nn.Module):
     """The decoder plus its output projection; the engine calls `forward`, then `compute_logits` on chosen rows."""
 
     fused_projections = FUSED_PROJECTIONS
-    # Every layer is a Qwen3DecoderLayer: a layout the runner may run in one native call (runner/native_stack.py)
-    # where the MLP is the dense one; the mixture-of-experts pages that inherit it keep to the modules.
+    # Every layer is a Qwen3DecoderLayer: a layout the runner may run in one native call (runner/native_stack.py),
+    # with the dense MLP or, in the mixture-of-experts pages that inherit it, the router and its experts.
     layer_layout = "qwen3"
 
     def __init__(self, config: ModelConfig, mlp_factory: Callable[[ModelConfig, int], nn.Module] = dense_mlp) -> None:

@@ -29,9 +29,10 @@ from tokenriver.models.cpu.decoder import NativeDecoder
 from tokenriver.models.cpu.greedy import GreedyLoop, PassReductions
 
 # Layer layouts decoder.cpp runs (models/cpu/decoder.py's LAYOUTS): "llama" is LlamaDecoderLayer's pre-norm
-# residual-stream block (fused qkv and gate/up projections, RMSNorm, SwiGLU); "qwen3" adds per-head q/k norms and
-# sliding windows (dense MLPs only); "phi3" is Llama's with a window and partial rotary; "gemma" adds norms on each
-# block's output, GeGLU, per-layer rope tables and Gemma 2's soft-capped attention scores.
+# residual-stream block (fused qkv and gate/up projections, RMSNorm, SwiGLU); "qwen3" adds per-head q/k norms,
+# sliding windows and, in the mixtures of experts, a router and per-expert MLPs; "phi3" is Llama's with a window
+# and partial rotary; "gemma" adds norms on each block's output, GeGLU, per-layer rope tables and Gemma 2's
+# soft-capped attention scores.
 NATIVE_LAYOUTS = frozenset({"llama", "qwen3", "phi3", "gemma"})
 
 

@@ -1,5 +1,5 @@
-"""A decoder stack's step in one native call (models/cpu/csrc/decoder.cpp): Llama, dense Qwen3, Phi-3 and Gemma
-layers.
+"""A decoder stack's step in one native call (models/cpu/csrc/decoder.cpp): Llama, Qwen3 (dense and mixtures of
+experts), Phi-3 and Gemma layers.
 
 A single-stream decode step is ~240 small operations; run layer by layer from Python, each pays module dispatch,
 argument checks, an output allocation and a ctypes call, which together cost about as much as the arithmetic.
