@@ -17,6 +17,7 @@ EngineOverloadedError.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from tokenriver.config import EngineConfig
 from tokenriver.engine.core import EngineCore, ModelInfo, PassRow
+from tokenriver.engine.inspection import inspect_position
 from tokenriver.errors import EngineDeadError, EngineOverloadedError
 from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
@@ -61,6 +63,14 @@ class _Abort:
 
 
 @dataclass
+class _Inspect:
+    token_ids: list[int]
+    position: int
+    top_k: int
+    result: concurrent.futures.Future
+
+
+@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -81,7 +91,7 @@ class AsyncEngine:
         its workers from sleep: single-stream decode ran at less than half the speed of the same engine stepped on
         the thread that loaded it.
         """
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Inspect | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
@@ -177,6 +187,15 @@ class AsyncEngine:
                     return output
         raise EngineDeadError("the engine stopped before the request finished")
 
+    async def inspect(self, token_ids: list[int], position: int, top_k: int = 5) -> dict:
+        """engine/inspection.py's per-layer view of one position, run on the engine thread between two steps (the
+        model's modules over a KV cache of its own; the engine's requests and cache are untouched)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}")
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Inspect(list(token_ids), position, top_k, result))
+        return await asyncio.wrap_future(result)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished)."""
         self._commands.put(_Abort(request_id))
@@ -187,7 +206,15 @@ class AsyncEngine:
         self._commands.put(None)
         self._thread.join(timeout)
 
-    def _handle(self, command: _Add | _Abort) -> None:
+    def _handle(self, command: _Add | _Abort | _Inspect) -> None:
+        if isinstance(command, _Inspect):
+            try:
+                command.result.set_result(
+                    inspect_position(self.core.loaded, command.token_ids, command.position, command.top_k)
+                )
+            except Exception as error:  # a refused inspection goes back to its caller; the engine runs on
+                command.result.set_exception(error)
+            return
         if isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
                 self.core.abort_request(command.request_id)

@@ -1,0 +1,183 @@
+"""Inspection: one position of one context, layer by layer, for the visualizer's "inside the forward pass".
+
+The contract:
+- It runs on the definition path: the model's own modules (`embed`, each decoder layer, `final_norm`,
+  `compute_logits`) over a fresh KV cache of its own, never the runner's native stack and never the engine's cache,
+  so the result depends on the context alone. Packed weights compute through their modules as the engine's
+  definition path does.
+- Only the context up to and including `position` is run: what comes after it cannot change that position.
+- Per layer it returns
+  (a) the logit lens: the top-k of softmax(compute_logits(final_norm(residual stream after this layer))) at the
+      position, so the last layer's lens is the model's next-token distribution there;
+  (b) the attention of the position over its context: softmax(scale * q·k) per head (soft-capped where the layer
+      caps scores, zero outside a sliding window), from the query the layer computes and the keys it stored in
+      the cache; None with a reason for an attention module this file does not know;
+  (c) the L2 norms of the residual stream's update by attention and by the MLP at the position.
+- Bounded cost: one forward pass over at most MAX_INSPECT_TOKENS tokens; longer contexts are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenriver.errors import InvalidParameterError
+from tokenriver.kv.cache import KVCache, decode_entries
+from tokenriver.loader.load import LoadedModel
+from tokenriver.models.attention_metadata import AttentionMetadata
+from tokenriver.models.gemma import GemmaAttention, GemmaDecoderLayer
+from tokenriver.models.layers import apply_rotary
+from tokenriver.models.llama import LlamaAttention
+from tokenriver.models.phi3 import Phi3Attention
+from tokenriver.models.qwen3 import Qwen3Attention
+
+# Longest context one inspection runs (one forward pass of this many tokens, one KV cache of its own).
+MAX_INSPECT_TOKENS = 1024
+MAX_TOP_K = 20
+BLOCK_SIZE = 16
+# Attention modules whose query this file recomputes (the queries are not kept by the forward pass).
+KNOWN_ATTENTION = (LlamaAttention, Qwen3Attention, GemmaAttention, Phi3Attention)
+
+
+def check_request(token_ids: list[int], position: int, top_k: int, vocab_size: int) -> None:
+    """Refuse what cannot be inspected, naming the parameter and the limit."""
+    if not token_ids:
+        raise InvalidParameterError("token_ids must hold at least one token", param="token_ids")
+    if not 0 <= position < len(token_ids):
+        raise InvalidParameterError(
+            f"position {position} is outside the context of {len(token_ids)} tokens (0..{len(token_ids) - 1})",
+            param="position",
+        )
+    if position + 1 > MAX_INSPECT_TOKENS:
+        raise InvalidParameterError(
+            f"inspecting position {position} runs a context of {position + 1} tokens; the limit is "
+            f"{MAX_INSPECT_TOKENS}",
+            param="position",
+        )
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise InvalidParameterError(f"top_k must be between 1 and {MAX_TOP_K}, got {top_k}", param="top_k")
+    bad = [t for t in token_ids[: position + 1] if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidParameterError(
+            f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param="token_ids"
+        )
+
+
+@torch.inference_mode()
+def inspect_position(loaded: LoadedModel, token_ids: list[int], position: int, top_k: int = 5) -> dict[str, Any]:
+    """The per-layer view of `position` in the context `token_ids` (module docstring: what each field means)."""
+    model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+    check_request(token_ids, position, top_k, config.vocab_size)
+    stack = model.model
+    device = next(model.parameters()).device
+    context = token_ids[: position + 1]
+    num_tokens = len(context)
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    ids = torch.tensor(context, dtype=torch.int64, device=device)
+    hidden, rope = stack.embed(ids, torch.arange(num_tokens, device=device))  # [T, hidden]
+    cache = KVCache(
+        config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, hidden.dtype, device
+    )
+    metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(num_blocks))], BLOCK_SIZE, device)
+    residual = None
+    layers = []
+    for layer in stack.layers:
+        # The residual stream entering the layer, x: [T, hidden] (the previous layer's output not yet added).
+        stream_in = hidden.clone() if residual is None else residual + hidden
+        layer_rope = rope_of(layer, rope)
+        hidden, residual = layer(layer_rope, hidden, residual, cache, metadata)
+        # The layer left residual = x + attention update; it returns the MLP update as `hidden`.
+        attention_update = residual[position] - stream_in[position]  # [hidden]
+        mlp_update = hidden[position]  # [hidden]
+        layers.append(
+            {
+                "logit_lens": logit_lens(
+                    model, stack, hidden[position : position + 1], residual[position : position + 1], top_k, tokenizer
+                ),
+                "attention": attention_of(layer, stream_in[position], layer_rope, cache, position),
+                "attention_update_norm": float(attention_update.float().norm()),
+                "mlp_update_norm": float(mlp_update.float().norm()),
+            }
+        )
+    return {
+        "token_ids": context,
+        "tokens": [tokenizer.token_text(t) for t in context],
+        "position": position,
+        "num_layers": len(layers),
+        "layers": layers,
+    }
+
+
+def rope_of(layer: torch.nn.Module, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables this layer turns with: Gemma's stack carries (global, local) and picks per layer."""
+    if isinstance(layer, GemmaDecoderLayer):
+        rope_global, rope_local = rope
+        return rope_local if layer.is_sliding else rope_global
+    return rope
+
+
+def logit_lens(
+    model: torch.nn.Module,
+    stack: torch.nn.Module,
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    top_k: int,
+    tokenizer: Any,
+) -> list[dict[str, Any]]:
+    """The top-k next tokens if the model stopped here: the final norm and output layer on the stream x + hidden."""
+    normed = stack.final_norm(hidden.clone(), residual.clone())  # [1, hidden]; it adds in place
+    probs = torch.softmax(model.compute_logits(normed)[0].float(), dim=-1)  # [vocab]
+    top = torch.topk(probs, top_k)
+    return [
+        {"token_id": int(t), "text": tokenizer.token_text(int(t)), "prob": float(p)}
+        for p, t in zip(top.values, top.indices)
+    ]
+
+
+def attention_of(
+    layer: torch.nn.Module,
+    stream_in: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: KVCache,
+    position: int,
+) -> dict[str, Any]:
+    """The position's attention weights over its context, per head and averaged over heads.
+
+    The query is recomputed as the layer computes it (input norm, q projection, q_norm where the layer has one,
+    rotary on the first rotary_dim values of each head); the keys are those the layer stored in the cache, so they
+    are exactly the ones it attended to.
+    """
+    attn = layer.self_attn
+    if not isinstance(attn, KNOWN_ATTENTION):
+        return {"weights": None, "reason": f"attention weights are not implemented for {type(attn).__name__}"}
+    head_dim, num_heads, num_kv_heads = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    x = layer.input_layernorm(stream_in[None])  # [1, hidden]
+    query = attn.qkv_proj(x).view(1, -1, head_dim)[:, :num_heads]  # [1, num_heads, head_dim]
+    q_norm = getattr(attn, "q_norm", None)  # Qwen3 and Gemma 3 normalize each query head before rotary
+    if q_norm is not None:
+        query = q_norm(query.reshape(-1, head_dim)).view(1, num_heads, head_dim)
+    rotary_dim = getattr(attn, "rotary_dim", head_dim)
+    cos, sin = rope[0][position : position + 1], rope[1][position : position + 1]  # [1, 1, rotary_dim // 2]
+    query = torch.cat((apply_rotary(query[..., :rotary_dim], cos, sin), query[..., rotary_dim:]), dim=-1)
+    key_pool = cache[attn.layer_idx][0]
+    entry = key_pool.shape[3]
+    # [position + 1, num_kv_heads, head_dim] → [num_heads, position + 1, head_dim], each kv head shared by its group.
+    keys = decode_entries(key_pool.view(-1, num_kv_heads, entry)[: position + 1], torch.float32)
+    keys = keys.transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
+    scores = torch.einsum("hd,hsd->hs", query[0].float(), keys) * attn.scale  # [num_heads, position + 1]
+    softcap = getattr(attn, "softcap", None)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    window = getattr(attn, "window", 0)
+    if window > 0:
+        # A sliding layer sees the last `window` positions up to its own.
+        outside = torch.arange(position + 1, device=scores.device) <= position - window
+        scores = scores.masked_fill(outside, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # [num_heads, position + 1]
+    return {
+        "weights": weights.tolist(),
+        "mean": weights.mean(0).tolist(),
+        "window": window,
+        "reason": None,
+    }
