@@ -190,9 +190,30 @@ class ModelRunner:
             return RunnerOutput()
         inputs = prepare_inputs(scheduler_output, self.kv_cache.block_size, self.device)
         states = [self._state(request) for request in inputs.sampling_requests]
+        results: dict[str, RequestStepResult] = {}
+        # [num_sample_rows + num_draft_rows + num_beam_rows, vocab] float32, in that order
+        logits = self._run_pass(inputs, states, results)
+        if logits is None:
+            return RunnerOutput(results=results)
+        num_sample_rows = len(inputs.sample_rows)
+        num_scored_rows = num_sample_rows + sum(len(rows) for rows in inputs.draft_rows)
+        if inputs.beam_requests:
+            self._rank_beams(inputs.beam_requests, logits[num_scored_rows:], results)
+        if inputs.sampling_requests:
+            self._sample(inputs.sampling_requests, logits[:num_sample_rows], states, results)
+        if inputs.draft_requests:
+            draft_logits = logits[num_sample_rows:num_scored_rows]
+            self._verify_drafts(inputs.draft_requests, draft_logits, draft_probs or {}, results)
+        self.greedy.decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
+        return RunnerOutput(results=results)
+
+    def _run_pass(
+        self, inputs: ModelInputs, states: list[SamplingState], results: dict[str, RequestStepResult]
+    ) -> torch.Tensor | None:
+        """The step's one forward pass: pooled and prompt-scored rows are answered from its hidden states here, and
+        the logits of the rows that pick a token come back (None when no row does)."""
         pending_masks = self._start_masks(inputs.sampling_requests, states)
         hidden = self._run_model(inputs)  # [num_tokens, hidden_size]
-        results: dict[str, RequestStepResult] = {}
         for request, (first, num_rows) in zip(inputs.pooling_requests, inputs.pooling_rows):
             pooled = pool(self.model, hidden[first : first + num_rows], request.pooling_params)
             results[request.request_id] = RequestStepResult(pooled=pooled)
@@ -200,45 +221,58 @@ class ModelRunner:
         draft_rows = [row for rows in inputs.draft_rows for row in rows]
         all_rows = inputs.sample_rows + draft_rows + inputs.beam_rows
         if not all_rows:
-            return RunnerOutput(results=results)
+            return None
         if all_rows != list(range(hidden.shape[0])):  # a decode step samples every row, in order: no copy
             hidden = hidden.index_select(0, to_device(all_rows, self.device))
         self._add_grammars(inputs.sampling_requests, states, pending_masks)
-        # [num_sample_rows + num_draft_rows + num_beam_rows, vocab] float32
-        logits = self.model.compute_logits(hidden)
-        num_sample_rows = len(inputs.sample_rows)
-        num_scored_rows = num_sample_rows + len(draft_rows)
-        if inputs.beam_requests:
-            tops = self.sampler.top_logprobs(
-                logits[num_scored_rows:],
-                [request.num_beam_candidates for request in inputs.beam_requests],
-                [self._allowed_token_mask(request) for request in inputs.beam_requests],
-            )
-            for request, candidates in zip(inputs.beam_requests, tops):
-                results.setdefault(request.request_id, RequestStepResult()).beam_candidates = candidates
-        if inputs.sampling_requests:
-            samples = self.sampler.sample(logits[:num_sample_rows], states)
-            for request, sample in zip(inputs.sampling_requests, samples):
-                append_samples(results.setdefault(request.request_id, RequestStepResult()), [sample])
-        if inputs.draft_requests:
-            draft_probs = draft_probs or {}
-            checks = [
-                self._draft_check(request, draft_probs.get(request.request_id)) for request in inputs.draft_requests
-            ]
-            # Each check's rows: its last known token and the drafts it kept (a cut check skips the rest).
-            kept_rows: list[int] = []
-            first = num_sample_rows
-            for request, check in zip(inputs.draft_requests, checks):
-                kept_rows += range(first, first + len(check.draft_token_ids) + 1)
-                first += len(request.draft_token_ids) + 1
-            is_cut = len(kept_rows) != num_scored_rows - num_sample_rows
-            verdicts = self.sampler.verify(
-                logits[kept_rows] if is_cut else logits[num_sample_rows:num_scored_rows], checks
-            )
-            for request, verdict in zip(inputs.draft_requests, verdicts):
-                append_samples(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
-        self.greedy.decode_ahead(scheduler_output.num_decode_passes - 1, inputs, states, results)
-        return RunnerOutput(results=results)
+        return self.model.compute_logits(hidden)  # [num_sample_rows + num_draft_rows + num_beam_rows, vocab]
+
+    def _rank_beams(
+        self, requests: list[ScheduledRequest], logits: torch.Tensor, results: dict[str, RequestStepResult]
+    ) -> None:
+        """Each beam row's best next tokens, for the beam search to extend its beams with (logits: [n, vocab])."""
+        tops = self.sampler.top_logprobs(
+            logits,
+            [request.num_beam_candidates for request in requests],
+            [self._allowed_token_mask(request) for request in requests],
+        )
+        for request, candidates in zip(requests, tops):
+            results.setdefault(request.request_id, RequestStepResult()).beam_candidates = candidates
+
+    def _sample(
+        self,
+        requests: list[ScheduledRequest],
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        results: dict[str, RequestStepResult],
+    ) -> None:
+        """One token for each request that reached its last scheduled token (logits: [n, vocab], one row each)."""
+        samples = self.sampler.sample(logits, states)
+        for request, sample in zip(requests, samples):
+            append_samples(results.setdefault(request.request_id, RequestStepResult()), [sample])
+
+    def _verify_drafts(
+        self,
+        requests: list[ScheduledRequest],
+        logits: torch.Tensor,
+        draft_probs: dict[str, torch.Tensor],
+        results: dict[str, RequestStepResult],
+    ) -> None:
+        """Accept or reject each request's draft tokens against the target model's rows for them.
+
+        logits: [num_draft_rows, vocab], per request its last known token's row then one per draft.
+        """
+        checks = [self._draft_check(request, draft_probs.get(request.request_id)) for request in requests]
+        # Each check's rows: its last known token and the drafts it kept (a cut check skips the rest).
+        kept_rows: list[int] = []
+        first = 0
+        for request, check in zip(requests, checks):
+            kept_rows += range(first, first + len(check.draft_token_ids) + 1)
+            first += len(request.draft_token_ids) + 1
+        is_cut = len(kept_rows) != logits.shape[0]
+        verdicts = self.sampler.verify(logits[kept_rows] if is_cut else logits, checks)
+        for request, verdict in zip(requests, verdicts):
+            append_samples(results.setdefault(request.request_id, RequestStepResult()), verdict.samples)
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         """One forward pass: replayed from a CUDA graph where one applies, else run by NativeStack."""

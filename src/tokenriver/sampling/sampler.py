@@ -25,6 +25,7 @@ tracer.py; both run the stages defined here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -104,6 +105,147 @@ def _allows(state: SamplingState, token_id: int) -> bool:
     if state.allowed_token_mask is not None:
         return processors.allows(state.allowed_token_mask, token_id)
     return state.grammar is None or state.grammar.accepts(token_id)
+
+
+# A stage's work on its rows' logits [n, V] → [n, V]: a processor with the stage's per-row arguments bound.
+Process = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _StageBatch:
+    """What every stage reads while process_logits runs: the rows' states, the logits so far and the tracer."""
+
+    states: list[SamplingState]
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+    work: _Logits
+    tracer: Tracer | None
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One stage of Sampler.process_logits: which rows it applies to, and its processor bound to those rows."""
+
+    name: str  # its name in trace.STAGES
+    applies: Callable[[SamplingState, int], bool]  # (state, vocab_size): whether the row needs this stage
+    prepare: Callable[[list[int], _StageBatch], Process]  # the stage's arguments for these rows, bound
+    # Temperature and the filters shape the distribution a sampled row draws from: greedy rows skip them, and
+    # they do not count as changing a row's logits (the raw argmax still holds).
+    is_sampling_only: bool = False
+
+
+def _run_stage(stage: _Stage, batch: _StageBatch, modified_rows: set[int]) -> None:
+    """The bookkeeping every stage shares: pick its rows, apply it to them only, trace it, note what it changed."""
+    rows = [
+        i
+        for i, s in enumerate(batch.states)
+        if not (stage.is_sampling_only and s.params.is_greedy) and stage.applies(s, batch.vocab_size)
+    ]
+    if not rows:
+        return
+    process = stage.prepare(rows, batch)
+    batch.work.update(rows, process)
+    if batch.tracer:
+        batch.tracer.record(stage.name, batch.work.tensor, rows)
+    if not stage.is_sampling_only:
+        modified_rows.update(rows)
+
+
+def _prepare_repetition_penalty(rows: list[int], batch: _StageBatch) -> Process:
+    """Penalize every token already in the prompt or the output, as the row's repetition_penalty asks."""
+    states, device = batch.states, batch.device
+    history = processors.pad_token_ids(
+        [states[i].prompt_token_ids + states[i].output_token_ids for i in rows], batch.vocab_size, device
+    )  # [n, L]
+    penalty = torch.tensor([states[i].params.repetition_penalty for i in rows], device=device)  # [n]
+    return lambda x: processors.apply_repetition_penalty(x, history, penalty)
+
+
+def _prepare_presence_frequency_penalties(rows: list[int], batch: _StageBatch) -> Process:
+    """Subtract OpenAI's presence and frequency penalties, which count the output tokens only."""
+    states, device = batch.states, batch.device
+    outputs = [states[i].output_token_ids for i in rows]
+    generated = processors.pad_token_ids(outputs, batch.vocab_size, device)  # [n, L]
+    presence = torch.tensor([states[i].params.presence_penalty for i in rows], device=device)  # [n]
+    frequency = torch.tensor([states[i].params.frequency_penalty for i in rows], device=device)  # [n]
+    return lambda x: processors.apply_presence_frequency_penalties(x, generated, presence, frequency)
+
+
+def _prepare_logit_bias(rows: list[int], batch: _StageBatch) -> Process:
+    """Add each row's logit_bias, padded to one width so the batch adds them in one op."""
+    biases = [batch.states[i].params.logit_bias or {} for i in rows]
+    bias_ids = processors.pad_token_ids([list(b) for b in biases], batch.vocab_size, batch.device)  # [n, M]
+    width = bias_ids.shape[1]
+    bias_values = torch.tensor(
+        [list(b.values()) + [0.0] * (width - len(b)) for b in biases], dtype=batch.dtype, device=batch.device
+    )  # [n, M], the padding adds 0 to the dropped column
+    return lambda x: processors.apply_logit_bias(x, bias_ids, bias_values)
+
+
+def _prepare_min_tokens(rows: list[int], batch: _StageBatch) -> Process:
+    """Block EOS and the stop tokens until the row has its min_tokens of output."""
+    states, device = batch.states, batch.device
+    blocked = processors.pad_token_ids(
+        [states[i].eos_token_ids + states[i].params.stop_token_ids for i in rows], batch.vocab_size, device
+    )  # [n, M]
+    num_output = torch.tensor([len(states[i].output_token_ids) for i in rows], device=device)  # [n]
+    min_tokens = torch.tensor([states[i].params.min_tokens for i in rows], device=device)  # [n]
+    return lambda x: processors.apply_min_tokens(x, blocked, num_output, min_tokens)
+
+
+def _prepare_grammar(rows: list[int], batch: _StageBatch) -> Process:
+    """Keep only the tokens each row's grammar allows next; the trace notes what that removes before it runs."""
+    masks = torch.stack([batch.states[i].allowed_token_mask for i in rows]).to(batch.device)  # [n, W], from the host
+    allowed = processors.allowed_tokens(masks, batch.vocab_size)  # [n, V]
+    if batch.tracer:
+        batch.tracer.note_grammar(rows, select_rows(batch.work.tensor, rows), allowed)
+    return lambda x: processors.apply_allowed_tokens(x, allowed)
+
+
+def _prepare_temperature(rows: list[int], batch: _StageBatch) -> Process:
+    """Divide by each row's temperature, flattening or sharpening what it draws from."""
+    temperature = torch.tensor([batch.states[i].params.temperature for i in rows], device=batch.device)  # [n]
+    return lambda x: processors.apply_temperature(x, temperature)
+
+
+def _prepare_top_k(rows: list[int], batch: _StageBatch) -> Process:
+    """Keep each row's top_k most likely tokens."""
+    top_k = torch.tensor([batch.states[i].params.top_k for i in rows], device=batch.device)  # [n]
+    return lambda x: processors.apply_top_k(x, top_k)
+
+
+def _prepare_top_p(rows: list[int], batch: _StageBatch) -> Process:
+    """Keep the smallest set of tokens whose probability reaches each row's top_p."""
+    top_p = torch.tensor([batch.states[i].params.top_p for i in rows], device=batch.device)  # [n]
+    return lambda x: processors.apply_top_p(x, top_p)
+
+
+def _prepare_min_p(rows: list[int], batch: _StageBatch) -> Process:
+    """Drop the tokens less likely than min_p times the row's most likely one."""
+    min_p = torch.tensor([batch.states[i].params.min_p for i in rows], device=batch.device)  # [n]
+    return lambda x: processors.apply_min_p(x, min_p)
+
+
+# The stages whose result is the trace's processed logits (TraceCandidate.logit_processed), in order.
+_ADJUSTING_STAGES: tuple[_Stage, ...] = (
+    _Stage("penalty", lambda s, _: _has_repetition_penalty(s), _prepare_repetition_penalty),
+    _Stage("penalty", lambda s, _: _has_presence_or_frequency_penalty(s), _prepare_presence_frequency_penalties),
+    _Stage("bias", lambda s, _: _has_logit_bias(s), _prepare_logit_bias),
+)
+# The stages after them, in order: a greedy row takes the argmax after the grammar, a sampled row draws after min-p.
+_SELECTING_STAGES: tuple[_Stage, ...] = (
+    _Stage(
+        "min_tokens",
+        lambda s, _: holds_stop_tokens(s.params, len(s.output_token_ids), s.eos_token_ids),
+        _prepare_min_tokens,
+    ),
+    _Stage("grammar", lambda s, _: s.allowed_token_mask is not None, _prepare_grammar),
+    _Stage("temperature", lambda s, _: s.params.temperature != 1.0, _prepare_temperature, is_sampling_only=True),
+    _Stage("top_k", lambda s, vocab_size: 0 < s.params.top_k < vocab_size, _prepare_top_k, is_sampling_only=True),
+    _Stage("top_p", lambda s, _: s.params.top_p < 1.0, _prepare_top_p, is_sampling_only=True),
+    _Stage("min_p", lambda s, _: s.params.min_p > 0.0, _prepare_min_p, is_sampling_only=True),
+)
 
 
 class Sampler:
@@ -292,98 +434,18 @@ class Sampler:
         self, logits: torch.Tensor, states: list[SamplingState], tracer: Tracer | None
     ) -> tuple[torch.Tensor, set[int]]:
         """Run the stages; returns the logits to pick from and the rows penalties, bias or min_tokens changed."""
-        vocab_size, device = logits.shape[1], logits.device
         work = _Logits(logits)
+        batch = _StageBatch(states, logits.shape[1], logits.device, logits.dtype, work, tracer)
         modified_rows: set[int] = set()
-
-        def run(stage: str, rows: list[int], process: Callable[[torch.Tensor], torch.Tensor]) -> None:
-            work.update(rows, process)
-            if tracer:
-                tracer.record(stage, work.tensor, rows)
-
         # The processing order (trace.STAGES):
         #   penalties → logit bias → min_tokens blocking → grammar → temperature → top-k → top-p → min-p → draw.
         # Greedy rows (temperature 0) skip temperature and the filters: they take the argmax after the grammar.
-
-        rows = [i for i, s in enumerate(states) if _has_repetition_penalty(s)]
-        if rows:
-            history = processors.pad_token_ids(
-                [states[i].prompt_token_ids + states[i].output_token_ids for i in rows], vocab_size, device
-            )  # [n, L]
-            penalty = torch.tensor([states[i].params.repetition_penalty for i in rows], device=device)  # [n]
-            run("penalty", rows, lambda x: processors.apply_repetition_penalty(x, history, penalty))
-            modified_rows.update(rows)
-
-        rows = [i for i, s in enumerate(states) if _has_presence_or_frequency_penalty(s)]
-        if rows:
-            outputs = [states[i].output_token_ids for i in rows]
-            generated = processors.pad_token_ids(outputs, vocab_size, device)  # [n, L]
-            presence = torch.tensor([states[i].params.presence_penalty for i in rows], device=device)  # [n]
-            frequency = torch.tensor([states[i].params.frequency_penalty for i in rows], device=device)  # [n]
-            run(
-                "penalty",
-                rows,
-                lambda x: processors.apply_presence_frequency_penalties(x, generated, presence, frequency),
-            )
-            modified_rows.update(rows)
-
-        rows = [i for i, s in enumerate(states) if _has_logit_bias(s)]
-        if rows:
-            biases = [states[i].params.logit_bias or {} for i in rows]
-            bias_ids = processors.pad_token_ids([list(b) for b in biases], vocab_size, device)  # [n, M]
-            width = bias_ids.shape[1]
-            bias_values = torch.tensor(
-                [list(b.values()) + [0.0] * (width - len(b)) for b in biases], dtype=logits.dtype, device=device
-            )  # [n, M], the padding adds 0 to the dropped column
-            run("bias", rows, lambda x: processors.apply_logit_bias(x, bias_ids, bias_values))
-            modified_rows.update(rows)
-
+        for stage in _ADJUSTING_STAGES:
+            _run_stage(stage, batch, modified_rows)
         if tracer:
             tracer.keep_processed(work.tensor)
-
-        rows = [
-            i for i, s in enumerate(states) if holds_stop_tokens(s.params, len(s.output_token_ids), s.eos_token_ids)
-        ]
-        if rows:
-            blocked = processors.pad_token_ids(
-                [states[i].eos_token_ids + states[i].params.stop_token_ids for i in rows], vocab_size, device
-            )  # [n, M]
-            num_output = torch.tensor([len(states[i].output_token_ids) for i in rows], device=device)  # [n]
-            min_tokens = torch.tensor([states[i].params.min_tokens for i in rows], device=device)  # [n]
-            run("min_tokens", rows, lambda x: processors.apply_min_tokens(x, blocked, num_output, min_tokens))
-            modified_rows.update(rows)
-
-        rows = [i for i, s in enumerate(states) if s.allowed_token_mask is not None]
-        if rows:
-            masks = torch.stack([states[i].allowed_token_mask for i in rows]).to(device)  # [n, W], from the host
-            allowed = processors.allowed_tokens(masks, vocab_size)  # [n, V]
-            if tracer:
-                tracer.note_grammar(rows, select_rows(work.tensor, rows), allowed)
-            run("grammar", rows, lambda x: processors.apply_allowed_tokens(x, allowed))
-            modified_rows.update(rows)
-
-        sampled = [(i, s.params) for i, s in enumerate(states) if not s.params.is_greedy]
-
-        rows = [i for i, p in sampled if p.temperature != 1.0]
-        if rows:
-            temperature = torch.tensor([states[i].params.temperature for i in rows], device=device)  # [n]
-            run("temperature", rows, lambda x: processors.apply_temperature(x, temperature))
-
-        rows = [i for i, p in sampled if 0 < p.top_k < vocab_size]
-        if rows:
-            top_k = torch.tensor([states[i].params.top_k for i in rows], device=device)  # [n]
-            run("top_k", rows, lambda x: processors.apply_top_k(x, top_k))
-
-        rows = [i for i, p in sampled if p.top_p < 1.0]
-        if rows:
-            top_p = torch.tensor([states[i].params.top_p for i in rows], device=device)  # [n]
-            run("top_p", rows, lambda x: processors.apply_top_p(x, top_p))
-
-        rows = [i for i, p in sampled if p.min_p > 0.0]
-        if rows:
-            min_p = torch.tensor([states[i].params.min_p for i in rows], device=device)  # [n]
-            run("min_p", rows, lambda x: processors.apply_min_p(x, min_p))
-
+        for stage in _SELECTING_STAGES:
+            _run_stage(stage, batch, modified_rows)
         return work.tensor, modified_rows
 
     def uniforms(self, states: list[SamplingState]) -> torch.Tensor:

@@ -28,7 +28,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -384,9 +384,30 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(engine)
     model_name = served_model_name(engine, config)
     serving = OpenAIServing(engine, model_name, metrics)
-    created = int(time.time())
-    static_dir = config.static_dir or DEFAULT_STATIC_DIR
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
+    _add_error_handling(app, config, metrics)
+    check_model = _model_checker(model_name)
+    # Registration order is matching order: the OpenAI routes first, then the other APIs, then the open ones.
+    _add_generation_routes(app, serving, check_model)
+    _add_model_routes(app, engine, serving, model_name, check_model)
+    add_pooling_routes(app, PoolingServing(engine, model_name), check_model, _until_disconnected, CLIENT_CLOSED_REQUEST)
+    add_messages_routes(app, serving, check_model, _until_disconnected, anthropic_error_payload, CLIENT_CLOSED_REQUEST)
+    add_responses_routes(
+        app,
+        serving,
+        check_model,
+        _until_disconnected,
+        error_payload,
+        CLIENT_CLOSED_REQUEST,
+        config.responses_store_size,
+    )
+    add_visualizer_routes(app, engine)
+    _add_service_routes(app, engine, metrics, config.static_dir or DEFAULT_STATIC_DIR)
+    return app
+
+
+def _add_error_handling(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:
+    """Route every error through the one table, and wrap each request in its id, key check and CORS."""
 
     async def on_handled_error(request: Request, error: Exception) -> JSONResponse:
         return error_response(error, request.state.request_id, request.url.path)
@@ -403,6 +424,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             expose_headers=["X-Request-Id"],
         )
 
+
+def _model_checker(model_name: str) -> Callable[[str | None], None]:
+    """One check every API shares, so a request naming another model gets the same 404 on every path."""
+
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ApiError(
@@ -413,14 +438,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "model_not_found",
             )
 
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "tokenriver",
-            "max_model_len": engine.max_model_len,
-        }
+    return check_model
+
+
+def _add_generation_routes(app: FastAPI, serving: OpenAIServing, check_model: Callable[[str | None], None]) -> None:
+    """OpenAI's two generation routes share one path from plan to response, streamed or not."""
 
     async def generate(request: Request, plan: GenerationPlan, kind: str) -> Response:
         """Run a planned completion ("completion") or chat ("chat") request, streaming or not."""
@@ -449,6 +471,26 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         check_model(parsed.model)
         return await generate(request, serving.plan_chat(parsed), "chat")
 
+
+def _add_model_routes(
+    app: FastAPI,
+    engine: AsyncEngine,
+    serving: OpenAIServing,
+    model_name: str,
+    check_model: Callable[[str | None], None],
+) -> None:
+    """The routes that describe the served model and use its tokenizer, without generating."""
+    created = int(time.time())
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tokenriver",
+            "max_model_len": engine.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
@@ -474,18 +516,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def engine_info() -> dict[str, Any]:
         return serving.engine_info()
 
-    add_pooling_routes(app, PoolingServing(engine, model_name), check_model, _until_disconnected, CLIENT_CLOSED_REQUEST)
-    add_messages_routes(app, serving, check_model, _until_disconnected, anthropic_error_payload, CLIENT_CLOSED_REQUEST)
-    add_responses_routes(
-        app,
-        serving,
-        check_model,
-        _until_disconnected,
-        error_payload,
-        CLIENT_CLOSED_REQUEST,
-        config.responses_store_size,
-    )
-    add_visualizer_routes(app, engine)
+
+def _add_service_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, static_dir: str) -> None:
+    """Health, version, metrics and the visualizer's files: the open paths an operator or browser reads."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -516,4 +549,3 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     if os.path.isdir(static_dir):
         app.mount("/static", StaticFiles(directory=static_dir), name="static")
-    return app

@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -338,6 +339,76 @@ class GreedyLoopSpec(ctypes.Structure):
     ]
 
 
+# A compiled function's ctypes signature: its argument types and its return type (None: void).
+Signature = tuple[list[type], type | None]
+
+_int, _float = ctypes.c_int, ctypes.c_float
+_INT4_ARGS = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _int]  # qweight, scales, mins, high bits...
+_INT8_ARGS = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _int]
+# The int8-activation products take the weight's sub-chains (tiles.h's chain_ends) after its sizes.
+_INT4_ROUNDED_ARGS = [*_INT4_ARGS[:7], _ptr, *_INT4_ARGS[7:]]
+_INT8_ROUNDED_ARGS = [*_INT8_ARGS[:5], _ptr, *_INT8_ARGS[5:]]
+# In the order NativeKernels.paged_attention passes them.
+_PAGED_ATTENTION_ARGS = [
+    *(_ptr, _i64, _i64),  # query, its row stride, num_tokens
+    *(_ptr, _i64, _ptr, _i64),  # key and value, each with its row stride
+    *(_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64),  # slot_mapping, the two pools and their sizes
+    *(_ptr, _i64, _i64),  # block_tables and its two dimensions
+    *(_ptr, _i64, _ptr, _i64),  # queries and chunks, each with its count
+    *(_float, _i64, _float),  # scale, window, softcap
+    *(_ptr, _i64),  # out and its row stride
+    *(_int, _int),  # threads, KV cache format
+]
+_SIGNATURES: dict[str, Signature] = {
+    "int4_linear_f32": (_INT4_ARGS, None),
+    "int4_linear_int8x": (_INT4_ROUNDED_ARGS, None),
+    "int8_linear_f32": (_INT8_ARGS, None),
+    "int8_linear_int8x": (_INT8_ROUNDED_ARGS, None),
+    "int4_gemm_f32": (_INT4_ARGS, None),
+    "int8_gemm_f32": (_INT8_ARGS, None),
+    "int4_dequantize": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int], None),
+    "int8_dequantize": ([_ptr, _ptr, _i64, _i64, _i64, _ptr, _int], None),
+    "int4_dequantize_rows": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _int], None),
+    "int8_dequantize_rows": ([_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _int], None),
+    "rms_norm_f32": ([_ptr, _ptr, _ptr, _i64, _i64, _float, _ptr, _int], None),
+    "rotary_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int], None),
+    "silu_mul_f32": ([_ptr, _i64, _i64, _ptr, _int], None),
+    "gelu_tanh_mul_f32": ([_ptr, _i64, _i64, _ptr, _int], None),
+    "argmax_logsumexp_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
+    "paged_attention_supports": ([_i64], _int),
+    "convert_to_int8_supports": ([_int], _int),
+    "convert_to_int8": ([_ptr, _int, _i64, _i64, _ptr, _ptr, _int], _int),
+    "convert_q4_k": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
+    "convert_q5_k": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int], _int),
+    "quantize_int8_groups": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
+    "row_dots_f32": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int], None),
+    "moe_route_f32": ([_ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _int], None),
+    "sigmoid_gate_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
+    "decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], _int),
+    "decoder_greedy_f32": (
+        [ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec), ctypes.POINTER(GreedyLoopSpec)],
+        _int,
+    ),
+    "paged_attention_window_f32": (_PAGED_ATTENTION_ARGS, _int),
+}
+# Compiled only where the compiler targeted AVX512-VNNI (gemm.cpp).
+_GEMM_INT8X_SIGNATURES: dict[str, Signature] = {
+    "int4_gemm_int8x": (_INT4_ROUNDED_ARGS, None),
+    "int8_gemm_int8x": (_INT8_ROUNDED_ARGS, None),
+}
+
+
+def _bind(library: ctypes.CDLL, signatures: dict[str, Signature]) -> dict[str, Any]:
+    """Look up each function once and give it its signature, so ctypes converts and checks every call's arguments."""
+    functions = {}
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = restype
+        functions[name] = function
+    return functions
+
+
 class NativeKernels:
     """Typed wrappers around the compiled functions; every tensor argument must be contiguous and on the CPU.
 
@@ -346,97 +417,13 @@ class NativeKernels:
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        int4_args = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]  # qweight, scales, mins, high bits...
-        int8_args = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int]
-        # The int8-activation products take the weight's sub-chains (tiles.h's chain_ends) after its sizes.
-        int4_rounded_args = [*int4_args[:7], ptr, *int4_args[7:]]
-        int8_rounded_args = [*int8_args[:5], ptr, *int8_args[5:]]
-        signatures = {
-            "int4_linear_f32": (int4_args, None),
-            "int4_linear_int8x": (int4_rounded_args, None),
-            "int8_linear_f32": (int8_args, None),
-            "int8_linear_int8x": (int8_rounded_args, None),
-            "int4_gemm_f32": (int4_args, None),
-            "int8_gemm_f32": (int8_args, None),
-            "int4_dequantize": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
-            "int8_dequantize": ([ptr, ptr, i64, i64, i64, ptr, c_int], None),
-            "int4_dequantize_rows": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int], None),
-            "int8_dequantize_rows": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, c_int], None),
-            "rms_norm_f32": ([ptr, ptr, ptr, i64, i64, c_float, ptr, c_int], None),
-            "rotary_f32": ([ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, c_int], None),
-            "silu_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
-            "gelu_tanh_mul_f32": ([ptr, i64, i64, ptr, c_int], None),
-            "argmax_logsumexp_f32": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
-            "paged_attention_supports": ([i64], c_int),
-            "convert_to_int8_supports": ([c_int], c_int),
-            "convert_to_int8": ([ptr, c_int, i64, i64, ptr, ptr, c_int], c_int),
-            "convert_q4_k": ([ptr, i64, i64, ptr, ptr, ptr, c_int], c_int),
-            "convert_q5_k": ([ptr, i64, i64, ptr, ptr, ptr, ptr, c_int], c_int),
-            "quantize_int8_groups": ([ptr, i64, i64, ptr, ptr, c_int], None),
-            "row_dots_f32": ([ptr, i64, i64, ptr, i64, ptr, c_int], None),
-            "moe_route_f32": ([ptr, i64, i64, i64, c_int, ptr, ptr, c_int], None),
-            "sigmoid_gate_f32": ([ptr, i64, i64, ptr, ptr, c_int], None),
-            "decoder_f32": ([ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec)], c_int),
-            "decoder_greedy_f32": (
-                [ctypes.POINTER(DecoderSpec), ctypes.POINTER(StepSpec), ctypes.POINTER(GreedyLoopSpec)],
-                c_int,
-            ),
-            "paged_attention_window_f32": (
-                [
-                    ptr,
-                    i64,
-                    i64,
-                    ptr,
-                    i64,
-                    ptr,
-                    i64,
-                    ptr,
-                    ptr,
-                    ptr,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    ptr,
-                    i64,
-                    i64,
-                    ptr,
-                    i64,
-                    ptr,
-                    i64,
-                    c_float,
-                    i64,
-                    c_float,
-                    ptr,
-                    i64,
-                    c_int,
-                    c_int,
-                ],
-                c_int,
-            ),
-        }
-        self._functions = {}
-        for name, (argtypes, restype) in signatures.items():
-            function = getattr(library, name)
-            function.argtypes = argtypes
-            function.restype = restype
-            self._functions[name] = function
+        self._functions = _bind(library, _SIGNATURES)
         # The int8-activation GEMM exists only where the compiler targeted AVX512-VNNI (gemm.cpp); elsewhere those
         # products of many rows run the GEMV, in the same arithmetic.
-        library.gemm_int8x_supported.restype = c_int
+        library.gemm_int8x_supported.restype = ctypes.c_int
         self.gemm_int8 = bool(library.gemm_int8x_supported())
-        rounded = (
-            [("int4_gemm_int8x", int4_rounded_args, None), ("int8_gemm_int8x", int8_rounded_args, None)]
-            if self.gemm_int8
-            else []
-        )
-        for name, argtypes, restype in rounded:
-            function = getattr(library, name)
-            function.argtypes = argtypes
-            function.restype = restype
-            self._functions[name] = function
+        if self.gemm_int8:
+            self._functions.update(_bind(library, _GEMM_INT8X_SIGNATURES))
         # Looked up once: these run ~10 times per layer per step.
         self._rms_norm = self._functions["rms_norm_f32"]
         self._rotary = self._functions["rotary_f32"]
