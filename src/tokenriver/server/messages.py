@@ -69,7 +69,7 @@ from tokenriver.server.messages_protocol import (
     ToolChoice,
     ToolUseOut,
 )
-from tokenriver.server.protocol import ChatCompletionRequest
+from tokenriver.server.protocol import ChatCompletionRequest, json_object
 from tokenriver.server.serving import GenerationPlan, OpenAIServing, PromptInput
 from tokenriver.server.tools import request_tools
 from tokenriver.tool_calls import ToolCalling
@@ -133,19 +133,7 @@ def add_messages_routes(
 def parse_body(model: type[M], body: bytes) -> M:
     """Bytes of a JSON body → a validated request; unknown fields are refused naming them and this API's
     ignored fields."""
-    try:
-        data = json.loads(body)
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except RecursionError:
-        raise InvalidParameterError("the request body nests JSON too deeply; send a flatter object") from None
-    except UnicodeEncodeError:
-        raise InvalidParameterError(
-            "the request body holds a lone UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode"
-        ) from None
-    except ValueError as error:
-        raise InvalidParameterError(f"the request body is not valid JSON ({error}); send a JSON object") from None
-    if not isinstance(data, dict):
-        raise InvalidParameterError(f"the request body must be a JSON object, not {type(data).__name__}")
+    data = json_object(body)
     try:
         return model.model_validate(data)
     except ValidationError as error:

@@ -48,8 +48,9 @@ MESSAGE_NOOP_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def parse_request(model: type[BaseModel], body: bytes) -> Any:
-    """Bytes of a JSON body → a validated request model (pydantic.ValidationError or InvalidParameterError)."""
+def json_object(body: bytes) -> dict[str, Any]:
+    """Bytes of a request body → its JSON object, with text that is valid Unicode throughout; every API's routes
+    decode their bodies here, so a malformed body gets the same 400 whichever API it was sent to."""
     try:
         data = json.loads(body)
     except RecursionError:
@@ -63,7 +64,12 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     if not isinstance(data, dict):
         raise InvalidParameterError(f"the request body must be a JSON object, not {type(data).__name__}", param=None)
     _refuse_lone_surrogates(data)
-    data = _drop_noop_fields(data, NOOP_VALUES, IGNORED_FIELDS, "")
+    return data
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> Any:
+    """Bytes of a JSON body → a validated request model (pydantic.ValidationError or InvalidParameterError)."""
+    data = _drop_noop_fields(json_object(body), NOOP_VALUES, IGNORED_FIELDS, "")
     if isinstance(data.get("messages"), list):
         data["messages"] = [
             _drop_noop_fields(m, MESSAGE_NOOP_VALUES, (), f"messages[{i}].") if isinstance(m, dict) else m

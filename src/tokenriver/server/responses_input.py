@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from tokenriver.errors import InvalidParameterError
+from tokenriver.server.protocol import json_object
 from tokenriver.server.responses_protocol import (
     IGNORED_FIELDS,
     INPUT_ITEM_MODELS,
@@ -48,19 +49,7 @@ _UNION_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", 
 
 def parse_responses_request(body: bytes) -> ResponsesRequest:
     """Bytes of a JSON body → a validated request; an unknown top-level field is a 400 naming it."""
-    try:
-        data = json.loads(body)
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except RecursionError:
-        raise InvalidParameterError("the request body nests JSON too deeply; send a flatter object") from None
-    except UnicodeEncodeError:
-        raise InvalidParameterError(
-            "the request body holds a lone UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode"
-        ) from None
-    except ValueError as error:
-        raise InvalidParameterError(f"the request body is not valid JSON ({error}); send a JSON object") from None
-    if not isinstance(data, dict):
-        raise InvalidParameterError(f"the request body must be a JSON object, not {type(data).__name__}")
+    data = json_object(body)
     unknown = [key for key in data if key not in ResponsesRequest.model_fields]
     if unknown:
         raise InvalidParameterError(
