@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tokenriver.trace import StepTrace
+from tokenriver.trace import BeamStep, StepTrace
 
 
 class FinishReason(str, Enum):
@@ -181,6 +181,8 @@ class RequestOutput:
     # such a request generates nothing, so `outputs` is empty.
     embedding: list[float] | None = None
     score: float | None = None
+    # A beam search with SamplingParams.beam_trace only: each step's beams, ranked continuations and survivors.
+    beam_steps: list[BeamStep] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

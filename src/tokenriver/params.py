@@ -197,6 +197,9 @@ class SamplingParams:
     # the best running beam, scored at its current length, cannot beat the worst finished one; "never" stops
     # only when no running beam can possibly do so.
     early_stopping: bool | str = False
+    # Beam search: record every step's beams, their ranked continuations and which survived
+    # (RequestOutput.beam_steps), so a reader sees why the final beams won.
+    beam_trace: bool = False
     # Constrain the output to a JSON schema, regex, choice or grammar (None = free text).
     structured_output: StructuredOutput | None = None
 
@@ -280,7 +283,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 _fail(name, value, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "trace", "trace_stages"):
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "trace",
+            "trace_stages",
+            "beam_trace",
+        ):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be true or false")
         if not _is_int(self.trace_top) or not 1 <= self.trace_top <= 100:
@@ -303,6 +313,8 @@ class SamplingParams:
         if not any(self.early_stopping is value for value in EARLY_STOPPING_VALUES):
             _fail("early_stopping", self.early_stopping, 'must be true, false or "never"')
         if self.beam_width is None:
+            if self.beam_trace:
+                _fail("beam_trace", self.beam_trace, "records a beam search's steps: set beam_width as well")
             return
         if not _is_int(self.beam_width) or self.beam_width < 1:
             _fail("beam_width", self.beam_width, "must be an integer >= 1, or None to turn beam search off")

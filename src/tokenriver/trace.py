@@ -8,6 +8,9 @@ table and the visualizer unchanged.
 Stage names, in the order the sampler applies them, are listed in `STAGES`. With `trace_stages` the trace also
 keeps, for each stage that ran on the row, the candidates' distribution right after it (`TraceStage`): what a
 reader sees is the step itself, not a replay of it.
+
+A beam search has no per-token draw; with `beam_trace` it records a `BeamStep` per step instead: the running beams,
+their best continuations ranked by cumulative log-probability, and which ran on, finished or were pruned.
 """
 
 from __future__ import annotations
@@ -116,4 +119,81 @@ class StepTrace:
             "stages": None
             if self.stages is None
             else [{"name": s.name, "logits": s.logits, "probs": s.probs, "num_kept": s.num_kept} for s in self.stages],
+        }
+
+
+# BeamContinuation.fate values: what one ranked (beam, next token) pair of a beam-search step became.
+BEAM_FATES: tuple[str, ...] = ("running", "finished", "pruned")
+
+
+@dataclass
+class BeamState:
+    """A running beam as a beam-search step found it."""
+
+    # The tokens it generated so far, and the sum of their raw log-probabilities.
+    token_ids: list[int]
+    cumulative_logprob: float
+    # Its text; filled in by the engine, which owns the tokenizer (the beam search leaves "").
+    text: str = ""
+
+
+@dataclass
+class BeamContinuation:
+    """One (beam, next token) pair a beam-search step ranked, and what became of it."""
+
+    # The beam it extends: an index into BeamStep.beams.
+    beam_index: int
+    token_id: int
+    # log p of token_id under the beam's raw distribution, and the beam's cumulative log-probability with it: the
+    # step ranks every continuation of every beam by the latter.
+    logprob: float
+    cumulative_logprob: float
+    # 1-based rank among the step's continuations.
+    rank: int
+    # One of BEAM_FATES. "running": among the `width` best continuations that did not end, it is a beam of the next
+    # step, BeamStep.beams[next_beam_index] there. "finished": it ended (stop token, stop string or max tokens)
+    # among the `width` best and joined the finished hypotheses. "pruned": it fell out of the top `width` (or it
+    # ended, but the finished hypotheses were settled or all scored better).
+    fate: str
+    next_beam_index: int | None = None
+    # Its token's text alone; filled in by the engine.
+    text: str = ""
+
+
+@dataclass
+class BeamStep:
+    """One step of a beam search: the running beams, their best continuations ranked, and who survived."""
+
+    # Tokens every beam had generated before the step (0 = the step that chose the first token).
+    index: int
+    beams: list[BeamState]
+    # The (1 + number of stop tokens) * width best continuations over all beams, best first (the rest rank lower).
+    continuations: list[BeamContinuation]
+    # Finished hypotheses kept after the step (at most `width`), and whether the search ended with it.
+    num_finished: int
+    is_last: bool
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form for the API and the visualizer."""
+        return {
+            "index": self.index,
+            "beams": [
+                {"token_ids": list(b.token_ids), "text": b.text, "cumulative_logprob": b.cumulative_logprob}
+                for b in self.beams
+            ],
+            "continuations": [
+                {
+                    "beam_index": c.beam_index,
+                    "token_id": c.token_id,
+                    "text": c.text,
+                    "logprob": c.logprob,
+                    "cumulative_logprob": c.cumulative_logprob,
+                    "rank": c.rank,
+                    "fate": c.fate,
+                    "next_beam_index": c.next_beam_index,
+                }
+                for c in self.continuations
+            ],
+            "num_finished": self.num_finished,
+            "is_last": self.is_last,
         }

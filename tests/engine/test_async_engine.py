@@ -51,3 +51,22 @@ def test_a_load_error_is_raised_in_the_callers_thread_and_leaves_no_engine_threa
     with pytest.raises(ModelLoadError, match="no such file or folder"):
         AsyncEngine(EngineConfig(model=str(tmp_path / "missing.gguf")))
     assert len(_engine_threads()) == before
+
+
+def test_the_machine_is_measured_once_on_the_engine_thread(monkeypatch, loaded_packed):
+    measured_on: list[str] = []
+    measure = async_engine.measure_machine_rates
+
+    def recording_measure(device: str):
+        measured_on.append(threading.current_thread().name)
+        return measure(device)
+
+    monkeypatch.setattr(async_engine, "measure_machine_rates", recording_measure)
+    engine = AsyncEngine(EngineConfig(max_num_kv_tokens=1024), loaded_packed)
+    try:
+        first = engine.machine_rates()
+        assert engine.machine_rates() is first
+        assert first.result(timeout=30).read_bytes_per_second > 0
+    finally:
+        engine.shutdown(timeout=10)
+    assert measured_on == ["tokenriver-engine"]

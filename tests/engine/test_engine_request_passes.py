@@ -29,7 +29,9 @@ def test_a_request_alone_took_every_pass_the_engine_ran(loaded_default, case):
     (output,) = llm.generate([COPY], params, use_tqdm=False)
     engine_passes = llm.engine.runner.num_forward_passes
     assert output.metrics.num_forward_passes == engine_passes
-    assert all(output.request_id in {row.request_id.split("#")[0] for row in rows} for _, rows in llm.engine.pass_log)
+    assert all(
+        output.request_id in {row.request_id.split("#")[0] for row in entry.rows} for entry in llm.engine.pass_log
+    )
     num_tokens = max(len(sample.token_ids) for sample in output.outputs)
     if case == "greedy":
         assert engine_passes == num_tokens  # the prompt's pass samples the first token

@@ -41,7 +41,7 @@ def test_constrained_output_is_the_same_alone_batched_multi_step_and_cached(load
     batched = _texts(multi_step, [PROMPT, *others], [CONSTRAINED, PLAIN, PLAIN])
     assert batched[0] == reference
     # The constrained request decoded several passes a step, its mask filled before each pass's sampling.
-    passes_after_step = [passes for passes, _ in multi_step.engine.pass_log]
+    passes_after_step = [entry.num_forward_passes for entry in multi_step.engine.pass_log]
     assert any(b - a > 1 for a, b in zip(passes_after_step, passes_after_step[1:]))
     assert _texts(multi_step, [PROMPT], [CONSTRAINED]) == [reference]  # the prompt's blocks come from the cache
     assert multi_step.engine.scheduler.stats().prefix_cache_hit_rate > 0

@@ -11,7 +11,7 @@ from sampling_helpers import make_state, random_logits
 from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.params import SamplingParams
 from tokenriver.sampling import processors
-from tokenriver.sampling.sampler import Sampler, SamplingState
+from tokenriver.sampling.sampler import NUM_DRAW_NEIGHBORS, Sampler, SamplingState
 from tokenriver.trace import STAGES
 
 VOCAB_SIZE = 500
@@ -521,3 +521,23 @@ def test_trace_notes_where_the_draw_landed_in_the_cumulative_distribution():
     assert draw["cdf_start"] <= draw["uniform"] < draw["cdf_end"] + 1e-6
     greedy = new_sampler().sample(logits, [traced(dict(temperature=0.0))])[0]
     assert "draw" not in greedy.trace.extra
+
+
+def test_a_traced_draw_lists_the_nearest_kept_tokens_end_to_end():
+    """extra["draw"]["neighbors"]: the chosen token's span between those of the NUM_DRAW_NEIGHBORS tokens with
+    probability on each side of it in id order, each as wide as its final probability, with no gap between them."""
+    logits = random_logits(1, VOCAB_SIZE, scale=2.0, seed=22)
+    result = new_sampler(4).sample(logits, [traced(dict(temperature=0.9, top_k=60, seed=6))])[0]
+    draw = result.trace.extra["draw"]
+    final = processors.apply_top_k(processors.apply_temperature(logits, torch.tensor([0.9])), torch.tensor([60]))
+    probs = final[0].softmax(dim=0)
+    kept = torch.nonzero(probs > 0).squeeze(1).tolist()
+    at = kept.index(result.token_id)
+    neighbors = draw["neighbors"]
+    assert [n["token_id"] for n in neighbors] == kept[max(0, at - NUM_DRAW_NEIGHBORS) : at + NUM_DRAW_NEIGHBORS + 1]
+    (chosen,) = [n for n in neighbors if n["token_id"] == result.token_id]
+    assert (chosen["cdf_start"], chosen["cdf_end"]) == (draw["cdf_start"], draw["cdf_end"])
+    for left, right in zip(neighbors, neighbors[1:]):
+        assert left["cdf_end"] == right["cdf_start"]
+    for n in neighbors:
+        assert n["cdf_end"] - n["cdf_start"] == pytest.approx(float(probs[n["token_id"]]), abs=1e-6)

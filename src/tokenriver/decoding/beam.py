@@ -22,6 +22,8 @@ The rules are those of transformers' `generate(num_beams=k, do_sample=False)`
   already the best a beam can do). It also ends when every kept continuation is
   finished (max_tokens reached).
 The result is the hypotheses, best score first (transformers' sequences_scores).
+With params.beam_trace each step is also kept as a trace.BeamStep (`steps`): the
+kept continuations ranked, each running on, finished or pruned, as decided here.
 
 Before min_tokens tokens exist, stop tokens (and stop strings) cannot end a
 beam: stop tokens are not candidates at all, as transformers' min_new_tokens
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 
 from tokenriver.outputs import FinishReason, TokenLogprobs
 from tokenriver.params import SamplingParams
+from tokenriver.trace import BeamContinuation, BeamState, BeamStep
 
 
 @dataclass
@@ -120,6 +123,8 @@ class BeamSearch:
         self.is_done = False
         # False once a step found that no running beam can beat the worst hypothesis (it stays False).
         self._is_improvement_possible = True
+        # With params.beam_trace: every step as it was decided.
+        self.steps: list[BeamStep] = []
 
     @property
     def num_generated(self) -> int:
@@ -145,14 +150,16 @@ class BeamSearch:
 
         # Only the `width` best continuations may finish; none once the hypotheses are settled.
         is_full = len(self.finished) == self.width
+        added: dict[int, Hypothesis] = {}
         if self._is_improvement_possible and not (is_full and self.params.early_stopping is True):
-            for candidate, ending in list(zip(kept, endings))[: self.width]:
+            for i, (candidate, ending) in enumerate(list(zip(kept, endings))[: self.width]):
                 if ending is not None:
-                    self._add_hypothesis(self.running[candidate.beam_index], candidate, length, *ending)
+                    added[i] = self._add_hypothesis(self.running[candidate.beam_index], candidate, length, *ending)
 
-        continuations = [
-            self._continue(self.running[c.beam_index], c) for c, ending in zip(kept, endings) if ending is None
-        ][: self.width]
+        unfinished = [i for i, ending in enumerate(endings) if ending is None]
+        continuations = [self._continue(self.running[kept[i].beam_index], kept[i]) for i in unfinished][: self.width]
+        continuing = unfinished[: self.width]
+        parents = self.running
         self.running = [continuation.beam for continuation in continuations]
 
         if len(self.finished) == self.width:
@@ -172,6 +179,8 @@ class BeamSearch:
             or all(ending is not None for ending in endings)
             or not continuations
         )
+        if self.params.beam_trace:
+            self.steps.append(self._record(num_generated, parents, kept, continuing, added))
         return [] if self.is_done else continuations
 
     def best(self, num: int) -> list[Hypothesis]:
@@ -204,6 +213,39 @@ class BeamSearch:
             return FinishReason.LENGTH, None
         return None
 
+    def _record(
+        self,
+        index: int,
+        parents: list[Beam],
+        kept: list[_Candidate],
+        continuing: list[int],
+        added: dict[int, Hypothesis],
+    ) -> BeamStep:
+        """The step as a trace.BeamStep: kept[i] runs on if i is in `continuing`, finished if its hypothesis is
+        still among the finished ones, else it was pruned."""
+        next_beam_index = {i: j for j, i in enumerate(continuing)}
+        entries = []
+        for i, candidate in enumerate(kept):
+            if i in next_beam_index:
+                fate = "running"
+            elif i in added and any(h is added[i] for h in self.finished):
+                fate = "finished"
+            else:
+                fate = "pruned"
+            entries.append(
+                BeamContinuation(
+                    beam_index=candidate.beam_index,
+                    token_id=candidate.token_id,
+                    logprob=candidate.logprob.logprob,
+                    cumulative_logprob=candidate.cumulative_logprob,
+                    rank=i + 1,
+                    fate=fate,
+                    next_beam_index=next_beam_index.get(i),
+                )
+            )
+        beams = [BeamState(list(beam.token_ids), beam.cumulative_logprob) for beam in parents]
+        return BeamStep(index, beams, entries, len(self.finished), self.is_done)
+
     def _continue(self, parent: Beam, candidate: _Candidate) -> Continuation:
         beam = Beam(
             self.new_request_id(),
@@ -215,7 +257,7 @@ class BeamSearch:
 
     def _add_hypothesis(
         self, beam: Beam, candidate: _Candidate, length: int, reason: FinishReason, stop_reason: int | str | None
-    ) -> None:
+    ) -> Hypothesis:
         hypothesis = Hypothesis(
             beam.token_ids + [candidate.token_id],
             beam.logprobs + [candidate.logprob],
@@ -227,6 +269,7 @@ class BeamSearch:
         self.finished.append(hypothesis)
         self.finished.sort(key=lambda h: -h.score)
         del self.finished[self.width :]
+        return hypothesis
 
     def _score(self, cumulative_logprob: float, length: int) -> float:
         return cumulative_logprob / length**self.params.length_penalty

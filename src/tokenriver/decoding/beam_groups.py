@@ -28,6 +28,7 @@ from tokenriver.sched.output import RequestUpdate
 from tokenriver.sched.request import Request
 from tokenriver.sched.scheduler import Scheduler
 from tokenriver.tokenizer.tokenizer import Tokenizer
+from tokenriver.trace import BeamStep
 
 
 @dataclass
@@ -38,6 +39,8 @@ class BeamResult:
     # The n best hypotheses, best score first.
     hypotheses: list[Hypothesis]
     metrics: RequestMetrics
+    # With SamplingParams.beam_trace: every step of the search (else empty).
+    steps: list[BeamStep] = field(default_factory=list)
 
 
 @dataclass
@@ -151,7 +154,7 @@ class BeamGroups:
             return None
         del self._groups[group.request_id]
         group.metrics.finished_time = now
-        return BeamResult(group.request_id, group.search.best(group.params.n), group.metrics)
+        return BeamResult(group.request_id, group.search.best(group.params.n), group.metrics, group.search.steps)
 
     def _finish_beams(self, group: _Group) -> None:
         for beam in group.search.running:

@@ -9,7 +9,9 @@ EngineDeadError instead of hanging.
 
 What other threads may read: `model_info` (fixed at start) and `snapshot()`,
 which the engine thread publishes after every pass of its loop (one reference
-swap, so a reader never sees a half-updated scheduler). A request that finds
+swap, so a reader never sees a half-updated scheduler). `machine_rates()`
+measures the machine once, on the engine thread between two steps, and keeps
+the result (`tokenriver serve` asks for it at start). A request that finds
 max_waiting_requests engine requests already waiting is refused with
 EngineOverloadedError.
 """
@@ -27,8 +29,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from tokenriver.config import EngineConfig
-from tokenriver.engine.core import EngineCore, ModelInfo, PassRow
+from tokenriver.engine.core import EngineCore, ModelInfo, PassLogEntry
 from tokenriver.engine.inspection import inspect_position
+from tokenriver.engine.machine_rates import MachineRates, measure_machine_rates
 from tokenriver.errors import EngineDeadError, EngineOverloadedError
 from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
@@ -71,6 +74,11 @@ class _Inspect:
 
 
 @dataclass
+class _Measure:
+    result: concurrent.futures.Future
+
+
+@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -91,7 +99,9 @@ class AsyncEngine:
         its workers from sleep: single-stream decode ran at less than half the speed of the same engine stepped on
         the thread that loaded it.
         """
-        self._commands: queue.Queue[_Add | _Abort | _Inspect | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Inspect | _Measure | None] = queue.Queue()
+        self._machine_rates: concurrent.futures.Future | None = None
+        self._machine_rates_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
@@ -120,10 +130,10 @@ class AsyncEngine:
     def _take_snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(self.core.scheduler.stats(), self.core.runner.num_forward_passes)
 
-    def recent_passes(self, since: int) -> list[tuple[int, list[PassRow]]]:
+    def recent_passes(self, since: int) -> list[PassLogEntry]:
         """The engine's logged steps whose forward-pass counter is above `since`, oldest first: which requests
-        shared each pass (the visualizer's timeline). Safe from any thread: the log is copied, again if the
-        engine thread appended meanwhile."""
+        shared each pass and how long it took (the visualizer's timeline and roofline). Safe from any thread: the
+        log is copied, again if the engine thread appended meanwhile."""
         for _ in range(3):
             try:
                 entries = list(self.core.pass_log)
@@ -132,7 +142,19 @@ class AsyncEngine:
                 continue
         else:
             entries = []
-        return [(counter, rows) for counter, rows in entries if counter > since]
+        return [entry for entry in entries if entry.num_forward_passes > since]
+
+    def machine_rates(self) -> concurrent.futures.Future[MachineRates]:
+        """The machine's read bandwidth and arithmetic rate (engine/machine_rates.py). Measured once, on the engine
+        thread between two steps so that no pass competes with it and it runs on the engine's threads; the first
+        call queues the measurement and every call shares its result."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}")
+        with self._machine_rates_lock:
+            if self._machine_rates is None:
+                self._machine_rates = concurrent.futures.Future()
+                self._commands.put(_Measure(self._machine_rates))
+            return self._machine_rates
 
     def check_structured_output(self, spec: StructuredOutput) -> None:
         """Compile a constraint's grammar in the calling thread (cached for the engine thread); raises
@@ -206,7 +228,13 @@ class AsyncEngine:
         self._commands.put(None)
         self._thread.join(timeout)
 
-    def _handle(self, command: _Add | _Abort | _Inspect) -> None:
+    def _handle(self, command: _Add | _Abort | _Inspect | _Measure) -> None:
+        if isinstance(command, _Measure):
+            try:
+                command.result.set_result(measure_machine_rates(self.core.config.device))
+            except Exception as error:  # a failed measurement goes back to whoever asks; the engine runs on
+                command.result.set_exception(error)
+            return
         if isinstance(command, _Inspect):
             try:
                 command.result.set_result(

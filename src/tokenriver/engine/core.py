@@ -27,6 +27,7 @@ from tokenriver.decoding.speculative import Speculator, build_speculator
 from tokenriver.distributed.launch import start_tensor_parallel
 from tokenriver.engine.memory import MemoryAccount, memory_account
 from tokenriver.engine.output_processor import OutputProcessor
+from tokenriver.engine.token_cost import TokenCost, token_cost
 from tokenriver.errors import InvalidParameterError, RequestNotFoundError
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache, bytes_per_block
@@ -36,7 +37,7 @@ from tokenriver.params import PoolingParams, SamplingParams
 from tokenriver.prompts import check_prompt
 from tokenriver.runner.model_runner import ModelRunner
 from tokenriver.sampling.grammar import GrammarCompiler, GrammarMatchers
-from tokenriver.sched.output import SchedulerStats
+from tokenriver.sched.output import SchedulerOutput, SchedulerStats
 from tokenriver.sched.request import Request
 from tokenriver.sched.scheduler import Scheduler
 
@@ -94,6 +95,8 @@ class ModelInfo:
     # The process's resident memory by part once the engine was built (engine/memory.py), one line for the startup
     # log; empty where it cannot be read.
     memory: str = ""
+    # What a token and a pass cost: parameters, multiply-adds, bytes read (engine/token_cost.py); zeros where uncounted.
+    token_cost: TokenCost = TokenCost(0, 0, 0, 0, 0, 0)
 
 
 @dataclass(slots=True)
@@ -106,6 +109,24 @@ class PassRow:
     # True while the request is still computing its prompt (prefill); False for a decode row.
     is_prompt: bool
     num_draft_tokens: int = 0
+    # Positions of the request's context after the pass: the K/V its attention read, this pass's own included.
+    num_context_tokens: int = 0
+    # Rows the output layer computed logits for: 1 where the pass samples it (plus one per draft token), 0 for a
+    # prompt chunk short of the prompt's end.
+    num_logit_rows: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PassLogEntry:
+    """One step in the pass log: the requests its forward pass carried and how long the pass took."""
+
+    # Forward passes of the model run since start, after this step: the pass's number.
+    num_forward_passes: int
+    rows: list[PassRow]
+    # Wall seconds of the runner's execute: the forward pass, the output layer and the sampling of its rows.
+    seconds: float
+    # Forward passes the step ran: 1, or more in a multi-step step (num_scheduler_steps), timed together.
+    num_passes: int = 1
 
 
 # Steps the engine remembers for GET /v1/visualizer/passes: enough for a few generations, bounded memory.
@@ -251,6 +272,7 @@ class EngineCore:
         self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
         self.last_step: StepStats | None = None
         account = self.memory_account()
+        kv_bytes_per_token = self.kv_cache.num_bytes // (num_blocks * config.block_size)
         self.model_info = ModelInfo(
             path=self.loaded.path,
             vocab_size=model_config.vocab_size,
@@ -269,14 +291,15 @@ class EngineCore:
             speculative_draft=config.speculative_draft,
             num_speculative_tokens=config.num_speculative_tokens,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-            kv_bytes_per_token=self.kv_cache.num_bytes // (num_blocks * config.block_size),
+            kv_bytes_per_token=kv_bytes_per_token,
             is_causal=model_config.is_causal,
             hidden_size=model_config.hidden_size,
             num_labels=model_config.num_labels,
             memory="" if account is None else account.describe(),
+            token_cost=token_cost(self.loaded, kv_bytes_per_token),
         )
-        # (forward-pass counter after the step, its rows): which requests shared each recent step's pass.
-        self.pass_log: deque[tuple[int, list[PassRow]]] = deque(maxlen=PASS_LOG_LENGTH)
+        # Which requests shared each recent step's pass, and how long it took.
+        self.pass_log: deque[PassLogEntry] = deque(maxlen=PASS_LOG_LENGTH)
 
     def add_request(
         self,
@@ -444,30 +467,19 @@ class EngineCore:
         started = time.perf_counter()
         draft_probs = self.speculator.propose(self.scheduler) if self.speculator is not None else {}
         scheduler_output = self.scheduler.schedule()
+        num_passes_before, pass_started = self.runner.num_forward_passes, time.perf_counter()
         runner_output = self.runner.execute(scheduler_output, draft_probs)
+        self._log_pass(scheduler_output, num_passes_before, time.perf_counter() - pass_started)
         updates = self.scheduler.update(scheduler_output, runner_output)
         updates, beam_results = self.beam_groups.process(updates)
         outputs, stopped = self.output_processor.process(updates)
         for request_id, stop in stopped:
             self.scheduler.finish_request(request_id, FinishReason.STOP, stop)
-        outputs += [self.output_processor.beam_output(r.request_id, r.hypotheses, r.metrics) for r in beam_results]
+        outputs += [
+            self.output_processor.beam_output(r.request_id, r.hypotheses, r.metrics, r.steps) for r in beam_results
+        ]
         if self.speculator is not None:
             self.speculator.drop_finished(self.scheduler)
-        if not scheduler_output.is_empty:
-            self.pass_log.append(
-                (
-                    self.runner.num_forward_passes,
-                    [
-                        PassRow(
-                            r.request_id,
-                            len(r.token_ids),
-                            r.start_position < len(r.prompt_token_ids),
-                            len(r.draft_token_ids),
-                        )
-                        for r in scheduler_output.scheduled
-                    ],
-                )
-            )
         self.last_step = StepStats(
             self.scheduler.stats(),
             time.perf_counter() - started,
@@ -475,6 +487,24 @@ class EngineCore:
             self._num_draft_forward_passes(),
         )
         return outputs
+
+    def _log_pass(self, scheduler_output: SchedulerOutput, num_passes_before: int, seconds: float) -> None:
+        """Append the step's pass to the pass log: each request's share, and the pass's wall time."""
+        if scheduler_output.is_empty:
+            return
+        rows = [
+            PassRow(
+                r.request_id,
+                len(r.token_ids),
+                r.start_position < len(r.prompt_token_ids),
+                len(r.draft_token_ids),
+                num_context_tokens=r.start_position + r.num_scheduled_tokens,
+                num_logit_rows=1 + len(r.draft_token_ids) if r.sample and r.pooling_params is None else 0,
+            )
+            for r in scheduler_output.scheduled
+        ]
+        num_forward_passes = self.runner.num_forward_passes
+        self.pass_log.append(PassLogEntry(num_forward_passes, rows, seconds, num_forward_passes - num_passes_before))
 
     def memory_account(self) -> MemoryAccount | None:
         """The process's resident memory by part now (engine/memory.py); None where it cannot be read."""

@@ -5,8 +5,9 @@ end a request the scheduler could not see end, so they are reported back),
 logprob dicts with token text, trace token text, and fanning n / best_of
 candidates of one user request back into a single RequestOutput. A beam search
 has no stream of deltas (its beams change until the end): its one output is
-built from the finished hypotheses (`beam_output`). A pooling request has no
-text either: its one output carries the embedding or score it finished with.
+built from the finished hypotheses (`beam_output`), with the text of its
+recorded steps' tokens (beam_trace). A pooling request has no text either: its
+one output carries the embedding or score it finished with.
 
 Invariant: for every candidate, the concatenation of the streamed `delta_text`
 equals the final `text`.
@@ -34,6 +35,7 @@ from tokenriver.sched.output import RequestUpdate
 from tokenriver.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenriver.tokenizer.stop_strings import StopStringChecker
 from tokenriver.tokenizer.tokenizer import Tokenizer
+from tokenriver.trace import BeamStep
 
 
 @dataclass
@@ -132,8 +134,11 @@ class OutputProcessor:
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params, candidates={}
         )
 
-    def beam_output(self, request_id: str, hypotheses: list[Hypothesis], metrics: RequestMetrics) -> RequestOutput:
-        """The final output of a beam search: one candidate per hypothesis, best first; forgets the request."""
+    def beam_output(
+        self, request_id: str, hypotheses: list[Hypothesis], metrics: RequestMetrics, steps: list[BeamStep]
+    ) -> RequestOutput:
+        """The final output of a beam search: one candidate per hypothesis, best first, and its recorded steps
+        (beam_trace) with their text; forgets the request."""
         user = self._requests.pop(request_id)
         params = user.params
         outputs = []
@@ -172,7 +177,17 @@ class OutputProcessor:
             outputs=outputs,
             finished=True,
             metrics=metrics,
+            beam_steps=self._name_beam_steps(steps) if params.beam_trace else None,
         )
+
+    def _name_beam_steps(self, steps: list[BeamStep]) -> list[BeamStep]:
+        """Fill in the text of each step's beams and continuations (the beam search knows only ids)."""
+        for step in steps:
+            for beam in step.beams:
+                beam.text = self.tokenizer.decode(beam.token_ids)
+            for continuation in step.continuations:
+                continuation.text = self.tokenizer.token_text(continuation.token_id)
+        return steps
 
     def remove_request(self, request_id: str) -> list[str]:
         """Forget a user request (aborted); returns its engine request ids."""
@@ -258,6 +273,9 @@ class OutputProcessor:
         for trace in update.new_traces:
             for candidate_token in trace.candidates:
                 candidate_token.text = self.tokenizer.token_text(candidate_token.token_id)
+            draw = trace.extra.get("draw")
+            for neighbor in draw["neighbors"] if isinstance(draw, dict) else []:
+                neighbor["text"] = self.tokenizer.token_text(neighbor["token_id"])
             if output.trace is not None:
                 output.trace.append(trace)
         new_text = candidate.detokenizer.add_tokens(update.new_token_ids) if update.new_token_ids else ""

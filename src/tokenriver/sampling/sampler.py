@@ -41,6 +41,8 @@ __all__ = ["DraftCheck", "SampleResult", "Sampler", "SamplingState", "VerifyResu
 
 # prompt_logprobs compares every row against the whole vocabulary: chunks bound the [rows, V] temporaries.
 PROMPT_LOGPROBS_CHUNK = 256
+# A traced draw lists this many tokens with probability on each side of the chosen one (in token-id order).
+NUM_DRAW_NEIGHBORS = 4
 
 
 class _Logits:
@@ -469,7 +471,10 @@ def _note_draws(
     uniforms: torch.Tensor,
 ) -> None:
     """StepTrace.extra["draw"] of each traced sampled row: its uniform and the span of the cumulative distribution
-    (in token-id order, the order _draw walks) its token covers, so a reader can see where the draw landed."""
+    (in token-id order, the order draw_rows walks) its token covers, so a reader can see where the draw landed;
+    "neighbors": the spans of the NUM_DRAW_NEIGHBORS tokens with probability on each side of it, the chosen one
+    included, laid end to end from the chosen span's edges (the tokens between them have probability 0; text
+    filled in by the engine)."""
     for j, row in enumerate(rows):
         trace = traces.get(row)
         if trace is None:
@@ -478,4 +483,19 @@ def _note_draws(
         chosen = int(token_ids[row])
         start = float(probs[:chosen].sum())
         end = start + float(probs[chosen])
-        trace.extra["draw"] = {"uniform": float(uniforms[j]), "cdf_start": start, "cdf_end": end}
+        kept = torch.nonzero(probs > 0).squeeze(1)  # [num_kept] token ids, ascending
+        at = int(torch.searchsorted(kept, torch.tensor(chosen, device=kept.device)))
+        before = kept[max(0, at - NUM_DRAW_NEIGHBORS) : at].tolist()
+        after = kept[at + 1 : at + 1 + NUM_DRAW_NEIGHBORS].tolist()
+        spans = [(chosen, start, end)]
+        for token_id in reversed(before):
+            spans.insert(0, (token_id, spans[0][1] - float(probs[token_id]), spans[0][1]))
+        for token_id in after:
+            spans.append((token_id, spans[-1][2], spans[-1][2] + float(probs[token_id])))
+        neighbors = [{"token_id": t, "text": "", "cdf_start": a, "cdf_end": b} for t, a, b in spans]
+        trace.extra["draw"] = {
+            "uniform": float(uniforms[j]),
+            "cdf_start": start,
+            "cdf_end": end,
+            "neighbors": neighbors,
+        }

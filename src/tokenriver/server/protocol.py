@@ -12,8 +12,8 @@ integers fit 64 bits, the one range every consumer shares).
 
 Extensions (vLLM's sampling fields, tokenriver's `trace`, `metrics`,
 `token_ids`, beam search's `beam_width` / `length_penalty` / `early_stopping`
-and `beam_score`) are left out of a response when they are None, so a plain
-OpenAI client sees OpenAI's shape.
+/ `beam_trace` and `beam_score` / `beam_steps`) are left out of a response
+when they are None, so a plain OpenAI client sees OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -213,6 +213,9 @@ class SamplingFields(Request):
     beam_width: Int64 | None = None
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
+    # tokenriver extension: with beam_width, the response's beam_steps records every step of the search (its
+    # beams, their ranked continuations, which ran on, finished or were pruned). Not with stream.
+    beam_trace: bool | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
@@ -434,7 +437,7 @@ class CompletionChoice(Response):
     finish_reason: str | None = None
     # vLLM extension: the stop string or stop token id that matched.
     stop_reason: str | int | None = _omit_none()
-    # tokenriver extensions (chunks only: token_ids).
+    # tokenriver extensions (token_ids: with trace or beam_trace).
     token_ids: list[int] | None = _omit_none()
     trace: list[dict[str, Any]] | None = _omit_none()
     # Beam search: the beam's length-normalized score (transformers' sequences_scores).
@@ -449,6 +452,8 @@ class CompletionResponse(Response):
     choices: list[CompletionChoice]
     usage: Usage | None = _omit_none()
     metrics: RequestMetricsInfo | None = _omit_none()
+    # beam_trace: one list of beam-search steps per prompt (trace.BeamStep.to_dict), in the prompts' order.
+    beam_steps: list[list[dict[str, Any]]] | None = _omit_none()
 
 
 class TopLogprob(Response):
@@ -508,6 +513,8 @@ class ChatCompletionResponse(Response):
     choices: list[ChatChoice]
     usage: Usage
     metrics: RequestMetricsInfo | None = _omit_none()
+    # beam_trace: the beam search's steps (trace.BeamStep.to_dict).
+    beam_steps: list[dict[str, Any]] | None = _omit_none()
 
 
 class FunctionCallDelta(Response):

@@ -97,6 +97,9 @@ def run_server(
     # 262k-token vocabulary is hundreds of thousands) on every full collection the requests trigger.
     gc.freeze()
     try:
+        # Queued now, so the engine thread measures the machine while idle, before the first request (a fraction
+        # of a second): the visualizer's roofline is ready when the page opens.
+        engine.machine_rates()
         app = build_app(engine, server_config)
         url = server_url(server_config.host, sock.getsockname()[1])
         logger.info("loaded in %.1f s: %s", time.monotonic() - started, _describe(engine))

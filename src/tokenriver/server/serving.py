@@ -427,7 +427,7 @@ class OpenAIServing:
                         logprobs=logprobs,
                         finish_reason=_finish_reason(candidate),
                         stop_reason=candidate.stop_reason,
-                        token_ids=list(candidate.token_ids) if plan.params.trace else None,
+                        token_ids=list(candidate.token_ids) if plan.params.trace or plan.params.beam_trace else None,
                         trace=_trace(candidate, 0) if plan.params.trace else None,
                         beam_score=candidate.beam_score,
                     )
@@ -439,6 +439,7 @@ class OpenAIServing:
             choices=choices,
             usage=usage(finals),
             metrics=self._combined_metrics(finals),
+            beam_steps=[_beam_steps(output) for output in finals] if plan.params.beam_trace else None,
         )
 
     def chat_response(self, plan: GenerationPlan, finals: list[RequestOutput]) -> ChatCompletionResponse:
@@ -470,6 +471,7 @@ class OpenAIServing:
             choices=choices,
             usage=usage(finals),
             metrics=self.request_metrics(output),
+            beam_steps=_beam_steps(output) if plan.params.beam_trace else None,
         )
 
     async def completion_chunks(
@@ -798,7 +800,13 @@ def sampling_params(
         "beam_width": request.beam_width,
         "length_penalty": request.length_penalty,
         "early_stopping": request.early_stopping,
+        "beam_trace": request.beam_trace,
     }
+    if request.beam_trace and request.stream:
+        raise InvalidParameterError(
+            "beam_trace comes with the whole response, once the search has ended: send stream: false",
+            param="beam_trace",
+        )
     found = structured_output(request)
     if found is not None:
         fields["structured_output"] = found[1]
@@ -878,6 +886,10 @@ def _finish_reason(candidate: CompletionOutput) -> str | None:
 
 def _trace(candidate: CompletionOutput, start: int) -> list[dict[str, Any]]:
     return [step.to_dict() for step in (candidate.trace or [])[start:]]
+
+
+def _beam_steps(output: RequestOutput) -> list[dict[str, Any]]:
+    return [step.to_dict() for step in output.beam_steps or []]
 
 
 def _text_length(positions: list[tuple[int, PositionLogprobs | None]]) -> int:

@@ -429,7 +429,7 @@ function stagePhase(trace, stage) {
   ]);
 }
 
-/** The uniform on a 0–1 bar, over the chosen token's span of the cumulative distribution. */
+/** The uniform on the cumulative distribution and, zoomed in, the chosen token's span among its neighbours'. */
 function drawPhase(trace, token) {
   const draw = trace.extra && trace.extra.draw;
   if (!draw) {
@@ -439,37 +439,6 @@ function drawPhase(trace, token) {
       }),
     ]);
   }
-  const width = 600;
-  const x = (v) => v * width;
-  const svg = svgEl(
-    "svg",
-    {
-      viewBox: `0 0 ${width} 40`,
-      class: "cdf",
-      preserveAspectRatio: "none",
-      role: "img",
-      "aria-label": `u = ${draw.uniform.toFixed(4)} in the span ${draw.cdf_start.toFixed(4)} to ${draw.cdf_end.toFixed(4)}`,
-    },
-    [
-      svgEl("rect", { x: 0, y: 10, width, height: 20, class: "cdf-track" }),
-      svgEl("rect", {
-        x: x(draw.cdf_start),
-        y: 10,
-        width: Math.max(2, x(draw.cdf_end - draw.cdf_start)),
-        height: 20,
-        class: "cdf-span",
-        "data-testid": "cdf-span",
-      }),
-      svgEl("line", {
-        x1: x(draw.uniform),
-        x2: x(draw.uniform),
-        y1: 2,
-        y2: 38,
-        class: "cdf-u",
-        "data-testid": "cdf-u",
-      }),
-    ],
-  );
   return phaseItem("draw", "4. The random draw", [
     el("p", {
       "data-testid": "stepper-draw",
@@ -480,7 +449,7 @@ function drawPhase(trace, token) {
         `u = ${draw.uniform.toFixed(4)}. Laid end to end in token-id order, the final probabilities fill 0 to 1; ` +
         `u lands in “${visibleText(token.text)}”'s span [${draw.cdf_start.toFixed(4)}, ${draw.cdf_end.toFixed(4)}).`,
     }),
-    svg,
+    draw.neighbors ? cdfAroundDraw(trace, draw) : null,
   ]);
 }
 

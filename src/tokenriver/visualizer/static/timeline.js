@@ -50,9 +50,12 @@ function passRowsOf(branch) {
   return (id && timeline.rowsByRequest.get(id)) || [];
 }
 
-/** The engine's request id is `<response id>-<prompt index>`, plus `#<choice>` for each of n samples. */
+/**
+ * The engine's request id is `<response id>-<prompt index>`, plus `#<choice>` for each of n samples or
+ * `#beam<j>` for each beam of a beam search (its beams share its lane).
+ */
 function laneLabel(requestId) {
-  const match = /^(.*)-(\d+)(?:#(\d+))?$/.exec(requestId);
+  const match = /^(.*)-(\d+)(?:#(\d+)|#beam\d+)?$/.exec(requestId);
   if (!match) return "another request";
   const label = timeline.requestLabels.get(match[1]);
   if (label === undefined) return "another request";
@@ -86,6 +89,7 @@ async function fetchPassesOnce() {
     const body = await apiJson(`/v1/visualizer/passes?since=${timeline.lastPass}`);
     if (body.passes.length) {
       timeline.passes = timeline.passes.concat(body.passes).slice(-TIMELINE_PASSES);
+      addCostPasses(body.passes);
       for (const pass of body.passes) {
         for (const row of pass.rows) {
           if (!timeline.rowsByRequest.has(row.request_id)) timeline.rowsByRequest.set(row.request_id, []);

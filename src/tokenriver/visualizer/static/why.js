@@ -316,10 +316,95 @@ function speculativeNote(trace) {
 function drawNote(trace) {
   const draw = trace.extra && trace.extra.draw;
   if (!draw) return null;
-  return el("p", { class: "hint", "data-testid": "why-draw" }, [
-    `Random draw: u = ${draw.uniform.toFixed(4)} landed in this token's span [${draw.cdf_start.toFixed(4)}, ` +
-      `${draw.cdf_end.toFixed(4)}) of the cumulative final distribution (tokens in id order).`,
+  return el("div", { class: "draw-note" }, [
+    el("p", { class: "hint", "data-testid": "why-draw" }, [
+      `Random draw: u = ${draw.uniform.toFixed(4)} landed in this token's span [${draw.cdf_start.toFixed(4)}, ` +
+        `${draw.cdf_end.toFixed(4)}) of the cumulative final distribution (tokens in id order).`,
+    ]),
+    draw.neighbors ? cdfAroundDraw(trace, draw) : null,
   ]);
+}
+
+/**
+ * The whole vocabulary's cumulative distribution as one 0–1 bar with u on it, and under it a zoom around u: the
+ * chosen token's span between its neighbours' (the tokens with probability nearest it in id order, as the sampler
+ * recorded them). The zoom's scale is the neighbours' spans' own, so a narrow span is still visible.
+ */
+function cdfAroundDraw(trace, draw) {
+  const width = 600;
+  const spans = draw.neighbors;
+  return el("div", { class: "cdf-zoom", "data-testid": "draw-cdf" }, [
+    svgEl(
+      "svg",
+      {
+        viewBox: `0 0 ${width} 62`,
+        class: "cdf cdf-two",
+        preserveAspectRatio: "none",
+        role: "img",
+        "aria-label":
+          `u = ${draw.uniform.toFixed(4)} on the cumulative distribution from 0 to 1; zoomed in around it, ` +
+          spans.map((s) => `“${s.text}” ${s.cdf_start.toFixed(5)} to ${s.cdf_end.toFixed(5)}`).join(", "),
+      },
+      cdfShapes(trace, draw, width),
+    ),
+    el(
+      "ol",
+      { class: "cdf-spans", "aria-label": "the tokens around u, in id order" },
+      spans.map((span) =>
+        el("li", { class: span.token_id === trace.chosen_token_id ? "chosen" : "" }, [
+          el("span", { class: "tok-text", text: visibleText(span.text) }),
+          ` [${span.cdf_start.toFixed(5)}, ${span.cdf_end.toFixed(5)})`,
+        ]),
+      ),
+    ),
+    el("p", {
+      class: "hint",
+      text:
+        "Top: the whole vocabulary's cumulative distribution (0 to 1) with u. Below: the shaded stretch around u, " +
+        "zoomed in: the chosen token's span (teal) between its neighbours' in token-id order.",
+    }),
+  ]);
+}
+
+/** The 0–1 bar with u (top) and the zoomed neighbours' spans with u (bottom), in a `width`-wide view box. */
+function cdfShapes(trace, draw, width) {
+  const spans = draw.neighbors;
+  const lo = Math.min(spans[0].cdf_start, draw.uniform);
+  const hi = Math.max(spans[spans.length - 1].cdf_end, draw.uniform);
+  const zoom = (v) => ((v - lo) / Math.max(hi - lo, 1e-12)) * width;
+  const shapes = [
+    svgEl("rect", { x: 0, y: 4, width, height: 14, class: "cdf-track" }),
+    svgEl("rect", { x: lo * width, y: 4, width: Math.max(2, (hi - lo) * width), height: 14, class: "cdf-zoomed" }),
+    svgEl("line", { x1: draw.uniform * width, x2: draw.uniform * width, y1: 0, y2: 22, class: "cdf-u" }),
+  ];
+  for (const span of spans) {
+    const x = zoom(span.cdf_start);
+    const w = Math.max(1, zoom(span.cdf_end) - x);
+    const label = `“${visibleText(span.text)}” (id ${span.token_id}): [${span.cdf_start}, ${span.cdf_end})`;
+    shapes.push(
+      svgEl(
+        "rect",
+        {
+          x,
+          y: 34,
+          width: w,
+          height: 22,
+          class: span.token_id === trace.chosen_token_id ? "cdf-span" : "cdf-neighbor",
+          "data-testid": "cdf-neighbor",
+          "data-token-id": span.token_id,
+          "data-cdf-start": span.cdf_start,
+          "data-cdf-end": span.cdf_end,
+        },
+        [svgEl("title", { text: label })],
+      ),
+    );
+    if (w > 30) {
+      shapes.push(svgEl("text", { x: x + 3, y: 49, class: "cdf-label", text: visibleText(span.text).slice(0, 10) }));
+    }
+  }
+  const u = zoom(draw.uniform);
+  shapes.push(svgEl("line", { x1: u, x2: u, y1: 28, y2: 60, class: "cdf-u" }));
+  return shapes;
 }
 
 function whyBars(step, trace) {
