@@ -152,6 +152,7 @@ def worker_main(
         device,
         config.quantization,
         int8_activations=config.resolved_int8_activations,
+        kquant_layout=False,  # the layouts shard_model cuts, as rank 0 loads them (engine/core.py)
     )
     group = TensorParallelGroup.connect(rank, config.tensor_parallel_size, init_method, device)
     try:

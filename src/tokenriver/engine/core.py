@@ -212,6 +212,8 @@ class EngineCore:
                 config.device,
                 config.quantization,
                 int8_activations=int8_activations,
+                # Tensor parallelism shards the int4/int8 layouts (loader/load.py).
+                kquant_layout=False if config.tensor_parallel_size > 1 else None,
             )
         )
         if int8_activations is not None and self.loaded.int8_activations != int8_activations:

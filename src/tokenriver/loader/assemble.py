@@ -30,6 +30,7 @@ from tokenriver.errors import InvalidParameterError, ModelLoadError
 from tokenriver.loader.weight_memory import release_freed_heap
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.kquant import KQuantLinear, KQuantRecords, concatenate_records
 from tokenriver.models.quant import (
     Int4Linear,
     Int4Weight,
@@ -46,7 +47,7 @@ from tokenriver.models.quant import (
 from tokenriver.models.registry import model_class
 from tokenriver.models.row_chains import split_row_chains
 
-QuantWeight = Int4Weight | Int8Weight
+QuantWeight = Int4Weight | Int8Weight | KQuantRecords
 Weight = torch.Tensor | QuantWeight
 # "auto": keep what the file stores (GGUF quantized types stay packed, float stays float); "none": everything float
 # (the reference the tests compare with transformers); "int8"/"int4": also quantize float matrices at load.
@@ -249,6 +250,8 @@ def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]], empty: 
 
 
 def _storage(weight: Weight) -> int:
+    if isinstance(weight, KQuantRecords):
+        return weight.records.untyped_storage().data_ptr()
     return (weight if isinstance(weight, torch.Tensor) else weight.qweight).untyped_storage().data_ptr()
 
 
@@ -261,7 +264,10 @@ class _Trimmer:
 
     def made(self, weight: Weight) -> None:
         """Count `weight`, made just now (its scratch, or the parts it was made of, freed)."""
-        tensors = [weight] if isinstance(weight, torch.Tensor) else [weight.qweight, weight.scales]
+        if isinstance(weight, KQuantRecords):
+            tensors = [weight.records]
+        else:
+            tensors = [weight] if isinstance(weight, torch.Tensor) else [weight.qweight, weight.scales]
         self._made += sum(tensor.nbytes for tensor in tensors)
         if self._made >= _TRIM_EVERY_BYTES:
             release_freed_heap()
@@ -275,8 +281,11 @@ def _stack(parts: list[Weight], empty: Allocate) -> Weight:
     first = parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return cat_rows(parts, empty)
+    if all(isinstance(p, KQuantRecords) for p in parts):
+        return concatenate_records(parts, empty)
     if all(
-        not isinstance(p, torch.Tensor) and type(p) is type(first) and p.group_size == first.group_size for p in parts
+        isinstance(p, (Int4Weight, Int8Weight)) and type(p) is type(first) and p.group_size == first.group_size
+        for p in parts
     ):
         return concatenate(parts, empty)
     return concatenate([piece for part in parts for piece in _int8_pieces(part)], empty)
@@ -301,11 +310,19 @@ def _int8_pieces(weight: Weight) -> list[Int8Weight]:
         exact = [exact_int8(chunk) for chunk in chunks]
         if all(piece is not None for piece in exact):  # exact for every row: exact for the whole
             return exact
-    return [quantize_int8(dequantize_packed(chunk).float(), INT8_GROUP_SIZE) for chunk in chunks]
+    return [
+        quantize_int8(
+            (chunk.dequantize() if isinstance(chunk, KQuantRecords) else dequantize_packed(chunk)).float(),
+            INT8_GROUP_SIZE,
+        )
+        for chunk in chunks
+    ]
 
 
 def _rows(weight: QuantWeight, start: int, stop: int) -> QuantWeight:
     """Rows [start, stop) of a packed weight (row-major layout), as views."""
+    if isinstance(weight, KQuantRecords):
+        return weight.rows(start, stop)
     if isinstance(weight, Int8Weight):
         return Int8Weight(weight.qweight[start:stop], weight.scales[start:stop], weight.group_size)
     high_bits = None if weight.high_bits is None else weight.high_bits[start:stop]
@@ -359,7 +376,7 @@ def _install_quantized(
         module_name = name.removesuffix(".weight")
         _check_shape(model, module_name, table, misfit)
         model.set_submodule(module_name, QuantizedEmbedding(_quantized_linear(table, None, device), dtype))
-    installed: dict[int, Int4Linear | Int8Linear] = {}  # id(weight) → its layer
+    installed: dict[int, Int4Linear | Int8Linear | KQuantLinear] = {}  # id(weight) → its layer
     trim = _Trimmer()
     for name in [n for n, w in weights.items() if not isinstance(w, torch.Tensor) and n != _EMBEDDING]:
         module_name = name.removesuffix(".weight")
@@ -389,8 +406,10 @@ def _check_shape(
 
 def _quantized_linear(
     weight: QuantWeight, bias: torch.Tensor | None, device: str | torch.device
-) -> Int4Linear | Int8Linear:
+) -> Int4Linear | Int8Linear | KQuantLinear:
     bias = None if bias is None else bias.to(device)
+    if isinstance(weight, KQuantRecords):
+        return KQuantLinear(weight.to(device), bias)
     if isinstance(weight, Int4Weight) and weight.high_bits is not None and torch.device(device).type != "cpu":
         # The GPU kernel reads 4-bit codes: 5-bit ones (Q5_0) go there as the int8 codes they equal.
         weight = _as_int8(weight)

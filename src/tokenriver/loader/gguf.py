@@ -48,10 +48,11 @@ from tokenriver.errors import ModelLoadError
 from tokenriver.loader import gguf_arch as families
 from tokenriver.loader import gguf_cache
 from tokenriver.loader.assemble import check_shapes, fused_groups
-from tokenriver.loader.gguf_blocks import CONVERSIONS, FIVE_BIT, native_layout, to_packed
+from tokenriver.loader.gguf_blocks import CONVERSIONS, FIVE_BIT, PackedWeight, native_layout, to_packed
 from tokenriver.loader.gguf_header import GGUFHeaderError, check_layout, is_big_endian, read_header
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.config import ModelConfig
+from tokenriver.models.kquant import KQuantRecords, concatenate_records
 from tokenriver.models.quant import Int4Weight, Int8Weight, concatenate
 from tokenriver.models.registry import canonical_architecture
 
@@ -147,6 +148,7 @@ def read_gguf(
     cache_dir: str | None = None,
     empty: Allocate = heap_empty,
     opened: GGUFFile | None = None,
+    kquant: bool = False,
 ) -> GGUFCheckpoint:
     """Parse a GGUF file; raise ModelLoadError saying what is wrong with it otherwise.
 
@@ -158,6 +160,7 @@ def read_gguf(
     memory.
     opened: the file as open_gguf gave it (the loader reads the header first, to build the tokenizer before the
     weights); its tokenizer_fields are whatever it still holds.
+    kquant: with keep_quantized, Q4_K, Q5_K and Q6_K matrices stay at their own size (models/kquant.py).
     """
     opened = open_gguf(path, cache_dir) if opened is None else opened
     fields, tensor_list, mapped = opened.fields, opened.tensors, opened.mapped
@@ -178,14 +181,14 @@ def read_gguf(
     }  # those are folded into config.rope_scaling
     _check_tensors(path, config, named)
     groups = fused_groups(config.architecture, list(named)) if keep_quantized else []
-    allocators = _fused_allocators(groups, named, empty)
+    allocators = _fused_allocators(groups, named, empty, kquant)
     parts = {name for group in groups for name in group}
     weights, stored_types = {}, {}
     for name, tensor in named.items():
         stored_types[name] = tensor.tensor_type.name
         if keep_quantized and tensor.tensor_type in CONVERSIONS and len(tensor.shape) == 2:
             allocate = allocators.get(name, heap_empty if name in parts else empty)
-            weights[name] = _repack(path, tensor, gguf_arch, config, allocate, mapped)
+            weights[name] = _repack(path, tensor, gguf_arch, config, allocate, mapped, kquant)
         else:
             weights[name] = families.as_hf_shape(name, _dequantize(path, tensor, gguf_arch, config).to(dtype))
             if families.stores_norm_plus_one(gguf_arch, tensor.name):
@@ -634,7 +637,8 @@ def _repack(
     config: ModelConfig,
     empty: Allocate,
     mapped: _MappedFile,
-) -> Int4Weight | Int8Weight:
+    kquant: bool,
+) -> PackedWeight:
     """One quantized matrix → packed weight, rows in PyTorch's order. Rows the q/k permutation moved are put back
     before converting: groups run along a row, so moving whole rows of the file's blocks leaves every block intact."""
     data = np.asarray(tensor.data)
@@ -643,44 +647,50 @@ def _repack(
         data = data[_unpermute_rope_rows(torch.arange(data.shape[0]), heads).numpy()]  # [N, row bytes], a copy
         mapped.release(tensor.data)
     try:
-        return _convert_in_chunks(data, tensor.tensor_type, empty, mapped)
+        return _convert_in_chunks(data, tensor.tensor_type, empty, mapped, kquant)
     except ModelLoadError as error:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {error.message}", path=path) from error
 
 
 def _convert_in_chunks(
-    data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, empty: Allocate, mapped: _MappedFile
-) -> Int4Weight | Int8Weight:
+    data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, empty: Allocate, mapped: _MappedFile, kquant: bool
+) -> PackedWeight:
     """to_packed over chunks of rows of at most _CHUNK_BYTES, each converted into its rows of the whole and its
     pages of the file dropped then, so that a large matrix (a vocabulary's embedding) never has all of its file
     pages resident at once. Every rule converts rows independently, so the result is that of one call."""
     rows_per_chunk = max(1, _CHUNK_BYTES // max(1, data.shape[-1]))
     if data.ndim != 2 or data.shape[0] <= rows_per_chunk:
-        return to_packed(data, tensor_type, empty=empty)
+        return to_packed(data, tensor_type, empty=empty, kquant=kquant)
     starts = range(0, data.shape[0], rows_per_chunk)
     whole = _FusedRows([min(rows_per_chunk, data.shape[0] - start) for start in starts], empty)
     parts = []
     for index, start in enumerate(starts):
         chunk = data[start : start + rows_per_chunk]
-        parts.append(to_packed(chunk, tensor_type, empty=whole.allocator(index)))
+        parts.append(to_packed(chunk, tensor_type, empty=whole.allocator(index), kquant=kquant))
         mapped.release(chunk)
     if len({(type(part), getattr(part, "high_bits", None) is None) for part in parts}) > 1:
         # A rule that picks its format from the values (Q5_0 keeps int8 codes where a scale is huge) picked
         # differently for some chunks: the whole matrix at once, as one call picks.
-        return to_packed(data, tensor_type, empty=empty)
+        return to_packed(data, tensor_type, empty=empty, kquant=kquant)
+    if isinstance(parts[0], KQuantRecords):
+        return concatenate_records(parts, empty)
     return concatenate(parts, empty)
 
 
-def _fused_allocators(groups: list[list[str]], named: dict[str, _Tensor], empty: Allocate) -> dict[str, Allocate]:
+def _fused_allocators(
+    groups: list[list[str]], named: dict[str, _Tensor], empty: Allocate, kquant: bool
+) -> dict[str, Allocate]:
     """For each fused projection (`groups`: its parts' names) whose parts all convert natively to one packed format
-    over the same in_features: the allocator each part converts with, handing it its rows of the whole."""
+    over the same in_features (K-quants at their own size: of one type, whose fields are alike): the allocator each
+    part converts with, handing it its rows of the whole."""
     allocators: dict[str, Allocate] = {}
     for names in groups:
         parts = [named[name] for name in names]
-        layouts = {native_layout(part.tensor_type) for part in parts}
+        layouts = {native_layout(part.tensor_type, kquant) for part in parts}
         if (
             None in layouts
             or len(layouts) > 1
+            or (KQuantRecords in layouts and len({part.tensor_type for part in parts}) > 1)
             or any(len(part.shape) != 2 for part in parts)
             or len({part.shape[0] for part in parts}) > 1
         ):  # GGUF order: shape[0] is in_features

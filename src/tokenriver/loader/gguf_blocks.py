@@ -17,8 +17,9 @@ VNNI path. So each type is mapped once, at load, onto one of those, rows kept, w
 | Q6_K, other IQ types   |                             |                                                           |
 
 "float16" rows: the product of two stored factors is rounded once to float16 (relative error at most 2^-11 of
-the scale, far below the format's own step). "Dequantized, then rounded": the types whose groups are 16 wide do
-not fit either layout exactly; rounding their values to int8
+the scale, far below the format's own step). With `kquant` (the loader's default where the CPU kernels run them, loader/load.py), Q4_K, Q5_K and Q6_K instead
+stay at their own size and exact (models/kquant.py; `to_kquant`). "Dequantized, then rounded": the types whose
+groups are 16 wide do not fit either layout exactly; rounding their values to int8
 per 32 adds at most half a step of max|w| / 127 per group (benchmarks/results/gguf_types.md measures the
 perplexity of each). `CONVERSIONS` says which rule each type gets; the loader logs it at startup.
 """
@@ -32,12 +33,14 @@ import numpy as np
 import torch
 
 from tokenriver.errors import ModelLoadError
+from tokenriver.loader.kquant_blocks import KQUANT_TYPES, unpack_kquant
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.cpu import convert
+from tokenriver.models.kquant import CENTRED_OFFSET, KQuantRecords, RecordLayout, pack_records
 from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q8_0
 
 Q = gguf.GGMLQuantizationType
-PackedWeight = Int4Weight | Int8Weight
+PackedWeight = Int4Weight | Int8Weight | KQuantRecords
 GROUP = 32
 FLOAT16_MAX = 65504.0
 # Rows dequantized at a time by the re-quantizing conversions: bounds the float32 scratch to a few MiB.
@@ -307,7 +310,11 @@ ALLOCATED: dict[gguf.GGMLQuantizationType, Callable[[np.ndarray, Allocate], Pack
 
 
 def to_packed(
-    data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: bool = True, empty: Allocate = heap_empty
+    data: np.ndarray,
+    tensor_type: gguf.GGMLQuantizationType,
+    native: bool = True,
+    empty: Allocate = heap_empty,
+    kquant: bool = False,
 ) -> PackedWeight:
     """One quantized matrix's raw bytes [N, row bytes] → its packed weight [N, K] (rows in the file's order).
 
@@ -315,7 +322,10 @@ def to_packed(
     bit, in one pass over the bytes); the numpy one otherwise.
     empty: makes the output tensors (the loader's weight arena) of the native rules and of ALLOCATED's; the other
     numpy rules make their own.
+    kquant: Q4_K, Q5_K and Q6_K stay at their own size (models/kquant.py) instead of the table's conversions.
     """
+    if kquant and tensor_type in KQUANT_TYPES:
+        return to_kquant(data, tensor_type, native, empty)
     layout = native_layout(tensor_type) if native else None
     converter = convert.load()
     data = np.asarray(data)
@@ -356,11 +366,44 @@ def to_packed(
     return CONVERSIONS[tensor_type][0](data)
 
 
-def native_layout(tensor_type: gguf.GGMLQuantizationType) -> type[Int4Weight] | type[Int8Weight] | None:
+def to_kquant(
+    data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, native: bool = True, empty: Allocate = heap_empty
+) -> KQuantRecords:
+    """A K-quant matrix's bytes → its row records (models/kquant.py): models/cpu/csrc/kquant.cpp's converter, into a
+    tensor `empty` makes, where it runs; models/kquant.py's numpy rule packed else (the same bytes)."""
+    data = np.asarray(data)
+    is_q6 = tensor_type == Q.Q6_K
+    layout = RecordLayout(
+        num_high=2 if is_q6 else int(tensor_type == Q.Q5_K), scale_group=16 if is_q6 else 32, has_mins=not is_q6
+    )
+    converter = convert.load() if native else None
+    block_bytes = KQUANT_TYPES[tensor_type]
+    records = None
+    if (
+        converter is not None
+        and data.dtype == np.uint8
+        and data.ndim == 2
+        and data.flags.c_contiguous
+        and data.shape[1] % block_bytes == 0
+        and data.shape[1] > 0
+    ):
+        records = converter.kquant(data, int(tensor_type), data.shape[1] // block_bytes * 256, layout, empty)
+    if records is None:
+        return pack_records(unpack_kquant(data, tensor_type), empty)
+    offsets = torch.full((data.shape[0],), CENTRED_OFFSET if is_q6 else 0, dtype=torch.uint8)
+    return KQuantRecords(records, offsets, layout)
+
+
+def native_layout(
+    tensor_type: gguf.GGMLQuantizationType, kquant: bool = False
+) -> type[Int4Weight] | type[Int8Weight] | type[KQuantRecords] | None:
     """The packed weight that to_packed makes of this GGUF type into the tensors its allocator hands out, in groups
     of 32 with float16 scales (Q4_0, Q4_1, Q4_K: int4, Q5_0: int4 with fifth bits; the types convert_to_int8
-    takes: int8); None where a numpy rule makes its own tensors, or, for the native converters' types, there are
-    no native kernels."""
+    takes: int8); with kquant, the K-quants at their own size; None where a numpy rule makes its own tensors, or,
+    for the native converters' types, there are no native kernels."""
+    if kquant and tensor_type in KQUANT_TYPES:
+        converter = convert.load()
+        return KQuantRecords if converter is not None and converter.kernels.kquant else None
     if tensor_type in (Q.Q4_0, Q.Q4_1):
         return Int4Weight
     converter = convert.load()
@@ -371,7 +414,10 @@ def native_layout(tensor_type: gguf.GGMLQuantizationType) -> type[Int4Weight] | 
     return Int8Weight if converter.converts_to_int8(tensor_type) else None
 
 
-def conversion_of(type_name: str) -> str:
-    """How a stored GGUF type is kept in memory, for the startup log ("float" for unquantized types)."""
+def conversion_of(type_name: str, kquant: bool = False) -> str:
+    """How a stored GGUF type is kept in memory, for the startup log ("float" for unquantized types); kquant: as
+    to_packed's kquant keeps it."""
     tensor_type = Q.__members__.get(type_name)
+    if kquant and tensor_type in KQUANT_TYPES:
+        return "at its own size, exact"
     return CONVERSIONS[tensor_type][1] if tensor_type in CONVERSIONS else "float"

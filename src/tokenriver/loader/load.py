@@ -39,7 +39,9 @@ from tokenriver.loader.tokenizer_files import tokenizer_from_folder, tokenizer_f
 from tokenriver.loader.weight_memory import WeightArena, huge_pages_available, move_into_arena, release_freed_heap
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.config import ModelConfig
-from tokenriver.models.quant import Int4Linear, Int8Linear
+from tokenriver.models.fast_path import cpu_keeps_kquant
+from tokenriver.models.kquant import KQuantLinear
+from tokenriver.models.quant import Int8Linear, QuantizedLinear
 from tokenriver.process_memory import read_status
 from tokenriver.tokenizer.tokenizer import Tokenizer
 
@@ -129,6 +131,7 @@ def load_model(
     quantization: str = "auto",
     cache_dir: str | None = None,
     int8_activations: bool | None = False,
+    kquant_layout: bool | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer from a .gguf file or a Hugging Face folder (None = the default model).
 
@@ -140,16 +143,21 @@ def load_model(
     exactly where the model has quantized layers (the engine's default).
     cache_dir: where a GGUF file's header index is cached (loader/gguf_cache.py; None: $XDG_CACHE_HOME/tokenriver
     or ~/.cache/tokenriver).
+    kquant_layout: keep Q4_K, Q5_K and Q6_K at their own size (models/kquant.py), whose products round activations
+    to int8; None: wherever that is the arithmetic asked for (int8_activations not False) and the CPU runs them,
+    the weights on it. Tensor parallelism shards the int4/int8 layouts, and asks for them (False).
     """
     if dtype not in _DTYPES:
         raise InvalidParameterError(f"dtype={dtype!r} is not supported: use 'float32' or 'bfloat16'", param="dtype")
     check_quantization(quantization)
     path = default_model_path() if path is None else os.fspath(path)
+    if kquant_layout is None:
+        kquant_layout = int8_activations is not False and cpu_keeps_kquant(torch.device(device))
     with _one_thread(), _without_gc():
-        loaded = _load(path, _DTYPES[dtype], device, quantization, cache_dir)
+        loaded = _load(path, _DTYPES[dtype], device, quantization, cache_dir, kquant_layout)
     if int8_activations is False:
         return loaded
-    layers = [m for m in loaded.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
     if not layers:
         if int8_activations is None:
             return loaded
@@ -164,7 +172,9 @@ def load_model(
     return dataclasses.replace(loaded, int8_activations=True)
 
 
-def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, cache_dir: str | None) -> LoadedModel:
+def _load(
+    path: str, torch_dtype: torch.dtype, device: str, quantization: str, cache_dir: str | None, kquant: bool
+) -> LoadedModel:
     if not os.path.isdir(path) and not os.path.isfile(path):
         raise ModelLoadError(
             f"{path}: no such file or folder; pass a .gguf file, a Hugging Face model folder "
@@ -180,7 +190,7 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
     except ModelLoadError:
         # The file may be wrong in a more basic way too (no model of a known architecture, tensors that do not fit
         # its config): that is the error to report, so the weights are read for it before the tokenizer's.
-        checkpoint = _checkpoint(path, opened, torch_dtype, quantization, cache_dir, heap_empty)
+        checkpoint = _checkpoint(path, opened, torch_dtype, quantization, cache_dir, heap_empty, kquant)
         _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype, heap_empty)
         raise
     clock.done("tokenizer")
@@ -188,7 +198,7 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
     # "int8" and "int4" quantize again what the reader makes: made in the arena, those first copies would stay there.
     empty = arena.empty if arena is not None and quantization not in ("int8", "int4") else heap_empty
     try:
-        checkpoint = _checkpoint(path, opened, torch_dtype, quantization, cache_dir, empty)
+        checkpoint = _checkpoint(path, opened, torch_dtype, quantization, cache_dir, empty, kquant)
         clock.done("tensors")
         model = _build(checkpoint.config, checkpoint.weights, device, path, quantization, torch_dtype, empty)
         clock.done("build")
@@ -204,7 +214,7 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
     num_parameters, bytes_by_format = _count_weights(model)
     stored_types: dict[str, tuple[int, str]] = {}
     for name in getattr(checkpoint, "stored_types", {}).values():
-        how = conversion_of(name)
+        how = conversion_of(name, kquant)
         how = "dequantized" if quantization == "none" and how != "float" else how
         stored_types[name] = (stored_types.get(name, (0, how))[0] + 1, how)
     after = read_status()
@@ -228,7 +238,13 @@ def _load(path: str, torch_dtype: torch.dtype, device: str, quantization: str, c
 
 
 def _checkpoint(
-    path: str, opened: GGUFFile | None, dtype: torch.dtype, quantization: str, cache_dir: str | None, empty: Allocate
+    path: str,
+    opened: GGUFFile | None,
+    dtype: torch.dtype,
+    quantization: str,
+    cache_dir: str | None,
+    empty: Allocate,
+    kquant: bool,
 ) -> GGUFCheckpoint | HFCheckpoint:
     """The weights and config of a Hugging Face folder (`opened` None) or of the opened GGUF file."""
     if opened is None:
@@ -236,7 +252,13 @@ def _checkpoint(
 
         return read_hf_folder(path, dtype)
     return read_gguf(
-        path, dtype, keep_quantized=quantization != "none", cache_dir=cache_dir, empty=empty, opened=opened
+        path,
+        dtype,
+        keep_quantized=quantization != "none",
+        cache_dir=cache_dir,
+        empty=empty,
+        opened=opened,
+        kquant=kquant,
     )
 
 
@@ -272,7 +294,9 @@ class _PhaseClock:
         self._last = now
 
 
-def _bits(module: Int4Linear | Int8Linear) -> str:
+def _bits(module: QuantizedLinear) -> str:
+    if isinstance(module, KQuantLinear):
+        return "K-quant"
     if isinstance(module, Int8Linear):
         return "int8"
     return "int4" if module.high_bits is None else "int5"
@@ -284,15 +308,13 @@ def _count_weights(model: nn.Module) -> tuple[int, dict[str, int]]:
     num_parameters = 0
     bytes_by_format: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8Linear)):
-            packed = [module.qweight, module.scales]
-            if isinstance(module, Int4Linear):
-                packed += [module.mins] + ([] if module.high_bits is None else [module.high_bits])
+        if isinstance(module, QuantizedLinear):
+            packed = [t for name, t in module.named_buffers(recurse=False) if name != "bias" and t is not None]
             if module.qweight.data_ptr() in seen:
                 continue
             seen.add(module.qweight.data_ptr())
             num_parameters += module.in_features * module.out_features
-            kind = f"{_bits(module)} per {module.group_size}"
+            kind = _bits(module) if isinstance(module, KQuantLinear) else f"{_bits(module)} per {module.group_size}"
             bytes_by_format[kind] = bytes_by_format.get(kind, 0) + sum(t.numel() * t.element_size() for t in packed)
             tensors = [] if module.bias is None else [module.bias]
         else:

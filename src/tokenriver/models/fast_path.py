@@ -36,9 +36,9 @@ class PackedProducts(Protocol):
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor | None:
         """Float32 rows [len(row_ids), K] of the weight (a tied embedding's lookup)."""
 
-    def row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-        """(qweight, scales, mins, high_bits) row after row where the path keeps the layer's packing in another
-        layout (the CPU's row tiles); None where the layer's buffers are the row-major ones."""
+    def row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | torch.Tensor:
+        """The packing row after row where the path keeps it in another layout (the CPU's row tiles): (qweight,
+        scales, mins, high_bits) of an int4/int8 layer, the row records of a K-quant one (models/kquant.py)."""
 
 
 class FastPath(Protocol):
@@ -102,3 +102,12 @@ def fast_path_for(device: torch.device | str) -> FastPath | None:
 
         return cuda.load()
     return None
+
+
+def cpu_keeps_kquant(device: torch.device | str) -> bool:
+    """Whether K-quant weights on `device` run at their own size (models/kquant.py): a CPU whose native kernels have
+    the instructions their products need; elsewhere the loader keeps the int4/int8 layouts."""
+    if torch.device(device).type != "cpu":
+        return False
+    fast = cpu.load()
+    return fast is not None and fast.keeps_kquant()

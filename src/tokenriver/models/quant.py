@@ -364,7 +364,11 @@ def gemm_rounding(rounded_arithmetic: bool, in_features: int, device: torch.devi
 
 
 class QuantizedLinear(nn.Module):
-    """What Int4Linear and Int8Linear share: backend choice, bias, reshaping, output dtype."""
+    """What Int4Linear and Int8Linear share (and models/kquant.py's KQuantLinear): backend choice, bias, reshaping,
+    output dtype."""
+
+    # Which packed format the buffers hold: "int4" (with int5), "int8" or "kquant"; a fast path binds by it.
+    packing: str
 
     def __init__(
         self,
@@ -555,6 +559,8 @@ def _resolve_backend(backend: Backend, device: torch.device) -> Backend:
 class Int4Linear(QuantizedLinear):
     """Linear layer over an Int4Weight; see the module docstring for backends."""
 
+    packing = "int4"
+
     def __init__(
         self,
         weight: Int4Weight,
@@ -616,6 +622,8 @@ class QuantizedEmbedding(nn.Module):
 
 class Int8Linear(QuantizedLinear):
     """Linear layer over an Int8Weight; see the module docstring for backends."""
+
+    packing = "int8"
 
     def __init__(
         self,

@@ -12,7 +12,9 @@ soft-capped attention and mixture-of-experts MLPs stay on the modules.
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from tokenriver.models.config import ModelConfig
 from tokenriver.models.cpu.decoder import NativeDecoder
 from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.gemma import GemmaForCausalLM
+from tokenriver.models.kquant import KQuantLinear, concatenate_kquant
 from tokenriver.models.llama import LlamaForCausalLM
 from tokenriver.models.phi3 import Phi3ForCausalLM
 from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
@@ -490,3 +493,58 @@ def test_a_mixture_of_experts_with_a_quantized_router_stays_on_the_module_path()
     layer = model.model.layers[1]
     layer.mlp.gate = Int8Linear(quantize_int8(layer.mlp.gate.weight, 32))
     assert NativeDecoder.build(model.model.layers) is None
+
+
+def kquant_tiny_model() -> LlamaForCausalLM:
+    """Two layers whose projections are K-quant weights at their own size (models/kquant.py): Q4_K, Q5_K, Q6_K and
+    a q/k/v stacked of Q4_K and Q6_K parts, as a Q4_K_M file mixes them; int8 activations, the engine's default."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models: kquant_weights
+    from kquant_weights import random_kquant
+
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=96,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+    )
+    model = randomize(LlamaForCausalLM(config))
+    kinds = {"qkv_proj": "Q4_K", "o_proj": "Q5_K", "gate_up_proj": "Q4_K", "down_proj": "Q6_K"}
+    for i, layer in enumerate(model.model.layers):
+        for owner, name in (
+            (layer.self_attn, "qkv_proj"),
+            (layer.self_attn, "o_proj"),
+            (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj"),
+        ):
+            rows, cols = getattr(owner, name).weight.shape
+            if name == "qkv_proj" and i == 1:
+                weight = concatenate_kquant(
+                    [random_kquant(rows - 64, cols, "Q4_K", i), random_kquant(64, cols, "Q6_K", i)]
+                )
+            else:
+                weight = random_kquant(rows, cols, kinds[name], seed=10 * i + len(name))
+            setattr(owner, name, KQuantLinear(weight, int8_activations=True))
+    for module in model.modules():
+        if isinstance(module, KQuantLinear):
+            module.set_int8_activations(True)
+    return model.eval()
+
+
+@pytest.mark.skipif(load_kernels() is None or not load_kernels().kquant, reason="K-quant kernels need AVX512-VNNI")
+def test_k_quant_layers_run_natively_with_the_module_paths_bits():
+    model = kquant_tiny_model()
+    for ours, reference in zip(
+        run_steps(model, REQUESTS, STEPS, native=True), run_steps(model, REQUESTS, STEPS, native=False)
+    ):
+        assert torch.equal(ours, reference)
+    assert count_native_steps(model, REQUESTS, STEPS) == len(STEPS)
+    requests = [[(5 * i + 3 * r) % 96 for i in range(12)] for r in range(16)]  # GEMM-sized decode batches
+    steps = [[8] * 16, [1] * 16, [2] * 16]
+    for ours, reference in zip(
+        run_steps(model, requests, steps, native=True), run_steps(model, requests, steps, native=False)
+    ):
+        assert torch.equal(ours, reference)

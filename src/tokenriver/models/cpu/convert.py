@@ -4,6 +4,8 @@ loader/gguf_blocks.py, bit for bit (tests/loader/test_gguf_blocks.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -34,6 +36,15 @@ class NativeConverter:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Q5_K rows → (qweight, scales, mins, high_bits) of a 5-bit Int4 packing in groups of 32."""
         return self.kernels.convert_q5_k(blocks, in_features, default_num_threads(), empty)
+
+    def kquant(
+        self, blocks: np.ndarray, gguf_type: int, in_features: int, layout: Any, empty: Allocate
+    ) -> torch.Tensor | None:
+        """Q4_K, Q5_K or Q6_K rows → their row records (models/kquant.py's RecordLayout `layout`), or None where the
+        CPU does not run K-quants at their own size."""
+        if not self.kernels.kquant:
+            return None
+        return self.kernels.convert_kquant(blocks, gguf_type, in_features, layout, default_num_threads(), empty)
 
     def to_int8(
         self, blocks: np.ndarray, gguf_type: int, in_features: int, empty: Allocate

@@ -65,6 +65,7 @@ from tokenriver.models.cpu.kernels import (
 )
 from tokenriver.models.cpu.tiles import Tiles
 from tokenriver.models.gemma import GemmaDecoderLayer
+from tokenriver.models.kquant import KQuantLinear
 from tokenriver.models.llama import LlamaDecoderLayer
 from tokenriver.models.moe import SparseMoeBlock
 from tokenriver.models.phi3 import Phi3DecoderLayer
@@ -76,8 +77,10 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotary_dim // 2]
 
 def linear_spec(linear: nn.Module) -> LinearSpec | None:
     """The layer as decoder.cpp runs it, or None if it has no native kernel (not a quantized layer bound to the
-    native products, whose binding moved its buffers into row tiles). ValueError if its buffers do not hold what
-    its shape says (kernels.check_tiles)."""
+    native products, whose binding moved its buffers into row tiles; a K-quant layer with exact float32
+    activations). ValueError if its buffers do not hold what its shape says (kernels.check_tiles)."""
+    if isinstance(linear, KQuantLinear):
+        return _kquant_spec(linear)
     if (
         not isinstance(linear, (Int4Linear, Int8Linear))
         or linear.backend != "native"
@@ -115,6 +118,27 @@ def linear_spec(linear: nn.Module) -> LinearSpec | None:
         ROUNDINGS.index(linear.gemm_rounding),
         None if linear.chain_ends is None else linear.chain_ends.data_ptr(),
     )
+
+
+def _kquant_spec(linear: KQuantLinear) -> LinearSpec | None:
+    """A K-quant layer's LinearSpec: its tiles (the binding's, checked there) in the kquant field, the rest sizes;
+    None unless its products are the native int8-activation ones."""
+    packed = linear.packed
+    if not isinstance(packed, cpu_fast_path.NativeKQuantPacked) or packed.gemv is None or packed.gemm is None:
+        return None
+    if linear.bias is not None:
+        check_elements("a linear layer", "bias", linear.bias, torch.float32, linear.out_features)
+    spec = LinearSpec(
+        bias=None if linear.bias is None else linear.bias.data_ptr(),
+        out_features=linear.out_features,
+        in_features=linear.in_features,
+        group_size=linear.group_size,
+        max_gemv_rows=linear.max_gemv_rows,
+        int8_activations=1,
+        gemm_rounding=ROUNDINGS.index("int8"),
+        kquant=ctypes.pointer(packed.spec),  # the binding's, alive as long as the layer is bound
+    )
+    return spec
 
 
 def _is_index_array(array: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from tokenriver.config import default_num_threads
 from tokenriver.kv.cache import head_dim_of
 from tokenriver.models.cpu import tiles
 from tokenriver.models.cpu.kernels import (
+    KQuantSpec,
     NativeKernels,
     Reductions,
     is_contiguous_f32,
@@ -167,8 +168,16 @@ class CpuFastPath:
         float32). The kernels take the columns in runs of 32."""
         return "int8" if rounded_arithmetic and in_features % 32 == 0 else None
 
-    def bind_packed(self, layer: nn.Module) -> NativePacked | None:
-        return NativePacked(self.kernels, layer) if layer.qweight.is_cpu else None
+    def bind_packed(self, layer: nn.Module) -> NativePacked | NativeKQuantPacked | None:
+        if not layer.qweight.is_cpu:
+            return None
+        if layer.packing == "kquant":
+            return NativeKQuantPacked(self.kernels, layer) if self.kernels.kquant else None
+        return NativePacked(self.kernels, layer)
+
+    def keeps_kquant(self) -> bool:
+        """Whether K-quant weights run here at their own size (models/kquant.py): the CPU has the instructions."""
+        return self.kernels.kquant
 
     def quantize_int8_groups(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """quant.quantize_int8's codes and scales for groups of 32 on float32 rows, in one pass."""
@@ -239,6 +248,47 @@ class NativePacked:
     def row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The packing row after row (qweight, scales, mins, high_bits), as the layer was given it."""
         return tiles.untile(self.tiles)
+
+
+class NativeKQuantPacked:
+    """A K-quant layer's records (models/kquant.py) bound to kquant.cpp's products: NativePacked's contract, for
+    the int8-activation arithmetic only (with exact float32 activations the definition computes the product)."""
+
+    def __init__(self, kernels: NativeKernels, layer: nn.Module) -> None:
+        self.kernels = kernels
+        self.max_gemv_rows = layer.max_gemv_rows
+        if layer.layout == "rows":
+            tiled = tiles.tile_kquant(layer.records(), in_place=True)
+            layer.adopt("tiles", qweight=tiled.records)
+        self.tiles = tiles.KTiles(
+            layer.qweight,
+            tiles.offset_masks(layer.offsets),
+            layer.record_layout,
+            layer.out_features,
+            layer.in_features,
+            layer.chain_ends,
+        )
+        # What decoder.cpp's Linear points to (models/cpu/decoder.py), alive with this binding.
+        self.spec = KQuantSpec.of(self.tiles)
+        self.gemv = kernels.bind_kquant(self.tiles, many_rows=False) if layer.int8_activations else None
+        self.gemm = kernels.bind_kquant(self.tiles, many_rows=True) if layer.gemm_rounding == "int8" else None
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """rows [M, K] on the CPU @ Wᵀ where the layer rounds this many rows to int8; None (the definition) else."""
+        product = self.gemv if rows.shape[0] <= self.max_gemv_rows else self.gemm
+        if product is None or not rows.is_cpu:
+            return None
+        rows32 = rows if rows.dtype == torch.float32 else rows.float()
+        return product(rows32 if rows32.is_contiguous() else rows32.contiguous())
+
+    def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor | None:
+        if row_ids.dim() != 1 or not row_ids.is_cpu:
+            return None
+        return self.kernels.kquant_dequantize_rows(self.tiles, row_ids.to(torch.int64).contiguous())
+
+    def row_major(self) -> torch.Tensor:
+        """The row records (models/kquant.py), out of the tile records."""
+        return tiles.untile_kquant(self.tiles)
 
 
 def load() -> CpuFastPath | None:

@@ -43,15 +43,16 @@ import torch
 
 from tokenriver.kv.cache import head_dim_of
 from tokenriver.models.buffers import Allocate, heap_empty
-from tokenriver.models.cpu.tiles import TILE_ROWS, Tiles
+from tokenriver.models.cpu.tiles import TILE_ROWS, KTiles, Tiles
 
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    KERNELS_DIR / name for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp", "convert.cpp")
+    KERNELS_DIR / name
+    for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp", "convert.cpp", "kquant.cpp")
 )
-HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "tiles.h")
+HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "tiles.h", KERNELS_DIR / "kquant.h")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # KV pool dtypes the native paged attention reads (queries, keys, values and outputs are float32 either way), in the
 # order of its kv_cache_format codes (0, 1, 2).
@@ -59,6 +60,8 @@ NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 # How a product rounds its inputs (models/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1): exact
 # float32, or activations to int8 per 32 columns.
 ROUNDINGS = (None, "int8")
+# GGUF type codes (gguf.GGMLQuantizationType) of the K-quants convert_kquant takes.
+_Q4_K, _Q5_K, _Q6_K = 12, 13, 14
 # Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
 Reductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
@@ -200,8 +203,62 @@ def check_tiles(tiles: Tiles, where: str = "packed weight") -> None:
             raise ValueError(f"{where}: chain_ends must rise from 1 to the {blocks} blocks of a row, got {values}")
 
 
+def check_ktiles(tiles: KTiles, where: str = "K-quant weight") -> None:
+    """ValueError unless the tile records hold every byte kquant.h reads for a weight of tiles.rows × tiles.cols
+    (columns in whole 256-column super-blocks, scales per 16 or 32, up to two bit words per run)."""
+    rows, cols, layout = tiles.rows, tiles.cols, tiles.layout
+    if rows < 0 or cols <= 0 or cols % 256 or layout.scale_group not in (16, 32) or layout.num_high not in (0, 1, 2):
+        raise ValueError(
+            f"{where}: {rows} x {cols} with scales per {layout.scale_group} and {layout.num_high} bit words: the "
+            f"columns must be a positive multiple of 256, the scales per 16 or 32, the bit words 0, 1 or 2"
+        )
+    num_tiles = -(-rows // TILE_ROWS)
+    check_elements(where, "records", tiles.records, torch.uint8, num_tiles * cols // 256 * TILE_ROWS * layout.size)
+    if tiles.offset_masks is not None:
+        check_elements(where, "offset_masks", tiles.offset_masks, torch.int16, num_tiles)
+    if tiles.chain_ends is not None:
+        values = tiles.chain_ends.tolist()
+        check_elements(where, "chain_ends", tiles.chain_ends, torch.int64, len(values))
+        blocks = cols // 32
+        if not values or values != sorted(set(values)) or values[0] <= 0 or values[-1] != blocks:
+            raise ValueError(f"{where}: chain_ends must rise from 1 to the {blocks} blocks of a row, got {values}")
+
+
 # decoder.cpp's structs, field for field. Pointers are raw addresses: whoever fills one keeps its tensors alive.
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class KQuantSpec(ctypes.Structure):
+    """A K-quant weight in tile records (kquant.h's KQuantWeight); `tiles` keeps the tensors it points into alive."""
+
+    _fields_ = [
+        ("records", _ptr),
+        ("offset_masks", _ptr),
+        ("N", _i64),
+        ("K", _i64),
+        ("scale_group", _i64),
+        ("record", _i64),
+        ("num_high", ctypes.c_int32),
+        ("has_mins", ctypes.c_int32),
+        ("chain_ends", _ptr),
+    ]
+
+    @classmethod
+    def of(cls, tiles: KTiles) -> KQuantSpec:
+        layout = tiles.layout
+        spec = cls(
+            tiles.records.data_ptr(),
+            None if tiles.offset_masks is None else tiles.offset_masks.data_ptr(),
+            tiles.rows,
+            tiles.cols,
+            layout.scale_group,
+            TILE_ROWS * layout.size,
+            layout.num_high,
+            int(layout.has_mins),
+            None if tiles.chain_ends is None else tiles.chain_ends.data_ptr(),
+        )
+        spec.tiles = tiles
+        return spec
 
 
 class LinearSpec(ctypes.Structure):
@@ -221,6 +278,7 @@ class LinearSpec(ctypes.Structure):
         ("int8_activations", ctypes.c_int32),
         ("gemm_rounding", ctypes.c_int32),
         ("chain_ends", _ptr),
+        ("kquant", ctypes.POINTER(KQuantSpec)),
     ]
 
 
@@ -381,6 +439,8 @@ _SIGNATURES: dict[str, Signature] = {
     "convert_q4_k": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
     "convert_q5_k": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int], _int),
     "quantize_int8_groups": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
+    "convert_kquant": ([_ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _int], _int),
+    "kquant_dequantize_rows": ([ctypes.POINTER(KQuantSpec), _ptr, _i64, _ptr, _int], None),
     "row_dots_f32": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int], None),
     "moe_route_f32": ([_ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _int], None),
     "sigmoid_gate_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
@@ -395,6 +455,11 @@ _SIGNATURES: dict[str, Signature] = {
 _GEMM_INT8X_SIGNATURES: dict[str, Signature] = {
     "int4_gemm_int8x": (_INT4_ROUNDED_ARGS, None),
     "int8_gemm_int8x": (_INT8_ROUNDED_ARGS, None),
+}
+# The K-quant products (kquant.cpp, gemm.cpp), compiled where kquant_supported says.
+_KQUANT_SIGNATURES: dict[str, Signature] = {
+    "kquant_linear_int8x": ([ctypes.POINTER(KQuantSpec), _ptr, _i64, _ptr, _int], None),
+    "kquant_gemm_int8x": ([ctypes.POINTER(KQuantSpec), _ptr, _i64, _ptr, _int], None),
 }
 
 
@@ -424,6 +489,12 @@ class NativeKernels:
         self.gemm_int8 = bool(library.gemm_int8x_supported())
         if self.gemm_int8:
             self._functions.update(_bind(library, _GEMM_INT8X_SIGNATURES))
+        # K-quant weights at their own size (kquant.cpp) need the same instructions; elsewhere the loader keeps them
+        # in the int4/int8 layouts.
+        library.kquant_supported.restype = ctypes.c_int
+        self.kquant = bool(library.kquant_supported()) and self.gemm_int8
+        if self.kquant:
+            self._functions.update(_bind(library, _KQUANT_SIGNATURES))
         # Looked up once: these run ~10 times per layer per step.
         self._rms_norm = self._functions["rms_norm_f32"]
         self._rotary = self._functions["rotary_f32"]
@@ -507,6 +578,66 @@ class NativeKernels:
             torch.get_num_threads(),
         )
         return out
+
+    def bind_kquant(self, tiles: KTiles, many_rows: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x [M, K] float32 ↦ x (rounded to int8 per 32 columns) @ the K-quant weight [N, K]ᵀ, [M, N] float32:
+        the GEMV (kquant.cpp) or, for many_rows, the GEMM (gemm.cpp), one arithmetic per row either way."""
+        check_ktiles(tiles, "bind_kquant")
+        spec = KQuantSpec.of(tiles)
+        function = self._functions["kquant_gemm_int8x" if many_rows else "kquant_linear_int8x"]
+        out_features, in_features, f32 = tiles.rows, tiles.cols, torch.float32
+        reference = ctypes.byref(spec)
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            if x.dtype != f32 or x.dim() != 2 or x.shape[1] != in_features or not x.is_contiguous() or not x.is_cpu:
+                raise ValueError(
+                    f"linear: x must be contiguous float32 rows [M, {in_features}] on the CPU, got {_describe(x)}"
+                )
+            y = torch.empty(x.shape[0], out_features, dtype=f32)  # [M, N]
+            function(reference, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
+            return y
+
+        linear.spec = spec  # the closure holds raw pointers: keep the tensors they point into alive
+        return linear
+
+    def kquant_dequantize_rows(self, tiles: KTiles, row_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows [len(row_ids), K] of a K-quant weight in row tiles (dequantize_rows says whose ids)."""
+        check_ktiles(tiles, "kquant_dequantize_rows")
+        if row_ids.dim() != 1:
+            raise ValueError(f"dequantize_rows: row_ids must be one dimension of ids, got {_describe(row_ids)}")
+        check_elements("dequantize_rows", "row_ids", row_ids, torch.int64, row_ids.shape[0])
+        out = torch.empty(row_ids.shape[0], tiles.cols, dtype=torch.float32)
+        spec = KQuantSpec.of(tiles)
+        self._functions["kquant_dequantize_rows"](
+            ctypes.byref(spec), row_ids.data_ptr(), row_ids.shape[0], out.data_ptr(), torch.get_num_threads()
+        )
+        return out
+
+    def convert_kquant(
+        self, blocks: np.ndarray, gguf_type: int, in_features: int, layout: Any, num_threads: int, empty: Allocate
+    ) -> torch.Tensor:
+        """A K-quant matrix's GGUF bytes [N, row bytes] → its row records [N, K/256, layout.size] (kquant.cpp's
+        convert_kquant; layout: models/kquant.py's RecordLayout of the type) in a tensor `empty` makes."""
+        block_bytes = {_Q4_K: 144, _Q5_K: 176, _Q6_K: 210}[gguf_type]
+        num_rows = _check_blocks("convert_kquant", blocks, in_features, 256, block_bytes)
+        records = empty((num_rows, in_features // 256, layout.size), torch.uint8)
+        check_elements("convert_kquant", "records", records, torch.uint8, num_rows * in_features // 256 * layout.size)
+        status = self._functions["convert_kquant"](
+            blocks.ctypes.data,
+            gguf_type,
+            num_rows,
+            in_features,
+            records.data_ptr(),
+            layout.size,
+            layout.high,
+            layout.scales,
+            layout.mins,
+            layout.d,
+            num_threads,
+        )
+        if status != 0:
+            raise ValueError(f"convert_kquant: GGUF type {gguf_type} is not a K-quant it converts")
+        return records
 
     def int4_dequantize(
         self,

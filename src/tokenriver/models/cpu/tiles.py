@@ -23,8 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenriver.models.kquant import KQuantRecords, RecordLayout
 
 TILE_ROWS = 16
 BLOCK = 32
@@ -178,3 +182,156 @@ def untile(tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | Non
         None if tiles.mins is None else untile_terms(tiles.mins, tiles.rows),
         None if tiles.fifth is None else untile_fifth_bits(tiles.fifth, tiles.rows),
     )
+
+
+# ---- K-quant weights (models/kquant.py's records; csrc/kquant.h reads these) --------------------------------------
+#
+# A tile record is 16 row records moved (the same bytes): per super-block, the 8 blocks' codes as int4's words, the
+# high bits (for the 64-byte vector of code word k, k < 4 the low nibbles of word k and k >= 4 the high nibbles of
+# word k - 4, whose byte 4r + i is row r's column c_k(i) = 16 (k // 4) + 4 (k % 4) + i: bit 4 alone as a plane, bit k
+# of byte 4r + i that of column c_k(i); bits 4 and 5 as two crumb vectors, h = 0 for words 0-3 and 1 for 4-7, bits
+# 2j, 2j + 1 of byte 4r + i those of column c_{4h + j}(i)), the 16 rows' scales, mins, d and dmin side by side.
+# A shift brings a word's high bits under a mask at bits 4 (and 5) and one bitwise select merges them into the codes.
+
+
+@dataclass(frozen=True)
+class KTiles:
+    """A K-quant weight in tile records (csrc/kquant.h), with its rows' offsets as per-tile masks."""
+
+    records: torch.Tensor  # uint8 [tiles, K/256, 16 * layout.size]
+    offset_masks: torch.Tensor | None  # int16 [tiles]: bit r for row r's centred codes (None: no row is)
+    layout: RecordLayout
+    rows: int
+    cols: int
+    chain_ends: torch.Tensor | None = None
+
+
+def _word_bits(words: torch.Tensor) -> torch.Tensor:
+    """Bit words [N, B] int32 → bits [N, B, 2 (h), 4 (j), 4 (i)], column 16h + 4j + i."""
+    bits = (words[:, :, None] >> torch.arange(BLOCK, dtype=torch.int32)) & 1  # [N, B, 32]
+    return bits.to(torch.int32).reshape(*words.shape, 2, 4, 4)
+
+
+def _tile_bytes(per_row: torch.Tensor) -> torch.Tensor:
+    """[N, B, ..., 4 (i)] → [tiles, B, ..., 64] uint8, byte 4r + i of row r (N a multiple of 16)."""
+    grid = per_row.reshape(-1, TILE_ROWS, *per_row.shape[1:])  # [tiles, 16, B, ..., 4]
+    order = [0, *range(2, grid.dim() - 1), 1, grid.dim() - 1]  # [tiles, B, ..., 16, 4]
+    return grid.permute(*order).reshape(*grid.shape[:1], *grid.shape[2:-1], TILE_ROWS * 4).to(torch.uint8)
+
+
+def _untile_bytes(tiled: torch.Tensor) -> torch.Tensor:
+    """_tile_bytes' inverse: [tiles, B, ..., 64] → [tiles * 16, B, ..., 4]."""
+    grid = tiled.reshape(*tiled.shape[:-1], TILE_ROWS, 4)  # [tiles, B, ..., 16, 4]
+    order = [0, grid.dim() - 2, *range(1, grid.dim() - 2), grid.dim() - 1]  # [tiles, 16, B, ..., 4]
+    rows = grid.permute(*order)
+    return rows.reshape(-1, *rows.shape[2:])
+
+
+def _tile_high(words: torch.Tensor) -> torch.Tensor:
+    """Bit words [N, B, num_high] int32 → [tiles, B, 64 * num_high]: the plane, or the two crumb vectors."""
+    if words.shape[2] == 1:
+        shifts = torch.arange(8, dtype=torch.int32).reshape(2, 4, 1)  # k = 4h + j
+        return _tile_bytes((_word_bits(words[:, :, 0]) << shifts).sum(dim=(2, 3)))  # [tiles, B, 64]
+    crumbs = _word_bits(words[:, :, 0]) + 2 * _word_bits(words[:, :, 1])  # [N, B, h, j, i]
+    packed = (crumbs << (2 * torch.arange(4, dtype=torch.int32)).reshape(4, 1)).sum(dim=3)  # [N, B, h, i]
+    return _tile_bytes(packed).reshape(-1, words.shape[1], 128)  # [tiles, B, (h, 64)]
+
+
+def _untile_high(tiled: torch.Tensor, num_high: int) -> torch.Tensor:
+    """_tile_high's inverse: [tiles, B, 64 * num_high] → bit words [N, B, num_high] int32."""
+    weights = 1 << torch.arange(BLOCK, dtype=torch.int64)
+
+    def words(bits: torch.Tensor) -> torch.Tensor:  # [N, B, h, j, i] → [N, B] int32
+        return (bits.reshape(*bits.shape[:2], BLOCK).to(torch.int64) * weights).sum(dim=-1).to(torch.int32)
+
+    if num_high == 1:
+        plane = _untile_bytes(tiled).to(torch.int32)  # [N, B, i]
+        shifts = torch.arange(8, dtype=torch.int32).reshape(2, 4, 1)
+        return words((plane[:, :, None, None, :] >> shifts) & 1)[:, :, None]
+    halves = _untile_bytes(tiled.reshape(*tiled.shape[:2], 2, 64)).to(torch.int32)  # [N, B, h, i]
+    crumbs = (halves[:, :, :, None, :] >> (2 * torch.arange(4, dtype=torch.int32)).reshape(4, 1)) & 3
+    return torch.stack([words(crumbs & 1), words(crumbs >> 1)], dim=-1)
+
+
+def _record_parts(layout: RecordLayout) -> list[tuple[str, int, int, torch.dtype]]:
+    """A row record's fields: (name, first byte, last byte + 1, dtype), in the tile record's order."""
+    parts = [("qweight", 0, layout.high, torch.uint8)]
+    if layout.num_high:
+        parts.append(("high", layout.high, layout.scales, torch.int32))
+    parts.append(("scales", layout.scales, layout.mins, torch.int8))
+    if layout.has_mins:
+        parts.append(("mins", layout.mins, layout.d, torch.uint8))
+    parts.append(("d", layout.d, layout.d + 2, torch.float16))
+    if layout.has_mins:
+        parts.append(("dmin", layout.d + 2, layout.d + 4, torch.float16))
+    return parts
+
+
+def _tile_records(rows: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
+    """Row records [16 k, S, size] → tile records [k, S, 16 size] (csrc/kquant.h's order)."""
+    num_rows, num_supers = rows.shape[:2]
+    tiled = []
+    for name, start, stop, dtype in _record_parts(layout):
+        field = rows[:, :, start:stop].contiguous().view(dtype).reshape(num_rows, -1)  # [16 k, values]
+        if name == "qweight":
+            part = tile_words(field)
+        elif name == "high":
+            part = _tile_high(field.reshape(num_rows, num_supers * 8, layout.num_high))
+        else:
+            part = tile_terms(field)
+        tiled.append(part.contiguous().view(torch.uint8).reshape(num_rows // TILE_ROWS, num_supers, -1))
+    return torch.cat(tiled, dim=2)
+
+
+def _untile_records(tiled: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
+    """_tile_records' inverse: [k, S, 16 size] → row records [16 k, S, size]."""
+    num_tiles, num_supers = tiled.shape[:2]
+    num_rows = num_tiles * TILE_ROWS
+    rows = torch.empty(num_rows, num_supers, layout.size, dtype=torch.uint8)
+    at = 0
+    for name, start, stop, dtype in _record_parts(layout):
+        width = TILE_ROWS * (stop - start)
+        part = tiled[:, :, at : at + width].contiguous()
+        at += width
+        if name == "qweight":
+            field = untile_words(part.reshape(num_tiles, num_supers * 8, 4, TILE_ROWS, 4), num_rows)
+        elif name == "high":
+            field = _untile_high(part.reshape(num_tiles, num_supers * 8, -1), layout.num_high)
+        else:
+            field = untile_terms(part.view(dtype).reshape(num_tiles, -1, TILE_ROWS), num_rows)
+        rows[:, :, start:stop] = field.contiguous().view(torch.uint8).reshape(num_rows, num_supers, -1)
+    return rows
+
+
+def offset_masks(offsets: torch.Tensor) -> torch.Tensor | None:
+    """Per-row offsets [N] uint8 → per-tile masks [tiles] int16 (bit r: row r is offset), or None if none is."""
+    if not bool(offsets.any()):
+        return None
+    bits = (_padded(offsets) != 0).reshape(-1, TILE_ROWS).to(torch.int32) << torch.arange(TILE_ROWS, dtype=torch.int32)
+    return bits.sum(dim=1).to(torch.int16)  # distinct bits: the sum ORs; bit 15 wraps into the sign
+
+
+def tile_kquant(weight: KQuantRecords, in_place: bool) -> KTiles:
+    """Row records in tile records, a slab of whole tiles at a time (the fields take about 8 bytes of scratch per
+    stored byte); in_place writes them over the row records' own bytes (whole tiles, a contiguous 64-byte-aligned
+    buffer: tile_in_place's rule), else into new memory (the last tile padded with zero rows)."""
+    records, layout = weight.records, weight.layout
+    num_rows, num_supers, size = records.shape
+    in_place = in_place and num_rows > 0 and num_rows % TILE_ROWS == 0 and records.is_contiguous()
+    in_place = in_place and records.data_ptr() % 64 == 0
+    num_tiles = -(-num_rows // TILE_ROWS)
+    out = (
+        records.view(num_tiles, num_supers, TILE_ROWS * size)
+        if in_place
+        else torch.empty(num_tiles, num_supers, TILE_ROWS * size, dtype=torch.uint8)
+    )
+    rows_per_slab = max(TILE_ROWS, _SLAB_BYTES // (8 * num_supers * size) // TILE_ROWS * TILE_ROWS)
+    for start in range(0, num_rows, rows_per_slab):
+        slab = _padded(records[start : start + rows_per_slab])
+        out[start // TILE_ROWS : start // TILE_ROWS + slab.shape[0] // TILE_ROWS] = _tile_records(slab, layout)
+    return KTiles(out, offset_masks(weight.offsets), layout, num_rows, num_supers * 256)
+
+
+def untile_kquant(tiles_: KTiles) -> torch.Tensor:
+    """tile_kquant's inverse: the row records [N, K/256, size]."""
+    return _untile_records(tiles_.records, tiles_.layout)[: tiles_.rows]

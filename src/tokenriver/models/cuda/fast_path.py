@@ -90,7 +90,7 @@ class CudaFastPath:
     def bind_packed(self, layer: nn.Module) -> TritonPacked | None:
         """The weight-only Triton products, for 4- and 8-bit codes on the GPU (5-bit weights reach a GPU as int8:
         the loader converts them)."""
-        if not layer.qweight.is_cuda or getattr(layer, "high_bits", None) is not None:
+        if not layer.qweight.is_cuda or layer.packing == "kquant" or getattr(layer, "high_bits", None) is not None:
             return None
         return TritonPacked(layer)
 

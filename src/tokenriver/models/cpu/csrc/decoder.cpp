@@ -30,6 +30,8 @@
 #include <chrono>
 #include <vector>
 
+#include "kquant.h"
+
 
 extern "C" {
 void int4_linear_f32(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
@@ -59,7 +61,10 @@ void int4_gemm_int8x_geglu(const uint8_t*, const uint16_t*, const uint16_t*, con
                            const float*, int64_t, float*, int);
 void int8_gemm_int8x_geglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                            int);
+void kquant_gemm_int8x(const tokenriver::KQuantWeight*, const float*, int64_t, float*, int);
+void kquant_linear_int8x(const tokenriver::KQuantWeight*, const float*, int64_t, float*, int);
 #endif
+void kquant_dequantize_rows(const tokenriver::KQuantWeight*, const int64_t*, int64_t, float*, int);
 void rms_norm_f32(const float*, float*, const float*, int64_t, int64_t, float, float*, int);
 void int4_dequantize_rows(const uint8_t*, const uint16_t*, const uint16_t*, const uint64_t*, int64_t, int64_t, int64_t,
                           const int64_t*, int64_t, float*, int);
@@ -96,6 +101,9 @@ struct Linear {
   int32_t int8_activations; // the GEMV rounds activations to int8
   int32_t gemm_rounding;    // the many-row products: 0 exact, 1 activations to int8
   const int64_t* chain_ends;  // the int8-activation products' sub-chains (tiles.h), or null
+  // A K-quant weight at its own size (kquant.h), in place of the fields above but bias and sizes; or null. Its
+  // products are int8-activation ones (the Python side binds it only so).
+  const tokenriver::KQuantWeight* kquant;
 };
 
 // A mixture-of-experts MLP (models/moe.py's SparseMoeBlock; native.py's MoeSpec): a float32 router, each expert's
@@ -200,7 +208,12 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
   const int64_t N = l.out_features, K = l.in_features, G = l.group_size;
   const bool gemm = M > l.max_gemv_rows;
   const int8_t* codes8 = reinterpret_cast<const int8_t*>(l.qweight);
-  if (!(gemm ? l.gemm_rounding == 1 : l.int8_activations)) {
+  if (l.kquant != nullptr) {
+    // K-quant layouts exist only where these products are compiled (kquant_supported).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    (gemm ? kquant_gemm_int8x : kquant_linear_int8x)(l.kquant, x, M, y, threads);
+#endif
+  } else if (!(gemm ? l.gemm_rounding == 1 : l.int8_activations)) {
     if (l.is_int4)
       (gemm ? int4_gemm_f32 : int4_linear_f32)(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, x, M, y, threads);
     else
@@ -234,7 +247,8 @@ bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
   const Linear& gate_up = layer.gate_up;
   const Linear& down = layer.down;
   // I a whole number of row tiles (tiles.h): a tile of gates then has its ups in one tile.
-  return T > gate_up.max_gemv_rows && T > down.max_gemv_rows && gate_up.gemm_rounding == 1 &&
+  return gate_up.kquant == nullptr && down.kquant == nullptr && T > gate_up.max_gemv_rows &&
+         T > down.max_gemv_rows && gate_up.gemm_rounding == 1 &&
          down.gemm_rounding == 1 && gate_up.bias == nullptr && down.bias == nullptr && I % 16 == 0;
 }
 
@@ -616,6 +630,8 @@ int decoder_greedy_f32(const Decoder* d, const Step* base, const GreedyLoop* g) 
       float* row = hidden.data() + b * H;
       if (g->table == nullptr) {
         memcpy(row, g->float_table + token * H, H * sizeof(float));
+      } else if (g->table->kquant != nullptr) {
+        kquant_dequantize_rows(g->table->kquant, &token, 1, row, threads);
       } else if (g->table->is_int4) {
         const Linear& t = *g->table;
         int4_dequantize_rows(t.qweight, t.scales, t.mins, t.high_bits, t.out_features, H, t.group_size, &token, 1, row,

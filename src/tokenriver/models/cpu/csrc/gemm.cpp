@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kquant.h"
 #include "tiles.h"
 #include "vec.h"
 
@@ -37,6 +38,7 @@ using tokenriver::decode_int4;
 using tokenriver::decode_int8;
 using tokenriver::kTileRows;
 using tokenriver::TiledWeight;
+using tokenriver::KQuantWeight;
 using tokenriver::FloatLanes;
 using tokenriver::fma_lanes;
 using tokenriver::fold_lanes;
@@ -385,6 +387,177 @@ void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins
   }
 }
 
+// ---- K-quant weights (kquant.h) ---------------------------------------------------------------------------------
+//
+// A K-quant weight with scales per 32 and no centred rows (Q4_K, Q5_K) is, per block, an int4 weight whose scale
+// d * sc and min -(dmin * m) are exact float32 values: staged so, gemm_int8's tiles run it as they run int4. One with
+// scales per 16 or centred rows (Q6_K, or parts fused with it) runs kquant_int8_tile, which sums each half of a block
+// apart. Every lane runs kquant.h's operations in kquant.cpp's order, so a row gets the GEMV's bits.
+
+// A K-quant tile's codes 0..63 of block b, a vector per word (lanes: the tile's rows).
+inline void kquant_block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i codes[8]) {
+  tokenriver::kquant_codes(w, t, b, codes);
+}
+
+// The tile's 16 values d * sc (half h of block b) and -(dmin * m), exact in float32, as kquant.cpp forms them.
+inline __m512 kquant_scales(const KQuantWeight& w, int64_t t, int64_t b, int h) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_d(t, b))));
+  const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_scales(t, b, h))));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+}
+inline __m512 kquant_mins(const KQuantWeight& w, int64_t t, int64_t b) {
+  if (!w.has_mins) return _mm512_setzero_ps();
+  const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_dmin(t, b))));
+  const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_mins(t, b))));
+  return _mm512_xor_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-0.0f));
+}
+
+// stage_tile for a K-quant weight with scales per 32 and mins, no centred rows: the int4 tiles' staging.
+template <bool IS_INT4, int S>
+inline void stage_tile(const KQuantWeight& w, int64_t t, int row0, uint32_t* words, float* scales, float* mins) {
+  static_assert(IS_INT4, "a K-quant weight stages as int4");
+  for (int64_t b = 0; b < w.blocks(); ++b) {
+    __m512i codes[8];
+    kquant_block_codes(w, t, b, codes);
+    for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + 8 * S * b + row0 + S * k, codes[k]);
+    _mm512_storeu_ps(scales + S * b + row0, kquant_scales(w, t, b, 0));
+    _mm512_storeu_ps(mins + S * b + row0, kquant_mins(w, t, b));
+  }
+}
+
+// Tile t staged for kquant_int8_tile: words [K/32][8][16], scales [K/32][2][16] (each half's d * sc) and mins
+// [K/32][16].
+void stage_kquant_tile(const KQuantWeight& w, int64_t t, uint32_t* words, float* scales, float* mins) {
+  for (int64_t b = 0; b < w.blocks(); ++b) {
+    __m512i codes[8];
+    kquant_block_codes(w, t, b, codes);
+    for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + (8 * b + k) * kTileRows, codes[k]);
+    _mm512_storeu_ps(scales + (2 * b) * kTileRows, kquant_scales(w, t, b, 0));
+    _mm512_storeu_ps(scales + (2 * b + 1) * kTileRows, kquant_scales(w, t, b, 1));
+    _mm512_storeu_ps(mins + b * kTileRows, kquant_mins(w, t, b));
+  }
+}
+
+// Staged rows [first, first + RT) of a tile against one panel's 16 activation rows (the first `valid` real), into
+// y [M, N] at rows m0.., columns n0.. (the first real_rows of the RT): kquant.cpp's per-16 arithmetic, a lane per
+// activation row.
+template <int RT>
+void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float* scales, const float* mins,
+                      uint16_t offsets, int first, const uint32_t* quads, const float* x_scales,
+                      const float* x_terms, const int32_t* x_halves, int valid, float* y, int64_t m0, int64_t n0,
+                      int real_rows) {
+  const int64_t num_blocks = w.blocks();
+  const bool has_mins = w.has_mins;
+  __m512 total[RT];
+  for (int64_t c = 0, begin = 0, end; begin < num_blocks; begin = end, ++c) {
+    end = w.chain_end(c);
+    __m512 acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = begin; b < end; ++b) {
+      __m512i lo[RT], hi[RT];
+      for (int r = 0; r < RT; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+      const uint32_t* block_words = words + 8 * kTileRows * b + first;
+      const uint32_t* block_quads = quads + 8 * kPanel * b;
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i x_lo = _mm512_loadu_si512(block_quads + j * kPanel);
+        const __m512i x_hi = _mm512_loadu_si512(block_quads + (4 + j) * kPanel);
+        for (int r = 0; r < RT; ++r) {
+          lo[r] = _mm512_dpbusd_epi32(lo[r], _mm512_set1_epi32(static_cast<int>(block_words[kTileRows * j + r])), x_lo);
+          hi[r] = _mm512_dpbusd_epi32(hi[r], _mm512_set1_epi32(static_cast<int>(block_words[kTileRows * (4 + j) + r])),
+                                      x_hi);
+        }
+      }
+      const __m512i offset_lo = _mm512_slli_epi32(_mm512_loadu_si512(x_halves + (2 * b) * kPanel), 5);
+      const __m512i offset_hi = _mm512_slli_epi32(_mm512_loadu_si512(x_halves + (2 * b + 1) * kPanel), 5);
+      const __m512 xs = _mm512_loadu_ps(x_scales + b * kPanel);
+      const __m512 x_sum = _mm512_loadu_ps(x_terms + b * kPanel);
+      for (int r = 0; r < RT; ++r) {
+        const int row = first + r;
+        if ((offsets >> row) & 1) {
+          lo[r] = _mm512_sub_epi32(lo[r], offset_lo);
+          hi[r] = _mm512_sub_epi32(hi[r], offset_hi);
+        }
+        const __m512 scale_lo = _mm512_set1_ps(scales[2 * b * kTileRows + row]);
+        const __m512 scale_hi = _mm512_set1_ps(scales[(2 * b + 1) * kTileRows + row]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(scale_lo, xs), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(scale_hi, xs), acc[r]);
+        if (has_mins) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[b * kTileRows + row]), x_sum, acc[r]);
+      }
+    }
+    for (int r = 0; r < RT; ++r) total[r] = c == 0 ? acc[r] : _mm512_add_ps(total[r], acc[r]);
+  }
+  alignas(64) float out[RT][kPanel];
+  for (int r = 0; r < RT; ++r) _mm512_store_ps(out[r], total[r]);
+  for (int i = 0; i < valid; ++i)
+    for (int r = 0; r < std::min(RT, real_rows); ++r) y[(m0 + i) * w.N + n0 + r] = out[r][i];
+}
+
+// y [M, N] = x [M, K] @ a K-quant weight's [N, K]ᵀ with scales per 16 or centred rows: gemm_int8's panels (and
+// the sums of each block's two halves of rounded activations, per lane), tiles in parallel.
+void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float* y, int num_threads) {
+  const int64_t K = w.K, N = w.N, num_blocks = K / 32;
+  const int64_t panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
+  const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
+  const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
+  thread_local std::vector<uint32_t> scratch;
+  const int64_t scratch_words = num_panels * (panel_words + 4 * panel_blocks) + 16;
+  if (scratch.size() < static_cast<size_t>(scratch_words)) scratch.resize(scratch_words);
+  uint32_t* const quads =
+      reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  float* const x_scales = reinterpret_cast<float*>(quads + num_panels * panel_words);
+  float* const x_terms = x_scales + num_panels * panel_blocks;
+  int32_t* const x_halves = reinterpret_cast<int32_t*>(x_terms + num_panels * panel_blocks);
+  const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
+#pragma omp parallel num_threads(num_threads)
+  {
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> xscale, scales, mins;
+    thread_local std::vector<uint32_t> words;
+    grow(xq, kPanel * K);
+    grow(xscale, kPanel * num_blocks);
+    grow(words, kTileRows * K / 4);
+    grow(scales, 2 * kTileRows * num_blocks);
+    grow(mins, kTileRows * num_blocks);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t rows = std::min(chunk, M - m0);
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p) {
+        const int64_t valid = std::min<int64_t>(kPanel, rows - p * kPanel);
+        uint32_t* panel = quads + p * panel_words;
+        pack_int8_panel<true>(x + (m0 + p * kPanel) * K, valid, K, xq.data(), xscale.data(), panel,
+                              x_scales + p * panel_blocks, x_terms + p * panel_blocks);
+        for (int64_t h = 0; h < 2 * num_blocks; ++h) {
+          __m512i sums = _mm512_setzero_si512();
+          for (int j = 0; j < 4; ++j) sums = _mm512_dpbusd_epi32(sums, ones, _mm512_loadu_si512(panel + (4 * h + j) * kPanel));
+          _mm512_storeu_si512(x_halves + p * 2 * panel_blocks + h * kPanel, sums);
+        }
+      }
+#pragma omp for schedule(guided, 2)
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t n0 = t * kTileRows;
+        const int count = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
+        stage_kquant_tile(w, t, words.data(), scales.data(), mins.data());
+        for (int64_t m = 0; m < rows; m += kPanel) {
+          const int64_t p = m / kPanel;
+          for (int first = 0; first < count; first += kRows)
+            kquant_int8_tile<kRows>(w, words.data(), scales.data(), mins.data(), w.offsets(t), first,
+                                    quads + p * panel_words, x_scales + p * panel_blocks, x_terms + p * panel_blocks,
+                                    x_halves + p * 2 * panel_blocks,
+                                    static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y, m0 + m, n0 + first,
+                                    count - first);
+        }
+      }
+    }
+  }
+}
+
+// Whether gemm_int8's int4 tiles run this K-quant weight (the block comment above).
+bool runs_as_int4(const KQuantWeight& w) {
+  return w.scale_group == 32 && w.has_mins && w.offset_masks == nullptr;
+}
+
 // x_ld: 0 for x [M, K] row after row; else x is stored feature-major, column k at x + k * x_ld, the rows
 // consecutive. The same values either way.
 // swiglu_up > 0: weight rows [0, N) are an MLP's gates and [swiglu_up, swiglu_up + N) their ups (swiglu_up a
@@ -392,8 +565,8 @@ void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins
 // silu(gate) * up. A tile then takes three gates and their three ups, and SwiGLU runs on its sums in registers: no
 // [2N, M] product is written and read back by a pass of its own. The values are those of the product row after
 // row and ops.cpp's SwiGLU.
-template <bool IS_INT4>
-void gemm_int8(const float* x, int64_t M, const TiledWeight& weight, float* y, int num_threads, int64_t x_ld = 0,
+template <bool IS_INT4, class Weight = TiledWeight>
+void gemm_int8(const float* x, int64_t M, const Weight& weight, float* y, int num_threads, int64_t x_ld = 0,
                int64_t swiglu_up = 0, bool gelu = false) {
   const int64_t K = weight.K, N = swiglu_up > 0 ? swiglu_up : weight.N;
   const int64_t y_ld = swiglu_up > 0 ? M : 0;
@@ -486,6 +659,7 @@ void gemm_int8(const float* x, int64_t M, const TiledWeight& weight, float* y, i
     }
   }
 }
+
 
 #endif
 
@@ -615,6 +789,14 @@ void int4_gemm_int8x_geglu(const uint8_t* codes, const uint16_t* scales, const u
 void int8_gemm_int8x_geglu(const int8_t* codes, const uint16_t* scales, int64_t I, int64_t K, int64_t group_size,
                            const float* x, int64_t M, float* y, int num_threads) {
   gemm_int8<false>(x, M, int8_weight(codes, scales, 2 * I, K, group_size), y, num_threads, 0, I, true);
+}
+
+// y [M, N] = x [M, K] with int8 activations @ a K-quant weight [N, K]ᵀ (kquant.h): kquant.cpp's GEMV per row.
+void kquant_gemm_int8x(const KQuantWeight* w, const float* x, int64_t M, float* y, int num_threads) {
+  if (runs_as_int4(*w))
+    gemm_int8<true>(x, M, *w, y, num_threads);
+  else
+    gemm_kquant_halves(x, M, *w, y, num_threads);
 }
 
 int gemm_int8x_supported() { return 1; }

@@ -1,0 +1,110 @@
+"""GGUF's K-quant blocks → models/kquant.py's KQuantWeight: the readable rule (numpy), which the native converter
+(models/cpu/csrc/kquant.cpp's convert_kquant) matches field for field and whose dequantization is gguf's own.
+
+Q4_K and Q5_K keep their 6-bit sub-block scales and mins (a byte each) beside the super-block's d and dmin, and
+their nibbles regrouped into quant.py's int4 order per 32 (Q4_K's run in 64-weight chunks); Q5_K's fifth bits and
+Q6_K's two high bits become bit words per 32; Q6_K's int8 scales per 16 are kept as they are.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+from tokenriver.errors import ModelLoadError
+from tokenriver.models.kquant import CENTRED_OFFSET, KQuantWeight
+from tokenriver.models.quant import GGUF_BLOCK
+
+Q = gguf.GGMLQuantizationType
+# The GGUF types kept at their own size, and their bytes per 256 weights.
+KQUANT_TYPES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+
+
+def _super_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
+    """A matrix's bytes [N, row bytes] → [N, K // 256, block bytes] uint8, or a ModelLoadError naming the type."""
+    block_bytes = KQUANT_TYPES[tensor_type]
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % block_bytes:
+        raise ModelLoadError(
+            f"{tensor_type.name} data must be [rows, a multiple of {block_bytes}] bytes, got {data.dtype} {data.shape}"
+        )
+    return data.reshape(data.shape[0], -1, block_bytes)
+
+
+def _half(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each block, [N, K // 256]."""
+    return torch.from_numpy(np.ascontiguousarray(blocks[:, :, at : at + 2]).view(np.float16)[:, :, 0].copy())
+
+
+def _runs(low: np.ndarray) -> np.ndarray:
+    """Codes [N, runs, 32] in 0..15 → nibbles [N, runs * 16] in quant.py's order (byte j: column j, j + 16 high)."""
+    return (low[..., :16] | (low[..., 16:] << 4)).reshape(low.shape[0], -1)
+
+
+def _words(bits: np.ndarray) -> torch.Tensor:
+    """Bits [N, runs, 32] → int32 words [N, runs], bit j of a run's word its column j."""
+    weights = np.left_shift(np.uint32(1), np.arange(32, dtype=np.uint32))
+    return torch.from_numpy((bits.astype(np.uint32) * weights).sum(axis=-1, dtype=np.uint32).view(np.int32))
+
+
+def _scale_min_k4(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit (scale, min) pairs → scales, mins [..., 8] (ggml's get_scale_min_k4)."""
+    scales = np.concatenate([packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], -1)
+    mins = np.concatenate([packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1)
+    return scales, mins
+
+
+def unpack_q4_k(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType = Q.Q4_K) -> KQuantWeight:
+    """Q4_K (144 bytes per 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) or Q5_K (the same
+    header, 32 bytes of fifth bits, then the nibbles). The nibbles run in 64-weight chunks, a chunk's low nibbles one
+    sub-block of 32 and its high nibbles the next; fifth bit of value l of sub-block g: bit g of byte l."""
+    blocks = _super_blocks(data, tensor_type)
+    num_rows, num_supers = blocks.shape[:2]
+    has_fifth = tensor_type == Q.Q5_K
+    scales, mins = _scale_min_k4(blocks[:, :, 4:16])  # [N, B, 8] each
+    chunks = blocks[:, :, 48 if has_fifth else 16 :].reshape(num_rows, num_supers, 4, 32)  # [N, B, chunk, byte]
+    low = np.stack((chunks & 0x0F, chunks >> 4), axis=3).reshape(num_rows, num_supers * 8, 32)  # [N, runs, 32]
+    fifth = None
+    if has_fifth:
+        bits = blocks[:, :, 16:48, None] >> np.arange(8, dtype=np.uint8) & 1  # [N, B, byte l, sub-block g]
+        fifth = _words(bits.transpose(0, 1, 3, 2).reshape(num_rows, num_supers * 8, 32))
+    return KQuantWeight(
+        qweight=torch.from_numpy(np.ascontiguousarray(_runs(low))),
+        scales=torch.from_numpy(scales.reshape(num_rows, -1).astype(np.int8)),
+        d=_half(blocks, 0),
+        offsets=torch.zeros(num_rows, dtype=torch.uint8),
+        scale_group=GGUF_BLOCK,
+        mins=torch.from_numpy(np.ascontiguousarray(mins.reshape(num_rows, -1))),
+        dmin=_half(blocks, 2),
+        bit4=fifth,
+    )
+
+
+def unpack_q6_k(data: np.ndarray) -> KQuantWeight:
+    """Q6_K (210 bytes per 256: 128 bytes of low nibbles, 64 of two high bits, 16 int8 scales per 16, d). Value l of
+    run g (32 values): the low nibble of byte 64 (g // 4) + 32 (g % 2) + l (the high nibble where g % 4 >= 2), its
+    bits 4-5 bits 2 (g % 4) .. of byte 128 + 32 (g // 4) + l; stored as q + 32."""
+    blocks = _super_blocks(data, Q.Q6_K)
+    num_rows, num_supers = blocks.shape[:2]
+    low_bytes = blocks[:, :, :128].reshape(num_rows, num_supers, 2, 2, 32)  # [N, B, g // 4, g % 2, l]
+    low = np.stack(
+        [low_bytes[:, :, :, j % 2] >> np.uint8(4 * (j // 2)) & 0x0F for j in range(4)], axis=3
+    )  # [N, B, 2, 4, l]
+    high_bytes = blocks[:, :, 128:192].reshape(num_rows, num_supers, 2, 1, 32)  # [N, B, g // 4, 1, l]
+    high = high_bytes >> (2 * np.arange(4, dtype=np.uint8))[:, None] & 3  # [N, B, 2, 4, l]
+    runs = num_supers * 8
+    return KQuantWeight(
+        qweight=torch.from_numpy(np.ascontiguousarray(_runs(low.reshape(num_rows, runs, 32)))),
+        scales=torch.from_numpy(np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).reshape(num_rows, -1).copy()),
+        d=_half(blocks, 208),
+        offsets=torch.full((num_rows,), CENTRED_OFFSET, dtype=torch.uint8),
+        scale_group=16,
+        bit4=_words((high & 1).reshape(num_rows, runs, 32)),
+        bit5=_words((high >> 1).reshape(num_rows, runs, 32)),
+    )
+
+
+def unpack_kquant(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> KQuantWeight:
+    """Any of KQUANT_TYPES' bytes → KQuantWeight, by the numpy rules above."""
+    return unpack_q6_k(data) if tensor_type == Q.Q6_K else unpack_q4_k(data, tensor_type)

@@ -1,0 +1,289 @@
+// K-quant weights at their own size (kquant.h): GGUF's Q4_K, Q5_K and Q6_K blocks converted at load into
+// models/kquant.py's row records, the int8-activation GEMV of a decode step over their tile records, and their rows
+// decoded to float32 (an embedding's lookup, the reference's weights).
+//
+// A decode step streams every weight once, so its time is the bytes read: Q6_K kept as int8 read 8.5 bits a weight
+// for its 6.56, Q4_K with a float16 scale and min per 32 columns 5 for its 4.5. Here a tile block's codes are built
+// in registers from the nibbles and the high bits (one shift and one bitwise select a word), and the float work per
+// block and activation row is one FMA per run of scales (two for Q6_K's runs of 16) and one for the mins. A tile's
+// record holds everything a super-block's product reads, so the product reads one stream of bytes front to back.
+// The GEMM of many rows (gemm.cpp, kquant_gemm_int8x) computes each row with the same operations.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kquant.h"
+#include "vec.h"
+
+namespace {
+
+using tokenriver::half_to_float;
+using tokenriver::KQuantWeight;
+using tokenriver::kTileRows;
+using tokenriver::quantize_activations;
+
+constexpr int64_t kPrefetchBytes = 32768;
+
+// Row n's code of column k: its nibble (tiles.h's int4 words) and its high bits (kquant.h).
+inline uint8_t code_of(const KQuantWeight& w, int64_t n, int64_t k) {
+  const int64_t t = n / kTileRows, b = k / 32;
+  const int r = static_cast<int>(n % kTileRows), c = static_cast<int>(k % 32);
+  const uint8_t byte = w.block(t, b)[64 * ((c % 16) / 4) + 4 * r + c % 4];
+  const int nibble = c < 16 ? byte & 0x0F : byte >> 4;
+  return static_cast<uint8_t>(nibble + 16 * w.high_bits(t, b, r, c));
+}
+
+// Row n decoded into out [K]: (d * sc) * (q - o) - dmin * m, each product exact in float32, one rounding.
+void decode_row(const KQuantWeight& w, int64_t n, float* out) {
+  const int64_t t = n / kTileRows, r = n % kTileRows;
+  const int offset = (w.offsets(t) >> r) & 1 ? 32 : 0;
+  for (int64_t b = 0; b < w.blocks(); ++b) {
+    const float d = half_to_float(w.block_d(t, b)[r]);
+    const float min = w.has_mins ? half_to_float(w.block_dmin(t, b)[r]) * float(w.block_mins(t, b)[r]) : 0.0f;
+    for (int c = 0; c < 32; ++c) {
+      const float scale = d * float(w.block_scales(t, b, c / 16)[r]);
+      const float value = scale * float(int(code_of(w, n, 32 * b + c)) - offset);
+      out[32 * b + c] = w.has_mins ? value - min : value;
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// One activation row rounded to int8 per 32 columns, with per block its scale and the sums of its two halves.
+struct KActivations {
+  std::vector<int8_t> xq;
+  std::vector<float> xscale;
+  std::vector<int32_t> half_sums;  // [K/32, 2]
+  std::vector<float> xterm;         // [K/32]: xs * T, the min term's factor (gemv.cpp's RowActivations)
+
+  KActivations(const float* x, int64_t K) : xq(K), xscale(K / 32), half_sums(K / 16), xterm(K / 32) {
+    quantize_activations(x, 1, K, xq.data(), xscale.data());
+    for (int64_t h = 0; h < K / 16; ++h) {
+      int32_t total = 0;
+      for (int i = 0; i < 16; ++i) total += xq[16 * h + i];
+      half_sums[h] = total;
+    }
+    for (int64_t b = 0; b < K / 32; ++b)
+      xterm[b] = xscale[b] * static_cast<float>(half_sums[2 * b] + half_sums[2 * b + 1]);
+  }
+  int32_t word(int64_t b, int j) const {
+    int32_t value;
+    memcpy(&value, xq.data() + 32 * b + 4 * j, 4);
+    return value;
+  }
+};
+
+// The tile block's codes, a lane per row, the record's bytes kPrefetchBytes further on their way into L2 (a record
+// is read front to back over its 8 blocks, so a block's share of it is prefetched with each).
+inline void block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i codes[8]) {
+  const char* ahead = reinterpret_cast<const char*>(w.super(t, b)) + w.record * (b % 8) / 8 + kPrefetchBytes;
+  for (int64_t at = 0; at < w.record / 8; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T1);
+  tokenriver::kquant_codes(w, t, b, codes);
+}
+
+inline __m512i load_scales(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512 load_halves(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The tile's 16 scales d * sc of half h of block b (exact in float32).
+inline __m512 block_scale(const KQuantWeight& w, int64_t t, int64_t b, int h, __m512 d) {
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_scales(w.block_scales(t, b, h))));
+}
+
+// The tile's 16 mins -(dmin * m) of block b (exact in float32).
+inline __m512 block_min(const KQuantWeight& w, int64_t t, int64_t b) {
+  const __m512 m = _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_mins(t, b)))));
+  return _mm512_xor_ps(_mm512_mul_ps(load_halves(w.block_dmin(t, b)), m), _mm512_set1_ps(-0.0f));
+}
+
+// Tile t's 16 rows against MT activation rows, into y (ld: y's row stride): kquant.h's arithmetic, a lane per row.
+// SUB16: scales per 16 columns (each half of a block its own sum).
+template <bool SUB16, int MT>
+void kquant_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float* y, int64_t ld) {
+  const __mmask16 offset = w.offsets(t);
+  const bool has_mins = w.has_mins;
+  __m512 total[MT];
+  for (int64_t c = 0, begin = 0, end; begin < w.blocks(); begin = end, ++c) {
+    end = w.chain_end(c);
+    __m512 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = begin; b < end; ++b) {
+      __m512i codes[8];
+      block_codes(w, t, b, codes);
+      const __m512 d = load_halves(w.block_d(t, b));
+      const __m512 scale_lo = block_scale(w, t, b, 0, d);
+      const __m512 scale_hi = SUB16 ? block_scale(w, t, b, 1, d) : scale_lo;
+      const __m512 min = has_mins ? block_min(w, t, b) : _mm512_setzero_ps();
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xs = _mm512_set1_ps(a[m].xscale[b]);
+        const int32_t t_lo = a[m].half_sums[2 * b], t_hi = a[m].half_sums[2 * b + 1];
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        // Two chains of sums (the halves), integers: their order changes no bit.
+        for (int j = 0; j < 4; ++j) {
+          lo = _mm512_dpbusd_epi32(lo, codes[j], _mm512_set1_epi32(a[m].word(b, j)));
+          hi = _mm512_dpbusd_epi32(hi, codes[4 + j], _mm512_set1_epi32(a[m].word(b, 4 + j)));
+        }
+        if (SUB16) {
+          if (offset) {
+            lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(32 * t_lo));
+            hi = _mm512_mask_sub_epi32(hi, offset, hi, _mm512_set1_epi32(32 * t_hi));
+          }
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale_lo, xs), acc[m]);
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, xs), acc[m]);
+        } else {
+          lo = _mm512_add_epi32(lo, hi);
+          if (offset) lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(32 * (t_lo + t_hi)));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale_lo, xs), acc[m]);
+        }
+        if (has_mins) acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(a[m].xterm[b]), acc[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) total[m] = c == 0 ? acc[m] : _mm512_add_ps(total[m], acc[m]);
+  }
+  const int valid = static_cast<int>(std::min<int64_t>(kTileRows, w.N - kTileRows * t));
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + m * ld + kTileRows * t, lanes, total[m]);
+}
+
+// Tile t against every activation row, four at a time.
+template <bool SUB16>
+void kquant_rows(const KQuantWeight& w, int64_t t, const std::vector<KActivations>& activations, float* y) {
+  const int64_t M = static_cast<int64_t>(activations.size());
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) kquant_tile<SUB16, 4>(w, t, activations.data() + m, y + m * w.N, w.N);
+  switch (M - m) {
+    case 3: kquant_tile<SUB16, 3>(w, t, activations.data() + m, y + m * w.N, w.N); break;
+    case 2: kquant_tile<SUB16, 2>(w, t, activations.data() + m, y + m * w.N, w.N); break;
+    case 1: kquant_tile<SUB16, 1>(w, t, activations.data() + m, y + m * w.N, w.N); break;
+    default: break;
+  }
+}
+
+void linear(const float* x, int64_t M, const KQuantWeight& w, float* y, int num_threads) {
+  std::vector<KActivations> activations;
+  activations.reserve(M);
+  for (int64_t m = 0; m < M; ++m) activations.emplace_back(x + m * w.K, w.K);
+  const int64_t num_tiles = (w.N + kTileRows - 1) / kTileRows;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    if (w.scale_group == 16)
+      kquant_rows<true>(w, t, activations, y);
+    else
+      kquant_rows<false>(w, t, activations, y);
+  }
+}
+#endif
+
+// ---- GGUF blocks → row records (models/kquant.py's KQuantRecords) ---------------------------------------------------
+
+// Q4_K's (scale, min) of sub-block j from their 12 packed bytes (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One Q4_K or Q5_K super-block into its row record (models/kquant.py's RecordLayout): 8 groups' nibbles (16 bytes
+// each, Q4_0's order), scales, mins, d and dmin, and for Q5_K each group's fifth bits as one word.
+void convert_q4_k_block(const uint8_t* b, bool has_high, uint8_t* record, int64_t high_at, int64_t scales_at,
+                        int64_t mins_at, int64_t d_at) {
+  memcpy(record + d_at, b, 2);
+  memcpy(record + d_at + 2, b + 2, 2);
+  const uint8_t* qs = b + (has_high ? 48 : 16);
+  for (int g = 0; g < 8; ++g) {
+    int scale, min;
+    scale_min_k4(g, b + 4, &scale, &min);
+    record[scales_at + g] = static_cast<uint8_t>(scale);
+    record[mins_at + g] = static_cast<uint8_t>(min);
+    const uint8_t* chunk = qs + (g / 2) * 32;
+    const int shift = 4 * (g % 2);
+    for (int j = 0; j < 16; ++j)
+      record[16 * g + j] = uint8_t(((chunk[j] >> shift) & 0x0F) | (((chunk[j + 16] >> shift) & 0x0F) << 4));
+    if (has_high) {
+      uint32_t word = 0;
+      for (int l = 0; l < 32; ++l) word |= uint32_t((b[16 + l] >> g) & 1) << l;
+      memcpy(record + high_at + 4 * g, &word, 4);
+    }
+  }
+}
+
+// One Q6_K super-block (ql [128], qh [64], scales [16] int8, d) into its row record: nibbles, bit 4 and bit 5
+// words per group of 32, its 16 scales and d. Element 32 g + l: low nibble of ql[64 (g / 4) + 32 (g % 2) + l] (high
+// nibble for g % 4 >= 2), bits 4 and 5 from qh[32 (g / 4) + l] >> 2 (g % 4).
+void convert_q6_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int64_t scales_at, int64_t d_at) {
+  memcpy(record + scales_at, b + 192, 16);
+  memcpy(record + d_at, b + 208, 2);
+  for (int g = 0; g < 8; ++g) {
+    const int half = g / 4, j = g % 4;
+    uint8_t low[32];
+    uint32_t words[2] = {0, 0};
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t byte = b[half * 64 + (j % 2) * 32 + l];
+      low[l] = j < 2 ? byte & 0x0F : byte >> 4;
+      const int high = (b[128 + half * 32 + l] >> (2 * j)) & 3;
+      words[0] |= uint32_t(high & 1) << l;
+      words[1] |= uint32_t(high >> 1) << l;
+    }
+    for (int c = 0; c < 16; ++c) record[16 * g + c] = uint8_t(low[c] | (low[c + 16] << 4));
+    memcpy(record + high_at + 8 * g, words, 8);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// GGUF type codes (gguf.GGMLQuantizationType) of the K-quants kept at their own size.
+enum : int { kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// src [N, K / 256 * block bytes] of one GGUF matrix → its row records [N, K / 256, record] (models/kquant.py's
+// RecordLayout for the type: the byte offsets of the bit words, scales, mins and d within a record). Returns 0, or
+// 1 for a type it does not convert.
+int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* records, int64_t record,
+                   int64_t high_at, int64_t scales_at, int64_t mins_at, int64_t d_at, int num_threads) {
+  const int bytes = type == kQ4_K ? 144 : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 0;
+  if (bytes == 0) return 1;
+  const int64_t blocks = K / 256;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* b = src + (n * blocks + i) * bytes;
+      uint8_t* out = records + (n * blocks + i) * record;
+      if (type == kQ6_K)
+        convert_q6_k_block(b, out, high_at, scales_at, d_at);
+      else
+        convert_q4_k_block(b, type == kQ5_K, out, high_at, scales_at, mins_at, d_at);
+    }
+  return 0;
+}
+
+// Rows ids [count] of a K-quant weight in row tiles (kquant.h), decoded into out [count, K].
+void kquant_dequantize_rows(const KQuantWeight* w, const int64_t* ids, int64_t count, float* out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (count > 1)
+  for (int64_t i = 0; i < count; ++i) decode_row(*w, ids[i], out + i * w->K);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// y [M, N] = x [M, K] (activations rounded to int8 per 32 columns) @ the K-quant weight [N, K]ᵀ: kquant.h's
+// arithmetic, any number of rows (the GEMM, gemm.cpp, gives each row the same bits).
+void kquant_linear_int8x(const KQuantWeight* w, const float* x, int64_t M, float* y, int num_threads) {
+  linear(x, M, *w, y, num_threads);
+}
+
+int kquant_supported() { return 1; }
+#else
+int kquant_supported() { return 0; }
+#endif
+
+}  // extern "C"

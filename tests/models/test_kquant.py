@@ -1,0 +1,73 @@
+"""The K-quant format's definition (models/kquant.py): its dequantization is the stated formula, stacking keeps
+every part's values, the layer refuses fields that do not fit, and its reference product is F.linear on the
+dequantized weight with the activations rounded as the engine's default arithmetic rounds them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kquant_weights import KINDS, random_kquant
+
+from tokenriver.errors import InvalidParameterError
+from tokenriver.models.kquant import KQuantLinear, KQuantWeight, concatenate_kquant
+from tokenriver.models.quant import round_activations_int8, unpack_high_bits, unpack_int4
+
+
+def formula(weight: KQuantWeight) -> torch.Tensor:
+    """w = d * sc * (q - o) - dmin * m, element by element in float64 (every product is exact in float32)."""
+    rows, cols = weight.shape
+    q = unpack_int4(weight.qweight).long()
+    for plane, value in ((weight.bit4, 16), (weight.bit5, 32)):
+        if plane is not None:
+            q = q + unpack_high_bits(plane).long() * value
+    columns = torch.arange(cols)
+    d = weight.d.double()[:, columns // 256]
+    sc = weight.scales.double()[:, columns // weight.scale_group]
+    w = d * sc * (q - weight.offsets.long()[:, None]).double()
+    if weight.mins is not None:
+        w = w - weight.dmin.double()[:, columns // 256] * weight.mins.double()[:, columns // 32]
+    return w.float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_is_the_formula(kind):
+    weight = random_kquant(21, 512, kind, seed=1)
+    assert torch.equal(weight.dequantize(), formula(weight))
+
+
+def test_stacking_mixed_kinds_keeps_every_rows_values():
+    parts = [random_kquant(20, 512, "Q4_K", 1), random_kquant(13, 512, "Q6_K", 2), random_kquant(16, 512, "Q5_K", 3)]
+    stacked = concatenate_kquant(parts)
+    assert stacked.scale_group == 16 and stacked.mins is not None and stacked.bit5 is not None
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert torch.equal(stacked.rows(20, 33).dequantize(), parts[1].dequantize())
+
+
+def test_stacking_refuses_different_in_features():
+    with pytest.raises(InvalidParameterError, match="in_features"):
+        concatenate_kquant([random_kquant(4, 256, "Q4_K"), random_kquant(4, 512, "Q4_K")])
+
+
+def test_the_layer_refuses_fields_that_do_not_fit():
+    weight = random_kquant(8, 512, "Q4_K")
+    fields = weight.fields()
+    with pytest.raises(InvalidParameterError, match="scales must be torch.int8"):
+        KQuantLinear(KQuantWeight(**{**fields, "scales": fields["scales"].float()}, scale_group=32))
+    with pytest.raises(InvalidParameterError, match="d must be"):
+        KQuantLinear(KQuantWeight(**{**fields, "d": fields["d"][:, :1]}, scale_group=32))
+    with pytest.raises(InvalidParameterError, match="mins and dmin"):
+        KQuantLinear(KQuantWeight(**{**fields, "dmin": None}, scale_group=32))
+    with pytest.raises(InvalidParameterError, match="scales per 16 or 32"):
+        KQuantLinear(KQuantWeight(**fields, scale_group=64))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["exact", "int8-activations"])
+def test_the_reference_product_is_f_linear_on_the_dequantized_weight(kind, int8_activations):
+    weight = random_kquant(24, 512, kind, seed=4)
+    layer = KQuantLinear(weight, backend="reference", int8_activations=int8_activations)
+    x = torch.randn(5, 512)
+    rounded = round_activations_int8(x) if int8_activations else x
+    assert torch.equal(layer(x), F.linear(rounded, weight.dequantize()))
+    assert torch.equal(layer.dequantize_rows(torch.tensor([3, 0, 23])), weight.dequantize()[[3, 0, 23]])
