@@ -17,11 +17,11 @@ VNNI path. So each type is mapped once, at load, onto one of those, rows kept, w
 | Q6_K, other IQ types   |                             |                                                           |
 
 "float16" rows: the product of two stored factors is rounded once to float16 (relative error at most 2^-11 of
-the scale, far below the format's own step). With `kquant` (the loader's default where the CPU kernels run them, loader/load.py), Q4_K, Q5_K and Q6_K instead
-stay at their own size and exact (models/kquant.py; `to_kquant`). "Dequantized, then rounded": the types whose
-groups are 16 wide do not fit either layout exactly; rounding their values to int8
-per 32 adds at most half a step of max|w| / 127 per group (benchmarks/results/gguf_types.md measures the
-perplexity of each). `CONVERSIONS` says which rule each type gets; the loader logs it at startup.
+the scale, far below the format's own step). With `kquant` (the loader's default where the CPU kernels run them,
+loader/load.py), Q4_K, Q5_K and Q6_K instead stay at their own size and exact (models/kquant.py; `to_kquant`).
+"Dequantized, then rounded": the types whose groups are 16 wide do not fit either layout exactly; rounding their
+values to int8 per 32 adds at most half a step of max|w| / 127 per group (benchmarks/results/gguf_types.md measures
+the perplexity of each). `CONVERSIONS` says which rule each type gets; the loader logs it at startup.
 """
 
 from __future__ import annotations

@@ -99,3 +99,12 @@ def test_tiles_that_do_not_hold_the_weight_are_refused():
         kernels.bind_kquant(replace(tiled, cols=500), many_rows=True)
     with pytest.raises(ValueError, match="chain_ends"):
         kernels.bind_kquant(replace(tiled, chain_ends=torch.tensor([3, 2], dtype=torch.int64)), many_rows=False)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "mixed"])
+def test_the_native_tiling_writes_the_definitions_tile_records(kind):
+    records = pack_records(layer_of(kind, rows=48).row_major_weight()).rows(0, 48)  # whole tiles (mixed: 49 rows)
+    records = KQuantRecords(records.records.clone(), records.offsets, records.layout)
+    expected = tiles.tile_kquant(KQuantRecords(records.records.clone(), records.offsets, records.layout), False)
+    kernels.tile_kquant_in_place(records.records, records.layout, 2)
+    assert torch.equal(records.records.view(expected.records.shape), expected.records)

@@ -258,8 +258,12 @@ class NativeKQuantPacked:
         self.kernels = kernels
         self.max_gemv_rows = layer.max_gemv_rows
         if layer.layout == "rows":
-            tiled = tiles.tile_kquant(layer.records(), in_place=True)
-            layer.adopt("tiles", qweight=tiled.records)
+            records = layer.records()
+            if tiles.tiles_in_place(records.records):
+                kernels.tile_kquant_in_place(records.records, records.layout, default_num_threads())
+                layer.adopt("tiles", qweight=records.records.view(-1, *tiles.tile_record_shape(records)))
+            else:
+                layer.adopt("tiles", qweight=tiles.tile_kquant(records, in_place=False).records)
         self.tiles = tiles.KTiles(
             layer.qweight,
             tiles.offset_masks(layer.offsets),

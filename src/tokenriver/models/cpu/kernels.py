@@ -441,6 +441,7 @@ _SIGNATURES: dict[str, Signature] = {
     "quantize_int8_groups": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
     "convert_kquant": ([_ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _int], _int),
     "kquant_dequantize_rows": ([ctypes.POINTER(KQuantSpec), _ptr, _i64, _ptr, _int], None),
+    "kquant_tile_records": ([_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _int, _int, _int, _int], None),
     "row_dots_f32": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int], None),
     "moe_route_f32": ([_ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _int], None),
     "sigmoid_gate_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
@@ -599,6 +600,28 @@ class NativeKernels:
 
         linear.spec = spec  # the closure holds raw pointers: keep the tensors they point into alive
         return linear
+
+    def tile_kquant_in_place(self, records: torch.Tensor, layout: Any, num_threads: int) -> None:
+        """Row records [N, K/256, layout.size] rewritten as tile records over their own bytes (tiles.tile_kquant's
+        result, in one native pass); N a multiple of 16."""
+        num_rows, num_supers, size = records.shape
+        if num_rows % TILE_ROWS or size != layout.size:
+            raise ValueError(f"tile_kquant_in_place: {num_rows} rows of {size}-byte records, layout {layout}")
+        check_elements("tile_kquant_in_place", "records", records, torch.uint8, num_rows * num_supers * size)
+        self._functions["kquant_tile_records"](
+            records.data_ptr(),
+            num_rows,
+            num_supers * 256,
+            size,
+            layout.high,
+            layout.scales,
+            layout.mins,
+            layout.d,
+            layout.num_high,
+            layout.scale_group,
+            int(layout.has_mins),
+            num_threads,
+        )
 
     def kquant_dequantize_rows(self, tiles: KTiles, row_ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows [len(row_ids), K] of a K-quant weight in row tiles (dequantize_rows says whose ids)."""

@@ -311,14 +311,29 @@ def offset_masks(offsets: torch.Tensor) -> torch.Tensor | None:
     return bits.sum(dim=1).to(torch.int16)  # distinct bits: the sum ORs; bit 15 wraps into the sign
 
 
+def tiles_in_place(records: torch.Tensor) -> bool:
+    """Whether row records can become tile records over their own bytes: whole tiles, one contiguous 64-byte-aligned
+    buffer (tile_in_place's rule)."""
+    return (
+        records.shape[0] > 0
+        and records.shape[0] % TILE_ROWS == 0
+        and records.is_contiguous()
+        and records.data_ptr() % 64 == 0
+    )
+
+
+def tile_record_shape(weight: KQuantRecords) -> tuple[int, int]:
+    """A tile record buffer's trailing shape: (K/256, 16 * record size)."""
+    return weight.records.shape[1], TILE_ROWS * weight.layout.size
+
+
 def tile_kquant(weight: KQuantRecords, in_place: bool) -> KTiles:
     """Row records in tile records, a slab of whole tiles at a time (the fields take about 8 bytes of scratch per
     stored byte); in_place writes them over the row records' own bytes (whole tiles, a contiguous 64-byte-aligned
     buffer: tile_in_place's rule), else into new memory (the last tile padded with zero rows)."""
     records, layout = weight.records, weight.layout
     num_rows, num_supers, size = records.shape
-    in_place = in_place and num_rows > 0 and num_rows % TILE_ROWS == 0 and records.is_contiguous()
-    in_place = in_place and records.data_ptr() % 64 == 0
+    in_place = in_place and tiles_in_place(records)
     num_tiles = -(-num_rows // TILE_ROWS)
     out = (
         records.view(num_tiles, num_supers, TILE_ROWS * size)

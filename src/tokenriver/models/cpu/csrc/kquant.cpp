@@ -268,6 +268,60 @@ int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* 
   return 0;
 }
 
+// Row records [N, K/256, record] (models/kquant.py's RecordLayout: the byte offsets high_at, scales_at, mins_at and
+// d_at of a row's fields) rewritten in place as tile records (kquant.h; models/cpu/tiles.py's tile_kquant, the same
+// bytes): a tile's 16 rows take exactly its record's bytes, so each tile is copied out and written back. N a
+// multiple of 16.
+void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record, int64_t high_at, int64_t scales_at,
+                         int64_t mins_at, int64_t d_at, int num_high, int scale_group, int has_mins, int num_threads) {
+  const int64_t supers = K / 256, tile_bytes = kTileRows * supers * record;
+  const int runs = 32 / scale_group;
+  const int64_t high_out = 2048, scales_out = high_out + 512 * num_high, mins_out = scales_out + 128 * runs;
+  const int64_t d_out = mins_out + (has_mins ? 128 : 0);
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<uint8_t> rows(tile_bytes);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < N / kTileRows; ++t) {
+      uint8_t* tile = records + t * tile_bytes;
+      memcpy(rows.data(), tile, tile_bytes);
+      for (int64_t s = 0; s < supers; ++s) {
+        uint8_t* out = tile + s * kTileRows * record;
+        for (int r = 0; r < kTileRows; ++r) {
+          const uint8_t* row = rows.data() + (r * supers + s) * record;
+          for (int i = 0; i < 8; ++i) {
+            for (int j = 0; j < 4; ++j) memcpy(out + 256 * i + 64 * j + 4 * r, row + 16 * i + 4 * j, 4);
+            for (int c = 0; c < 4; ++c) {
+              if (num_high == 1) {
+                uint32_t word;
+                memcpy(&word, row + high_at + 4 * i, 4);
+                int plane = 0;
+                for (int k = 0; k < 8; ++k) plane |= ((word >> (16 * (k / 4) + 4 * (k % 4) + c)) & 1) << k;
+                out[high_out + 64 * i + 4 * r + c] = static_cast<uint8_t>(plane);
+              } else if (num_high == 2) {
+                uint32_t words[2];
+                memcpy(words, row + high_at + 8 * i, 8);
+                for (int h = 0; h < 2; ++h) {
+                  int crumbs = 0;
+                  for (int j = 0; j < 4; ++j) {
+                    const int column = 16 * h + 4 * j + c;
+                    crumbs |= (((words[0] >> column) & 1) | (((words[1] >> column) & 1) << 1)) << (2 * j);
+                  }
+                  out[high_out + 128 * i + 64 * h + 4 * r + c] = static_cast<uint8_t>(crumbs);
+                }
+              }
+            }
+            for (int h = 0; h < runs; ++h) out[scales_out + 16 * runs * i + 16 * h + r] = row[scales_at + runs * i + h];
+            if (has_mins) out[mins_out + 16 * i + r] = row[mins_at + i];
+          }
+          memcpy(out + d_out + 2 * r, row + d_at, 2);
+          if (has_mins) memcpy(out + d_out + 32 + 2 * r, row + d_at + 2, 2);
+        }
+      }
+    }
+  }
+}
+
 // Rows ids [count] of a K-quant weight in row tiles (kquant.h), decoded into out [count, K].
 void kquant_dequantize_rows(const KQuantWeight* w, const int64_t* ids, int64_t count, float* out, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (count > 1)
