@@ -454,8 +454,17 @@ void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float*
     __m512 acc[RT];
     for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = begin; b < end; ++b) {
+      // A centred row's sums start from -32 T per half (kquant.h's o * T), the rest from zero: integers, so the
+      // same values as subtracting after.
+      const __m512i zero = _mm512_setzero_si512();
+      const __m512i start_lo = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_loadu_si512(x_halves + (2 * b) * kPanel), 5));
+      const __m512i start_hi = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_loadu_si512(x_halves + (2 * b + 1) * kPanel), 5));
       __m512i lo[RT], hi[RT];
-      for (int r = 0; r < RT; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+      for (int r = 0; r < RT; ++r) {
+        const bool centred = (offsets >> (first + r)) & 1;
+        lo[r] = centred ? start_lo : zero;
+        hi[r] = centred ? start_hi : zero;
+      }
       const uint32_t* block_words = words + 8 * kTileRows * b + first;
       const uint32_t* block_quads = quads + 8 * kPanel * b;
 #pragma GCC unroll 4
@@ -468,16 +477,10 @@ void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float*
                                       x_hi);
         }
       }
-      const __m512i offset_lo = _mm512_slli_epi32(_mm512_loadu_si512(x_halves + (2 * b) * kPanel), 5);
-      const __m512i offset_hi = _mm512_slli_epi32(_mm512_loadu_si512(x_halves + (2 * b + 1) * kPanel), 5);
       const __m512 xs = _mm512_loadu_ps(x_scales + b * kPanel);
       const __m512 x_sum = _mm512_loadu_ps(x_terms + b * kPanel);
       for (int r = 0; r < RT; ++r) {
         const int row = first + r;
-        if ((offsets >> row) & 1) {
-          lo[r] = _mm512_sub_epi32(lo[r], offset_lo);
-          hi[r] = _mm512_sub_epi32(hi[r], offset_hi);
-        }
         const __m512 scale_lo = _mm512_set1_ps(scales[2 * b * kTileRows + row]);
         const __m512 scale_hi = _mm512_set1_ps(scales[(2 * b + 1) * kTileRows + row]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(scale_lo, xs), acc[r]);
