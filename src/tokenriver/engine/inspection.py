@@ -13,7 +13,8 @@ The contract:
       caps scores, zero outside a sliding window), from the query the layer computes and the keys it stored in
       the cache; None with a reason for an attention module this file does not know;
   (c) the L2 norms of the residual stream's update by attention and by the MLP at the position.
-- Bounded cost: one forward pass over at most MAX_INSPECT_TOKENS tokens; longer contexts are refused.
+- Bounded cost: one forward pass over at most MAX_INSPECT_TOKENS tokens, and one product of the output layer for all
+  the layers' lenses together; longer contexts are refused.
 """
 
 from __future__ import annotations
@@ -81,25 +82,32 @@ def inspect_position(loaded: LoadedModel, token_ids: list[int], position: int, t
     )
     metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(num_blocks))], BLOCK_SIZE, device)
     residual = None
-    layers = []
+    streams_out, attentions, update_norms = [], [], []
     for layer in stack.layers:
-        # The residual stream entering the layer, x: [T, hidden] (the previous layer's output not yet added).
-        stream_in = hidden.clone() if residual is None else residual + hidden
+        # The residual stream entering the layer at the position, x: [hidden] (the previous layer's output not yet
+        # added); the other positions' streams are the layer's business only.
+        stream_in = hidden[position].clone() if residual is None else residual[position] + hidden[position]
         layer_rope = rope_of(layer, rope)
         hidden, residual = layer(layer_rope, hidden, residual, cache, metadata)
         # The layer left residual = x + attention update; it returns the MLP update as `hidden`.
-        attention_update = residual[position] - stream_in[position]  # [hidden]
+        attention_update = residual[position] - stream_in  # [hidden]
         mlp_update = hidden[position]  # [hidden]
-        layers.append(
-            {
-                "logit_lens": logit_lens(
-                    model, stack, hidden[position : position + 1], residual[position : position + 1], top_k, tokenizer
-                ),
-                "attention": attention_of(layer, stream_in[position], layer_rope, cache, position),
-                "attention_update_norm": float(attention_update.float().norm()),
-                "mlp_update_norm": float(mlp_update.float().norm()),
-            }
+        # The stream after the layer, final-normed: the lens's input. The norm adds in place, so it gets copies.
+        streams_out.append(
+            stack.final_norm(hidden[position : position + 1].clone(), residual[position : position + 1].clone())
         )
+        attentions.append(attention_of(layer, stream_in, layer_rope, cache, position))
+        update_norms.append((float(attention_update.float().norm()), float(mlp_update.float().norm())))
+    lenses = logit_lens(model, torch.cat(streams_out), top_k, tokenizer)
+    layers = [
+        {
+            "logit_lens": lens,
+            "attention": attention,
+            "attention_update_norm": attention_norm,
+            "mlp_update_norm": mlp_norm,
+        }
+        for lens, attention, (attention_norm, mlp_norm) in zip(lenses, attentions, update_norms)
+    ]
     return {
         "token_ids": context,
         "tokens": [tokenizer.token_text(t) for t in context],
@@ -117,21 +125,15 @@ def rope_of(layer: torch.nn.Module, rope: Any) -> tuple[torch.Tensor, torch.Tens
     return rope
 
 
-def logit_lens(
-    model: torch.nn.Module,
-    stack: torch.nn.Module,
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    top_k: int,
-    tokenizer: Any,
-) -> list[dict[str, Any]]:
-    """The top-k next tokens if the model stopped here: the final norm and output layer on the stream x + hidden."""
-    normed = stack.final_norm(hidden.clone(), residual.clone())  # [1, hidden]; it adds in place
-    probs = torch.softmax(model.compute_logits(normed)[0].float(), dim=-1)  # [vocab]
-    top = torch.topk(probs, top_k)
+def logit_lens(model: torch.nn.Module, normed: torch.Tensor, top_k: int, tokenizer: Any) -> list[list[dict[str, Any]]]:
+    """Per layer, the top-k next tokens if the model stopped there: the output layer on each layer's final-normed
+    stream, [num_layers, hidden], in one product, so the output layer's weights (the model's largest matrix) are
+    read once rather than once per layer."""
+    probs = torch.softmax(model.compute_logits(normed).float(), dim=-1)  # [num_layers, vocab]
+    top = torch.topk(probs, top_k)  # values, indices: [num_layers, top_k]
     return [
-        {"token_id": int(t), "text": tokenizer.token_text(int(t)), "prob": float(p)}
-        for p, t in zip(top.values, top.indices)
+        [{"token_id": int(t), "text": tokenizer.token_text(int(t)), "prob": float(p)} for p, t in zip(values, indices)]
+        for values, indices in zip(top.values, top.indices)
     ]
 
 

@@ -5,7 +5,8 @@
  * format.js (helpers), app.js (state, requests, the token row), constraint.js (the output constraint),
  * why.js (panel 3), tree.js (panel 4), engine.js (panel 6), replay.js (exact replays, export/import),
  * timeline.js (batching), stepper.js (slow motion), inside.js (inside the forward pass), sparklines.js (the
- * distribution over time), beams.js (beam search), cost.js (the cost of a token: roofline, batching under load).
+ * distribution over time), beams.js (beam search), cost.js (the cost of a token: roofline, batching under load),
+ * tour.js (the guided tour: stops that arm the page's own controls and point at the panel proving each claim).
  *
  * Data flow. POST /tokenize turns the prompt (or the chat-templated conversation) into token ids. Every
  * generation is a streamed POST /v1/completions whose prompt is those ids and which asks for a per-step
