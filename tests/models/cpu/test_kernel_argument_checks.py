@@ -29,6 +29,7 @@ from tokenriver.models.attention_metadata import AttentionMetadata
 from tokenriver.models.cpu import tiles
 from tokenriver.models.cpu.decoder import NativeDecoder
 from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.kquant import KQuantRecords
 
 pytestmark = pytest.mark.skipif(
     load_kernels() is None, reason="native kernels need x86-64 AVX2/FMA/F16C and a C++ compiler"
@@ -108,6 +109,67 @@ def bind_group_not_whole_blocks():
 def bind_chain_ends_past_the_row():
     ends = torch.tensor([2, COLS // 32 + 3], dtype=torch.int64)
     return kernels().bind(dataclasses.replace(int8_tiles(), chain_ends=ends), rounding="int8")
+
+
+# --- K-quant weights at their own size (kquant.cpp, gemm.cpp) -------------------------------------------------------
+
+
+def kquant_tiles(rows: int = ROWS, cols: int = 256) -> tiles.KTiles:
+    """Q6_K-shaped tile records (bits 4 and 5, scales per 16, centred rows), random bytes."""
+    from tokenriver.models.kquant import RecordLayout
+
+    layout = RecordLayout(num_high=2, scale_group=16, has_mins=False)
+    records = torch.randint(0, 256, (rows, cols // 256, layout.size), dtype=torch.uint8)
+    offsets = torch.full((rows,), 32, dtype=torch.uint8)
+    return tiles.tile_kquant(KQuantRecords(records, offsets, layout), in_place=False)
+
+
+@case("records")
+def bind_kquant_records_too_small():
+    tiled = kquant_tiles()
+    return kernels().bind_kquant(dataclasses.replace(tiled, records=tiled.records[:1]), many_rows=False)
+
+
+@case("records")
+def bind_kquant_more_rows_than_tiles():
+    return kernels().bind_kquant(dataclasses.replace(kquant_tiles(), rows=ROWS + 1), many_rows=True)
+
+
+@case("multiple of 256")
+def bind_kquant_columns_not_super_blocks():
+    return kernels().bind_kquant(dataclasses.replace(kquant_tiles(), cols=300), many_rows=False)
+
+
+@case("chain_ends")
+def bind_kquant_chain_ends_past_the_row():
+    ends = torch.tensor([2, 256 // 32 + 3], dtype=torch.int64)
+    return kernels().bind_kquant(dataclasses.replace(kquant_tiles(), chain_ends=ends), many_rows=False)
+
+
+@case("x must be")
+def kquant_linear_x_narrower_than_the_weight():
+    return kernels().bind_kquant(kquant_tiles(), many_rows=False)(torch.zeros(2, 128))
+
+
+@case("row_ids")
+def kquant_dequantize_rows_of_int32_ids():
+    return kernels().kquant_dequantize_rows(kquant_tiles(), torch.tensor([0, 1], dtype=torch.int32))
+
+
+@case("blocks must be")
+def convert_kquant_rows_of_the_wrong_length():
+    from tokenriver.models.kquant import RecordLayout
+
+    layout = RecordLayout(num_high=2, scale_group=16, has_mins=False)
+    return kernels().convert_kquant(np.zeros((4, 209), dtype=np.uint8), 14, 256, layout, 1, torch.empty)
+
+
+@case("rows")
+def tile_kquant_in_place_of_partial_tiles():
+    from tokenriver.models.kquant import RecordLayout
+
+    layout = RecordLayout(num_high=2, scale_group=16, has_mins=False)
+    return kernels().tile_kquant_in_place(torch.zeros(17, 1, layout.size, dtype=torch.uint8), layout, 1)
 
 
 @case("x must be")
@@ -469,6 +531,9 @@ def test_the_valid_calls_the_cases_start_from_run():
     assert kernels().bind(int4_tiles())(torch.zeros(3, COLS)).shape == (3, ROWS)
     assert kernels().bind(int8_tiles(), rounding="int8")(torch.zeros(1, COLS)).shape == (1, ROWS)
     assert kernels().dequantize_rows(int4_tiles(), torch.tensor([0, ROWS - 1])).shape == (2, COLS)
+    if kernels().kquant:
+        assert kernels().bind_kquant(kquant_tiles(), many_rows=True)(torch.zeros(12, 256)).shape == (12, ROWS)
+        assert kernels().kquant_dequantize_rows(kquant_tiles(), torch.tensor([0, ROWS - 1])).shape == (2, 256)
     attention_call()
     run_native_step()
 

@@ -584,6 +584,8 @@ class NativeKernels:
         """x [M, K] float32 ↦ x (rounded to int8 per 32 columns) @ the K-quant weight [N, K]ᵀ, [M, N] float32:
         the GEMV (kquant.cpp) or, for many_rows, the GEMM (gemm.cpp), one arithmetic per row either way."""
         check_ktiles(tiles, "bind_kquant")
+        if not self.kquant:
+            raise ValueError("bind_kquant: the K-quant products need a CPU with AVX512-VNNI (kquant_supported)")
         spec = KQuantSpec.of(tiles)
         function = self._functions["kquant_gemm_int8x" if many_rows else "kquant_linear_int8x"]
         out_features, in_features, f32 = tiles.rows, tiles.cols, torch.float32
