@@ -88,6 +88,7 @@ class Tour:
             pytest.fail(f"stop {index + 1} ({stop}) got no answer: the dialog says {said!r}; error box: {error!r}")
         check_dialog(self.page, index)
         update_screenshot(self.page, index)
+        check_walkthrough(self.page, index)
         return json.loads(self.page.get_attribute("[data-testid=tour-proof]", "data-value"))
 
     def sent(self) -> list[dict]:
@@ -110,24 +111,18 @@ def again(base_url: str, body: dict) -> dict:
     return request(base_url, "/v1/completions", plain)
 
 
-def doc_anchors() -> set[str]:
-    """The heading anchors of docs/visualizer.md, slugged as Markdown renderers do."""
-    text = (ROOT / "docs" / "visualizer.md").read_text()
-    headings = re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
-    return {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-") for h in headings}
-
-
 def check_dialog(page: object, index: int) -> None:
-    """The dialog names its stop, links its walkthrough heading, and the stop's panel alone is outlined, on screen."""
+    """The dialog names its stop, links its article in the page's walkthrough (the server serves no docs/), and the
+    stop's panel alone is outlined, on screen."""
     assert page.inner_text("[data-testid=tour-count]") == f"Stop {index + 1} of {len(STOPS)}"
     assert page.get_attribute("[data-testid=tour]", "role") == "dialog"
     title_id = page.get_attribute("[data-testid=tour]", "aria-labelledby")
     assert page.inner_text(f"#{title_id}").strip()
     assert page.eval_on_selector("[data-testid=tour-proof]", "e => e.closest('[aria-live]') !== null")
-    anchor = page.get_attribute("[data-testid=tour-doc]", "href")
-    path, _, slug = anchor.partition("#")
-    assert path == "docs/visualizer.md" and slug in doc_anchors(), anchor
-    assert slug.startswith(f"stop-{index + 1}-")
+    link = page.get_attribute("[data-testid=tour-doc]", "href")
+    assert link == f"#walkthrough-stop-{index + 1}", link
+    assert f"stop {index + 1})" in page.inner_text("[data-testid=tour-doc]")
+    assert page.locator(f"#walkthrough article{link}").count() == 1
     panel = page.evaluate(f"TOUR_STOPS[{index}].panel")
     page.wait_for_function(
         """s => { const r = document.querySelector(s).getBoundingClientRect();
@@ -137,6 +132,31 @@ def check_dialog(page: object, index: int) -> None:
     )
     outlined = page.eval_on_selector_all(".tour-highlight", "els => els.length")
     assert outlined == 1 and page.eval_on_selector(panel, "e => e.classList.contains('tour-highlight')")
+
+
+def check_walkthrough(page: object, index: int) -> None:
+    """A click on the dialog's link opens the walkthrough at the stop's article, scrolls it into view clear of the
+    dialog and focuses it; the article quotes the sentence the dialog does, under the stop's title, with what its
+    panel shows. The focus then goes back to where it was in the dialog, whose keys move the tour."""
+    link = page.get_attribute("[data-testid=tour-doc]", "href")
+    focused = page.evaluate_handle("document.activeElement")
+    page.click("[data-testid=tour-doc]")
+    page.wait_for_function(
+        """id => { const article = document.getElementById(id); const r = article.getBoundingClientRect();
+                  const d = document.getElementById('tour').getBoundingClientRect();
+                  const clear = r.bottom <= d.top || r.top >= d.bottom || r.right <= d.left || r.left >= d.right;
+                  return document.activeElement === article && r.top >= -1 && r.bottom <= innerHeight && clear; }""",
+        arg=link[1:],
+        timeout=10_000,
+    )
+    assert page.eval_on_selector("#walkthrough details", "e => e.open")
+    article = page.locator(link)
+    assert article.is_visible()
+    sentence = article.locator("[data-testid=walkthrough-claim]").inner_text()
+    assert page.inner_text("[data-testid=tour-claim]") == f"“{sentence}”"
+    assert article.locator("h3").inner_text() == f"Stop {index + 1}: {page.inner_text('[data-testid=tour-title]')}"
+    assert page.inner_text("[data-testid=tour-look]") in article.inner_text()
+    focused.evaluate("e => e.focus()")
 
 
 def update_screenshot(page: object, index: int) -> None:
@@ -173,6 +193,8 @@ def tour(browser: object, base_url: str) -> Iterator[Tour]:
 
 def test_tab_reaches_start_and_enter_opens_the_first_stop(tour: Tour, base_url: str) -> None:
     page = tour.page
+    # The walkthrough is in the page, collapsed until the dialog's link opens it.
+    assert page.is_visible("#walkthrough summary") and page.is_hidden("#walkthrough-stop-1")
     page.click("h1")
     page.keyboard.press("Tab")
     assert page.evaluate("document.activeElement.dataset.testid") == "tour-start"
@@ -367,3 +389,16 @@ def test_starting_over_a_tree_asks_first_and_escape_leaves(tour: Tour) -> None:
     assert page.is_hidden("[data-testid=tour]")
     assert page.evaluate("document.activeElement.dataset.testid") == "tour-start"
     assert tour.watch.unexpected() == []
+
+
+# ---------------------------------------------------------------- the docs
+
+
+def test_docs_walkthrough_has_a_heading_per_stop(tour: Tour) -> None:
+    """docs/visualizer.md mirrors the page's walkthrough for readers of the repository: "### Stop N: title" for
+    every stop, in the tour's order."""
+    titles = tour.page.evaluate("TOUR_STOPS.map(stop => stop.title)")
+    assert len(titles) == len(STOPS)
+    text = (ROOT / "docs" / "visualizer.md").read_text()
+    headings = re.findall(r"^### (Stop \d+: .+)$", text, flags=re.MULTILINE)
+    assert headings == [f"Stop {i + 1}: {title}" for i, title in enumerate(titles)]

@@ -7,7 +7,7 @@
  * stop's `proof` reads what the other modules drew from the server's responses, and returns null until it is there.
  *
  * Each stop declares:
- *   id, title   the stop's name (its docs subsection is "Stop N: title", anchored by `doc`);
+ *   id, title   the stop's name (its walkthrough article, in the page and in docs/visualizer.md, is "Stop N: title");
  *   look        what the outlined panel shows: "what am I looking at";
  *   claim       the explainer's sentence the stop demonstrates;
  *   panel       the panel outlined and scrolled into view; `detail`, a part of it scrolled to once the proof is in;
@@ -629,6 +629,8 @@ async function goTo(index) {
     }
     clearInterval(tour.poll);
     setProof("ready", stop.say(value), value);
+    // A reader who went to the walkthrough meanwhile stays there.
+    if ($("walkthrough").contains(document.activeElement)) return;
     // Again now: the panels above it grew while the engine answered.
     const detail = stop.detail && document.querySelector(stop.detail);
     const target = detail || document.querySelector(stop.panel);
@@ -648,23 +650,14 @@ function showStop(stop, index) {
   $("tour-claim").textContent = `“${stop.claim}”`;
   setProof("arming", "Arming the engine: the stop sends its requests…");
   const link = $("tour-doc");
-  link.href = `docs/visualizer.md#${docAnchor(index)}`;
-  link.textContent = `docs/visualizer.md, walkthrough, stop ${index + 1}`;
+  link.href = `#${walkthroughId(index)}`;
+  link.textContent = `the explainer's sentence (walkthrough, stop ${index + 1})`;
   $("tour-back").setAttribute("aria-disabled", String(index === 0));
   $("tour-next").textContent = index === TOUR_STOPS.length - 1 ? "Finish" : "Next →";
   document.querySelectorAll(".tour-highlight").forEach((node) => node.classList.remove("tour-highlight"));
   const panel = document.querySelector(stop.panel);
   panel.classList.add("tour-highlight");
   panel.scrollIntoView({ block: "start", behavior: scrollBehavior() });
-}
-
-/** The heading anchor of stop `index`'s subsection in docs/visualizer.md ("### Stop N: title", slugged). */
-function docAnchor(index) {
-  const heading = `stop ${index + 1}: ${TOUR_STOPS[index].title}`.toLowerCase();
-  return heading
-    .replace(/[^a-z0-9 -]/g, "")
-    .trim()
-    .replace(/ /g, "-");
 }
 
 /** The stop's proof, in words (the live region reads it once) and as data for whoever checks it. */
@@ -697,9 +690,55 @@ function endTour() {
   tour.ctx = null;
   clearInterval(tour.poll);
   $("tour").hidden = true;
+  $("walkthrough").style.paddingBottom = "";
   $("tour-start").setAttribute("aria-expanded", "false");
   document.querySelectorAll(".tour-highlight").forEach((node) => node.classList.remove("tour-highlight"));
   $("tour-start").focus();
+}
+
+/* ---------------------------------------------------------------- the walkthrough */
+
+function walkthroughId(index) {
+  return `walkthrough-stop-${index + 1}`;
+}
+
+/**
+ * The walkthrough in the page, one article per stop from TOUR_STOPS: its title, the explainer's sentence it
+ * demonstrates and what its panel shows. The server serves the page and not docs/, so this is what the dialog links;
+ * docs/visualizer.md holds the same sentences for readers of the repository. Collapsed until a link opens it.
+ */
+function buildWalkthrough() {
+  const articles = TOUR_STOPS.map((stop, index) => {
+    const id = walkthroughId(index);
+    return el("article", { id, tabindex: "-1", "aria-labelledby": `${id}-title` }, [
+      el("h3", { id: `${id}-title`, text: `Stop ${index + 1}: ${stop.title}` }),
+      el("blockquote", { class: "tour-claim" }, el("p", { "data-testid": "walkthrough-claim", text: stop.claim })),
+      el("p", { class: "hint", text: stop.look }),
+    ]);
+  });
+  const summary = el("summary", { text: "Walkthrough: the explainers' sentences" });
+  const section = el(
+    "section",
+    // Below the layout's grid, with its outer spacing.
+    { id: "walkthrough", class: "panel", "aria-label": "Walkthrough", style: "margin: 0 0.7rem 0.7rem" },
+    el("details", {}, [summary, ...articles]),
+  );
+  document.querySelector("main").after(section);
+}
+
+/**
+ * Follow the dialog's link to an article of the walkthrough: open it, scroll to the article and move the focus there.
+ * The walkthrough ends the page, where the dialog floats: it makes room below itself as tall as the dialog, so that
+ * the last stops' articles scroll clear of it.
+ */
+function showWalkthroughArticle(event) {
+  event.preventDefault();
+  const article = document.getElementById(event.currentTarget.hash.slice(1));
+  const section = $("walkthrough");
+  section.querySelector("details").open = true;
+  section.style.paddingBottom = `${innerHeight - $("tour").getBoundingClientRect().top}px`;
+  article.scrollIntoView({ block: "start", behavior: scrollBehavior() });
+  article.focus({ preventScroll: true });
 }
 
 function onTourKeydown(event) {
@@ -710,6 +749,8 @@ function onTourKeydown(event) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  buildWalkthrough();
+  $("tour-doc").addEventListener("click", showWalkthroughArticle);
   $("tour-start").addEventListener("click", startTour);
   $("tour-next").addEventListener("click", nextStop);
   $("tour-back").addEventListener("click", previousStop);
