@@ -52,11 +52,11 @@ def test_values_are_ggufs_dequantization_bit_for_bit(qtype, rows, cols):
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda t: t.name)
 def test_stored_at_the_files_own_size(qtype):
     """Q6_K's records are the file's bytes in number; Q4_K and Q5_K take one byte per 6-bit scale and min (4 bytes
-    more per 256 weights, 1/8 bit a weight)."""
+    more per 256 weights, 1/8 bit a weight); Q3_K takes Q6_K's 210 bytes for its 110."""
     rows, cols = 48, 1024
     data = stored(qtype, rows, cols)
     records = to_kquant(data, qtype, native=False)
-    extra = {Q.Q4_K: rows * cols // 64, Q.Q5_K: rows * cols // 64, Q.Q6_K: 0}[qtype]
+    extra = {Q.Q3_K: rows * cols // 256 * 100, Q.Q4_K: rows * cols // 64, Q.Q5_K: rows * cols // 64, Q.Q6_K: 0}[qtype]
     assert records.records.nbytes == data.nbytes + extra
     assert torch.equal(records.dequantize(), unpack_kquant(data, qtype).dequantize())
 

@@ -18,7 +18,7 @@ from tokenriver.models.quant import GGUF_BLOCK
 
 Q = gguf.GGMLQuantizationType
 # The GGUF types kept at their own size, and their bytes per 256 weights.
-KQUANT_TYPES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+KQUANT_TYPES = {Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
 
 def _super_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -105,6 +105,37 @@ def unpack_q6_k(data: np.ndarray) -> KQuantWeight:
     )
 
 
+def unpack_q3_k(data: np.ndarray) -> KQuantWeight:
+    """Q3_K (110 bytes per 256: 32 bytes of high-bit masks, 64 of two low bits, 12 of 6-bit scales per 16, d), as
+    Q6_K's centred codes: w = d * (sc - 32) * q with q = low - 4 (high bit clear) or low (set), in -4..3, stored as
+    q + 32 (6.56 bits a weight where the file has 3.44; its values exact). Value e: its two low bits at bit
+    2 ((e % 128) // 32) of byte 32 + 32 (e // 128) + e % 32, its high bit at bit e // 32 of byte e % 32; scale i's
+    low 4 bits in byte 96 + i % 8 (high nibble for i >= 8), its top 2 in byte 104 + i % 4 at bit 2 (i // 4)."""
+    blocks = _super_blocks(data, Q.Q3_K)
+    num_rows, num_supers = blocks.shape[:2]
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]  # [4 runs of a half, 1]
+    low = blocks[:, :, 32:96].reshape(num_rows, num_supers, 2, 1, 32) >> shifts & 3  # [N, B, half, run, l]
+    high = blocks[:, :, 0:32, None] >> np.arange(8, dtype=np.uint8) & 1  # [N, B, l, run of 8]
+    high = high.transpose(0, 1, 3, 2).reshape(num_rows, num_supers, 2, 4, 32)  # [N, B, half, run, l]
+    codes = (low.astype(np.int16) - 4 * (1 - high.astype(np.int16)) + CENTRED_OFFSET).astype(np.uint8)  # 28..35
+    packed = blocks[:, :, 96:108]
+    nibbles = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)  # [N, B, 16]
+    tops = (packed[..., 8:12, None] >> (2 * np.arange(4, dtype=np.uint8)) & 3).transpose(0, 1, 3, 2)  # [N, B, 4, 4]
+    scales = (nibbles | (tops.reshape(num_rows, num_supers, 16) << 4)).astype(np.int16) - 32  # [N, B, 16]
+    runs = codes.reshape(num_rows, num_supers * 8, 32)
+    return KQuantWeight(
+        qweight=torch.from_numpy(np.ascontiguousarray(_runs(runs & 0x0F))),
+        scales=torch.from_numpy(scales.astype(np.int8).reshape(num_rows, -1)),
+        d=_half(blocks, 108),
+        offsets=torch.full((num_rows,), CENTRED_OFFSET, dtype=torch.uint8),
+        scale_group=16,
+        bit4=_words(runs >> 4 & 1),
+        bit5=_words(runs >> 5 & 1),
+    )
+
+
 def unpack_kquant(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> KQuantWeight:
     """Any of KQUANT_TYPES' bytes → KQuantWeight, by the numpy rules above."""
+    if tensor_type == Q.Q3_K:
+        return unpack_q3_k(data)
     return unpack_q6_k(data) if tensor_type == Q.Q6_K else unpack_q4_k(data, tensor_type)

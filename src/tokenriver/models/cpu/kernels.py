@@ -61,7 +61,7 @@ NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 # float32, or activations to int8 per 32 columns.
 ROUNDINGS = (None, "int8")
 # GGUF type codes (gguf.GGMLQuantizationType) of the K-quants convert_kquant takes.
-_Q4_K, _Q5_K, _Q6_K = 12, 13, 14
+_Q3_K, _Q4_K, _Q5_K, _Q6_K = 11, 12, 13, 14
 # Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
 Reductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
@@ -643,7 +643,7 @@ class NativeKernels:
     ) -> torch.Tensor:
         """A K-quant matrix's GGUF bytes [N, row bytes] → its row records [N, K/256, layout.size] (kquant.cpp's
         convert_kquant; layout: models/kquant.py's RecordLayout of the type) in a tensor `empty` makes."""
-        block_bytes = {_Q4_K: 144, _Q5_K: 176, _Q6_K: 210}[gguf_type]
+        block_bytes = {_Q3_K: 110, _Q4_K: 144, _Q5_K: 176, _Q6_K: 210}[gguf_type]
         num_rows = _check_blocks("convert_kquant", blocks, in_features, 256, block_bytes)
         records = empty((num_rows, in_features // 256, layout.size), torch.uint8)
         check_elements("convert_kquant", "records", records, torch.uint8, num_rows * in_features // 256 * layout.size)

@@ -240,19 +240,45 @@ void convert_q6_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int6
   }
 }
 
+// One Q3_K super-block (hmask [32], qs [64], 12 bytes of 6-bit scales, d) into a Q6_K-laid-out row record: the
+// centred codes q + 32 of q = low - 4 (high bit clear) or low, the scales sc - 32 per 16, d (models/kquant.py's
+// loader rule, loader/kquant_blocks.py's unpack_q3_k).
+void convert_q3_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int64_t scales_at, int64_t d_at) {
+  memcpy(record + d_at, b + 108, 2);
+  for (int i = 0; i < 16; ++i) {
+    const int low = i < 8 ? b[96 + i] & 0x0F : b[96 + i - 8] >> 4;
+    const int top = (b[104 + i % 4] >> (2 * (i / 4))) & 3;
+    record[scales_at + i] = static_cast<uint8_t>(static_cast<int8_t>((low | (top << 4)) - 32));
+  }
+  for (int g = 0; g < 8; ++g) {
+    const int half = g / 4, shift = 2 * (g % 4);
+    uint8_t codes[32];
+    uint32_t words[2] = {0, 0};
+    for (int l = 0; l < 32; ++l) {
+      const int low = (b[32 + 32 * half + l] >> shift) & 3;
+      const int high = (b[l] >> g) & 1;
+      codes[l] = static_cast<uint8_t>(low - (high ? 0 : 4) + 32);
+      words[0] |= uint32_t((codes[l] >> 4) & 1) << l;
+      words[1] |= uint32_t((codes[l] >> 5) & 1) << l;
+    }
+    for (int c = 0; c < 16; ++c) record[16 * g + c] = uint8_t((codes[c] & 0x0F) | ((codes[c + 16] & 0x0F) << 4));
+    memcpy(record + high_at + 8 * g, words, 8);
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-// GGUF type codes (gguf.GGMLQuantizationType) of the K-quants kept at their own size.
-enum : int { kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+// GGUF type codes (gguf.GGMLQuantizationType) of the K-quants kept as records (Q3_K as Q6_K's centred codes).
+enum : int { kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 // src [N, K / 256 * block bytes] of one GGUF matrix → its row records [N, K / 256, record] (models/kquant.py's
 // RecordLayout for the type: the byte offsets of the bit words, scales, mins and d within a record). Returns 0, or
 // 1 for a type it does not convert.
 int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* records, int64_t record,
                    int64_t high_at, int64_t scales_at, int64_t mins_at, int64_t d_at, int num_threads) {
-  const int bytes = type == kQ4_K ? 144 : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 0;
+  const int bytes = type == kQ3_K ? 110 : type == kQ4_K ? 144 : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 0;
   if (bytes == 0) return 1;
   const int64_t blocks = K / 256;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -262,6 +288,8 @@ int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* 
       uint8_t* out = records + (n * blocks + i) * record;
       if (type == kQ6_K)
         convert_q6_k_block(b, out, high_at, scales_at, d_at);
+      else if (type == kQ3_K)
+        convert_q3_k_block(b, out, high_at, scales_at, d_at);
       else
         convert_q4_k_block(b, type == kQ5_K, out, high_at, scales_at, mins_at, d_at);
     }
