@@ -45,6 +45,7 @@ lint: $(TEST_INSTALLED)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(PY) tools/check_comment_timings.py src
+	$(PY) tools/check_function_length.py src
 
 test: $(TEST_INSTALLED) lint
 	$(PY) -m pytest -q

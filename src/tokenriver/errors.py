@@ -21,6 +21,18 @@ class InvalidParameterError(TokenriverError, ValueError):
     """A value the user gave is out of range or of the wrong kind."""
 
 
+class DuplicateRequestIdError(InvalidParameterError):
+    """A request id that an unfinished request already has. Ids are unique among unfinished requests: the engine
+    checks a caller's id, the scheduler the ids of the engine requests made from it (n > 1: "<id>#<i>")."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"request id {request_id!r} is already in use by an unfinished request; use a unique id",
+            param="request_id",
+        )
+        self.request_id = request_id
+
+
 class ContextLengthError(InvalidParameterError):
     """A prompt (plus what must be generated) does not fit the model or the KV pool."""
 

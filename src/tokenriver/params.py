@@ -330,6 +330,18 @@ class SamplingParams:
             if getattr(self, name) != off:
                 _fail(name, getattr(self, name), f"is not supported with beam search (beam_width); leave it at {off}")
 
+    def validate_for_engine(self, vocab_size: int, max_num_seqs: int) -> None:
+        """What only a running engine can judge: token ids against its vocabulary, beams against its batch. The engine
+        checks every request with it; the server calls it too, to refuse a request before it is queued."""
+        self.validate_for_vocab(vocab_size)
+        if self.beam_width is not None and self.beam_width > max_num_seqs:
+            _fail(
+                "beam_width",
+                self.beam_width,
+                f"a beam search runs that many requests at once, more than the engine does (max_num_seqs="
+                f"{max_num_seqs}); lower beam_width, or start the engine with a larger max_num_seqs (--max-num-seqs)",
+            )
+
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Token ids can only be checked once the model is known."""
         for token_id in self.logit_bias or {}:
@@ -418,3 +430,23 @@ class PoolingParams:
             len(self.score_token_ids) != 2 or not all(_is_int(t) and t >= 0 for t in self.score_token_ids)
         ):
             _fail("score_token_ids", self.score_token_ids, "must be two token ids: (no, yes)")
+
+    def validate_for_model(self, *, model_name: str, is_causal: bool, num_labels: int, hidden_size: int) -> None:
+        """What only the model can judge: whether it can score, and how wide its embeddings are. The engine checks
+        every pooling request with it; the server calls it too, to refuse a request before its inputs are queued."""
+        if self.task == "score":
+            if is_causal and self.score_token_ids is None:
+                raise InvalidParameterError(
+                    "scoring with a causal model reads the logits of its (no, yes) tokens: give score_token_ids",
+                    param="score_token_ids",
+                )
+            if not is_causal and num_labels not in (1, 2):
+                raise InvalidParameterError(
+                    f"this model ({model_name}) is an embedding model without a reranking head: serve a cross-encoder "
+                    f"(a sequence-classification model such as a BERT reranker) or a causal model to rerank",
+                    param="model",
+                )
+        if self.dimensions is not None and self.dimensions > hidden_size:
+            raise InvalidParameterError(
+                f"dimensions={self.dimensions} but this model's embeddings have {hidden_size}", param="dimensions"
+            )

@@ -1,9 +1,9 @@
 """The one check of a prompt's token ids, shared by every entry point (LLM, EngineCore, the server).
 
-Each caller used to check its own subset (types here, the vocabulary there, the context somewhere else) with its
-own wording; now a prompt is refused for the same reasons and in the same words wherever it comes in. Errors
-name the field the caller's user wrote (`param`) and where in it the prompt sits (`where`, e.g. "prompt[1]").
-Stdlib only.
+A prompt is refused for the same reasons and in the same words wherever it comes in; the scheduler, which may be
+handed a request without the engine (its tests drive it alone), runs the length rules through the same function
+(`check_prompt_length`). Errors name the field the caller's user wrote (`param`) and where in it the prompt sits
+(`where`, e.g. "prompt[1]"). Stdlib only.
 """
 
 from __future__ import annotations
@@ -32,22 +32,13 @@ def check_prompt(
             f"{where} must be a list of token ids (integers), not {type(token_ids).__name__}", param=param
         )
     ids = list(token_ids)
-    if not ids:
-        raise InvalidParameterError(f"{where} is empty: give at least one token", param=param)
     bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidParameterError(
             f"{where} holds token id {bad[0]!r}, outside the vocabulary (integers 0..{vocab_size - 1})", param=param
         )
     num_tokens = len(ids)
-    if num_tokens > max_model_len or (num_tokens == max_model_len and not is_pooling):
-        room = "" if is_pooling else " (and at least one must be generated)"
-        raise ContextLengthError(
-            f"this model's context holds {max_model_len} tokens, but {where} has {num_tokens} tokens{room}; shorten it",
-            num_tokens=num_tokens,
-            max_tokens=max_model_len,
-            param=param,
-        )
+    check_prompt_length(num_tokens, max_model_len, where=where, param=param, is_pooling=is_pooling)
     if max_tokens is not None and num_tokens + max_tokens > max_model_len:
         raise ContextLengthError(
             f"this model's context holds {max_model_len} tokens, but you asked for {num_tokens + max_tokens} "
@@ -58,3 +49,21 @@ def check_prompt(
             param=max_tokens_param,
         )
     return ids
+
+
+def check_prompt_length(
+    num_tokens: int, max_model_len: int, *, where: str = "prompt", param: str = "prompt", is_pooling: bool = False
+) -> None:
+    """The rules on a prompt's length alone: at least one token, and inside the context, leaving room for one
+    generated token unless the prompt is embedded or scored. InvalidParameterError / ContextLengthError."""
+    if num_tokens == 0:
+        raise InvalidParameterError(f"{where} is empty: give at least one token", param=param)
+    if num_tokens > max_model_len or (num_tokens == max_model_len and not is_pooling):
+        room = "" if is_pooling else " (and at least one must be generated)"
+        raise ContextLengthError(
+            f"this model's context holds {max_model_len} tokens, but {where} has {num_tokens} tokens{room}; shorten "
+            f"it, or raise the engine's max_model_len",
+            num_tokens=num_tokens,
+            max_tokens=max_model_len,
+            param=param,
+        )

@@ -34,6 +34,7 @@ from tokenriver.errors import InvalidParameterError
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache
 from tokenriver.loader.load import LoadedModel, load_model
+from tokenriver.models.contract import CausalLM
 from tokenriver.runner.inputs import prepare_inputs
 from tokenriver.runner.native_stack import NativeStack
 from tokenriver.sampling.sampler import Sampler, SamplingState
@@ -45,23 +46,22 @@ from tokenriver.sched.request import Request
 _NUM_CHECKED_TOKENS = 2048
 
 
-def first_layers(model: nn.Module, num_layers: int) -> nn.Module:
+def first_layers(model: nn.Module, num_layers: int) -> CausalLM:
     """The model with only its first num_layers decoder layers, sharing every weight (a self-speculative draft).
 
     Shallow copies of the model and its decoder whose layer list is cut short: forward() and compute_logits()
     are the model's own, and layer i still writes kv_cache[i], so a cache of num_layers layers serves it.
     """
-    decoder = getattr(model, "model", None)
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if not isinstance(model, CausalLM):
         raise InvalidParameterError(
             f"a self-draft keeps the first layers of model.model.layers, which {type(model).__name__} does not "
             f"have; give a draft model path instead",
             param="speculative_draft",
         )
+    decoder = model.model
     draft_decoder = copy.copy(decoder)
     draft_decoder._modules = dict(decoder._modules)  # a copy: the target's own module table stays untouched
-    draft_decoder._modules["layers"] = nn.ModuleList(list(layers)[:num_layers])
+    draft_decoder._modules["layers"] = nn.ModuleList(list(decoder.layers)[:num_layers])
     draft = copy.copy(model)
     draft._modules = dict(model._modules)
     draft._modules["model"] = draft_decoder
@@ -80,6 +80,18 @@ class _DraftState:
     num_preemptions: int
     # The request's own stream for drafting when it has a seed (separate from the target's stream).
     generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class _Drafting:
+    """One request of a propose() call that gets drafts this time."""
+
+    # Its position in the call's requests (and proposals).
+    index: int
+    request: Request
+    state: _DraftState
+    # Drafts to guess for it: one pass each.
+    num_drafts: int
 
 
 class DraftModelProposer:
@@ -166,25 +178,25 @@ class DraftModelProposer:
     def propose(self, requests: list[Request], max_num_tokens: list[int]) -> list[Proposal | None]:
         """k passes for the whole batch: the first computes what each request's draft cache lacks and guesses
         one token; each further pass feeds the previous guess and guesses the next."""
-        batch: list[tuple[int, Request, _DraftState, int]] = []  # (index, request, state, number of drafts)
+        batch: list[_Drafting] = []
         for index, (request, limit) in enumerate(zip(requests, max_num_tokens)):
             state = self._prepare(request, limit)
             if state is not None:
-                batch.append((index, request, state, limit))
-        drafts: dict[int, list[int]] = {index: [] for index, _, _, _ in batch}
-        probs: dict[int, list[torch.Tensor]] = {index: [] for index, _, _, _ in batch}
+                batch.append(_Drafting(index, request, state, limit))
+        drafts: dict[int, list[int]] = {entry.index: [] for entry in batch}
+        probs: dict[int, list[torch.Tensor]] = {entry.index: [] for entry in batch}
         # Pass 1 computes the tokens each draft cache lacks; later passes, the previous guess.
-        pending = {index: request.all_token_ids[len(state.token_ids) :] for index, request, state, _ in batch}
-        for step in range(max((limit for *_, limit in batch), default=0)):
-            active = [entry for entry in batch if entry[3] > step]
+        pending = {entry.index: entry.request.all_token_ids[len(entry.state.token_ids) :] for entry in batch}
+        for step in range(max((entry.num_drafts for entry in batch), default=0)):
+            active = [entry for entry in batch if entry.num_drafts > step]
             scheduled = []
-            for index, request, state, _ in active:
-                start = len(state.token_ids)
+            for entry in active:
+                request, state = entry.request, entry.state
                 scheduled.append(
                     ScheduledRequest(
                         request_id=request.request_id,
-                        token_ids=pending[index],
-                        start_position=start,
+                        token_ids=pending[entry.index],
+                        start_position=len(state.token_ids),
                         block_ids=state.block_ids,
                         sample=True,
                         sampling_params=request.sampling_params,
@@ -192,7 +204,7 @@ class DraftModelProposer:
                         output_token_ids=request.output_token_ids,
                     )
                 )
-                state.token_ids.extend(pending[index])
+                state.token_ids.extend(pending[entry.index])
             inputs = prepare_inputs(SchedulerOutput(scheduled=scheduled), self.kv_cache.block_size, self.device)
             # [num_tokens, hidden_size]
             hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
@@ -201,24 +213,24 @@ class DraftModelProposer:
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_active, vocab] float32
             states = [
                 SamplingState(
-                    request.sampling_params,
-                    request.prompt_token_ids,
-                    request.output_token_ids + drafts[index],
-                    state.generator,
-                    [] if request.sampling_params.ignore_eos else request.eos_token_ids,
+                    entry.request.sampling_params,
+                    entry.request.prompt_token_ids,
+                    entry.request.output_token_ids + drafts[entry.index],
+                    entry.state.generator,
+                    [] if entry.request.sampling_params.ignore_eos else entry.request.eos_token_ids,
                 )
-                for index, request, state, _ in active
+                for entry in active
             ]
             token_ids, distributions = self.sampler.draw(logits, states)
-            for row, ((index, request, _, _), token_id) in enumerate(zip(active, token_ids)):
-                drafts[index].append(token_id)
-                if not request.sampling_params.is_greedy:
-                    probs[index].append(distributions[row])
-                pending[index] = [token_id]
+            for row, (entry, token_id) in enumerate(zip(active, token_ids)):
+                drafts[entry.index].append(token_id)
+                if not entry.request.sampling_params.is_greedy:
+                    probs[entry.index].append(distributions[row])
+                pending[entry.index] = [token_id]
         proposals: list[Proposal | None] = [None] * len(requests)
-        for index, request, _, _ in batch:
-            q = torch.stack(probs[index]) if probs[index] else None  # [num_drafts, vocab]
-            proposals[index] = Proposal(drafts[index], q)
+        for entry in batch:
+            q = torch.stack(probs[entry.index]) if probs[entry.index] else None  # [num_drafts, vocab]
+            proposals[entry.index] = Proposal(drafts[entry.index], q)
         return proposals
 
     def _prepare(self, request: Request, num_drafts: int) -> _DraftState | None:

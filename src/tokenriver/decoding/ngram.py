@@ -46,6 +46,9 @@ def find_continuation(token_ids: list[int], ngram_min: int, ngram_max: int, max_
 class NgramProposer:
     """Prompt lookup: the Proposer that needs no model."""
 
+    # It runs no forward pass (decoding/proposer.py).
+    num_forward_passes = 0
+
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max

@@ -29,6 +29,9 @@ class Proposal:
 class Proposer(Protocol):
     """Guesses how requests continue."""
 
+    # Forward passes of a draft model run so far, for the engine's step stats (0 for a proposer without a model).
+    num_forward_passes: int
+
     def propose(self, requests: list[Request], max_num_tokens: list[int]) -> list[Proposal | None]:
         """At most max_num_tokens[i] drafts continuing requests[i].all_token_ids (None: no guess)."""
 

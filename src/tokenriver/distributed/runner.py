@@ -9,7 +9,7 @@ states; only rank 0's sampled tokens are used. A None plan tells the other ranks
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -23,7 +23,7 @@ class Joinable(Protocol):
 
 
 class TensorParallelRunner:
-    """Rank 0's runner: the same interface as ModelRunner, and each step's plan sent to the other ranks first."""
+    """Rank 0's runner (runner/contract.py's Runner): each step's plan sent to the other ranks, then run here."""
 
     def __init__(self, runner: ModelRunner, group: TensorParallelGroup, workers: Sequence[Joinable] = ()) -> None:
         self.runner = runner
@@ -32,6 +32,11 @@ class TensorParallelRunner:
         self.workers = list(workers)
         self._closed = False
 
+    @property
+    def num_forward_passes(self) -> int:
+        """Forward passes run so far: rank 0's, which every rank runs in step."""
+        return self.runner.num_forward_passes
+
     def execute(
         self, scheduler_output: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
     ) -> RunnerOutput:
@@ -39,7 +44,7 @@ class TensorParallelRunner:
         return self.runner.execute(scheduler_output, draft_probs)
 
     def close(self) -> None:
-        """Tell the other ranks to stop, and leave the group. Idempotent."""
+        """Tell the other ranks to stop, leave the group, and close rank 0's own runner. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -47,10 +52,7 @@ class TensorParallelRunner:
         self.group.close()
         for worker in self.workers:
             worker.join(timeout=30)
-
-    def __getattr__(self, name: str) -> Any:
-        # kv_cache, sampler, num_forward_passes...: the wrapped runner's.
-        return getattr(self.runner, name)
+        self.runner.close()
 
 
 def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> int:

@@ -26,6 +26,7 @@ from torch import nn
 
 from tokenriver.distributed.group import TensorParallelGroup
 from tokenriver.errors import InvalidParameterError
+from tokenriver.models.contract import CausalLM
 from tokenriver.models.quant import Int4Linear, Int4Weight, Int8Linear, Int8Weight
 from tokenriver.models.row_chains import BLOCK, feature_unit, partition, projection_runs, run_boundaries
 
@@ -279,14 +280,12 @@ def _shard_mlp(
 def shard_model(model: nn.Module, group: TensorParallelGroup) -> ShardLayout:
     """Shard a loaded causal LM (its `model.layers`) for this rank, in place, and drop any binding the fast path
     made of the old weights."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+    if not isinstance(model, CausalLM) or len(model.model.layers) == 0:
         raise InvalidParameterError(
             f"tensor parallelism needs a decoder with `model.layers`; {type(model).__name__} has none",
             param="tensor_parallel_size",
         )
-    layout = shard_decoder_layers(layers, group)
+    layout = shard_decoder_layers(model.model.layers, group)
     # .to() the device it is on: a no-op for the weights, but every module's _apply hook forgets what it bound.
     device = next(model.parameters()).device
     model.to(device)

@@ -28,13 +28,14 @@ from tokenriver.distributed.launch import start_tensor_parallel
 from tokenriver.engine.memory import MemoryAccount, memory_account
 from tokenriver.engine.output_processor import OutputProcessor
 from tokenriver.engine.token_cost import TokenCost, token_cost
-from tokenriver.errors import InvalidParameterError, RequestNotFoundError
+from tokenriver.errors import DuplicateRequestIdError, InvalidParameterError, RequestNotFoundError
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.kv.cache import KVCache, bytes_per_block
 from tokenriver.loader.load import LoadedModel, load_model
 from tokenriver.outputs import FinishReason, RequestOutput
 from tokenriver.params import PoolingParams, SamplingParams
 from tokenriver.prompts import check_prompt
+from tokenriver.runner.contract import Runner
 from tokenriver.runner.model_runner import ModelRunner
 from tokenriver.sampling.grammar import GrammarCompiler, GrammarMatchers
 from tokenriver.sched.output import SchedulerOutput, SchedulerStats
@@ -257,7 +258,7 @@ class EngineCore:
         self.grammar = GrammarCompiler(
             self.tokenizer.to_json, model_config.vocab_size, list(self.tokenizer.eos_token_ids)
         )
-        self.runner = ModelRunner(
+        self.runner: Runner = ModelRunner(
             self.loaded.model,
             self.kv_cache,
             config.device,
@@ -273,9 +274,16 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_groups = BeamGroups(self.scheduler, self.tokenizer)
         self.last_step: StepStats | None = None
+        self.model_info = self._describe(num_blocks)
+        # Which requests shared each recent step's pass, and how long it took.
+        self.pass_log: deque[PassLogEntry] = deque(maxlen=PASS_LOG_LENGTH)
+
+    def _describe(self, num_blocks: int) -> ModelInfo:
+        """The model and the engine's sizes once everything is built, for the layers above (ModelInfo)."""
+        config, model_config = self.config, self.loaded.config
         account = self.memory_account()
         kv_bytes_per_token = self.kv_cache.num_bytes // (num_blocks * config.block_size)
-        self.model_info = ModelInfo(
+        return ModelInfo(
             path=self.loaded.path,
             vocab_size=model_config.vocab_size,
             max_model_len=self.max_model_len,
@@ -300,8 +308,6 @@ class EngineCore:
             memory="" if account is None else account.describe(),
             token_cost=token_cost(self.loaded, kv_bytes_per_token),
         )
-        # Which requests shared each recent step's pass, and how long it took.
-        self.pass_log: deque[PassLogEntry] = deque(maxlen=PASS_LOG_LENGTH)
 
     def add_request(
         self,
@@ -316,9 +322,7 @@ class EngineCore:
         """Queue a request; raises a clear error if it can never run. With final_only, step() reports it once,
         finished, instead of after every step that changed it (a pooling request always reports once)."""
         if self.output_processor.has_request(request_id):
-            raise InvalidParameterError(
-                f"request id {request_id!r} is already running; use a unique id", param="request_id"
-            )
+            raise DuplicateRequestIdError(request_id)
         vocab_size = self.loaded.config.vocab_size
         is_pooling = isinstance(params, PoolingParams)
         prompt_token_ids = check_prompt(prompt_token_ids, vocab_size, self.max_model_len, is_pooling=is_pooling)
@@ -332,17 +336,11 @@ class EngineCore:
                 f"not generate; use embed or rerank",
                 param="model",
             )
-        params.validate_for_vocab(vocab_size)
+        params.validate_for_engine(vocab_size, self.config.max_num_seqs)
         if params.structured_output is not None:
             self.grammar.compile(params.structured_output)  # a cache hit when the submitting thread compiled it
         eos_token_ids = list(self.tokenizer.eos_token_ids)
         if params.use_beam_search:
-            if params.beam_width > self.config.max_num_seqs:
-                raise InvalidParameterError(
-                    f"beam_width={params.beam_width} needs that many running requests but max_num_seqs is "
-                    f"{self.config.max_num_seqs}; lower beam_width or raise max_num_seqs",
-                    param="beam_width",
-                )
             self.beam_groups.add_request(
                 request_id, list(prompt_token_ids), params, eos_token_ids, arrival_time, priority
             )
@@ -408,23 +406,12 @@ class EngineCore:
         """The params with their pooling settled (the request's, else the engine's --pooling, else the model
         file's, else the architecture's natural one), or a clear error where this model cannot do what they ask."""
         config = self.loaded.config
-        if params.task == "score":
-            if config.is_causal and params.score_token_ids is None:
-                raise InvalidParameterError(
-                    "scoring with a causal model reads the logits of its (no, yes) tokens: give score_token_ids",
-                    param="score_token_ids",
-                )
-            if not config.is_causal and config.num_labels not in (1, 2):
-                raise InvalidParameterError(
-                    f"this model ({config.architecture}) has no reranking head: serve a cross-encoder (a "
-                    f"sequence-classification model) or a causal model to score documents",
-                    param="model",
-                )
-        if params.dimensions is not None and params.dimensions > config.hidden_size:
-            raise InvalidParameterError(
-                f"dimensions={params.dimensions} but this model's embeddings have {config.hidden_size}",
-                param="dimensions",
-            )
+        params.validate_for_model(
+            model_name=config.architecture,
+            is_causal=config.is_causal,
+            num_labels=config.num_labels,
+            hidden_size=config.hidden_size,
+        )
         pooling = params.pooling or self.config.pooling or config.pooling or ("last" if config.is_causal else "cls")
         return dataclasses.replace(params, pooling=pooling)
 
@@ -513,11 +500,9 @@ class EngineCore:
         return memory_account(self.loaded, [tensor for pair in self.kv_cache.layers for tensor in pair])
 
     def close(self) -> None:
-        """Release what outlives a garbage collection: the other ranks of a tensor-parallel engine."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        """Release what outlives a garbage collection: the other ranks of a tensor-parallel engine, the runner's
+        threads."""
+        self.runner.close()
 
     def _num_draft_forward_passes(self) -> int:
-        proposer = self.speculator.proposer if self.speculator is not None else None
-        return getattr(proposer, "num_forward_passes", 0)
+        return self.speculator.proposer.num_forward_passes if self.speculator is not None else 0

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from tokenriver.config import EngineConfig
 from tokenriver.engine.core import EngineCore
-from tokenriver.engine.rerank import RerankResult, ranked, rerank_inputs
+from tokenriver.engine.rerank import RerankResult, check_top_n, ranked, rerank_inputs
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.load import LoadedModel
 from tokenriver.outputs import RequestOutput
@@ -177,8 +177,7 @@ class LLM:
         model judges a pair); `instruction` tells a causal judge what relevant means."""
         if not isinstance(query, str) or not all(isinstance(d, str) for d in documents) or not documents:
             raise InvalidParameterError("rerank takes a query string and a non-empty list of strings", param="query")
-        if top_n is not None and (not isinstance(top_n, int) or top_n < 1):
-            raise InvalidParameterError(f"top_n={top_n!r} must be an integer >= 1", param="top_n")
+        check_top_n(top_n)
         documents = list(documents)
         inputs, params = rerank_inputs(
             self.engine.tokenizer, self.engine.model_info.is_causal, query, documents, instruction

@@ -53,6 +53,12 @@ def rerank_inputs(
     return inputs, judge
 
 
+def check_top_n(top_n: object) -> None:
+    """top_n, how many of the best documents to return: an integer >= 1, or None for all of them."""
+    if top_n is not None and (not isinstance(top_n, int) or top_n < 1):
+        raise InvalidParameterError(f"top_n={top_n!r} must be an integer >= 1", param="top_n")
+
+
 def ranked(documents: list[str], scores: list[float], top_n: int | None) -> list[RerankResult]:
     """The documents best first (ties keep their order), at most top_n of them."""
     order = sorted(range(len(documents)), key=lambda i: -scores[i])

@@ -234,6 +234,8 @@ class BertForPooling(nn.Module):
     """
 
     fused_projections = FUSED_PROJECTIONS
+    # The encoder's layers run in its own forward: no native decoder takes them (models/contract.py).
+    layer_layout = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -275,6 +277,8 @@ class XLMRobertaForPooling(nn.Module):
     classification head of its own (dense, tanh, out_proj) instead of BERT's pooler + classifier."""
 
     fused_projections = FUSED_PROJECTIONS
+    # The encoder's layers run in its own forward: no native decoder takes them (models/contract.py).
+    layer_layout = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

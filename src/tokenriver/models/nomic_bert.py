@@ -114,6 +114,8 @@ class NomicBertForPooling(nn.Module):
     classification head: `score` says so."""
 
     fused_projections = FUSED_PROJECTIONS
+    # The encoder's layers run in its own forward: no native decoder takes them (models/contract.py).
+    layer_layout = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

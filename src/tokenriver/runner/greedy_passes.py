@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from tokenriver.kv.cache import KVCache
+from tokenriver.models.contract import CausalLM
 from tokenriver.runner.inputs import ModelInputs, advance_decode
 from tokenriver.runner.native_stack import NativeStack
 from tokenriver.sampling.sampler import Sampler, SampleResult, SamplingState, torch_row_reductions
@@ -35,7 +35,7 @@ class GreedyPasses:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         forward: NativeStack,
         sampler: Sampler,
         kv_cache: KVCache,

@@ -32,10 +32,10 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from torch import nn
 
 from tokenriver.kv.cache import KVCache
 from tokenriver.models.attention_metadata import to_device
+from tokenriver.models.contract import CausalLM, PoolingModel
 from tokenriver.models.fast_path import fast_path_for
 from tokenriver.runner.cuda_graphs import DecodeGraphs
 from tokenriver.runner.greedy_passes import GreedyPasses, append_samples
@@ -48,11 +48,11 @@ from tokenriver.sched.output import RequestStepResult, RunnerOutput, ScheduledRe
 
 
 class ModelRunner:
-    """Turns a SchedulerOutput into sampled tokens."""
+    """Turns a SchedulerOutput into sampled tokens (the runner/contract.py Runner of one process)."""
 
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM | PoolingModel,
         kv_cache: KVCache,
         device: torch.device | str,
         seed: int = 0,
@@ -94,6 +94,11 @@ class ModelRunner:
     def num_forward_passes(self) -> int:
         """Forward passes run so far (the visualizer's "one pass per token")."""
         return self._num_model_passes + self.greedy.num_native_passes
+
+    def close(self) -> None:
+        """Stop the grammar masks' worker thread now rather than when the runner is collected. Idempotent."""
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown()
 
     def _generator_for(self, request: ScheduledRequest) -> torch.Generator | None:
         seed = request.sampling_params.seed

@@ -17,12 +17,12 @@ request's vector does not depend on its batch.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from tokenriver.models.contract import CausalLM, PoolingModel
 from tokenriver.params import PoolingParams
 
 
-def pool(model: nn.Module, hidden: torch.Tensor, params: PoolingParams) -> list[float]:
+def pool(model: CausalLM | PoolingModel, hidden: torch.Tensor, params: PoolingParams) -> list[float]:
     """hidden: [num_tokens, hidden_size], one request's whole prompt → its embedding, or [score]."""
     if params.task == "score":
         return [relevance_score(model, hidden, params)]
@@ -39,7 +39,7 @@ def pool(model: nn.Module, hidden: torch.Tensor, params: PoolingParams) -> list[
     return vector.tolist()
 
 
-def relevance_score(model: nn.Module, hidden: torch.Tensor, params: PoolingParams) -> float:
+def relevance_score(model: CausalLM | PoolingModel, hidden: torch.Tensor, params: PoolingParams) -> float:
     """A (query, document) prompt's relevance in [0, 1] (rule 3 of the module docstring)."""
     if params.score_token_ids is not None:
         no_id, yes_id = params.score_token_ids

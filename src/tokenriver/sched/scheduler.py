@@ -72,10 +72,11 @@ import bisect
 import time
 from collections.abc import Callable
 
-from tokenriver.errors import ContextLengthError, InvalidParameterError
+from tokenriver.errors import ContextLengthError, DuplicateRequestIdError, InvalidParameterError
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.outputs import FinishReason, TokenLogprobs
 from tokenriver.params import is_plain_greedy
+from tokenriver.prompts import check_prompt_length
 from tokenriver.sched.output import (
     RequestStepResult,
     RequestUpdate,
@@ -161,22 +162,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; raises if its prompt could never run here."""
         if request.request_id in self._requests:
-            raise InvalidParameterError(
-                f"request id {request.request_id!r} is already in use by an unfinished request: use a unique id",
-                param="request_id",
-            )
+            raise DuplicateRequestIdError(request.request_id)
         num_prompt_tokens = request.num_prompt_tokens
-        if num_prompt_tokens == 0:
-            raise InvalidParameterError("the prompt is empty: give at least one token", param="prompt")
+        check_prompt_length(num_prompt_tokens, self.max_model_len, is_pooling=request.is_pooling)
         if request.is_pooling:
             self._check_pooling_fits(num_prompt_tokens)
-        elif num_prompt_tokens >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {num_prompt_tokens} tokens but max_model_len is {self.max_model_len}, which must "
-                f"also leave room for at least one generated token: shorten the prompt or raise max_model_len",
-                num_tokens=num_prompt_tokens,
-                max_tokens=self.max_model_len,
-            )
         if num_prompt_tokens > self._pool_num_tokens:
             raise ContextLengthError(
                 f"the prompt has {num_prompt_tokens} tokens but the KV cache holds only {self._pool_num_tokens} "
@@ -194,9 +184,9 @@ class Scheduler:
         bisect.insort(self._waiting, request, key=self._rank)
 
     def _check_pooling_fits(self, num_prompt_tokens: int) -> None:
-        """A pooling input runs in one step: it must fit the context and one step's token budget."""
+        """A pooling input runs in one step: it must fit one step's token budget (and the context:
+        check_prompt_length)."""
         limit, name = min(
-            (self.max_model_len, "max_model_len"),
             (self.max_num_batched_tokens, "max_num_batched_tokens"),
             (self._pool_num_tokens, "the KV pool's tokens"),
         )

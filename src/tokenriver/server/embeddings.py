@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenriver.engine.async_engine import AsyncEngine
-from tokenriver.engine.rerank import ranked, rerank_inputs
+from tokenriver.engine.rerank import check_top_n, ranked, rerank_inputs
 from tokenriver.errors import ContextLengthError, InvalidParameterError
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import PoolingParams
@@ -61,11 +61,7 @@ class PoolingServing:
             )
         except InvalidParameterError as error:
             raise InvalidParameterError(error.message, param=error.param) from None
-        if params.dimensions is not None and params.dimensions > self.info.hidden_size:
-            raise InvalidParameterError(
-                f"dimensions={params.dimensions} but this model's embeddings have {self.info.hidden_size}",
-                param="dimensions",
-            )
+        self._check_params(params)
         outputs = await self._pool_all(inputs, params)
         as_base64 = request.encoding_format == "base64"
         num_tokens = sum(len(ids) for ids in inputs)
@@ -79,18 +75,12 @@ class PoolingServing:
         )
 
     async def rerank(self, request: RerankRequest) -> RerankResponse:
-        if request.top_n is not None and request.top_n < 1:
-            raise InvalidParameterError(f"top_n={request.top_n} must be at least 1", param="top_n")
-        if not self.info.is_causal and self.info.num_labels not in (1, 2):
-            raise InvalidParameterError(
-                "this server's model is an embedding model without a reranking head: serve a cross-encoder "
-                "(a sequence-classification model such as a BERT reranker) or a causal model to rerank",
-                param="model",
-            )
+        check_top_n(request.top_n)
         documents = [d if isinstance(d, str) else d.text for d in request.documents]
         inputs, params = rerank_inputs(
             self.tokenizer, self.info.is_causal, request.query, documents, request.instruction
         )
+        self._check_params(params)
         for index, ids in enumerate(inputs):
             self._check_input(ids, f"documents[{index}]", "documents")
         outputs = await self._pool_all(inputs, params)
@@ -127,6 +117,17 @@ class PoolingServing:
             self._check_input(ids, f"input[{index}]" if len(given) > 1 else "input", "input")
             inputs.append(ids)
         return inputs
+
+    def _check_params(self, params: PoolingParams) -> None:
+        """Refuse what this model cannot do before any input is queued (PoolingParams.validate_for_model, which the
+        engine runs again on admission)."""
+        info = self.info
+        params.validate_for_model(
+            model_name=self.model_name,
+            is_causal=info.is_causal,
+            num_labels=info.num_labels,
+            hidden_size=info.hidden_size,
+        )
 
     def _check_input(self, ids: list[int], where: str, param: str) -> None:
         """The engine's own rules (prompts.check_prompt, the scheduler's one-pass limit), worded for this field."""

@@ -311,15 +311,9 @@ class OpenAIServing:
             raise InvalidParameterError(error.message, param=found[0] if found else "tools") from None
 
     def _check_engine_limits(self, params: SamplingParams) -> None:
-        """What only this engine can judge: token ids against its vocabulary, candidates against its batch."""
-        params.validate_for_vocab(self.vocab_size)
-        if params.beam_width is not None and params.beam_width > self.max_num_seqs:
-            raise InvalidParameterError(
-                f"beam_width={params.beam_width} needs that many requests running at once, more than this server "
-                f"runs (max_num_seqs={self.max_num_seqs}); lower it, or start the server with a larger "
-                f"--max-num-seqs",
-                param="beam_width",
-            )
+        """What only this engine can judge: token ids against its vocabulary, candidates against its batch
+        (SamplingParams.validate_for_engine, which the engine runs again on admission)."""
+        params.validate_for_engine(self.vocab_size, self.max_num_seqs)
         if params.num_generated > self.max_num_seqs:
             name = "best_of" if params.best_of is not None else "n"
             raise InvalidParameterError(

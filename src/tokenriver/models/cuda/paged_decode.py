@@ -25,6 +25,8 @@ width, rounded up to a power of two, is a compile-time bound (a few widths share
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -80,21 +82,9 @@ def paged_decode_attention(
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    dim_pad = max(16, triton.next_power_of_2(head_dim))
-    on_tensor_cores = key_cache.dtype in (torch.float16, torch.bfloat16)
-    if on_tensor_cores:
-        group_pad = max(MMA_ROWS, triton.next_power_of_2(group))
-        tile = min(MAX_TILE, max(MIN_TILE, MMA_TILE_ELEMENTS // dim_pad))
-    else:
-        group_pad = max(2, triton.next_power_of_2(group))
-        tile = min(MAX_TILE, max(MIN_TILE, triton.next_power_of_2(TILE_ELEMENTS // (group_pad * dim_pad))))
-    if out is None:
-        out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}, got "
-            f"{out.dtype} {tuple(out.shape)}"
-        )
+    shape = _Tiles.choose(key_cache.dtype, group, head_dim)
+    tile = shape.tile
+    out = _output_for(query, out)
     if batch == 0:
         return out
     max_len = max(tile, triton.next_power_of_2(block_tables.shape[1] * block_size))
@@ -132,29 +122,74 @@ def paged_decode_attention(
         block_size,
         group,
         head_dim,
-        GROUP=group_pad,
-        DIM=dim_pad,
+        GROUP=shape.group_pad,
+        DIM=shape.dim_pad,
         TILE=tile,
         SPAN=span,
         HAS_SOFTCAP=softcap is not None,
         SPLIT=split,
-        ON_TENSOR_CORES=on_tensor_cores,
+        ON_TENSOR_CORES=shape.on_tensor_cores,
         num_warps=4,
     )
     if split:
-        _merge_kernel[(batch, num_heads)](
-            maxima,
-            sums,
-            values,
-            out,
-            out.stride(0),
-            out.stride(1),
-            head_dim,
-            DIM=dim_pad,
-            PARTITIONS=partitions,
-            num_warps=1,
+        _merge_partitions(maxima, sums, values, out, shape.dim_pad)
+    return out
+
+
+def _merge_partitions(
+    maxima: torch.Tensor, sums: torch.Tensor, values: torch.Tensor, out: torch.Tensor, dim_pad: int
+) -> None:
+    """Each head's partitions ([B, heads, partitions] maxima and sums, [B, heads, partitions, head_dim] values)
+    merged in order into out [B, heads, head_dim] (_merge_kernel)."""
+    batch, num_heads, partitions = maxima.shape
+    _merge_kernel[(batch, num_heads)](
+        maxima,
+        sums,
+        values,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.shape[2],
+        DIM=dim_pad,
+        PARTITIONS=partitions,
+        num_warps=1,
+    )
+
+
+def _output_for(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` where it can take the result in place (a contiguous tensor of the query's shape and dtype), else a new
+    tensor; any other `out` is a caller's bug."""
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}, got "
+            f"{out.dtype} {tuple(out.shape)}"
         )
     return out
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """How _decode_kernel walks a partition: the group's query heads and head_dim padded to powers of two, and the
+    positions of one tile."""
+
+    group_pad: int
+    dim_pad: int
+    tile: int
+    # A 16-bit cache multiplies on the tensor cores (module docstring), a float32 one on the CUDA cores.
+    on_tensor_cores: bool
+
+    @classmethod
+    def choose(cls, cache_dtype: torch.dtype, group: int, head_dim: int) -> _Tiles:
+        """The tile shape for a cache of this dtype and a kv head serving `group` query heads of head_dim."""
+        dim_pad = max(16, triton.next_power_of_2(head_dim))
+        if cache_dtype in (torch.float16, torch.bfloat16):
+            group_pad = max(MMA_ROWS, triton.next_power_of_2(group))
+            return cls(group_pad, dim_pad, min(MAX_TILE, max(MIN_TILE, MMA_TILE_ELEMENTS // dim_pad)), True)
+        group_pad = max(2, triton.next_power_of_2(group))
+        tile = min(MAX_TILE, max(MIN_TILE, triton.next_power_of_2(TILE_ELEMENTS // (group_pad * dim_pad))))
+        return cls(group_pad, dim_pad, tile, False)
 
 
 if triton is not None:
@@ -197,15 +232,11 @@ if triton is not None:
         partition = tl.program_id(2)
         g = tl.arange(0, GROUP)
         d = tl.arange(0, DIM)
-        n = tl.arange(0, TILE)
         g_mask = g < group
         d_mask = d < head_dim
         heads = kv_head * group + g  # [GROUP] query heads served
-        q = tl.load(
-            q_ptr + request * q_stride_token + heads[:, None] * q_stride_head + d[None, :],
-            mask=g_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [GROUP, DIM]
+        q_ptrs = q_ptr + request * q_stride_token + heads[:, None] * q_stride_head + d[None, :]
+        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP, DIM]
         if not ON_TENSOR_CORES:
             q = q.to(tl.float32)
         seq_len = tl.load(lens_ptr + request)
@@ -217,33 +248,19 @@ if triton is not None:
         for offset in range(0, SPAN, TILE):
             tile = begin + offset
             if (tile < seq_len) & (tile + TILE > first):  # tiles past the context or before the window: skipped
-                position = tile + n  # [TILE]
+                # [TILE] cache offsets of the tile's positions for this kv head, and which of them the token sees
+                position = tile + tl.arange(0, TILE)
                 valid = (position < seq_len) & (position >= first)
                 block = tl.load(tables_ptr + request * table_stride + position // block_size, mask=valid, other=0)
                 slot = (
                     block * cache_stride_block
                     + (position % block_size) * cache_stride_slot
                     + kv_head * cache_stride_head
-                )  # [TILE]
-                kv_mask = valid[:, None] & d_mask[None, :]
-                k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE, DIM]
-                if ON_TENSOR_CORES:
-                    scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP, TILE] float32
-                else:
-                    scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
-                if HAS_SOFTCAP:
-                    scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))  # softcap * tanh(s / cap)
-                scores = tl.where(valid[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, axis=1))
-                p = tl.exp(scores - m_new[:, None])
-                alpha = tl.exp(m - m_new)
-                total = total * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE, DIM]
-                if ON_TENSOR_CORES:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [GROUP, DIM]
-                else:
-                    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-                m = m_new
+                )
+                kv = slot[:, None] + d[None, :]  # [TILE, DIM]
+                m, total, acc = _attend_tile(
+                    q, m, total, acc, k_ptr, v_ptr, kv, valid, d_mask, scale, softcap, HAS_SOFTCAP, ON_TENSOR_CORES
+                )
         row_mask = g_mask[:, None] & d_mask[None, :]
         if SPLIT:
             # [B, heads, partitions] rows of the partials
@@ -252,12 +269,47 @@ if triton is not None:
             tl.store(sums_ptr + partial, total, mask=g_mask)
             tl.store(values_ptr + partial[:, None] * head_dim + d[None, :], acc, mask=row_mask)
         else:
-            out = acc / total[:, None]
-            tl.store(
-                out_ptr + request * out_stride_token + heads[:, None] * out_stride_head + d[None, :],
-                out.to(out_ptr.dtype.element_ty),
-                mask=row_mask,
-            )
+            out_ptrs = out_ptr + request * out_stride_token + heads[:, None] * out_stride_head + d[None, :]
+            tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def _attend_tile(
+        q,
+        m,
+        total,
+        acc,
+        k_ptr,
+        v_ptr,
+        kv,
+        valid,
+        d_mask,
+        scale,
+        softcap,
+        HAS_SOFTCAP: tl.constexpr,
+        ON_TENSOR_CORES: tl.constexpr,
+    ):
+        """One tile of the online softmax: the group's queries q [GROUP, DIM] against the tile's keys and values (kv:
+        their [TILE, DIM] offsets in either cache; `valid` [TILE] the positions the token sees) update the running
+        maximum m and sum total [GROUP] and the weighted values acc [GROUP, DIM], which come back."""
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv, mask=kv_mask, other=0.0)  # [TILE, DIM]
+        if ON_TENSOR_CORES:
+            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP, TILE] float32
+        else:
+            scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+        if HAS_SOFTCAP:
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))  # softcap * tanh(s / cap)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv, mask=kv_mask, other=0.0)  # [TILE, DIM]
+        if ON_TENSOR_CORES:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [GROUP, DIM]
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        return m_new, total, acc
 
     @triton.jit
     def _merge_kernel(
