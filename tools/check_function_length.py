@@ -15,14 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 MAX_LINES = 80
-# Functions over the limit that are their files' owners to split, as "tokenriver/path.py:qualified.name": the check
-# passes over them, and fails once one fits, so that the list only shrinks.
-ALLOWED: frozenset[str] = frozenset(
-    {
-        "tokenriver/loader/gguf.py:_config",
-        "tokenriver/models/cpu/kernels.py:NativeKernels.paged_attention",
-    }
-)
 
 
 def long_functions(source: str, max_lines: int = MAX_LINES) -> Iterator[tuple[int, str, int]]:
@@ -43,33 +35,13 @@ def long_functions(source: str, max_lines: int = MAX_LINES) -> Iterator[tuple[in
                 pending.append((prefix, child))
 
 
-def allowed_key(path: Path, name: str) -> str:
-    """The function's key in ALLOWED: its path from the package root (the folder named tokenriver) and its name."""
-    parts = path.resolve().parts
-    root = len(parts) - 1 - parts[::-1].index("tokenriver") if "tokenriver" in parts else len(parts) - 1
-    return "/".join(parts[root:]) + ":" + name
-
-
 def find_problems(path: Path) -> list[tuple[int, str]]:
-    """Return (line, message) for each function of `path` over the limit that ALLOWED does not list, and for each
-    listed function of `path` that is no longer over it."""
+    """Return (line, message) for each function of `path` over the limit."""
     try:
         found = list(long_functions(path.read_text(encoding="utf-8")))
     except SyntaxError as error:  # the checker cannot vouch for a file it cannot read
         return [(error.lineno or 0, f"cannot parse the file: {error}")]
-    problems = [
-        (line, f"{name} has {length} lines (at most {MAX_LINES}): split it")
-        for line, name, length in found
-        if allowed_key(path, name) not in ALLOWED
-    ]
-    long_keys = {allowed_key(path, name) for _, name, _ in found}
-    prefix = allowed_key(path, "")
-    problems += [
-        (0, f"{key.removeprefix(prefix)} is at most {MAX_LINES} lines now: remove it from ALLOWED")
-        for key in sorted(ALLOWED)
-        if key.startswith(prefix) and key not in long_keys
-    ]
-    return problems
+    return [(line, f"{name} has {length} lines (at most {MAX_LINES}): split it") for line, name, length in found]
 
 
 def iter_files(roots: list[Path]) -> Iterator[Path]:

@@ -337,43 +337,95 @@ def _check_file(path: str) -> None:
         )
 
 
+class _Metadata:
+    """A file's `{arch}.*` metadata, read with the checks a damaged file needs: each value present (or defaulted) and,
+    for sizes and numbers, of the kind a config can hold; the error names the key and the file."""
+
+    def __init__(self, path: str, fields: dict[str, Any], gguf_arch: str) -> None:
+        self.path, self.fields, self.gguf_arch = path, fields, gguf_arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.fields.get(f"{self.gguf_arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(
+                f"{self.path}: the GGUF metadata lacks {self.gguf_arch}.{key}; convert the model again with "
+                f"a recent llama.cpp convert_hf_to_gguf.py",
+                path=self.path,
+            )
+        return value
+
+    def count(self, key: str, default: Any = None) -> int:
+        """A size: an integer of at least 1 (a boolean is not one)."""
+        value = self.get(key, default)
+        if type(value) is not int or value < 1:
+            raise ModelLoadError(
+                f"{self.path}: the GGUF metadata says {self.gguf_arch}.{key}={value!r}, which is not a positive "
+                f"integer; the file is damaged",
+                path=self.path,
+            )
+        return value
+
+    def number(self, key: str, default: Any = None, positive: bool = False) -> float:
+        """A finite number, greater than 0 with `positive`, else at least 0."""
+        value = self.get(key, default)
+        if type(value) not in (int, float) or not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ModelLoadError(
+                f"{self.path}: the GGUF metadata says {self.gguf_arch}.{key}={value!r}, which is not a finite number "
+                f"{'above' if positive else 'of at least'} 0; the file is damaged",
+                path=self.path,
+            )
+        return value
+
+
 def _config(
     path: str, fields: dict[str, Any], gguf_arch: str, architecture: str, tensors: dict[str, _Tensor]
 ) -> ModelConfig:
     """Translate `{arch}.*` metadata into a ModelConfig."""
+    meta = _Metadata(path, fields, gguf_arch)
+    _check_config_tensors(path, tensors)
+    # Checked before anything is sized by it: a damaged count would otherwise build billions of layers or experts.
+    num_layers = meta.count("block_count")
+    _check_counts_against_tensors(path, fields, gguf_arch, num_layers, tensors)
+    hidden_size, num_heads, head_dim, rope_dim = _head_sizes(meta)
+    vocab_size = _vocab_size(path, fields, gguf_arch, tensors)
+    context_length = meta.count("context_length")
+    values = dict(
+        architecture=architecture,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=meta.count("feed_forward_length"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=meta.count("attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        rope_theta=meta.number("rope.freq_base", 10000.0, positive=True),
+        rope_scaling=_rope_scaling(path, fields, gguf_arch, tensors, rope_dim, context_length),
+        # An encoder's LayerNorms have their own epsilon (gguf_arch.config_fields); it has no RMSNorm.
+        rms_norm_eps=meta.number(
+            "attention.layer_norm_rms_epsilon", 1e-6 if gguf_arch in families.ENCODER_NAMES else None
+        ),
+        max_position_embeddings=context_length,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_out_bias="blk.0.attn_output.bias" in tensors,
+        name=fields.get("general.name") or os.path.basename(path),
+        partial_rotary_factor=rope_dim / head_dim,
+        pooling=_pooling(path, meta.get("pooling_type", 0)),
+    )
+    values.update(families.config_fields(gguf_arch, meta.get, tensors))
+    if gguf_arch in families.ENCODER_NAMES:
+        values["sep_token_id"] = fields.get("tokenizer.ggml.seperator_token_id")  # llama.cpp's spelling
+        _check_classification_head(path, tensors)
+    if "blk.0.attn_qkv.weight" in tensors:
+        values["attention_bias"] = "blk.0.attn_qkv.bias" in tensors
+    try:
+        return ModelConfig(**values)
+    except ModelLoadError as error:
+        raise ModelLoadError(f"{path}: {error.message}", path=path) from error
 
-    def get(key: str, default: Any = None) -> Any:
-        value = fields.get(f"{gguf_arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(
-                f"{path}: the GGUF metadata lacks {gguf_arch}.{key}; convert the model again with "
-                f"a recent llama.cpp convert_hf_to_gguf.py",
-                path=path,
-            )
-        return value
 
-    def count(key: str, default: Any = None) -> int:
-        """A size: an integer of at least 1 (a boolean is not one)."""
-        value = get(key, default)
-        if type(value) is not int or value < 1:
-            raise ModelLoadError(
-                f"{path}: the GGUF metadata says {gguf_arch}.{key}={value!r}, which is not a positive integer; "
-                f"the file is damaged",
-                path=path,
-            )
-        return value
-
-    def number(key: str, default: Any = None, positive: bool = False) -> float:
-        """A finite number, greater than 0 with `positive`, else at least 0."""
-        value = get(key, default)
-        if type(value) not in (int, float) or not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise ModelLoadError(
-                f"{path}: the GGUF metadata says {gguf_arch}.{key}={value!r}, which is not a finite number "
-                f"{'above' if positive else 'of at least'} 0; the file is damaged",
-                path=path,
-            )
-        return value
-
+def _check_config_tensors(path: str, tensors: dict[str, _Tensor]) -> None:
+    """The tensors the config is read from are matrices, and the embedding is there."""
     for name in _MATRICES_READ_BY_CONFIG:
         if name in tensors and len(tensors[name].shape) != 2:
             raise ModelLoadError(
@@ -385,19 +437,21 @@ def _config(
         raise ModelLoadError(
             f"{path}: the GGUF file has no token_embd.weight tensor; it is not a complete model", path=path
         )
-    # Checked before anything is sized by it: a damaged count would otherwise build billions of layers or experts.
-    num_layers = count("block_count")
-    _check_counts_against_tensors(path, fields, gguf_arch, num_layers, tensors)
-    hidden_size = count("embedding_length")
-    num_heads = count("attention.head_count")
-    if f"{gguf_arch}.attention.key_length" not in fields and hidden_size % num_heads:
+
+
+def _head_sizes(meta: _Metadata) -> tuple[int, int, int, int]:
+    """(hidden size, query heads, head size, rotary dimensions), each checked against the others."""
+    path, gguf_arch = meta.path, meta.gguf_arch
+    hidden_size = meta.count("embedding_length")
+    num_heads = meta.count("attention.head_count")
+    if f"{gguf_arch}.attention.key_length" not in meta.fields and hidden_size % num_heads:
         raise ModelLoadError(
             f"{path}: {gguf_arch}.embedding_length={hidden_size} is not a multiple of {gguf_arch}.attention.head_count="
             f"{num_heads}, and the file has no attention.key_length to give the head size; the metadata is damaged",
             path=path,
         )
-    head_dim = count("attention.key_length", hidden_size // num_heads)
-    rope_dim = count("rope.dimension_count", head_dim)
+    head_dim = meta.count("attention.key_length", hidden_size // num_heads)
+    rope_dim = meta.count("rope.dimension_count", head_dim)
     if rope_dim != head_dim and gguf_arch != "phi3":
         raise ModelLoadError(
             f"{path}: rope.dimension_count={rope_dim} differs from the head size {head_dim}, which tokenriver "
@@ -405,6 +459,11 @@ def _config(
             f"variant tokenriver does not run",
             path=path,
         )
+    return hidden_size, num_heads, head_dim, rope_dim
+
+
+def _vocab_size(path: str, fields: dict[str, Any], gguf_arch: str, tensors: dict[str, _Tensor]) -> int:
+    """The embedding's rows, which the metadata's vocab_size (where it has one) must equal."""
     vocab_size = int(tensors["token_embd.weight"].shape[1])
     stated_vocab_size = fields.get(f"{gguf_arch}.vocab_size", vocab_size)
     if stated_vocab_size != vocab_size:
@@ -413,44 +472,18 @@ def _config(
             f"{vocab_size} rows; the file is damaged",
             path=path,
         )
-    context_length = count("context_length")
-    values = dict(
-        architecture=architecture,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=count("feed_forward_length"),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=count("attention.head_count_kv", num_heads),
-        head_dim=head_dim,
-        rope_theta=number("rope.freq_base", 10000.0, positive=True),
-        rope_scaling=_rope_scaling(path, fields, gguf_arch, tensors, rope_dim, context_length),
-        # An encoder's LayerNorms have their own epsilon (gguf_arch.config_fields); it has no RMSNorm.
-        rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-6 if gguf_arch in families.ENCODER_NAMES else None),
-        max_position_embeddings=context_length,
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        attention_out_bias="blk.0.attn_output.bias" in tensors,
-        name=fields.get("general.name") or os.path.basename(path),
-        partial_rotary_factor=rope_dim / head_dim,
-        pooling=_pooling(path, get("pooling_type", 0)),
-    )
-    values.update(families.config_fields(gguf_arch, get, tensors))
-    if gguf_arch in families.ENCODER_NAMES:
-        values["sep_token_id"] = fields.get("tokenizer.ggml.seperator_token_id")  # llama.cpp's spelling
-        if "cls.output.weight" in tensors and "cls.weight" not in tensors:
-            raise ModelLoadError(
-                f"{path}: the classification head has no dense layer before its output (llama.cpp's converter "
-                f"leaves out BERT's pooler), so its scores would not be the model's; load the Hugging Face folder "
-                f"it was converted from instead",
-                path=path,
-            )
-    if "blk.0.attn_qkv.weight" in tensors:
-        values["attention_bias"] = "blk.0.attn_qkv.bias" in tensors
-    try:
-        return ModelConfig(**values)
-    except ModelLoadError as error:
-        raise ModelLoadError(f"{path}: {error.message}", path=path) from error
+    return vocab_size
+
+
+def _check_classification_head(path: str, tensors: dict[str, _Tensor]) -> None:
+    """An encoder's classification head has its dense layer (llama.cpp's converter leaves out BERT's pooler)."""
+    if "cls.output.weight" in tensors and "cls.weight" not in tensors:
+        raise ModelLoadError(
+            f"{path}: the classification head has no dense layer before its output (llama.cpp's converter "
+            f"leaves out BERT's pooler), so its scores would not be the model's; load the Hugging Face folder "
+            f"it was converted from instead",
+            path=path,
+        )
 
 
 def _check_counts_against_tensors(

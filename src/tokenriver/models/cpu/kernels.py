@@ -1003,53 +1003,10 @@ class NativeKernels:
         context. softcap: the scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2); None: as
         they are.
         """
+        num_blocks, block_size, num_kv_heads, head_dim = _check_paged_attention(
+            query, key, value, slot_mapping, key_cache, value_cache, block_tables, queries, chunks, out
+        )
         num_tokens = query.shape[0]
-        if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0] == num_tokens):
-            raise ValueError(
-                f"paged attention: {num_tokens} query rows but {key.shape[0]} key, {value.shape[0]} "
-                f"value rows and {slot_mapping.shape[0]} slots"
-            )
-        if not (
-            _is_int64_array(slot_mapping)
-            and _is_int64_array(block_tables)
-            and (queries is None or _is_int64_array(queries))
-            and (chunks is None or _is_int64_array(chunks))
-        ):
-            raise ValueError(
-                "paged attention: slot_mapping, block_tables, queries and chunks must be contiguous int64 CPU tensors"
-            )
-        if not is_native_kv_pool(key_cache, value_cache):
-            raise ValueError(
-                f"paged attention: the pools must be contiguous CPU tensors, both float32, float16 or "
-                f"int8, got {key_cache.dtype} and {value_cache.dtype}"
-            )
-        if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
-            raise ValueError(
-                f"paged attention: the pools must be [num_blocks, block_size, num_kv_heads, entry] alike, got "
-                f"{_describe(key_cache)} and {_describe(value_cache)}"
-            )
-        num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
-        head_dim = head_dim_of(key_cache)
-        num_heads = query.shape[1] if query.dim() == 3 else 0
-        if num_kv_heads < 1 or num_heads % num_kv_heads or head_dim < 1:
-            raise ValueError(
-                f"paged attention: {num_heads} query heads cannot share {num_kv_heads} key/value heads of {head_dim}"
-            )
-        _check_rows_of("paged attention", "query", query, num_tokens, num_heads, head_dim)
-        _check_rows_of("paged attention", "out", out, num_tokens, num_heads, head_dim)
-        _check_rows_of("paged attention", "key", key, num_tokens, num_kv_heads, head_dim)
-        _check_rows_of("paged attention", "value", value, num_tokens, num_kv_heads, head_dim)
-        # The kernel range-checks every slot, block id, row and context length it reads from these (status 1).
-        if (
-            slot_mapping.dim() != 1
-            or block_tables.dim() != 2
-            or (queries is not None and (queries.dim() != 2 or queries.shape[1] != 3))
-            or (chunks is not None and (chunks.dim() != 2 or chunks.shape[1] != 4))
-        ):
-            raise ValueError(
-                "paged attention: slot_mapping must be [T], block_tables [requests, max_blocks], queries [n, 3] and "
-                "chunks [c, 4]"
-            )
         status = self._paged_attention(
             query.data_ptr(),
             query.stride(0),
@@ -1156,6 +1113,70 @@ def _check_gate_up(where: str, gate_up: torch.Tensor) -> None:
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"{where}: gate_up must be [M, 2I], got {_describe(gate_up)}")
     check_array(where, "gate_up", gate_up, torch.float32, tuple(gate_up.shape))
+
+
+def _check_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    queries: torch.Tensor | None,
+    chunks: torch.Tensor | None,
+    out: torch.Tensor,
+) -> tuple[int, int, int, int]:
+    """ValueError unless paged_attention's tensors hold what the kernel reads (its docstring's shapes and dtypes);
+    returns the pools' (num_blocks, block_size, num_kv_heads, head_dim)."""
+    num_tokens = query.shape[0]
+    if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0] == num_tokens):
+        raise ValueError(
+            f"paged attention: {num_tokens} query rows but {key.shape[0]} key, {value.shape[0]} "
+            f"value rows and {slot_mapping.shape[0]} slots"
+        )
+    if not (
+        _is_int64_array(slot_mapping)
+        and _is_int64_array(block_tables)
+        and (queries is None or _is_int64_array(queries))
+        and (chunks is None or _is_int64_array(chunks))
+    ):
+        raise ValueError(
+            "paged attention: slot_mapping, block_tables, queries and chunks must be contiguous int64 CPU tensors"
+        )
+    if not is_native_kv_pool(key_cache, value_cache):
+        raise ValueError(
+            f"paged attention: the pools must be contiguous CPU tensors, both float32, float16 or "
+            f"int8, got {key_cache.dtype} and {value_cache.dtype}"
+        )
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"paged attention: the pools must be [num_blocks, block_size, num_kv_heads, entry] alike, got "
+            f"{_describe(key_cache)} and {_describe(value_cache)}"
+        )
+    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    head_dim = head_dim_of(key_cache)
+    num_heads = query.shape[1] if query.dim() == 3 else 0
+    if num_kv_heads < 1 or num_heads % num_kv_heads or head_dim < 1:
+        raise ValueError(
+            f"paged attention: {num_heads} query heads cannot share {num_kv_heads} key/value heads of {head_dim}"
+        )
+    _check_rows_of("paged attention", "query", query, num_tokens, num_heads, head_dim)
+    _check_rows_of("paged attention", "out", out, num_tokens, num_heads, head_dim)
+    _check_rows_of("paged attention", "key", key, num_tokens, num_kv_heads, head_dim)
+    _check_rows_of("paged attention", "value", value, num_tokens, num_kv_heads, head_dim)
+    # The kernel range-checks every slot, block id, row and context length it reads from these (status 1).
+    if (
+        slot_mapping.dim() != 1
+        or block_tables.dim() != 2
+        or (queries is not None and (queries.dim() != 2 or queries.shape[1] != 3))
+        or (chunks is not None and (chunks.dim() != 2 or chunks.shape[1] != 4))
+    ):
+        raise ValueError(
+            "paged attention: slot_mapping must be [T], block_tables [requests, max_blocks], queries [n, 3] and "
+            "chunks [c, 4]"
+        )
+    return num_blocks, block_size, num_kv_heads, head_dim
 
 
 def _raise_for_attention_status(status: int, head_dim: int) -> None:
