@@ -495,7 +495,7 @@ def test_a_mixture_of_experts_with_a_quantized_router_stays_on_the_module_path()
     assert NativeDecoder.build(model.model.layers) is None
 
 
-def kquant_tiny_model() -> LlamaForCausalLM:
+def kquant_tiny_model(down_kind: str = "Q6_K") -> LlamaForCausalLM:
     """Two layers whose projections are K-quant weights at their own size (models/kquant.py): Q4_K, Q5_K, Q6_K and
     a q/k/v stacked of Q4_K and Q6_K parts, as a Q4_K_M file mixes them; int8 activations, the engine's default."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models: kquant_weights
@@ -512,7 +512,7 @@ def kquant_tiny_model() -> LlamaForCausalLM:
         head_dim=64,
     )
     model = randomize(LlamaForCausalLM(config))
-    kinds = {"qkv_proj": "Q4_K", "o_proj": "Q5_K", "gate_up_proj": "Q4_K", "down_proj": "Q6_K"}
+    kinds = {"qkv_proj": "Q4_K", "o_proj": "Q5_K", "gate_up_proj": "Q4_K", "down_proj": down_kind}
     for i, layer in enumerate(model.model.layers):
         for owner, name in (
             (layer.self_attn, "qkv_proj"),
@@ -535,8 +535,11 @@ def kquant_tiny_model() -> LlamaForCausalLM:
 
 
 @pytest.mark.skipif(load_kernels() is None or not load_kernels().kquant, reason="K-quant kernels need AVX512-VNNI")
-def test_k_quant_layers_run_natively_with_the_module_paths_bits():
-    model = kquant_tiny_model()
+@pytest.mark.parametrize("down_kind", ["Q6_K", "Q5_K"])
+def test_k_quant_layers_run_natively_with_the_module_paths_bits(down_kind):
+    """With a Q5_K down projection the MLP's prompt steps also take the feature-major products (decoder.cpp's
+    mlp_feature_major: both K weights run as int4 tiles); with Q6_K's halves they take the row-major ones."""
+    model = kquant_tiny_model(down_kind)
     for ours, reference in zip(
         run_steps(model, REQUESTS, STEPS, native=True), run_steps(model, REQUESTS, STEPS, native=False)
     ):

@@ -62,6 +62,9 @@ void int4_gemm_int8x_geglu(const uint8_t*, const uint16_t*, const uint16_t*, con
 void int8_gemm_int8x_geglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                            int);
 void kquant_gemm_int8x(const tokenriver::KQuantWeight*, const float*, int64_t, float*, int);
+int kquant_runs_as_int4(const tokenriver::KQuantWeight*);
+void kquant_gemm_int8x_strided(const tokenriver::KQuantWeight*, const float*, int64_t, int64_t, float*, int);
+void kquant_gemm_int8x_gated(const tokenriver::KQuantWeight*, int64_t, int, const float*, int64_t, float*, int);
 void kquant_linear_int8x(const tokenriver::KQuantWeight*, const float*, int64_t, float*, int);
 #endif
 void kquant_dequantize_rows(const tokenriver::KQuantWeight*, const int64_t*, int64_t, float*, int);
@@ -246,16 +249,20 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
 bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
   const Linear& gate_up = layer.gate_up;
   const Linear& down = layer.down;
+  // K-quants take these products where they run as the int4 tiles (gemm.cpp; not Q6_K's halves).
+  const auto takes = [](const Linear& l) { return l.kquant == nullptr || kquant_runs_as_int4(l.kquant); };
   // I a whole number of row tiles (tiles.h): a tile of gates then has its ups in one tile.
-  return gate_up.kquant == nullptr && down.kquant == nullptr && T > gate_up.max_gemv_rows &&
-         T > down.max_gemv_rows && gate_up.gemm_rounding == 1 &&
-         down.gemm_rounding == 1 && gate_up.bias == nullptr && down.bias == nullptr && I % 16 == 0;
+  return takes(gate_up) && takes(down) && T > gate_up.max_gemv_rows && T > down.max_gemv_rows &&
+         gate_up.gemm_rounding == 1 && down.gemm_rounding == 1 && gate_up.bias == nullptr && down.bias == nullptr &&
+         I % 16 == 0;
 }
 
 // The down product: linear's int8-activation GEMM reading x feature-major ([K, x_ld]).
 void linear_from_feature_major(const Linear& l, const float* x, int64_t M, int64_t x_ld, float* y, int threads) {
   const int64_t N = l.out_features, K = l.in_features, G = l.group_size;
-  if (l.is_int4)
+  if (l.kquant != nullptr)
+    kquant_gemm_int8x_strided(l.kquant, x, M, x_ld, y, threads);
+  else if (l.is_int4)
     int4_gemm_int8x_strided(l.qweight, l.scales, l.mins, l.high_bits, N, K, G, l.chain_ends, x, M, x_ld, y, threads);
   else
     int8_gemm_int8x_strided(reinterpret_cast<const int8_t*>(l.qweight), l.scales, N, K, G, l.chain_ends, x, M, x_ld,
@@ -268,7 +275,9 @@ void gated_feature_major(const Linear& l, bool gelu, const float* x, int64_t M, 
   const int64_t I = l.out_features / 2, K = l.in_features, G = l.group_size;
   const auto int4_product = gelu ? int4_gemm_int8x_geglu : int4_gemm_int8x_swiglu;
   const auto int8_product = gelu ? int8_gemm_int8x_geglu : int8_gemm_int8x_swiglu;
-  if (l.is_int4)
+  if (l.kquant != nullptr)
+    kquant_gemm_int8x_gated(l.kquant, I, gelu ? 1 : 0, x, M, y, threads);
+  else if (l.is_int4)
     int4_product(l.qweight, l.scales, l.mins, l.high_bits, I, K, G, x, M, y, threads);
   else
     int8_product(reinterpret_cast<const int8_t*>(l.qweight), l.scales, I, K, G, x, M, y, threads);

@@ -802,6 +802,23 @@ void kquant_gemm_int8x(const KQuantWeight* w, const float* x, int64_t M, float* 
     gemm_kquant_halves(x, M, *w, y, num_threads);
 }
 
+// Whether a K-quant weight runs as the int4 tiles (scales per 32 with mins, no centred rows: Q4_K, Q5_K), and so
+// takes the feature-major products below as int4_gemm_int8x_strided and _swiglu / _geglu do (the decoder's MLP).
+int kquant_runs_as_int4(const KQuantWeight* w) { return runs_as_int4(*w) ? 1 : 0; }
+
+// kquant_gemm_int8x with x stored feature-major ([K, x_ld]); the weight runs as int4 (kquant_runs_as_int4).
+void kquant_gemm_int8x_strided(const KQuantWeight* w, const float* x, int64_t M, int64_t x_ld, float* y,
+                               int num_threads) {
+  gemm_int8<true>(x, M, *w, y, num_threads, x_ld);
+}
+
+// y [I, M] (feature-major) = silu(x Wᵀ [:, :I]) * x Wᵀ [:, I:2I] (gelu_tanh with gelu) for a fused gate/up K-quant
+// weight [2I, K] that runs as int4: int4_gemm_int8x_swiglu's values.
+void kquant_gemm_int8x_gated(const KQuantWeight* w, int64_t I, int gelu, const float* x, int64_t M, float* y,
+                             int num_threads) {
+  gemm_int8<true>(x, M, *w, y, num_threads, 0, I, gelu != 0);
+}
+
 int gemm_int8x_supported() { return 1; }
 #else
 int gemm_int8x_supported() { return 0; }
