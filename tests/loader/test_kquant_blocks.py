@@ -100,6 +100,6 @@ def test_a_files_k_quant_matrices_load_to_its_dequantized_weights(ftype, tmp_pat
 
 
 def test_the_reference_arithmetic_loads_the_int_layouts(tmp_path):
-    """int8_activations=False (--reference-numerics) keeps the layouts its exact float products run."""
+    """int8_activations=False (exact float32 products, the reference arithmetic) keeps the int4/int8 layouts."""
     loaded = load_model(str(smollm_kquant_file("Q6_K", tmp_path)), int8_activations=False)
     assert not any(isinstance(m, KQuantLinear) for m in loaded.model.modules())
