@@ -5,8 +5,9 @@
   types people download: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q3_K_M, Q2_K, IQ4_XS, IQ4_NL. Real weights, so perplexities
   mean something.
 - A 0.8B-parameter llama-architecture model with random weights (SmolLM2's tokenizer; hidden 1536, 28 layers,
-  GQA 4:1), quantized to Q4_K_M: about 500 MB, the size of the 0.5B-class files users run first. Its text is
-  noise; its load time, memory and speed are those of any file of its shape.
+  GQA 4:1), quantized to Q4_K_M: about 500 MB, the size of the 0.5B-class files users run first; and to Q3_K_M and
+  Q2_K, llama.cpp's mixes of 2- and 3-bit K-quants. Its text is noise; its load time, memory and speed are those
+  of any file of its shape.
 - The same for Qwen2.5-0.5B-Instruct's shape (qwen2 architecture, q/k/v biases, hidden 896, 24 layers, GQA 7:1,
   a 151,936-token vocabulary tied to the output layer; SmolLM2's tokenizer padded with unused tokens), in Q4_K_M:
   the file the most popular small instruct model comes in.
@@ -211,9 +212,9 @@ def smollm_file(ftype: str, models_dir: Path = DEFAULT_DIR) -> Path:
     return quantize(f16, models_dir / f"smollm2-135m-{ftype}.gguf", ftype)
 
 
-def large_file(models_dir: Path = DEFAULT_DIR) -> Path:
-    """The 0.8B random-weights llama in Q4_K_M (about 500 MB)."""
-    return _random_file(models_dir, "random-llama-0.8b", LARGE_SHAPE)
+def large_file(models_dir: Path = DEFAULT_DIR, ftype: str = "Q4_K_M") -> Path:
+    """The 0.8B random-weights llama in `ftype` (Q4_K_M: about 500 MB)."""
+    return _random_file(models_dir, "random-llama-0.8b", LARGE_SHAPE, ftype)
 
 
 def qwen_file(models_dir: Path = DEFAULT_DIR) -> Path:
@@ -226,15 +227,15 @@ def qwen_1_5b_file(models_dir: Path = DEFAULT_DIR) -> Path:
     return _random_file(models_dir, "random-qwen2-1.5b", QWEN_1_5B_SHAPE)
 
 
-def _random_file(models_dir: Path, stem: str, shape: dict) -> Path:
+def _random_file(models_dir: Path, stem: str, shape: dict, ftype: str = "Q4_K_M") -> Path:
     models_dir.mkdir(parents=True, exist_ok=True)
     f16 = models_dir / f"{stem}-f16.gguf"
-    q4_k_m = models_dir / f"{stem}-Q4_K_M.gguf"
-    if not q4_k_m.exists():
-        write_random_model(embedded_model_path(), f16, shape)
-        quantize(f16, q4_k_m, "Q4_K_M")
+    target = models_dir / f"{stem}-{ftype}.gguf"
+    if not target.exists():
+        write_random_model(embedded_model_path(), f16, shape)  # the same seed: the same weights for every ftype
+        quantize(f16, target, ftype)
         f16.unlink()  # about 1 GB per 0.5B parameters, needed only once
-    return q4_k_m
+    return target
 
 
 def main() -> None:
@@ -244,7 +245,8 @@ def main() -> None:
     for ftype in SMOLLM_TYPES:
         path = smollm_file(ftype, args.models_dir)
         print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
-    for path in (large_file(args.models_dir), qwen_file(args.models_dir), qwen_1_5b_file(args.models_dir)):
+    random_files = [large_file(args.models_dir, ftype) for ftype in ("Q4_K_M", "Q3_K_M", "Q2_K")]
+    for path in (*random_files, qwen_file(args.models_dir), qwen_1_5b_file(args.models_dir)):
         print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
 
 

@@ -365,7 +365,9 @@ def main() -> None:
     parser.add_argument("--worker", nargs=4, metavar=("ENGINE", "PATH", "THREADS", "PROMPTS"), help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="embedded,Q4_K_M,Q5_K_M,Q6_K,large,qwen,qwen1.5b,gemma3")
+    parser.add_argument(
+        "--models", default="embedded,Q4_K_M,Q5_K_M,Q6_K,large,large-Q3_K_M,large-Q2_K,qwen,qwen1.5b,gemma3"
+    )
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -388,8 +390,9 @@ def main() -> None:
     for name in args.models.split(",") if args.model is None else []:
         if name == "embedded":
             files["SmolLM2 135M Q4_1 (embedded)"] = embedded_model_path()
-        elif name == "large":
-            files["random llama 0.8B Q4_K_M"] = str(large_file(args.models_dir))
+        elif name == "large" or name.startswith("large-"):
+            ftype = name.removeprefix("large-") if name != "large" else "Q4_K_M"
+            files[f"random llama 0.8B {ftype}"] = str(large_file(args.models_dir, ftype))
         elif name == "qwen":
             files["random Qwen2.5-0.5B-shaped Q4_K_M"] = str(qwen_file(args.models_dir))
         elif name == "qwen1.5b":

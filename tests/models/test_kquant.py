@@ -10,15 +10,15 @@ import torch.nn.functional as F
 from kquant_weights import KINDS, random_kquant
 
 from tokenriver.errors import InvalidParameterError
-from tokenriver.models.kquant import KQuantLinear, KQuantWeight, concatenate_kquant
+from tokenriver.models.kquant import KQuantLinear, KQuantWeight, concatenate_kquant, unpack_crumbs
 from tokenriver.models.quant import round_activations_int8, unpack_high_bits, unpack_int4
 
 
 def formula(weight: KQuantWeight) -> torch.Tensor:
     """w = d * sc * (q - o) - dmin * m, element by element in float64 (every product is exact in float32)."""
     rows, cols = weight.shape
-    q = unpack_int4(weight.qweight).long()
-    for plane, value in ((weight.bit4, 16), (weight.bit5, 32)):
+    q = (unpack_int4(weight.qweight) if weight.low_bits == 4 else unpack_crumbs(weight.qweight)).long()
+    for plane, value in ((weight.high1, 2**weight.low_bits), (weight.high2, 2 ** (weight.low_bits + 1))):
         if plane is not None:
             q = q + unpack_high_bits(plane).long() * value
     columns = torch.arange(cols)
@@ -26,7 +26,7 @@ def formula(weight: KQuantWeight) -> torch.Tensor:
     sc = weight.scales.double()[:, columns // weight.scale_group]
     w = d * sc * (q - weight.offsets.long()[:, None]).double()
     if weight.mins is not None:
-        w = w - weight.dmin.double()[:, columns // 256] * weight.mins.double()[:, columns // 32]
+        w = w - weight.dmin.double()[:, columns // 256] * weight.mins.double()[:, columns // weight.min_group]
     return w.float()
 
 
@@ -36,12 +36,27 @@ def test_dequantize_is_the_formula(kind):
     assert torch.equal(weight.dequantize(), formula(weight))
 
 
-def test_stacking_mixed_kinds_keeps_every_rows_values():
-    parts = [random_kquant(20, 512, "Q4_K", 1), random_kquant(13, 512, "Q6_K", 2), random_kquant(16, 512, "Q5_K", 3)]
+@pytest.mark.parametrize(
+    ("kinds", "low_bits", "num_high", "min_group"),
+    [
+        (("Q4_K", "Q6_K", "Q5_K"), 4, 2, 32),
+        (("Q3_K", "Q2_K"), 2, 1, 16),
+        (("Q2_K", "Q4_K"), 4, 0, 16),
+        (("Q3_K", "Q5_K", "Q4_K"), 4, 1, 32),
+        (("Q6_K", "Q3_K", "Q2_K"), 4, 2, 16),
+    ],
+)
+def test_stacking_mixed_kinds_keeps_every_rows_values(kinds, low_bits, num_high, min_group):
+    parts = [random_kquant(20 - 3 * i, 512, kind, i) for i, kind in enumerate(kinds)]
     stacked = concatenate_kquant(parts)
-    assert stacked.scale_group == 16 and stacked.mins is not None and stacked.bit5 is not None
+    assert (stacked.low_bits, stacked.num_high, stacked.min_group, stacked.scale_group) == (
+        low_bits,
+        num_high,
+        min_group,
+        min(p.scale_group for p in parts),
+    )
     assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    assert torch.equal(stacked.rows(20, 33).dequantize(), parts[1].dequantize())
+    assert torch.equal(stacked.rows(20, 37).dequantize(), parts[1].dequantize())
 
 
 def test_stacking_refuses_different_in_features():
@@ -58,8 +73,13 @@ def test_the_layer_refuses_fields_that_do_not_fit():
         KQuantLinear(KQuantWeight(**{**fields, "d": fields["d"][:, :1]}, scale_group=32))
     with pytest.raises(InvalidParameterError, match="mins and dmin"):
         KQuantLinear(KQuantWeight(**{**fields, "dmin": None}, scale_group=32))
-    with pytest.raises(InvalidParameterError, match="scales per 16 or 32"):
+    with pytest.raises(InvalidParameterError, match="scales and mins per 16 or 32"):
         KQuantLinear(KQuantWeight(**fields, scale_group=64))
+    crumbs = random_kquant(8, 512, "Q3_K")
+    with pytest.raises(InvalidParameterError, match="2-bit codes with up to one"):
+        KQuantLinear(KQuantWeight(**{**crumbs.fields(), "high2": crumbs.high1}, scale_group=16, low_bits=2))
+    with pytest.raises(InvalidParameterError, match="offsets are 0 or its codes' centre 4"):
+        KQuantLinear(KQuantWeight(**{**crumbs.fields(), "offsets": crumbs.offsets * 8}, scale_group=16, low_bits=2))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -160,7 +160,7 @@ def read_gguf(
     memory.
     opened: the file as open_gguf gave it (the loader reads the header first, to build the tokenizer before the
     weights); its tokenizer_fields are whatever it still holds.
-    kquant: with keep_quantized, Q4_K, Q5_K and Q6_K matrices stay at their own size (models/kquant.py).
+    kquant: with keep_quantized, the K-quant (Q2_K to Q6_K) matrices stay at their own size (models/kquant.py).
     """
     opened = open_gguf(path, cache_dir) if opened is None else opened
     fields, tensor_list, mapped = opened.fields, opened.tensors, opened.mapped

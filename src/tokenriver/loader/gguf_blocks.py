@@ -18,8 +18,8 @@ VNNI path. So each type is mapped once, at load, onto one of those, rows kept, w
 
 "float16" rows: the product of two stored factors is rounded once to float16 (relative error at most 2^-11 of
 the scale, far below the format's own step). With `kquant` (the loader's default where the CPU kernels run them,
-loader/load.py), Q4_K, Q5_K and Q6_K instead stay at their own size and exact (models/kquant.py; `to_kquant`), and
-Q3_K exact as Q6_K's centred codes.
+loader/load.py), the K-quants Q2_K to Q6_K instead stay at their own size and exact (models/kquant.py;
+`to_kquant`).
 "Dequantized, then rounded": the types whose groups are 16 wide do not fit either layout exactly; rounding their
 values to int8 per 32 adds at most half a step of max|w| / 127 per group (benchmarks/results/gguf_types.md measures
 the perplexity of each). `CONVERSIONS` says which rule each type gets; the loader logs it at startup.
@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from tokenriver.errors import ModelLoadError
-from tokenriver.loader.kquant_blocks import KQUANT_TYPES, unpack_kquant
+from tokenriver.loader.kquant_blocks import KQUANT_TYPES, RECORD_LAYOUTS, unpack_kquant
 from tokenriver.models.buffers import Allocate, heap_empty
 from tokenriver.models.cpu import convert
-from tokenriver.models.kquant import CENTRED_OFFSET, KQuantRecords, RecordLayout, pack_records
+from tokenriver.models.kquant import KQuantRecords, pack_records
 from tokenriver.models.quant import Int4Weight, Int8Weight, repack_q8_0
 
 Q = gguf.GGMLQuantizationType
@@ -323,7 +323,7 @@ def to_packed(
     bit, in one pass over the bytes); the numpy one otherwise.
     empty: makes the output tensors (the loader's weight arena) of the native rules and of ALLOCATED's; the other
     numpy rules make their own.
-    kquant: Q4_K, Q5_K and Q6_K stay at their own size (models/kquant.py) instead of the table's conversions.
+    kquant: the K-quants (Q2_K to Q6_K) stay at their own size (models/kquant.py) instead of the table's conversions.
     """
     if kquant and tensor_type in KQUANT_TYPES:
         return to_kquant(data, tensor_type, native, empty)
@@ -373,10 +373,7 @@ def to_kquant(
     """A K-quant matrix's bytes → its row records (models/kquant.py): models/cpu/csrc/kquant.cpp's converter, into a
     tensor `empty` makes, where it runs; models/kquant.py's numpy rule packed else (the same bytes)."""
     data = np.asarray(data)
-    is_q6 = tensor_type in (Q.Q6_K, Q.Q3_K)  # Q3_K as Q6_K's centred codes (loader/kquant_blocks.py)
-    layout = RecordLayout(
-        num_high=2 if is_q6 else int(tensor_type == Q.Q5_K), scale_group=16 if is_q6 else 32, has_mins=not is_q6
-    )
+    layout, centred = RECORD_LAYOUTS[tensor_type]
     converter = convert.load() if native else None
     block_bytes = KQUANT_TYPES[tensor_type]
     records = None
@@ -391,7 +388,7 @@ def to_kquant(
         records = converter.kquant(data, int(tensor_type), data.shape[1] // block_bytes * 256, layout, empty)
     if records is None:
         return pack_records(unpack_kquant(data, tensor_type), empty)
-    offsets = torch.full((data.shape[0],), CENTRED_OFFSET if is_q6 else 0, dtype=torch.uint8)
+    offsets = torch.full((data.shape[0],), layout.centre if centred else 0, dtype=torch.uint8)
     return KQuantRecords(records, offsets, layout)
 
 
@@ -420,5 +417,5 @@ def conversion_of(type_name: str, kquant: bool = False) -> str:
     to_packed's kquant keeps it."""
     tensor_type = Q.__members__.get(type_name)
     if kquant and tensor_type in KQUANT_TYPES:
-        return "as 6-bit centred codes, exact" if tensor_type == Q.Q3_K else "at its own size, exact"
+        return "at its own size, exact"
     return CONVERSIONS[tensor_type][1] if tensor_type in CONVERSIONS else "float"

@@ -3,7 +3,9 @@
 
 Q4_K and Q5_K keep their 6-bit sub-block scales and mins (a byte each) beside the super-block's d and dmin, and
 their nibbles regrouped into quant.py's int4 order per 32 (Q4_K's run in 64-weight chunks); Q5_K's fifth bits and
-Q6_K's two high bits become bit words per 32; Q6_K's int8 scales per 16 are kept as they are.
+Q6_K's two high bits become bit words per 32; Q6_K's int8 scales per 16 are kept as they are. Q2_K and Q3_K keep
+their two low bits as crumbs (models/kquant.py's order), Q3_K's third bit as a word per 32, and their 4- and 6-bit
+scales (and Q2_K's 4-bit mins) a byte each.
 """
 
 from __future__ import annotations
@@ -13,12 +15,20 @@ import numpy as np
 import torch
 
 from tokenriver.errors import ModelLoadError
-from tokenriver.models.kquant import CENTRED_OFFSET, KQuantWeight
+from tokenriver.models.kquant import KQuantWeight, RecordLayout
 from tokenriver.models.quant import GGUF_BLOCK
 
 Q = gguf.GGMLQuantizationType
 # The GGUF types kept at their own size, and their bytes per 256 weights.
-KQUANT_TYPES = {Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+KQUANT_TYPES = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+# Each type's row record (models/kquant.py) and whether its codes are centred (offset by the layout's centre).
+RECORD_LAYOUTS = {
+    Q.Q2_K: (RecordLayout(num_high=0, scale_group=16, has_mins=True, low_bits=2, min_group=16), False),
+    Q.Q3_K: (RecordLayout(num_high=1, scale_group=16, has_mins=False, low_bits=2), True),
+    Q.Q4_K: (RecordLayout(num_high=0, scale_group=32, has_mins=True), False),
+    Q.Q5_K: (RecordLayout(num_high=1, scale_group=32, has_mins=True), False),
+    Q.Q6_K: (RecordLayout(num_high=2, scale_group=16, has_mins=False), True),
+}
 
 
 def _super_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -40,6 +50,14 @@ def _half(blocks: np.ndarray, at: int) -> torch.Tensor:
 def _runs(low: np.ndarray) -> np.ndarray:
     """Codes [N, runs, 32] in 0..15 → nibbles [N, runs * 16] in quant.py's order (byte j: column j, j + 16 high)."""
     return (low[..., :16] | (low[..., 16:] << 4)).reshape(low.shape[0], -1)
+
+
+def _crumbs(low: np.ndarray) -> np.ndarray:
+    """Codes [N, runs, 32] in 0..3 → crumbs [N, runs * 8] (models/kquant.py's order: byte 4h + i of a run holds
+    columns 16h + 4j + i at bits 2j)."""
+    grid = low.reshape(*low.shape[:2], 2, 4, 4).astype(np.uint8)  # [N, runs, h, j, i]
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]
+    return np.bitwise_or.reduce(grid << shifts, axis=3).reshape(low.shape[0], -1)
 
 
 def _words(bits: np.ndarray) -> torch.Tensor:
@@ -77,7 +95,7 @@ def unpack_q4_k(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType = Q.Q4_
         scale_group=GGUF_BLOCK,
         mins=torch.from_numpy(np.ascontiguousarray(mins.reshape(num_rows, -1))),
         dmin=_half(blocks, 2),
-        bit4=fifth,
+        high1=fifth,
     )
 
 
@@ -98,44 +116,67 @@ def unpack_q6_k(data: np.ndarray) -> KQuantWeight:
         qweight=torch.from_numpy(np.ascontiguousarray(_runs(low.reshape(num_rows, runs, 32)))),
         scales=torch.from_numpy(np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).reshape(num_rows, -1).copy()),
         d=_half(blocks, 208),
-        offsets=torch.full((num_rows,), CENTRED_OFFSET, dtype=torch.uint8),
+        offsets=torch.full((num_rows,), 32, dtype=torch.uint8),
         scale_group=16,
-        bit4=_words((high & 1).reshape(num_rows, runs, 32)),
-        bit5=_words((high >> 1).reshape(num_rows, runs, 32)),
+        high1=_words((high & 1).reshape(num_rows, runs, 32)),
+        high2=_words((high >> 1).reshape(num_rows, runs, 32)),
     )
 
 
 def unpack_q3_k(data: np.ndarray) -> KQuantWeight:
-    """Q3_K (110 bytes per 256: 32 bytes of high-bit masks, 64 of two low bits, 12 of 6-bit scales per 16, d), as
-    Q6_K's centred codes: w = d * (sc - 32) * q with q = low - 4 (high bit clear) or low (set), in -4..3, stored as
-    q + 32 (6.56 bits a weight where the file has 3.44; its values exact). Value e: its two low bits at bit
+    """Q3_K (110 bytes per 256: 32 bytes of high-bit masks, 64 of two low bits, 12 of 6-bit scales per 16, d):
+    w = d * (sc - 32) * q with q = low - 4 (high bit clear) or low (set), in -4..3, kept as the centred codes
+    q + 4 = low + 4 high: the crumbs and a word of high bits per 32. Value e: its two low bits at bit
     2 ((e % 128) // 32) of byte 32 + 32 (e // 128) + e % 32, its high bit at bit e // 32 of byte e % 32; scale i's
     low 4 bits in byte 96 + i % 8 (high nibble for i >= 8), its top 2 in byte 104 + i % 4 at bit 2 (i // 4)."""
     blocks = _super_blocks(data, Q.Q3_K)
     num_rows, num_supers = blocks.shape[:2]
+    runs = num_supers * 8
     shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]  # [4 runs of a half, 1]
     low = blocks[:, :, 32:96].reshape(num_rows, num_supers, 2, 1, 32) >> shifts & 3  # [N, B, half, run, l]
     high = blocks[:, :, 0:32, None] >> np.arange(8, dtype=np.uint8) & 1  # [N, B, l, run of 8]
-    high = high.transpose(0, 1, 3, 2).reshape(num_rows, num_supers, 2, 4, 32)  # [N, B, half, run, l]
-    codes = (low.astype(np.int16) - 4 * (1 - high.astype(np.int16)) + CENTRED_OFFSET).astype(np.uint8)  # 28..35
     packed = blocks[:, :, 96:108]
     nibbles = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)  # [N, B, 16]
     tops = (packed[..., 8:12, None] >> (2 * np.arange(4, dtype=np.uint8)) & 3).transpose(0, 1, 3, 2)  # [N, B, 4, 4]
     scales = (nibbles | (tops.reshape(num_rows, num_supers, 16) << 4)).astype(np.int16) - 32  # [N, B, 16]
-    runs = codes.reshape(num_rows, num_supers * 8, 32)
     return KQuantWeight(
-        qweight=torch.from_numpy(np.ascontiguousarray(_runs(runs & 0x0F))),
+        qweight=torch.from_numpy(np.ascontiguousarray(_crumbs(low.reshape(num_rows, runs, 32)))),
         scales=torch.from_numpy(scales.astype(np.int8).reshape(num_rows, -1)),
         d=_half(blocks, 108),
-        offsets=torch.full((num_rows,), CENTRED_OFFSET, dtype=torch.uint8),
+        offsets=torch.full((num_rows,), 4, dtype=torch.uint8),
         scale_group=16,
-        bit4=_words(runs >> 4 & 1),
-        bit5=_words(runs >> 5 & 1),
+        high1=_words(high.transpose(0, 1, 3, 2).reshape(num_rows, runs, 32)),
+        low_bits=2,
     )
+
+
+def unpack_q2_k(data: np.ndarray) -> KQuantWeight:
+    """Q2_K (84 bytes per 256: 16 bytes of 4-bit (scale, min) pairs per 16, 64 of two-bit codes, d, dmin):
+    w = d * sc * q - dmin * m with q in 0..3. Value e: its two bits at bit 2 ((e % 128) // 32) of byte
+    16 + 32 (e // 128) + e % 32; its sub-block's pair in byte e // 16, the scale the low nibble."""
+    blocks = _super_blocks(data, Q.Q2_K)
+    num_rows, num_supers = blocks.shape[:2]
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]
+    low = blocks[:, :, 16:80].reshape(num_rows, num_supers, 2, 1, 32) >> shifts & 3  # [N, B, half, run, l]
+    pairs = blocks[:, :, 0:16].reshape(num_rows, -1)
+    return KQuantWeight(
+        qweight=torch.from_numpy(np.ascontiguousarray(_crumbs(low.reshape(num_rows, num_supers * 8, 32)))),
+        scales=torch.from_numpy((pairs & 0x0F).astype(np.int8)),
+        d=_half(blocks, 80),
+        offsets=torch.zeros(num_rows, dtype=torch.uint8),
+        scale_group=16,
+        mins=torch.from_numpy(np.ascontiguousarray(pairs >> 4)),
+        dmin=_half(blocks, 82),
+        low_bits=2,
+        min_group=16,
+    )
+
+
+_UNPACK = {Q.Q2_K: unpack_q2_k, Q.Q3_K: unpack_q3_k, Q.Q6_K: unpack_q6_k}
 
 
 def unpack_kquant(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> KQuantWeight:
     """Any of KQUANT_TYPES' bytes → KQuantWeight, by the numpy rules above."""
-    if tensor_type == Q.Q3_K:
-        return unpack_q3_k(data)
-    return unpack_q6_k(data) if tensor_type == Q.Q6_K else unpack_q4_k(data, tensor_type)
+    if tensor_type in _UNPACK:
+        return _UNPACK[tensor_type](data)
+    return unpack_q4_k(data, tensor_type)

@@ -143,9 +143,9 @@ def load_model(
     exactly where the model has quantized layers (the engine's default).
     cache_dir: where a GGUF file's header index is cached (loader/gguf_cache.py; None: $XDG_CACHE_HOME/tokenriver
     or ~/.cache/tokenriver).
-    kquant_layout: keep Q4_K, Q5_K and Q6_K at their own size (models/kquant.py), whose products round activations
-    to int8; None: wherever that is the arithmetic asked for (int8_activations not False) and the CPU runs them,
-    the weights on it. Tensor parallelism shards the int4/int8 layouts, and asks for them (False).
+    kquant_layout: keep the K-quants (Q2_K to Q6_K) at their own size (models/kquant.py), whose products round
+    activations to int8; None: wherever that is the arithmetic asked for (int8_activations not False) and the CPU
+    runs them, the weights on it. Tensor parallelism shards the int4/int8 layouts, and asks for them (False).
     """
     if dtype not in _DTYPES:
         raise InvalidParameterError(f"dtype={dtype!r} is not supported: use 'float32' or 'bfloat16'", param="dtype")

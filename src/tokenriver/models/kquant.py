@@ -1,24 +1,30 @@
-"""K-quant weights at their own size: GGUF's Q4_K, Q5_K and Q6_K kept as the file stores them, not widened.
+"""K-quant weights at their own size: GGUF's Q2_K, Q3_K, Q4_K, Q5_K and Q6_K kept as the file stores them.
 
 A decode step reads every weight once, so its speed is the bytes it streams. Re-encoded into quant.py's formats,
-Q6_K (6.56 bits a weight) became int8 (8.5) and Q4_K (4.5) int4 with a float16 scale and min per 32 (5.0); a
-Q4_K_M file then streamed a fifth more than its own size. Kept here with the file's two-level scales, a weight
-costs its own bits (Q6_K exactly, Q4_K 4.625 and Q5_K 5.625: the 6-bit sub-block scale and min take a byte each),
-and its values are gguf's own dequantization, bit for bit.
+Q6_K (6.56 bits a weight) became int8 (8.5), Q4_K (4.5) int4 with a float16 scale and min per 32 (5.0), and Q2_K
+and Q3_K int8 rounded away from the file's values. Kept here with the file's two-level scales, a weight costs
+about its own bits (Q6_K exactly; the 4- and 6-bit sub-block scales and mins take a byte each: Q2_K 3.125 for
+2.625, Q3_K 3.5625 for 3.4375, Q4_K 4.625 for 4.5, Q5_K 5.625 for 5.5), and its values are gguf's own
+dequantization, bit for bit.
 
 Format (`KQuantWeight`, an [N, K] matrix, K a multiple of 256), per row n and column k:
 
-    w[n, k] = d[n, k / 256] * sc[n, k / scale_group] * (q[n, k] - o[n]) - dmin[n, k / 256] * m[n, k / 32]
+    w[n, k] = d[n, k / 256] * sc[n, k / scale_group] * (q[n, k] - o[n]) - dmin[n, k / 256] * m[n, k / min_group]
 
-- q in 0..63: the nibble of `qweight` (quant.py's int4 order: in each run of 32, byte j holds column j low and
-  j + 16 high), plus 16 where bit j of `bit4`'s word for the run is set (Q5_K, Q6_K), plus 32 for `bit5` (Q6_K);
-- sc: int8 sub-block scales, one per 32 columns (Q4_K, Q5_K: 6-bit, 0..63) or per 16 (Q6_K: signed);
-- d, dmin: float16 per 256 columns; m: uint8 sub-block mins per 32 (Q4_K, Q5_K; none for Q6_K);
-- o: 32 for a row whose codes are centred (Q6_K stores q + 32), else 0.
+- q, the code: its low bits from `qweight`, then `high1`'s bit at 2^low_bits and `high2`'s at 2^(low_bits + 1):
+  - low_bits 4 (nibbles; quant.py's int4 order: in each run of 32, byte j holds column j low and j + 16 high);
+  - low_bits 2 (crumbs: in each run of 32, byte c holds columns 16 (c // 4) + c % 4 + 4 i at bits 2i, i = 0..3,
+    the order in which the CPU's tiles read them);
+  - `high1` and `high2`: int32 words per run of 32, bit j that of column j;
+- sc: int8 sub-block scales, one per 32 columns (Q4_K, Q5_K: 6-bit, 0..63) or per 16 (Q6_K signed, Q3_K 6-bit
+  minus 32, Q2_K 4-bit);
+- d, dmin: float16 per 256 columns; m: uint8 sub-block mins per min_group columns (32: Q4_K, Q5_K; 16: Q2_K; none
+  for Q3_K and Q6_K);
+- o: `centre` (2^(code bits - 1)) for a row whose codes are centred (Q6_K stores q + 32, Q3_K q + 4), else 0.
 Each product d * sc, its product with q - o, and dmin * m is exact in float32, so the one rounding is the
 subtraction: gguf's order. A fused projection whose parts are of different K types (a Q4_K_M file keeps some
 v projections at Q6_K beside Q4_K q and k) holds each part's values exactly: the union of their fields, the
-fields a part lacks zero, scales per 16 where any part has them.
+fields a part lacks zero, codes as wide as the widest part's, scales and mins per 16 where any part has them.
 
 The layer (`KQuantLinear`) computes y = x @ dequantized(W)ᵀ with the activations rounded to int8 per 32 columns,
 as the engine's default arithmetic does (quant.py's module docstring): on the CPU's fast path by the products of
@@ -28,6 +34,7 @@ activations, by the reference: dequantize, then F.linear.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,113 +47,170 @@ from tokenriver.models.quant import (
     Backend,
     QuantizedLinear,
     cat_rows,
+    pack_int4,
     unpack_high_bits,
     unpack_int4,
 )
 
 SUPER_BLOCK = 256
-# The offset of a centred row's codes (Q6_K stores q + 32).
-CENTRED_OFFSET = 32
+
+
+def unpack_crumbs(qweight: torch.Tensor) -> torch.Tensor:
+    """Crumbs [N, K // 4] uint8 → values [N, K] uint8 in column order (the module docstring's order)."""
+    num_rows = qweight.shape[0]
+    runs = qweight.reshape(num_rows, -1, 2, 1, 4)  # [N, K // 32, half, 1, byte i of the half]
+    shifts = (2 * torch.arange(4, dtype=torch.uint8, device=qweight.device)).reshape(4, 1)  # [crumb, 1]
+    return ((runs >> shifts) & 3).reshape(num_rows, -1)  # [N, K // 32, half, crumb, i] → columns in order
+
+
+def pack_crumbs(values: torch.Tensor) -> torch.Tensor:
+    """Values [N, K] in 0..3 → crumbs [N, K // 4] uint8; the inverse of unpack_crumbs."""
+    num_rows = values.shape[0]
+    grid = values.to(torch.uint8).reshape(num_rows, -1, 2, 4, 4)  # [N, K // 32, half, crumb, i]
+    shifts = (2 * torch.arange(4, dtype=torch.uint8, device=values.device)).reshape(4, 1)
+    return (grid << shifts).sum(dim=3, dtype=torch.uint8).reshape(num_rows, -1)  # distinct bits: the sum ORs
+
+
+def _unpack_low(qweight: torch.Tensor, low_bits: int) -> torch.Tensor:
+    return unpack_int4(qweight) if low_bits == 4 else unpack_crumbs(qweight)
+
+
+def _pack_low(values: torch.Tensor, low_bits: int) -> torch.Tensor:
+    return pack_int4(values) if low_bits == 4 else pack_crumbs(values)
+
+
+def _words(bits: torch.Tensor) -> torch.Tensor:
+    """Bits [N, K] (0 or 1) → int32 words [N, K // 32], bit j of a word its run's column j."""
+    weights = 1 << torch.arange(GGUF_BLOCK, dtype=torch.int64, device=bits.device)
+    runs = bits.to(torch.int64).reshape(bits.shape[0], -1, GGUF_BLOCK)
+    return (runs * weights).sum(dim=-1).to(torch.int32)
 
 
 @dataclass(frozen=True)
 class KQuantWeight:
     """A K-quant matrix at its own size, row after row (format in the module docstring)."""
 
-    qweight: torch.Tensor  # [N, K // 2] uint8 nibbles
+    qweight: torch.Tensor  # [N, K * low_bits // 8] uint8: the codes' low bits
     scales: torch.Tensor  # [N, K // scale_group] int8
     d: torch.Tensor  # [N, K // 256] float16
-    offsets: torch.Tensor  # [N] uint8: 32 for centred codes (Q6_K rows), 0 else
+    offsets: torch.Tensor  # [N] uint8: `centre` for centred codes (Q6_K, Q3_K rows), 0 else
     scale_group: int  # 16 or 32
-    mins: torch.Tensor | None = None  # [N, K // 32] uint8
+    mins: torch.Tensor | None = None  # [N, K // min_group] uint8
     dmin: torch.Tensor | None = None  # [N, K // 256] float16, with mins
-    bit4: torch.Tensor | None = None  # [N, K // 32] int32 words
-    bit5: torch.Tensor | None = None  # [N, K // 32] int32 words
+    high1: torch.Tensor | None = None  # [N, K // 32] int32 words: the codes' bit low_bits
+    high2: torch.Tensor | None = None  # [N, K // 32] int32 words: the codes' bit low_bits + 1
+    low_bits: int = 4  # 4 (nibbles) or 2 (crumbs)
+    min_group: int = 32  # 32 or 16
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qweight.shape[0], self.qweight.shape[1] * 2
+        return self.qweight.shape[0], self.qweight.shape[1] * 8 // self.low_bits
+
+    @property
+    def num_high(self) -> int:
+        return 2 if self.high2 is not None else 1 if self.high1 is not None else 0
+
+    @property
+    def centre(self) -> int:
+        """The offset of a centred row's codes: half the codes' range."""
+        return 1 << (self.low_bits + self.num_high - 1)
 
     def fields(self) -> dict[str, torch.Tensor | None]:
         """The tensors by name (the layer's buffers)."""
-        names = ("qweight", "scales", "d", "offsets", "mins", "dmin", "bit4", "bit5")
+        names = ("qweight", "scales", "d", "offsets", "mins", "dmin", "high1", "high2")
         return {name: getattr(self, name) for name in names}
+
+    def codes(self) -> torch.Tensor:
+        """The codes q [N, K] int32, 0 .. 2^(low_bits + num_high) - 1."""
+        codes = _unpack_low(self.qweight, self.low_bits).to(torch.int32)
+        for position, bits in enumerate((self.high1, self.high2)):
+            if bits is not None:
+                codes = codes + (unpack_high_bits(bits).to(torch.int32) << (self.low_bits + position))
+        return codes
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K]: gguf's dequantization of the file's blocks, bit for bit."""
         num_rows, num_columns = self.shape
-        codes = unpack_int4(self.qweight).to(torch.int32)  # [N, K]
-        for bits, value in ((self.bit4, 16), (self.bit5, 32)):
-            if bits is not None:
-                codes = codes + unpack_high_bits(bits).to(torch.int32) * value
-        centred = (codes - self.offsets.to(torch.int32)[:, None]).float()  # [N, K]
+        centred = (self.codes() - self.offsets.to(torch.int32)[:, None]).float()  # [N, K]
         per_super = SUPER_BLOCK // self.scale_group
         scale = self.d.float().repeat_interleave(per_super, dim=1) * self.scales.float()  # [N, K // G]: exact
         weight = scale[:, :, None] * centred.reshape(num_rows, -1, self.scale_group)  # [N, K // G, G]: exact
-        weight = weight.reshape(num_rows, num_columns)
         if self.mins is None:
-            return weight
-        mins = self.dmin.float().repeat_interleave(SUPER_BLOCK // GGUF_BLOCK, dim=1) * self.mins.float()  # [N, K // 32]
-        return (weight.reshape(num_rows, -1, GGUF_BLOCK) - mins[:, :, None]).reshape(num_rows, num_columns)
+            return weight.reshape(num_rows, num_columns)
+        per_super = SUPER_BLOCK // self.min_group
+        mins = self.dmin.float().repeat_interleave(per_super, dim=1) * self.mins.float()  # [N, K // min_group]
+        weight = weight.reshape(num_rows, -1, self.min_group) - mins[:, :, None]
+        return weight.reshape(num_rows, num_columns)
 
     def rows(self, start: int, stop: int) -> KQuantWeight:
         """Rows [start, stop), as views."""
-        picked = {name: None if t is None else t[start:stop] for name, t in self.fields().items()}
-        return KQuantWeight(**picked, scale_group=self.scale_group)
+        return self._with(lambda t: t[start:stop])
 
     def index_rows(self, row_ids: torch.Tensor) -> KQuantWeight:
         """The rows row_ids, copied (an embedding's lookup)."""
-        picked = {name: None if t is None else t.index_select(0, row_ids) for name, t in self.fields().items()}
-        return KQuantWeight(**picked, scale_group=self.scale_group)
+        return self._with(lambda t: t.index_select(0, row_ids))
 
     def to(self, device: torch.device | str) -> KQuantWeight:
-        moved = {name: None if t is None else t.to(device) for name, t in self.fields().items()}
-        return KQuantWeight(**moved, scale_group=self.scale_group)
+        return self._with(lambda t: t.to(device))
+
+    def _with(self, change) -> KQuantWeight:  # noqa: ANN001 - a tensor → tensor function
+        changed = {name: None if t is None else change(t) for name, t in self.fields().items()}
+        return dataclasses.replace(self, **changed)
+
+
+def _union_part(weight: KQuantWeight, layout: RecordLayout) -> dict[str, torch.Tensor | None]:
+    """One part's fields in the union's layout: codes re-centred on the union's centre where the part's are centred
+    and split into low bits and high words, scales and mins repeated to the union's groups, absent fields zero."""
+    num_rows, num_columns = weight.shape
+    centred = weight.offsets != 0
+    codes = weight.codes() + centred.to(torch.int32)[:, None] * (layout.centre - weight.centre)
+    high = [(codes >> bit) & 1 for bit in range(layout.low_bits, layout.low_bits + layout.num_high)]
+    fields = {
+        "qweight": _pack_low(codes & ((1 << layout.low_bits) - 1), layout.low_bits),
+        "scales": weight.scales.repeat_interleave(weight.scale_group // layout.scale_group, dim=1),
+        "d": weight.d,
+        "offsets": centred.to(torch.uint8) * layout.centre,
+        "high1": _words(high[0]) if layout.num_high > 0 else None,
+        "high2": _words(high[1]) if layout.num_high > 1 else None,
+    }
+    if layout.has_mins and weight.mins is None:
+        fields["mins"] = torch.zeros(num_rows, num_columns // layout.min_group, dtype=torch.uint8)
+        fields["dmin"] = torch.zeros(num_rows, num_columns // SUPER_BLOCK, dtype=torch.float16)
+    elif layout.has_mins:
+        fields["mins"] = weight.mins.repeat_interleave(weight.min_group // layout.min_group, dim=1)
+        fields["dmin"] = weight.dmin
+    return fields
 
 
 def concatenate_kquant(weights: list[KQuantWeight], empty: Allocate = heap_empty) -> KQuantWeight:
     """Stack K-quant matrices along out_features (q/k/v, gate/up; the chunks of one matrix), each row keeping its
-    values: scales per 16 where any part has them (a part's per-32 scale repeated), the fields a part lacks zero.
-    Parts converted into their rows of one whole (the loader's fused allocators) come back as views of it."""
+    values, in the layout that holds them all (RecordLayout.union)."""
     if len({w.shape[1] for w in weights}) > 1:
         raise InvalidParameterError("concatenate_kquant needs weights with equal in_features", param="weights")
-    scale_group = min(w.scale_group for w in weights)
-    num_blocks = weights[0].shape[1] // GGUF_BLOCK
-
-    def stacked(name: str, columns: int, dtype: torch.dtype) -> torch.Tensor | None:
-        tensors = [getattr(w, name) for w in weights]
-        if all(t is None for t in tensors):
-            return None
-        zeros = [torch.zeros(w.shape[0], columns, dtype=dtype) if t is None else t for w, t in zip(weights, tensors)]
-        return cat_rows(zeros, empty)
-
-    scales = [w.scales.repeat_interleave(w.scale_group // scale_group, dim=1) for w in weights]
-    return KQuantWeight(
-        qweight=cat_rows([w.qweight for w in weights], empty),  # [sum N, K // 2]
-        scales=cat_rows(scales, empty),  # [sum N, K // G]
-        d=cat_rows([w.d for w in weights], empty),  # [sum N, K // 256]
-        offsets=cat_rows([w.offsets for w in weights], empty),  # [sum N]
-        scale_group=scale_group,
-        mins=stacked("mins", num_blocks, torch.uint8),
-        dmin=stacked("dmin", num_blocks // 8, torch.float16),
-        bit4=stacked("bit4", num_blocks, torch.int32),
-        bit5=stacked("bit5", num_blocks, torch.int32),
-    )
+    layout = RecordLayout.union([RecordLayout.of(w) for w in weights])
+    parts = [_union_part(w, layout) if RecordLayout.of(w) != layout else w.fields() for w in weights]
+    fields = {
+        name: None if parts[0][name] is None else cat_rows([part[name] for part in parts], empty) for name in parts[0]
+    }
+    return KQuantWeight(**fields, **layout.groups())
 
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """Where a row's fields sit in its record of one super-block (256 columns), in bytes: the nibbles (128), the bit
-    words of its 8 runs of 32 (block by block, bit 4's word then bit 5's), the scales (8 or 16 int8), the mins (8),
-    d and dmin (float16). The CPU's row tiles (models/cpu/tiles.py) are 16 such records moved, byte for byte."""
+    """Where a row's fields sit in its record of one super-block (256 columns), in bytes: the codes' low bits
+    (32 * low_bits), the high words of its 8 runs of 32 (run by run, high1's word then high2's), the scales (8 or
+    16 int8), the mins (8 or 16), d and dmin (float16). The CPU's row tiles (models/cpu/tiles.py) are 16 such
+    records moved, byte for byte."""
 
-    num_high: int  # bit words per run: 0, 1 (bit 4) or 2 (bits 4 and 5)
+    num_high: int  # high words per run: 0, 1 or 2
     scale_group: int  # 32 or 16
     has_mins: bool
+    low_bits: int = 4  # 4 or 2
+    min_group: int = 32  # 32 or 16 (where has_mins)
 
     @property
     def high(self) -> int:
-        return 128
+        return 32 * self.low_bits
 
     @property
     def scales(self) -> int:
@@ -158,16 +222,40 @@ class RecordLayout:
 
     @property
     def d(self) -> int:
-        return self.mins + (8 if self.has_mins else 0)
+        return self.mins + (SUPER_BLOCK // self.min_group if self.has_mins else 0)
 
     @property
     def size(self) -> int:
         return self.d + (4 if self.has_mins else 2)
 
+    @property
+    def centre(self) -> int:
+        return 1 << (self.low_bits + self.num_high - 1)
+
+    def groups(self) -> dict[str, int]:
+        """The KQuantWeight arguments that are not tensors."""
+        return {"scale_group": self.scale_group, "low_bits": self.low_bits, "min_group": self.min_group}
+
     @staticmethod
     def of(weight: KQuantWeight) -> RecordLayout:
-        num_high = 2 if weight.bit5 is not None else 1 if weight.bit4 is not None else 0
-        return RecordLayout(num_high, weight.scale_group, weight.mins is not None)
+        return RecordLayout(
+            weight.num_high, weight.scale_group, weight.mins is not None, weight.low_bits, weight.min_group
+        )
+
+    @staticmethod
+    def union(layouts: list[RecordLayout]) -> RecordLayout:
+        """The layout that holds every part's values: codes as wide as the widest (nibbles where any part has
+        them), scales and mins per 16 where any part has them, mins where any part has them."""
+        low_bits = max(layout.low_bits for layout in layouts)
+        code_bits = max(layout.low_bits + layout.num_high for layout in layouts)
+        with_mins = [layout.min_group for layout in layouts if layout.has_mins]
+        return RecordLayout(
+            num_high=code_bits - low_bits,
+            scale_group=min(layout.scale_group for layout in layouts),
+            has_mins=bool(with_mins),
+            low_bits=low_bits,
+            min_group=min(with_mins, default=32),
+        )
 
 
 @dataclass(frozen=True)
@@ -197,11 +285,11 @@ class KQuantRecords:
             scales=part(layout.scales, layout.mins, torch.int8),
             d=part(layout.d, layout.d + 2, torch.float16),
             offsets=self.offsets,
-            scale_group=layout.scale_group,
             mins=part(layout.mins, layout.d, torch.uint8) if layout.has_mins else None,
             dmin=part(layout.d + 2, layout.d + 4, torch.float16) if layout.has_mins else None,
-            bit4=words[:, :, 0].contiguous() if layout.num_high > 0 else None,
-            bit5=words[:, :, 1].contiguous() if layout.num_high > 1 else None,
+            high1=words[:, :, 0].contiguous() if layout.num_high > 0 else None,
+            high2=words[:, :, 1].contiguous() if layout.num_high > 1 else None,
+            **layout.groups(),
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -222,14 +310,13 @@ def pack_records(weight: KQuantWeight, empty: Allocate = heap_empty) -> KQuantRe
     records = empty((num_rows, num_supers, layout.size), torch.uint8)
 
     def put(start: int, tensor: torch.Tensor) -> None:
-        values = tensor.contiguous().view(torch.uint8).reshape(num_rows, num_supers, -1)
+        values = tensor.flatten().view(torch.uint8).reshape(num_rows, num_supers, -1)
         records[:, :, start : start + values.shape[2]] = values
 
     put(0, weight.qweight)
     if layout.num_high:
-        planes = [weight.bit4 if weight.bit4 is not None else torch.zeros_like(weight.bit5)]
-        planes += [weight.bit5] if layout.num_high > 1 else []
-        put(layout.high, torch.stack(planes, dim=-1))  # [N, K // 32, num_high]: each run's words together
+        words = [weight.high1, weight.high2][: layout.num_high]
+        put(layout.high, torch.stack(words, dim=-1))  # [N, K // 32, num_high]: each run's words together
     put(layout.scales, weight.scales)
     if layout.has_mins:
         put(layout.mins, weight.mins)
@@ -254,32 +341,47 @@ _FIELD_DTYPES = {
     "offsets": torch.uint8,
     "mins": torch.uint8,
     "dmin": torch.float16,
-    "bit4": torch.int32,
-    "bit5": torch.int32,
+    "high1": torch.int32,
+    "high2": torch.int32,
 }
+
+
+def _check_layout(layout: RecordLayout, num_columns: int) -> None:
+    """InvalidParameterError unless the layout is one the products run (KQuantWeight's docstring)."""
+    if (
+        num_columns % SUPER_BLOCK
+        or layout.scale_group not in (16, 32)
+        or layout.min_group not in (16, 32)
+        or (layout.low_bits, layout.num_high) not in ((4, 0), (4, 1), (4, 2), (2, 0), (2, 1))
+    ):
+        raise InvalidParameterError(
+            f"a K-quant weight needs in_features a multiple of {SUPER_BLOCK}, scales and mins per 16 or 32 columns, "
+            f"and 4-bit codes with up to two high bits or 2-bit codes with up to one, got {num_columns} columns, "
+            f"{layout}",
+            param="weight",
+        )
 
 
 def _check_fields(weight: KQuantWeight) -> None:
     """InvalidParameterError unless every field has its dtype and the shape the weight's [N, K] gives it."""
-    num_rows, num_columns = weight.shape
-    if num_columns % SUPER_BLOCK or weight.scale_group not in (16, 32):
+    if weight.low_bits not in (2, 4):
         raise InvalidParameterError(
-            f"a K-quant weight needs in_features a multiple of {SUPER_BLOCK} and scales per 16 or 32 columns, "
-            f"got {num_columns} and {weight.scale_group}",
-            param="weight",
+            f"a K-quant weight's codes have 2 or 4 low bits, got {weight.low_bits}", param="weight"
         )
+    num_rows, num_columns = weight.shape
+    _check_layout(RecordLayout.of(weight), num_columns)
     shapes = {
-        "qweight": (num_rows, num_columns // 2),
+        "qweight": (num_rows, num_columns * weight.low_bits // 8),
         "scales": (num_rows, num_columns // weight.scale_group),
         "d": (num_rows, num_columns // SUPER_BLOCK),
         "offsets": (num_rows,),
-        "mins": (num_rows, num_columns // GGUF_BLOCK),
+        "mins": (num_rows, num_columns // weight.min_group),
         "dmin": (num_rows, num_columns // SUPER_BLOCK),
-        "bit4": (num_rows, num_columns // GGUF_BLOCK),
-        "bit5": (num_rows, num_columns // GGUF_BLOCK),
+        "high1": (num_rows, num_columns // GGUF_BLOCK),
+        "high2": (num_rows, num_columns // GGUF_BLOCK),
     }
-    if (weight.mins is None) != (weight.dmin is None):
-        raise InvalidParameterError("a K-quant weight's mins and dmin come together", param="weight")
+    if (weight.mins is None) != (weight.dmin is None) or (weight.high2 is not None and weight.high1 is None):
+        raise InvalidParameterError("a K-quant weight's mins and dmin come together, high2 with high1", param="weight")
     for name, tensor in weight.fields().items():
         if tensor is not None and (tensor.dtype != _FIELD_DTYPES[name] or tuple(tensor.shape) != shapes[name]):
             raise InvalidParameterError(
@@ -287,6 +389,10 @@ def _check_fields(weight: KQuantWeight) -> None:
                 f"got {tensor.dtype} {list(tensor.shape)}",
                 param="weight",
             )
+    if not bool(((weight.offsets == 0) | (weight.offsets == weight.centre)).all()):
+        raise InvalidParameterError(
+            f"a K-quant weight's offsets are 0 or its codes' centre {weight.centre}", param="weight"
+        )
 
 
 class KQuantLinear(QuantizedLinear):
@@ -311,12 +417,7 @@ class KQuantLinear(QuantizedLinear):
             _check_fields(weight)
             weight = pack_records(weight)
         out_features, in_features = weight.shape
-        if in_features % SUPER_BLOCK or weight.layout.scale_group not in (16, 32):
-            raise InvalidParameterError(
-                f"a K-quant weight needs in_features a multiple of {SUPER_BLOCK} and scales per 16 or 32 columns, "
-                f"got {in_features} and {weight.layout.scale_group}",
-                param="weight",
-            )
+        _check_layout(weight.layout, in_features)
         super().__init__(
             in_features, out_features, bias, backend, max_gemv_rows, int8_activations, weight.records.device
         )

@@ -495,9 +495,17 @@ def test_a_mixture_of_experts_with_a_quantized_router_stays_on_the_module_path()
     assert NativeDecoder.build(model.model.layers) is None
 
 
-def kquant_tiny_model(down_kind: str = "Q6_K") -> LlamaForCausalLM:
-    """Two layers whose projections are K-quant weights at their own size (models/kquant.py): Q4_K, Q5_K, Q6_K and
-    a q/k/v stacked of Q4_K and Q6_K parts, as a Q4_K_M file mixes them; int8 activations, the engine's default."""
+# Per mix: the kinds of q/k/v, o, gate/up, and layer 1's q/k/v stacked of two kinds (as a Q4_K_M file stacks Q4_K
+# q and k beside a Q6_K v, a Q3_K_M file Q3_K beside Q5_K).
+KQUANT_MIXES = {
+    "Q4_K_M": (("Q4_K", "Q5_K", "Q4_K"), ("Q4_K", "Q6_K")),
+    "Q3_K_M": (("Q3_K", "Q2_K", "Q3_K"), ("Q3_K", "Q5_K")),
+}
+
+
+def kquant_tiny_model(down_kind: str = "Q6_K", mix: str = "Q4_K_M") -> LlamaForCausalLM:
+    """Two layers whose projections are K-quant weights at their own size (models/kquant.py), in one of
+    KQUANT_MIXES; int8 activations, the engine's default."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models: kquant_weights
     from kquant_weights import random_kquant
 
@@ -512,7 +520,8 @@ def kquant_tiny_model(down_kind: str = "Q6_K") -> LlamaForCausalLM:
         head_dim=64,
     )
     model = randomize(LlamaForCausalLM(config))
-    kinds = {"qkv_proj": "Q4_K", "o_proj": "Q5_K", "gate_up_proj": "Q4_K", "down_proj": down_kind}
+    (qkv_kind, o_kind, gate_up_kind), (stacked_kind, v_kind) = KQUANT_MIXES[mix]
+    kinds = {"qkv_proj": qkv_kind, "o_proj": o_kind, "gate_up_proj": gate_up_kind, "down_proj": down_kind}
     for i, layer in enumerate(model.model.layers):
         for owner, name in (
             (layer.self_attn, "qkv_proj"),
@@ -523,7 +532,7 @@ def kquant_tiny_model(down_kind: str = "Q6_K") -> LlamaForCausalLM:
             rows, cols = getattr(owner, name).weight.shape
             if name == "qkv_proj" and i == 1:
                 weight = concatenate_kquant(
-                    [random_kquant(rows - 64, cols, "Q4_K", i), random_kquant(64, cols, "Q6_K", i)]
+                    [random_kquant(rows - 64, cols, stacked_kind, i), random_kquant(64, cols, v_kind, i)]
                 )
             else:
                 weight = random_kquant(rows, cols, kinds[name], seed=10 * i + len(name))
@@ -535,11 +544,12 @@ def kquant_tiny_model(down_kind: str = "Q6_K") -> LlamaForCausalLM:
 
 
 @pytest.mark.skipif(load_kernels() is None or not load_kernels().kquant, reason="K-quant kernels need AVX512-VNNI")
-@pytest.mark.parametrize("down_kind", ["Q6_K", "Q5_K"])
-def test_k_quant_layers_run_natively_with_the_module_paths_bits(down_kind):
+@pytest.mark.parametrize(("down_kind", "mix"), [("Q6_K", "Q4_K_M"), ("Q5_K", "Q4_K_M"), ("Q2_K", "Q3_K_M")])
+def test_k_quant_layers_run_natively_with_the_module_paths_bits(down_kind, mix):
     """With a Q5_K down projection the MLP's prompt steps also take the feature-major products (decoder.cpp's
-    mlp_feature_major: both K weights run as int4 tiles); with Q6_K's halves they take the row-major ones."""
-    model = kquant_tiny_model(down_kind)
+    mlp_feature_major: both K weights run as int4 tiles); with Q6_K's halves they take the row-major ones; Q2_K and
+    Q3_K take the halves' products over their 2-bit codes."""
+    model = kquant_tiny_model(down_kind, mix)
     for ours, reference in zip(
         run_steps(model, REQUESTS, STEPS, native=True), run_steps(model, REQUESTS, STEPS, native=False)
     ):

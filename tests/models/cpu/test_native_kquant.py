@@ -30,14 +30,20 @@ pytestmark = pytest.mark.skipif(
 ROW_COUNTS = [1, 2, 3, 5, 10, 11, 16, 17, 33, 64]
 
 
+# Fused projections of parts of different kinds (49 rows): nibbles with two high bits and mins per 32; crumbs with
+# a high bit and mins per 16; nibbles with one high bit and mins per 16.
+MIXES = {
+    "mixed": ("Q4_K", "Q6_K", "Q5_K"),
+    "mixed-crumbs": ("Q3_K", "Q2_K", "Q3_K"),
+    "mixed-low": ("Q2_K", "Q3_K", "Q5_K"),
+}
+
+
 def layer_of(kind: str, rows: int = 37, cols: int = 768, seed: int = 0) -> KQuantLinear:
-    if kind == "mixed":
+    if kind in MIXES:
+        sizes = (20, 13, 16)
         weight = concatenate_kquant(
-            [
-                random_kquant(20, cols, "Q4_K", seed),
-                random_kquant(13, cols, "Q6_K", seed + 1),
-                random_kquant(16, cols, "Q5_K", seed + 2),
-            ]
+            [random_kquant(size, cols, part, seed + i) for i, (size, part) in enumerate(zip(sizes, MIXES[kind]))]
         )
     else:
         weight = random_kquant(rows, cols, kind, seed)
@@ -46,7 +52,7 @@ def layer_of(kind: str, rows: int = 37, cols: int = 768, seed: int = 0) -> KQuan
     return layer
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "mixed"])
+@pytest.mark.parametrize("kind", [*KINDS, *MIXES])
 def test_every_row_has_the_bits_it_has_alone(kind):
     layer = layer_of(kind)
     assert layer.layout == "tiles" and layer._gemv is not None and layer._gemm is not None
@@ -56,7 +62,7 @@ def test_every_row_has_the_bits_it_has_alone(kind):
         assert torch.equal(layer(x[:count]), alone[:count]), f"{count} rows"
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "mixed"])
+@pytest.mark.parametrize("kind", [*KINDS, *MIXES])
 def test_values_are_the_reference_products(kind):
     layer = layer_of(kind, seed=5)
     weight = layer.dequantize()
@@ -77,7 +83,7 @@ def test_sub_chains_keep_rows_independent_of_the_batch(kind):
     assert torch.allclose(split, whole, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "mixed"])
+@pytest.mark.parametrize("kind", [*KINDS, *MIXES])
 def test_tiles_hold_the_weights_values(kind):
     layer = layer_of(kind, seed=3)
     reference = layer.row_major_weight().dequantize()  # out of the tile records
@@ -97,11 +103,13 @@ def test_tiles_that_do_not_hold_the_weight_are_refused():
         kernels.bind_kquant(replace(tiled, records=tiled.records[:1]), many_rows=False)
     with pytest.raises(ValueError, match="multiple of 256"):
         kernels.bind_kquant(replace(tiled, cols=500), many_rows=True)
+    with pytest.raises(ValueError, match="2 bits with up to one"):
+        kernels.bind_kquant(replace(tiled, layout=replace(tiled.layout, low_bits=2)), many_rows=False)
     with pytest.raises(ValueError, match="chain_ends"):
         kernels.bind_kquant(replace(tiled, chain_ends=torch.tensor([3, 2], dtype=torch.int64)), many_rows=False)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "mixed"])
+@pytest.mark.parametrize("kind", [*KINDS, *MIXES])
 def test_the_native_tiling_writes_the_definitions_tile_records(kind):
     records = pack_records(layer_of(kind, rows=48).row_major_weight()).rows(0, 48)  # whole tiles (mixed: 49 rows)
     records = KQuantRecords(records.records.clone(), records.offsets, records.layout)

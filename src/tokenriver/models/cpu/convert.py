@@ -40,7 +40,7 @@ class NativeConverter:
     def kquant(
         self, blocks: np.ndarray, gguf_type: int, in_features: int, layout: Any, empty: Allocate
     ) -> torch.Tensor | None:
-        """Q4_K, Q5_K or Q6_K rows → their row records (models/kquant.py's RecordLayout `layout`), or None where the
+        """K-quant (Q2_K to Q6_K) rows → their row records (models/kquant.py's RecordLayout `layout`), or None where the
         CPU does not run K-quants at their own size."""
         if not self.kernels.kquant:
             return None

@@ -61,7 +61,7 @@ NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 # float32, or activations to int8 per 32 columns.
 ROUNDINGS = (None, "int8")
 # GGUF type codes (gguf.GGMLQuantizationType) of the K-quants convert_kquant takes.
-_Q3_K, _Q4_K, _Q5_K, _Q6_K = 11, 12, 13, 14
+_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = 10, 11, 12, 13, 14
 # Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
 Reductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
@@ -205,12 +205,20 @@ def check_tiles(tiles: Tiles, where: str = "packed weight") -> None:
 
 def check_ktiles(tiles: KTiles, where: str = "K-quant weight") -> None:
     """ValueError unless the tile records hold every byte kquant.h reads for a weight of tiles.rows × tiles.cols
-    (columns in whole 256-column super-blocks, scales per 16 or 32, up to two bit words per run)."""
+    (columns in whole 256-column super-blocks, scales and mins per 16 or 32, 4-bit codes with up to two high bits or
+    2-bit codes with up to one)."""
     rows, cols, layout = tiles.rows, tiles.cols, tiles.layout
-    if rows < 0 or cols <= 0 or cols % 256 or layout.scale_group not in (16, 32) or layout.num_high not in (0, 1, 2):
+    if (
+        rows < 0
+        or cols <= 0
+        or cols % 256
+        or layout.scale_group not in (16, 32)
+        or layout.min_group not in (16, 32)
+        or (layout.low_bits, layout.num_high) not in ((4, 0), (4, 1), (4, 2), (2, 0), (2, 1))
+    ):
         raise ValueError(
-            f"{where}: {rows} x {cols} with scales per {layout.scale_group} and {layout.num_high} bit words: the "
-            f"columns must be a positive multiple of 256, the scales per 16 or 32, the bit words 0, 1 or 2"
+            f"{where}: {rows} x {cols} in {layout}: the columns must be a positive multiple of 256, the scales and "
+            f"mins per 16 or 32, the codes 4 bits with up to two high bits or 2 bits with up to one"
         )
     num_tiles = -(-rows // TILE_ROWS)
     check_elements(where, "records", tiles.records, torch.uint8, num_tiles * cols // 256 * TILE_ROWS * layout.size)
@@ -241,6 +249,8 @@ class KQuantSpec(ctypes.Structure):
         ("num_high", ctypes.c_int32),
         ("has_mins", ctypes.c_int32),
         ("chain_ends", _ptr),
+        ("low_bits", ctypes.c_int32),
+        ("min_group", ctypes.c_int32),
     ]
 
     @classmethod
@@ -256,6 +266,8 @@ class KQuantSpec(ctypes.Structure):
             layout.num_high,
             int(layout.has_mins),
             None if tiles.chain_ends is None else tiles.chain_ends.data_ptr(),
+            layout.low_bits,
+            layout.min_group,
         )
         spec.tiles = tiles
         return spec
@@ -441,7 +453,7 @@ _SIGNATURES: dict[str, Signature] = {
     "quantize_int8_groups": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
     "convert_kquant": ([_ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _int], _int),
     "kquant_dequantize_rows": ([ctypes.POINTER(KQuantSpec), _ptr, _i64, _ptr, _int], None),
-    "kquant_tile_records": ([_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _int, _int, _int, _int], None),
+    "kquant_tile_records": ([_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _int, _int, _int, _int, _int, _int], None),
     "row_dots_f32": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int], None),
     "moe_route_f32": ([_ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _int], None),
     "sigmoid_gate_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
@@ -622,6 +634,8 @@ class NativeKernels:
             layout.num_high,
             layout.scale_group,
             int(layout.has_mins),
+            layout.low_bits,
+            layout.min_group,
             num_threads,
         )
 
@@ -643,7 +657,7 @@ class NativeKernels:
     ) -> torch.Tensor:
         """A K-quant matrix's GGUF bytes [N, row bytes] → its row records [N, K/256, layout.size] (kquant.cpp's
         convert_kquant; layout: models/kquant.py's RecordLayout of the type) in a tensor `empty` makes."""
-        block_bytes = {_Q3_K: 110, _Q4_K: 144, _Q5_K: 176, _Q6_K: 210}[gguf_type]
+        block_bytes = {_Q2_K: 84, _Q3_K: 110, _Q4_K: 144, _Q5_K: 176, _Q6_K: 210}[gguf_type]
         num_rows = _check_blocks("convert_kquant", blocks, in_features, 256, block_bytes)
         records = empty((num_rows, in_features // 256, layout.size), torch.uint8)
         check_elements("convert_kquant", "records", records, torch.uint8, num_rows * in_features // 256 * layout.size)

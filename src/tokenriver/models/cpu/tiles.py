@@ -186,12 +186,12 @@ def untile(tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | Non
 
 # ---- K-quant weights (models/kquant.py's records; csrc/kquant.h reads these) --------------------------------------
 #
-# A tile record is 16 row records moved (the same bytes): per super-block, the 8 blocks' codes as int4's words, the
-# high bits (for the 64-byte vector of code word k, k < 4 the low nibbles of word k and k >= 4 the high nibbles of
-# word k - 4, whose byte 4r + i is row r's column c_k(i) = 16 (k // 4) + 4 (k % 4) + i: bit 4 alone as a plane, bit k
-# of byte 4r + i that of column c_k(i); bits 4 and 5 as two crumb vectors, h = 0 for words 0-3 and 1 for 4-7, bits
-# 2j, 2j + 1 of byte 4r + i those of column c_{4h + j}(i)), the 16 rows' scales, mins, d and dmin side by side.
-# A shift brings a word's high bits under a mask at bits 4 (and 5) and one bitwise select merges them into the codes.
+# A tile record is 16 row records moved (the same bytes): per super-block, the 8 blocks' low bits as 4-byte words
+# (nibbles: int4's words; crumbs: two), the high bits (for the 64-byte vector of code word k, whose byte 4r + i is
+# row r's column c_k(i) = 16 (k // 4) + 4 (k % 4) + i: one high bit as a plane, bit k of byte 4r + i that of column
+# c_k(i); two as two crumb vectors, h = 0 for words 0-3 and 1 for 4-7, bits 2j, 2j + 1 of byte 4r + i those of
+# column c_{4h + j}(i); the crumb codes are laid out so too), the 16 rows' scales, mins, d and dmin side by side.
+# A shift brings a word's high bits under a mask above the low bits and one bitwise select merges them in.
 
 
 @dataclass(frozen=True)
@@ -273,8 +273,9 @@ def _tile_records(rows: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
     tiled = []
     for name, start, stop, dtype in _record_parts(layout):
         field = rows[:, :, start:stop].contiguous().view(dtype).reshape(num_rows, -1)  # [16 k, values]
-        if name == "qweight":
-            part = tile_words(field)
+        if name == "qweight":  # a block's low_bits words of 4 bytes per row
+            grid = field.reshape(-1, TILE_ROWS, num_supers * 8, layout.low_bits, 4)  # [tiles, 16, B, words, 4]
+            part = grid.permute(0, 2, 3, 1, 4)
         elif name == "high":
             part = _tile_high(field.reshape(num_rows, num_supers * 8, layout.num_high))
         else:
@@ -294,12 +295,13 @@ def _untile_records(tiled: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
         part = tiled[:, :, at : at + width].contiguous()
         at += width
         if name == "qweight":
-            field = untile_words(part.reshape(num_tiles, num_supers * 8, 4, TILE_ROWS, 4), num_rows)
+            field = untile_words(part.reshape(num_tiles, num_supers * 8, layout.low_bits, TILE_ROWS, 4), num_rows)
         elif name == "high":
             field = _untile_high(part.reshape(num_tiles, num_supers * 8, -1), layout.num_high)
         else:
             field = untile_terms(part.view(dtype).reshape(num_tiles, -1, TILE_ROWS), num_rows)
-        rows[:, :, start:stop] = field.contiguous().view(torch.uint8).reshape(num_rows, num_supers, -1)
+        # flatten, not contiguous: a [rows, 1] field (one super-block) may keep a stride torch calls contiguous
+        rows[:, :, start:stop] = field.flatten().view(torch.uint8).reshape(num_rows, num_supers, -1)
     return rows
 
 

@@ -394,7 +394,7 @@ void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins
 // scales per 16 or centred rows (Q6_K, or parts fused with it) runs kquant_int8_tile, which sums each half of a block
 // apart. Every lane runs kquant.h's operations in kquant.cpp's order, so a row gets the GEMV's bits.
 
-// A K-quant tile's codes 0..63 of block b, a vector per word (lanes: the tile's rows).
+// A K-quant tile's codes of block b, a vector per word (lanes: the tile's rows).
 inline void kquant_block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i codes[8]) {
   tokenriver::kquant_codes(w, t, b, codes);
 }
@@ -405,10 +405,10 @@ inline __m512 kquant_scales(const KQuantWeight& w, int64_t t, int64_t b, int h) 
   const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_scales(t, b, h))));
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
 }
-inline __m512 kquant_mins(const KQuantWeight& w, int64_t t, int64_t b) {
+inline __m512 kquant_mins(const KQuantWeight& w, int64_t t, int64_t b, int h) {
   if (!w.has_mins) return _mm512_setzero_ps();
   const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_dmin(t, b))));
-  const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_mins(t, b))));
+  const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_mins(t, b, h))));
   return _mm512_xor_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-0.0f));
 }
 
@@ -421,12 +421,12 @@ inline void stage_tile(const KQuantWeight& w, int64_t t, int row0, uint32_t* wor
     kquant_block_codes(w, t, b, codes);
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + 8 * S * b + row0 + S * k, codes[k]);
     _mm512_storeu_ps(scales + S * b + row0, kquant_scales(w, t, b, 0));
-    _mm512_storeu_ps(mins + S * b + row0, kquant_mins(w, t, b));
+    _mm512_storeu_ps(mins + S * b + row0, kquant_mins(w, t, b, 0));
   }
 }
 
 // Tile t staged for kquant_int8_tile: words [K/32][8][16], scales [K/32][2][16] (each half's d * sc) and mins
-// [K/32][16].
+// [K/32][2][16] (each half's -(dmin * m); the two equal where mins are per 32).
 void stage_kquant_tile(const KQuantWeight& w, int64_t t, uint32_t* words, float* scales, float* mins) {
   for (int64_t b = 0; b < w.blocks(); ++b) {
     __m512i codes[8];
@@ -434,7 +434,8 @@ void stage_kquant_tile(const KQuantWeight& w, int64_t t, uint32_t* words, float*
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + (8 * b + k) * kTileRows, codes[k]);
     _mm512_storeu_ps(scales + (2 * b) * kTileRows, kquant_scales(w, t, b, 0));
     _mm512_storeu_ps(scales + (2 * b + 1) * kTileRows, kquant_scales(w, t, b, 1));
-    _mm512_storeu_ps(mins + b * kTileRows, kquant_mins(w, t, b));
+    _mm512_storeu_ps(mins + (2 * b) * kTileRows, kquant_mins(w, t, b, 0));
+    _mm512_storeu_ps(mins + (2 * b + 1) * kTileRows, kquant_mins(w, t, b, 1));
   }
 }
 
@@ -447,18 +448,21 @@ void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float*
                       const float* x_terms, const int32_t* x_halves, int valid, float* y, int64_t m0, int64_t n0,
                       int real_rows) {
   const int64_t num_blocks = w.blocks();
-  const bool has_mins = w.has_mins;
+  const bool has_mins = w.has_mins, min16 = w.has_mins && w.min_group == 16;
+  const __m512i centre = _mm512_set1_epi32(w.centre());
   __m512 total[RT];
   for (int64_t c = 0, begin = 0, end; begin < num_blocks; begin = end, ++c) {
     end = w.chain_end(c);
     __m512 acc[RT];
     for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = begin; b < end; ++b) {
-      // A centred row's sums start from -32 T per half (kquant.h's o * T), the rest from zero: integers, so the
+      // A centred row's sums start from -o T_h per half (kquant.h's o * T), the rest from zero: integers, so the
       // same values as subtracting after.
       const __m512i zero = _mm512_setzero_si512();
-      const __m512i start_lo = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_loadu_si512(x_halves + (2 * b) * kPanel), 5));
-      const __m512i start_hi = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_loadu_si512(x_halves + (2 * b + 1) * kPanel), 5));
+      const __m512i t_lo = _mm512_loadu_si512(x_halves + (2 * b) * kPanel);
+      const __m512i t_hi = _mm512_loadu_si512(x_halves + (2 * b + 1) * kPanel);
+      const __m512i start_lo = _mm512_sub_epi32(zero, _mm512_mullo_epi32(t_lo, centre));
+      const __m512i start_hi = _mm512_sub_epi32(zero, _mm512_mullo_epi32(t_hi, centre));
       __m512i lo[RT], hi[RT];
       for (int r = 0; r < RT; ++r) {
         const bool centred = (offsets >> (first + r)) & 1;
@@ -479,13 +483,20 @@ void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float*
       }
       const __m512 xs = _mm512_loadu_ps(x_scales + b * kPanel);
       const __m512 x_sum = _mm512_loadu_ps(x_terms + b * kPanel);
+      const __m512 x_min_lo = min16 ? _mm512_mul_ps(xs, _mm512_cvtepi32_ps(t_lo)) : x_sum;
+      const __m512 x_min_hi = min16 ? _mm512_mul_ps(xs, _mm512_cvtepi32_ps(t_hi)) : x_sum;
       for (int r = 0; r < RT; ++r) {
         const int row = first + r;
         const __m512 scale_lo = _mm512_set1_ps(scales[2 * b * kTileRows + row]);
         const __m512 scale_hi = _mm512_set1_ps(scales[(2 * b + 1) * kTileRows + row]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(scale_lo, xs), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(scale_hi, xs), acc[r]);
-        if (has_mins) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[b * kTileRows + row]), x_sum, acc[r]);
+        if (min16) {
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[2 * b * kTileRows + row]), x_min_lo, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[(2 * b + 1) * kTileRows + row]), x_min_hi, acc[r]);
+        } else if (has_mins) {
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[2 * b * kTileRows + row]), x_sum, acc[r]);
+        }
       }
     }
     for (int r = 0; r < RT; ++r) total[r] = c == 0 ? acc[r] : _mm512_add_ps(total[r], acc[r]);
@@ -521,7 +532,7 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
     grow(xscale, kPanel * num_blocks);
     grow(words, kTileRows * K / 4);
     grow(scales, 2 * kTileRows * num_blocks);
-    grow(mins, kTileRows * num_blocks);
+    grow(mins, 2 * kTileRows * num_blocks);
     const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
@@ -558,7 +569,7 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
 
 // Whether gemm_int8's int4 tiles run this K-quant weight (the block comment above).
 bool runs_as_int4(const KQuantWeight& w) {
-  return w.scale_group == 32 && w.has_mins && w.offset_masks == nullptr;
+  return w.scale_group == 32 && w.has_mins && w.min_group == 32 && w.low_bits == 4 && w.offset_masks == nullptr;
 }
 
 // x_ld: 0 for x [M, K] row after row; else x is stored feature-major, column k at x + k * x_ld, the rows

@@ -1,11 +1,11 @@
-// K-quant weights at their own size (kquant.h): GGUF's Q4_K, Q5_K and Q6_K blocks converted at load into
+// K-quant weights at their own size (kquant.h): GGUF's Q2_K to Q6_K blocks converted at load into
 // models/kquant.py's row records, the int8-activation GEMV of a decode step over their tile records, and their rows
 // decoded to float32 (an embedding's lookup, the reference's weights).
 //
 // A decode step streams every weight once, so its time is the bytes read: Q6_K kept as int8 read 8.5 bits a weight
 // for its 6.56, Q4_K with a float16 scale and min per 32 columns 5 for its 4.5. Here a tile block's codes are built
-// in registers from the nibbles and the high bits (one shift and one bitwise select a word), and the float work per
-// block and activation row is one FMA per run of scales (two for Q6_K's runs of 16) and one for the mins. A tile's
+// in registers from the nibbles or crumbs and the high bits (a shift and a bitwise select a word), and the float work
+// per block and activation row is one FMA per run of scales (two for runs of 16) and one per run of mins. A tile's
 // record holds everything a super-block's product reads, so the product reads one stream of bytes front to back.
 // The GEMM of many rows (gemm.cpp, kquant_gemm_int8x) computes each row with the same operations.
 
@@ -29,26 +29,18 @@ using tokenriver::quantize_activations;
 
 constexpr int64_t kPrefetchBytes = 32768;
 
-// Row n's code of column k: its nibble (tiles.h's int4 words) and its high bits (kquant.h).
-inline uint8_t code_of(const KQuantWeight& w, int64_t n, int64_t k) {
-  const int64_t t = n / kTileRows, b = k / 32;
-  const int r = static_cast<int>(n % kTileRows), c = static_cast<int>(k % 32);
-  const uint8_t byte = w.block(t, b)[64 * ((c % 16) / 4) + 4 * r + c % 4];
-  const int nibble = c < 16 ? byte & 0x0F : byte >> 4;
-  return static_cast<uint8_t>(nibble + 16 * w.high_bits(t, b, r, c));
-}
-
 // Row n decoded into out [K]: (d * sc) * (q - o) - dmin * m, each product exact in float32, one rounding.
 void decode_row(const KQuantWeight& w, int64_t n, float* out) {
-  const int64_t t = n / kTileRows, r = n % kTileRows;
-  const int offset = (w.offsets(t) >> r) & 1 ? 32 : 0;
+  const int64_t t = n / kTileRows;
+  const int r = static_cast<int>(n % kTileRows);
+  const int offset = (w.offsets(t) >> r) & 1 ? w.centre() : 0;
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const float d = half_to_float(w.block_d(t, b)[r]);
-    const float min = w.has_mins ? half_to_float(w.block_dmin(t, b)[r]) * float(w.block_mins(t, b)[r]) : 0.0f;
+    const float dmin = w.has_mins ? half_to_float(w.block_dmin(t, b)[r]) : 0.0f;
     for (int c = 0; c < 32; ++c) {
       const float scale = d * float(w.block_scales(t, b, c / 16)[r]);
-      const float value = scale * float(int(code_of(w, n, 32 * b + c)) - offset);
-      out[32 * b + c] = w.has_mins ? value - min : value;
+      const float value = scale * float(w.code(t, b, r, c) - offset);
+      out[32 * b + c] = w.has_mins ? value - dmin * float(w.block_mins(t, b, c / 16)[r]) : value;
     }
   }
 }
@@ -96,10 +88,10 @@ inline __m512 block_scale(const KQuantWeight& w, int64_t t, int64_t b, int h, __
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_scales(w.block_scales(t, b, h))));
 }
 
-// The tile's 16 mins -(dmin * m) of block b (exact in float32).
-inline __m512 block_min(const KQuantWeight& w, int64_t t, int64_t b) {
+// The tile's 16 mins -(dmin * m) of the run holding column 32 b + 16 h (exact in float32).
+inline __m512 block_min(const KQuantWeight& w, int64_t t, int64_t b, int h) {
   const __m512 m = _mm512_cvtepi32_ps(
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_mins(t, b)))));
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_mins(t, b, h)))));
   return _mm512_xor_ps(_mm512_mul_ps(load_halves(w.block_dmin(t, b)), m), _mm512_set1_ps(-0.0f));
 }
 
@@ -108,7 +100,8 @@ inline __m512 block_min(const KQuantWeight& w, int64_t t, int64_t b) {
 template <bool SUB16, int MT>
 void kquant_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float* y, int64_t ld) {
   const __mmask16 offset = w.offsets(t);
-  const bool has_mins = w.has_mins;
+  const int32_t centre = w.centre();
+  const bool has_mins = w.has_mins, min16 = w.has_mins && w.min_group == 16;
   __m512 total[MT];
   for (int64_t c = 0, begin = 0, end; begin < w.blocks(); begin = end, ++c) {
     end = w.chain_end(c);
@@ -120,7 +113,8 @@ void kquant_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float*
       const __m512 d = load_halves(w.block_d(t, b));
       const __m512 scale_lo = block_scale(w, t, b, 0, d);
       const __m512 scale_hi = SUB16 ? block_scale(w, t, b, 1, d) : scale_lo;
-      const __m512 min = has_mins ? block_min(w, t, b) : _mm512_setzero_ps();
+      const __m512 min = has_mins ? block_min(w, t, b, 0) : _mm512_setzero_ps();
+      const __m512 min_hi = min16 ? block_min(w, t, b, 1) : min;
       for (int m = 0; m < MT; ++m) {
         const __m512 xs = _mm512_set1_ps(a[m].xscale[b]);
         const int32_t t_lo = a[m].half_sums[2 * b], t_hi = a[m].half_sums[2 * b + 1];
@@ -132,17 +126,22 @@ void kquant_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float*
         }
         if (SUB16) {
           if (offset) {
-            lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(32 * t_lo));
-            hi = _mm512_mask_sub_epi32(hi, offset, hi, _mm512_set1_epi32(32 * t_hi));
+            lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(centre * t_lo));
+            hi = _mm512_mask_sub_epi32(hi, offset, hi, _mm512_set1_epi32(centre * t_hi));
           }
           acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale_lo, xs), acc[m]);
           acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, xs), acc[m]);
         } else {
           lo = _mm512_add_epi32(lo, hi);
-          if (offset) lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(32 * (t_lo + t_hi)));
+          if (offset) lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(centre * (t_lo + t_hi)));
           acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale_lo, xs), acc[m]);
         }
-        if (has_mins) acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(a[m].xterm[b]), acc[m]);
+        if (min16) {
+          acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(a[m].xscale[b] * static_cast<float>(t_lo)), acc[m]);
+          acc[m] = _mm512_fmadd_ps(min_hi, _mm512_set1_ps(a[m].xscale[b] * static_cast<float>(t_hi)), acc[m]);
+        } else if (has_mins) {
+          acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(a[m].xterm[b]), acc[m]);
+        }
       }
     }
     for (int m = 0; m < MT; ++m) total[m] = c == 0 ? acc[m] : _mm512_add_ps(total[m], acc[m]);
@@ -240,9 +239,16 @@ void convert_q6_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int6
   }
 }
 
-// One Q3_K super-block (hmask [32], qs [64], 12 bytes of 6-bit scales, d) into a Q6_K-laid-out row record: the
-// centred codes q + 32 of q = low - 4 (high bit clear) or low, the scales sc - 32 per 16, d (models/kquant.py's
-// loader rule, loader/kquant_blocks.py's unpack_q3_k).
+// A run's 32 two-bit codes into its 8 crumb bytes (models/kquant.py's order: byte 4h + i holds columns
+// 16h + 4j + i at bits 2j).
+void put_crumbs(const uint8_t low[32], uint8_t* run) {
+  memset(run, 0, 8);
+  for (int l = 0; l < 32; ++l) run[4 * (l / 16) + l % 4] |= static_cast<uint8_t>(low[l] << (2 * ((l % 16) / 4)));
+}
+
+// One Q3_K super-block (hmask [32], qs [64], 12 bytes of 6-bit scales, d) into its row record: the centred codes
+// q + 4 = low + 4 high as crumbs and a high word per 32, the scales sc - 32 per 16, d (loader/kquant_blocks.py's
+// unpack_q3_k). Element 32 g + l: low bits at bit 2 (g % 4) of qs[32 (g / 4) + l], high bit at bit g of hmask[l].
 void convert_q3_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int64_t scales_at, int64_t d_at) {
   memcpy(record + d_at, b + 108, 2);
   for (int i = 0; i < 16; ++i) {
@@ -251,18 +257,30 @@ void convert_q3_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int6
     record[scales_at + i] = static_cast<uint8_t>(static_cast<int8_t>((low | (top << 4)) - 32));
   }
   for (int g = 0; g < 8; ++g) {
-    const int half = g / 4, shift = 2 * (g % 4);
-    uint8_t codes[32];
-    uint32_t words[2] = {0, 0};
+    uint8_t low[32];
+    uint32_t word = 0;
     for (int l = 0; l < 32; ++l) {
-      const int low = (b[32 + 32 * half + l] >> shift) & 3;
-      const int high = (b[l] >> g) & 1;
-      codes[l] = static_cast<uint8_t>(low - (high ? 0 : 4) + 32);
-      words[0] |= uint32_t((codes[l] >> 4) & 1) << l;
-      words[1] |= uint32_t((codes[l] >> 5) & 1) << l;
+      low[l] = (b[32 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3;
+      word |= uint32_t((b[l] >> g) & 1) << l;
     }
-    for (int c = 0; c < 16; ++c) record[16 * g + c] = uint8_t((codes[c] & 0x0F) | ((codes[c + 16] & 0x0F) << 4));
-    memcpy(record + high_at + 8 * g, words, 8);
+    put_crumbs(low, record + 8 * g);
+    memcpy(record + high_at + 4 * g, &word, 4);
+  }
+}
+
+// One Q2_K super-block (16 bytes of 4-bit (scale, min) pairs, qs [64], d, dmin) into its row record: the codes as
+// crumbs, the scales and mins per 16 a byte each, d and dmin (loader/kquant_blocks.py's unpack_q2_k).
+void convert_q2_k_block(const uint8_t* b, uint8_t* record, int64_t scales_at, int64_t mins_at, int64_t d_at) {
+  memcpy(record + d_at, b + 80, 2);
+  memcpy(record + d_at + 2, b + 82, 2);
+  for (int i = 0; i < 16; ++i) {
+    record[scales_at + i] = b[i] & 0x0F;
+    record[mins_at + i] = b[i] >> 4;
+  }
+  for (int g = 0; g < 8; ++g) {
+    uint8_t low[32];
+    for (int l = 0; l < 32; ++l) low[l] = (b[16 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3;
+    put_crumbs(low, record + 8 * g);
   }
 }
 
@@ -270,15 +288,20 @@ void convert_q3_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int6
 
 extern "C" {
 
-// GGUF type codes (gguf.GGMLQuantizationType) of the K-quants kept as records (Q3_K as Q6_K's centred codes).
-enum : int { kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+// GGUF type codes (gguf.GGMLQuantizationType) of the K-quants kept as records.
+enum : int { kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 // src [N, K / 256 * block bytes] of one GGUF matrix → its row records [N, K / 256, record] (models/kquant.py's
 // RecordLayout for the type: the byte offsets of the bit words, scales, mins and d within a record). Returns 0, or
 // 1 for a type it does not convert.
 int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* records, int64_t record,
                    int64_t high_at, int64_t scales_at, int64_t mins_at, int64_t d_at, int num_threads) {
-  const int bytes = type == kQ3_K ? 110 : type == kQ4_K ? 144 : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 0;
+  const int bytes = type == kQ2_K   ? 84
+                    : type == kQ3_K ? 110
+                    : type == kQ4_K ? 144
+                    : type == kQ5_K ? 176
+                    : type == kQ6_K ? 210
+                                    : 0;
   if (bytes == 0) return 1;
   const int64_t blocks = K / 256;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -290,6 +313,8 @@ int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* 
         convert_q6_k_block(b, out, high_at, scales_at, d_at);
       else if (type == kQ3_K)
         convert_q3_k_block(b, out, high_at, scales_at, d_at);
+      else if (type == kQ2_K)
+        convert_q2_k_block(b, out, scales_at, mins_at, d_at);
       else
         convert_q4_k_block(b, type == kQ5_K, out, high_at, scales_at, mins_at, d_at);
     }
@@ -297,15 +322,16 @@ int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* 
 }
 
 // Row records [N, K/256, record] (models/kquant.py's RecordLayout: the byte offsets high_at, scales_at, mins_at and
-// d_at of a row's fields) rewritten in place as tile records (kquant.h; models/cpu/tiles.py's tile_kquant, the same
+// d_at of a row's fields, its low_bits and min_group) rewritten in place as tile records (kquant.h; models/cpu/tiles.py's tile_kquant, the same
 // bytes): a tile's 16 rows take exactly its record's bytes, so each tile is copied out and written back. N a
 // multiple of 16.
 void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record, int64_t high_at, int64_t scales_at,
-                         int64_t mins_at, int64_t d_at, int num_high, int scale_group, int has_mins, int num_threads) {
+                         int64_t mins_at, int64_t d_at, int num_high, int scale_group, int has_mins, int low_bits,
+                         int min_group, int num_threads) {
   const int64_t supers = K / 256, tile_bytes = kTileRows * supers * record;
-  const int runs = 32 / scale_group;
-  const int64_t high_out = 2048, scales_out = high_out + 512 * num_high, mins_out = scales_out + 128 * runs;
-  const int64_t d_out = mins_out + (has_mins ? 128 : 0);
+  const int runs = 32 / scale_group, min_runs = 32 / min_group;
+  const int64_t high_out = 512 * low_bits, scales_out = high_out + 512 * num_high, mins_out = scales_out + 128 * runs;
+  const int64_t d_out = mins_out + (has_mins ? 128 * min_runs : 0);
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<uint8_t> rows(tile_bytes);
@@ -318,7 +344,8 @@ void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record,
         for (int r = 0; r < kTileRows; ++r) {
           const uint8_t* row = rows.data() + (r * supers + s) * record;
           for (int i = 0; i < 8; ++i) {
-            for (int j = 0; j < 4; ++j) memcpy(out + 256 * i + 64 * j + 4 * r, row + 16 * i + 4 * j, 4);
+            for (int j = 0; j < low_bits; ++j)
+              memcpy(out + 64 * low_bits * i + 64 * j + 4 * r, row + 4 * low_bits * i + 4 * j, 4);
             for (int c = 0; c < 4; ++c) {
               if (num_high == 1) {
                 uint32_t word;
@@ -340,7 +367,8 @@ void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record,
               }
             }
             for (int h = 0; h < runs; ++h) out[scales_out + 16 * runs * i + 16 * h + r] = row[scales_at + runs * i + h];
-            if (has_mins) out[mins_out + 16 * i + r] = row[mins_at + i];
+            if (has_mins)
+              for (int h = 0; h < min_runs; ++h) out[mins_out + 16 * min_runs * i + 16 * h + r] = row[mins_at + min_runs * i + h];
           }
           memcpy(out + d_out + 2 * r, row + d_at, 2);
           if (has_mins) memcpy(out + d_out + 32 + 2 * r, row + d_at + 2, 2);

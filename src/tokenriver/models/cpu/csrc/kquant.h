@@ -1,24 +1,28 @@
-// K-quant row tiles: GGUF's Q4_K, Q5_K and Q6_K weights at the file's own bits per weight, in the row tiles of
+// K-quant row tiles: GGUF's Q2_K to Q6_K weights at about the file's own bits per weight, in the row tiles of
 // tiles.h (models/cpu/tiles.py's tile_kquant writes them; models/kquant.py defines the values).
 //
 // A weight is w[n, k] = d * sc * (q - o) - dmin * m, per row n:
-//   q   the code, 0..63: a nibble plus 16 * bit4 plus 32 * bit5;
+//   q   the code, its low_bits (4 or 2) low bits, then num_high high bits (up to 2 over a nibble, 1 over a crumb);
 //   sc  a signed sub-block scale per `scale_group` (16 or 32) columns; d a float16 scale per 256 columns;
-//   m   an unsigned sub-block min per 32 columns and dmin its float16 scale per 256 (where has_mins: not Q6_K);
-//   o   the code's offset: 32 for a Q6_K row (its codes are centred), 0 for Q4_K and Q5_K; bit r of offset_masks[t]
-//       set for row r of tile t (null: no row is offset).
+//   m   an unsigned sub-block min per `min_group` (32 or 16) columns and dmin its float16 scale per 256 (where
+//       has_mins: not Q3_K, Q6_K);
+//   o   the codes' centre, 2^(low_bits + num_high - 1), for a centred row (Q6_K, Q3_K), 0 for the others; bit r of
+//       offset_masks[t] set for row r of tile t (null: no row is centred).
 // Stored as one record per tile of 16 rows and super-block of 256 columns, everything a super-block's product reads
 // in one run of bytes (one stream for the hardware's prefetcher; models/cpu/tiles.py writes them from 16 row
-// records, models/kquant.py's RecordLayout, byte for byte):
-//   codes   8 blocks of 32 columns × 256 bytes: tiles.h's int4 words (word j: bytes 4j .. 4j + 3 of each row's 16)
-//   high    8 blocks × 64 * num_high bytes: bit 4 alone as a plane (byte 4r + i, bit k: the bit of code word k's
-//           column), bits 4 and 5 as two crumb vectors (words 0-3, then 4-7; bits 2j, 2j + 1: word j's column)
+// records, models/kquant.py's RecordLayout, byte for byte). For the 64-byte vector of code word k (k = 0..7), byte
+// 4r + i is row r's code of column 4k + i:
+//   codes   8 blocks of 32 columns × 32 low_bits bytes: nibbles as tiles.h's int4 words (word j: bytes 4j .. 4j + 3
+//           of each row's 16; its low nibbles code word j, its high ones word 4 + j), or crumbs as two vectors (h =
+//           0 for words 0-3, 1 for 4-7; bits 2j, 2j + 1 of byte 4r + i: word 4h + j's column)
+//   high    8 blocks × 64 * num_high bytes: one high bit as a plane (byte 4r + i, bit k: code word k's column),
+//           two as two crumb vectors laid out as the crumb codes are
 //   scales  8 blocks × 16 * (32 / scale_group) int8: each scale run's 16 rows
-//   mins    8 blocks × 16 uint8 (where has_mins)
+//   mins    8 blocks × 16 * (32 / min_group) uint8 (where has_mins)
 //   d       16 float16, then dmin 16 float16 (where has_mins)
-// Q4_K is then 4.625 bits a weight (the file: 4.5; its 6-bit scale and min take a byte each), Q5_K 5.625 (5.5), Q6_K
-// 6.5625 (its own size). A fused projection of Q4_K and Q6_K parts keeps every part's values: the union of their
-// fields, the absent ones zero.
+// Q6_K is then its own size, 6.5625 bits a weight; the sub-block scales and mins take a byte each: Q4_K 4.625 bits
+// (the file: 4.5), Q5_K 5.625 (5.5), Q3_K 3.5625 (3.4375), Q2_K 3.125 (2.625). A fused projection of parts of
+// different types keeps every part's values: the union of their fields, the absent ones zero.
 //
 // The int8-activation products (kquant.cpp's GEMV, gemm.cpp's GEMM) compute a row as one chain over its blocks of 32
 // columns, in order, lane by lane the same in both, so a row's bits never depend on its batch. Per block b, with the
@@ -27,7 +31,8 @@
 //     acc = fma(U, (d * sc) * xs, acc)                  scales per 32: d * sc exact in float32
 //     or, scales per 16, per half h:
 //     U_h = half h's exact integer sum, minus o * T_h;  acc = fma(U_h, (d * sc_h) * xs, acc), h = 0 then 1
-//     acc = fma(-(dmin * m), xs * T, acc)               where the weight has mins (-(dmin * m) exact)
+//     acc = fma(-(dmin * m), xs * T, acc)               mins per 32 (-(dmin * m) exact)
+//     or, mins per 16, acc = fma(-(dmin * m_h), xs * T_h, acc), h = 0 then 1
 // Per 32 this is gemv.cpp's int4 arithmetic with exact float32 scales and mins, so gemm.cpp runs those weights
 // through its int4 tiles.
 #pragma once
@@ -47,41 +52,92 @@ struct KQuantWeight {
   int32_t has_mins;
   // Where each sub-chain of a row's sum ends, in blocks (tiles.h's chain_ends), or null for one chain.
   const int64_t* chain_ends;
+  int32_t low_bits;              // 4 (nibbles) or 2 (crumbs)
+  int32_t min_group;             // 32 or 16 (where has_mins)
 
   int64_t blocks() const { return K / 32; }
   int words() const { return 4; }  // a block's code words (tiles.h's int4)
   int64_t chain_end(int64_t c) const { return chain_ends == nullptr ? blocks() : chain_ends[c]; }
   int scale_runs() const { return 32 / static_cast<int>(scale_group); }
+  int min_runs() const { return 32 / static_cast<int>(min_group); }
+  // The codes' centre, a centred row's offset o.
+  int centre() const { return 1 << (low_bits + num_high - 1); }
+  int64_t code_bytes() const { return 64 * low_bits; }  // a tile block's codes
+  int64_t high_at() const { return 8 * code_bytes(); }
   // The record holding block b of tile t.
   const uint8_t* super(int64_t t, int64_t b) const { return records + (t * (K / 256) + b / 8) * record; }
-  const uint8_t* block(int64_t t, int64_t b) const { return super(t, b) + 256 * (b % 8); }
-  const uint8_t* block_high_a(int64_t t, int64_t b) const { return super(t, b) + 2048 + 64 * num_high * (b % 8); }
+  const uint8_t* block(int64_t t, int64_t b) const { return super(t, b) + code_bytes() * (b % 8); }
+  const uint8_t* block_high_a(int64_t t, int64_t b) const {
+    return super(t, b) + high_at() + 64 * num_high * (b % 8);
+  }
   const uint8_t* block_high_b(int64_t t, int64_t b) const { return block_high_a(t, b) + 64; }
   // The tile's 16 scales of the run holding column 32 b + 16 h.
   const int8_t* block_scales(int64_t t, int64_t b, int h) const {
-    const int64_t at = 2048 + 512 * num_high + 16 * scale_runs() * (b % 8) + (scale_runs() == 2 ? 16 * h : 0);
+    const int64_t at = high_at() + 512 * num_high + 16 * scale_runs() * (b % 8) + (scale_runs() == 2 ? 16 * h : 0);
     return reinterpret_cast<const int8_t*>(super(t, b) + at);
   }
-  int64_t mins_at() const { return 2048 + 512 * num_high + 128 * scale_runs(); }
-  const uint8_t* block_mins(int64_t t, int64_t b) const { return super(t, b) + mins_at() + 16 * (b % 8); }
+  int64_t mins_at() const { return high_at() + 512 * num_high + 128 * scale_runs(); }
+  // The tile's 16 mins of the run holding column 32 b + 16 h.
+  const uint8_t* block_mins(int64_t t, int64_t b, int h) const {
+    return super(t, b) + mins_at() + 16 * min_runs() * (b % 8) + (min_runs() == 2 ? 16 * h : 0);
+  }
   const uint16_t* block_d(int64_t t, int64_t b) const {
-    return reinterpret_cast<const uint16_t*>(super(t, b) + mins_at() + (has_mins ? 128 : 0));
+    return reinterpret_cast<const uint16_t*>(super(t, b) + mins_at() + (has_mins ? 128 * min_runs() : 0));
   }
   const uint16_t* block_dmin(int64_t t, int64_t b) const { return block_d(t, b) + kTileRows; }
   uint16_t offsets(int64_t t) const { return offset_masks == nullptr ? 0 : offset_masks[t]; }
-  // The two high bits (bit 4, bit 5 << 1) of row r's code of column c of block b of tile t.
-  int high_bits(int64_t t, int64_t b, int r, int c) const {
+  // Row r's code of column c of block b of tile t.
+  int code(int64_t t, int64_t b, int r, int c) const {
     const int h = c / 16, j = (c % 16) / 4, i = c % 4;
-    if (num_high == 0) return 0;
-    if (num_high == 1) return (block_high_a(t, b)[4 * r + i] >> (4 * h + j)) & 1;
-    return ((h == 0 ? block_high_a(t, b) : block_high_b(t, b))[4 * r + i] >> (2 * j)) & 3;
+    const uint8_t* low = block(t, b);
+    int value, high = 0;
+    if (low_bits == 4) {
+      const uint8_t byte = low[64 * j + 4 * r + i];
+      value = h == 0 ? byte & 0x0F : byte >> 4;
+    } else {
+      value = (low[64 * h + 4 * r + i] >> (2 * j)) & 3;
+    }
+    if (num_high == 1) high = (block_high_a(t, b)[4 * r + i] >> (4 * h + j)) & 1;
+    if (num_high == 2) high = ((h == 0 ? block_high_a(t, b) : block_high_b(t, b))[4 * r + i] >> (2 * j)) & 3;
+    return value + (high << low_bits);
   }
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// A tile block's codes 0..63 as unsigned bytes, a vector per code word (codes[k]: word k's low nibbles for k < 4,
-// word k - 4's high nibbles else; byte 4r + i row r's), nibbles and high bits merged (the layout above).
+// A tile block's 2-bit codes and their third bit (kquant_codes where low_bits is 2): codes[4h + j] is bits 2j, 2j + 1
+// of crumb vector h; the plane's bit k moves to bit 2 of codes[k].
+inline void kquant_crumb_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i codes[8]) {
+  const __m512i two = _mm512_set1_epi8(3);
+  const uint8_t* block = w.block(t, b);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i crumbs = _mm512_loadu_si512(block + 64 * h);
+    codes[4 * h] = _mm512_and_si512(crumbs, two);
+    codes[4 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(crumbs, 2), two);
+    codes[4 * h + 2] = _mm512_and_si512(_mm512_srli_epi16(crumbs, 4), two);
+    codes[4 * h + 3] = _mm512_and_si512(_mm512_srli_epi16(crumbs, 6), two);
+  }
+  if (w.num_high == 1) {
+    // codes | (shifted & mask): ternary logic 0xF8 is a | (b & c).
+    const __m512i mask = _mm512_set1_epi8(0x04);
+    const __m512i plane = _mm512_loadu_si512(w.block_high_a(t, b));
+    codes[0] = _mm512_ternarylogic_epi32(codes[0], _mm512_slli_epi16(plane, 2), mask, 0xF8);
+    codes[1] = _mm512_ternarylogic_epi32(codes[1], _mm512_slli_epi16(plane, 1), mask, 0xF8);
+    codes[2] = _mm512_ternarylogic_epi32(codes[2], plane, mask, 0xF8);
+    codes[3] = _mm512_ternarylogic_epi32(codes[3], _mm512_srli_epi16(plane, 1), mask, 0xF8);
+    codes[4] = _mm512_ternarylogic_epi32(codes[4], _mm512_srli_epi16(plane, 2), mask, 0xF8);
+    codes[5] = _mm512_ternarylogic_epi32(codes[5], _mm512_srli_epi16(plane, 3), mask, 0xF8);
+    codes[6] = _mm512_ternarylogic_epi32(codes[6], _mm512_srli_epi16(plane, 4), mask, 0xF8);
+    codes[7] = _mm512_ternarylogic_epi32(codes[7], _mm512_srli_epi16(plane, 5), mask, 0xF8);
+  }
+}
+
+// A tile block's codes as unsigned bytes, a vector per code word (codes[k]: byte 4r + i row r's code of column
+// 4k + i), low bits and high bits merged (the layout above).
 inline void kquant_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i codes[8]) {
+  if (w.low_bits == 2) {
+    kquant_crumb_codes(w, t, b, codes);
+    return;
+  }
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* block = w.block(t, b);
   for (int j = 0; j < 4; ++j) {
