@@ -125,7 +125,9 @@ def deploy(num_replicas: int, router: str) -> None:
 
     serve.delete("tokenriver")
     serve.run(
-        build_application(EngineConfig(max_num_kv_tokens=8192, num_threads=1), ServerConfig(), num_replicas, router),
+        build_application(
+            EngineConfig.from_flat(max_num_kv_tokens=8192, num_threads=1), ServerConfig(), num_replicas, router
+        ),
         name="tokenriver",
         route_prefix="/",
     )

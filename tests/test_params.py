@@ -124,42 +124,42 @@ def test_valid_values_are_kept():
 )
 def test_each_invalid_engine_option_names_its_field(field, value):
     with pytest.raises(InvalidParameterError) as caught:
-        EngineConfig(**{field: value})
+        EngineConfig.from_flat(**{field: value})
     assert caught.value.param == field
 
 
 def test_kv_cache_dtype_auto_is_int8_with_fast_numerics_and_the_compute_dtype_otherwise():
     assert EngineConfig().resolved_kv_cache_dtype == "int8"
-    assert EngineConfig(dtype="bfloat16").resolved_kv_cache_dtype == "int8"
-    assert EngineConfig(reference_numerics=True).resolved_kv_cache_dtype == "float32"
-    assert EngineConfig(dtype="bfloat16", reference_numerics=True).resolved_kv_cache_dtype == "bfloat16"
-    assert EngineConfig(int8_activations=False).resolved_kv_cache_dtype == "float32"
-    assert EngineConfig(quantization="none").resolved_kv_cache_dtype == "float32"
-    assert EngineConfig(device="cuda").resolved_kv_cache_dtype == "bfloat16"
-    assert EngineConfig(device="cuda", dtype="float32").resolved_kv_cache_dtype == "float32"
-    assert EngineConfig(kv_cache_dtype="float16").resolved_kv_cache_dtype == "float16"
+    assert EngineConfig.from_flat(dtype="bfloat16").resolved_kv_cache_dtype == "int8"
+    assert EngineConfig.from_flat(reference_numerics=True).resolved_kv_cache_dtype == "float32"
+    assert EngineConfig.from_flat(dtype="bfloat16", reference_numerics=True).resolved_kv_cache_dtype == "bfloat16"
+    assert EngineConfig.from_flat(int8_activations=False).resolved_kv_cache_dtype == "float32"
+    assert EngineConfig.from_flat(quantization="none").resolved_kv_cache_dtype == "float32"
+    assert EngineConfig.from_flat(device="cuda").resolved_kv_cache_dtype == "bfloat16"
+    assert EngineConfig.from_flat(device="cuda", dtype="float32").resolved_kv_cache_dtype == "float32"
+    assert EngineConfig.from_flat(kv_cache_dtype="float16").resolved_kv_cache_dtype == "float16"
 
 
 def test_the_compute_dtype_is_float32_on_the_cpu_and_bfloat16_on_a_gpu_unless_asked():
     assert EngineConfig().resolved_dtype == "float32"
-    assert EngineConfig(device="cuda").resolved_dtype == "bfloat16"
-    assert EngineConfig(device="cuda:1", dtype="float32").resolved_dtype == "float32"
-    assert EngineConfig(dtype="bfloat16").resolved_dtype == "bfloat16"
+    assert EngineConfig.from_flat(device="cuda").resolved_dtype == "bfloat16"
+    assert EngineConfig.from_flat(device="cuda:1", dtype="float32").resolved_dtype == "float32"
+    assert EngineConfig.from_flat(dtype="bfloat16").resolved_dtype == "bfloat16"
 
 
 def test_a_gpu_turns_the_int8_rounding_off_and_refuses_it_when_asked():
-    assert EngineConfig(device="cuda").resolved_int8_activations is False
+    assert EngineConfig.from_flat(device="cuda").resolved_int8_activations is False
     with pytest.raises(InvalidParameterError) as caught:
-        EngineConfig(device="cuda", int8_activations=True)
+        EngineConfig.from_flat(device="cuda", int8_activations=True)
     assert caught.value.param == "int8_activations"
 
 
 def test_reference_numerics_turns_the_rounding_off_and_refuses_int8_activations():
     assert EngineConfig().resolved_int8_activations is None
-    assert EngineConfig(reference_numerics=True).resolved_int8_activations is False
-    assert EngineConfig(quantization="none").resolved_int8_activations is False
+    assert EngineConfig.from_flat(reference_numerics=True).resolved_int8_activations is False
+    assert EngineConfig.from_flat(quantization="none").resolved_int8_activations is False
     with pytest.raises(InvalidParameterError) as caught:
-        EngineConfig(reference_numerics=True, int8_activations=True)
+        EngineConfig.from_flat(reference_numerics=True, int8_activations=True)
     assert caught.value.param == "int8_activations"
 
 
@@ -168,7 +168,7 @@ def test_sizes_parse_with_units():
     assert parse_size("512MiB") == 512 * 1024**2
     assert parse_size("1.5GB") == 1_500_000_000
     assert parse_size(4096) == 4096
-    assert EngineConfig(kv_cache_memory="1MiB").kv_cache_memory == 1024**2
+    assert EngineConfig.from_flat(kv_cache_memory="1MiB").cache.kv_cache_memory == 1024**2
 
 
 @pytest.mark.parametrize(

@@ -1,15 +1,14 @@
 """tokenriver's command line: generate, chat, embed, rerank, serve, visualize.
 
-Engine flags are generated from EngineConfig's fields (their help in each
-field's metadata, flags.py) and sampling flags from SamplingParams' fields, so a
-new option appears here without a second list to keep in sync; only the
-sampling help texts and defaults live in this file.
+Engine flags are generated from the fields of EngineConfig and its parts, and
+sampling flags from SamplingParams' fields, each with the help in its field's
+metadata (flags.py), so a new option appears here without a second list to keep
+in sync; only the command line's own sampling defaults live in this file.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import importlib
 import json
@@ -27,45 +26,26 @@ from tokenriver.server.cli_serve import add_serve_command
 from tokenriver.tool_calls import CHOICES, ToolCalling
 from tokenriver.trace import StepTrace
 
-SAMPLING_HELP = {
-    "n": "candidates returned per prompt",
-    "best_of": "candidates generated; the n with the highest cumulative log-probability are returned",
-    "temperature": "0 = greedy; higher flattens the distribution",
-    "top_k": "keep the k most likely tokens (0 = off)",
-    "top_p": "keep the smallest set of tokens whose probability reaches top-p",
-    "min_p": "drop tokens below min-p times the top token's probability",
-    "repetition_penalty": "transformers' repetition penalty (>1 discourages repeats)",
-    "presence_penalty": "OpenAI presence penalty, -2..2",
-    "frequency_penalty": "OpenAI frequency penalty, -2..2",
-    "logit_bias": "TOKEN_ID:BIAS added to that token's logit (repeatable)",
-    "seed": "random seed of this request",
-    "max_tokens": "most tokens to generate",
-    "min_tokens": "EOS and stops are ignored until this many tokens were generated",
-    "stop": "stop string (repeatable)",
-    "stop_token_ids": "token ids that end generation",
-    "ignore_eos": "keep generating past end-of-sequence tokens",
-    "logprobs": "print the top-N alternatives of every generated token",
-    "prompt_logprobs": "top-N alternatives of every prompt token",
-    "skip_special_tokens": "drop special tokens from the text",
-    "include_stop_str_in_output": "keep the matched stop string in the text",
-    "trace": "print why each token was chosen: a compact table per step",
-    "trace_top": "candidates shown per step with --trace",
-    "beam_width": "beam search with this many beams (transformers' num_beams); the n best beams are returned",
-    "length_penalty": "beam search: beams score sum(logprobs) / length ** length-penalty (>0 favours longer)",
-    "early_stopping": "beam search: true, false or never (transformers' meanings)",
-}
+# The command line's own defaults, where they differ from SamplingParams': a short greedy completion.
 SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
 # How errors name the user's own constraint (it cannot be combined with enforced tools).
 _STRUCTURED_OUTPUT_FLAGS = "--json-schema, --json-object, --regex, --choice or --grammar"
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """EngineConfig's fields as flags (help from each field's metadata)."""
+    """EngineConfig's fields as flags, one group per part (help from each field's metadata)."""
     add_flags(parser, EngineConfig, "engine_", "engine options")
+    for name, part in EngineConfig.parts().items():
+        add_flags(parser, part, "engine_", f"engine options: {name}")
+
+
+def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags, by field name, as LLM(...) and EngineConfig.from_flat take them."""
+    return collect(args, "engine_")
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**collect(args, "engine_"))
+    return EngineConfig.from_flat(**engine_options_from(args))
 
 
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
@@ -226,7 +206,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = sampling_params_from(args)
     tools, tool_choice = tools_from(args)
-    llm = LLM(**dataclasses.asdict(engine_config_from(args)))
+    llm = LLM(**engine_options_from(args))
     prompt: Any = args.prompt
     tool_calling = None
     if args.chat_template or tools is not None:
@@ -255,7 +235,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     params = sampling_params_from(args)
     tools, tool_choice = tools_from(args)
-    llm = LLM(**dataclasses.asdict(engine_config_from(args)))
+    llm = LLM(**engine_options_from(args))
     tool_calling = llm.tool_calling(tools, tool_choice)
     params = tool_calling.constrain(params, _STRUCTURED_OUTPUT_FLAGS)
     messages: list[dict[str, Any]] = []
@@ -303,7 +283,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from tokenriver.engine.llm import LLM
 
     params = PoolingParams(normalize=not args.no_normalize, dimensions=args.dimensions)  # pooling: --pooling
-    llm = LLM(**dataclasses.asdict(engine_config_from(args)))
+    llm = LLM(**engine_options_from(args))
     for index, output in enumerate(llm.embed(args.texts, params, use_tqdm=False)):
         print(json.dumps({"index": index, "embedding": output.embedding}))
     return 0
@@ -313,7 +293,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     """The documents best first, one line each: score, index, text."""
     from tokenriver.engine.llm import LLM
 
-    llm = LLM(**dataclasses.asdict(engine_config_from(args)))
+    llm = LLM(**engine_options_from(args))
     for result in llm.rerank(args.query, args.documents, args.top_n, args.instruction, use_tqdm=False):
         print(f"{result.relevance_score:.4f}  [{result.index}]  {result.document}")
     return 0
@@ -374,9 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message that opens the conversation")
     for sub in (generate, chat):
         add_engine_flags(sub)
-        add_flags(
-            sub, SamplingParams, "sampling_", "sampling options", help_texts=SAMPLING_HELP, defaults=SAMPLING_DEFAULTS
-        )
+        add_flags(sub, SamplingParams, "sampling_", "sampling options", defaults=SAMPLING_DEFAULTS)
         _add_structured_output_flags(sub)
         _add_tool_flags(sub)
     generate.set_defaults(handler=cmd_generate)

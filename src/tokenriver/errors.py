@@ -62,4 +62,4 @@ class EngineDeadError(TokenriverError):
 
 
 class EngineOverloadedError(TokenriverError):
-    """The waiting queue is full (EngineConfig.max_waiting_requests): try again once running requests finish."""
+    """The waiting queue is full (SchedulerConfig.max_waiting_requests): try again once running requests finish."""

@@ -1,9 +1,9 @@
 """Command-line flags generated from a config dataclass's fields.
 
 Each field's metadata holds its help text and, where the defaults would read badly, its flag name, metavar,
-choices or argparse type (`option()` writes that metadata). The engine's flags (EngineConfig, on every command)
-and the server's (ServerConfig, on `serve` and `visualize`) are both generated here, so a field and its flag are
-defined once. Stdlib only.
+choices or argparse type (`option()` writes that metadata). The engine's flags (EngineConfig and its parts, on
+every command), the sampling flags (SamplingParams, on `generate` and `chat`) and the server's (ServerConfig, on
+`serve` and `visualize`) are all generated here, so a field, its help and its flag are defined once. Stdlib only.
 """
 
 from __future__ import annotations
@@ -26,8 +26,24 @@ def option(
     """A dataclass field with a command-line flag: its help text, and the flag name (default: the field's name
     with dashes), metavar (default: the name in capitals), choices or argparse type where the default would not
     do. A field without help gets no flag."""
+    return dataclasses.field(default=default, metadata=_metadata(help, flag, metavar, choices, type))
+
+
+def list_option(help: str, *, flag: str | None = None, metavar: str | None = None) -> Any:
+    """option() for a list field: each instance starts with its own empty list (a dataclass takes no shared
+    mutable default); the flag is repeatable."""
+    return dataclasses.field(default_factory=list, metadata=_metadata(help, flag, metavar, None, None))
+
+
+def _metadata(
+    help: str,
+    flag: str | None,
+    metavar: str | None,
+    choices: tuple[str, ...] | None,
+    type: Callable[[str], Any] | None,
+) -> dict[str, Any]:
     metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "type": type}
-    return dataclasses.field(default=default, metadata={k: v for k, v in metadata.items() if v is not None})
+    return {k: v for k, v in metadata.items() if v is not None}
 
 
 def token_bias(text: str) -> tuple[int, float]:
@@ -45,14 +61,13 @@ def add_flags(
     dest_prefix: str,
     title: str,
     *,
-    help_texts: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> None:
-    """One flag per field of cls that has help (in its metadata, or in help_texts for a class that keeps it
-    elsewhere), typed from the field's annotation; values land in args as dest_prefix + field name."""
+    """One flag per field of cls that has help in its metadata, typed from the field's annotation; values land in
+    args as dest_prefix + field name. defaults: where a command's default differs from the field's."""
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
-        help_text = (help_texts or {}).get(f.name) or f.metadata.get("help")
+        help_text = f.metadata.get("help")
         if help_text is None:
             continue
         flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))

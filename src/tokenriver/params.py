@@ -2,7 +2,9 @@
 
 Validated on construction: a bad value raises `InvalidParameterError` naming
 the field, the value and the allowed range, so no entry point (CLI, Python,
-HTTP) can hand the engine something it would have to guess about.
+HTTP) can hand the engine something it would have to guess about. A field the
+command line offers carries its flag's help in its metadata (flags.option), so
+`tokenriver generate` and `chat` build their sampling flags from these fields.
 Stdlib only.
 """
 
@@ -11,9 +13,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenriver.errors import InvalidParameterError
+from tokenriver.flags import list_option, option
 
 MAX_LOGPROBS = 20
 DEFAULT_TRACE_TOP = 10
@@ -143,60 +146,66 @@ class SamplingParams:
     """Sampling and stopping controls of one request (vLLM's names and meanings)."""
 
     # Candidates returned per prompt.
-    n: int = 1
+    n: int = option(1, "candidates returned per prompt")
     # Candidates generated; the `n` with the highest cumulative log-probability are returned. None = n.
-    best_of: int | None = None
+    best_of: int | None = option(
+        None, "candidates generated; the n with the highest cumulative log-probability are returned"
+    )
     # 0 means greedy (argmax), and so does anything below 1e-5; otherwise logits are divided by it.
-    temperature: float = 1.0
+    temperature: float = option(1.0, "0 = greedy; higher flattens the distribution")
     # Keep the k most likely tokens; 0 or -1 turns it off.
-    top_k: int = 0
+    top_k: int = option(0, "keep the k most likely tokens (0 = off)")
     # Keep the smallest set of tokens whose probability adds up to at least top_p.
-    top_p: float = 1.0
+    top_p: float = option(1.0, "keep the smallest set of tokens whose probability reaches top-p")
     # Drop tokens whose probability is below min_p times the top token's.
-    min_p: float = 0.0
+    min_p: float = option(0.0, "drop tokens below min-p times the top token's probability")
     # transformers' multiplicative penalty on tokens seen in prompt or output (>1 discourages).
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = option(1.0, "transformers' repetition penalty (>1 discourages repeats)")
     # OpenAI's additive penalty on tokens already generated (once per token).
-    presence_penalty: float = 0.0
+    presence_penalty: float = option(0.0, "OpenAI presence penalty, -2..2")
     # OpenAI's additive penalty proportional to how often a token was generated.
-    frequency_penalty: float = 0.0
+    frequency_penalty: float = option(0.0, "OpenAI frequency penalty, -2..2")
     # Added to the logits of the given token ids before sampling.
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] | None = option(None, "TOKEN_ID:BIAS added to that token's logit (repeatable)")
     # Per-request random seed: the request's tokens then do not depend on its neighbours in the batch.
-    seed: int | None = None
+    seed: int | None = option(None, "random seed of this request")
     # Maximum number of generated tokens; None = until EOS or the context is full.
-    max_tokens: int | None = 16
+    max_tokens: int | None = option(16, "most tokens to generate")
     # EOS, stop tokens and stop strings are ignored until this many tokens were generated.
-    min_tokens: int = 0
+    min_tokens: int = option(0, "EOS and stops are ignored until this many tokens were generated")
     # Strings that end generation; cut from the text unless include_stop_str_in_output.
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = list_option("stop string (repeatable)")
     # Token ids that end generation (kept in token_ids, and in text unless special).
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = list_option("token ids that end generation")
     # Keep generating past the model's end-of-sequence tokens.
-    ignore_eos: bool = False
+    ignore_eos: bool = option(False, "keep generating past end-of-sequence tokens")
     # Number of top alternatives returned per generated token (None = no logprobs).
-    logprobs: int | None = None
+    logprobs: int | None = option(None, "print the top-N alternatives of every generated token")
     # Number of top alternatives returned per prompt token (None = none).
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = option(None, "top-N alternatives of every prompt token")
     # Drop special tokens (such as <|im_end|>) from the text.
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = option(True, "drop special tokens from the text")
     # Keep the matched stop string at the end of the text.
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = option(False, "keep the matched stop string in the text")
     # Record a StepTrace per generated token (the "why this token" data).
-    trace: bool = False
+    trace: bool = option(False, "print why each token was chosen: a compact table per step")
     # How many candidates each StepTrace keeps.
-    trace_top: int = DEFAULT_TRACE_TOP
+    trace_top: int = option(DEFAULT_TRACE_TOP, "candidates shown per step with --trace")
     # With trace: also record each sampling stage's distribution over the traced candidates (StepTrace.stages).
     trace_stages: bool = False
     # Beam search with this many beams (None = off): the n best finished beams are returned, ranked by
     # cumulative log-probability / (generated length ** length_penalty), as transformers' generate(num_beams=...).
-    beam_width: int | None = None
+    beam_width: int | None = option(
+        None, "beam search with this many beams (transformers' num_beams); the n best beams are returned"
+    )
     # Beam search: exponent of the length normalization (> 0 favours longer beams, < 0 shorter, 0 = none).
-    length_penalty: float = 1.0
+    length_penalty: float = option(
+        1.0, "beam search: beams score sum(logprobs) / length ** length-penalty (>0 favours longer)"
+    )
     # Beam search: True stops once beam_width beams finished; False (transformers' default) also stops when
     # the best running beam, scored at its current length, cannot beat the worst finished one; "never" stops
     # only when no running beam can possibly do so.
-    early_stopping: bool | str = False
+    early_stopping: bool | str = option(False, "beam search: true, false or never (transformers' meanings)")
     # Beam search: record every step's beams, their ranked continuations and which survived
     # (RequestOutput.beam_steps), so a reader sees why the final beams won.
     beam_trace: bool = False

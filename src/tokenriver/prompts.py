@@ -67,3 +67,27 @@ def check_prompt_length(
             max_tokens=max_model_len,
             param=param,
         )
+
+
+def check_pooling_length(
+    num_tokens: int,
+    max_num_batched_tokens: int,
+    num_pool_tokens: int,
+    *,
+    where: str = "prompt",
+    param: str = "prompt",
+) -> None:
+    """An input to embed or score runs whole in one forward pass: it must fit one step's token budget and the KV
+    pool. The scheduler refuses such a request with it, and the server before queueing one. ContextLengthError."""
+    limit, name, remedy = min(
+        (max_num_batched_tokens, "max_num_batched_tokens", "raise max_num_batched_tokens (--max-num-batched-tokens)"),
+        (num_pool_tokens, "the KV pool's tokens", "give the KV pool more room (--kv-cache-memory)"),
+    )
+    if num_tokens > limit:
+        raise ContextLengthError(
+            f"{where} has {num_tokens} tokens, but one forward pass takes at most {limit} ({name}) and an "
+            f"embedding or score is computed in one pass: shorten it, or {remedy}",
+            num_tokens=num_tokens,
+            max_tokens=limit,
+            param=param,
+        )

@@ -51,7 +51,7 @@ def test_beam_search_params_accept_transformers_values():
 )
 def test_speculative_config_is_checked(fields, param):
     with pytest.raises(InvalidParameterError) as error:
-        EngineConfig(**fields)
+        EngineConfig.from_flat(**fields)
     assert error.value.param == param
 
 

@@ -215,7 +215,7 @@ def test_parallel_options_are_validated(options, param):
     from tokenriver.config import EngineConfig
 
     with pytest.raises(InvalidParameterError) as error:
-        EngineConfig(**options)
+        EngineConfig.from_flat(**options)
     assert error.value.param == param
 
 

@@ -32,7 +32,7 @@ def test_the_core_is_built_and_stepped_on_the_engine_thread(monkeypatch, default
             return super().step()
 
     monkeypatch.setattr(async_engine, "EngineCore", RecordingCore)
-    engine = AsyncEngine(EngineConfig(model=default_model_path, max_num_kv_tokens=1024))
+    engine = AsyncEngine(EngineConfig.from_flat(model=default_model_path, max_num_kv_tokens=1024))
     assert engine.model_info.max_model_len > 0 and engine.tokenizer is not None
 
     async def generate() -> list[int]:
@@ -49,7 +49,7 @@ def test_the_core_is_built_and_stepped_on_the_engine_thread(monkeypatch, default
 def test_a_load_error_is_raised_in_the_callers_thread_and_leaves_no_engine_thread(tmp_path):
     before = len(_engine_threads())
     with pytest.raises(ModelLoadError, match="no such file or folder"):
-        AsyncEngine(EngineConfig(model=str(tmp_path / "missing.gguf")))
+        AsyncEngine(EngineConfig.from_flat(model=str(tmp_path / "missing.gguf")))
     assert len(_engine_threads()) == before
 
 
@@ -62,7 +62,7 @@ def test_the_machine_is_measured_once_on_the_engine_thread(monkeypatch, loaded_p
         return measure(device)
 
     monkeypatch.setattr(async_engine, "measure_machine_rates", recording_measure)
-    engine = AsyncEngine(EngineConfig(max_num_kv_tokens=1024), loaded_packed)
+    engine = AsyncEngine(EngineConfig.from_flat(max_num_kv_tokens=1024), loaded_packed)
     try:
         first = engine.machine_rates()
         assert engine.machine_rates() is first

@@ -105,7 +105,7 @@ def test_beams_share_the_prompts_blocks_and_copy_only_the_last(loaded_float32):
     (output,) = llm.generate(
         [{"prompt_token_ids": prompt}], beam_params(4, 1.0, "never", ignore_eos=True), use_tqdm=False
     )
-    block_size = engine.config.block_size
+    block_size = engine.config.cache.block_size
     prompt_blocks = -(-len(prompt) // block_size)
     # The prompt's blocks once, plus at most two blocks of tail per beam (the partial one and its growth).
     assert peak <= prompt_blocks + 4 * (-(-MAX_TOKENS // block_size) + 2)

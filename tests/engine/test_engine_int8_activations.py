@@ -77,7 +77,7 @@ def test_a_long_prompt_scores_like_the_exact_engine(loaded_packed, loaded_int8_a
 
 def test_a_setting_without_effect_is_refused(default_model_path, loaded_packed):
     with pytest.raises(InvalidParameterError, match="quantized weights") as info:
-        EngineConfig(quantization="none", int8_activations=True)
+        EngineConfig.from_flat(quantization="none", int8_activations=True)
     assert info.value.param == "int8_activations"
     with pytest.raises(InvalidParameterError, match="has none with quantization='none'"):
         load_model(default_model_path, quantization="none", int8_activations=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tokenriver.config import EngineConfig
-from tokenriver.engine.llm import LLM
+from tokenriver.engine import llm as llm_module
+from tokenriver.engine.llm import LLM, OFFLINE_SCHEDULER_STEPS
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.load import load_model
 from tokenriver.params import SamplingParams
@@ -92,5 +93,21 @@ def test_queued_passes_give_the_tokens_and_logprobs_of_single_steps(default_mode
 )
 def test_bad_multi_step_settings_are_refused(options, message):
     with pytest.raises(InvalidParameterError, match=message) as error:
-        EngineConfig(**options)
+        EngineConfig.from_flat(**options)
     assert error.value.param == "num_scheduler_steps"
+
+
+@pytest.mark.parametrize(
+    "options, steps",
+    [
+        ({}, OFFLINE_SCHEDULER_STEPS),
+        ({"num_scheduler_steps": 2}, 2),
+        ({"speculative_draft": "ngram"}, 1),
+        ({"use_kv_cache": False}, 1),
+    ],
+)
+def test_offline_runs_multi_step_by_default_where_the_config_allows_it(monkeypatch, options, steps):
+    built = []
+    monkeypatch.setattr(llm_module, "EngineCore", built.append)
+    LLM(**options)
+    assert built[0].scheduler.num_scheduler_steps == steps

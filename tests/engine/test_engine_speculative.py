@@ -143,6 +143,6 @@ def test_a_draft_model_is_kept_quantized_when_the_target_is_float(monkeypatch, l
         return loaded_float32
 
     monkeypatch.setattr(draft_model, "load_model", fake_load)
-    config = EngineConfig(quantization=target)
+    config = EngineConfig.from_flat(quantization=target)
     draft_model.DraftModelProposer.from_path(loaded_float32.path, loaded_float32, config, num_kv_blocks=8)
     assert seen == [draft]

@@ -163,7 +163,7 @@ def test_the_route_inspects_and_refuses_with_a_400(loaded_float32):
     from tokenriver.server.app import build_app
     from tokenriver.server.config import ServerConfig
 
-    engine = AsyncEngine(EngineConfig(model=loaded_float32.path, max_num_kv_tokens=1024), loaded_float32)
+    engine = AsyncEngine(EngineConfig.from_flat(model=loaded_float32.path, max_num_kv_tokens=1024), loaded_float32)
     try:
         client = TestClient(build_app(engine, ServerConfig()))
         ids = loaded_float32.tokenizer.encode("Hello there", add_special_tokens=False)

@@ -42,7 +42,7 @@ def deploy(num_replicas: int = 2, router: str = "prefix", **router_kwargs: objec
     serve.delete("tokenriver")
     # The defaults: the tests compare replicas' texts with one engine's, and a request gets the same tokens whatever
     # batch it runs in (docs/models.md, exact by default).
-    config = EngineConfig(max_num_kv_tokens=4096, num_threads=1)
+    config = EngineConfig.from_flat(max_num_kv_tokens=4096, num_threads=1)
     serve.run(
         build_application(config, ServerConfig(), num_replicas, router, router_kwargs or None),
         name="tokenriver",

@@ -262,7 +262,9 @@ def _parser() -> argparse.ArgumentParser:
     def add_engine_flags(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--max-num-seqs", dest="engine_max_num_seqs", type=int, default=64)
 
-    add_serve_command(subparsers, add_engine_flags, lambda args: EngineConfig(max_num_seqs=args.engine_max_num_seqs))
+    add_serve_command(
+        subparsers, add_engine_flags, lambda args: EngineConfig.from_flat(max_num_seqs=args.engine_max_num_seqs)
+    )
     return parser
 
 

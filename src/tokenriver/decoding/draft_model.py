@@ -112,13 +112,13 @@ class DraftModelProposer:
         self.kv_cache = KVCache(
             num_layers,
             num_kv_blocks,
-            config.block_size,
+            config.cache.block_size,
             num_kv_heads,
             head_dim,
             getattr(torch, config.resolved_kv_cache_dtype),
             config.device,
         )
-        self.block_manager = BlockManager(num_kv_blocks, config.block_size, enable_prefix_caching=False)
+        self.block_manager = BlockManager(num_kv_blocks, config.cache.block_size, enable_prefix_caching=False)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed + 1)
         self.sampler = Sampler(generator)
@@ -156,7 +156,7 @@ class DraftModelProposer:
                 f"speculative_draft={path!r} is neither 'ngram', 'self:N' nor an existing model file or folder",
                 param="speculative_draft",
             )
-        quantization = "auto" if config.quantization == "none" else config.quantization
+        quantization = "auto" if config.numerics.quantization == "none" else config.numerics.quantization
         draft = load_model(path, config.resolved_dtype, config.device, quantization)
         check_same_vocabulary(draft, target)
         return cls(

@@ -88,12 +88,13 @@ class Speculator:
 
 
 def build_speculator(config: EngineConfig, target: LoadedModel, num_kv_blocks: int) -> Speculator | None:
-    """The proposer EngineConfig.speculative_draft names, wrapped for the engine (None when speculation is off)."""
-    draft = config.speculative_draft
+    """The proposer SpeculativeConfig.speculative_draft names, wrapped for the engine (None when speculation is off)."""
+    speculative = config.speculative
+    draft = speculative.speculative_draft
     if draft is None:
         return None
     if draft == "ngram":
-        proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        proposer: Proposer = NgramProposer(speculative.ngram_min, speculative.ngram_max)
     elif draft.startswith("self:"):
         num_layers = int(draft.removeprefix("self:"))
         if num_layers >= target.config.num_layers:
@@ -105,4 +106,4 @@ def build_speculator(config: EngineConfig, target: LoadedModel, num_kv_blocks: i
         proposer = DraftModelProposer.from_target_layers(target, num_layers, config, num_kv_blocks)
     else:
         proposer = DraftModelProposer.from_path(draft, target, config, num_kv_blocks)
-    return Speculator(proposer, config.num_speculative_tokens)
+    return Speculator(proposer, speculative.num_speculative_tokens)

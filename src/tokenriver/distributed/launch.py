@@ -46,7 +46,8 @@ class RankPlacement:
 
 def placement(config: EngineConfig) -> RankPlacement:
     """This machine's ranks (module docstring)."""
-    world_size = config.tensor_parallel_size
+    parallel = config.parallel
+    world_size = parallel.tensor_parallel_size
     launched = env_rank()
     if launched is not None:
         rank, env_world_size = launched
@@ -57,9 +58,9 @@ def placement(config: EngineConfig) -> RankPlacement:
                 param="tensor_parallel_size",
             )
         return RankPlacement("env://", range(rank, rank + 1), True)
-    per_node = world_size // config.nnodes
-    first = config.node_rank * per_node
-    address = config.distributed_init_addr or free_local_address()
+    per_node = world_size // parallel.nnodes
+    first = parallel.node_rank * per_node
+    address = parallel.distributed_init_addr or free_local_address()
     return RankPlacement(init_method_for(address), range(first, first + per_node), False)
 
 
@@ -72,7 +73,7 @@ def _rank_device(config: EngineConfig, rank: int, ranks_per_node: int) -> str:
 
 
 def _threads_per_rank(config: EngineConfig, ranks_here: int) -> int:
-    return max(1, (config.num_threads or default_num_threads()) // ranks_here)
+    return max(1, (config.parallel.num_threads or default_num_threads()) // ranks_here)
 
 
 def _spawn(config: EngineConfig, ranks: range, init_method: str, ranks_here: int) -> list[multiprocessing.Process]:
@@ -97,7 +98,7 @@ def _local_kv_cache(
     return KVCache(
         model_config.num_layers,
         num_blocks,
-        config.block_size,
+        config.cache.block_size,
         layout.num_kv_heads,
         model_config.head_dim,
         getattr(torch, config.resolved_kv_cache_dtype),
@@ -113,14 +114,14 @@ def start_tensor_parallel(
     where = placement(config)
     if where.local_ranks.start != 0:
         raise InvalidParameterError(
-            f"node_rank={config.node_rank} hosts no engine: run it with the same flags "
+            f"node_rank={config.parallel.node_rank} hosts no engine: run it with the same flags "
             f"through the CLI, which starts only its ranks",
             param="node_rank",
         )
     processes = (
         [] if where.launched else _spawn(config, where.local_ranks[1:], where.init_method, len(where.local_ranks))
     )
-    group = TensorParallelGroup.connect(0, config.tensor_parallel_size, where.init_method, config.device)
+    group = TensorParallelGroup.connect(0, config.parallel.tensor_parallel_size, where.init_method, config.device)
     torch.set_num_threads(_threads_per_rank(config, len(where.local_ranks)))
     layout = shard_model(loaded.model, group)
     group.broadcast(num_blocks)
@@ -150,11 +151,11 @@ def worker_main(
         config.model,
         config.resolved_dtype,
         device,
-        config.quantization,
+        config.numerics.quantization,
         int8_activations=config.resolved_int8_activations,
         kquant_layout=False,  # the layouts shard_model cuts, as rank 0 loads them (engine/core.py)
     )
-    group = TensorParallelGroup.connect(rank, config.tensor_parallel_size, init_method, device)
+    group = TensorParallelGroup.connect(rank, config.parallel.tensor_parallel_size, init_method, device)
     try:
         layout = shard_model(loaded.model, group)
         num_blocks = group.broadcast()

@@ -80,7 +80,7 @@ class ModelInfo:
     kv_cache_bytes: int
     max_num_batched_tokens: int
     max_num_seqs: int
-    # Engine requests allowed to wait for a batch slot (EngineConfig.max_waiting_requests, resolved).
+    # Engine requests allowed to wait for a batch slot (SchedulerConfig.max_waiting_requests, resolved).
     max_waiting_requests: int
     speculative_draft: str | None
     num_speculative_tokens: int
@@ -169,27 +169,25 @@ def check_device(device: str) -> None:
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
     """Blocks in the KV pool: from kv_cache_memory, or max_num_kv_tokens, or the device's default memory
     (default_kv_cache_memory)."""
-    model_config = loaded.config
+    model_config, cache, scheduler = loaded.config, config.cache, config.scheduler
     if not model_config.is_causal:
         # An encoder keeps no K/V: its blocks only give one step's tokens their slots.
-        return -(-config.max_num_batched_tokens // config.block_size) + config.max_num_seqs
+        return -(-scheduler.max_num_batched_tokens // cache.block_size) + scheduler.max_num_seqs
     dtype = getattr(torch, config.resolved_kv_cache_dtype)
     per_block = bytes_per_block(
-        model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype
+        model_config.num_layers, cache.block_size, model_config.num_kv_heads, model_config.head_dim, dtype
     )
-    if config.max_num_kv_tokens is not None:
-        num_blocks = -(-config.max_num_kv_tokens // config.block_size)
+    if cache.max_num_kv_tokens is not None:
+        num_blocks = -(-cache.max_num_kv_tokens // cache.block_size)
     else:
-        memory = (
-            config.kv_cache_memory if config.kv_cache_memory is not None else default_kv_cache_memory(config.device)
-        )
+        memory = cache.kv_cache_memory if cache.kv_cache_memory is not None else default_kv_cache_memory(config.device)
         num_blocks = memory // per_block
-        if config.kv_cache_memory is None:
+        if cache.kv_cache_memory is None:
             # Unasked-for memory is capped at what max_num_seqs full contexts could ever use.
-            num_blocks = min(num_blocks, config.max_num_seqs * -(-max_model_len // config.block_size))
+            num_blocks = min(num_blocks, scheduler.max_num_seqs * -(-max_model_len // cache.block_size))
     if num_blocks < 1:
         raise InvalidParameterError(
-            f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block: one block of {config.block_size} "
+            f"kv_cache_memory={cache.kv_cache_memory} bytes holds no KV block: one block of {cache.block_size} "
             f"tokens needs {per_block} bytes for this model; give at least that much",
             param="kv_cache_memory",
         )
@@ -201,7 +199,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads or default_num_threads())
+        cache, scheduler = config.cache, config.scheduler
+        torch.set_num_threads(config.parallel.num_threads or default_num_threads())
         check_device(config.device)
         int8_activations = config.resolved_int8_activations
         self.loaded = (
@@ -211,10 +210,10 @@ class EngineCore:
                 config.model,
                 config.resolved_dtype,
                 config.device,
-                config.quantization,
+                config.numerics.quantization,
                 int8_activations=int8_activations,
                 # Tensor parallelism shards the int4/int8 layouts (loader/load.py).
-                kquant_layout=False if config.tensor_parallel_size > 1 else None,
+                kquant_layout=False if config.parallel.tensor_parallel_size > 1 else None,
             )
         )
         if int8_activations is not None and self.loaded.int8_activations != int8_activations:
@@ -237,22 +236,22 @@ class EngineCore:
         self.kv_cache = KVCache(
             model_config.num_layers,
             num_blocks,
-            config.block_size,
+            cache.block_size,
             model_config.num_kv_heads,
             model_config.head_dim,
             getattr(torch, config.resolved_kv_cache_dtype),
             config.device,
             padding_block=use_graphs,
         )
-        use_prefix_cache = config.enable_prefix_caching and config.use_kv_cache
-        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=use_prefix_cache)
+        use_prefix_cache = cache.enable_prefix_caching and cache.use_kv_cache
+        self.block_manager = BlockManager(num_blocks, cache.block_size, enable_prefix_caching=use_prefix_cache)
         self.scheduler = Scheduler(
             self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            recompute_every_step=not config.use_kv_cache,
-            num_scheduler_steps=config.num_scheduler_steps,
+            recompute_every_step=not cache.use_kv_cache,
+            num_scheduler_steps=scheduler.num_scheduler_steps,
         )
         # Structured output: compiled grammars, shared with the threads that submit requests (compile()).
         self.grammar = GrammarCompiler(
@@ -264,10 +263,10 @@ class EngineCore:
             config.device,
             config.seed,
             GrammarMatchers(self.grammar),
-            max_graph_batch=config.max_num_seqs if use_graphs else 0,
+            max_graph_batch=scheduler.max_num_seqs if use_graphs else 0,
             max_model_len=self.max_model_len,
         )
-        if config.tensor_parallel_size > 1:
+        if config.parallel.tensor_parallel_size > 1:
             # This process becomes rank 0: the model is sharded in place, the cache holds this rank's kv heads.
             self.kv_cache, self.runner = start_tensor_parallel(config, self.loaded, num_blocks)
         self.speculator: Speculator | None = build_speculator(config, self.loaded, num_blocks)
@@ -282,7 +281,7 @@ class EngineCore:
         """The model and the engine's sizes once everything is built, for the layers above (ModelInfo)."""
         config, model_config = self.config, self.loaded.config
         account = self.memory_account()
-        kv_bytes_per_token = self.kv_cache.num_bytes // (num_blocks * config.block_size)
+        kv_bytes_per_token = self.kv_cache.num_bytes // (num_blocks * config.cache.block_size)
         return ModelInfo(
             path=self.loaded.path,
             vocab_size=model_config.vocab_size,
@@ -292,14 +291,14 @@ class EngineCore:
             weights=self.loaded.describe(),
             dtype=config.resolved_dtype,
             kv_cache_dtype=config.resolved_kv_cache_dtype,
-            block_size=config.block_size,
+            block_size=config.cache.block_size,
             num_kv_blocks=num_blocks,
             kv_cache_bytes=self.kv_cache.num_bytes,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_waiting_requests=config.resolved_max_waiting_requests(num_blocks),
-            speculative_draft=config.speculative_draft,
-            num_speculative_tokens=config.num_speculative_tokens,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_waiting_requests=config.scheduler.resolved_max_waiting_requests(num_blocks),
+            speculative_draft=config.speculative.speculative_draft,
+            num_speculative_tokens=config.speculative.num_speculative_tokens,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             kv_bytes_per_token=kv_bytes_per_token,
             is_causal=model_config.is_causal,
@@ -336,7 +335,7 @@ class EngineCore:
                 f"not generate; use embed or rerank",
                 param="model",
             )
-        params.validate_for_engine(vocab_size, self.config.max_num_seqs)
+        params.validate_for_engine(vocab_size, self.config.scheduler.max_num_seqs)
         if params.structured_output is not None:
             self.grammar.compile(params.structured_output)  # a cache hit when the submitting thread compiled it
         eos_token_ids = list(self.tokenizer.eos_token_ids)

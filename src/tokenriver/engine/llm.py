@@ -32,31 +32,21 @@ Prompt = str | dict[str, Any]
 
 
 # Offline generation streams nothing token by token, so its default runs greedy decodes in multi-step
-# scheduling (EngineConfig.num_scheduler_steps): the per-step Python runs once per this many passes.
+# scheduling (SchedulerConfig.num_scheduler_steps): the per-step Python runs once per this many passes.
 OFFLINE_SCHEDULER_STEPS = 8
-
-
-def _engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
-    known = {f for f in EngineConfig.__dataclass_fields__}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise InvalidParameterError(
-            f"unknown engine option(s) {unknown}; known options: {sorted(known)}", param=unknown[0]
-        )
-    return EngineConfig(model=model, **kwargs)
 
 
 class LLM:
     """Load a model once, then generate for many prompts at a time."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
-        if (
-            engine_options.get("speculative_draft") is None
-            and engine_options.get("use_kv_cache", True)
-            and "num_scheduler_steps" not in engine_options
-        ):
-            engine_options["num_scheduler_steps"] = OFFLINE_SCHEDULER_STEPS
-        self._start(EngineCore(_engine_config(model, {"dtype": dtype, **engine_options})))
+        """engine_options: any EngineConfig setting by its flat name (max_num_seqs=8, speculative_draft="ngram"),
+        as EngineConfig.from_flat takes them."""
+        options = {"model": model, "dtype": dtype, **engine_options}
+        config = EngineConfig.from_flat(**options)
+        if "num_scheduler_steps" not in engine_options and config.multi_step_conflict() is None:
+            config = EngineConfig.from_flat(**options, num_scheduler_steps=OFFLINE_SCHEDULER_STEPS)
+        self._start(EngineCore(config))
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, **engine_options: Any) -> "LLM":
@@ -67,7 +57,7 @@ class LLM:
             "int8_activations": loaded.int8_activations,
             **engine_options,
         }
-        llm._start(EngineCore(_engine_config(loaded.path, options), loaded=loaded))
+        llm._start(EngineCore(EngineConfig.from_flat(model=loaded.path, **options), loaded=loaded))
         return llm
 
     def _start(self, engine: EngineCore) -> None:

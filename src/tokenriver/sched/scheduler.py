@@ -76,7 +76,7 @@ from tokenriver.errors import ContextLengthError, DuplicateRequestIdError, Inval
 from tokenriver.kv.block_manager import BlockManager
 from tokenriver.outputs import FinishReason, TokenLogprobs
 from tokenriver.params import is_plain_greedy
-from tokenriver.prompts import check_prompt_length
+from tokenriver.prompts import check_pooling_length, check_prompt_length
 from tokenriver.sched.output import (
     RequestStepResult,
     RequestUpdate,
@@ -166,7 +166,7 @@ class Scheduler:
         num_prompt_tokens = request.num_prompt_tokens
         check_prompt_length(num_prompt_tokens, self.max_model_len, is_pooling=request.is_pooling)
         if request.is_pooling:
-            self._check_pooling_fits(num_prompt_tokens)
+            check_pooling_length(num_prompt_tokens, self.max_num_batched_tokens, self._pool_num_tokens)
         if num_prompt_tokens > self._pool_num_tokens:
             raise ContextLengthError(
                 f"the prompt has {num_prompt_tokens} tokens but the KV cache holds only {self._pool_num_tokens} "
@@ -182,21 +182,6 @@ class Scheduler:
         self._ranks[request.request_id] = (request.priority, request.arrival_time, self._num_added)
         self._num_added += 1
         bisect.insort(self._waiting, request, key=self._rank)
-
-    def _check_pooling_fits(self, num_prompt_tokens: int) -> None:
-        """A pooling input runs in one step: it must fit one step's token budget (and the context:
-        check_prompt_length)."""
-        limit, name = min(
-            (self.max_num_batched_tokens, "max_num_batched_tokens"),
-            (self._pool_num_tokens, "the KV pool's tokens"),
-        )
-        if num_prompt_tokens > limit:
-            raise ContextLengthError(
-                f"the input has {num_prompt_tokens} tokens but one forward pass takes at most {limit} "
-                f"({name}), and an embedding or score is computed in one pass: shorten the input, or raise {name}",
-                num_tokens=num_prompt_tokens,
-                max_tokens=limit,
-            )
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and everything it holds; False if it is unknown or already finished."""

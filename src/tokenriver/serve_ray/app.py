@@ -50,8 +50,9 @@ def build_application(
         )
     if router not in ROUTERS:
         raise InvalidParameterError(f"router={router!r} is not one of {sorted(ROUTERS)}", param="router")
-    if engine_config.num_threads is None:
-        engine_config = dataclasses.replace(engine_config, num_threads=max(1, int(cpus_per_replica)))
+    if engine_config.parallel.num_threads is None:
+        parallel = dataclasses.replace(engine_config.parallel, num_threads=max(1, int(cpus_per_replica)))
+        engine_config = dataclasses.replace(engine_config, parallel=parallel)
     engines = serve.deployment(
         EngineReplica,
         name="TokenriverEngine",
@@ -83,7 +84,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     num_replicas = int(args.pop("num_replicas", 1))
     router = str(args.pop("router", "prefix"))
     cpus = float(args.pop("cpus_per_replica", 1.0))
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    fields = EngineConfig.flat_fields()
     unknown = sorted(set(args) - set(fields))
     if unknown:
         raise InvalidParameterError(
@@ -91,7 +92,9 @@ def app_builder(args: dict[str, Any]) -> Any:
             param=unknown[0],
         )
     engine_args = {name: _coerce(fields[name].type, value) for name, value in args.items()}
-    return build_application(EngineConfig(**engine_args), ServerConfig(), num_replicas, router, cpus_per_replica=cpus)
+    return build_application(
+        EngineConfig.from_flat(**engine_args), ServerConfig(), num_replicas, router, cpus_per_replica=cpus
+    )
 
 
 def _coerce(annotation: Any, value: Any) -> Any:

@@ -46,7 +46,7 @@ class Ingress:
 
     def __init__(self, engines: Any, engine_config: EngineConfig, max_attempts: int = 4) -> None:
         self.engines = engines
-        self.block_size = engine_config.block_size
+        self.block_size = engine_config.cache.block_size
         self.tokenizer = load_tokenizer(engine_config.model)
         self.max_attempts = max_attempts
         from ray import serve

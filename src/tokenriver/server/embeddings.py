@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenriver.engine.async_engine import AsyncEngine
 from tokenriver.engine.rerank import check_top_n, ranked, rerank_inputs
-from tokenriver.errors import ContextLengthError, InvalidParameterError
+from tokenriver.errors import InvalidParameterError
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import PoolingParams
-from tokenriver.prompts import check_prompt
+from tokenriver.prompts import check_pooling_length, check_prompt
 from tokenriver.server.embeddings_protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -130,18 +130,12 @@ class PoolingServing:
         )
 
     def _check_input(self, ids: list[int], where: str, param: str) -> None:
-        """The engine's own rules (prompts.check_prompt, the scheduler's one-pass limit), worded for this field."""
-        check_prompt(ids, self.info.vocab_size, self.info.max_model_len, where=where, param=param, is_pooling=True)
-        limit = self.info.max_num_batched_tokens
-        if len(ids) > limit:
-            raise ContextLengthError(
-                f"{where} has {len(ids)} tokens, but one forward pass of this server takes at most {limit} "
-                f"(max_num_batched_tokens) and an input is embedded in one pass; shorten it, or start the server "
-                f"with a larger --max-num-batched-tokens",
-                num_tokens=len(ids),
-                max_tokens=limit,
-                param=param,
-            )
+        """The engine's own rules (prompts.check_prompt, the one-pass limit the scheduler applies too), worded for
+        this field."""
+        info = self.info
+        check_prompt(ids, info.vocab_size, info.max_model_len, where=where, param=param, is_pooling=True)
+        num_pool_tokens = info.num_kv_blocks * info.block_size
+        check_pooling_length(len(ids), info.max_num_batched_tokens, num_pool_tokens, where=where, param=param)
 
     async def _pool_all(self, inputs: list[list[int]], params: PoolingParams) -> list[RequestOutput]:
         """Every input's output, in order; at most max_num_seqs of them queued at once (module docstring)."""
