@@ -157,17 +157,13 @@ class CacheConfig:
         metavar="SIZE",
         type=str,
     )
-    # KV pool size in tokens, used instead of kv_cache_memory; None = size the pool by memory.
     max_num_kv_tokens: int | None = option(
         None, "KV pool size in tokens, instead of --kv-cache-memory", metavar="TOKENS"
     )
-    # Tokens per KV block.
     block_size: int = option(16, "tokens per KV block", metavar="TOKENS")
-    # Reuse KV blocks of identical prompt prefixes.
     enable_prefix_caching: bool = option(
         True, "reuse the KV blocks of identical prompt prefixes", flag="prefix-caching"
     )
-    # Keep K/V between steps (False recomputes the whole sequence every step, to show what the cache saves).
     use_kv_cache: bool = option(
         True,
         "keep K/V between steps (--no-kv-cache recomputes everything each step, to show the cost)",
@@ -198,9 +194,7 @@ class CacheConfig:
 class SchedulerConfig:
     """What one step may hold (requests, tokens, passes) and how many requests may wait for it."""
 
-    # Cap on requests running at once.
     max_num_seqs: int = option(64, "most requests running at once", metavar="N")
-    # Cap on tokens computed in one step (prompt chunks plus decode tokens).
     max_num_batched_tokens: int = option(
         2048, "most tokens computed in one step (prompt chunks + decode tokens)", metavar="TOKENS"
     )
@@ -245,7 +239,6 @@ class SpeculativeConfig:
         "N layers), or a draft model path with the same tokenizer (default: off)",
         metavar="DRAFT",
     )
-    # Draft tokens proposed per request and step, all verified in one forward pass of the model.
     num_speculative_tokens: int = option(
         4, "draft tokens proposed per step and verified in one forward pass", metavar="N"
     )
@@ -279,7 +272,6 @@ class SpeculativeConfig:
 class ParallelConfig:
     """How the work is spread: CPU threads in a process, tensor-parallel ranks across processes and machines."""
 
-    # CPU threads for torch and the native kernels; None = the cores available (shared by the ranks on a machine).
     num_threads: int | None = option(None, "CPU threads (default: the cores available)", flag="threads", metavar="N")
     # Tensor parallelism: ranks (processes) the model's attention heads and MLP features are split across, one
     # all-reduce per attention block and per MLP block (distributed/); rank 0 schedules. 1 = one process.
@@ -296,7 +288,6 @@ class ParallelConfig:
         "host:port where tensor-parallel ranks meet; unset: a free local port, or env:// under torchrun",
         metavar="HOST:PORT",
     )
-    # Machines the ranks span, and which one this is (0 runs the engine, the others only their ranks).
     nnodes: int = option(1, "machines the tensor-parallel ranks span", metavar="N")
     node_rank: int = option(
         0, "this machine's index among --nnodes (0 runs the engine; others run only their ranks)", metavar="N"
@@ -326,15 +317,12 @@ class EngineConfig:
     """How the engine loads its model and shares the machine between requests: the model and its device here, the
     rest in parts (module docstring). Build it from flat names with from_flat."""
 
-    # GGUF file or Hugging Face model folder; None = the embedded default model.
     model: str | None = option(
         None,
         "GGUF file or Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct Q4_1)",
         metavar="PATH",
     )
-    # torch device string ("cpu", "cuda", ...).
     device: str = option("cpu", "torch device, e.g. cpu or cuda", metavar="DEVICE")
-    # Longest sequence (prompt + output); None = the model's context length.
     max_model_len: int | None = option(
         None, "longest sequence, prompt + output (default: the model's context length)", metavar="TOKENS"
     )
@@ -346,7 +334,6 @@ class EngineConfig:
         "for causal models and cls for encoders)",
         choices=("last", "mean", "cls"),
     )
-    # Seed of the engine's generator for requests without their own seed.
     seed: int = option(0, "seed for requests that have none", flag="engine-seed", metavar="N")
     # On a GPU, replay decode steps from recorded CUDA graphs (runner/cuda_graphs.py); off = every step launches
     # its kernels one by one from Python (vLLM's --enforce-eager). No effect on the CPU.
