@@ -159,20 +159,26 @@ class KQuantWeight:
 
 
 def _union_part(weight: KQuantWeight, layout: RecordLayout) -> dict[str, torch.Tensor | None]:
-    """One part's fields in the union's layout: codes re-centred on the union's centre where the part's are centred
-    and split into low bits and high words, scales and mins repeated to the union's groups, absent fields zero."""
+    """One part's fields in the union's layout: scales and mins repeated to the union's groups, absent fields zero,
+    and its codes as they are where the union's low bits and (for centred codes) centre are the part's, else
+    re-centred on the union's centre and split into low bits and high words."""
     num_rows, num_columns = weight.shape
     centred = weight.offsets != 0
-    codes = weight.codes() + centred.to(torch.int32)[:, None] * (layout.centre - weight.centre)
-    high = [(codes >> bit) & 1 for bit in range(layout.low_bits, layout.low_bits + layout.num_high)]
     fields = {
-        "qweight": _pack_low(codes & ((1 << layout.low_bits) - 1), layout.low_bits),
         "scales": weight.scales.repeat_interleave(weight.scale_group // layout.scale_group, dim=1),
         "d": weight.d,
         "offsets": centred.to(torch.uint8) * layout.centre,
-        "high1": _words(high[0]) if layout.num_high > 0 else None,
-        "high2": _words(high[1]) if layout.num_high > 1 else None,
     }
+    if weight.low_bits == layout.low_bits and (weight.centre == layout.centre or not bool(centred.any())):
+        zeros = torch.zeros(num_rows, num_columns // GGUF_BLOCK, dtype=torch.int32)
+        high = [weight.high1, weight.high2][: layout.num_high]
+        fields["qweight"] = weight.qweight
+        fields["high1"], fields["high2"] = ([zeros if h is None else h for h in high] + [None, None])[:2]
+    else:
+        codes = weight.codes() + centred.to(torch.int32)[:, None] * (layout.centre - weight.centre)
+        high = [_words((codes >> bit) & 1) for bit in range(layout.low_bits, layout.low_bits + layout.num_high)]
+        fields["qweight"] = _pack_low(codes & ((1 << layout.low_bits) - 1), layout.low_bits)
+        fields["high1"], fields["high2"] = (high + [None, None])[:2]
     if layout.has_mins and weight.mins is None:
         fields["mins"] = torch.zeros(num_rows, num_columns // layout.min_group, dtype=torch.uint8)
         fields["dmin"] = torch.zeros(num_rows, num_columns // SUPER_BLOCK, dtype=torch.float16)
