@@ -1,31 +1,65 @@
-"""What the visualizer's "inside the forward pass" costs: one inspection against one plain prefill.
+"""What the visualizer costs: one inspection against one forward pass of its context, and generation with the
+visualizer's per-step bookkeeping against generation without it.
 
-In one process, on the embedded model as `tokenriver serve` loads it, alternating the two each round: (a) one
-inspection of the last position of a 256-token context (engine/inspection.py: the readable modules, a KV cache of
-its own, the logit lens at every layer, attention weights recomputed per layer), and (b) one prefill of the same
-context through the engine (LLM.generate, max_tokens 1, prefix cache off so every round computes all 256 tokens).
-Prints a markdown table and writes benchmarks/results/inspection.md.
+In one process, on the embedded model as `tokenriver serve` loads it, round after round, alternating:
+(a) one inspection of the last position of a 256-token context (engine/inspection.py: every layer's logit lens,
+    attention weights and update norms) against one plain prefill of the same context through the engine
+    (LLM.generate, max_tokens 1, prefix cache off so that every round computes all 256 tokens); and the same
+    inspection with every layer on its module (modules_only: the definitions alone) against it too;
+(b) generation where nothing is inspected, with the engine's defaults: one request decoding 128 greedy tokens after
+    a short prompt (tokens/s from the engine's own timings), once as LLM() runs it (several greedy passes per step)
+    and once with one pass per step as the server runs it, and a batch of 8 such requests of 64 tokens (generated
+    tokens/s of the run). Each runs on an engine that keeps the pass log the visualizer reads
+    (EngineCore._log_pass: the only work a step does for the visualizer alone; inspection runs only when asked)
+    and on a second engine over the same weights whose _log_pass is stubbed out, in this process only.
+Each figure is the median over the rounds and each ratio the median of the rounds' own ratios (each pair ran back
+to back, so a drift of the machine's speed between rounds cancels out). Writes benchmarks/results/inspection.md and
+inspection.png.
 
-    python benchmarks/inspection.py [--rounds 7]
+    python benchmarks/inspection.py [--rounds 9]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from common import RESULTS, machine_line, markdown_table, prompt_ids
 from tokenriver import LLM, SamplingParams
 from tokenriver.engine.inspection import inspect_position
-from tokenriver.loader.load import default_model_path, load_model
+from tokenriver.engine.llm import OFFLINE_SCHEDULER_STEPS
+from tokenriver.loader.load import LoadedModel, default_model_path, load_model
 
 CONTEXT_TOKENS = 256
+DECODE_TOKENS = 128
+BATCH, BATCH_TOKENS = 8, 64
+PROMPT = "Write a long story about a lighthouse."
+
+LABELS = {
+    "inspection": "(a) inspection of the last position / plain prefill of the context",
+    "on modules": "(a) the same inspection with every layer on its module (modules_only) / plain prefill",
+    "decode": f"(b) decode, 1 request x {DECODE_TOKENS} tokens, LLM()'s {OFFLINE_SCHEDULER_STEPS} passes a step: "
+    "pass log on / stubbed out",
+    "decode, one pass a step": f"(b) decode, 1 request x {DECODE_TOKENS} tokens, one pass a step (the server's): "
+    "pass log on / stubbed out",
+    "batch": f"(b) batch, {BATCH} requests x {BATCH_TOKENS} tokens, LLM()'s defaults: pass log on / stubbed out",
+}
+NOTES = """(a) computes what a prefill of the context computes (every layer over all 256 tokens: the position attends
+to every token's keys at every layer), on the same native kernels, one call per layer so that the position's
+residual stream is read between layers, with a float32 KV cache of its own where the engine's pool is int8 (the
+inspection's numbers stay what the readable modules give, bit for bit). On top of that pass come the taps: every
+layer's query and attention weights at the position, its final-normed stream, and the output layer on all the
+layers' streams (the logit lens) where a prefill computes one row of logits. The row with every layer on its module
+(modules_only) runs the same inspection on the definitions alone."""
 
 
-def time_inspection(loaded, ids: list[int]) -> float:
+def time_inspection(loaded: LoadedModel, ids: list[int], modules_only: bool = False) -> float:
     started = time.perf_counter()
-    inspect_position(loaded, ids, len(ids) - 1, top_k=5)
+    inspect_position(loaded, ids, len(ids) - 1, top_k=5, modules_only=modules_only)
     return time.perf_counter() - started
 
 
@@ -35,41 +69,107 @@ def time_prefill(llm: LLM, ids: list[int]) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=7)
+def decode_rate(llm: LLM, chat: str) -> float:
+    """One request's decode tokens/s, from the engine's own timings (its prefill left out)."""
+    greedy = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+    (output,) = llm.generate([chat], greedy, use_tqdm=False)
+    return 1 / output.metrics.time_per_output_token(len(output.outputs[0].token_ids))
+
+
+def batch_rate(llm: LLM, chats: list[str]) -> float:
+    """Generated tokens/s of a whole batch run, prefills included."""
+    greedy = SamplingParams(max_tokens=BATCH_TOKENS, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    llm.generate(chats, greedy, use_tqdm=False)
+    return len(chats) * BATCH_TOKENS / (time.perf_counter() - started)
+
+
+def engines(loaded: LoadedModel, **options: object) -> tuple[LLM, LLM]:
+    """(with the pass log, without it): two engines over the same weights; the second's step skips the log."""
+    logged = LLM.from_loaded(loaded, **options)
+    unlogged = LLM.from_loaded(loaded, **options)
+    unlogged.engine._log_pass = lambda *args: None
+    return logged, unlogged
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     loaded = load_model(default_model_path(), int8_activations=None)
-    llm = LLM.from_loaded(loaded, enable_prefix_caching=False)
-    ids = prompt_ids(llm.get_tokenizer(), CONTEXT_TOKENS)
-    # One warm-up each: first-call setup is not what is measured.
-    time_inspection(loaded, ids)
-    time_prefill(llm, ids)
-    inspections, prefills = [], []
+    prefill_llm = LLM.from_loaded(loaded, enable_prefix_caching=False)
+    tokenizer = prefill_llm.get_tokenizer()
+    ids = prompt_ids(tokenizer, CONTEXT_TOKENS)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": f"{PROMPT} Part {i}."}]) for i in range(BATCH)]
+    offline = engines(loaded, num_scheduler_steps=OFFLINE_SCHEDULER_STEPS)
+    per_pass = engines(loaded)
+    measures: dict[str, tuple[Callable[[], float], Callable[[], float]]] = {
+        "inspection": (lambda: time_inspection(loaded, ids), lambda: time_prefill(prefill_llm, ids)),
+        "on modules": (lambda: time_inspection(loaded, ids, True), lambda: time_prefill(prefill_llm, ids)),
+        "decode": (lambda: decode_rate(offline[0], chat), lambda: decode_rate(offline[1], chat)),
+        "decode, one pass a step": (lambda: decode_rate(per_pass[0], chat), lambda: decode_rate(per_pass[1], chat)),
+        "batch": (lambda: batch_rate(offline[0], chats), lambda: batch_rate(offline[1], chats)),
+    }
+    for first, second in measures.values():  # one warm-up each: first-call setup is not what is measured
+        first(), second()
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in measures}
     for _ in range(args.rounds):
-        inspections.append(time_inspection(loaded, ids))
-        prefills.append(time_prefill(llm, ids))
-    inspection, prefill = statistics.median(inspections), statistics.median(prefills)
-    rows = [
-        ["(a) inspection of the last position", f"{inspection * 1000:.1f}", _range(inspections)],
-        ["(b) plain prefill through the engine", f"{prefill * 1000:.1f}", _range(prefills)],
-        ["ratio (a) / (b)", f"{inspection / prefill:.2f}", ""],
-    ]
-    table = markdown_table(["measure", "median (ms)", "range (ms)"], rows)
+        for name, (first, second) in measures.items():
+            runs[name].append((first(), second()))
+        print({name: pairs[-1] for name, pairs in runs.items()}, file=sys.stderr)
+    write_results(runs, args.rounds)
+    return 0
+
+
+def write_results(runs: dict[str, list[tuple[float, float]]], rounds: int) -> None:
+    """The table and the plot, from each measure's (first, second) pairs, one per round."""
+    ratios = {name: [a / b for a, b in pairs] for name, pairs in runs.items()}
+    rows = []
+    for name, label in LABELS.items():
+        first, second = zip(*runs[name])
+        if name in ("inspection", "on modules"):
+            figures = [f"{statistics.median(first) * 1000:.1f} ms", f"{statistics.median(second) * 1000:.1f} ms"]
+        else:
+            figures = [f"{statistics.median(first):.1f} tokens/s", f"{statistics.median(second):.1f} tokens/s"]
+        rows.append([label, *figures, f"{statistics.median(ratios[name]):.2f}"])
+    table = markdown_table(["measure", "first", "second", "ratio (median of rounds)"], rows)
     text = (
-        "# Inspection vs prefill\n\n"
-        f"{machine_line()}\n\n"
-        f"A {CONTEXT_TOKENS}-token context on the embedded model as `tokenriver serve` loads it, {args.rounds} rounds, "
-        "(a) and (b) alternating after one warm-up each. `python benchmarks/inspection.py`.\n\n"
-        f"{table}\n"
+        "# Inspection vs one forward pass; generation with and without the visualizer's bookkeeping\n\n"
+        f"`python benchmarks/inspection.py --rounds {rounds}`\n\n{machine_line()}\n\n"
+        f"The embedded model as `tokenriver serve` loads it, {rounds} rounds after one warm-up each, the two sides of "
+        "each row alternating. (a): a 256-token context. (b): nothing inspected; the second engine differs only in "
+        f"its step skipping the pass log.\n\n![rounds](inspection.png)\n\n{table}\n\n{NOTES}\n"
     )
-    print(text)
     (RESULTS / "inspection.md").write_text(text)
+    plot(ratios, RESULTS / "inspection.png")
+    print(text)
 
 
-def _range(seconds: list[float]) -> str:
-    return f"{min(seconds) * 1000:.1f}-{max(seconds) * 1000:.1f}"
+def plot(ratios: dict[str, list[float]], path: Path) -> None:
+    """Each round's ratio per row, with its median and the line at 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [
+        "(a) inspection /\nprefill",
+        "(a) on modules /\nprefill",
+        "(b) decode,\nLLM()",
+        "(b) decode,\none pass a step",
+        "(b) batch of 8",
+    ]
+    figure, axis = plt.subplots(figsize=(8, 3.8))
+    for position, values in enumerate(ratios.values()):
+        axis.scatter([position] * len(values), values, color="#3b75af", alpha=0.6)
+        axis.hlines(statistics.median(values), position - 0.2, position + 0.2, color="black")
+    axis.axhline(1.0, color="#c0392b", linestyle="--", linewidth=1)
+    axis.set_xticks(range(len(ratios)), labels)
+    axis.set_ylabel("ratio (first / second)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,6 +5,10 @@ float32 without quantization: the last layer's logit lens is the model's next-to
 each layer's lens and attention weights are transformers' (`output_hidden_states`, `output_attentions`, eager
 attention), attention rows sum to one and put no weight outside a window. Bad requests are refused, over HTTP with
 a 400 in OpenAI's shape.
+
+The same folders quantized, with Phi-3 (a window, partial rotary) and a Qwen3 mixture of experts beside them, run
+their layers on the native decoder: the view must be the modules' bit for bit, with int8 and float32 activations,
+for contexts on both sides of the GEMV/GEMM switch and longer than the windows.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import pytest
 import torch
 
 from tokenriver.config import EngineConfig
+from tokenriver.engine import inspection
 from tokenriver.engine.async_engine import AsyncEngine
 from tokenriver.engine.inspection import MAX_INSPECT_TOKENS, inspect_position
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.load import LoadedModel
+from tokenriver.models.cpu.kernels import load_kernels
+from tokenriver.models.quant import QuantizedLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 from arch_reference import load_folder, random_ids, run_one, widen  # noqa: E402
@@ -46,6 +53,15 @@ def tiny_reference(kind: str):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZES, tie_word_embeddings=True))
+    elif kind == "phi3":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+        # Phi-3's head size is hidden / heads: 32, as the others', a size the native attention is compiled for.
+        sizes = {k: v for k, v in SIZES.items() if k != "head_dim"} | {"hidden_size": 128}
+        config = transformers.Phi3Config(**sizes, rope_parameters=rope, sliding_window=12, pad_token_id=0)
+        model = transformers.Phi3ForCausalLM(config)
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**SIZES, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        model = transformers.Qwen3MoeForCausalLM(config)
     else:
         from test_gemma_reference import tiny_gemma
 
@@ -179,3 +195,77 @@ def test_the_route_inspects_and_refuses_with_a_400(loaded_float32):
         assert client.post("/v1/visualizer/inspect", json={"token_ids": ids}).status_code == 400
     finally:
         engine.shutdown()
+
+
+def as_view_tensors(view: dict) -> dict[str, torch.Tensor]:
+    """Every number of a view, as tensors to compare with torch.equal (float64 holds a float's bits exactly)."""
+    layers = view["layers"]
+    lens = [[(entry["token_id"], entry["prob"]) for entry in layer["logit_lens"]] for layer in layers]
+    return {
+        "token_ids": torch.tensor(view["token_ids"]),
+        "lens": torch.tensor(lens, dtype=torch.float64),
+        "weights": torch.tensor([layer["attention"]["weights"] for layer in layers], dtype=torch.float64),
+        "mean": torch.tensor([layer["attention"]["mean"] for layer in layers], dtype=torch.float64),
+        "windows": torch.tensor([layer["attention"]["window"] for layer in layers]),
+        "norms": torch.tensor(
+            [(layer["attention_update_norm"], layer["mlp_update_norm"]) for layer in layers], dtype=torch.float64
+        ),
+    }
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("llama", "int4", True),
+        ("qwen3", "int8", False),
+        ("gemma2", "int8", True),
+        ("gemma3", "int4", True),
+        ("gemma3", "int8", False),
+        ("phi3", "int8", True),
+        ("qwen3_moe", "int8", True),
+    ],
+    ids=lambda param: "-".join(str(part) for part in param),
+)
+def quantized(request, tmp_path_factory, loaded_float32):
+    """A tiny model of each kind with its projections quantized as named, activations rounded to int8 or not."""
+    kind, quantization, int8_activations = request.param
+    reference = tiny_reference(kind)
+    folder = tmp_path_factory.mktemp(f"{kind}-{quantization}")
+    reference.save_pretrained(folder, safe_serialization=True)
+    model = load_folder(str(folder), quantization)
+    for layer in model.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.set_int8_activations(int8_activations)
+    return as_loaded(model, loaded_float32.tokenizer, str(folder))
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="the native decoder needs its kernels (x86-64 AVX2, a compiler)")
+@pytest.mark.parametrize(("length", "position"), [(70, 69), (70, 40), (6, 5), (30, 0)])
+def test_native_layers_give_the_modules_view_bit_for_bit(quantized, monkeypatch, length, position):
+    chosen, choose = [], inspection.native_layers
+
+    def spy(*args):
+        chosen.append(choose(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(inspection, "native_layers", spy)
+    ids = random_ids(length, 256, seed=length + position)
+    native = inspect_position(quantized, ids, position, top_k=4)
+    assert len(chosen) == 1 and all(decoder is not None for decoder in chosen[0]), "every layer runs natively"
+    on_modules = inspect_position(quantized, ids, position, top_k=4, modules_only=True)
+    assert len(chosen) == 1, "modules_only runs no layer natively"
+    assert native["tokens"] == on_modules["tokens"]
+    got, want = as_view_tensors(native), as_view_tensors(on_modules)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="the native decoder needs its kernels (x86-64 AVX2, a compiler)")
+def test_layers_are_bound_once_and_again_when_their_weights_move(quantized):
+    layers = quantized.model.model.layers
+    first = inspection.bind_layers(layers)
+    assert inspection.bind_layers(layers) is first
+    norm = layers[0].input_layernorm.weight
+    norm.data = norm.data.clone()  # the same values elsewhere: a decoder bound before reads the old tensor
+    again = inspection.bind_layers(layers)
+    assert again is not first and all(decoder is not None for decoder in again)

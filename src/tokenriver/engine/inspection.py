@@ -1,10 +1,17 @@
 """Inspection: one position of one context, layer by layer, for the visualizer's "inside the forward pass".
 
 The contract:
-- It runs on the definition path: the model's own modules (`embed`, each decoder layer, `final_norm`,
-  `compute_logits`) over a fresh KV cache of its own, never the runner's native stack and never the engine's cache,
-  so the result depends on the context alone. Packed weights compute through their modules as the engine's
-  definition path does.
+- It runs the model's own parts (`embed`, each decoder layer, `final_norm`, `compute_logits`) over a fresh KV cache
+  of its own in the compute dtype, never the engine's cache, so the result depends on the context alone.
+- Each decoder layer runs over the whole context in one call, as a plain forward pass runs it, and the position's
+  row of the residual stream is read off between two layers. On the CPU a layer runs on the native decoder bound to
+  it alone (models/cpu/decoder.py: the kernels of the engine's own prefill, equal to the module bit for bit); it
+  falls back to the layer's module, the definition, wherever that does not apply: another device (a GPU's forward
+  pass is the modules, on its own kernels), a layer with a part the native decoder has no kernel for (float
+  weights, a bfloat16 model), a step or cache it does not take. Either way the view is the modules' over the whole
+  context, bit for bit (tests/engine/test_inspection.py). The position is not run alone after its prefix: a row's
+  bits can depend on how many rows share a product (the GEMV/GEMM switch of float32 activations), so its row comes
+  from the same products as the whole context's.
 - Only the context up to and including `position` is run: what comes after it cannot change that position.
 - Per layer it returns
   (a) the logit lens: the top-k of softmax(compute_logits(final_norm(residual stream after this layer))) at the
@@ -13,12 +20,15 @@ The contract:
       caps scores, zero outside a sliding window), from the query the layer computes and the keys it stored in
       the cache; None with a reason for an attention module this file does not know;
   (c) the L2 norms of the residual stream's update by attention and by the MLP at the position.
-- Bounded cost: one forward pass over at most MAX_INSPECT_TOKENS tokens, and one product of the output layer for all
-  the layers' lenses together; longer contexts are refused.
+- Bounded cost: one forward pass over at most MAX_INSPECT_TOKENS tokens, one product of the output layer for all
+  the layers' lenses together and, per layer, the position's query and attention weights; longer contexts are
+  refused. benchmarks/inspection.py measures it against the engine's own prefill of the context.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +37,8 @@ from tokenriver.errors import InvalidParameterError
 from tokenriver.kv.cache import KVCache, decode_entries
 from tokenriver.loader.load import LoadedModel
 from tokenriver.models.attention_metadata import AttentionMetadata
+from tokenriver.models.config import ModelConfig
+from tokenriver.models.cpu.decoder import NativeDecoder
 from tokenriver.models.gemma import GemmaAttention, GemmaDecoderLayer
 from tokenriver.models.layers import apply_rotary
 from tokenriver.models.llama import LlamaAttention
@@ -66,39 +78,18 @@ def check_request(token_ids: list[int], position: int, top_k: int, vocab_size: i
 
 
 @torch.inference_mode()
-def inspect_position(loaded: LoadedModel, token_ids: list[int], position: int, top_k: int = 5) -> dict[str, Any]:
-    """The per-layer view of `position` in the context `token_ids` (module docstring: what each field means)."""
+def inspect_position(
+    loaded: LoadedModel, token_ids: list[int], position: int, top_k: int = 5, *, modules_only: bool = False
+) -> dict[str, Any]:
+    """The per-layer view of `position` in the context `token_ids` (module docstring: what each field means).
+
+    modules_only: run every layer through its module, the definition the native layers stand in for (the view is
+    the same bit for bit), where by default a layer runs natively wherever it can."""
     model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
     check_request(token_ids, position, top_k, config.vocab_size)
-    stack = model.model
-    device = next(model.parameters()).device
     context = token_ids[: position + 1]
-    num_tokens = len(context)
-    num_blocks = -(-num_tokens // BLOCK_SIZE)
-    ids = torch.tensor(context, dtype=torch.int64, device=device)
-    hidden, rope = stack.embed(ids, torch.arange(num_tokens, device=device))  # [T, hidden]
-    cache = KVCache(
-        config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, hidden.dtype, device
-    )
-    metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(num_blocks))], BLOCK_SIZE, device)
-    residual = None
-    streams_out, attentions, update_norms = [], [], []
-    for layer in stack.layers:
-        # The residual stream entering the layer at the position, x: [hidden] (the previous layer's output not yet
-        # added); the other positions' streams are the layer's business only.
-        stream_in = hidden[position].clone() if residual is None else residual[position] + hidden[position]
-        layer_rope = rope_of(layer, rope)
-        hidden, residual = layer(layer_rope, hidden, residual, cache, metadata)
-        # The layer left residual = x + attention update; it returns the MLP update as `hidden`.
-        attention_update = residual[position] - stream_in  # [hidden]
-        mlp_update = hidden[position]  # [hidden]
-        # The stream after the layer, final-normed: the lens's input. The norm adds in place, so it gets copies.
-        streams_out.append(
-            stack.final_norm(hidden[position : position + 1].clone(), residual[position : position + 1].clone())
-        )
-        attentions.append(attention_of(layer, stream_in, layer_rope, cache, position))
-        update_norms.append((float(attention_update.float().norm()), float(mlp_update.float().norm())))
-    lenses = logit_lens(model, torch.cat(streams_out), top_k, tokenizer)
+    taps = run_layers(model, context, position, modules_only)
+    lenses = logit_lens(model, torch.cat(taps.normed_streams), top_k, tokenizer)
     layers = [
         {
             "logit_lens": lens,
@@ -106,7 +97,7 @@ def inspect_position(loaded: LoadedModel, token_ids: list[int], position: int, t
             "attention_update_norm": attention_norm,
             "mlp_update_norm": mlp_norm,
         }
-        for lens, attention, (attention_norm, mlp_norm) in zip(lenses, attentions, update_norms)
+        for lens, attention, (attention_norm, mlp_norm) in zip(lenses, taps.attentions, taps.update_norms)
     ]
     return {
         "token_ids": context,
@@ -115,6 +106,129 @@ def inspect_position(loaded: LoadedModel, token_ids: list[int], position: int, t
         "num_layers": len(layers),
         "layers": layers,
     }
+
+
+@dataclass
+class LayerTaps:
+    """What the layers left at the position, one entry per layer in order."""
+
+    # The residual stream after the layer, final-normed: [1, hidden] each, the logit lens's input.
+    normed_streams: list[torch.Tensor]
+    # attention_of's view of the layer.
+    attentions: list[dict[str, Any]]
+    # L2 norms of the attention's and the MLP's updates to the stream.
+    update_norms: list[tuple[float, float]]
+
+
+def run_layers(model: torch.nn.Module, context: list[int], position: int, modules_only: bool) -> LayerTaps:
+    """The context through every decoder layer, each over all its tokens at once (module docstring), tapping the
+    position's row between layers."""
+    stack = model.model
+    device = next(model.parameters()).device
+    num_tokens = len(context)
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    ids = torch.tensor(context, dtype=torch.int64, device=device)
+    hidden, rope = stack.embed(ids, torch.arange(num_tokens, device=device))  # [T, hidden]
+    cache = ContextCache.allocate(model.config, num_blocks, hidden.dtype, device)
+    metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(num_blocks))], BLOCK_SIZE, device)
+    # Per layer, its pools seen as a cache of that layer alone, what a native decoder bound to the layer reads.
+    caches = [cache.of_layer(layer.self_attn.layer_idx) for layer in stack.layers]
+    natives = [None] * len(caches) if modules_only else native_layers(stack.layers, hidden, rope, caches, metadata)
+    residual = None
+    taps = LayerTaps([], [], [])
+    for layer, native, layer_cache in zip(stack.layers, natives, caches):
+        # The residual stream entering the layer at the position, x: [hidden] (the previous layer's output not yet
+        # added); the other positions' streams are the layer's business only.
+        stream_in = hidden[position].clone() if residual is None else residual[position] + hidden[position]
+        layer_rope = rope_of(layer, rope)
+        if native is None:
+            hidden, residual = layer(layer_rope, hidden, residual, cache, metadata)
+        else:
+            # The native layer takes the stream whole: x = residual + hidden, the sum the module's input norm forms
+            # (both add in float32, row by row), made in the residual's buffer: the last layer's taps copied theirs.
+            stream = hidden if residual is None else residual.add_(hidden)  # [T, hidden]
+            hidden, residual = native(stream, rope, layer_cache, metadata)
+        # The layer left residual = x + attention update; it returns the MLP update as `hidden`.
+        attention_update = residual[position] - stream_in  # [hidden]
+        mlp_update = hidden[position]  # [hidden]
+        # The stream after the layer, final-normed: the lens's input. The norm adds in place, so it gets copies.
+        taps.normed_streams.append(
+            stack.final_norm(hidden[position : position + 1].clone(), residual[position : position + 1].clone())
+        )
+        taps.attentions.append(attention_of(layer, stream_in, layer_rope, cache, position))
+        taps.update_norms.append((float(attention_update.float().norm()), float(mlp_update.float().norm())))
+    return taps
+
+
+class ContextCache(KVCache):
+    """The KV pools of one inspection: plain tensors from the allocator, where a KVCache maps fresh pages that fault
+    one by one on first touch (an engine allocates its pool once; an inspection allocates one per call, and the
+    faults would cost more than its taps). `of_layer` sees one layer's pools as a cache of that layer alone."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int, block_size: int) -> None:
+        # Not KVCache.__init__, which allocates: these pools exist.
+        self.num_blocks, self.block_size, self.padding_slot = num_blocks, block_size, None
+        self.layers = layers
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, num_blocks: int, dtype: torch.dtype, device: torch.device) -> ContextCache:
+        """Zeroed pools for every layer: a slot past the context in its last block is read (masked) by attention,
+        and garbage times a zero weight could be NaN."""
+        shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        pools = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)
+        ]  # (keys, values) per layer, [num_blocks, block_size, num_kv_heads, head_dim] each
+        return cls(pools, num_blocks, BLOCK_SIZE)
+
+    def of_layer(self, layer_idx: int) -> ContextCache:
+        """Layer `layer_idx`'s pools as a cache of one layer: what a native decoder bound to that layer reads."""
+        return ContextCache([self.layers[layer_idx]], self.num_blocks, self.block_size)
+
+
+@dataclass(frozen=True)
+class _LayerBindings:
+    """Native decoders bound to a stack's layers one by one, and where the layers' tensors were when bound."""
+
+    addresses: tuple[int, ...]
+    # Per layer, its decoder, or None where some part of it has no native kernel.
+    natives: list[NativeDecoder | None]
+
+
+# Per decoder stack, its layers' native decoders. Binding checks every weight of a layer in Python, which costs more
+# than all the taps of an inspection, so a stack is bound once, as the runner's NativeStack binds its own, and again
+# when its weights move. Keyed by the layer list, held weakly: the decoders hold the layers and their tensors, never
+# the list, so a model that is dropped takes its entry with it.
+_BINDINGS: weakref.WeakKeyDictionary[torch.nn.ModuleList, _LayerBindings] = weakref.WeakKeyDictionary()
+
+
+def bind_layers(layers: torch.nn.ModuleList) -> list[NativeDecoder | None]:
+    """Per layer, the native decoder bound to that layer alone, or None where the decoder has no kernel for some
+    part of it (the module runs it then)."""
+    addresses = tuple(tensor.data_ptr() for tensor in (*layers.parameters(), *layers.buffers()))
+    bound = _BINDINGS.get(layers)
+    if bound is None or bound.addresses != addresses:
+        natives = [NativeDecoder.build(torch.nn.ModuleList([layer])) for layer in layers]
+        bound = _LayerBindings(addresses, natives)
+        _BINDINGS[layers] = bound
+    return bound.natives
+
+
+def native_layers(
+    layers: torch.nn.ModuleList,
+    hidden: torch.Tensor,
+    rope: Any,
+    caches: list[ContextCache],
+    metadata: AttentionMetadata,
+) -> list[NativeDecoder | None]:
+    """Per layer, its native decoder where that runs this step over the layer's cache, else None (the module runs
+    it): off the CPU, a layer with a part the decoder has no kernel for, a step or a cache it does not take."""
+    if not hidden.is_cpu:
+        return [None] * len(layers)
+    return [
+        native if native is not None and native.supports(hidden, rope, cache, metadata) else None
+        for native, cache in zip(bind_layers(layers), caches)
+    ]
 
 
 def rope_of(layer: torch.nn.Module, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
