@@ -5,7 +5,9 @@ In one process, on the embedded model as `tokenriver serve` loads it, round afte
 (a) one inspection of the last position of a 256-token context (engine/inspection.py: every layer's logit lens,
     attention weights and update norms) against one plain prefill of the same context through the engine
     (LLM.generate, max_tokens 1, prefix cache off so that every round computes all 256 tokens); and the same
-    inspection with every layer on its module (modules_only: the definitions alone) against it too;
+    inspection with every layer on its module (modules_only: the definitions alone) against it too; and the
+    inspection against one forward pass of the context on the readable modules (the model's forward over a fresh
+    cache, then the last row's logits: the path the inspection's definition is);
 (b) generation where nothing is inspected, with the engine's defaults: one request decoding 128 greedy tokens after
     a short prompt (tokens/s from the engine's own timings), once as LLM() runs it (several greedy passes per step)
     and once with one pass per step as the server runs it, and a batch of 8 such requests of 64 tokens (generated
@@ -28,11 +30,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from common import RESULTS, machine_line, markdown_table, prompt_ids
 from tokenriver import LLM, SamplingParams
-from tokenriver.engine.inspection import inspect_position
+from tokenriver.engine.inspection import BLOCK_SIZE, ContextCache, inspect_position
 from tokenriver.engine.llm import OFFLINE_SCHEDULER_STEPS
 from tokenriver.loader.load import LoadedModel, default_model_path, load_model
+from tokenriver.models.attention_metadata import AttentionMetadata
 
 CONTEXT_TOKENS = 256
 DECODE_TOKENS = 128
@@ -42,6 +47,7 @@ PROMPT = "Write a long story about a lighthouse."
 LABELS = {
     "inspection": "(a) inspection of the last position / plain prefill of the context",
     "on modules": "(a) the same inspection with every layer on its module (modules_only) / plain prefill",
+    "module pass": "(a) inspection / one forward pass of the context on the readable modules",
     "decode": f"(b) decode, 1 request x {DECODE_TOKENS} tokens, LLM()'s {OFFLINE_SCHEDULER_STEPS} passes a step: "
     "pass log on / stubbed out",
     "decode, one pass a step": f"(b) decode, 1 request x {DECODE_TOKENS} tokens, one pass a step (the server's): "
@@ -54,12 +60,25 @@ residual stream is read between layers, with a float32 KV cache of its own where
 inspection's numbers stay what the readable modules give, bit for bit). On top of that pass come the taps: every
 layer's query and attention weights at the position, its final-normed stream, and the output layer on all the
 layers' streams (the logit lens) where a prefill computes one row of logits. The row with every layer on its module
-(modules_only) runs the same inspection on the definitions alone."""
+(modules_only) runs the same inspection on the definitions alone. The last row of (a) sets the inspection against
+one forward pass of the context through the readable modules, the path the inspection's numbers are defined by."""
 
 
 def time_inspection(loaded: LoadedModel, ids: list[int], modules_only: bool = False) -> float:
     started = time.perf_counter()
     inspect_position(loaded, ids, len(ids) - 1, top_k=5, modules_only=modules_only)
+    return time.perf_counter() - started
+
+
+@torch.inference_mode()
+def time_module_pass(loaded: LoadedModel, ids: list[int]) -> float:
+    """One forward pass of the context through the model's modules over a fresh cache, and the last row's logits."""
+    started = time.perf_counter()
+    num_blocks = -(-len(ids) // BLOCK_SIZE)
+    cache = ContextCache.allocate(loaded.model.config, num_blocks, torch.float32, torch.device("cpu"))
+    metadata = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(num_blocks))], BLOCK_SIZE, "cpu")
+    hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, metadata)
+    loaded.model.compute_logits(hidden[-1:])
     return time.perf_counter() - started
 
 
@@ -107,6 +126,7 @@ def main() -> int:
     measures: dict[str, tuple[Callable[[], float], Callable[[], float]]] = {
         "inspection": (lambda: time_inspection(loaded, ids), lambda: time_prefill(prefill_llm, ids)),
         "on modules": (lambda: time_inspection(loaded, ids, True), lambda: time_prefill(prefill_llm, ids)),
+        "module pass": (lambda: time_inspection(loaded, ids), lambda: time_module_pass(loaded, ids)),
         "decode": (lambda: decode_rate(offline[0], chat), lambda: decode_rate(offline[1], chat)),
         "decode, one pass a step": (lambda: decode_rate(per_pass[0], chat), lambda: decode_rate(per_pass[1], chat)),
         "batch": (lambda: batch_rate(offline[0], chats), lambda: batch_rate(offline[1], chats)),
@@ -128,7 +148,7 @@ def write_results(runs: dict[str, list[tuple[float, float]]], rounds: int) -> No
     rows = []
     for name, label in LABELS.items():
         first, second = zip(*runs[name])
-        if name in ("inspection", "on modules"):
+        if name in ("inspection", "on modules", "module pass"):
             figures = [f"{statistics.median(first) * 1000:.1f} ms", f"{statistics.median(second) * 1000:.1f} ms"]
         else:
             figures = [f"{statistics.median(first):.1f} tokens/s", f"{statistics.median(second):.1f} tokens/s"]
@@ -156,6 +176,7 @@ def plot(ratios: dict[str, list[float]], path: Path) -> None:
     labels = [
         "(a) inspection /\nprefill",
         "(a) on modules /\nprefill",
+        "(a) inspection /\nmodule pass",
         "(b) decode,\nLLM()",
         "(b) decode,\none pass a step",
         "(b) batch of 8",
