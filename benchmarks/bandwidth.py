@@ -112,6 +112,8 @@ def files_for(names: list[str], models_dir: Path) -> dict[str, str]:
     makers = {
         "embedded": embedded_model_path,
         "large": lambda: large_file(models_dir),
+        "large-Q3_K_M": lambda: large_file(models_dir, "Q3_K_M"),
+        "large-Q2_K": lambda: large_file(models_dir, "Q2_K"),
         "qwen": lambda: qwen_file(models_dir),
         "qwen1.5b": lambda: qwen_1_5b_file(models_dir),
     }
@@ -169,7 +171,7 @@ def report(files: dict[str, str], runs: dict, bandwidths: list[float], threads: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="embedded,Q4_K_M,large,qwen,qwen1.5b,gemma3")
+    parser.add_argument("--models", default="embedded,Q4_K_M,large,large-Q3_K_M,large-Q2_K,qwen,qwen1.5b,gemma3")
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
