@@ -81,9 +81,9 @@ def _pack_low(values: torch.Tensor, low_bits: int) -> torch.Tensor:
 
 def _words(bits: torch.Tensor) -> torch.Tensor:
     """Bits [N, K] (0 or 1) → int32 words [N, K // 32], bit j of a word its run's column j."""
-    weights = 1 << torch.arange(GGUF_BLOCK, dtype=torch.int64, device=bits.device)
-    runs = bits.to(torch.int64).reshape(bits.shape[0], -1, GGUF_BLOCK)
-    return (runs * weights).sum(dim=-1).to(torch.int32)
+    shifts = torch.arange(GGUF_BLOCK, dtype=torch.int32, device=bits.device)
+    runs = bits.to(torch.int32).reshape(bits.shape[0], -1, GGUF_BLOCK) << shifts
+    return runs.sum(dim=-1, dtype=torch.int32)  # distinct bits: the sum ORs (bit 31 wraps into the sign)
 
 
 @dataclass(frozen=True)
@@ -121,17 +121,17 @@ class KQuantWeight:
         return {name: getattr(self, name) for name in names}
 
     def codes(self) -> torch.Tensor:
-        """The codes q [N, K] int32, 0 .. 2^(low_bits + num_high) - 1."""
-        codes = _unpack_low(self.qweight, self.low_bits).to(torch.int32)
+        """The codes q [N, K] uint8, 0 .. 2^(low_bits + num_high) - 1."""
+        codes = _unpack_low(self.qweight, self.low_bits)
         for position, bits in enumerate((self.high1, self.high2)):
             if bits is not None:
-                codes = codes + (unpack_high_bits(bits).to(torch.int32) << (self.low_bits + position))
+                codes = codes | (unpack_high_bits(bits) << (self.low_bits + position))
         return codes
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K]: gguf's dequantization of the file's blocks, bit for bit."""
         num_rows, num_columns = self.shape
-        centred = (self.codes() - self.offsets.to(torch.int32)[:, None]).float()  # [N, K]
+        centred = (self.codes().to(torch.int32) - self.offsets.to(torch.int32)[:, None]).float()  # [N, K]
         per_super = SUPER_BLOCK // self.scale_group
         scale = self.d.float().repeat_interleave(per_super, dim=1) * self.scales.float()  # [N, K // G]: exact
         weight = scale[:, :, None] * centred.reshape(num_rows, -1, self.scale_group)  # [N, K // G, G]: exact
@@ -175,7 +175,7 @@ def _union_part(weight: KQuantWeight, layout: RecordLayout) -> dict[str, torch.T
         fields["qweight"] = weight.qweight
         fields["high1"], fields["high2"] = ([zeros if h is None else h for h in high] + [None, None])[:2]
     else:
-        codes = weight.codes() + centred.to(torch.int32)[:, None] * (layout.centre - weight.centre)
+        codes = weight.codes() + centred.to(torch.uint8)[:, None] * (layout.centre - weight.centre)  # <= 63
         high = [_words((codes >> bit) & 1) for bit in range(layout.low_bits, layout.low_bits + layout.num_high)]
         fields["qweight"] = _pack_low(codes & ((1 << layout.low_bits) - 1), layout.low_bits)
         fields["high1"], fields["high2"] = (high + [None, None])[:2]
