@@ -14,7 +14,9 @@ same, and that is what the exactness checks exercise.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import gguf
 import numpy as np
@@ -107,7 +109,13 @@ def write_mix(model_files, ftype: str, target: Path) -> Path:
     )
 
 
-def _reencode(model_files, source: str, file_type: int, tensor_type, target: Path) -> Path:  # noqa: ANN001
+def _reencode(
+    model_files: ModuleType,
+    source: str,
+    file_type: int,
+    tensor_type: Callable[[str], gguf.GGMLQuantizationType],
+    target: Path,
+) -> Path:
     """Every tensor of `source`, dequantized, re-encoded as tensor_type(name) says (1-D tensors stay float)."""
     sys.path.insert(0, str(ROOT / "tests" / "loader"))
     from loader_gguf_writing import encode

@@ -35,6 +35,7 @@ activations, by the reference: dequantize, then F.linear.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -153,7 +154,8 @@ class KQuantWeight:
     def to(self, device: torch.device | str) -> KQuantWeight:
         return self._with(lambda t: t.to(device))
 
-    def _with(self, change) -> KQuantWeight:  # noqa: ANN001 - a tensor → tensor function
+    def _with(self, change: Callable[[torch.Tensor], torch.Tensor]) -> KQuantWeight:
+        """The same weight with `change` applied to every tensor field."""
         changed = {name: None if t is None else change(t) for name, t in self.fields().items()}
         return dataclasses.replace(self, **changed)
 

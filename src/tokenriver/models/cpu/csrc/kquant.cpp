@@ -322,9 +322,9 @@ int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* 
 }
 
 // Row records [N, K/256, record] (models/kquant.py's RecordLayout: the byte offsets high_at, scales_at, mins_at and
-// d_at of a row's fields, its low_bits and min_group) rewritten in place as tile records (kquant.h; models/cpu/tiles.py's tile_kquant, the same
-// bytes): a tile's 16 rows take exactly its record's bytes, so each tile is copied out and written back. N a
-// multiple of 16.
+// d_at of a row's fields, its low_bits and min_group) rewritten in place as tile records (kquant.h;
+// models/cpu/tiles.py's tile_kquant, the same bytes): a tile's 16 rows take exactly its record's bytes, so each tile
+// is copied out and written back. N a multiple of 16.
 void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record, int64_t high_at, int64_t scales_at,
                          int64_t mins_at, int64_t d_at, int num_high, int scale_group, int has_mins, int low_bits,
                          int min_group, int num_threads) {
@@ -368,7 +368,8 @@ void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record,
             }
             for (int h = 0; h < runs; ++h) out[scales_out + 16 * runs * i + 16 * h + r] = row[scales_at + runs * i + h];
             if (has_mins)
-              for (int h = 0; h < min_runs; ++h) out[mins_out + 16 * min_runs * i + 16 * h + r] = row[mins_at + min_runs * i + h];
+              for (int h = 0; h < min_runs; ++h)
+                out[mins_out + 16 * min_runs * i + 16 * h + r] = row[mins_at + min_runs * i + h];
           }
           memcpy(out + d_out + 2 * r, row + d_at, 2);
           if (has_mins) memcpy(out + d_out + 32 + 2 * r, row + d_at + 2, 2);

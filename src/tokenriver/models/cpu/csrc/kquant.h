@@ -12,7 +12,7 @@
 // in one run of bytes (one stream for the hardware's prefetcher; models/cpu/tiles.py writes them from 16 row
 // records, models/kquant.py's RecordLayout, byte for byte). For the 64-byte vector of code word k (k = 0..7), byte
 // 4r + i is row r's code of column 4k + i:
-//   codes   8 blocks of 32 columns × 32 low_bits bytes: nibbles as tiles.h's int4 words (word j: bytes 4j .. 4j + 3
+//   codes   8 blocks of 32 columns × 64 * low_bits bytes: nibbles as tiles.h's int4 words (word j: bytes 4j .. 4j + 3
 //           of each row's 16; its low nibbles code word j, its high ones word 4 + j), or crumbs as two vectors (h =
 //           0 for words 0-3, 1 for 4-7; bits 2j, 2j + 1 of byte 4r + i: word 4h + j's column)
 //   high    8 blocks × 64 * num_high bytes: one high bit as a plane (byte 4r + i, bit k: code word k's column),
