@@ -40,25 +40,16 @@ def random_kquant(rows: int, cols: int, kind: str, seed: int = 0) -> KQuantWeigh
             high2=words() if kind == "Q6_K" else None,
             low_bits=low_bits,
         )
-    if kind == "Q2_K":
-        return KQuantWeight(
-            qweight=qweight,
-            scales=integers(16, (rows, cols // 16)).to(torch.int8),
-            d=halves(supers, 1e-3),
-            offsets=torch.zeros(rows, dtype=torch.uint8),
-            scale_group=16,
-            mins=integers(16, (rows, cols // 16)).to(torch.uint8),
-            dmin=halves(supers, 1e-3),
-            low_bits=2,
-            min_group=16,
-        )
+    group, top = (16, 16) if kind == "Q2_K" else (32, 64)  # Q2_K: 4-bit scales and mins per 16; else 6-bit per 32
     return KQuantWeight(
         qweight=qweight,
-        scales=integers(64, (rows, cols // 32)).to(torch.int8),
+        scales=integers(top, (rows, cols // group)).to(torch.int8),
         d=halves(supers, 1e-3),
         offsets=torch.zeros(rows, dtype=torch.uint8),
-        scale_group=32,
-        mins=integers(64, (rows, cols // 32)).to(torch.uint8),
+        scale_group=group,
+        mins=integers(top, (rows, cols // group)).to(torch.uint8),
         dmin=halves(supers, 1e-3),
         high1=words() if kind == "Q5_K" else None,
+        low_bits=low_bits,
+        min_group=group,
     )
