@@ -48,8 +48,11 @@ def tile_words(qweight: torch.Tensor) -> torch.Tensor:
     """Row-major codes [N, bytes per row] (int4 nibbles or int8) → [tiles, K/32, words, 16, 4]."""
     block_bytes = BLOCK // 2 if qweight.dtype == torch.uint8 else BLOCK  # int4 nibbles, or int8 codes
     blocks = qweight.shape[1] // block_bytes
-    grid = _padded(qweight).reshape(-1, TILE_ROWS, blocks, block_bytes // 4, 4)  # [tiles, 16, B, words, 4]
-    return grid.permute(0, 2, 3, 1, 4).contiguous()
+    # Moved as 32-bit words, a quarter of the elements of moving bytes: the same bytes land in the same places.
+    words = _padded(qweight).contiguous().view(torch.int32)  # [rows, B * words]
+    grid = words.reshape(-1, TILE_ROWS, blocks, block_bytes // 4)  # [tiles, 16, B, words]
+    tiled = grid.permute(0, 2, 3, 1).contiguous()  # [tiles, B, words, 16]
+    return tiled.view(qweight.dtype).view(*tiled.shape, 4)
 
 
 def untile_words(tiled: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -69,12 +72,17 @@ def untile_terms(tiled: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 def tile_fifth_bits(high_bits: torch.Tensor) -> torch.Tensor:
-    """int5 high bits [N, K/32] int32 → masks [tiles, K/32, 2, 4] int64 (module docstring)."""
-    shifts = torch.arange(BLOCK, dtype=torch.int32)
-    bits = (_padded(high_bits)[:, :, None] >> shifts) & 1  # [rows, B, 32]: bit c of each block's word
-    grid = bits.reshape(-1, TILE_ROWS, bits.shape[1], 2, 4, 4)  # [tiles, 16 r, B, h, j, i]
-    lanes = grid.permute(0, 2, 3, 4, 1, 5).reshape(grid.shape[0], bits.shape[1], 2, 4, 64)  # bit 4r + i
-    return (lanes.to(torch.int64) << torch.arange(64, dtype=torch.int64)).sum(dim=-1)  # distinct bits: the sum ORs
+    """int5 high bits [N, K/32] int32 → masks [tiles, K/32, 2, 4] int64 (module docstring): mask [h, j] gathers, for
+    each row r of the tile, the four bits 16h + 4j .. 16h + 4j + 3 of its block's word at bits 4r .. 4r + 3."""
+    words = _padded(high_bits).to(torch.int64) & 0xFFFFFFFF  # [rows, B], the 32 bits as stored
+    grid = words.reshape(-1, TILE_ROWS, words.shape[1])  # [tiles, 16 r, B]
+    lanes = 4 * torch.arange(TILE_ROWS, dtype=torch.int64)[:, None]  # [16, 1]: row r's bits start at 4r
+    masks = [
+        (((grid >> (16 * h + 4 * j)) & 0xF) << lanes).sum(dim=1)  # [tiles, B]: distinct bits, so the sum ORs
+        for h in range(2)
+        for j in range(4)
+    ]
+    return torch.stack(masks, dim=-1).view(grid.shape[0], words.shape[1], 2, 4)
 
 
 def untile_fifth_bits(masks: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -146,12 +154,12 @@ def tile_in_place(
     ):
         return None
     cols = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
-    # tile_fifth_bits works in 256 scratch bytes per stored byte (its bits and lanes), the others in one.
+    # tile_fifth_bits works in 4 scratch bytes per stored byte (its int64 words and masks), the others in one.
     return Tiles(
         _rewrite(qweight, tile_words, qweight.dtype, 1),
         _rewrite(scales, tile_terms, scales.dtype, 1),
         None if mins is None else _rewrite(mins, tile_terms, mins.dtype, 1),
-        None if high_bits is None else _rewrite(high_bits, tile_fifth_bits, torch.int64, 256),
+        None if high_bits is None else _rewrite(high_bits, tile_fifth_bits, torch.int64, 4),
         rows,
         cols,
         group_size,
