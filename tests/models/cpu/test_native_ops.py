@@ -161,6 +161,15 @@ def test_silu_and_mul_equals_definition(num_rows, intermediate):
     assert_close(silu_and_mul(gate_up), silu_and_mul_torch(gate_up))
 
 
+def test_a_released_thread_pool_comes_back_with_the_next_parallel_work():
+    gate_up = torch.randn(64, 2 * 1536)
+    before = silu_and_mul(gate_up)
+    assert load_kernels().release_thread_pool()
+    assert torch.equal(silu_and_mul(gate_up), before)
+    cpu_fast_path.release_thread_pool()
+    assert torch.equal(silu_and_mul(gate_up), before)
+
+
 def test_silu_and_mul_falls_back_for_bfloat16():
     gate_up = torch.randn(4, 64).bfloat16()
     assert torch.equal(silu_and_mul(gate_up), silu_and_mul_torch(gate_up))

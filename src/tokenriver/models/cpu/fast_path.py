@@ -305,3 +305,11 @@ def load() -> CpuFastPath | None:
 def _fast_path(kernels: NativeKernels) -> CpuFastPath:
     # Keyed by the kernels: a test that turns them off and on again (load_kernels.cache_clear) gets a new path.
     return CpuFastPath(kernels)
+
+
+def release_thread_pool() -> None:
+    """End the calling thread's OpenMP worker pool where the native kernels run (csrc/ops.cpp says why a pool a
+    thread no longer uses slows the others); its next parallel work starts a new one."""
+    kernels = load_kernels()
+    if kernels is not None:
+        kernels.release_thread_pool()

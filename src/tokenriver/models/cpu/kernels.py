@@ -463,6 +463,7 @@ _SIGNATURES: dict[str, Signature] = {
         _int,
     ),
     "paged_attention_window_f32": (_PAGED_ATTENTION_ARGS, _int),
+    "release_thread_pool": ([], _int),
 }
 # Compiled only where the compiler targeted AVX512-VNNI (gemm.cpp).
 _GEMM_INT8X_SIGNATURES: dict[str, Signature] = {
@@ -962,6 +963,11 @@ class NativeKernels:
         out = torch.empty(num_rows, width // 2, dtype=torch.float32)  # [M, I]
         self._gelu_tanh_mul(gate_up.data_ptr(), num_rows, width // 2, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def release_thread_pool(self) -> bool:
+        """End the calling thread's OpenMP worker pool (ops.cpp: why a pool left behind slows other threads);
+        whether it was released (not from inside parallel work)."""
+        return self._functions["release_thread_pool"]() == 0
 
     def argmax_logsumexp(self, logits: torch.Tensor) -> Reductions | None:
         """Per row of float32 logits [N, V]: the argmax (first of equal maxima, as torch.argmax), the largest logit

@@ -12,6 +12,7 @@
 // Rows are split across OpenMP threads only when there is enough work to pay for waking them.
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include <algorithm>
@@ -300,5 +301,10 @@ void moe_route_f32(const float* logits, int64_t M, int64_t E, int64_t top_k, int
 void sigmoid_gate_f32(const float* x, int64_t M, int64_t K, const float* w, float* out, int num_threads) {
   for_rows(M, M * K / 8, num_threads, [&](int64_t m) { out[m] = 1.0f / (1.0f + expf(-dot_row(x + m * K, w, K))); });
 }
+
+// The calling thread's pool of OpenMP workers, ended (the thread's next parallel region starts a new one): libgomp
+// lets workers spin between regions only while it manages no more threads than there are cores, so a pool a thread
+// no longer uses makes every other thread's regions wake their workers from sleep. 0 on success.
+int release_thread_pool() { return omp_pause_resource_all(omp_pause_soft); }
 
 }  // extern "C"
