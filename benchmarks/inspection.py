@@ -4,10 +4,13 @@ visualizer's per-step bookkeeping against generation without it.
 In one process, on the embedded model as `tokenriver serve` loads it, round after round, alternating:
 (a) one inspection of the last position of a 256-token context (engine/inspection.py: every layer's logit lens,
     attention weights and update norms) against one plain prefill of the same context through the engine
-    (LLM.generate, max_tokens 1, prefix cache off so that every round computes all 256 tokens); and the same
-    inspection with every layer on its module (modules_only: the definitions alone) against it too; and the
-    inspection against one forward pass of the context on the readable modules (the model's forward over a fresh
-    cache, then the last row's logits: the path the inspection's definition is);
+    (LLM.generate, max_tokens 1, prefix cache off so that every round computes all 256 tokens). First as the
+    server's visualizer asks for it, of a context the engine has run (its prefix cache holds the context's keys
+    and values, and the inspection copies them and computes the position's row: AsyncEngine.inspect); then cold,
+    of a context the engine never saw (all 256 tokens computed, in the engine's int8 KV format); the cold one with
+    every layer on its module (modules_only: the definitions alone) against the prefill too; and the cold one
+    against one forward pass of the context on the readable modules (the model's forward over a fresh cache, then
+    the last row's logits: the path the inspection's definition is);
 (b) generation where nothing is inspected, with the engine's defaults: one request decoding 128 greedy tokens after
     a short prompt (tokens/s from the engine's own timings), once as LLM() runs it (several greedy passes per step)
     and once with one pass per step as the server runs it, and a batch of 8 such requests of 64 tokens (generated
@@ -24,6 +27,7 @@ inspection.png.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -34,10 +38,13 @@ import torch
 
 from common import RESULTS, machine_line, markdown_table, prompt_ids
 from tokenriver import LLM, SamplingParams
+from tokenriver.config import EngineConfig
+from tokenriver.engine.async_engine import AsyncEngine
 from tokenriver.engine.inspection import BLOCK_SIZE, ContextCache, inspect_position
 from tokenriver.engine.llm import OFFLINE_SCHEDULER_STEPS
 from tokenriver.loader.load import LoadedModel, default_model_path, load_model
 from tokenriver.models.attention_metadata import AttentionMetadata
+from tokenriver.models.cpu.fast_path import release_thread_pool
 
 CONTEXT_TOKENS = 256
 DECODE_TOKENS = 128
@@ -45,29 +52,53 @@ BATCH, BATCH_TOKENS = 8, 64
 PROMPT = "Write a long story about a lighthouse."
 
 LABELS = {
-    "inspection": "(a) inspection of the last position / plain prefill of the context",
-    "on modules": "(a) the same inspection with every layer on its module (modules_only) / plain prefill",
-    "module pass": "(a) inspection / one forward pass of the context on the readable modules",
+    "engine": "(a) the engine's inspection of the last position, its context run before / plain prefill",
+    "inspection": "(a) cold inspection of the last position (nothing cached) / plain prefill of the context",
+    "on modules": "(a) the cold inspection with every layer on its module (modules_only) / plain prefill",
+    "module pass": "(a) cold inspection / one forward pass of the context on the readable modules",
     "decode": f"(b) decode, 1 request x {DECODE_TOKENS} tokens, LLM()'s {OFFLINE_SCHEDULER_STEPS} passes a step: "
     "pass log on / stubbed out",
     "decode, one pass a step": f"(b) decode, 1 request x {DECODE_TOKENS} tokens, one pass a step (the server's): "
     "pass log on / stubbed out",
     "batch": f"(b) batch, {BATCH} requests x {BATCH_TOKENS} tokens, LLM()'s defaults: pass log on / stubbed out",
 }
-NOTES = """(a) computes what a prefill of the context computes (every layer over all 256 tokens: the position attends
-to every token's keys at every layer), on the same native kernels, one call per layer so that the position's
-residual stream is read between layers, with a float32 KV cache of its own where the engine's pool is int8 (the
-inspection's numbers stay what the readable modules give, bit for bit). On top of that pass come the taps: every
-layer's query and attention weights at the position, its final-normed stream, and the output layer on all the
-layers' streams (the logit lens) where a prefill computes one row of logits. The row with every layer on its module
-(modules_only) runs the same inspection on the definitions alone. The last row of (a) sets the inspection against
-one forward pass of the context through the readable modules, the path the inspection's numbers are defined by."""
+NOTES = """(a), as the visualizer runs it: the engine's prefix cache holds the keys and values of the context's
+whole blocks (240 of its 256 tokens), the inspection copies them out of the pool and runs the rest (16 rows) through
+every layer, one call per layer so that the position's residual stream is read between layers. The cold rows
+compute what a prefill of the context computes (every layer over all 256 tokens), on the same native kernels, in
+the engine's int8 KV format, so the view is the engine's own arithmetic (the same bits either way: tests/engine/
+test_inspection.py). On top of that come the taps: every layer's query and attention weights at the position, its
+final-normed stream, and the output layer on all the layers' streams (the logit lens) where a prefill computes one
+row of logits. The row with every layer on its module (modules_only) runs the cold inspection on the definitions
+alone. The last row of (a) sets it against one forward pass of the context through the readable modules."""
 
 
 def time_inspection(loaded: LoadedModel, ids: list[int], modules_only: bool = False) -> float:
     started = time.perf_counter()
-    inspect_position(loaded, ids, len(ids) - 1, top_k=5, modules_only=modules_only)
+    inspect_position(loaded, ids, len(ids) - 1, top_k=5, modules_only=modules_only, kv_dtype=torch.int8)
     return time.perf_counter() - started
+
+
+def time_engine_inspection(engine: AsyncEngine, ids: list[int]) -> float:
+    """The inspection as the visualizer asks for it, after the engine ran the context (a warm-up did). As in a
+    server, one thread at a time keeps OpenMP workers: this one's go before the engine works, and the engine's
+    before this thread works again (it lets them go after half a second idle: AsyncEngine._run)."""
+    release_thread_pool()
+    started = time.perf_counter()
+    asyncio.run(engine.inspect(ids, len(ids) - 1, 5))
+    elapsed = time.perf_counter() - started
+    time.sleep(0.7)
+    return elapsed
+
+
+def run_context(engine: AsyncEngine, ids: list[int]) -> None:
+    """The context through the engine once, so that its prefix cache holds the context's blocks."""
+
+    async def run() -> None:
+        async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0)):
+            pass
+
+    asyncio.run(run())
 
 
 @torch.inference_mode()
@@ -123,7 +154,10 @@ def main() -> int:
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": f"{PROMPT} Part {i}."}]) for i in range(BATCH)]
     offline = engines(loaded, num_scheduler_steps=OFFLINE_SCHEDULER_STEPS)
     per_pass = engines(loaded)
+    serving = AsyncEngine(EngineConfig.from_flat(model=loaded.path), loaded)
+    run_context(serving, ids)
     measures: dict[str, tuple[Callable[[], float], Callable[[], float]]] = {
+        "engine": (lambda: time_engine_inspection(serving, ids), lambda: time_prefill(prefill_llm, ids)),
         "inspection": (lambda: time_inspection(loaded, ids), lambda: time_prefill(prefill_llm, ids)),
         "on modules": (lambda: time_inspection(loaded, ids, True), lambda: time_prefill(prefill_llm, ids)),
         "module pass": (lambda: time_inspection(loaded, ids), lambda: time_module_pass(loaded, ids)),
@@ -138,6 +172,7 @@ def main() -> int:
         for name, (first, second) in measures.items():
             runs[name].append((first(), second()))
         print({name: pairs[-1] for name, pairs in runs.items()}, file=sys.stderr)
+    serving.shutdown()
     write_results(runs, args.rounds)
     return 0
 
@@ -148,7 +183,7 @@ def write_results(runs: dict[str, list[tuple[float, float]]], rounds: int) -> No
     rows = []
     for name, label in LABELS.items():
         first, second = zip(*runs[name])
-        if name in ("inspection", "on modules", "module pass"):
+        if name in ("engine", "inspection", "on modules", "module pass"):
             figures = [f"{statistics.median(first) * 1000:.1f} ms", f"{statistics.median(second) * 1000:.1f} ms"]
         else:
             figures = [f"{statistics.median(first):.1f} tokens/s", f"{statistics.median(second):.1f} tokens/s"]
@@ -174,7 +209,8 @@ def plot(ratios: dict[str, list[float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [
-        "(a) inspection /\nprefill",
+        "(a) engine's\ninspection /\nprefill",
+        "(a) cold /\nprefill",
         "(a) on modules /\nprefill",
         "(a) inspection /\nmodule pass",
         "(b) decode,\nLLM()",

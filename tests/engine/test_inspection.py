@@ -269,3 +269,42 @@ def test_layers_are_bound_once_and_again_when_their_weights_move(quantized):
     norm.data = norm.data.clone()  # the same values elsewhere: a decoder bound before reads the old tensor
     again = inspection.bind_layers(layers)
     assert again is not first and all(decoder is not None for decoder in again)
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="the native decoder needs its kernels (x86-64 AVX2, a compiler)")
+def test_a_prefix_the_engine_holds_is_reused_and_the_view_is_the_same_bit_for_bit(quantized, monkeypatch):
+    if not any(getattr(layer, "int8_activations", False) for layer in quantized.model.modules()):
+        pytest.skip("the engine's exact default numerics round activations to int8")
+    from tokenriver.params import SamplingParams
+
+    ids = random_ids(60, 256, seed=11)
+    engine = AsyncEngine(EngineConfig.from_flat(model=quantized.path, max_num_kv_tokens=1024), quantized)
+    reused, find = [], inspection.cached_prefix
+
+    def spy(*args):
+        reused.append(find(*args))
+        return reused[-1]
+
+    monkeypatch.setattr("tokenriver.engine.async_engine.cached_prefix", spy)
+
+    async def run_then_inspect(position: int) -> dict:
+        async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0)):
+            pass
+        return await engine.inspect(ids, position, 4)
+
+    try:
+        for position in (59, 37):
+            view = asyncio.run(run_then_inspect(position))
+            assert reused[-1] is not None and reused[-1].num_tokens == position // 16 * 16
+            whole = inspect_position(quantized, ids, position, top_k=4, kv_dtype=torch.int8)
+            got, want = as_view_tensors(view), as_view_tensors(whole)
+            for name in want:
+                assert torch.equal(got[name], want[name]), (position, name)
+    finally:
+        engine.shutdown()
+
+
+def test_a_prefix_past_the_position_is_refused(loaded_float32):
+    prefix = inspection.CachedPrefix(16, [])
+    with pytest.raises(ValueError, match="nothing to compute"):
+        inspect_position(loaded_float32, list(range(1, 20)), 10, prefix=prefix)

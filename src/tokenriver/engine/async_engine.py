@@ -28,12 +28,15 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import torch
+
 from tokenriver.config import EngineConfig
 from tokenriver.engine.core import EngineCore, ModelInfo, PassLogEntry
-from tokenriver.engine.inspection import inspect_position
+from tokenriver.engine.inspection import CachedPrefix, cached_prefix, inspect_position
 from tokenriver.engine.machine_rates import MachineRates, measure_machine_rates
 from tokenriver.errors import EngineDeadError, EngineOverloadedError
 from tokenriver.loader.load import LoadedModel
+from tokenriver.models.cpu.fast_path import release_thread_pool
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import PoolingParams, SamplingParams, StructuredOutput
 from tokenriver.sched.output import SchedulerStats
@@ -97,8 +100,11 @@ class AsyncEngine:
         lets its workers spin between parallel regions only while it manages no more threads than there are cores.
         A load on this thread and steps on another made two pools, and every parallel region of a step then woke
         its workers from sleep: single-stream decode ran at less than half the speed of the same engine stepped on
-        the thread that loaded it.
+        the thread that loaded it. A model loaded before (`loaded`) left this thread's pool behind: it is ended here,
+        and this thread's next parallel work starts a new one.
         """
+        if loaded is not None:
+            release_thread_pool()
         self._commands: queue.Queue[_Add | _Abort | _Inspect | _Measure | None] = queue.Queue()
         self._machine_rates: concurrent.futures.Future | None = None
         self._machine_rates_lock = threading.Lock()
@@ -211,7 +217,8 @@ class AsyncEngine:
 
     async def inspect(self, token_ids: list[int], position: int, top_k: int = 5) -> dict:
         """engine/inspection.py's per-layer view of one position, run on the engine thread between two steps (the
-        model's modules over a KV cache of its own; the engine's requests and cache are untouched)."""
+        model's layers over a KV cache of its own in the pool's dtype; the engine's requests and cache are
+        untouched)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self._dead!r}")
         result: concurrent.futures.Future = concurrent.futures.Future()
@@ -228,6 +235,13 @@ class AsyncEngine:
         self._commands.put(None)
         self._thread.join(timeout)
 
+    def _inspection_prefix(self, token_ids: list[int]) -> CachedPrefix | None:
+        """What the prefix cache holds of the tokens before an inspected position (engine/inspection.py starts
+        after it), or None: nothing, or a pool this process holds only a shard of (tensor parallelism)."""
+        if self.core.config.parallel.tensor_parallel_size > 1:
+            return None
+        return cached_prefix(self.core.block_manager, self.core.kv_cache, token_ids)
+
     def _handle(self, command: _Add | _Abort | _Inspect | _Measure) -> None:
         if isinstance(command, _Measure):
             try:
@@ -238,7 +252,14 @@ class AsyncEngine:
         if isinstance(command, _Inspect):
             try:
                 command.result.set_result(
-                    inspect_position(self.core.loaded, command.token_ids, command.position, command.top_k)
+                    inspect_position(
+                        self.core.loaded,
+                        command.token_ids,
+                        command.position,
+                        command.top_k,
+                        kv_dtype=getattr(torch, self.core.config.resolved_kv_cache_dtype),
+                        prefix=self._inspection_prefix(command.token_ids[: command.position]),
+                    )
                 )
             except Exception as error:  # a refused inspection goes back to its caller; the engine runs on
                 command.result.set_exception(error)
@@ -279,6 +300,7 @@ class AsyncEngine:
             return
         finally:
             self._built.set()
+        worked = False  # since this thread's OpenMP workers last went
         try:
             while not self._stopping:
                 idle = not self.core.has_unfinished_requests()
@@ -286,6 +308,12 @@ class AsyncEngine:
                     command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
                 except queue.Empty:
                     command = None
+                    if idle and worked:
+                        # Half a second with nothing to do: the workers go (release_thread_pool), so that parallel
+                        # work on other threads of this process runs at full speed; the next step starts new ones.
+                        release_thread_pool()
+                        worked = False
+                worked = worked or command is not None
                 while command is not None:
                     self._handle(command)
                     try:
@@ -296,6 +324,7 @@ class AsyncEngine:
                     self._snapshot = self._take_snapshot()
                     continue
                 outputs = self.core.step()
+                worked = True
                 # Published before the outputs go out: a client that sees its request finish sees its blocks freed.
                 self._snapshot = self._take_snapshot()
                 for output in outputs:
