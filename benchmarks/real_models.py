@@ -16,6 +16,8 @@ Engines, each with the settings a user gets without flags:
 
 Measured, greedy with EOS ignored, the same prompt token ids on both sides:
 - load time (constructor call to ready, warm page cache and, for tokenriver, a warm header index);
+- start to first token: from the parent launching the process (python, imports, load) to the first generated token
+  of the chat prompt;
 - single-stream decode tokens/s after a chat prompt (128 tokens);
 - prefill tokens/s of a 512-token prompt (512 / time to the first token);
 - throughput of 32 chat prompts x 128 tokens (generated tokens / wall time);
@@ -83,6 +85,7 @@ def tokenriver_worker(path: str, threads: int, prompts: dict) -> dict:
     load_s = time.perf_counter() - started
     params = SamplingParams(max_tokens=prompts["max_tokens"], temperature=0.0, ignore_eos=True)
     (single,) = llm.generate([{"prompt_token_ids": prompts["chat"]}], params, use_tqdm=False)
+    first_token_wall = single.metrics.first_token_time
     per_token = single.metrics.time_per_output_token(len(single.outputs[0].token_ids))
     llm.reset_prefix_cache()
     (prefill,) = llm.generate(
@@ -99,6 +102,7 @@ def tokenriver_worker(path: str, threads: int, prompts: dict) -> dict:
         "prefill": len(prompts["long"]) / prefill_s,
         "throughput": throughput,
         "peak_rss_mib": peak_rss_mib(),
+        "first_token_wall": first_token_wall,
         "tokens": list(single.outputs[0].token_ids),
     }
 
@@ -111,6 +115,8 @@ def llamacpp_worker(path: str, threads: int, prompts: dict) -> dict:
     load_s = time.perf_counter() - started
     times, tokens = [], []
     for token in llm.generate(prompts["chat"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+        if not times:
+            first_token_wall = time.time()
         times.append(time.perf_counter())
         tokens.append(token)
         if len(tokens) == prompts["max_tokens"]:
@@ -127,6 +133,7 @@ def llamacpp_worker(path: str, threads: int, prompts: dict) -> dict:
         "prefill": len(prompts["long"]) / prefill_s,
         "throughput": throughput,
         "peak_rss_mib": peak_rss_mib(),
+        "first_token_wall": first_token_wall,
         "tokens": tokens,
     }
 
@@ -221,12 +228,14 @@ def measure(files: dict[str, str], args: argparse.Namespace, work_dir: Path) -> 
         for repeat in range(args.repeats):
             for engine in ENGINES:
                 command = [sys.executable, __file__, "--worker", engine, path, str(args.threads), str(prompts_file)]
+                launched = time.time()
                 done = subprocess.run(command, env=child_env(args.threads), capture_output=True, text=True)
                 if done.returncode != 0:
                     print(f"{label} {engine}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
                     results[label][engine].append({"error": done.stderr.strip().splitlines()[-1]})
                     continue
                 measured = json.loads(done.stdout.strip().splitlines()[-1])
+                measured["start_to_first_s"] = measured.pop("first_token_wall") - launched
                 results[label][engine].append(measured)
                 print(
                     f"{label} {engine} #{repeat + 1}: "
@@ -274,10 +283,10 @@ def report(
         for key, digits in (("decode", 1), ("prefill", 1), ("throughput", 1)):
             a, b = median(ours, key), median(theirs, key)
             row += [_fmt(a, digits), _fmt(b, digits), f"{a / b:.2f}x" if a and b else "-"]
-        for key in ("peak_rss_mib", "load_s"):
+        for key in ("peak_rss_mib", "load_s", "start_to_first_s"):
             row += [
-                _fmt(median(ours, key), 2 if key == "load_s" else 0),
-                _fmt(median(theirs, key), 2 if key == "load_s" else 0),
+                _fmt(median(ours, key), 0 if key == "peak_rss_mib" else 2),
+                _fmt(median(theirs, key), 0 if key == "peak_rss_mib" else 2),
             ]
         rows.append(row)
     headers = [
@@ -296,6 +305,8 @@ def report(
         "peak RSS llama.cpp",
         "load s ours",
         "load s llama.cpp",
+        "start to first token s ours",
+        "start to first token s llama.cpp",
     ]
     import llama_cpp
 
@@ -309,7 +320,8 @@ def report(
         f"Medians of {args.repeats} alternating runs, each (file, engine) in a fresh process. Tokens/s; "
         "decode after a chat prompt, 128 tokens; prefill of 512 tokens; 32 chat prompts x 128 tokens "
         "(llama.cpp: 32 sequences decoded together, as its server's 32 slots do). Peak RSS includes the "
-        "load. Files: benchmarks/model_files.py.",
+        "load. Start to first token: process launch (interpreter, imports, load) to the chat prompt's first "
+        "generated token. Files: benchmarks/model_files.py.",
         "",
         "![results](real_models.png)",
         "",
