@@ -38,3 +38,26 @@ def test_a_prompt_of_another_form_is_refused_and_nothing_stays_queued(llm, promp
     with pytest.raises(InvalidParameterError, match=match):
         llm.generate(["fine", prompt], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_runs_from_other_threads_give_the_same_tokens_and_each_ends_its_threads_workers(llm, monkeypatch):
+    import threading
+
+    from tokenriver.engine import llm as llm_module
+
+    released = []
+    release = llm_module.release_thread_pool
+    monkeypatch.setattr(
+        llm_module, "release_thread_pool", lambda: (released.append(threading.get_ident()), release())[1]
+    )
+    prompt = {"prompt_token_ids": llm.get_tokenizer().encode("The river flows")}
+    (here,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert released == [threading.get_ident()]
+    outputs, threads = [], []
+    for _ in range(2):
+        thread = threading.Thread(target=lambda: outputs.append(llm.generate(prompt, GREEDY, use_tqdm=False)[0]))
+        thread.start()
+        thread.join()
+        threads.append(thread.ident)
+    assert [output.outputs[0].token_ids for output in outputs] == [here.outputs[0].token_ids] * 2
+    assert released[1:] == threads

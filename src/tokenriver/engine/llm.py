@@ -23,6 +23,7 @@ from tokenriver.engine.core import EngineCore
 from tokenriver.engine.rerank import RerankResult, check_top_n, ranked, rerank_inputs
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.load import LoadedModel
+from tokenriver.models.cpu.fast_path import release_thread_pool
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import PoolingParams, SamplingParams
 from tokenriver.tokenizer.tokenizer import Tokenizer
@@ -37,7 +38,14 @@ OFFLINE_SCHEDULER_STEPS = 8
 
 
 class LLM:
-    """Load a model once, then generate for many prompts at a time."""
+    """Load a model once, then generate for many prompts at a time.
+
+    Any thread may call it (one at a time). The native kernels' OpenMP workers belong to the thread that runs them,
+    and libgomp lets workers spin between parallel regions only while it manages no more threads than there are
+    cores: a pool left in every thread that ever ran a step (a web app's worker threads) made each parallel region
+    wake its workers from sleep, at a third of the decode speed. So the load and each run end their thread's pool
+    (models/cpu/fast_path.py's release_thread_pool) and the next run starts one where it runs.
+    """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
         """engine_options: any EngineConfig setting by its flat name (max_num_seqs=8, speculative_draft="ngram"),
@@ -63,6 +71,7 @@ class LLM:
     def _start(self, engine: EngineCore) -> None:
         self.engine = engine
         self._ids = itertools.count()
+        release_thread_pool()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -140,6 +149,7 @@ class LLM:
             for request_id in request_ids:
                 if request_id not in finished and self.engine.has_request(request_id):
                     self.engine.abort_request(request_id)
+            release_thread_pool()
         return [finished[request_id] for request_id in request_ids]
 
     def embed(
@@ -194,6 +204,7 @@ class LLM:
         finally:
             if not done and self.engine.has_request(request_id):
                 self.engine.abort_request(request_id)
+            release_thread_pool()
 
     def chat(
         self,
