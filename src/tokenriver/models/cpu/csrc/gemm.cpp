@@ -446,8 +446,9 @@ template <int RT>
 void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float* scales, const float* mins,
                       uint16_t offsets, int first, const uint32_t* quads, const float* x_scales,
                       const float* x_terms, const int32_t* x_halves, int valid, float* y, int64_t m0, int64_t n0,
-                      int real_rows) {
+                      int real_rows, const TilePrefetch& prefetch) {
   const int64_t num_blocks = w.blocks();
+  const int64_t lines_per_block = (prefetch.lines + num_blocks - 1) / num_blocks;
   const bool has_mins = w.has_mins, min16 = w.has_mins && w.min_group == 16;
   const __m512i centre = _mm512_set1_epi32(w.centre());
   __m512 total[RT];
@@ -471,6 +472,8 @@ void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float*
       }
       const uint32_t* block_words = words + 8 * kTileRows * b + first;
       const uint32_t* block_quads = quads + 8 * kPanel * b;
+      for (int64_t l = b * lines_per_block; l < std::min(prefetch.lines, (b + 1) * lines_per_block); ++l)
+        _mm_prefetch(prefetch.starts[0] + 64 * l, _MM_HINT_T1);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const __m512i x_lo = _mm512_loadu_si512(block_quads + j * kPanel);
@@ -552,6 +555,12 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t n0 = t * kTileRows;
         const int count = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
+        // The tile after next, into L2 over the first panel's blocks, as gemm_int8's tiles fetch theirs.
+        TilePrefetch prefetch;
+        if (t + 2 < num_tiles) {
+          prefetch.starts[0] = reinterpret_cast<const char*>(w.super(t + 2, 0));
+          prefetch.lines = w.tile_bytes() / 64;
+        }
         stage_kquant_tile(w, t, words.data(), scales.data(), mins.data());
         for (int64_t m = 0; m < rows; m += kPanel) {
           const int64_t p = m / kPanel;
@@ -560,7 +569,7 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
                                     quads + p * panel_words, x_scales + p * panel_blocks, x_terms + p * panel_blocks,
                                     x_halves + p * 2 * panel_blocks,
                                     static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y, m0 + m, n0 + first,
-                                    count - first);
+                                    count - first, p == 0 && first == 0 ? prefetch : TilePrefetch{});
         }
       }
     }
@@ -599,7 +608,7 @@ void gemm_int8(const float* x, int64_t M, const Weight& weight, float* y, int nu
   float* const x_scales = reinterpret_cast<float*>(quads + num_panels * panel_words);
   float* const x_terms = x_scales + num_panels * panel_blocks;
   const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
-  const int64_t tile_bytes = num_blocks * weight.words() * 64;
+  const int64_t tile_bytes = weight.tile_bytes();
   // One parallel region for packing and products (one fork and join per product, not two per chunk). Tiles are
   // handed out in runs that shrink as the product nears its end (guided, down to 2 tiles): each thread mostly
   // takes the tiles after its last one, as the weight prefetch below assumes, and neither thread waits long at the

@@ -27,7 +27,7 @@ using tokenriver::KQuantWeight;
 using tokenriver::kTileRows;
 using tokenriver::quantize_activations;
 
-constexpr int64_t kPrefetchBytes = 32768;
+constexpr int64_t kPrefetchBytes = 8192;
 
 // Row n decoded into out [K]: (d * sc) * (q - o) - dmin * m, each product exact in float32, one rounding.
 void decode_row(const KQuantWeight& w, int64_t n, float* out) {

@@ -63,6 +63,7 @@ struct KQuantWeight {
   // The codes' centre, a centred row's offset o.
   int centre() const { return 1 << (low_bits + num_high - 1); }
   int64_t code_bytes() const { return 64 * low_bits; }  // a tile block's codes
+  int64_t tile_bytes() const { return K / 256 * record; }  // a tile's records, all a product of it reads
   int64_t high_at() const { return 8 * code_bytes(); }
   // The record holding block b of tile t.
   const uint8_t* super(int64_t t, int64_t b) const { return records + (t * (K / 256) + b / 8) * record; }

@@ -31,6 +31,8 @@ struct TiledWeight {
   int64_t chain_end(int64_t c) const { return chain_ends == nullptr ? blocks() : chain_ends[c]; }
   int64_t groups() const { return K / G; }
   int words() const { return is_int4 ? 4 : 8; }
+  // A tile's codes, the bytes a product prefetches ahead of it.
+  int64_t tile_bytes() const { return blocks() * words() * 64; }
   // Block b of tile t: words() × 64 bytes.
   const uint8_t* block(int64_t t, int64_t b) const { return codes + (t * blocks() + b) * words() * 64; }
   // The tile's 16 rows' scales (mins) of the group holding block b.
