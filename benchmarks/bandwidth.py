@@ -3,12 +3,14 @@
 A single-stream decode step reads every weight matrix once (and the whole output layer), so its speed is bounded by
 bytes per token / read bandwidth. Measured here, in fresh processes, engines alternating per round:
 - the machine's read bandwidth: a STREAM-style reduction over a 1 GiB float32 array with the benchmark's threads
-  (best of five), the ceiling any decode can reach;
+  (best of five), the ceiling any decode can reach, measured in each decode's process right after its decode (the
+  machine's bandwidth moves by tens of percent between runs, so each run is set against its own);
 - bytes per decode token for each engine: tokenriver's in-memory weights (every tensor of the model, less the
   token-embedding table unless the output layer is that table) and llama.cpp's (the file's tensors, less
   token_embd unless there is no output.weight); one embedding row per token is left out on both sides;
 - single-stream greedy decode tokens/s after a chat prompt (128 tokens, EOS ignored), each engine's defaults;
-- bytes per token x tokens/s: the bandwidth each engine reaches, and its share of the measured ceiling.
+- bytes per token x tokens/s: the bandwidth each engine reaches, and its share of the ceiling measured with it
+  (the median of the runs' shares).
 
     python benchmarks/bandwidth.py [--models embedded,Q4_K_M,large,qwen,qwen1.5b,gemma3] [--rounds 3] [--threads 2]
 
@@ -88,7 +90,8 @@ def worker(engine: str, path: str, threads: int) -> dict:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         (output,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         decode = 1 / output.metrics.time_per_output_token(len(output.outputs[0].token_ids))
-        return {"decode": decode, "bytes": tokenriver_bytes(llm.engine.loaded.model)}
+        num_bytes = tokenriver_bytes(llm.engine.loaded.model)
+        return {"decode": decode, "bytes": num_bytes, "bandwidth": read_bandwidth(threads)}
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
@@ -98,7 +101,8 @@ def worker(engine: str, path: str, threads: int) -> dict:
         times.append(time.perf_counter())
         if len(times) == MAX_TOKENS:
             break
-    return {"decode": (len(times) - 1) / (times[-1] - times[0]), "bytes": llamacpp_bytes(path)}
+    decode = (len(times) - 1) / (times[-1] - times[0])
+    return {"decode": decode, "bytes": llamacpp_bytes(path), "bandwidth": read_bandwidth(threads)}
 
 
 def run(args: list[str], threads: int) -> dict:
@@ -130,8 +134,10 @@ def files_for(names: list[str], models_dir: Path) -> dict[str, str]:
     return files
 
 
-def report(files: dict[str, str], runs: dict, bandwidths: list[float], threads: int, rounds: int) -> None:
-    ceiling = statistics.median(bandwidths)
+def report(files: dict[str, str], runs: dict, threads: int, rounds: int) -> None:
+    bandwidths = [
+        r["bandwidth"] for by_engine in runs.values() for engine_runs in by_engine.values() for r in engine_runs
+    ]
     rows = []
     for name, path in files.items():
         row: list[object] = [Path(path).name]
@@ -139,12 +145,13 @@ def report(files: dict[str, str], runs: dict, bandwidths: list[float], threads: 
         for engine in ENGINES:
             decode = statistics.median(r["decode"] for r in runs[name][engine])
             num_bytes = runs[name][engine][0]["bytes"]
-            cells[engine] = (decode, num_bytes, decode * num_bytes / 1e9)
+            share = statistics.median(r["decode"] * num_bytes / 1e9 / r["bandwidth"] for r in runs[name][engine])
+            cells[engine] = (decode, num_bytes, decode * num_bytes / 1e9, share)
         for engine in ENGINES:
             row.append(f"{cells[engine][1] / 2**20:,.0f}")
         for engine in ENGINES:
-            decode, _, rate = cells[engine]
-            row.append(f"{decode:,.1f} ({rate:,.1f} GB/s, {rate / ceiling:.0%})")
+            decode, _, rate, share = cells[engine]
+            row.append(f"{decode:,.1f} ({rate:,.1f} GB/s, {share:.0%})")
         row.append(f"{cells['tokenriver'][0] / cells['llama.cpp'][0]:.2f}x")
         rows.append(row)
     table = markdown_table(
@@ -161,10 +168,12 @@ def report(files: dict[str, str], runs: dict, bandwidths: list[float], threads: 
     text = (
         "# Decode against the memory bandwidth\n\n"
         f"{machine_line()}\n\n"
-        f"Read bandwidth (a reduction over 1 GiB of float32, {threads} threads): median {ceiling:.1f} GB/s "
-        f"({', '.join(f'{b:.1f}' for b in bandwidths)}). Single-stream greedy decode of {MAX_TOKENS} tokens, each "
-        f"engine's defaults, {threads} threads, {rounds} rounds alternating, medians; the share is bytes per token x "
-        f"tokens/s over that bandwidth. `python benchmarks/bandwidth.py`.\n\n{table}\n"
+        f"Read bandwidth (a reduction over 1 GiB of float32, {threads} threads, measured in every run's process "
+        f"after its decode): median {statistics.median(bandwidths):.1f} GB/s, {min(bandwidths):.1f} to "
+        f"{max(bandwidths):.1f}. Single-stream greedy decode of {MAX_TOKENS} tokens, each engine's defaults, "
+        f"{threads} threads, {rounds} rounds alternating, medians; the share is bytes per token x tokens/s over the "
+        f"bandwidth measured in the same process, the median of the runs'. `python benchmarks/bandwidth.py`."
+        f"\n\n{table}\n"
     )
     (RESULTS / "bandwidth.md").write_text(text)
 
@@ -178,21 +187,16 @@ def main() -> None:
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        if args.worker[0] == "bandwidth":
-            print(json.dumps({"bandwidth": read_bandwidth(args.threads)}))
-        else:
-            print(json.dumps(worker(args.worker[0], args.worker[1], args.threads)))
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.threads)))
         return
     files = files_for(args.models.split(","), args.models_dir)
     runs = {name: {engine: [] for engine in ENGINES} for name in files}
-    bandwidths = []
     for round_index in range(args.rounds):
-        bandwidths.append(run(["bandwidth"], args.threads)["bandwidth"])
         for name, path in files.items():
             for engine in ENGINES if round_index % 2 == 0 else ENGINES[::-1]:
                 runs[name][engine].append(run([engine, path], args.threads))
                 print(name, engine, runs[name][engine][-1], flush=True)
-    report(files, runs, bandwidths, args.threads, args.rounds)
+    report(files, runs, args.threads, args.rounds)
     print(f"wrote {RESULTS / 'bandwidth.md'}")
 
 
