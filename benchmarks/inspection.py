@@ -44,7 +44,7 @@ from tokenriver.engine.inspection import BLOCK_SIZE, ContextCache, inspect_posit
 from tokenriver.engine.llm import OFFLINE_SCHEDULER_STEPS
 from tokenriver.loader.load import LoadedModel, default_model_path, load_model
 from tokenriver.models.attention_metadata import AttentionMetadata
-from tokenriver.models.cpu.fast_path import release_thread_pool
+from tokenriver.models.fast_path import release_thread_pool
 
 CONTEXT_TOKENS = 256
 DECODE_TOKENS = 128

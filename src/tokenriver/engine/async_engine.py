@@ -36,7 +36,7 @@ from tokenriver.engine.inspection import CachedPrefix, cached_prefix, inspect_po
 from tokenriver.engine.machine_rates import MachineRates, measure_machine_rates
 from tokenriver.errors import EngineDeadError, EngineOverloadedError
 from tokenriver.loader.load import LoadedModel
-from tokenriver.models.cpu.fast_path import release_thread_pool
+from tokenriver.models.fast_path import release_thread_pool
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import PoolingParams, SamplingParams, StructuredOutput
 from tokenriver.sched.output import SchedulerStats

@@ -23,7 +23,7 @@ from tokenriver.engine.core import EngineCore
 from tokenriver.engine.rerank import RerankResult, check_top_n, ranked, rerank_inputs
 from tokenriver.errors import InvalidParameterError
 from tokenriver.loader.load import LoadedModel
-from tokenriver.models.cpu.fast_path import release_thread_pool
+from tokenriver.models.fast_path import release_thread_pool
 from tokenriver.outputs import RequestOutput
 from tokenriver.params import PoolingParams, SamplingParams
 from tokenriver.tokenizer.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ class LLM:
     and libgomp lets workers spin between parallel regions only while it manages no more threads than there are
     cores: a pool left in every thread that ever ran a step (a web app's worker threads) made each parallel region
     wake its workers from sleep, at a third of the decode speed. So the load and each run end their thread's pool
-    (models/cpu/fast_path.py's release_thread_pool) and the next run starts one where it runs.
+    (models/fast_path.py's release_thread_pool) and the next run starts one where it runs.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:

@@ -111,3 +111,9 @@ def cpu_keeps_kquant(device: torch.device | str) -> bool:
         return False
     fast = cpu.load()
     return fast is not None and fast.keeps_kquant()
+
+
+def release_thread_pool() -> None:
+    """End the calling thread's pool of the CPU kernels' OpenMP workers (models/cpu/csrc/ops.cpp says why a pool a
+    thread no longer uses slows the others); its next parallel work starts a new one."""
+    cpu.release_thread_pool()
