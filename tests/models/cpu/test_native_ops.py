@@ -170,6 +170,15 @@ def test_a_released_thread_pool_comes_back_with_the_next_parallel_work():
     assert torch.equal(silu_and_mul(gate_up), before)
 
 
+def test_releasing_a_pool_never_builds_the_kernels():
+    load_kernels.cache_clear()
+    try:
+        cpu_fast_path.release_thread_pool()
+        assert load_kernels.cache_info().currsize == 0
+    finally:
+        load_kernels()
+
+
 def test_silu_and_mul_falls_back_for_bfloat16():
     gate_up = torch.randn(4, 64).bfloat16()
     assert torch.equal(silu_and_mul(gate_up), silu_and_mul_torch(gate_up))

@@ -309,7 +309,10 @@ def _fast_path(kernels: NativeKernels) -> CpuFastPath:
 
 def release_thread_pool() -> None:
     """End the calling thread's OpenMP worker pool where the native kernels run (csrc/ops.cpp says why a pool a
-    thread no longer uses slows the others); its next parallel work starts a new one."""
+    thread no longer uses slows the others); its next parallel work starts a new one. Nothing where the kernels
+    were never loaded: no pool of theirs exists, and a GPU run need not build them."""
+    if load_kernels.cache_info().currsize == 0:
+        return
     kernels = load_kernels()
     if kernels is not None:
         kernels.release_thread_pool()
