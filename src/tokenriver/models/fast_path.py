@@ -22,6 +22,7 @@ from tokenriver.models.cpu import fast_path as cpu
 
 if TYPE_CHECKING:
     from tokenriver.models.attention_metadata import AttentionMetadata
+    from tokenriver.models.kquant import KQuantRecords, RecordLayout
 
 # Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
 Reductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -77,6 +78,10 @@ class FastPath(Protocol):
 
     def bind_packed(self, layer: torch.nn.Module) -> PackedProducts | None:
         """The products of a quantized layer (models/quant.py) on this path, or None."""
+
+    def relayout_kquant(self, part: KQuantRecords, union: RecordLayout, out: torch.Tensor) -> bool:
+        """Write `part`'s values into `out` as row records of the layout `union` (models/kquant.py's
+        concatenate_records); False where the definition does it."""
 
     def gemm_rounding(self, rounded_arithmetic: bool, in_features: int) -> str | None:
         """How this path's many-row products round their inputs (models/quant.py's module docstring)."""

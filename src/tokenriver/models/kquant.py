@@ -42,6 +42,7 @@ import torch
 
 from tokenriver.errors import InvalidParameterError
 from tokenriver.models.buffers import Allocate, heap_empty
+from tokenriver.models.fast_path import fast_path_for
 from tokenriver.models.quant import (
     DEFAULT_MAX_GEMV_ROWS,
     GGUF_BLOCK,
@@ -339,7 +340,28 @@ def concatenate_records(parts: list[KQuantRecords], empty: Allocate = heap_empty
     if len({part.layout for part in parts}) == 1:
         records = cat_rows([part.records for part in parts], empty)
         return KQuantRecords(records, cat_rows([part.offsets for part in parts]), parts[0].layout)
+    relaid = _relayout_natively(parts, empty)
+    if relaid is not None:
+        return relaid
     return pack_records(concatenate_kquant([part.weight() for part in parts]), empty)
+
+
+def _relayout_natively(parts: list[KQuantRecords], empty: Allocate) -> KQuantRecords | None:
+    """concatenate_records' union of parts laid out differently, each part's records rewritten in the union's layout
+    by the device's fast path; None where it has none (the definition then unpacks and repacks the fields)."""
+    fast = fast_path_for(parts[0].records.device)
+    if fast is None or len({part.shape[1] for part in parts}) > 1:
+        return None
+    union = RecordLayout.union([part.layout for part in parts])
+    num_rows, num_columns = sum(part.shape[0] for part in parts), parts[0].shape[1]
+    records = empty((num_rows, num_columns // SUPER_BLOCK, union.size), torch.uint8)
+    start = 0
+    for part in parts:
+        if not fast.relayout_kquant(part, union, records[start : start + part.shape[0]]):
+            return None
+        start += part.shape[0]
+    offsets = torch.cat([(part.offsets != 0).to(torch.uint8) * union.centre for part in parts])
+    return KQuantRecords(records, offsets, union)
 
 
 _FIELD_DTYPES = {

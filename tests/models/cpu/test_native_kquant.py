@@ -3,7 +3,8 @@
 A row's bits depend on that row alone: 1 to 64 activation rows (the GEMV up to max_gemv_rows, the GEMM above),
 each row equal to the row multiplied alone, for every kind, a stack of mixed kinds, and rows summed in sub-chains;
 the values are the reference product's within float rounding; the row tiles hold the weight's values exactly; a
-tiling whose buffers do not hold the weight is refused before any kernel reads it."""
+tiling whose buffers do not hold the weight is refused before any kernel reads it; a fused projection's parts of
+different kinds, re-laid natively in the union of their layouts, are the definition's records byte for byte."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ from kquant_weights import KINDS, random_kquant  # noqa: E402
 
 from tokenriver.models.cpu import tiles  # noqa: E402
 from tokenriver.models.cpu.kernels import load_kernels  # noqa: E402
-from tokenriver.models.kquant import KQuantLinear, KQuantRecords, concatenate_kquant, pack_records  # noqa: E402
+from tokenriver.models.kquant import (  # noqa: E402
+    KQuantLinear,
+    KQuantRecords,
+    concatenate_kquant,
+    concatenate_records,
+    pack_records,
+)
 from tokenriver.models.quant import round_activations_int8  # noqa: E402
 
 kernels = load_kernels()
@@ -116,3 +123,33 @@ def test_the_native_tiling_writes_the_definitions_tile_records(kind):
     expected = tiles.tile_kquant(KQuantRecords(records.records.clone(), records.offsets, records.layout), False)
     kernels.tile_kquant_in_place(records.records, records.layout, 2)
     assert torch.equal(records.records.view(expected.records.shape), expected.records)
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        ("Q4_K", "Q6_K", "Q5_K"),
+        ("Q3_K", "Q2_K"),
+        ("Q2_K", "Q4_K"),
+        ("Q3_K", "Q3_K", "Q5_K"),
+        ("Q3_K", "Q5_K", "Q4_K"),
+        ("Q6_K", "Q3_K", "Q2_K"),
+    ],
+)
+def test_the_native_union_writes_the_definitions_records(kinds):
+    parts = [pack_records(random_kquant(20 - 3 * i, 512, kind, i)) for i, kind in enumerate(kinds)]
+    native = concatenate_records(parts)
+    definition = pack_records(concatenate_kquant([part.weight() for part in parts]))
+    assert native.layout == definition.layout
+    assert torch.equal(native.records, definition.records)
+    assert torch.equal(native.offsets, definition.offsets)
+
+
+def test_a_union_that_does_not_hold_a_part_is_refused():
+    part = pack_records(random_kquant(16, 256, "Q6_K"))
+    narrow = pack_records(random_kquant(16, 256, "Q4_K"))
+    out = torch.empty(16, 1, narrow.layout.size, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="does not hold"):
+        kernels.kquant_relayout(part.records, part.offsets, part.layout, narrow.layout, out, 2)
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.kquant_relayout(part.records, part.offsets, part.layout, part.layout, out, 2)

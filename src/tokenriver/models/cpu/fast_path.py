@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from tokenriver.models.cpu.kernels import (
     is_native_kv_pool,
     load_kernels,
 )
+
+if TYPE_CHECKING:
+    from tokenriver.models.kquant import KQuantRecords, RecordLayout
 
 
 def _is_f32_heads(tensor: torch.Tensor) -> bool:
@@ -178,6 +182,14 @@ class CpuFastPath:
     def keeps_kquant(self) -> bool:
         """Whether K-quant weights run here at their own size (models/kquant.py): the CPU has the instructions."""
         return self.kernels.kquant
+
+    def relayout_kquant(self, part: KQuantRecords, union: RecordLayout, out: torch.Tensor) -> bool:
+        """`part`'s values written into `out`, row records in the layout `union` (models/kquant.py's
+        concatenate_records), in one native pass."""
+        self.kernels.kquant_relayout(
+            part.records.contiguous(), part.offsets.contiguous(), part.layout, union, out, default_num_threads()
+        )
+        return True
 
     def quantize_int8_groups(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """quant.quantize_int8's codes and scales for groups of 32 on float32 rows, in one pass."""

@@ -203,19 +203,22 @@ def check_tiles(tiles: Tiles, where: str = "packed weight") -> None:
             raise ValueError(f"{where}: chain_ends must rise from 1 to the {blocks} blocks of a row, got {values}")
 
 
+def _valid_layout(layout: Any) -> bool:
+    """Whether a RecordLayout is one kquant.h reads: scales and mins per 16 or 32, 4-bit codes with up to two high
+    bits or 2-bit codes with up to one."""
+    return (
+        layout.scale_group in (16, 32)
+        and layout.min_group in (16, 32)
+        and (layout.low_bits, layout.num_high) in ((4, 0), (4, 1), (4, 2), (2, 0), (2, 1))
+    )
+
+
 def check_ktiles(tiles: KTiles, where: str = "K-quant weight") -> None:
     """ValueError unless the tile records hold every byte kquant.h reads for a weight of tiles.rows × tiles.cols
     (columns in whole 256-column super-blocks, scales and mins per 16 or 32, 4-bit codes with up to two high bits or
     2-bit codes with up to one)."""
     rows, cols, layout = tiles.rows, tiles.cols, tiles.layout
-    if (
-        rows < 0
-        or cols <= 0
-        or cols % 256
-        or layout.scale_group not in (16, 32)
-        or layout.min_group not in (16, 32)
-        or (layout.low_bits, layout.num_high) not in ((4, 0), (4, 1), (4, 2), (2, 0), (2, 1))
-    ):
+    if rows < 0 or cols <= 0 or cols % 256 or not _valid_layout(layout):
         raise ValueError(
             f"{where}: {rows} x {cols} in {layout}: the columns must be a positive multiple of 256, the scales and "
             f"mins per 16 or 32, the codes 4 bits with up to two high bits or 2 bits with up to one"
@@ -230,6 +233,13 @@ def check_ktiles(tiles: KTiles, where: str = "K-quant weight") -> None:
         blocks = cols // 32
         if not values or values != sorted(set(values)) or values[0] <= 0 or values[-1] != blocks:
             raise ValueError(f"{where}: chain_ends must rise from 1 to the {blocks} blocks of a row, got {values}")
+
+
+def _relayout_fields(layout: Any) -> ctypes.Array:
+    """A RecordLayout as kquant.cpp's RowLayout: its byte offsets, then its groups and centre."""
+    values = (layout.size, layout.high, layout.scales, layout.mins, layout.d, layout.low_bits, layout.num_high)
+    values += (layout.scale_group, int(layout.has_mins), layout.min_group, layout.centre)
+    return (_i64 * 11)(*values)
 
 
 # decoder.cpp's structs, field for field. Pointers are raw addresses: whoever fills one keeps its tensors alive.
@@ -453,6 +463,7 @@ _SIGNATURES: dict[str, Signature] = {
     "quantize_int8_groups": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
     "convert_kquant": ([_ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _int], _int),
     "kquant_dequantize_rows": ([ctypes.POINTER(KQuantSpec), _ptr, _i64, _ptr, _int], None),
+    "kquant_relayout": ([_ptr, _ptr, _i64, _i64, ctypes.POINTER(_i64), ctypes.POINTER(_i64), _ptr, _int], None),
     "kquant_tile_records": ([_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _int, _int, _int, _int, _int, _int], None),
     "row_dots_f32": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int], None),
     "moe_route_f32": ([_ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _int], None),
@@ -615,6 +626,32 @@ class NativeKernels:
 
         linear.spec = spec  # the closure holds raw pointers: keep the tensors they point into alive
         return linear
+
+    def kquant_relayout(
+        self, records: torch.Tensor, offsets: torch.Tensor, layout: Any, union: Any, out: torch.Tensor, num_threads: int
+    ) -> None:
+        """Row records [N, K/256, layout.size] with their offsets [N] → the same values in the records `out`
+        [N, K/256, union.size] of `union`, a layout that holds them (models/kquant.py's RecordLayout.union):
+        concatenate_records' copy of a part, in one native pass."""
+        num_rows, num_supers, size = records.shape
+        check_array("kquant_relayout", "records", records, torch.uint8, (num_rows, num_supers, layout.size))
+        check_array("kquant_relayout", "offsets", offsets, torch.uint8, (num_rows,))
+        check_array("kquant_relayout", "out", out, torch.uint8, (num_rows, num_supers, union.size))
+        fits = (
+            _valid_layout(layout)
+            and _valid_layout(union)
+            and union.low_bits >= layout.low_bits
+            and union.low_bits + union.num_high >= layout.low_bits + layout.num_high
+            and union.scale_group <= layout.scale_group
+            and (union.has_mins or not layout.has_mins)
+            and (not layout.has_mins or union.min_group <= layout.min_group)
+        )
+        if not fits:
+            raise ValueError(f"kquant_relayout: {union} does not hold the values of {layout}")
+        fields = [_relayout_fields(layout), _relayout_fields(union)]
+        self._functions["kquant_relayout"](
+            records.data_ptr(), offsets.data_ptr(), num_rows, num_supers * 256, *fields, out.data_ptr(), num_threads
+        )
 
     def tile_kquant_in_place(self, records: torch.Tensor, layout: Any, num_threads: int) -> None:
         """Row records [N, K/256, layout.size] rewritten as tile records over their own bytes (tiles.tile_kquant's

@@ -83,6 +83,10 @@ class CudaFastPath:
     def sigmoid_gate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         return None
 
+    def relayout_kquant(self, part: object, union: object, out: torch.Tensor) -> bool:
+        """K-quant records stay on the CPU (the loader converts them for a GPU): the definition re-lays them out."""
+        return False
+
     def gemm_rounding(self, rounded_arithmetic: bool, in_features: int) -> None:
         """A GPU multiplies packed weights with its compute dtype's activations: no rounded mode."""
         return None

@@ -239,11 +239,31 @@ void convert_q6_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int6
   }
 }
 
-// A run's 32 two-bit codes into its 8 crumb bytes (models/kquant.py's order: byte 4h + i holds columns
-// 16h + 4j + i at bits 2j).
-void put_crumbs(const uint8_t low[32], uint8_t* run) {
-  memset(run, 0, 8);
-  for (int l = 0; l < 32; ++l) run[4 * (l / 16) + l % 4] |= static_cast<uint8_t>(low[l] << (2 * ((l % 16) / 4)));
+// A run's 32 two-bit codes, bits shift and shift + 1 of src [32], into its 8 crumb bytes (models/kquant.py's order:
+// byte 4h + i holds columns 16h + 4j + i at bits 2j): four bytes of src at a time, each byte's two bits masked out
+// of a 32-bit word and moved to their place in it.
+void put_crumbs(const uint8_t* src, int shift, uint8_t* run) {
+  for (int h = 0; h < 2; ++h) {
+    uint32_t out = 0;
+    for (int j = 0; j < 4; ++j) {
+      uint32_t word;
+      memcpy(&word, src + 16 * h + 4 * j, 4);
+      out |= ((word >> shift) & 0x03030303u) << (2 * j);
+    }
+    memcpy(run + 4 * h, &out, 4);
+  }
+}
+
+// Bit `bit` of each of 32 bytes as one word, byte l's at bit l.
+uint32_t bit_word(const uint8_t* bytes, int bit) {
+#if defined(__AVX2__)
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_sll_epi16(v, _mm_cvtsi32_si128(7 - bit))));
+#else
+  uint32_t word = 0;
+  for (int l = 0; l < 32; ++l) word |= uint32_t((bytes[l] >> bit) & 1) << l;
+  return word;
+#endif
 }
 
 // One Q3_K super-block (hmask [32], qs [64], 12 bytes of 6-bit scales, d) into its row record: the centred codes
@@ -257,13 +277,8 @@ void convert_q3_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int6
     record[scales_at + i] = static_cast<uint8_t>(static_cast<int8_t>((low | (top << 4)) - 32));
   }
   for (int g = 0; g < 8; ++g) {
-    uint8_t low[32];
-    uint32_t word = 0;
-    for (int l = 0; l < 32; ++l) {
-      low[l] = (b[32 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3;
-      word |= uint32_t((b[l] >> g) & 1) << l;
-    }
-    put_crumbs(low, record + 8 * g);
+    put_crumbs(b + 32 + 32 * (g / 4), 2 * (g % 4), record + 8 * g);
+    const uint32_t word = bit_word(b, g);
     memcpy(record + high_at + 4 * g, &word, 4);
   }
 }
@@ -277,11 +292,73 @@ void convert_q2_k_block(const uint8_t* b, uint8_t* record, int64_t scales_at, in
     record[scales_at + i] = b[i] & 0x0F;
     record[mins_at + i] = b[i] >> 4;
   }
-  for (int g = 0; g < 8; ++g) {
-    uint8_t low[32];
-    for (int l = 0; l < 32; ++l) low[l] = (b[16 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3;
-    put_crumbs(low, record + 8 * g);
+  for (int g = 0; g < 8; ++g) put_crumbs(b + 16 + 32 * (g / 4), 2 * (g % 4), record + 8 * g);
+}
+
+// A row record's layout (models/kquant.py's RecordLayout) as kquant_relayout takes it: byte offsets, then groups.
+struct RowLayout {
+  int64_t size, high, scales, mins, d, low_bits, num_high, scale_group, has_mins, min_group, centre;
+
+  // Run g's 32 codes: their low bits (nibbles: byte l % 16 of the run, the high nibble for l >= 16; crumbs: byte
+  // 4 (l / 16) + l % 4 of the run, bits 2 ((l % 16) / 4)), then each high word's bit l above them.
+  void codes(const uint8_t* record, int g, int* out) const {
+    if (low_bits == 4) {
+      for (int l = 0; l < 16; ++l) {
+        out[l] = record[16 * g + l] & 0x0F;
+        out[l + 16] = record[16 * g + l] >> 4;
+      }
+    } else {
+      for (int c = 0; c < 8; ++c)
+        for (int j = 0; j < 4; ++j) out[16 * (c / 4) + 4 * j + c % 4] = (record[8 * g + c] >> (2 * j)) & 3;
+    }
+    for (int k = 0; k < num_high; ++k) {
+      uint32_t word;
+      memcpy(&word, record + high + 4 * (num_high * g + k), 4);
+      for (int l = 0; l < 32; ++l) out[l] |= static_cast<int>((word >> l) & 1) << (low_bits + k);
+    }
   }
+
+  // Run g's 32 codes written into a record (codes() read back).
+  void put_codes(uint8_t* record, int g, const int* codes) const {
+    const int mask = (1 << low_bits) - 1;
+    if (low_bits == 4) {
+      for (int l = 0; l < 16; ++l)
+        record[16 * g + l] = static_cast<uint8_t>((codes[l] & mask) | (codes[l + 16] & mask) << 4);
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        int byte = 0;
+        for (int j = 0; j < 4; ++j) byte |= (codes[16 * (c / 4) + 4 * j + c % 4] & mask) << (2 * j);
+        record[8 * g + c] = static_cast<uint8_t>(byte);
+      }
+    }
+    for (int k = 0; k < num_high; ++k) {
+      uint32_t word = 0;
+      for (int l = 0; l < 32; ++l) word |= static_cast<uint32_t>((codes[l] >> (low_bits + k)) & 1) << l;
+      memcpy(record + high + 4 * (num_high * g + k), &word, 4);
+    }
+  }
+};
+
+// One row's super-block record in layout `from` rewritten in `to` (a union that holds it: codes as wide or wider,
+// scales and mins in groups as small or smaller): the codes re-centred on to's centre where the row is centred,
+// scales and mins repeated to to's groups, absent mins and dmin zero (models/kquant.py's _union_part).
+void relayout_record(const uint8_t* src, bool centred, const RowLayout& from, const RowLayout& to, uint8_t* dst) {
+  memset(dst, 0, to.size);
+  const int shift = centred ? static_cast<int>(to.centre - from.centre) : 0;
+  for (int g = 0; g < 8; ++g) {
+    int codes[32];
+    from.codes(src, g, codes);
+    for (int l = 0; l < 32; ++l) codes[l] += shift;
+    to.put_codes(dst, g, codes);
+  }
+  for (int64_t i = 0; i < 256 / to.scale_group; ++i)
+    dst[to.scales + i] = src[from.scales + i * to.scale_group / from.scale_group];
+  if (to.has_mins && from.has_mins) {
+    for (int64_t i = 0; i < 256 / to.min_group; ++i)
+      dst[to.mins + i] = src[from.mins + i * to.min_group / from.min_group];
+    memcpy(dst + to.d + 2, src + from.d + 2, 2);
+  }
+  memcpy(dst + to.d, src + from.d, 2);
 }
 
 }  // namespace
@@ -319,6 +396,21 @@ int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* 
         convert_q4_k_block(b, type == kQ5_K, out, high_at, scales_at, mins_at, d_at);
     }
   return 0;
+}
+
+// Row records src [N, K/256, from's size] in layout `from` → the same values in layout `to` (dst [N, K/256, to's
+// size]), for a fused projection stacked in the union of its parts' layouts (models/kquant.py's concatenate_records):
+// each layout as RowLayout's 11 fields; offsets [N], a row's code offset (non-zero: centred).
+void kquant_relayout(const uint8_t* src, const uint8_t* offsets, int64_t N, int64_t K, const int64_t* from,
+                     const int64_t* to, uint8_t* dst, int num_threads) {
+  RowLayout a, b;
+  memcpy(&a, from, sizeof(a));
+  memcpy(&b, to, sizeof(b));
+  const int64_t supers = K / 256;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t s = 0; s < supers; ++s)
+      relayout_record(src + (n * supers + s) * a.size, offsets[n] != 0, a, b, dst + (n * supers + s) * b.size);
 }
 
 // Row records [N, K/256, record] (models/kquant.py's RecordLayout: the byte offsets high_at, scales_at, mins_at and
