@@ -119,13 +119,13 @@ class NativeStack:
         """The greedy passes of a multi-step decode in one native call (models/cpu/greedy.py): request b's pass p
         decodes token_ids[b] (p = 0) or its argmax of pass p - 1 at position positions[b] + p. Per pass and row,
         (argmax, largest logit, log-sum-exp) of the passes it finished, [finished, B] each; None where the model's
-        parts or the number of rows do not allow it. Each row's logits are those compute_logits gives."""
+        parts do not allow it. Each row's logits are those compute_logits gives."""
         page = self._native_page() if block_tables.is_cpu else None
         native = self._bind(page.model.layers) if page is not None else None
         if page is None or native is None:
             return None
         loop = self._greedy_loop(page, native)
-        if loop is None or len(token_ids) > loop.max_rows:
+        if loop is None:
             return None
         return loop.run(num_passes, token_ids, positions, block_tables, kv_cache)
 

@@ -4,8 +4,9 @@ runner/native_stack.py and runner/greedy_passes.py) against the same passes run 
 Both call the same kernels with the same arguments, so each pass's argmax, largest logit and log-sum-exp, and the
 KV cache the passes leave, must be equal bit for bit: Llama, Qwen3 (q/k norms, windows the passes run past) and
 Gemma 3 (scaled embeddings, (1 + weight) norms, local rotary tables), with an int4, int8 or float32 embedding,
-exact or int8-rounded activations, one request or three. Models whose parts around the stack have no native form
-(soft-capped logits, LongRoPE, a float output layer) are declined. Through the engine, tokens and logprobs equal
+exact or int8-rounded activations, one request, three, or twelve (past the output layer's GEMV rows: its GEMM).
+Models whose parts around the stack have no native form (soft-capped logits, LongRoPE, a float output layer) are
+declined. Through the engine, tokens and logprobs equal
 the per-pass loop's, also when the native loop stops early and the runner finishes the passes.
 """
 
@@ -94,7 +95,7 @@ def padded(tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64)
 
 
-@pytest.mark.parametrize("num_requests", [1, 3])
+@pytest.mark.parametrize("num_requests", [1, 3, 12])
 @pytest.mark.parametrize(
     "family,table,int8_activations",
     [
@@ -109,8 +110,9 @@ def padded(tables: list[list[int]]) -> torch.Tensor:
 )
 def test_native_passes_equal_the_passes_run_one_by_one(family, table, int8_activations, num_requests):
     model = tiny_model(family, table, int8_activations)
-    prompts = [[(5 * i + 11 * r) % 96 for i in range(length)] for r, length in enumerate((14, 30, 5)[:num_requests])]
-    first_tokens, positions = [3, 50, 77][:num_requests], [len(prompt) for prompt in prompts]
+    lengths = [(14, 30, 5)[r % 3] + r // 3 for r in range(num_requests)]
+    prompts = [[(5 * i + 11 * r) % 96 for i in range(length)] for r, length in enumerate(lengths)]
+    first_tokens, positions = [(3 + 47 * r) % 96 for r in range(num_requests)], [len(prompt) for prompt in prompts]
     cache, tables = prefilled(model, prompts)
     reference_cache, _ = prefilled(model, prompts)
     want = passes_one_by_one(model, reference_cache, tables, first_tokens, positions)

@@ -47,13 +47,11 @@ class GreedyLoop:
         final_norm: torch.Tensor,
         eps: float,
         lm_head: LinearSpec,
-        lm_head_rows: int,
         keep: list[object],
     ) -> None:
         self._native = native
         self._rotary = (decoder.rotary_emb, getattr(decoder, "rotary_emb_local", None))
         self._linears = (table, lm_head)  # the structures the spec's pointers point to
-        self.max_rows = lm_head_rows  # more rows take the output projection's GEMM, which the loop does not run
         self._keep = keep  # every tensor the specs point into
         self._spec = GreedyLoopSpec(
             None if table is None else ctypes.pointer(table),
@@ -113,7 +111,6 @@ class GreedyLoop:
             final_norm,
             norm.eps,
             head,
-            lm_head.max_gemv_rows,
             keep,
         )
 

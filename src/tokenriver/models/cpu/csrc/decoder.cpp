@@ -198,7 +198,7 @@ struct GreedyLoop {
   int64_t num_positions;
   const float* final_norm;      // [H] the final norm's weight (Gemma's 1 + weight)
   float final_norm_eps;
-  const Linear* lm_head;        // [V_out, H] without bias, run as a GEMV (the step's rows are few enough)
+  const Linear* lm_head;        // [V_out, H] without bias, its GEMV or GEMM by the rows, as linear() picks
   int64_t num_passes;
   const int64_t* first_tokens;    // [B] the tokens the first pass decodes, one per request
   const int64_t* first_positions; // [B] their positions
@@ -612,7 +612,11 @@ int decoder_greedy_f32(const Decoder* d, const Step* base, const GreedyLoop* g) 
   const int64_t B = base->num_requests, H = d->hidden_size, half = d->rotary_dim / 2;
   const int64_t V = g->lm_head->out_features;
   const int threads = base->num_threads;
-  std::vector<float> hidden(B * H), out(B * H), residual(B * H), normed(B * H), logits(B * V);
+  std::vector<float> hidden(B * H), out(B * H), residual(B * H), normed(B * H);
+  // The logits, B x V floats (32 rows of a 262,144-token vocabulary: 32 MiB), kept between calls: a fresh buffer
+  // each call would be zeroed and faulted in page by page, and handed back to the system at its end.
+  thread_local std::vector<float> logits;
+  if (logits.size() < static_cast<size_t>(B * V)) logits.resize(B * V);
   std::vector<float> cos(B * half), sin(B * half), local_cos(B * half), local_sin(B * half);
   std::vector<int64_t> slots(B), queries(3 * B);
   Step s = *base;
