@@ -424,6 +424,21 @@ def test_tree_labels_with_a_newline_stay_on_their_row(generated: tuple, base_url
     assert watch.unexpected() == []
 
 
+def test_a_typed_token_id_outlives_the_panel_being_rebuilt(generated: tuple) -> None:
+    """A token id typed to force is kept when the panel is rebuilt before it is sent (a step's inspection arriving
+    meanwhile rebuilt it, and the click sent an empty id)."""
+    page, watch = generated
+    _select_path(page, 1)
+    select_token(page, 1)
+    page.fill("[data-testid=force-token-id]", "7")
+    typed_into = page.query_selector("[data-testid=force-token-id]")
+    select_token(page, 0)
+    select_token(page, 1)
+    page.wait_for_function("input => !input.isConnected", arg=typed_into)
+    assert page.input_value("[data-testid=force-token-id]") == "7"
+    assert watch.unexpected() == []
+
+
 def test_forcing_the_end_of_sequence_token_ends_the_branch(generated: tuple, base_url: str) -> None:
     """Defect 4: a branch forced onto <|im_end|> stops there, as the engine would."""
     page, watch = generated

@@ -811,11 +811,22 @@ function scheduleRender() {
   });
 }
 
-/** Rebuild a panel, then give focus back to the element with the same data-focus-key, if it had it. */
+/**
+ * Rebuild a panel, then give focus back to the element with the same data-focus-key, if it had it, and what the
+ * user had typed to its text and number inputs: a rebuild for data that arrived meanwhile (a step's inspection)
+ * must not wipe a token id typed but not yet sent.
+ */
 function withFocusKept(container, build) {
   const active = document.activeElement;
   const key = active && container.contains(active) ? active.dataset.focusKey : null;
+  const typed = [...container.querySelectorAll("input[data-focus-key]")]
+    .filter((input) => (input.type === "text" || input.type === "number") && input.value !== "")
+    .map((input) => [input.dataset.focusKey, input.value]);
   build();
+  for (const [typedKey, value] of typed) {
+    const again = container.querySelector(`input[data-focus-key="${CSS.escape(typedKey)}"]`);
+    if (again && again.value === "") again.value = value;
+  }
   if (key) {
     const again = container.querySelector(`[data-focus-key="${CSS.escape(key)}"]`);
     if (again) again.focus();
