@@ -267,8 +267,11 @@ inline void grow(std::vector<T>& v, int64_t n) {
 // holds the unsigned codes of columns 4j .. 4j + 3 (int4: 0..15, int5 with their fifth bits 0..31; int8: q + 128),
 // a row tile's word taken whole for 16 rows at a time; scales and mins [K/32][S] as floats (for one scale per row
 // the same scales at every block).
+// The weight is read through a local copy: the staged words are stores that the compiler must otherwise assume may
+// change its fields, and it re-derived every address from them (a division among them) at every block.
 template <bool IS_INT4, int S>
-inline void stage_tile(const TiledWeight& w, int64_t t, int row0, uint32_t* words, float* scales, float* mins) {
+inline void stage_tile(const TiledWeight& weight, int64_t t, int row0, uint32_t* words, float* scales, float* mins) {
+  const TiledWeight w = weight;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const uint8_t* block = w.block(t, b);
@@ -399,43 +402,57 @@ inline void kquant_block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m5
   tokenriver::kquant_codes(w, t, b, codes);
 }
 
-// The tile's 16 values d * sc (half h of block b) and -(dmin * m), exact in float32, as kquant.cpp forms them.
-inline __m512 kquant_scales(const KQuantWeight& w, int64_t t, int64_t b, int h) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_d(t, b))));
-  const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_scales(t, b, h))));
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+// The tile's 16 values d * sc of the scale run at `scales` and -(dmin * m) of the min run at `mins`, exact in float32,
+// as kquant.cpp forms them (d and dmin: the record's, converted once per record).
+inline __m512 kquant_scales(const int8_t* scales, __m512 d) {
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)))));
 }
-inline __m512 kquant_mins(const KQuantWeight& w, int64_t t, int64_t b, int h) {
+inline __m512 kquant_mins(const KQuantWeight& w, const uint8_t* mins, __m512 dmin) {
   if (!w.has_mins) return _mm512_setzero_ps();
-  const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_dmin(t, b))));
-  const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_mins(t, b, h))));
+  const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins)));
   return _mm512_xor_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-0.0f));
 }
+inline __m512 load_halves(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
-// stage_tile for a K-quant weight with scales per 32 and mins, no centred rows: the int4 tiles' staging.
+// stage_tile for a K-quant weight with scales per 32 and mins, no centred rows: the int4 tiles' staging. Read
+// through a local copy, as stage_tile above says why; d and dmin converted once per record of 8 blocks.
 template <bool IS_INT4, int S>
-inline void stage_tile(const KQuantWeight& w, int64_t t, int row0, uint32_t* words, float* scales, float* mins) {
+inline void stage_tile(const KQuantWeight& weight, int64_t t, int row0, uint32_t* words, float* scales, float* mins) {
   static_assert(IS_INT4, "a K-quant weight stages as int4");
+  const KQuantWeight w = weight;
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks(); ++b) {
+    if (b % 8 == 0) {
+      d = load_halves(w.block_d(t, b));
+      dmin = load_halves(w.block_dmin(t, b));
+    }
     __m512i codes[8];
     kquant_block_codes(w, t, b, codes);
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + 8 * S * b + row0 + S * k, codes[k]);
-    _mm512_storeu_ps(scales + S * b + row0, kquant_scales(w, t, b, 0));
-    _mm512_storeu_ps(mins + S * b + row0, kquant_mins(w, t, b, 0));
+    _mm512_storeu_ps(scales + S * b + row0, kquant_scales(w.block_scales(t, b, 0), d));
+    _mm512_storeu_ps(mins + S * b + row0, kquant_mins(w, w.block_mins(t, b, 0), dmin));
   }
 }
 
 // Tile t staged for kquant_int8_tile: words [K/32][8][16], scales [K/32][2][16] (each half's d * sc) and mins
-// [K/32][2][16] (each half's -(dmin * m); the two equal where mins are per 32).
-void stage_kquant_tile(const KQuantWeight& w, int64_t t, uint32_t* words, float* scales, float* mins) {
+// [K/32][2][16] (each half's -(dmin * m); the two equal where mins are per 32). Read as stage_tile above is.
+void stage_kquant_tile(const KQuantWeight& weight, int64_t t, uint32_t* words, float* scales, float* mins) {
+  const KQuantWeight w = weight;
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks(); ++b) {
+    if (b % 8 == 0) {
+      d = load_halves(w.block_d(t, b));
+      dmin = w.has_mins ? load_halves(w.block_dmin(t, b)) : _mm512_setzero_ps();
+    }
     __m512i codes[8];
     kquant_block_codes(w, t, b, codes);
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + (8 * b + k) * kTileRows, codes[k]);
-    _mm512_storeu_ps(scales + (2 * b) * kTileRows, kquant_scales(w, t, b, 0));
-    _mm512_storeu_ps(scales + (2 * b + 1) * kTileRows, kquant_scales(w, t, b, 1));
-    _mm512_storeu_ps(mins + (2 * b) * kTileRows, kquant_mins(w, t, b, 0));
-    _mm512_storeu_ps(mins + (2 * b + 1) * kTileRows, kquant_mins(w, t, b, 1));
+    for (int h = 0; h < 2; ++h) {
+      _mm512_storeu_ps(scales + (2 * b + h) * kTileRows, kquant_scales(w.block_scales(t, b, h), d));
+      _mm512_storeu_ps(mins + (2 * b + h) * kTileRows, kquant_mins(w, w.block_mins(t, b, h), dmin));
+    }
   }
 }
 

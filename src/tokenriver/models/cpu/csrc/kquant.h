@@ -58,8 +58,8 @@ struct KQuantWeight {
   int64_t blocks() const { return K / 32; }
   int words() const { return 4; }  // a block's code words (tiles.h's int4)
   int64_t chain_end(int64_t c) const { return chain_ends == nullptr ? blocks() : chain_ends[c]; }
-  int scale_runs() const { return 32 / static_cast<int>(scale_group); }
-  int min_runs() const { return 32 / static_cast<int>(min_group); }
+  int scale_runs() const { return scale_group == 16 ? 2 : 1; }
+  int min_runs() const { return min_group == 16 ? 2 : 1; }
   // The codes' centre, a centred row's offset o.
   int centre() const { return 1 << (low_bits + num_high - 1); }
   int64_t code_bytes() const { return 64 * low_bits; }  // a tile block's codes
