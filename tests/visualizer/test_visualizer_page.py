@@ -32,6 +32,7 @@ from visualizer_harness import (
     ConsoleWatch,
     candidates,
     doc_screenshot,
+    fill_kept,
     focus_order,
     open_page,
     path_token_ids,
@@ -412,7 +413,7 @@ def test_tree_labels_with_a_newline_stay_on_their_row(generated: tuple, base_url
     _select_path(page, 1)
     select_token(page, 0)
     rows_before = row_count(page)
-    page.fill("[data-testid=force-token-id]", str(newline_id))
+    fill_kept(page, "[data-testid=force-token-id]", str(newline_id))
     page.click("[data-testid=force-token]")
     wait_finished(page, branch_count=rows_before + 1)
     snippets = page.eval_on_selector_all("[data-testid=tree-snippet]", "els => els.map(e => e.textContent)")
@@ -430,7 +431,7 @@ def test_a_typed_token_id_outlives_the_panel_being_rebuilt(generated: tuple) -> 
     page, watch = generated
     _select_path(page, 1)
     select_token(page, 1)
-    page.fill("[data-testid=force-token-id]", "7")
+    fill_kept(page, "[data-testid=force-token-id]", "7")
     typed_into = page.query_selector("[data-testid=force-token-id]")
     select_token(page, 0)
     select_token(page, 1)
@@ -446,7 +447,7 @@ def test_forcing_the_end_of_sequence_token_ends_the_branch(generated: tuple, bas
     _select_path(page, 1)
     select_token(page, 1)
     rows_before = row_count(page)
-    page.fill("[data-testid=force-token-id]", str(eos))
+    fill_kept(page, "[data-testid=force-token-id]", str(eos))
     page.click("[data-testid=force-token]")
     wait_finished(page, branch_count=rows_before + 1)
     assert path_token_ids(page)[-1] == eos

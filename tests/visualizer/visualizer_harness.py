@@ -173,6 +173,20 @@ def open_page(browser: object, base_url: str, width: int = 1280, height: int = 8
     return page, watch
 
 
+def fill_kept(page: object, selector: str, value: str, attempts: int = 5) -> None:
+    """Fill an input of a panel the page may rebuild, and check through a fresh query that the page kept the value.
+
+    Why: a panel rebuilt while Playwright fills its input (a step's inspection arriving) leaves the value in the
+    detached input, and the rebuilt one keeps what it held before (a user's keystrokes go to the focused, rebuilt
+    input; Playwright's go to the element it resolved). Once the live input holds the value, later rebuilds keep it.
+    """
+    for _ in range(attempts):
+        page.fill(selector, value)
+        if page.input_value(selector) == value:
+            return
+    raise AssertionError(f"{selector} did not keep {value!r} after {attempts} fills")
+
+
 def set_controls(page: object, **values: str) -> None:
     page.evaluate("document.querySelector('.more-settings').open = true")
     for element_id, value in values.items():
