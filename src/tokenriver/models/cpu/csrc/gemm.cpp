@@ -456,36 +456,48 @@ void stage_kquant_tile(const KQuantWeight& weight, int64_t t, uint32_t* words, f
   }
 }
 
+// Which of a tile's rows are centred (kquant.h's offsets): every one of them (Q6_K, Q3_K), none (Q2_K), or some (a
+// fused projection of parts of both kinds). A template argument, so that the first two take no choice per row and
+// block.
+enum class Centring { kAll, kNone, kSome };
+
+// A panel's terms of each block's halves, the same for every weight row (gemm_kquant_halves forms them once per
+// panel): starts [K/32][2][16], minus the centre times the half's sum of rounded activations T_h (a centred row's
+// integer sums start there: kquant.h's o * T, subtracted as integers, so the same values as after); half_terms
+// [K/32][2][16], the activation scale times T_h (what a min per 16 multiplies).
+struct HalfTerms {
+  const int32_t* starts;
+  const float* half_terms;
+};
+
 // Staged rows [first, first + RT) of a tile against one panel's 16 activation rows (the first `valid` real), into
 // y [M, N] at rows m0.., columns n0.. (the first real_rows of the RT): kquant.cpp's per-16 arithmetic, a lane per
 // activation row.
-template <int RT>
+template <int RT, Centring CENTRING>
 void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float* scales, const float* mins,
                       uint16_t offsets, int first, const uint32_t* quads, const float* x_scales,
-                      const float* x_terms, const int32_t* x_halves, int valid, float* y, int64_t m0, int64_t n0,
+                      const float* x_terms, const HalfTerms& halves, int valid, float* y, int64_t m0, int64_t n0,
                       int real_rows, const TilePrefetch& prefetch) {
   const int64_t num_blocks = w.blocks();
   const int64_t lines_per_block = (prefetch.lines + num_blocks - 1) / num_blocks;
   const bool has_mins = w.has_mins, min16 = w.has_mins && w.min_group == 16;
-  const __m512i centre = _mm512_set1_epi32(w.centre());
+  bool centred[RT];
+  for (int r = 0; r < RT; ++r)
+    centred[r] = CENTRING == Centring::kAll || (CENTRING == Centring::kSome && ((offsets >> (first + r)) & 1));
   __m512 total[RT];
   for (int64_t c = 0, begin = 0, end; begin < num_blocks; begin = end, ++c) {
     end = w.chain_end(c);
     __m512 acc[RT];
     for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = begin; b < end; ++b) {
-      // A centred row's sums start from -o T_h per half (kquant.h's o * T), the rest from zero: integers, so the
-      // same values as subtracting after.
       const __m512i zero = _mm512_setzero_si512();
-      const __m512i t_lo = _mm512_loadu_si512(x_halves + (2 * b) * kPanel);
-      const __m512i t_hi = _mm512_loadu_si512(x_halves + (2 * b + 1) * kPanel);
-      const __m512i start_lo = _mm512_sub_epi32(zero, _mm512_mullo_epi32(t_lo, centre));
-      const __m512i start_hi = _mm512_sub_epi32(zero, _mm512_mullo_epi32(t_hi, centre));
+      const __m512i start_lo = CENTRING == Centring::kNone ? zero : _mm512_loadu_si512(halves.starts + 2 * b * kPanel);
+      const __m512i start_hi =
+          CENTRING == Centring::kNone ? zero : _mm512_loadu_si512(halves.starts + (2 * b + 1) * kPanel);
       __m512i lo[RT], hi[RT];
       for (int r = 0; r < RT; ++r) {
-        const bool centred = (offsets >> (first + r)) & 1;
-        lo[r] = centred ? start_lo : zero;
-        hi[r] = centred ? start_hi : zero;
+        lo[r] = centred[r] ? start_lo : zero;
+        hi[r] = centred[r] ? start_hi : zero;
       }
       const uint32_t* block_words = words + 8 * kTileRows * b + first;
       const uint32_t* block_quads = quads + 8 * kPanel * b;
@@ -503,8 +515,8 @@ void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float*
       }
       const __m512 xs = _mm512_loadu_ps(x_scales + b * kPanel);
       const __m512 x_sum = _mm512_loadu_ps(x_terms + b * kPanel);
-      const __m512 x_min_lo = min16 ? _mm512_mul_ps(xs, _mm512_cvtepi32_ps(t_lo)) : x_sum;
-      const __m512 x_min_hi = min16 ? _mm512_mul_ps(xs, _mm512_cvtepi32_ps(t_hi)) : x_sum;
+      const __m512 x_min_lo = min16 ? _mm512_loadu_ps(halves.half_terms + 2 * b * kPanel) : x_sum;
+      const __m512 x_min_hi = min16 ? _mm512_loadu_ps(halves.half_terms + (2 * b + 1) * kPanel) : x_sum;
       for (int r = 0; r < RT; ++r) {
         const int row = first + r;
         const __m512 scale_lo = _mm512_set1_ps(scales[2 * b * kTileRows + row]);
@@ -527,21 +539,24 @@ void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float*
     for (int r = 0; r < std::min(RT, real_rows); ++r) y[(m0 + i) * w.N + n0 + r] = out[r][i];
 }
 
-// y [M, N] = x [M, K] @ a K-quant weight's [N, K]ᵀ with scales per 16 or centred rows: gemm_int8's panels (and
-// the sums of each block's two halves of rounded activations, per lane), tiles in parallel.
+// y [M, N] = x [M, K] @ a K-quant weight's [N, K]ᵀ with scales per 16 or centred rows: gemm_int8's panels and
+// their HalfTerms, formed once per panel rather than in every tile's blocks, then tiles in parallel.
 void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float* y, int num_threads) {
   const int64_t K = w.K, N = w.N, num_blocks = K / 32;
   const int64_t panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
   const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
   const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
   thread_local std::vector<uint32_t> scratch;
-  const int64_t scratch_words = num_panels * (panel_words + 4 * panel_blocks) + 16;
+  const int64_t scratch_words = num_panels * (panel_words + 6 * panel_blocks) + 16;
   if (scratch.size() < static_cast<size_t>(scratch_words)) scratch.resize(scratch_words);
   uint32_t* const quads =
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* const x_scales = reinterpret_cast<float*>(quads + num_panels * panel_words);
   float* const x_terms = x_scales + num_panels * panel_blocks;
-  int32_t* const x_halves = reinterpret_cast<int32_t*>(x_terms + num_panels * panel_blocks);
+  int32_t* const x_starts = reinterpret_cast<int32_t*>(x_terms + num_panels * panel_blocks);
+  float* const x_half_terms = reinterpret_cast<float*>(x_starts + num_panels * 2 * panel_blocks);
+  const __m512i centre = _mm512_set1_epi32(w.centre());
+  const uint16_t all_rows = 0xFFFF;
   const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -565,7 +580,10 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
         for (int64_t h = 0; h < 2 * num_blocks; ++h) {
           __m512i sums = _mm512_setzero_si512();
           for (int j = 0; j < 4; ++j) sums = _mm512_dpbusd_epi32(sums, ones, _mm512_loadu_si512(panel + (4 * h + j) * kPanel));
-          _mm512_storeu_si512(x_halves + p * 2 * panel_blocks + h * kPanel, sums);
+          const int64_t at = p * 2 * panel_blocks + h * kPanel;
+          _mm512_storeu_si512(x_starts + at, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(sums, centre)));
+          const __m512 xs = _mm512_loadu_ps(x_scales + p * panel_blocks + h / 2 * kPanel);
+          _mm512_storeu_ps(x_half_terms + at, _mm512_mul_ps(xs, _mm512_cvtepi32_ps(sums)));
         }
       }
 #pragma omp for schedule(guided, 2)
@@ -579,14 +597,25 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
           prefetch.lines = w.tile_bytes() / 64;
         }
         stage_kquant_tile(w, t, words.data(), scales.data(), mins.data());
+        const uint16_t offsets = w.offsets(t);
         for (int64_t m = 0; m < rows; m += kPanel) {
           const int64_t p = m / kPanel;
-          for (int first = 0; first < count; first += kRows)
-            kquant_int8_tile<kRows>(w, words.data(), scales.data(), mins.data(), w.offsets(t), first,
-                                    quads + p * panel_words, x_scales + p * panel_blocks, x_terms + p * panel_blocks,
-                                    x_halves + p * 2 * panel_blocks,
-                                    static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y, m0 + m, n0 + first,
-                                    count - first, p == 0 && first == 0 ? prefetch : TilePrefetch{});
+          const HalfTerms halves{x_starts + p * 2 * panel_blocks, x_half_terms + p * 2 * panel_blocks};
+          for (int first = 0; first < count; first += kRows) {
+            const auto run = [&](auto centring) {
+              kquant_int8_tile<kRows, decltype(centring)::value>(
+                  w, words.data(), scales.data(), mins.data(), offsets, first, quads + p * panel_words,
+                  x_scales + p * panel_blocks, x_terms + p * panel_blocks, halves,
+                  static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y, m0 + m, n0 + first, count - first,
+                  p == 0 && first == 0 ? prefetch : TilePrefetch{});
+            };
+            if (offsets == all_rows)
+              run(std::integral_constant<Centring, Centring::kAll>{});
+            else if (offsets == 0)
+              run(std::integral_constant<Centring, Centring::kNone>{});
+            else
+              run(std::integral_constant<Centring, Centring::kSome>{});
+          }
         }
       }
     }
