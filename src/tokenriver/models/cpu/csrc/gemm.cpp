@@ -405,7 +405,8 @@ inline void kquant_block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m5
 // The tile's 16 values d * sc of the scale run at `scales` and -(dmin * m) of the min run at `mins`, exact in float32,
 // as kquant.cpp forms them (d and dmin: the record's, converted once per record).
 inline __m512 kquant_scales(const int8_t* scales, __m512 d) {
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)))));
+  const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
 }
 inline __m512 kquant_mins(const KQuantWeight& w, const uint8_t* mins, __m512 dmin) {
   if (!w.has_mins) return _mm512_setzero_ps();
@@ -581,7 +582,8 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
           __m512i sums = _mm512_setzero_si512();
           for (int j = 0; j < 4; ++j) sums = _mm512_dpbusd_epi32(sums, ones, _mm512_loadu_si512(panel + (4 * h + j) * kPanel));
           const int64_t at = p * 2 * panel_blocks + h * kPanel;
-          _mm512_storeu_si512(x_starts + at, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(sums, centre)));
+          const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(sums, centre));
+          _mm512_storeu_si512(x_starts + at, start);
           const __m512 xs = _mm512_loadu_ps(x_scales + p * panel_blocks + h / 2 * kPanel);
           _mm512_storeu_ps(x_half_terms + at, _mm512_mul_ps(xs, _mm512_cvtepi32_ps(sums)));
         }
