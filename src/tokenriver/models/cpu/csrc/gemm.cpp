@@ -580,7 +580,8 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
                               x_scales + p * panel_blocks, x_terms + p * panel_blocks);
         for (int64_t h = 0; h < 2 * num_blocks; ++h) {
           __m512i sums = _mm512_setzero_si512();
-          for (int j = 0; j < 4; ++j) sums = _mm512_dpbusd_epi32(sums, ones, _mm512_loadu_si512(panel + (4 * h + j) * kPanel));
+          for (int j = 0; j < 4; ++j)
+            sums = _mm512_dpbusd_epi32(sums, ones, _mm512_loadu_si512(panel + (4 * h + j) * kPanel));
           const int64_t at = p * 2 * panel_blocks + h * kPanel;
           const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(sums, centre));
           _mm512_storeu_si512(x_starts + at, start);
