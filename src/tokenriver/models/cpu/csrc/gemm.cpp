@@ -402,20 +402,9 @@ inline void kquant_block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m5
   tokenriver::kquant_codes(w, t, b, codes);
 }
 
-// The tile's 16 values d * sc of the scale run at `scales` and -(dmin * m) of the min run at `mins`, exact in float32,
-// as kquant.cpp forms them (d and dmin: the record's, converted once per record).
-inline __m512 kquant_scales(const int8_t* scales, __m512 d) {
-  const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-}
-inline __m512 kquant_mins(const KQuantWeight& w, const uint8_t* mins, __m512 dmin) {
-  if (!w.has_mins) return _mm512_setzero_ps();
-  const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins)));
-  return _mm512_xor_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-0.0f));
-}
-inline __m512 load_halves(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using tokenriver::kquant_halves;
+using tokenriver::kquant_min_run;
+using tokenriver::kquant_scale_run;
 
 // stage_tile for a K-quant weight with scales per 32 and mins, no centred rows: the int4 tiles' staging. Read
 // through a local copy, as stage_tile above says why; d and dmin converted once per record of 8 blocks.
@@ -426,14 +415,14 @@ inline void stage_tile(const KQuantWeight& weight, int64_t t, int row0, uint32_t
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks(); ++b) {
     if (b % 8 == 0) {
-      d = load_halves(w.block_d(t, b));
-      dmin = load_halves(w.block_dmin(t, b));
+      d = kquant_halves(w.block_d(t, b));
+      dmin = kquant_halves(w.block_dmin(t, b));
     }
     __m512i codes[8];
     kquant_block_codes(w, t, b, codes);
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + 8 * S * b + row0 + S * k, codes[k]);
-    _mm512_storeu_ps(scales + S * b + row0, kquant_scales(w.block_scales(t, b, 0), d));
-    _mm512_storeu_ps(mins + S * b + row0, kquant_mins(w, w.block_mins(t, b, 0), dmin));
+    _mm512_storeu_ps(scales + S * b + row0, kquant_scale_run(w.block_scales(t, b, 0), d));
+    _mm512_storeu_ps(mins + S * b + row0, kquant_min_run(w.block_mins(t, b, 0), dmin));
   }
 }
 
@@ -444,15 +433,16 @@ void stage_kquant_tile(const KQuantWeight& weight, int64_t t, uint32_t* words, f
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks(); ++b) {
     if (b % 8 == 0) {
-      d = load_halves(w.block_d(t, b));
-      dmin = w.has_mins ? load_halves(w.block_dmin(t, b)) : _mm512_setzero_ps();
+      d = kquant_halves(w.block_d(t, b));
+      dmin = w.has_mins ? kquant_halves(w.block_dmin(t, b)) : _mm512_setzero_ps();
     }
     __m512i codes[8];
     kquant_block_codes(w, t, b, codes);
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + (8 * b + k) * kTileRows, codes[k]);
     for (int h = 0; h < 2; ++h) {
-      _mm512_storeu_ps(scales + (2 * b + h) * kTileRows, kquant_scales(w.block_scales(t, b, h), d));
-      _mm512_storeu_ps(mins + (2 * b + h) * kTileRows, kquant_mins(w, w.block_mins(t, b, h), dmin));
+      _mm512_storeu_ps(scales + (2 * b + h) * kTileRows, kquant_scale_run(w.block_scales(t, b, h), d));
+      const __m512 min = w.has_mins ? kquant_min_run(w.block_mins(t, b, h), dmin) : _mm512_setzero_ps();
+      _mm512_storeu_ps(mins + (2 * b + h) * kTileRows, min);
     }
   }
 }

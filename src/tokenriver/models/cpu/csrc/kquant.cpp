@@ -78,21 +78,14 @@ inline void block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i cod
   tokenriver::kquant_codes(w, t, b, codes);
 }
 
-inline __m512i load_scales(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m512 load_halves(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// The tile's 16 scales d * sc of half h of block b (exact in float32).
+// The tile's 16 scales d * sc of half h of block b.
 inline __m512 block_scale(const KQuantWeight& w, int64_t t, int64_t b, int h, __m512 d) {
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_scales(w.block_scales(t, b, h))));
+  return tokenriver::kquant_scale_run(w.block_scales(t, b, h), d);
 }
 
-// The tile's 16 mins -(dmin * m) of the run holding column 32 b + 16 h (exact in float32).
+// The tile's 16 mins -(dmin * m) of the run holding column 32 b + 16 h.
 inline __m512 block_min(const KQuantWeight& w, int64_t t, int64_t b, int h) {
-  const __m512 m = _mm512_cvtepi32_ps(
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_mins(t, b, h)))));
-  return _mm512_xor_ps(_mm512_mul_ps(load_halves(w.block_dmin(t, b)), m), _mm512_set1_ps(-0.0f));
+  return tokenriver::kquant_min_run(w.block_mins(t, b, h), tokenriver::kquant_halves(w.block_dmin(t, b)));
 }
 
 // Tile t's 16 rows against MT activation rows, into y (ld: y's row stride): kquant.h's arithmetic, a lane per row.
@@ -110,7 +103,7 @@ void kquant_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float*
     for (int64_t b = begin; b < end; ++b) {
       __m512i codes[8];
       block_codes(w, t, b, codes);
-      const __m512 d = load_halves(w.block_d(t, b));
+      const __m512 d = tokenriver::kquant_halves(w.block_d(t, b));
       const __m512 scale_lo = block_scale(w, t, b, 0, d);
       const __m512 scale_hi = SUB16 ? block_scale(w, t, b, 1, d) : scale_lo;
       const __m512 min = has_mins ? block_min(w, t, b, 0) : _mm512_setzero_ps();

@@ -105,6 +105,23 @@ struct KQuantWeight {
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 float16 values (a tile's d or dmin) as float32.
+inline __m512 kquant_halves(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// A tile's 16 values d * sc of the scale run at `scales` (exact in float32), the GEMV's and the GEMM's.
+inline __m512 kquant_scale_run(const int8_t* scales, __m512 d) {
+  const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+}
+
+// A tile's 16 values -(dmin * m) of the min run at `mins` (exact in float32).
+inline __m512 kquant_min_run(const uint8_t* mins, __m512 dmin) {
+  const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins)));
+  return _mm512_xor_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-0.0f));
+}
+
 // A tile block's 2-bit codes and their third bit (kquant_codes where low_bits is 2): codes[4h + j] is bits 2j, 2j + 1
 // of crumb vector h; the plane's bit k moves to bit 2 of codes[k].
 inline void kquant_crumb_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i codes[8]) {
