@@ -397,11 +397,7 @@ void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins
 // scales per 16 or centred rows (Q6_K, or parts fused with it) runs kquant_int8_tile, which sums each half of a block
 // apart. Every lane runs kquant.h's operations in kquant.cpp's order, so a row gets the GEMV's bits.
 
-// A K-quant tile's codes of block b, a vector per word (lanes: the tile's rows).
-inline void kquant_block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i codes[8]) {
-  tokenriver::kquant_codes(w, t, b, codes);
-}
-
+using tokenriver::kquant_codes;
 using tokenriver::kquant_halves;
 using tokenriver::kquant_min_run;
 using tokenriver::kquant_scale_run;
@@ -419,7 +415,7 @@ inline void stage_tile(const KQuantWeight& weight, int64_t t, int row0, uint32_t
       dmin = kquant_halves(w.block_dmin(t, b));
     }
     __m512i codes[8];
-    kquant_block_codes(w, t, b, codes);
+    kquant_codes(w, t, b, codes);
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + 8 * S * b + row0 + S * k, codes[k]);
     _mm512_storeu_ps(scales + S * b + row0, kquant_scale_run(w.block_scales(t, b, 0), d));
     _mm512_storeu_ps(mins + S * b + row0, kquant_min_run(w.block_mins(t, b, 0), dmin));
@@ -437,7 +433,7 @@ void stage_kquant_tile(const KQuantWeight& weight, int64_t t, uint32_t* words, f
       dmin = w.has_mins ? kquant_halves(w.block_dmin(t, b)) : _mm512_setzero_ps();
     }
     __m512i codes[8];
-    kquant_block_codes(w, t, b, codes);
+    kquant_codes(w, t, b, codes);
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + (8 * b + k) * kTileRows, codes[k]);
     for (int h = 0; h < 2; ++h) {
       _mm512_storeu_ps(scales + (2 * b + h) * kTileRows, kquant_scale_run(w.block_scales(t, b, h), d));
