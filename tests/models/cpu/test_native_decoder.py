@@ -503,23 +503,20 @@ KQUANT_MIXES = {
 }
 
 
-def kquant_tiny_model(down_kind: str = "Q6_K", mix: str = "Q4_K_M") -> LlamaForCausalLM:
-    """Two layers whose projections are K-quant weights at their own size (models/kquant.py), in one of
-    KQUANT_MIXES; int8 activations, the engine's default."""
+def kquant_tiny_model(down_kind: str = "Q6_K", mix: str = "Q4_K_M", family: str = "llama") -> torch.nn.Module:
+    """Two layers of Llama (or Gemma 3: GeGLU) whose projections are K-quant weights at their own size
+    (models/kquant.py), in one of KQUANT_MIXES; int8 activations, the engine's default."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models: kquant_weights
     from kquant_weights import random_kquant
 
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=96,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
+    sizes = dict(
+        vocab_size=96, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64
     )
-    model = randomize(LlamaForCausalLM(config))
+    if family == "gemma3":
+        gemma = dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=64, tie_word_embeddings=True, qk_norm=True)
+        model = randomize(GemmaForCausalLM(ModelConfig(architecture="gemma3", **gemma, **sizes)))
+    else:
+        model = randomize(LlamaForCausalLM(ModelConfig(architecture="llama", **sizes)))
     (qkv_kind, o_kind, gate_up_kind), (stacked_kind, v_kind) = KQUANT_MIXES[mix]
     kinds = {"qkv_proj": qkv_kind, "o_proj": o_kind, "gate_up_proj": gate_up_kind, "down_proj": down_kind}
     for i, layer in enumerate(model.model.layers):
@@ -544,12 +541,21 @@ def kquant_tiny_model(down_kind: str = "Q6_K", mix: str = "Q4_K_M") -> LlamaForC
 
 
 @pytest.mark.skipif(load_kernels() is None or not load_kernels().kquant, reason="K-quant kernels need AVX512-VNNI")
-@pytest.mark.parametrize(("down_kind", "mix"), [("Q6_K", "Q4_K_M"), ("Q5_K", "Q4_K_M"), ("Q2_K", "Q3_K_M")])
-def test_k_quant_layers_run_natively_with_the_module_paths_bits(down_kind, mix):
-    """With a Q5_K down projection the MLP's prompt steps also take the feature-major products (decoder.cpp's
-    mlp_feature_major: both K weights run as int4 tiles); with Q6_K's halves they take the row-major ones; Q2_K and
-    Q3_K take the halves' products over their 2-bit codes."""
-    model = kquant_tiny_model(down_kind, mix)
+@pytest.mark.parametrize(
+    ("down_kind", "mix", "family"),
+    [
+        ("Q6_K", "Q4_K_M", "llama"),
+        ("Q5_K", "Q4_K_M", "llama"),
+        ("Q2_K", "Q3_K_M", "llama"),
+        ("Q6_K", "Q3_K_M", "gemma3"),
+    ],
+)
+def test_k_quant_layers_run_natively_with_the_module_paths_bits(down_kind, mix, family):
+    """The MLP's prompt steps and GEMM-sized decode steps take the feature-major products (decoder.cpp's
+    mlp_feature_major) whatever the K types: SwiGLU (Gemma 3: GeGLU) in the gate/up product's tiles, Q4_K's int4
+    tiles or the halves' products of Q6_K, Q3_K and Q2_K (over their 2-bit codes), and a down product packing its
+    input from the feature-major intermediate; the modules run them row-major, with a pass of SwiGLU between."""
+    model = kquant_tiny_model(down_kind, mix, family)
     for ours, reference in zip(
         run_steps(model, REQUESTS, STEPS, native=True), run_steps(model, REQUESTS, STEPS, native=False)
     ):

@@ -62,7 +62,6 @@ void int4_gemm_int8x_geglu(const uint8_t*, const uint16_t*, const uint16_t*, con
 void int8_gemm_int8x_geglu(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                            int);
 void kquant_gemm_int8x(const tokenriver::KQuantWeight*, const float*, int64_t, float*, int);
-int kquant_runs_as_int4(const tokenriver::KQuantWeight*);
 void kquant_gemm_int8x_strided(const tokenriver::KQuantWeight*, const float*, int64_t, int64_t, float*, int);
 void kquant_gemm_int8x_gated(const tokenriver::KQuantWeight*, int64_t, int, const float*, int64_t, float*, int);
 void kquant_linear_int8x(const tokenriver::KQuantWeight*, const float*, int64_t, float*, int);
@@ -249,10 +248,8 @@ void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
 bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
   const Linear& gate_up = layer.gate_up;
   const Linear& down = layer.down;
-  // K-quants take these products where they run as the int4 tiles (gemm.cpp; not Q6_K's halves).
-  const auto takes = [](const Linear& l) { return l.kquant == nullptr || kquant_runs_as_int4(l.kquant); };
   // I a whole number of row tiles (tiles.h): a tile of gates then has its ups in one tile.
-  return takes(gate_up) && takes(down) && T > gate_up.max_gemv_rows && T > down.max_gemv_rows &&
+  return T > gate_up.max_gemv_rows && T > down.max_gemv_rows &&
          gate_up.gemm_rounding == 1 && down.gemm_rounding == 1 && gate_up.bias == nullptr && down.bias == nullptr &&
          I % 16 == 0;
 }

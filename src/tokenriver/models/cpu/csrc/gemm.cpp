@@ -457,14 +457,13 @@ struct HalfTerms {
   const float* half_terms;
 };
 
-// Staged rows [first, first + RT) of a tile against one panel's 16 activation rows (the first `valid` real), into
-// y [M, N] at rows m0.., columns n0.. (the first real_rows of the RT): kquant.cpp's per-16 arithmetic, a lane per
-// activation row.
+// Staged rows [first, first + RT) of a tile against one panel's 16 activation rows, into out [RT][16] (row r's sums
+// for the panel's rows, a vector each): kquant.cpp's per-16 arithmetic, a lane per activation row.
 template <int RT, Centring CENTRING>
 void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float* scales, const float* mins,
                       uint16_t offsets, int first, const uint32_t* quads, const float* x_scales,
-                      const float* x_terms, const HalfTerms& halves, int valid, float* y, int64_t m0, int64_t n0,
-                      int real_rows, const TilePrefetch& prefetch) {
+                      const float* x_terms, const HalfTerms& halves, float (*out)[kPanel],
+                      const TilePrefetch& prefetch) {
   const int64_t num_blocks = w.blocks();
   const int64_t lines_per_block = (prefetch.lines + num_blocks - 1) / num_blocks;
   const bool has_mins = w.has_mins, min16 = w.has_mins && w.min_group == 16;
@@ -520,16 +519,50 @@ void kquant_int8_tile(const KQuantWeight& w, const uint32_t* words, const float*
     }
     for (int r = 0; r < RT; ++r) total[r] = c == 0 ? acc[r] : _mm512_add_ps(total[r], acc[r]);
   }
-  alignas(64) float out[RT][kPanel];
   for (int r = 0; r < RT; ++r) _mm512_store_ps(out[r], total[r]);
-  for (int i = 0; i < valid; ++i)
-    for (int r = 0; r < std::min(RT, real_rows); ++r) y[(m0 + i) * w.N + n0 + r] = out[r][i];
+}
+
+// A K-quant tile staged for kquant_int8_tile (stage_kquant_tile), with its rows' centring (kquant.h's offsets).
+struct StagedKTile {
+  std::vector<uint32_t> words;
+  std::vector<float> scales, mins;
+  uint16_t offsets = 0;
+
+  void stage(const KQuantWeight& w, int64_t t) {
+    grow(words, kTileRows * w.K / 4);
+    grow(scales, 2 * kTileRows * w.blocks());
+    grow(mins, 2 * kTileRows * w.blocks());
+    stage_kquant_tile(w, t, words.data(), scales.data(), mins.data());
+    offsets = w.offsets(t);
+  }
+};
+
+// Rows [first, first + kRows) of a staged tile against one panel, into out: kquant_int8_tile for the tile's
+// centring.
+void kquant_panel_rows(const KQuantWeight& w, const StagedKTile& tile, int first, const uint32_t* quads,
+                       const float* x_scales, const float* x_terms, const HalfTerms& halves, float (*out)[kPanel],
+                       const TilePrefetch& prefetch) {
+  const auto run = [&](auto centring) {
+    kquant_int8_tile<kRows, decltype(centring)::value>(w, tile.words.data(), tile.scales.data(), tile.mins.data(),
+                                                       tile.offsets, first, quads, x_scales, x_terms, halves, out,
+                                                       prefetch);
+  };
+  if (tile.offsets == 0xFFFF)
+    run(std::integral_constant<Centring, Centring::kAll>{});
+  else if (tile.offsets == 0)
+    run(std::integral_constant<Centring, Centring::kNone>{});
+  else
+    run(std::integral_constant<Centring, Centring::kSome>{});
 }
 
 // y [M, N] = x [M, K] @ a K-quant weight's [N, K]ᵀ with scales per 16 or centred rows: gemm_int8's panels and
-// their HalfTerms, formed once per panel rather than in every tile's blocks, then tiles in parallel.
-void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float* y, int num_threads) {
-  const int64_t K = w.K, N = w.N, num_blocks = K / 32;
+// their HalfTerms, formed once per panel rather than in every tile's blocks, then tiles in parallel. x_ld,
+// swiglu_up and gelu as gemm_int8 takes them: x feature-major, and a gated MLP's gate/up product writing
+// silu(gate) * up (gelu_tanh(gate) * up) feature-major; here a tile of gates and the tile of their ups are staged
+// side by side, and each run of kRows gates meets its ups' sums in registers. The same values either way.
+void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float* y, int num_threads, int64_t x_ld = 0,
+                        int64_t swiglu_up = 0, bool gelu = false) {
+  const int64_t K = w.K, N = swiglu_up > 0 ? swiglu_up : w.N, num_blocks = K / 32;
   const int64_t panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
   const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
   const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
@@ -543,18 +576,14 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
   int32_t* const x_starts = reinterpret_cast<int32_t*>(x_terms + num_panels * panel_blocks);
   float* const x_half_terms = reinterpret_cast<float*>(x_starts + num_panels * 2 * panel_blocks);
   const __m512i centre = _mm512_set1_epi32(w.centre());
-  const uint16_t all_rows = 0xFFFF;
   const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
 #pragma omp parallel num_threads(num_threads)
   {
     thread_local std::vector<int8_t> xq;
-    thread_local std::vector<float> xscale, scales, mins;
-    thread_local std::vector<uint32_t> words;
+    thread_local std::vector<float> xscale;
+    thread_local StagedKTile gates, ups;
     grow(xq, kPanel * K);
     grow(xscale, kPanel * num_blocks);
-    grow(words, kTileRows * K / 4);
-    grow(scales, 2 * kTileRows * num_blocks);
-    grow(mins, 2 * kTileRows * num_blocks);
     const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
@@ -562,8 +591,12 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
       for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p) {
         const int64_t valid = std::min<int64_t>(kPanel, rows - p * kPanel);
         uint32_t* panel = quads + p * panel_words;
-        pack_int8_panel<true>(x + (m0 + p * kPanel) * K, valid, K, xq.data(), xscale.data(), panel,
-                              x_scales + p * panel_blocks, x_terms + p * panel_blocks);
+        if (x_ld > 0)
+          pack_int8_panel_t<true>(x + m0 + p * kPanel, x_ld, valid, K, panel, x_scales + p * panel_blocks,
+                                  x_terms + p * panel_blocks);
+        else
+          pack_int8_panel<true>(x + (m0 + p * kPanel) * K, valid, K, xq.data(), xscale.data(), panel,
+                                x_scales + p * panel_blocks, x_terms + p * panel_blocks);
         for (int64_t h = 0; h < 2 * num_blocks; ++h) {
           __m512i sums = _mm512_setzero_si512();
           for (int j = 0; j < 4; ++j)
@@ -577,33 +610,47 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
       }
 #pragma omp for schedule(guided, 2)
       for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t n0 = t * kTileRows;
+        const int64_t n0 = t * kTileRows, up_tile = swiglu_up / kTileRows + t;
         const int count = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
-        // The tile after next, into L2 over the first panel's blocks, as gemm_int8's tiles fetch theirs.
-        TilePrefetch prefetch;
+        // The tiles after next, into L2 over the first panel's blocks, as gemm_int8's tiles fetch theirs.
+        TilePrefetch prefetch, up_prefetch;
         if (t + 2 < num_tiles) {
           prefetch.starts[0] = reinterpret_cast<const char*>(w.super(t + 2, 0));
           prefetch.lines = w.tile_bytes() / 64;
+          if (swiglu_up > 0) {
+            up_prefetch.starts[0] = reinterpret_cast<const char*>(w.super(up_tile + 2, 0));
+            up_prefetch.lines = prefetch.lines;
+          }
         }
-        stage_kquant_tile(w, t, words.data(), scales.data(), mins.data());
-        const uint16_t offsets = w.offsets(t);
+        gates.stage(w, t);
+        if (swiglu_up > 0) ups.stage(w, up_tile);
         for (int64_t m = 0; m < rows; m += kPanel) {
           const int64_t p = m / kPanel;
+          const int valid = static_cast<int>(std::min<int64_t>(kPanel, rows - m));
           const HalfTerms halves{x_starts + p * 2 * panel_blocks, x_half_terms + p * 2 * panel_blocks};
+          const uint32_t* panel = quads + p * panel_words;
+          const float* panel_scales = x_scales + p * panel_blocks;
+          const float* panel_terms = x_terms + p * panel_blocks;
           for (int first = 0; first < count; first += kRows) {
-            const auto run = [&](auto centring) {
-              kquant_int8_tile<kRows, decltype(centring)::value>(
-                  w, words.data(), scales.data(), mins.data(), offsets, first, quads + p * panel_words,
-                  x_scales + p * panel_blocks, x_terms + p * panel_blocks, halves,
-                  static_cast<int>(std::min<int64_t>(kPanel, rows - m)), y, m0 + m, n0 + first, count - first,
-                  p == 0 && first == 0 ? prefetch : TilePrefetch{});
-            };
-            if (offsets == all_rows)
-              run(std::integral_constant<Centring, Centring::kAll>{});
-            else if (offsets == 0)
-              run(std::integral_constant<Centring, Centring::kNone>{});
-            else
-              run(std::integral_constant<Centring, Centring::kSome>{});
+            const bool fetches = p == 0 && first == 0;
+            const int real_rows = std::min(kRows, count - first);
+            alignas(64) float sums[kRows][kPanel];
+            kquant_panel_rows(w, gates, first, panel, panel_scales, panel_terms, halves, sums,
+                              fetches ? prefetch : TilePrefetch{});
+            if (swiglu_up == 0) {
+              for (int i = 0; i < valid; ++i)
+                for (int r = 0; r < real_rows; ++r) y[(m0 + m + i) * N + n0 + first + r] = sums[r][i];
+              continue;
+            }
+            alignas(64) float up_sums[kRows][kPanel];
+            kquant_panel_rows(w, ups, first, panel, panel_scales, panel_terms, halves, up_sums,
+                              fetches ? up_prefetch : TilePrefetch{});
+            const __mmask16 lanes = static_cast<__mmask16>(valid >= kPanel ? 0xFFFF : (1u << valid) - 1);
+            for (int r = 0; r < real_rows; ++r) {
+              const __m512 gate = _mm512_load_ps(sums[r]), up = _mm512_load_ps(up_sums[r]);
+              _mm512_mask_storeu_ps(y + (n0 + first + r) * M + m0 + m, lanes,
+                                    gelu ? tokenriver::gelu_tanh_times(gate, up) : tokenriver::silu_times(gate, up));
+            }
           }
         }
       }
@@ -857,21 +904,23 @@ void kquant_gemm_int8x(const KQuantWeight* w, const float* x, int64_t M, float* 
     gemm_kquant_halves(x, M, *w, y, num_threads);
 }
 
-// Whether a K-quant weight runs as the int4 tiles (scales per 32 with mins, no centred rows: Q4_K, Q5_K), and so
-// takes the feature-major products below as int4_gemm_int8x_strided and _swiglu / _geglu do (the decoder's MLP).
-int kquant_runs_as_int4(const KQuantWeight* w) { return runs_as_int4(*w) ? 1 : 0; }
-
-// kquant_gemm_int8x with x stored feature-major ([K, x_ld]); the weight runs as int4 (kquant_runs_as_int4).
+// kquant_gemm_int8x with x stored feature-major ([K, x_ld]): the same values.
 void kquant_gemm_int8x_strided(const KQuantWeight* w, const float* x, int64_t M, int64_t x_ld, float* y,
                                int num_threads) {
-  gemm_int8<true>(x, M, *w, y, num_threads, x_ld);
+  if (runs_as_int4(*w))
+    gemm_int8<true>(x, M, *w, y, num_threads, x_ld);
+  else
+    gemm_kquant_halves(x, M, *w, y, num_threads, x_ld);
 }
 
 // y [I, M] (feature-major) = silu(x Wᵀ [:, :I]) * x Wᵀ [:, I:2I] (gelu_tanh with gelu) for a fused gate/up K-quant
-// weight [2I, K] that runs as int4: int4_gemm_int8x_swiglu's values.
+// weight [2I, K], I a multiple of 16: kquant_gemm_int8x's values and ops.cpp's SwiGLU (GeGLU).
 void kquant_gemm_int8x_gated(const KQuantWeight* w, int64_t I, int gelu, const float* x, int64_t M, float* y,
                              int num_threads) {
-  gemm_int8<true>(x, M, *w, y, num_threads, 0, I, gelu != 0);
+  if (runs_as_int4(*w))
+    gemm_int8<true>(x, M, *w, y, num_threads, 0, I, gelu != 0);
+  else
+    gemm_kquant_halves(x, M, *w, y, num_threads, 0, I, gelu != 0);
 }
 
 int gemm_int8x_supported() { return 1; }
