@@ -80,6 +80,11 @@ def test_the_layer_refuses_fields_that_do_not_fit():
         KQuantLinear(KQuantWeight(**{**crumbs.fields(), "high2": crumbs.high1}, scale_group=16, low_bits=2))
     with pytest.raises(InvalidParameterError, match="offsets are 0 or its codes' centre 4"):
         KQuantLinear(KQuantWeight(**{**crumbs.fields(), "offsets": crumbs.offsets * 8}, scale_group=16, low_bits=2))
+    # 2-bit codes fold their scales into a byte (models/cpu/csrc/gemm.cpp): Q3_K's and Q2_K's ranges only.
+    with pytest.raises(InvalidParameterError, match="scales in -32..31"):
+        KQuantLinear(KQuantWeight(**{**crumbs.fields(), "scales": crumbs.scales * 4}, scale_group=16, low_bits=2))
+    with pytest.raises(InvalidParameterError, match="no high bits in its uncentred rows"):
+        KQuantLinear(KQuantWeight(**{**crumbs.fields(), "offsets": crumbs.offsets * 0}, scale_group=16, low_bits=2))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -88,6 +93,7 @@ def test_the_reference_product_is_f_linear_on_the_dequantized_weight(kind, int8_
     weight = random_kquant(24, 512, kind, seed=4)
     layer = KQuantLinear(weight, backend="reference", int8_activations=int8_activations)
     x = torch.randn(5, 512)
-    rounded = round_activations_int8(x) if int8_activations else x
+    rounded = round_activations_int8(x, layer.activation_run) if int8_activations else x
     assert torch.equal(layer(x), F.linear(rounded, weight.dequantize()))
+    assert layer.activation_run == (256 if kind in ("Q2_K", "Q3_K") else 32)
     assert torch.equal(layer.dequantize_rows(torch.tensor([3, 0, 23])), weight.dequantize()[[3, 0, 23]])

@@ -27,9 +27,12 @@ v projections at Q6_K beside Q4_K q and k) holds each part's values exactly: the
 fields a part lacks zero, codes as wide as the widest part's, scales and mins per 16 where any part has them.
 
 The layer (`KQuantLinear`) computes y = x @ dequantized(W)ᵀ with the activations rounded to int8 per 32 columns,
-as the engine's default arithmetic does (quant.py's module docstring): on the CPU's fast path by the products of
-models/cpu/csrc/kquant.h (one arithmetic per row, whatever the batch); elsewhere, and with exact float32
-activations, by the reference: dequantize, then F.linear.
+as the engine's default arithmetic does (quant.py's module docstring), or per super-block of 256 where the codes
+have 2 low bits (Q2_K, Q3_K, and fused projections of only those): there a row's super-block sum is one exact
+integer, each code times its scale folded into a byte (so their scales must lie in -32..31 and an uncentred row's
+codes in 0..3, as the file's do). On the CPU's fast path by the products of models/cpu/csrc/kquant.h (one
+arithmetic per row, whatever the batch); elsewhere, and with exact float32 activations, by the reference:
+dequantize, then F.linear.
 """
 
 from __future__ import annotations
@@ -423,6 +426,19 @@ def _check_fields(weight: KQuantWeight) -> None:
         raise InvalidParameterError(
             f"a K-quant weight's offsets are 0 or its codes' centre {weight.centre}", param="weight"
         )
+    if weight.low_bits == 2 and not _folds(weight):
+        raise InvalidParameterError(
+            "a K-quant weight with 2-bit codes has scales in -32..31 and no high bits in its uncentred rows "
+            "(Q2_K's and Q3_K's: each code times its scale then fits a byte, models/cpu/csrc/gemm.cpp)",
+            param="weight",
+        )
+
+
+def _folds(weight: KQuantWeight) -> bool:
+    """Whether each code minus its row's offset times its scale lies in -127..128 (Q2_K's and Q3_K's fields)."""
+    scales_fit = bool(((weight.scales >= -32) & (weight.scales <= 31)).all())
+    uncentred = weight.offsets == 0
+    return scales_fit and (weight.high1 is None or not bool(weight.high1[uncentred].any()))
 
 
 class KQuantLinear(QuantizedLinear):
@@ -451,8 +467,10 @@ class KQuantLinear(QuantizedLinear):
         super().__init__(
             in_features, out_features, bias, backend, max_gemv_rows, int8_activations, weight.records.device
         )
-        # The activations' rounding runs 32 columns (quant.py's group_size is that of the scales; here two levels).
-        self.group_size = GGUF_BLOCK
+        # The activations' rounding runs (module docstring): a run per super-block for 2-bit codes, else 32 columns.
+        # quant.py's group_size is that of the scales, two levels here: the run is the unit a row's sum is cut in.
+        self.activation_run = SUPER_BLOCK if weight.layout.low_bits == 2 else GGUF_BLOCK
+        self.group_size = self.activation_run
         self.record_layout = weight.layout
         self.register_buffer("qweight", weight.records.contiguous())  # [N, K // 256, record] uint8 (rows layout)
         self.register_buffer("offsets", weight.offsets.contiguous())  # [N] uint8

@@ -150,13 +150,14 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int
     return (values * scales.float()[:, :, None]).reshape(num_rows, -1)
 
 
-def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
-    """The values the int8-activation kernels compute with: round(x / s) * s, s = max|x| / 127 per 32 columns.
+def round_activations_int8(x: torch.Tensor, run: int = GGUF_BLOCK) -> torch.Tensor:
+    """The values the int8-activation kernels compute with: round(x / s) * s, s = max|x| / 127 per `run` columns
+    (32; 256 for models/kquant.py's weights with 2-bit codes).
 
-    x [M, K] float32, K a multiple of 32 → [M, K] float32. Division and round-half-to-even as in gemv.cpp.
+    x [M, K] float32, K a multiple of run → [M, K] float32. Division and round-half-to-even as in gemv.cpp.
     """
-    runs = x.reshape(x.shape[0], -1, GGUF_BLOCK)  # [M, K // 32, 32]
-    scale = runs.abs().amax(dim=-1, keepdim=True) / 127  # [M, K // 32, 1]
+    runs = x.reshape(x.shape[0], -1, run)  # [M, K // run, run]
+    scale = runs.abs().amax(dim=-1, keepdim=True) / 127  # [M, K // run, 1]
     rounded = torch.where(scale > 0, torch.round(runs / torch.where(scale > 0, scale, 1.0)), 0.0)
     return (rounded * scale).reshape(x.shape)
 
@@ -369,6 +370,8 @@ class QuantizedLinear(nn.Module):
 
     # Which packed format the buffers hold: "int4" (with int5), "int8" or "kquant"; a fast path binds by it.
     packing: str
+    # The columns the int8 activations are rounded in (round_activations_int8).
+    activation_run = GGUF_BLOCK
 
     def __init__(
         self,
@@ -476,12 +479,15 @@ class QuantizedLinear(nn.Module):
 
     def split_row_chains(self, ends: list[int] | None) -> None:
         """Sum each row of the int8-activation products in sub-chains ending at these blocks of 32 columns, their
-        results added in order (models/row_chains.py), or in one chain (None)."""
+        results added in order (models/row_chains.py), or in one chain (None). A layer whose activations round in
+        longer runs (activation_run) sums whole runs: its chains end at the run boundaries among `ends`."""
         if ends is not None and (ends != sorted(set(ends)) or ends[0] <= 0 or ends[-1] * 32 != self.in_features):
             raise InvalidParameterError(
                 f"sub-chain ends must rise to in_features / 32 = {self.in_features // 32}, got {ends}", param="ends"
             )
-        self.chain_ends = None if ends is None else torch.tensor(ends, dtype=torch.int64)
+        if ends is not None:
+            ends = [end for end in ends if end % (self.activation_run // GGUF_BLOCK) == 0]
+        self.chain_ends = None if ends is None or len(ends) == 1 else torch.tensor(ends, dtype=torch.int64)
         self.rebind()
 
     def set_int8_activations(self, enabled: bool) -> None:
@@ -520,7 +526,7 @@ class QuantizedLinear(nn.Module):
         """Dequantize with torch ops and F.linear, rounding as the native product would: any device, and the
         definition the kernels are tested against."""
         if rounding == "int8":
-            return F.linear(round_activations_int8(rows), self.dequantize())
+            return F.linear(round_activations_int8(rows, self.activation_run), self.dequantize())
         return F.linear(rows, self.dequantize())
 
     def extra_repr(self) -> str:

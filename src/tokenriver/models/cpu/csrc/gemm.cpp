@@ -181,17 +181,18 @@ void gemm(const float* x, int64_t M, const TiledWeight& weight, float* y, int nu
 //   every weight row. Against offsetting the activations and subtracting 128 times each weight row's block sum in
 //   float, the same exact sums with one float operation fewer per block and row.
 
-// Activation rows [0, valid) of x (K columns) rounded and packed into one panel; rows past valid are zero.
-// xq [16, K] and xscale [16, K/32] are scratch.
+// Activation rows [0, valid) of x (K columns) rounded per run of 32 columns (run: a multiple of 32) and packed into
+// one panel, with each run's scales ([K/run, 16]) and each block's terms; rows past valid are zero. xq [16, K] and
+// xscale [16, K/32] are scratch.
 template <bool IS_INT4>
 void pack_int8_panel(const float* x, int64_t valid, int64_t K, int8_t* xq, float* xscale, uint32_t* quads,
-                     float* scales, float* terms) {
-  const int64_t num_blocks = K / 32;
+                     float* scales, float* terms, int64_t run = 32) {
+  const int64_t num_blocks = K / 32, per_run = run / 32;
   for (int64_t i = 0; i < kPanel; ++i) {
     int8_t* row = xq + i * K;
     float* row_scales = xscale + i * num_blocks;
     if (i < valid) {
-      quantize_activations(x + i * K, 1, K, row, row_scales);
+      quantize_activations(x + i * K, 1, K, row, row_scales, run);
     } else {
       memset(row, 0, K);
       for (int64_t b = 0; b < num_blocks; ++b) row_scales[b] = 0.0f;
@@ -199,8 +200,9 @@ void pack_int8_panel(const float* x, int64_t valid, int64_t K, int8_t* xq, float
     for (int64_t b = 0; b < num_blocks; ++b) {
       int32_t total = 0;
       for (int j = 0; j < 32; ++j) total += row[32 * b + j];
-      scales[b * kPanel + i] = row_scales[b];
-      terms[b * kPanel + i] = IS_INT4 ? row_scales[b] * static_cast<float>(total) : static_cast<float>(-128 * total);
+      const float scale = row_scales[b / per_run];
+      if (b % per_run == 0) scales[b / per_run * kPanel + i] = scale;
+      terms[b * kPanel + i] = IS_INT4 ? scale * static_cast<float>(total) : static_cast<float>(-128 * total);
     }
   }
   // Eight words (32 columns) of eight rows at a time, transposed through registers.
@@ -222,37 +224,37 @@ void pack_int8_panel(const float* x, int64_t valid, int64_t K, int8_t* xq, float
 // from four vectors of rows.
 template <bool IS_INT4>
 void pack_int8_panel_t(const float* x, int64_t ld, int64_t valid, int64_t K, uint32_t* quads, float* scales,
-                       float* terms) {
+                       float* terms, int64_t run = 32) {
   const __mmask16 lanes = static_cast<__mmask16>(valid >= kPanel ? 0xFFFF : (1u << valid) - 1);
   const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   const __m512i low_byte = _mm512_set1_epi32(0xFF);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    __m512 v[32];
+  for (int64_t r = 0; r < K / run; ++r) {
     __m512 largest = _mm512_setzero_ps();
-    for (int k = 0; k < 32; ++k) {
-      v[k] = _mm512_maskz_loadu_ps(lanes, x + (32 * b + k) * ld);
-      largest = _mm512_max_ps(largest, _mm512_and_ps(v[k], magnitude));
-    }
+    for (int64_t k = run * r; k < run * (r + 1); ++k)
+      largest = _mm512_max_ps(largest, _mm512_and_ps(_mm512_maskz_loadu_ps(lanes, x + k * ld), magnitude));
     const __m512 scale = _mm512_div_ps(largest, _mm512_set1_ps(127.0f));
     const __m512 divisor =
         _mm512_mask_blend_ps(_mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_EQ_OQ), scale, _mm512_set1_ps(1.0f));
-    __m512i total = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
-      __m512i q[4];
-      for (int c = 0; c < 4; ++c) {
-        q[c] = _mm512_cvtps_epi32(_mm512_div_ps(v[4 * j + c], divisor));
-        total = _mm512_add_epi32(total, q[c]);
+    _mm512_storeu_ps(scales + r * kPanel, scale);
+    for (int64_t b = run / 32 * r; b < run / 32 * (r + 1); ++b) {
+      __m512i total = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        __m512i q[4];
+        for (int c = 0; c < 4; ++c) {
+          const __m512 v = _mm512_maskz_loadu_ps(lanes, x + (32 * b + 4 * j + c) * ld);
+          q[c] = _mm512_cvtps_epi32(_mm512_div_ps(v, divisor));
+          total = _mm512_add_epi32(total, q[c]);
+        }
+        // Lane i: row i's four rounded values as the bytes of one word, the first column lowest.
+        __m512i word = _mm512_slli_epi32(q[3], 24);
+        for (int c = 0; c < 3; ++c)
+          word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(q[c], low_byte), 8 * c));
+        _mm512_storeu_si512(quads + (8 * b + j) * kPanel, word);
       }
-      // Lane i: row i's four rounded values as the bytes of one word, the first column lowest.
-      __m512i word = _mm512_slli_epi32(q[3], 24);
-      for (int c = 0; c < 3; ++c)
-        word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(q[c], low_byte), 8 * c));
-      _mm512_storeu_si512(quads + (8 * b + j) * kPanel, word);
+      const __m512i offset_total = _mm512_mullo_epi32(total, _mm512_set1_epi32(-128));
+      _mm512_storeu_ps(terms + b * kPanel,
+                       IS_INT4 ? _mm512_mul_ps(scale, _mm512_cvtepi32_ps(total)) : _mm512_cvtepi32_ps(offset_total));
     }
-    _mm512_storeu_ps(scales + b * kPanel, scale);
-    const __m512i offset_total = _mm512_mullo_epi32(total, _mm512_set1_epi32(-128));
-    _mm512_storeu_ps(terms + b * kPanel,
-                     IS_INT4 ? _mm512_mul_ps(scale, _mm512_cvtepi32_ps(total)) : _mm512_cvtepi32_ps(offset_total));
   }
 }
 
@@ -448,7 +450,7 @@ void stage_kquant_tile(const KQuantWeight& weight, int64_t t, uint32_t* words, f
 // block.
 enum class Centring { kAll, kNone, kSome };
 
-// A panel's terms of each block's halves, the same for every weight row (gemm_kquant_halves forms them once per
+// A panel's terms of each block's halves, the same for every weight row (gemm_kquant forms them once per
 // panel): starts [K/32][2][16], minus the centre times the half's sum of rounded activations T_h (a centred row's
 // integer sums start there: kquant.h's o * T, subtracted as integers, so the same values as after); half_terms
 // [K/32][2][16], the activation scale times T_h (what a min per 16 multiplies).
@@ -538,14 +540,20 @@ struct StagedKTile {
 };
 
 // Rows [first, first + kRows) of a staged tile against one panel, into out: kquant_int8_tile for the tile's
-// centring.
-void kquant_panel_rows(const KQuantWeight& w, const StagedKTile& tile, int first, const uint32_t* quads,
-                       const float* x_scales, const float* x_terms, const HalfTerms& halves, float (*out)[kPanel],
-                       const TilePrefetch& prefetch) {
+// centring. terms: the panel's scales, block terms and HalfTerms.
+struct HalvesPanel {
+  const uint32_t* quads;
+  const float* x_scales;
+  const float* x_terms;
+  HalfTerms halves;
+};
+
+void kquant_panel_rows(const KQuantWeight& w, const StagedKTile& tile, int first, const HalvesPanel& panel,
+                       float (*out)[kPanel], const TilePrefetch& prefetch) {
   const auto run = [&](auto centring) {
     kquant_int8_tile<kRows, decltype(centring)::value>(w, tile.words.data(), tile.scales.data(), tile.mins.data(),
-                                                       tile.offsets, first, quads, x_scales, x_terms, halves, out,
-                                                       prefetch);
+                                                       tile.offsets, first, panel.quads, panel.x_scales,
+                                                       panel.x_terms, panel.halves, out, prefetch);
   };
   if (tile.offsets == 0xFFFF)
     run(std::integral_constant<Centring, Centring::kAll>{});
@@ -555,14 +563,204 @@ void kquant_panel_rows(const KQuantWeight& w, const StagedKTile& tile, int first
     run(std::integral_constant<Centring, Centring::kSome>{});
 }
 
-// y [M, N] = x [M, K] @ a K-quant weight's [N, K]ᵀ with scales per 16 or centred rows: gemm_int8's panels and
-// their HalfTerms, formed once per panel rather than in every tile's blocks, then tiles in parallel. x_ld,
-// swiglu_up and gelu as gemm_int8 takes them: x feature-major, and a gated MLP's gate/up product writing
-// silu(gate) * up (gelu_tanh(gate) * up) feature-major; here a tile of gates and the tile of their ups are staged
-// side by side, and each run of kRows gates meets its ups' sums in registers. The same values either way.
-void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float* y, int num_threads, int64_t x_ld = 0,
-                        int64_t swiglu_up = 0, bool gelu = false) {
-  const int64_t K = w.K, N = swiglu_up > 0 ? swiglu_up : w.N, num_blocks = K / 32;
+// ---- 2-bit codes (Q2_K, Q3_K): one integer sum per super-block -------------------------------------------------
+//
+// A weight of 2-bit codes rounds its activations per super-block (kquant.h), so a row's super-block sum S is one
+// exact integer: each code's value (q - o) times its half's scale, times the rounded activation. Staged, each code
+// becomes that product plus 127, an unsigned byte (Q3_K's (q - 4) sc lies in -124..128, Q2_K's q sc in 0..45;
+// models/kquant.py refuses fields outside them), so dpbusd sums S + 127 T at once, from the panel's -127 T: no
+// conversion, product or FMA per block. The mins' sum M = Σ m_h T_h takes eight dpwssd a super-block over the
+// panel's half sums T_h, two to a word. Then per super-block the GEMV's two FMAs.
+
+// A panel's terms for crumb_tile, the same for every weight row, per super-block s: starts [K/256][16], -127 T_s,
+// and t_pairs [K/256][8][16], the half sums T_h of block 8 s + i two to a word (T_2i | T_2i+1 << 16, int16 each:
+// |T_h| <= 16 * 127).
+struct CrumbPanel {
+  const uint32_t* quads;
+  const float* x_scales;  // [K/256][16]
+  const int32_t* starts;
+  const uint32_t* t_pairs;
+};
+
+// Tile t staged for crumb_tile: words [K/32][8][16] (each code (q - o) sc + 127, as the int4 tiles' words lie), d
+// and dmin per super-block [K/256][16] as floats, and min_pairs [K/256][8][16] (block 8 s + i's two halves' mins,
+// m_0 | m_1 << 16).
+struct StagedCrumbTile {
+  std::vector<uint32_t> words, min_pairs;
+  std::vector<float> d, dmin;
+
+  void stage(const KQuantWeight& weight, int64_t t);
+};
+
+void StagedCrumbTile::stage(const KQuantWeight& weight, int64_t t) {
+  const KQuantWeight w = weight;
+  const int64_t supers = w.K / 256;
+  grow(words, kTileRows * w.K / 4);
+  grow(min_pairs, 8 * kTileRows * supers);
+  grow(d, kTileRows * supers);
+  grow(dmin, kTileRows * supers);
+  // Lane j of a 32-lane int16 vector holds a byte of row j / 4: of rows 0-7 in the low half of a code word's vector,
+  // of rows 8-15 in the high half.
+  alignas(64) int16_t rows_lo[32], rows_hi[32];
+  uint32_t centred_lo = 0, centred_hi = 0;
+  for (int j = 0; j < 32; ++j) {
+    rows_lo[j] = static_cast<int16_t>(j / 4);
+    rows_hi[j] = static_cast<int16_t>(8 + j / 4);
+    centred_lo |= ((w.offsets(t) >> (j / 4)) & 1u) << j;
+    centred_hi |= ((w.offsets(t) >> (8 + j / 4)) & 1u) << j;
+  }
+  const __m512i lane_lo = _mm512_load_si512(rows_lo), lane_hi = _mm512_load_si512(rows_hi);
+  const __m512i centre_lo = _mm512_maskz_mov_epi16(centred_lo, _mm512_set1_epi16(static_cast<int16_t>(w.centre())));
+  const __m512i centre_hi = _mm512_maskz_mov_epi16(centred_hi, _mm512_set1_epi16(static_cast<int16_t>(w.centre())));
+  // packus interleaves its operands' 128-bit lanes; this puts the 64-bit groups back in order.
+  const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  for (int64_t b = 0; b < w.blocks(); ++b) {
+    const int64_t s = b / 8;
+    if (b % 8 == 0) {
+      _mm512_storeu_ps(d.data() + s * kTileRows, kquant_halves(w.block_d(t, b)));
+      if (w.has_mins) _mm512_storeu_ps(dmin.data() + s * kTileRows, kquant_halves(w.block_dmin(t, b)));
+    }
+    __m512i codes[8];
+    kquant_codes(w, t, b, codes);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_scales(t, b, h)));
+      const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(scales));
+      const __m512i sc_lo = _mm512_permutexvar_epi16(lane_lo, sc), sc_hi = _mm512_permutexvar_epi16(lane_hi, sc);
+      // (q - o) sc + 127 = q sc + (127 - o sc).
+      const __m512i bias_lo = _mm512_sub_epi16(_mm512_set1_epi16(127), _mm512_mullo_epi16(centre_lo, sc_lo));
+      const __m512i bias_hi = _mm512_sub_epi16(_mm512_set1_epi16(127), _mm512_mullo_epi16(centre_hi, sc_hi));
+      for (int j = 0; j < 4; ++j) {
+        const __m512i code = codes[4 * h + j];
+        const __m512i lo = _mm512_add_epi16(
+            _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(code)), sc_lo), bias_lo);
+        const __m512i hi = _mm512_add_epi16(
+            _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(code, 1)), sc_hi), bias_hi);
+        _mm512_storeu_si512(words.data() + (8 * b + 4 * h + j) * kTileRows,
+                            _mm512_permutexvar_epi64(order, _mm512_packus_epi16(lo, hi)));
+      }
+    }
+    if (w.has_mins) {
+      const auto widen = [](const uint8_t* p) {
+        return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      };
+      const __m512i high = _mm512_slli_epi32(widen(w.block_mins(t, b, 1)), 16);
+      const __m512i pair = _mm512_or_si512(widen(w.block_mins(t, b, 0)), high);
+      _mm512_storeu_si512(min_pairs.data() + b * kTileRows, pair);
+    }
+  }
+}
+
+// The panel's CrumbPanel terms from its packed words (x_starts and t_pairs: [K/256][16] and [K/256][8][16]).
+void crumb_panel_terms(const uint32_t* panel, int64_t K, int32_t* starts, uint32_t* t_pairs) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t s = 0; s < K / 256; ++s) {
+    __m512i total = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      __m512i half_sums[2];
+      for (int h = 0; h < 2; ++h) {
+        half_sums[h] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j)
+          half_sums[h] = _mm512_dpbusd_epi32(half_sums[h], ones,
+                                             _mm512_loadu_si512(panel + (8 * (8 * s + i) + 4 * h + j) * kPanel));
+        total = _mm512_add_epi32(total, half_sums[h]);
+      }
+      const __m512i pair = _mm512_or_si512(_mm512_and_si512(half_sums[0], _mm512_set1_epi32(0xFFFF)),
+                                           _mm512_slli_epi32(half_sums[1], 16));
+      _mm512_storeu_si512(t_pairs + (8 * s + i) * kPanel, pair);
+    }
+    _mm512_storeu_si512(starts + s * kPanel, _mm512_mullo_epi32(total, _mm512_set1_epi32(-127)));
+  }
+}
+
+// A crumb tile's 16 rows against one panel's 16 activation rows, into out [16][16]: per super-block S from the
+// panel's start, then fma(S, d xs), and with mins fma(M, -(dmin xs)), as kquant.cpp's kquant_crumb_tile, a lane per
+// activation row. Sixteen chains of dpbusd, one per weight row (eight leave it waiting on their latency); the float
+// sums wait in out between super-blocks, a later sub-chain's in `chain`.
+void crumb_tile(const KQuantWeight& w, const StagedCrumbTile& tile, const CrumbPanel& panel, float (*out)[kPanel],
+                const TilePrefetch& prefetch) {
+  constexpr int RT = kTileRows;
+  const int64_t num_blocks = w.blocks();
+  const int64_t lines_per_block = (prefetch.lines + num_blocks - 1) / num_blocks;
+  const __m512 negative = _mm512_set1_ps(-0.0f);
+  alignas(64) float chain[RT][kPanel];
+  for (int64_t c = 0, begin = 0, end; begin < num_blocks; begin = end, ++c) {
+    end = w.chain_end(c);
+    float (*acc)[kPanel] = c == 0 ? out : chain;
+    for (int r = 0; r < RT; ++r) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    for (int64_t s = begin / 8; s < end / 8; ++s) {
+      __m512i sums[RT];
+      const __m512i start = _mm512_loadu_si512(panel.starts + s * kPanel);
+      for (int r = 0; r < RT; ++r) sums[r] = start;
+      for (int64_t b = 8 * s; b < 8 * s + 8; ++b) {
+        const uint32_t* block_words = tile.words.data() + 8 * kTileRows * b;
+        const uint32_t* block_quads = panel.quads + 8 * kPanel * b;
+        for (int64_t l = b * lines_per_block; l < std::min(prefetch.lines, (b + 1) * lines_per_block); ++l)
+          _mm_prefetch(prefetch.starts[0] + 64 * l, _MM_HINT_T1);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m512i x = _mm512_loadu_si512(block_quads + j * kPanel);
+          for (int r = 0; r < RT; ++r) {
+            const __m512i word = _mm512_set1_epi32(static_cast<int>(block_words[kTileRows * j + r]));
+            sums[r] = _mm512_dpbusd_epi32(sums[r], word, x);
+          }
+        }
+      }
+      const __m512 xs = _mm512_loadu_ps(panel.x_scales + s * kPanel);
+      for (int r = 0; r < RT; ++r) {
+        const __m512 d = _mm512_mul_ps(_mm512_set1_ps(tile.d[s * kTileRows + r]), xs);
+        _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), d, _mm512_load_ps(acc[r])));
+      }
+      if (!w.has_mins) continue;
+      for (int r = 0; r < RT; ++r) sums[r] = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) {
+        const __m512i t_pair = _mm512_loadu_si512(panel.t_pairs + (8 * s + i) * kPanel);
+        const uint32_t* pairs = tile.min_pairs.data() + (8 * s + i) * kTileRows;
+        for (int r = 0; r < RT; ++r)
+          sums[r] = _mm512_dpwssd_epi32(sums[r], _mm512_set1_epi32(static_cast<int>(pairs[r])), t_pair);
+      }
+      for (int r = 0; r < RT; ++r) {
+        const __m512 dmin = _mm512_xor_ps(_mm512_mul_ps(_mm512_set1_ps(tile.dmin[s * kTileRows + r]), xs), negative);
+        _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), dmin, _mm512_load_ps(acc[r])));
+      }
+    }
+    if (c > 0)
+      for (int r = 0; r < RT; ++r)
+        _mm512_store_ps(out[r], _mm512_add_ps(_mm512_load_ps(out[r]), _mm512_load_ps(chain[r])));
+  }
+}
+
+// The crumb tile's rows [first, first + 16): the whole tile, crumb_tile.
+void kquant_panel_rows(const KQuantWeight& w, const StagedCrumbTile& tile, int, const CrumbPanel& panel,
+                       float (*out)[kPanel], const TilePrefetch& prefetch) {
+  crumb_tile(w, tile, panel, out, prefetch);
+}
+
+// The halves' panel terms (HalfTerms) from the panel's packed words.
+void halves_panel_terms(const uint32_t* panel, int64_t K, int32_t centre, const float* x_scales, int32_t* x_starts,
+                        float* x_half_terms) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t h = 0; h < K / 16; ++h) {
+    __m512i sums = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j)
+      sums = _mm512_dpbusd_epi32(sums, ones, _mm512_loadu_si512(panel + (4 * h + j) * kPanel));
+    const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(sums, _mm512_set1_epi32(centre)));
+    _mm512_storeu_si512(x_starts + h * kPanel, start);
+    const __m512 xs = _mm512_loadu_ps(x_scales + h / 2 * kPanel);
+    _mm512_storeu_ps(x_half_terms + h * kPanel, _mm512_mul_ps(xs, _mm512_cvtepi32_ps(sums)));
+  }
+}
+
+// y [M, N] = x [M, K] @ a K-quant weight's [N, K]ᵀ that the int4 tiles do not run: with CRUMBS its 2-bit codes'
+// super-block sums (above), else scales per 16 or centred rows (kquant_int8_tile). gemm_int8's panels and their
+// terms, formed once per panel rather than in every tile's blocks, then tiles in parallel. x_ld, swiglu_up and
+// gelu as gemm_int8 takes them: x feature-major, and a gated MLP's gate/up product writing silu(gate) * up
+// (gelu_tanh(gate) * up) feature-major; here a tile of gates and the tile of their ups are staged side by side,
+// and each run of kRows gates meets its ups' sums in registers. The same values either way.
+template <bool CRUMBS>
+void gemm_kquant(const float* x, int64_t M, const KQuantWeight& w, float* y, int num_threads, int64_t x_ld = 0,
+                 int64_t swiglu_up = 0, bool gelu = false) {
+  using Staged = std::conditional_t<CRUMBS, StagedCrumbTile, StagedKTile>;
+  const int64_t K = w.K, N = swiglu_up > 0 ? swiglu_up : w.N, num_blocks = K / 32, run = w.activation_run();
   const int64_t panel_words = K / 4 * kPanel, panel_blocks = num_blocks * kPanel;
   const int64_t chunk = std::max<int64_t>(kPanel, kChunkBytes / K / kPanel * kPanel);
   const int64_t num_panels = (std::min(chunk, M) + kPanel - 1) / kPanel;
@@ -575,38 +773,32 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
   float* const x_terms = x_scales + num_panels * panel_blocks;
   int32_t* const x_starts = reinterpret_cast<int32_t*>(x_terms + num_panels * panel_blocks);
   float* const x_half_terms = reinterpret_cast<float*>(x_starts + num_panels * 2 * panel_blocks);
-  const __m512i centre = _mm512_set1_epi32(w.centre());
   const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
 #pragma omp parallel num_threads(num_threads)
   {
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> xscale;
-    thread_local StagedKTile gates, ups;
+    thread_local Staged gates, ups;
     grow(xq, kPanel * K);
     grow(xscale, kPanel * num_blocks);
-    const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < (rows + kPanel - 1) / kPanel; ++p) {
         const int64_t valid = std::min<int64_t>(kPanel, rows - p * kPanel);
         uint32_t* panel = quads + p * panel_words;
+        float* scales = x_scales + p * panel_blocks;
         if (x_ld > 0)
-          pack_int8_panel_t<true>(x + m0 + p * kPanel, x_ld, valid, K, panel, x_scales + p * panel_blocks,
-                                  x_terms + p * panel_blocks);
+          pack_int8_panel_t<true>(x + m0 + p * kPanel, x_ld, valid, K, panel, scales, x_terms + p * panel_blocks, run);
         else
-          pack_int8_panel<true>(x + (m0 + p * kPanel) * K, valid, K, xq.data(), xscale.data(), panel,
-                                x_scales + p * panel_blocks, x_terms + p * panel_blocks);
-        for (int64_t h = 0; h < 2 * num_blocks; ++h) {
-          __m512i sums = _mm512_setzero_si512();
-          for (int j = 0; j < 4; ++j)
-            sums = _mm512_dpbusd_epi32(sums, ones, _mm512_loadu_si512(panel + (4 * h + j) * kPanel));
-          const int64_t at = p * 2 * panel_blocks + h * kPanel;
-          const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(sums, centre));
-          _mm512_storeu_si512(x_starts + at, start);
-          const __m512 xs = _mm512_loadu_ps(x_scales + p * panel_blocks + h / 2 * kPanel);
-          _mm512_storeu_ps(x_half_terms + at, _mm512_mul_ps(xs, _mm512_cvtepi32_ps(sums)));
-        }
+          pack_int8_panel<true>(x + (m0 + p * kPanel) * K, valid, K, xq.data(), xscale.data(), panel, scales,
+                                x_terms + p * panel_blocks, run);
+        if (CRUMBS)
+          crumb_panel_terms(panel, K, x_starts + p * 2 * panel_blocks,
+                            reinterpret_cast<uint32_t*>(x_half_terms + p * 2 * panel_blocks));
+        else
+          halves_panel_terms(panel, K, w.centre(), scales, x_starts + p * 2 * panel_blocks,
+                             x_half_terms + p * 2 * panel_blocks);
       }
 #pragma omp for schedule(guided, 2)
       for (int64_t t = 0; t < num_tiles; ++t) {
@@ -627,24 +819,28 @@ void gemm_kquant_halves(const float* x, int64_t M, const KQuantWeight& w, float*
         for (int64_t m = 0; m < rows; m += kPanel) {
           const int64_t p = m / kPanel;
           const int valid = static_cast<int>(std::min<int64_t>(kPanel, rows - m));
-          const HalfTerms halves{x_starts + p * 2 * panel_blocks, x_half_terms + p * 2 * panel_blocks};
-          const uint32_t* panel = quads + p * panel_words;
-          const float* panel_scales = x_scales + p * panel_blocks;
-          const float* panel_terms = x_terms + p * panel_blocks;
-          for (int first = 0; first < count; first += kRows) {
+          const auto panel = [&] {
+            if constexpr (CRUMBS)
+              return CrumbPanel{quads + p * panel_words, x_scales + p * panel_blocks, x_starts + p * 2 * panel_blocks,
+                                reinterpret_cast<const uint32_t*>(x_half_terms + p * 2 * panel_blocks)};
+            else
+              return HalvesPanel{quads + p * panel_words, x_scales + p * panel_blocks, x_terms + p * panel_blocks,
+                                 HalfTerms{x_starts + p * 2 * panel_blocks, x_half_terms + p * 2 * panel_blocks}};
+          }();
+          // Rows a kquant_panel_rows call computes: crumb_tile takes the whole tile.
+          constexpr int kStep = CRUMBS ? kTileRows : kRows;
+          for (int first = 0; first < count; first += kStep) {
             const bool fetches = p == 0 && first == 0;
-            const int real_rows = std::min(kRows, count - first);
-            alignas(64) float sums[kRows][kPanel];
-            kquant_panel_rows(w, gates, first, panel, panel_scales, panel_terms, halves, sums,
-                              fetches ? prefetch : TilePrefetch{});
+            const int real_rows = std::min(kStep, count - first);
+            alignas(64) float sums[kStep][kPanel];
+            kquant_panel_rows(w, gates, first, panel, sums, fetches ? prefetch : TilePrefetch{});
             if (swiglu_up == 0) {
               for (int i = 0; i < valid; ++i)
                 for (int r = 0; r < real_rows; ++r) y[(m0 + m + i) * N + n0 + first + r] = sums[r][i];
               continue;
             }
-            alignas(64) float up_sums[kRows][kPanel];
-            kquant_panel_rows(w, ups, first, panel, panel_scales, panel_terms, halves, up_sums,
-                              fetches ? up_prefetch : TilePrefetch{});
+            alignas(64) float up_sums[kStep][kPanel];
+            kquant_panel_rows(w, ups, first, panel, up_sums, fetches ? up_prefetch : TilePrefetch{});
             const __mmask16 lanes = static_cast<__mmask16>(valid >= kPanel ? 0xFFFF : (1u << valid) - 1);
             for (int r = 0; r < real_rows; ++r) {
               const __m512 gate = _mm512_load_ps(sums[r]), up = _mm512_load_ps(up_sums[r]);
@@ -900,8 +1096,10 @@ void int8_gemm_int8x_geglu(const int8_t* codes, const uint16_t* scales, int64_t 
 void kquant_gemm_int8x(const KQuantWeight* w, const float* x, int64_t M, float* y, int num_threads) {
   if (runs_as_int4(*w))
     gemm_int8<true>(x, M, *w, y, num_threads);
+  else if (w->low_bits == 2)
+    gemm_kquant<true>(x, M, *w, y, num_threads);
   else
-    gemm_kquant_halves(x, M, *w, y, num_threads);
+    gemm_kquant<false>(x, M, *w, y, num_threads);
 }
 
 // kquant_gemm_int8x with x stored feature-major ([K, x_ld]): the same values.
@@ -909,8 +1107,10 @@ void kquant_gemm_int8x_strided(const KQuantWeight* w, const float* x, int64_t M,
                                int num_threads) {
   if (runs_as_int4(*w))
     gemm_int8<true>(x, M, *w, y, num_threads, x_ld);
+  else if (w->low_bits == 2)
+    gemm_kquant<true>(x, M, *w, y, num_threads, x_ld);
   else
-    gemm_kquant_halves(x, M, *w, y, num_threads, x_ld);
+    gemm_kquant<false>(x, M, *w, y, num_threads, x_ld);
 }
 
 // y [I, M] (feature-major) = silu(x Wᵀ [:, :I]) * x Wᵀ [:, I:2I] (gelu_tanh with gelu) for a fused gate/up K-quant
@@ -919,8 +1119,10 @@ void kquant_gemm_int8x_gated(const KQuantWeight* w, int64_t I, int gelu, const f
                              int num_threads) {
   if (runs_as_int4(*w))
     gemm_int8<true>(x, M, *w, y, num_threads, 0, I, gelu != 0);
+  else if (w->low_bits == 2)
+    gemm_kquant<true>(x, M, *w, y, num_threads, 0, I, gelu != 0);
   else
-    gemm_kquant_halves(x, M, *w, y, num_threads, 0, I, gelu != 0);
+    gemm_kquant<false>(x, M, *w, y, num_threads, 0, I, gelu != 0);
 }
 
 int gemm_int8x_supported() { return 1; }

@@ -5,7 +5,8 @@
 // A decode step streams every weight once, so its time is the bytes read: Q6_K kept as int8 read 8.5 bits a weight
 // for its 6.56, Q4_K with a float16 scale and min per 32 columns 5 for its 4.5. Here a tile block's codes are built
 // in registers from the nibbles or crumbs and the high bits (a shift and a bitwise select a word), and the float work
-// per block and activation row is one FMA per run of scales (two for runs of 16) and one per run of mins. A tile's
+// per block and activation row is one FMA per run of scales (two for runs of 16) and one per run of mins; for 2-bit
+// codes, two per super-block (kquant.h). A tile's
 // record holds everything a super-block's product reads, so the product reads one stream of bytes front to back.
 // The GEMM of many rows (gemm.cpp, kquant_gemm_int8x) computes each row with the same operations.
 
@@ -46,22 +47,23 @@ void decode_row(const KQuantWeight& w, int64_t n, float* out) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// One activation row rounded to int8 per 32 columns, with per block its scale and the sums of its two halves.
+// One activation row rounded to int8 per run (kquant.h: 32 columns, or a super-block for 2-bit codes), with per run
+// its scale and per block the sums of its two halves.
 struct KActivations {
   std::vector<int8_t> xq;
-  std::vector<float> xscale;
+  std::vector<float> xscale;        // [K/run]
   std::vector<int32_t> half_sums;  // [K/32, 2]
-  std::vector<float> xterm;         // [K/32]: xs * T, the min term's factor (gemv.cpp's RowActivations)
+  std::vector<float> xterm;         // [K/32]: xs * T, the min term's factor (gemv.cpp's RowActivations; runs of 32)
 
-  KActivations(const float* x, int64_t K) : xq(K), xscale(K / 32), half_sums(K / 16), xterm(K / 32) {
-    quantize_activations(x, 1, K, xq.data(), xscale.data());
+  KActivations(const float* x, int64_t K, int64_t run) : xq(K), xscale(K / run), half_sums(K / 16), xterm(K / 32) {
+    quantize_activations(x, 1, K, xq.data(), xscale.data(), run);
     for (int64_t h = 0; h < K / 16; ++h) {
       int32_t total = 0;
       for (int i = 0; i < 16; ++i) total += xq[16 * h + i];
       half_sums[h] = total;
     }
     for (int64_t b = 0; b < K / 32; ++b)
-      xterm[b] = xscale[b] * static_cast<float>(half_sums[2 * b] + half_sums[2 * b + 1]);
+      xterm[b] = xscale[b * 32 / run] * static_cast<float>(half_sums[2 * b] + half_sums[2 * b + 1]);
   }
   int32_t word(int64_t b, int j) const {
     int32_t value;
@@ -144,16 +146,93 @@ void kquant_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float*
   for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + m * ld + kTileRows * t, lanes, total[m]);
 }
 
+// A tile's 16 scales (int8) or mins (uint8) of one run, as int32 lanes.
+inline __m512i widened_scales(const int8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512i widened_mins(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Tile t's 16 rows of 2-bit codes against MT activation rows rounded per super-block: kquant.h's arithmetic of
+// super-block sums, a lane per row. Per block the halves' integer sums U_h (minus o * T_h in centred rows) times
+// their scales, and the mins times T_h, add into the super-block's exact sums S and M; then two FMAs.
+template <int MT>
+void kquant_crumb_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float* y, int64_t ld) {
+  const __mmask16 offset = w.offsets(t);
+  const int32_t centre = w.centre();
+  const bool has_mins = w.has_mins;
+  __m512 total[MT];
+  for (int64_t c = 0, begin = 0, end; begin < w.blocks(); begin = end, ++c) {
+    end = w.chain_end(c);
+    __m512 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t s = begin / 8; s < end / 8; ++s) {
+      __m512i sums[MT], mins[MT];
+      for (int m = 0; m < MT; ++m) sums[m] = mins[m] = _mm512_setzero_si512();
+      for (int64_t b = 8 * s; b < 8 * s + 8; ++b) {
+        __m512i codes[8];
+        block_codes(w, t, b, codes);
+        const __m512i scale_lo = widened_scales(w.block_scales(t, b, 0));
+        const __m512i scale_hi = widened_scales(w.block_scales(t, b, 1));
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i min_lo = has_mins ? widened_mins(w.block_mins(t, b, 0)) : zero;
+        const __m512i min_hi = has_mins ? widened_mins(w.block_mins(t, b, 1)) : zero;
+        for (int m = 0; m < MT; ++m) {
+          const int32_t t_lo = a[m].half_sums[2 * b], t_hi = a[m].half_sums[2 * b + 1];
+          __m512i lo = zero, hi = zero;
+          for (int j = 0; j < 4; ++j) {
+            lo = _mm512_dpbusd_epi32(lo, codes[j], _mm512_set1_epi32(a[m].word(b, j)));
+            hi = _mm512_dpbusd_epi32(hi, codes[4 + j], _mm512_set1_epi32(a[m].word(b, 4 + j)));
+          }
+          if (offset) {
+            lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(centre * t_lo));
+            hi = _mm512_mask_sub_epi32(hi, offset, hi, _mm512_set1_epi32(centre * t_hi));
+          }
+          const __m512i scaled = _mm512_add_epi32(_mm512_mullo_epi32(lo, scale_lo), _mm512_mullo_epi32(hi, scale_hi));
+          sums[m] = _mm512_add_epi32(sums[m], scaled);
+          if (has_mins)
+            mins[m] = _mm512_add_epi32(mins[m], _mm512_add_epi32(_mm512_mullo_epi32(min_lo, _mm512_set1_epi32(t_lo)),
+                                                                 _mm512_mullo_epi32(min_hi, _mm512_set1_epi32(t_hi))));
+        }
+      }
+      const __m512 d = tokenriver::kquant_halves(w.block_d(t, 8 * s));
+      const __m512 dmin = has_mins ? tokenriver::kquant_halves(w.block_dmin(t, 8 * s)) : _mm512_setzero_ps();
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xs = _mm512_set1_ps(a[m].xscale[s]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_mul_ps(d, xs), acc[m]);
+        if (has_mins)
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[m]),
+                                   _mm512_xor_ps(_mm512_mul_ps(dmin, xs), _mm512_set1_ps(-0.0f)), acc[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) total[m] = c == 0 ? acc[m] : _mm512_add_ps(total[m], acc[m]);
+  }
+  const int valid = static_cast<int>(std::min<int64_t>(kTileRows, w.N - kTileRows * t));
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + m * ld + kTileRows * t, lanes, total[m]);
+}
+
+// The tile kernel for a weight and MT activation rows.
+template <int MT>
+void kquant_tile_of(const KQuantWeight& w, int64_t t, const KActivations* a, float* y, int64_t ld) {
+  if (w.low_bits == 2)
+    kquant_crumb_tile<MT>(w, t, a, y, ld);
+  else if (w.scale_group == 16)
+    kquant_tile<true, MT>(w, t, a, y, ld);
+  else
+    kquant_tile<false, MT>(w, t, a, y, ld);
+}
+
 // Tile t against every activation row, four at a time.
-template <bool SUB16>
 void kquant_rows(const KQuantWeight& w, int64_t t, const std::vector<KActivations>& activations, float* y) {
   const int64_t M = static_cast<int64_t>(activations.size());
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) kquant_tile<SUB16, 4>(w, t, activations.data() + m, y + m * w.N, w.N);
+  for (; m + 4 <= M; m += 4) kquant_tile_of<4>(w, t, activations.data() + m, y + m * w.N, w.N);
   switch (M - m) {
-    case 3: kquant_tile<SUB16, 3>(w, t, activations.data() + m, y + m * w.N, w.N); break;
-    case 2: kquant_tile<SUB16, 2>(w, t, activations.data() + m, y + m * w.N, w.N); break;
-    case 1: kquant_tile<SUB16, 1>(w, t, activations.data() + m, y + m * w.N, w.N); break;
+    case 3: kquant_tile_of<3>(w, t, activations.data() + m, y + m * w.N, w.N); break;
+    case 2: kquant_tile_of<2>(w, t, activations.data() + m, y + m * w.N, w.N); break;
+    case 1: kquant_tile_of<1>(w, t, activations.data() + m, y + m * w.N, w.N); break;
     default: break;
   }
 }
@@ -161,15 +240,10 @@ void kquant_rows(const KQuantWeight& w, int64_t t, const std::vector<KActivation
 void linear(const float* x, int64_t M, const KQuantWeight& w, float* y, int num_threads) {
   std::vector<KActivations> activations;
   activations.reserve(M);
-  for (int64_t m = 0; m < M; ++m) activations.emplace_back(x + m * w.K, w.K);
+  for (int64_t m = 0; m < M; ++m) activations.emplace_back(x + m * w.K, w.K, w.activation_run());
   const int64_t num_tiles = (w.N + kTileRows - 1) / kTileRows;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    if (w.scale_group == 16)
-      kquant_rows<true>(w, t, activations, y);
-    else
-      kquant_rows<false>(w, t, activations, y);
-  }
+  for (int64_t t = 0; t < num_tiles; ++t) kquant_rows(w, t, activations, y);
 }
 #endif
 

@@ -35,6 +35,13 @@
 //     or, mins per 16, acc = fma(-(dmin * m_h), xs * T_h, acc), h = 0 then 1
 // Per 32 this is gemv.cpp's int4 arithmetic with exact float32 scales and mins, so gemm.cpp runs those weights
 // through its int4 tiles.
+// Weights of 2-bit codes (Q2_K, Q3_K; low_bits 2) round the activations per super-block instead (xs its scale,
+// activation_run), as llama.cpp's Q8_K does, and per super-block s compute two exact integers and two FMAs:
+//     S   = the sum over its halves h of sc_h * U_h     (U_h as above: minus o * T_h in a centred row)
+//     M   = the sum over its runs of mins of m * T     (where has_mins)
+//     acc = fma(S, d * xs, acc);  acc = fma(M, -(dmin * xs), acc)
+// Sub-chains then end at super-blocks. Each (q - o) * sc lies in -127..128 (models/kquant.py checks the fields), so
+// the GEMM stages it plus 127 as one unsigned byte and dpbusd sums S directly (gemm.cpp's crumb_tile).
 #pragma once
 
 #include <immintrin.h>
@@ -59,6 +66,8 @@ struct KQuantWeight {
   int words() const { return 4; }  // a block's code words (tiles.h's int4)
   int64_t chain_end(int64_t c) const { return chain_ends == nullptr ? blocks() : chain_ends[c]; }
   int scale_runs() const { return scale_group == 16 ? 2 : 1; }
+  // The columns the activations are rounded in: a super-block for 2-bit codes, else a block (the comment above).
+  int64_t activation_run() const { return low_bits == 2 ? 256 : 32; }
   int min_runs() const { return min_group == 16 ? 2 : 1; }
   // The codes' centre, a centred row's offset o.
   int centre() const { return 1 << (low_bits + num_high - 1); }

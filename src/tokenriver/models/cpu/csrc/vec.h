@@ -229,22 +229,20 @@ inline void decode_block(const uint8_t* bytes, const uint32_t* high, float scale
 #endif
 }
 
-// Activations quantized to int8 per run of 32 columns, as llama.cpp does on CPUs (gemv.cpp's and gemm.cpp's int8
-// products): x ≈ xscale * xq with xscale = max|x| / 127 over the run and xq = round(x / xscale). Integer products
-// then cost one instruction per 32 weights (maddubs) instead of four conversions and four FMAs; the error is that
-// of rounding x to 8 bits.
-inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* xscale) {
+// Activations quantized to int8 per run of 32 columns (run_length, a multiple of 32: 256 for kquant.h's 2-bit codes),
+// as llama.cpp does on CPUs (gemv.cpp's and gemm.cpp's int8 products): x ≈ xscale * xq with xscale = max|x| / 127
+// over the run and xq = round(x / xscale). Integer products then cost one instruction per 32 weights (maddubs)
+// instead of four conversions and four FMAs; the error is that of rounding x to 8 bits.
+inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* xscale,
+                                 int64_t run_length = 32) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   // packs works within 128-bit lanes; this puts the 8 groups of 4 bytes back in column order.
   const __m256i lane_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t run = 0; run < M * K / 32; ++run) {
-    const float* in = x + 32 * run;
-    __m256 v[4];
+  for (int64_t run = 0; run < M * K / run_length; ++run) {
+    const float* in = x + run_length * run;
     __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(in + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
-    }
+    for (int64_t i = 0; i < run_length; i += 8)
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(in + i)));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
@@ -252,10 +250,13 @@ inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* x
     xscale[run] = scale;
     // Round half to even (the default MXCSR mode), as torch.round does; |q| <= 127, so packing never saturates.
     const __m256 divisor = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
-    __m256i q[4];
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], divisor));
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * run), _mm256_permutevar8x32_epi32(bytes, lane_order));
+    for (int64_t k = 0; k < run_length; k += 32) {
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(in + k + 8 * i), divisor));
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + run_length * run + k),
+                          _mm256_permutevar8x32_epi32(bytes, lane_order));
+    }
   }
 }
 
