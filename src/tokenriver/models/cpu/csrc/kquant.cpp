@@ -156,7 +156,7 @@ inline __m512i widened_mins(const uint8_t* p) {
 
 // Tile t's 16 rows of 2-bit codes against MT activation rows rounded per super-block: kquant.h's arithmetic of
 // super-block sums, a lane per row. Per block the halves' integer sums U_h (minus o * T_h in centred rows) times
-// their scales, and the mins times T_h, add into the super-block's exact sums S and M; then two FMAs.
+// their scales, and the mins times T_h, add into the super-block's sums S and M (exact); then two FMAs.
 template <int MT>
 void kquant_crumb_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float* y, int64_t ld) {
   const __mmask16 offset = w.offsets(t);
@@ -168,19 +168,19 @@ void kquant_crumb_tile(const KQuantWeight& w, int64_t t, const KActivations* a, 
     __m512 acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t s = begin / 8; s < end / 8; ++s) {
-      __m512i sums[MT], mins[MT];
-      for (int m = 0; m < MT; ++m) sums[m] = mins[m] = _mm512_setzero_si512();
+      __m512 sums[MT], mins[MT];
+      for (int m = 0; m < MT; ++m) sums[m] = mins[m] = _mm512_setzero_ps();
       for (int64_t b = 8 * s; b < 8 * s + 8; ++b) {
         __m512i codes[8];
         block_codes(w, t, b, codes);
-        const __m512i scale_lo = widened_scales(w.block_scales(t, b, 0));
-        const __m512i scale_hi = widened_scales(w.block_scales(t, b, 1));
-        const __m512i zero = _mm512_setzero_si512();
-        const __m512i min_lo = has_mins ? widened_mins(w.block_mins(t, b, 0)) : zero;
-        const __m512i min_hi = has_mins ? widened_mins(w.block_mins(t, b, 1)) : zero;
+        const __m512 scale_lo = _mm512_cvtepi32_ps(widened_scales(w.block_scales(t, b, 0)));
+        const __m512 scale_hi = _mm512_cvtepi32_ps(widened_scales(w.block_scales(t, b, 1)));
+        const __m512 zero = _mm512_setzero_ps();
+        const __m512 min_lo = has_mins ? _mm512_cvtepi32_ps(widened_mins(w.block_mins(t, b, 0))) : zero;
+        const __m512 min_hi = has_mins ? _mm512_cvtepi32_ps(widened_mins(w.block_mins(t, b, 1))) : zero;
         for (int m = 0; m < MT; ++m) {
           const int32_t t_lo = a[m].half_sums[2 * b], t_hi = a[m].half_sums[2 * b + 1];
-          __m512i lo = zero, hi = zero;
+          __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
           for (int j = 0; j < 4; ++j) {
             lo = _mm512_dpbusd_epi32(lo, codes[j], _mm512_set1_epi32(a[m].word(b, j)));
             hi = _mm512_dpbusd_epi32(hi, codes[4 + j], _mm512_set1_epi32(a[m].word(b, 4 + j)));
@@ -189,21 +189,22 @@ void kquant_crumb_tile(const KQuantWeight& w, int64_t t, const KActivations* a, 
             lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(centre * t_lo));
             hi = _mm512_mask_sub_epi32(hi, offset, hi, _mm512_set1_epi32(centre * t_hi));
           }
-          const __m512i scaled = _mm512_add_epi32(_mm512_mullo_epi32(lo, scale_lo), _mm512_mullo_epi32(hi, scale_hi));
-          sums[m] = _mm512_add_epi32(sums[m], scaled);
-          if (has_mins)
-            mins[m] = _mm512_add_epi32(mins[m], _mm512_add_epi32(_mm512_mullo_epi32(min_lo, _mm512_set1_epi32(t_lo)),
-                                                                 _mm512_mullo_epi32(min_hi, _mm512_set1_epi32(t_hi))));
+          // S and M as float32 sums, exactly: every term and partial sum is an integer below 2^24 (kquant.h).
+          sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale_lo, sums[m]);
+          sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale_hi, sums[m]);
+          if (has_mins) {
+            mins[m] = _mm512_fmadd_ps(min_lo, _mm512_set1_ps(static_cast<float>(t_lo)), mins[m]);
+            mins[m] = _mm512_fmadd_ps(min_hi, _mm512_set1_ps(static_cast<float>(t_hi)), mins[m]);
+          }
         }
       }
       const __m512 d = tokenriver::kquant_halves(w.block_d(t, 8 * s));
       const __m512 dmin = has_mins ? tokenriver::kquant_halves(w.block_dmin(t, 8 * s)) : _mm512_setzero_ps();
       for (int m = 0; m < MT; ++m) {
         const __m512 xs = _mm512_set1_ps(a[m].xscale[s]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_mul_ps(d, xs), acc[m]);
+        acc[m] = _mm512_fmadd_ps(sums[m], _mm512_mul_ps(d, xs), acc[m]);
         if (has_mins)
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[m]),
-                                   _mm512_xor_ps(_mm512_mul_ps(dmin, xs), _mm512_set1_ps(-0.0f)), acc[m]);
+          acc[m] = _mm512_fmadd_ps(mins[m], _mm512_xor_ps(_mm512_mul_ps(dmin, xs), _mm512_set1_ps(-0.0f)), acc[m]);
       }
     }
     for (int m = 0; m < MT; ++m) total[m] = c == 0 ? acc[m] : _mm512_add_ps(total[m], acc[m]);

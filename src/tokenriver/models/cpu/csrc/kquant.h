@@ -41,7 +41,9 @@
 //     M   = the sum over its runs of mins of m * T     (where has_mins)
 //     acc = fma(S, d * xs, acc);  acc = fma(M, -(dmin * xs), acc)
 // Sub-chains then end at super-blocks. Each (q - o) * sc lies in -127..128 (models/kquant.py checks the fields), so
-// the GEMM stages it plus 127 as one unsigned byte and dpbusd sums S directly (gemm.cpp's crumb_tile).
+// the GEMM stages it plus 127 as one unsigned byte and dpbusd sums S directly (gemm.cpp's crumb_tile); the GEMV sums
+// S and M in float32 FMAs, exactly: |U_h| <= 16 * 4 * 127 and |sc| <= 32, m <= 255 and |T_h| <= 16 * 127, so every
+// partial sum of a super-block is an integer below 2^24.
 #pragma once
 
 #include <immintrin.h>
