@@ -72,6 +72,21 @@ struct KActivations {
   }
 };
 
+// Activation row a's integer sums of block b's two halves against a tile block's codes (a lane per weight row),
+// each minus o * T_h in the rows `offset` marks as centred: two chains of integers, whose order changes no bit.
+inline void centred_half_sums(const __m512i codes[8], const KActivations& a, int64_t b, __mmask16 offset,
+                              int32_t centre, __m512i& lo, __m512i& hi) {
+  lo = hi = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    lo = _mm512_dpbusd_epi32(lo, codes[j], _mm512_set1_epi32(a.word(b, j)));
+    hi = _mm512_dpbusd_epi32(hi, codes[4 + j], _mm512_set1_epi32(a.word(b, 4 + j)));
+  }
+  if (offset) {
+    lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(centre * a.half_sums[2 * b]));
+    hi = _mm512_mask_sub_epi32(hi, offset, hi, _mm512_set1_epi32(centre * a.half_sums[2 * b + 1]));
+  }
+}
+
 // The tile block's codes, a lane per row, the record's bytes kPrefetchBytes further on their way into L2 (a record
 // is read front to back over its 8 blocks, so a block's share of it is prefetched with each).
 inline void block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i codes[8]) {
@@ -113,22 +128,13 @@ void kquant_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float*
       for (int m = 0; m < MT; ++m) {
         const __m512 xs = _mm512_set1_ps(a[m].xscale[b]);
         const int32_t t_lo = a[m].half_sums[2 * b], t_hi = a[m].half_sums[2 * b + 1];
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-        // Two chains of sums (the halves), integers: their order changes no bit.
-        for (int j = 0; j < 4; ++j) {
-          lo = _mm512_dpbusd_epi32(lo, codes[j], _mm512_set1_epi32(a[m].word(b, j)));
-          hi = _mm512_dpbusd_epi32(hi, codes[4 + j], _mm512_set1_epi32(a[m].word(b, 4 + j)));
-        }
+        __m512i lo, hi;
+        centred_half_sums(codes, a[m], b, offset, centre, lo, hi);
         if (SUB16) {
-          if (offset) {
-            lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(centre * t_lo));
-            hi = _mm512_mask_sub_epi32(hi, offset, hi, _mm512_set1_epi32(centre * t_hi));
-          }
           acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale_lo, xs), acc[m]);
           acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, xs), acc[m]);
         } else {
           lo = _mm512_add_epi32(lo, hi);
-          if (offset) lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(centre * (t_lo + t_hi)));
           acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale_lo, xs), acc[m]);
         }
         if (min16) {
@@ -180,15 +186,8 @@ void kquant_crumb_tile(const KQuantWeight& w, int64_t t, const KActivations* a, 
         const __m512 min_hi = has_mins ? _mm512_cvtepi32_ps(widened_mins(w.block_mins(t, b, 1))) : zero;
         for (int m = 0; m < MT; ++m) {
           const int32_t t_lo = a[m].half_sums[2 * b], t_hi = a[m].half_sums[2 * b + 1];
-          __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-          for (int j = 0; j < 4; ++j) {
-            lo = _mm512_dpbusd_epi32(lo, codes[j], _mm512_set1_epi32(a[m].word(b, j)));
-            hi = _mm512_dpbusd_epi32(hi, codes[4 + j], _mm512_set1_epi32(a[m].word(b, 4 + j)));
-          }
-          if (offset) {
-            lo = _mm512_mask_sub_epi32(lo, offset, lo, _mm512_set1_epi32(centre * t_lo));
-            hi = _mm512_mask_sub_epi32(hi, offset, hi, _mm512_set1_epi32(centre * t_hi));
-          }
+          __m512i lo, hi;
+          centred_half_sums(codes, a[m], b, offset, centre, lo, hi);
           // S and M as float32 sums, exactly: every term and partial sum is an integer below 2^24 (kquant.h).
           sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale_lo, sums[m]);
           sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale_hi, sums[m]);
