@@ -539,8 +539,7 @@ struct StagedKTile {
   }
 };
 
-// Rows [first, first + kRows) of a staged tile against one panel, into out: kquant_int8_tile for the tile's
-// centring. terms: the panel's scales, block terms and HalfTerms.
+// One panel as kquant_int8_tile reads it: its packed words, scales and block terms, and its HalfTerms.
 struct HalvesPanel {
   const uint32_t* quads;
   const float* x_scales;
@@ -548,6 +547,8 @@ struct HalvesPanel {
   HalfTerms halves;
 };
 
+// Rows [first, first + kRows) of a staged tile against one panel, into out: kquant_int8_tile for the tile's
+// centring.
 void kquant_panel_rows(const KQuantWeight& w, const StagedKTile& tile, int first, const HalvesPanel& panel,
                        float (*out)[kPanel], const TilePrefetch& prefetch) {
   const auto run = [&](auto centring) {
