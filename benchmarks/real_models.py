@@ -43,6 +43,7 @@ import json
 import math
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -232,7 +233,7 @@ def measure(files: dict[str, str], args: argparse.Namespace, work_dir: Path) -> 
                 done = subprocess.run(command, env=child_env(args.threads), capture_output=True, text=True)
                 if done.returncode != 0:
                     print(f"{label} {engine}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
-                    results[label][engine].append({"error": done.stderr.strip().splitlines()[-1]})
+                    results[label][engine].append({"error": failure(done)})
                     continue
                 measured = json.loads(done.stdout.strip().splitlines()[-1])
                 measured["start_to_first_s"] = measured.pop("first_token_wall") - launched
@@ -265,6 +266,14 @@ def perplexities(args: argparse.Namespace) -> list[list[object]]:
         rows.append([ftype, f"{scores[0]:.3f}", f"{scores[1]:.3f}", f"{scores[0] / scores[1]:.4f}"])
         print("perplexity", rows[-1], flush=True)
     return rows
+
+
+def failure(done: subprocess.CompletedProcess) -> str:
+    """A failed worker's last line of stderr, or the signal that killed it (a crash in native code prints none)."""
+    if done.returncode < 0:
+        return f"killed by {signal.Signals(-done.returncode).name}"
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit status {done.returncode}"
 
 
 def median(runs: list[dict], key: str) -> float | None:
@@ -328,6 +337,15 @@ def report(
         markdown_table(headers, rows),
         "",
     ]
+    failures = [
+        f"- {label}, {engine}: {run['error']}"
+        for label, runs in results.items()
+        for engine, engine_runs in runs.items()
+        for run in engine_runs
+        if "error" in run
+    ]
+    if failures:
+        lines += ["Runs that failed (left out of the medians):", "", *failures, ""]
     (out_dir / "real_models.md").write_text("\n".join(lines))
     if ppl_rows:
         ppl = [
