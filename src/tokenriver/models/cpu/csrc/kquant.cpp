@@ -260,6 +260,35 @@ inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
   }
 }
 
+// Bit `bit` of each of 32 bytes as one word, byte l's at bit l.
+uint32_t bit_word(const uint8_t* bytes, int bit) {
+#if defined(__AVX2__)
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_sll_epi16(v, _mm_cvtsi32_si128(7 - bit))));
+#else
+  uint32_t word = 0;
+  for (int l = 0; l < 32; ++l) word |= uint32_t((bytes[l] >> bit) & 1) << l;
+  return word;
+#endif
+}
+
+// A run's 32 nibbles, bits shift .. shift + 3 of chunk [32], as its 16 record bytes: byte j holds column j low and
+// column j + 16 high.
+inline void put_nibbles(const uint8_t* chunk, int shift, uint8_t* out) {
+#if defined(__SSE2__)
+  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk));
+  const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i bytes =
+      shift == 0 ? _mm_or_si128(_mm_and_si128(low, nibble), _mm_slli_epi16(_mm_and_si128(high, nibble), 4))
+                 : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(low, 4), nibble), _mm_andnot_si128(nibble, high));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
+#else
+  for (int j = 0; j < 16; ++j)
+    out[j] = uint8_t(((chunk[j] >> shift) & 0x0F) | (((chunk[j + 16] >> shift) & 0x0F) << 4));
+#endif
+}
+
 // One Q4_K or Q5_K super-block into its row record (models/kquant.py's RecordLayout): 8 groups' nibbles (16 bytes
 // each, Q4_0's order), scales, mins, d and dmin, and for Q5_K each group's fifth bits as one word.
 void convert_q4_k_block(const uint8_t* b, bool has_high, uint8_t* record, int64_t high_at, int64_t scales_at,
@@ -273,12 +302,9 @@ void convert_q4_k_block(const uint8_t* b, bool has_high, uint8_t* record, int64_
     record[scales_at + g] = static_cast<uint8_t>(scale);
     record[mins_at + g] = static_cast<uint8_t>(min);
     const uint8_t* chunk = qs + (g / 2) * 32;
-    const int shift = 4 * (g % 2);
-    for (int j = 0; j < 16; ++j)
-      record[16 * g + j] = uint8_t(((chunk[j] >> shift) & 0x0F) | (((chunk[j + 16] >> shift) & 0x0F) << 4));
+    put_nibbles(chunk, 4 * (g % 2), record + 16 * g);
     if (has_high) {
-      uint32_t word = 0;
-      for (int l = 0; l < 32; ++l) word |= uint32_t((b[16 + l] >> g) & 1) << l;
+      const uint32_t word = bit_word(b + 16, g);
       memcpy(record + high_at + 4 * g, &word, 4);
     }
   }
@@ -292,16 +318,8 @@ void convert_q6_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int6
   memcpy(record + d_at, b + 208, 2);
   for (int g = 0; g < 8; ++g) {
     const int half = g / 4, j = g % 4;
-    uint8_t low[32];
-    uint32_t words[2] = {0, 0};
-    for (int l = 0; l < 32; ++l) {
-      const uint8_t byte = b[half * 64 + (j % 2) * 32 + l];
-      low[l] = j < 2 ? byte & 0x0F : byte >> 4;
-      const int high = (b[128 + half * 32 + l] >> (2 * j)) & 3;
-      words[0] |= uint32_t(high & 1) << l;
-      words[1] |= uint32_t(high >> 1) << l;
-    }
-    for (int c = 0; c < 16; ++c) record[16 * g + c] = uint8_t(low[c] | (low[c + 16] << 4));
+    put_nibbles(b + half * 64 + (j % 2) * 32, j < 2 ? 0 : 4, record + 16 * g);
+    const uint32_t words[2] = {bit_word(b + 128 + half * 32, 2 * j), bit_word(b + 128 + half * 32, 2 * j + 1)};
     memcpy(record + high_at + 8 * g, words, 8);
   }
 }
@@ -321,17 +339,6 @@ void put_crumbs(const uint8_t* src, int shift, uint8_t* run) {
   }
 }
 
-// Bit `bit` of each of 32 bytes as one word, byte l's at bit l.
-uint32_t bit_word(const uint8_t* bytes, int bit) {
-#if defined(__AVX2__)
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
-  return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_sll_epi16(v, _mm_cvtsi32_si128(7 - bit))));
-#else
-  uint32_t word = 0;
-  for (int l = 0; l < 32; ++l) word |= uint32_t((bytes[l] >> bit) & 1) << l;
-  return word;
-#endif
-}
 
 // One Q3_K super-block (hmask [32], qs [64], 12 bytes of 6-bit scales, d) into its row record: the centred codes
 // q + 4 = low + 4 high as crumbs and a high word per 32, the scales sc - 32 per 16, d (loader/kquant_blocks.py's
@@ -428,6 +435,72 @@ void relayout_record(const uint8_t* src, bool centred, const RowLayout& from, co
   memcpy(dst + to.d, src + from.d, 2);
 }
 
+// A row record's fields (models/kquant.py's RecordLayout) as kquant_tile_records moves them into a tile record.
+struct TileFields {
+  int64_t record, high_at, scales_at, mins_at, d_at;
+  int num_high, runs, has_mins, low_bits, min_runs;
+};
+
+// A high word's bits as a tile's byte for column c of every fourth: bit k of the byte is the word's bit
+// 16 (k / 4) + 4 (k % 4) + c (kquant.h's plane), or (two words) crumb j of half h is column 16 h + 4 j + c's two
+// bits.
+inline uint8_t high_plane(uint32_t word, int c) {
+#if defined(__BMI2__)
+  return static_cast<uint8_t>(_pext_u32(word, 0x11111111u << c));
+#else
+  int plane = 0;
+  for (int k = 0; k < 8; ++k) plane |= ((word >> (16 * (k / 4) + 4 * (k % 4) + c)) & 1) << k;
+  return static_cast<uint8_t>(plane);
+#endif
+}
+
+inline uint8_t high_crumbs(uint32_t low, uint32_t high, int h, int c) {
+#if defined(__BMI2__)
+  const uint32_t mask = 0x1111u << (16 * h + c);
+  return static_cast<uint8_t>(_pdep_u32(_pext_u32(low, mask), 0x55) | _pdep_u32(_pext_u32(high, mask), 0xAA));
+#else
+  int crumbs = 0;
+  for (int j = 0; j < 4; ++j) {
+    const int column = 16 * h + 4 * j + c;
+    crumbs |= (((low >> column) & 1) | (((high >> column) & 1) << 1)) << (2 * j);
+  }
+  return static_cast<uint8_t>(crumbs);
+#endif
+}
+
+// One super-block of a tile's 16 row records (row r's at rows + r * row_stride) written as its tile record out
+// (kquant.h): the code words transposed (word w of row r to out's word 16 w + r, a gather of the 16 rows' words at
+// a time), the high words as planes or crumbs, scales and mins a row's byte per run, d and dmin per row.
+void tile_super_block(const uint8_t* rows, int64_t row_stride, const TileFields& f, uint8_t* out) {
+  const int code_words = 8 * f.low_bits;
+  const int64_t high_out = 512 * f.low_bits, scales_out = high_out + 512 * f.num_high;
+  const int64_t mins_out = scales_out + 128 * f.runs, d_out = mins_out + (f.has_mins ? 128 * f.min_runs : 0);
+#if defined(__AVX512F__)
+  const __m512i starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(row_stride)));
+  for (int w = 0; w < code_words; ++w)
+    _mm512_storeu_si512(out + 64 * w, _mm512_i32gather_epi32(starts, rows + 4 * w, 1));
+#else
+  for (int r = 0; r < kTileRows; ++r)
+    for (int w = 0; w < code_words; ++w) memcpy(out + 64 * w + 4 * r, rows + r * row_stride + 4 * w, 4);
+#endif
+  for (int r = 0; r < kTileRows; ++r) {
+    const uint8_t* row = rows + r * row_stride;
+    for (int i = 0; i < 8; ++i) {
+      uint32_t words[2];
+      memcpy(words, row + f.high_at + 4 * f.num_high * i, 4 * f.num_high);
+      for (int c = 0; c < 4 && f.num_high == 1; ++c) out[high_out + 64 * i + 4 * r + c] = high_plane(words[0], c);
+      for (int c = 0; c < 4 && f.num_high == 2; ++c)
+        for (int h = 0; h < 2; ++h) out[high_out + 128 * i + 64 * h + 4 * r + c] = high_crumbs(words[0], words[1], h, c);
+      for (int h = 0; h < f.runs; ++h) out[scales_out + 16 * f.runs * i + 16 * h + r] = row[f.scales_at + f.runs * i + h];
+      for (int h = 0; h < f.min_runs && f.has_mins; ++h)
+        out[mins_out + 16 * f.min_runs * i + 16 * h + r] = row[f.mins_at + f.min_runs * i + h];
+    }
+    memcpy(out + d_out + 2 * r, row + f.d_at, 2);
+    if (f.has_mins) memcpy(out + d_out + 32 + 2 * r, row + f.d_at + 2, 2);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -488,9 +561,8 @@ void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record,
                          int64_t mins_at, int64_t d_at, int num_high, int scale_group, int has_mins, int low_bits,
                          int min_group, int num_threads) {
   const int64_t supers = K / 256, tile_bytes = kTileRows * supers * record;
-  const int runs = 32 / scale_group, min_runs = 32 / min_group;
-  const int64_t high_out = 512 * low_bits, scales_out = high_out + 512 * num_high, mins_out = scales_out + 128 * runs;
-  const int64_t d_out = mins_out + (has_mins ? 128 * min_runs : 0);
+  const TileFields fields{record, high_at, scales_at, mins_at, d_at, num_high, 32 / scale_group, has_mins,
+                          low_bits, 32 / min_group};
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<uint8_t> rows(tile_bytes);
@@ -498,42 +570,8 @@ void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record,
     for (int64_t t = 0; t < N / kTileRows; ++t) {
       uint8_t* tile = records + t * tile_bytes;
       memcpy(rows.data(), tile, tile_bytes);
-      for (int64_t s = 0; s < supers; ++s) {
-        uint8_t* out = tile + s * kTileRows * record;
-        for (int r = 0; r < kTileRows; ++r) {
-          const uint8_t* row = rows.data() + (r * supers + s) * record;
-          for (int i = 0; i < 8; ++i) {
-            for (int j = 0; j < low_bits; ++j)
-              memcpy(out + 64 * low_bits * i + 64 * j + 4 * r, row + 4 * low_bits * i + 4 * j, 4);
-            for (int c = 0; c < 4; ++c) {
-              if (num_high == 1) {
-                uint32_t word;
-                memcpy(&word, row + high_at + 4 * i, 4);
-                int plane = 0;
-                for (int k = 0; k < 8; ++k) plane |= ((word >> (16 * (k / 4) + 4 * (k % 4) + c)) & 1) << k;
-                out[high_out + 64 * i + 4 * r + c] = static_cast<uint8_t>(plane);
-              } else if (num_high == 2) {
-                uint32_t words[2];
-                memcpy(words, row + high_at + 8 * i, 8);
-                for (int h = 0; h < 2; ++h) {
-                  int crumbs = 0;
-                  for (int j = 0; j < 4; ++j) {
-                    const int column = 16 * h + 4 * j + c;
-                    crumbs |= (((words[0] >> column) & 1) | (((words[1] >> column) & 1) << 1)) << (2 * j);
-                  }
-                  out[high_out + 128 * i + 64 * h + 4 * r + c] = static_cast<uint8_t>(crumbs);
-                }
-              }
-            }
-            for (int h = 0; h < runs; ++h) out[scales_out + 16 * runs * i + 16 * h + r] = row[scales_at + runs * i + h];
-            if (has_mins)
-              for (int h = 0; h < min_runs; ++h)
-                out[mins_out + 16 * min_runs * i + 16 * h + r] = row[mins_at + min_runs * i + h];
-          }
-          memcpy(out + d_out + 2 * r, row + d_at, 2);
-          if (has_mins) memcpy(out + d_out + 32 + 2 * r, row + d_at + 2, 2);
-        }
-      }
+      for (int64_t s = 0; s < supers; ++s)
+        tile_super_block(rows.data() + s * record, supers * record, fields, tile + s * kTileRows * record);
     }
   }
 }
