@@ -189,3 +189,15 @@ def test_template_features_match_transformers(smollm_fields, hf_tokenizer, enabl
         add_generation_prompt=True,
     )
     assert ours == expected
+
+
+def test_a_token_spelled_outside_the_byte_alphabet_is_respelled(smollm_fields, smollm_tokenizer):
+    """Old converters wrote some byte-level tokens as plain text (" the" for "Ġthe"): read byte by byte, such a token
+    is the same token."""
+    tokens = list(smollm_fields["tokenizer.ggml.tokens"])
+    index = tokens.index("Ġthe")
+    tokens[index] = " the"
+    respelled = tokenizer_from_gguf_fields({**smollm_fields, "tokenizer.ggml.tokens": tokens})
+    text = "Over the river, the bridge."
+    assert index in smollm_tokenizer.encode(text)
+    assert respelled.encode(text) == smollm_tokenizer.encode(text)

@@ -241,11 +241,15 @@ def _merge_pairs(fields: dict[str, object]) -> list[tuple[str, str]] | None:
 
 def _byte_level_bpe(tokens: list[str], fields: dict[str, object]) -> BackendTokenizer:
     """GPT-2 style BPE over bytes spelled in `_BYTE_ALPHABET`, with the word split `tokenizer.ggml.pre` names."""
-    # A token written outside the byte alphabet (rare, from old converters) is respelled byte by byte.
-    vocab = {
-        token if set(token) <= _BYTE_ALPHABET_CHARS else "".join(_BYTE_ALPHABET[b] for b in token.encode()): index
-        for index, token in enumerate(tokens)
-    }
+    # A token written outside the byte alphabet (rare, from old converters) is respelled byte by byte. One set of
+    # the whole vocabulary's characters says whether any is, rather than a set per token.
+    if set("".join(tokens)) <= _BYTE_ALPHABET_CHARS:
+        vocab = dict(zip(tokens, range(len(tokens))))
+    else:
+        vocab = {
+            token if set(token) <= _BYTE_ALPHABET_CHARS else "".join(_BYTE_ALPHABET[b] for b in token.encode()): i
+            for i, token in enumerate(tokens)
+        }
     merges = _merge_pairs(fields)
     if merges is None:
         raise ModelLoadError(
