@@ -339,7 +339,6 @@ void put_crumbs(const uint8_t* src, int shift, uint8_t* run) {
   }
 }
 
-
 // One Q3_K super-block (hmask [32], qs [64], 12 bytes of 6-bit scales, d) into its row record: the centred codes
 // q + 4 = low + 4 high as crumbs and a high word per 32, the scales sc - 32 per 16, d (loader/kquant_blocks.py's
 // unpack_q3_k). Element 32 g + l: low bits at bit 2 (g % 4) of qs[32 (g / 4) + l], high bit at bit g of hmask[l].
@@ -437,13 +436,12 @@ void relayout_record(const uint8_t* src, bool centred, const RowLayout& from, co
 
 // A row record's fields (models/kquant.py's RecordLayout) as kquant_tile_records moves them into a tile record.
 struct TileFields {
-  int64_t record, high_at, scales_at, mins_at, d_at;
+  int64_t high_at, scales_at, mins_at, d_at;
   int num_high, runs, has_mins, low_bits, min_runs;
 };
 
 // A high word's bits as a tile's byte for column c of every fourth: bit k of the byte is the word's bit
-// 16 (k / 4) + 4 (k % 4) + c (kquant.h's plane), or (two words) crumb j of half h is column 16 h + 4 j + c's two
-// bits.
+// 16 (k / 4) + 4 (k % 4) + c (kquant.h's plane).
 inline uint8_t high_plane(uint32_t word, int c) {
 #if defined(__BMI2__)
   return static_cast<uint8_t>(_pext_u32(word, 0x11111111u << c));
@@ -454,6 +452,8 @@ inline uint8_t high_plane(uint32_t word, int c) {
 #endif
 }
 
+// Two high words' bits as a tile's crumb byte for column c of every fourth in half h: crumb j holds column
+// 16 h + 4 j + c's bit of each word (the low word's below the high word's).
 inline uint8_t high_crumbs(uint32_t low, uint32_t high, int h, int c) {
 #if defined(__BMI2__)
   const uint32_t mask = 0x1111u << (16 * h + c);
@@ -491,8 +491,10 @@ void tile_super_block(const uint8_t* rows, int64_t row_stride, const TileFields&
       memcpy(words, row + f.high_at + 4 * f.num_high * i, 4 * f.num_high);
       for (int c = 0; c < 4 && f.num_high == 1; ++c) out[high_out + 64 * i + 4 * r + c] = high_plane(words[0], c);
       for (int c = 0; c < 4 && f.num_high == 2; ++c)
-        for (int h = 0; h < 2; ++h) out[high_out + 128 * i + 64 * h + 4 * r + c] = high_crumbs(words[0], words[1], h, c);
-      for (int h = 0; h < f.runs; ++h) out[scales_out + 16 * f.runs * i + 16 * h + r] = row[f.scales_at + f.runs * i + h];
+        for (int h = 0; h < 2; ++h)
+          out[high_out + 128 * i + 64 * h + 4 * r + c] = high_crumbs(words[0], words[1], h, c);
+      for (int h = 0; h < f.runs; ++h)
+        out[scales_out + 16 * f.runs * i + 16 * h + r] = row[f.scales_at + f.runs * i + h];
       for (int h = 0; h < f.min_runs && f.has_mins; ++h)
         out[mins_out + 16 * f.min_runs * i + 16 * h + r] = row[f.mins_at + f.min_runs * i + h];
     }
@@ -561,8 +563,8 @@ void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record,
                          int64_t mins_at, int64_t d_at, int num_high, int scale_group, int has_mins, int low_bits,
                          int min_group, int num_threads) {
   const int64_t supers = K / 256, tile_bytes = kTileRows * supers * record;
-  const TileFields fields{record, high_at, scales_at, mins_at, d_at, num_high, 32 / scale_group, has_mins,
-                          low_bits, 32 / min_group};
+  const TileFields fields{high_at, scales_at, mins_at, d_at, num_high, 32 / scale_group, has_mins, low_bits,
+                          32 / min_group};
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<uint8_t> rows(tile_bytes);
