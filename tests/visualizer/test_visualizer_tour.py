@@ -49,6 +49,16 @@ TOUR_PROMPT = "The three primary colors are"
 STOP_TIMEOUT_MS = 120_000
 # The docs screenshots: the outlined panel, at most this tall (from the part the stop points at, where it has one).
 SHOT_MAX_HEIGHT = 640
+# True once the walkthrough article `id` has the focus and lies wholly on screen, clear of the tour's dialog.
+ARTICLE_CLEAR = """id => { const article = document.getElementById(id); const r = article.getBoundingClientRect();
+    const d = document.getElementById('tour').getBoundingClientRect();
+    const clear = r.bottom <= d.top || r.top >= d.bottom || r.right <= d.left || r.left >= d.right;
+    return document.activeElement === article && r.top >= -1 && r.bottom <= innerHeight && clear; }"""
+# Once the dialog's link has been followed and the page scrolls, panel 7 (above the walkthrough) grows by `px`, as it
+# does when its inspection arrives.
+GROW_INSIDE_AS_LINK_SCROLLS = """px => document.getElementById('tour-doc').addEventListener('click', () =>
+    addEventListener('scroll', () => { const filler = document.createElement('div'); filler.style.height = `${px}px`;
+      document.getElementById('inside').append(filler); }, {once: true}), {once: true})"""
 # Records every completion body the page sends, so a test can send the very same request to the API.
 RECORD_BODIES = """() => { window.sentBodies = []; const realFetch = window.fetch;
     window.fetch = (url, init) => { if (String(url).includes('/v1/completions') && init && init.body)
@@ -141,14 +151,7 @@ def check_walkthrough(page: object, index: int) -> None:
     link = page.get_attribute("[data-testid=tour-doc]", "href")
     focused = page.evaluate_handle("document.activeElement")
     page.click("[data-testid=tour-doc]")
-    page.wait_for_function(
-        """id => { const article = document.getElementById(id); const r = article.getBoundingClientRect();
-                  const d = document.getElementById('tour').getBoundingClientRect();
-                  const clear = r.bottom <= d.top || r.top >= d.bottom || r.right <= d.left || r.left >= d.right;
-                  return document.activeElement === article && r.top >= -1 && r.bottom <= innerHeight && clear; }""",
-        arg=link[1:],
-        timeout=10_000,
-    )
+    page.wait_for_function(ARTICLE_CLEAR, arg=link[1:], timeout=10_000)
     assert page.eval_on_selector("#walkthrough details", "e => e.open")
     article = page.locator(link)
     assert article.is_visible()
@@ -389,6 +392,20 @@ def test_starting_over_a_tree_asks_first_and_escape_leaves(tour: Tour) -> None:
     assert page.is_hidden("[data-testid=tour]")
     assert page.evaluate("document.activeElement.dataset.testid") == "tour-start"
     assert tour.watch.unexpected() == []
+
+
+def test_the_article_scrolls_clear_of_the_dialog_while_a_panel_above_grows(browser: object, base_url: str) -> None:
+    """A panel above the walkthrough that fills in while the link's scroll runs (panel 7's inspection, answered after
+    the stop's proof) moves the article down: the page still brings it clear of the dialog."""
+    page, watch = open_page(browser, base_url)
+    page.click("[data-testid=tour-start]")
+    page.wait_for_selector("[data-testid=tour-proof][data-ready=true]", timeout=STOP_TIMEOUT_MS)
+    page.evaluate(GROW_INSIDE_AS_LINK_SCROLLS, 500)
+    page.click("[data-testid=tour-doc]")
+    page.wait_for_function(ARTICLE_CLEAR, arg="walkthrough-stop-1", timeout=10_000)
+    assert page.eval_on_selector("#inside", "e => e.lastElementChild.style.height") == "500px"
+    assert watch.unexpected() == []
+    page.close()
 
 
 # ---------------------------------------------------------------- the docs

@@ -737,8 +737,35 @@ function showWalkthroughArticle(event) {
   const section = $("walkthrough");
   section.querySelector("details").open = true;
   section.style.paddingBottom = `${innerHeight - $("tour").getBoundingClientRect().top}px`;
-  article.scrollIntoView({ block: "start", behavior: scrollBehavior() });
+  scrollToArticle(article);
   article.focus({ preventScroll: true });
+}
+
+/**
+ * Scroll an article of the walkthrough to the top of the window, where the dialog leaves it clear. The panels above
+ * the walkthrough may still be filling in as it scrolls (panel 7's inspection arrives after the stop's proof): once
+ * the article is on screen the browser's scroll anchoring keeps it in place, but a smooth scroll under way ends where
+ * the article was when it began, and a panel that grew above leaves the article that much lower, behind the dialog.
+ * So until the scroll ends, the page above changing height puts the article straight back at the top; a reader who
+ * leaves the article meanwhile (the dialog's next stop scrolls elsewhere) is not pulled back to it.
+ */
+function scrollToArticle(article) {
+  const main = document.querySelector("main");
+  let height = main.offsetHeight;
+  const follow = new ResizeObserver(() => {
+    if (main.offsetHeight === height) return;
+    height = main.offsetHeight;
+    article.scrollIntoView({ block: "start" });
+  });
+  const stop = () => {
+    follow.disconnect();
+    removeEventListener("scrollend", stop);
+    article.removeEventListener("blur", stop);
+  };
+  follow.observe(main);
+  addEventListener("scrollend", stop);
+  article.addEventListener("blur", stop);
+  article.scrollIntoView({ block: "start", behavior: scrollBehavior() });
 }
 
 function onTourKeydown(event) {
