@@ -10,9 +10,10 @@ import pytest
 import torch
 from loader_gguf_writing import ENCODERS, QUANTIZABLE, RANDOM_CODED, encode
 
+from tokenriver.errors import ModelLoadError
 from tokenriver.loader.gguf_blocks import CONVERSIONS, EXACT, REQUANTIZED, SCALES_FLOAT16, to_packed
 from tokenriver.models.cpu.kernels import load_kernels
-from tokenriver.models.quant import Int4Linear, Int4Weight, Int8Linear, repack_q4_0, repack_q4_1
+from tokenriver.models.quant import Int4Linear, Int4Weight, Int8Linear, Int8Weight, repack_q4_0, repack_q4_1
 
 Q = gguf.GGMLQuantizationType
 # The types of the popular GGUF files, each of which must stay packed.
@@ -83,7 +84,7 @@ def test_native_products_on_converted_weights_match_the_reference(qtype, num_row
     torch.testing.assert_close(native(x), reference(x), rtol=1e-4, atol=1e-4)
 
 
-NATIVE_TYPES = [Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+NATIVE_TYPES = [Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 
 
 @pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda t: t.name)
@@ -100,6 +101,29 @@ def test_native_conversion_equals_the_numpy_rule_bit_for_bit(qtype):
         assert (native.high_bits is None) == (portable.high_bits is None)
         if native.high_bits is not None:
             torch.testing.assert_close(native.high_bits, portable.high_bits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "scale, packing",
+    [(4094.0, Int4Weight), (-4094.0, Int4Weight), (4096.0, Int8Weight), (-65504.0, Int8Weight), (np.inf, None)],
+)
+def test_native_q5_0_decides_its_large_scales_as_the_numpy_rule_does(scale, packing):
+    """-16 d must fit float16 for the 5-bit form: the native pass declines where it does not, and the numpy rule
+    keeps int8 codes (or names the damage), the same on either path."""
+    if load_kernels() is None:
+        pytest.skip("the native kernels need an x86-64 CPU with AVX2/FMA/F16C and a C++ compiler")
+    blocks = _stored(Q.Q5_0, 3, 256, seed=5).reshape(3, -1, 22).copy()
+    blocks[1, 2, 0:2] = np.array([scale], dtype=np.float16).view(np.uint8)
+    data = blocks.reshape(3, -1)
+    if packing is None:
+        for native in (True, False):
+            with pytest.raises(ModelLoadError, match="Q5_0"):
+                to_packed(data, Q.Q5_0, native=native)
+        return
+    native, portable = to_packed(data, Q.Q5_0), to_packed(data, Q.Q5_0, native=False)
+    assert type(native) is type(portable) is packing
+    assert torch.equal(native.dequantize(), portable.dequantize())
+    np.testing.assert_array_equal(native.dequantize().numpy(), gguf.quants.dequantize(data, Q.Q5_0))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)

@@ -331,15 +331,17 @@ def to_packed(
     converter = convert.load()
     data = np.asarray(data)
     if (
-        tensor_type == Q.Q5_K
+        tensor_type in FIVE_BIT
         and native
         and converter is not None
         and data.dtype == np.uint8
         and data.ndim == 2
         and data.flags.c_contiguous
-        and data.shape[1] % 176 == 0
+        and data.shape[1] > 0
+        and data.shape[1] % gguf.GGML_QUANT_SIZES[tensor_type][1] == 0
     ):
-        converted = converter.q5_k(data, data.shape[1] // 176 * 256, empty)
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
+        converted = converter.five_bit(data, int(tensor_type), data.shape[1] // block_bytes * block_size, empty)
         if converted is not None:
             qweight, scales, mins, high_bits = converted
             return Int4Weight(qweight, scales, mins, GROUP, high_bits)
@@ -407,7 +409,7 @@ def native_layout(
     converter = convert.load()
     if converter is None:
         return None
-    if tensor_type == Q.Q4_K or tensor_type in FIVE_BIT:  # the 5-bit types by FIVE_BIT's numpy rules
+    if tensor_type == Q.Q4_K or tensor_type in FIVE_BIT:  # the 5-bit types: their fields kept as stored
         return Int4Weight
     return Int8Weight if converter.converts_to_int8(tensor_type) else None
 

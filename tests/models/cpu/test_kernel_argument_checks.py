@@ -261,7 +261,27 @@ def convert_q5_k_into_a_small_allocation():
     def empty(shape, dtype):
         return torch.empty(1, dtype=dtype)
 
-    return kernels().convert_q5_k(np.zeros((ROWS, 176), dtype=np.uint8), 256, 1, empty)
+    return kernels().convert_five_bit(np.zeros((ROWS, 176), dtype=np.uint8), 13, 256, 1, empty)
+
+
+@case("blocks must be")
+def convert_q5_0_rows_of_a_partial_block():
+    return kernels().convert_five_bit(np.zeros((ROWS, 30), dtype=np.uint8), 6, 32, 1)
+
+
+@case("whole tiles")
+def tile_rows_in_place_of_a_partial_tile():
+    return kernels().tile_rows_in_place(torch.zeros(ROWS + 3, 8, dtype=torch.int32), 1)
+
+
+@case("contiguous")
+def tile_rows_in_place_of_a_strided_view():
+    return kernels().tile_rows_in_place(torch.zeros(16, 16, dtype=torch.int32)[:, ::2], 1)
+
+
+@case("int32")
+def tile_fifth_bits_in_place_of_wider_words():
+    return kernels().tile_fifth_bits_in_place(torch.zeros(16, 4, dtype=torch.int64), 1)
 
 
 @case("K a multiple of 32")

@@ -18,8 +18,9 @@ def packed(kind: str, rows: int, cols: int):
     """(qweight, scales, mins, high_bits, group_size) of a random weight in one of the packed layouts."""
     weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols)) * 0.05
     if kind == "int4":
-        w = quantize_int4(weight, 64)
-        return w.qweight, w.scales, w.mins, None, 64
+        group_size = 64 if cols % 64 == 0 else 32
+        w = quantize_int4(weight, group_size)
+        return w.qweight, w.scales, w.mins, None, group_size
     if kind == "int5":
         w = repack_q5_0(quantize(weight.numpy(), GGMLQuantizationType.Q5_0))
         return w.qweight, w.scales, w.mins, w.high_bits, 32
@@ -55,14 +56,20 @@ def test_tiled_rows_decode_as_the_row_major_layout_does(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int4", "int5", "int8"])
-@pytest.mark.parametrize("rows", [16, 80])
-def test_tiling_in_place_writes_tiles_bytes_over_the_buffers(kind: str, rows: int, monkeypatch) -> None:
+@pytest.mark.parametrize("rows, cols", [(16, 128), (80, 128), (48, 448), (32, 32)])
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_tiling_in_place_writes_tiles_bytes_over_the_buffers(
+    kind: str, rows: int, cols: int, native: bool, monkeypatch
+) -> None:
+    """The native passes (csrc/tiling.cpp) write the same bytes as the definition's slabs."""
+    if native and not HAS_NATIVE:
+        pytest.skip("native kernels unavailable")
     monkeypatch.setattr(tiles_module, "_SLAB_BYTES", 1024)  # several slabs, as a vocabulary's table takes
-    qweight, scales, mins, high_bits, group_size = packed(kind, rows, 128)
+    qweight, scales, mins, high_bits, group_size = packed(kind, rows, cols)
     expected = tile(qweight, scales, mins, high_bits, group_size)
     buffers = [None if t is None else t.clone() for t in (qweight, scales, mins, high_bits)]
     pointers = [None if t is None else t.data_ptr() for t in buffers]
-    got = tile_in_place(*buffers, group_size)
+    got = tile_in_place(*buffers, group_size, native=load_kernels() if native else None)
     assert got is not None and (got.rows, got.cols) == (expected.rows, expected.cols)
     fields = ("codes", "scales", "mins", "fifth")
     for field, pointer in zip(fields, pointers, strict=True):

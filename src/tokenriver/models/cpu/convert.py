@@ -31,11 +31,11 @@ class NativeConverter:
         """Q4_K rows → (qweight, scales, mins) of an Int4 packing in groups of 32."""
         return self.kernels.convert_q4_k(blocks, in_features, default_num_threads(), empty)
 
-    def q5_k(
-        self, blocks: np.ndarray, in_features: int, empty: Allocate
+    def five_bit(
+        self, blocks: np.ndarray, gguf_type: int, in_features: int, empty: Allocate
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Q5_K rows → (qweight, scales, mins, high_bits) of a 5-bit Int4 packing in groups of 32."""
-        return self.kernels.convert_q5_k(blocks, in_features, default_num_threads(), empty)
+        """Q5_0, Q5_1 or Q5_K rows → (qweight, scales, mins, high_bits) of a 5-bit Int4 packing in groups of 32."""
+        return self.kernels.convert_five_bit(blocks, gguf_type, in_features, default_num_threads(), empty)
 
     def kquant(
         self, blocks: np.ndarray, gguf_type: int, in_features: int, layout: Any, empty: Allocate

@@ -223,7 +223,7 @@ class NativePacked:
         is_int4 = layer.qweight.dtype == torch.uint8
         mins, high_bits = (layer.mins, layer.high_bits) if is_int4 else (None, None)
         if layer.layout == "rows":
-            tiled = tiles.tile_in_place(layer.qweight, layer.scales, mins, high_bits, layer.group_size)
+            tiled = tiles.tile_in_place(layer.qweight, layer.scales, mins, high_bits, layer.group_size, kernels)
             if tiled is None:
                 tiled = tiles.tile(layer.qweight, layer.scales, mins, high_bits, layer.group_size)
             extra = {"mins": tiled.mins, "high_bits": tiled.fifth} if is_int4 else {}

@@ -50,7 +50,16 @@ logger = logging.getLogger(__name__)
 KERNELS_DIR = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     KERNELS_DIR / name
-    for name in ("gemv.cpp", "gemm.cpp", "ops.cpp", "attention.cpp", "decoder.cpp", "convert.cpp", "kquant.cpp")
+    for name in (
+        "gemv.cpp",
+        "gemm.cpp",
+        "ops.cpp",
+        "attention.cpp",
+        "decoder.cpp",
+        "convert.cpp",
+        "kquant.cpp",
+        "tiling.cpp",
+    )
 )
 HEADERS = (KERNELS_DIR / "vec.h", KERNELS_DIR / "tiles.h", KERNELS_DIR / "kquant.h")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -60,8 +69,8 @@ NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 # How a product rounds its inputs (models/quant.py's rounded mode), in the order of decoder.cpp's codes (0, 1): exact
 # float32, or activations to int8 per 32 columns.
 ROUNDINGS = (None, "int8")
-# GGUF type codes (gguf.GGMLQuantizationType) of the K-quants convert_kquant takes.
-_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = 10, 11, 12, 13, 14
+# GGUF type codes (gguf.GGMLQuantizationType) of the 5-bit types and the K-quants the converters take.
+_Q5_0, _Q5_1, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = 6, 7, 10, 11, 12, 13, 14
 # Per row of a matrix: argmax [M] int64, max [M] float32, log-sum-exp [M] float32.
 Reductions = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # -ffp-contract=off: a * b - c * d rounds both products, as PyTorch's elementwise ops do (explicit FMAs stay).
@@ -460,6 +469,9 @@ _SIGNATURES: dict[str, Signature] = {
     "convert_to_int8": ([_ptr, _int, _i64, _i64, _ptr, _ptr, _int], _int),
     "convert_q4_k": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
     "convert_q5_k": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int], _int),
+    "convert_q5": ([_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int], _int),
+    "tile_rows_in_place": ([_ptr, _i64, _i64, _int, _int], _int),
+    "tile_fifth_bits_in_place": ([_ptr, _i64, _i64, _int], None),
     "quantize_int8_groups": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
     "convert_kquant": ([_ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _int], _int),
     "kquant_dequantize_rows": ([ctypes.POINTER(KQuantSpec), _ptr, _i64, _ptr, _int], None),
@@ -891,33 +903,50 @@ class NativeKernels:
         )
         return None if status else (qweight, scales, mins)
 
-    def convert_q5_k(
+    def convert_five_bit(
         self,
         blocks: np.ndarray,
+        gguf_type: int,
         in_features: int,
         num_threads: int,
         empty: Allocate = heap_empty,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Q5_K bytes [N, K / 256 * 176] uint8 (C-contiguous) → convert_q4_k's three tensors and the fifth bits
-        [N, K / 32] int32, made by `empty`; None if a scale or min is not finite in float16."""
-        num_rows = _check_blocks("convert_q5_k", blocks, in_features, 256, 176)
+        """Q5_0, Q5_1 or Q5_K bytes [N, row bytes] uint8 (C-contiguous) → a 5-bit int4 packing: nibbles [N, K / 2],
+        float16 scales and mins [N, K / 32] and the fifth bits [N, K / 32] int32, made by `empty`; None where a scale
+        or min does not fit float16 (loader/gguf_blocks.py's numpy rule then decides)."""
+        block_values, block_bytes = {_Q5_0: (32, 22), _Q5_1: (32, 24), _Q5_K: (256, 176)}[gguf_type]
+        num_rows = _check_blocks("convert_five_bit", blocks, in_features, block_values, block_bytes)
         qweight = empty((num_rows, in_features // 2), torch.uint8)  # [N, K / 2]
         scales = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         mins = empty((num_rows, in_features // 32), torch.float16)  # [N, K / 32]
         high_bits = empty((num_rows, in_features // 32), torch.int32)  # [N, K / 32]
-        _check_int4_outputs("convert_q5_k", num_rows, in_features, qweight, scales, mins)
-        check_array("convert_q5_k", "the allocated high bits", high_bits, torch.int32, (num_rows, in_features // 32))
-        status = self._functions["convert_q5_k"](
-            blocks.ctypes.data,
-            num_rows,
-            in_features,
-            qweight.data_ptr(),
-            scales.data_ptr(),
-            mins.data_ptr(),
-            high_bits.data_ptr(),
-            num_threads,
-        )
+        _check_int4_outputs("convert_five_bit", num_rows, in_features, qweight, scales, mins)
+        groups = (num_rows, in_features // 32)
+        check_array("convert_five_bit", "the allocated high bits", high_bits, torch.int32, groups)
+        outputs = (qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), high_bits.data_ptr(), num_threads)
+        if gguf_type == _Q5_K:
+            status = self._functions["convert_q5_k"](blocks.ctypes.data, num_rows, in_features, *outputs)
+        else:
+            status = self._functions["convert_q5"](blocks.ctypes.data, gguf_type, num_rows, in_features, *outputs)
         return None if status else (qweight, scales, mins, high_bits)
+
+    # Row tiles written over a row-major packing's bytes (tiling.cpp): tiles.py's tile_in_place in one pass.
+
+    def tile_rows_in_place(self, tensor: torch.Tensor, num_threads: int) -> None:
+        """A contiguous tensor [N, E] of 2- or 4-byte elements, N a multiple of 16, rewritten as [N / 16, E, 16]."""
+        num_rows, elements = tensor.shape
+        if num_rows % TILE_ROWS or tensor.element_size() not in (2, 4):
+            raise ValueError(f"tile_rows_in_place: takes whole tiles of 2- or 4-byte elements, got {_describe(tensor)}")
+        check_elements("tile_rows_in_place", "tensor", tensor, tensor.dtype, num_rows * elements)
+        self._functions["tile_rows_in_place"](tensor.data_ptr(), num_rows, elements, tensor.element_size(), num_threads)
+
+    def tile_fifth_bits_in_place(self, high_bits: torch.Tensor, num_threads: int) -> None:
+        """Fifth-bit words [N, B] int32, N a multiple of 16, rewritten as tiles.py's masks [N / 16, B, 2, 4] int64."""
+        num_rows, blocks = high_bits.shape
+        if num_rows % TILE_ROWS:
+            raise ValueError(f"tile_fifth_bits_in_place: takes whole tiles, got {_describe(high_bits)}")
+        check_elements("tile_fifth_bits_in_place", "high_bits", high_bits, torch.int32, num_rows * blocks)
+        self._functions["tile_fifth_bits_in_place"](high_bits.data_ptr(), num_rows, blocks, num_threads)
 
     # The small ops of a layer (ops.cpp). Float32 CPU tensors; "rows" may be views with a row stride, but the
     # values inside a row (heads and head dimensions) must be contiguous.

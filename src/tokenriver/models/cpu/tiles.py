@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from tokenriver.config import default_num_threads
 
 if TYPE_CHECKING:
     from tokenriver.models.kquant import KQuantRecords, RecordLayout
@@ -134,17 +136,27 @@ def tile(
     )
 
 
+class NativeTiling(Protocol):
+    """The in-place rewrites in one native pass each (kernels.py, csrc/tiling.cpp), the same bytes as below."""
+
+    def tile_rows_in_place(self, tensor: torch.Tensor, num_threads: int) -> None: ...
+
+    def tile_fifth_bits_in_place(self, high_bits: torch.Tensor, num_threads: int) -> None: ...
+
+
 def tile_in_place(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     mins: torch.Tensor | None,
     high_bits: torch.Tensor | None,
     group_size: int,
+    native: NativeTiling | None = None,
 ) -> Tiles | None:
     """tile's result written over the row-major buffers' own bytes, a slab of whole tiles at a time: a tile's 16
     rows take the same bytes in either layout, so no second copy of the weight is ever whole (a vocabulary's
     embedding is the largest tensor of a small model). None, changing nothing, where the rows are not whole tiles
-    or a buffer is not contiguous and 64-byte aligned (tile then makes new tensors)."""
+    or a buffer is not contiguous and 64-byte aligned (tile then makes new tensors). native: rewrite through its
+    passes (one over each buffer, where these take several)."""
     rows = qweight.shape[0]
     buffers = [tensor for tensor in (qweight, scales, mins, high_bits) if tensor is not None]
     if (
@@ -154,6 +166,8 @@ def tile_in_place(
     ):
         return None
     cols = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
+    if native is not None:
+        return _tile_natively(native, qweight, scales, mins, high_bits, cols, group_size)
     # tile_fifth_bits works in 4 scratch bytes per stored byte (its int64 words and masks), the others in one.
     return Tiles(
         _rewrite(qweight, tile_words, qweight.dtype, 1),
@@ -164,6 +178,34 @@ def tile_in_place(
         cols,
         group_size,
     )
+
+
+def _tile_natively(
+    native: NativeTiling,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    high_bits: torch.Tensor | None,
+    cols: int,
+    group_size: int,
+) -> Tiles:
+    """tile_in_place's rewrite by `native`: the codes as 32-bit words and the terms as 16-bit ones, each a
+    transpose of a tile's 16 rows, and the fifth bits into their masks."""
+    rows, threads = qweight.shape[0], default_num_threads()
+    tiles, blocks = rows // TILE_ROWS, cols // BLOCK
+    words = qweight.view(torch.int32)  # [N, K/32 * words]
+    native.tile_rows_in_place(words, threads)
+    codes = words.view(qweight.dtype).view(tiles, blocks, -1, TILE_ROWS, 4)
+    terms = []
+    for tensor in (scales, mins):
+        if tensor is not None:
+            native.tile_rows_in_place(tensor, threads)
+            tensor = tensor.view(tiles, -1, TILE_ROWS)
+        terms.append(tensor)
+    if high_bits is not None:
+        native.tile_fifth_bits_in_place(high_bits, threads)
+        high_bits = high_bits.reshape(-1).view(torch.int64).view(tiles, blocks, 2, 4)
+    return Tiles(codes, terms[0], terms[1], high_bits, rows, cols, group_size)
 
 
 def _rewrite(

@@ -9,8 +9,8 @@
 // Layouts (ggml-common.h): Q4_K 144 bytes per 256 (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 of
 // nibbles), Q6_K 210 (128 bytes of low nibbles, 64 of two high bits, 16 int8 scales, f16 d), Q3_K 110 (32 bytes
 // of high bits, 64 of two low bits, 12 of 6-bit scales, f16 d), Q2_K 84 (16 bytes of 4-bit scale and min, 64 of
-// two bits, f16 d, f16 dmin), Q8_0 34 per 32 (f16 d, 32 int8), IQ4_NL 18 per 32, IQ4_XS 136 per 256. The 5-bit
-// types keep their bytes (gguf_blocks.py's numpy rules copy them).
+// two bits, f16 d, f16 dmin), Q8_0 34 per 32 (f16 d, 32 int8), IQ4_NL 18 per 32, IQ4_XS 136 per 256, Q5_0 22 per 32
+// (f16 d, 4 bytes of fifth bits, 16 of nibbles) and Q5_1 24 (f16 d, f16 m, then Q5_0's), whose fields are kept.
 
 #include <immintrin.h>
 
@@ -25,7 +25,7 @@ namespace {
 using tokenriver::half_to_float;
 
 // GGUF type codes (gguf.GGMLQuantizationType).
-enum : int { Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum : int { Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
 
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -222,6 +222,36 @@ int convert_k_quant(const uint8_t* src, int64_t N, int64_t K, uint8_t* qweight, 
 }
 
 
+// Q5_0 (22 bytes per 32: f16 d, 4 bytes of fifth bits, 16 of nibbles) or Q5_1 (24: f16 d, f16 m, then the same)
+// blocks → the nibbles and fifth-bit words as stored, scale d and min (Q5_0: -16 d, exact; Q5_1: m). Returns 1 where
+// a scale or min is not finite or Q5_0's 16 |d| passes float16's largest value (gguf_blocks.py's repack_q5_0 then
+// keeps the tensor as int8, or names the damage).
+int convert_five_bit(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* qweight, uint16_t* scales,
+                     uint16_t* mins, uint32_t* high_bits, int num_threads) {
+  const int header = type == Q5_0 ? 2 : 4, bytes = header + 20;
+  const int64_t groups = K / 32;
+  int status = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : status)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* b = src + (n * groups + g) * bytes;
+      const int64_t group = n * groups + g;
+      std::memcpy(scales + group, b, 2);
+      if (type == Q5_0) {
+        const float d = load_half(b);
+        status |= !(std::fabs(d) * 16.0f <= 65504.0f);
+        mins[group] = float_to_half(-16.0f * d);
+      } else {
+        std::memcpy(mins + group, b + 2, 2);
+        status |= !is_finite_half(scales[group]) | !is_finite_half(mins[group]);
+      }
+      std::memcpy(high_bits + group, b + header, 4);
+      std::memcpy(qweight + group * 16, b + header + 4, 16);
+    }
+  }
+  return status;
+}
+
 }  // namespace
 
 extern "C" {
@@ -275,6 +305,15 @@ int convert_q4_k(const uint8_t* src, int64_t N, int64_t K, uint8_t* qweight, uin
 int convert_q5_k(const uint8_t* src, int64_t N, int64_t K, uint8_t* qweight, uint16_t* scales, uint16_t* mins,
                  uint32_t* high_bits, int num_threads) {
   return convert_k_quant(src, N, K, qweight, scales, mins, high_bits, num_threads);
+}
+
+// Q5_0 or Q5_1 src [N, K / 32 * (22 or 24)] → qweight [N, K / 2] (the nibbles), scales and mins [N, K / 32] float16
+// and the fifth bits high_bits [N, K / 32] (loader/gguf_blocks.py's repack_q5_0 and repack_q5_1). Returns 0, or 1
+// where the numpy rule decides (convert_five_bit).
+int convert_q5(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* qweight, uint16_t* scales, uint16_t* mins,
+               uint32_t* high_bits, int num_threads) {
+  if (type != Q5_0 && type != Q5_1) return 1;
+  return convert_five_bit(src, type, N, K, qweight, scales, mins, high_bits, num_threads);
 }
 
 }  // extern "C"

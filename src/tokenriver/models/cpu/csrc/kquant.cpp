@@ -562,20 +562,13 @@ void kquant_relayout(const uint8_t* src, const uint8_t* offsets, int64_t N, int6
 void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record, int64_t high_at, int64_t scales_at,
                          int64_t mins_at, int64_t d_at, int num_high, int scale_group, int has_mins, int low_bits,
                          int min_group, int num_threads) {
-  const int64_t supers = K / 256, tile_bytes = kTileRows * supers * record;
+  const int64_t supers = K / 256;
   const TileFields fields{high_at, scales_at, mins_at, d_at, num_high, 32 / scale_group, has_mins, low_bits,
                           32 / min_group};
-#pragma omp parallel num_threads(num_threads)
-  {
-    std::vector<uint8_t> rows(tile_bytes);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < N / kTileRows; ++t) {
-      uint8_t* tile = records + t * tile_bytes;
-      memcpy(rows.data(), tile, tile_bytes);
-      for (int64_t s = 0; s < supers; ++s)
-        tile_super_block(rows.data() + s * record, supers * record, fields, tile + s * kTileRows * record);
-    }
-  }
+  tokenriver::rewrite_tiles(records, N, supers * record, num_threads, [&](const uint8_t* rows, uint8_t* tile) {
+    for (int64_t s = 0; s < supers; ++s)
+      tile_super_block(rows + s * record, supers * record, fields, tile + s * kTileRows * record);
+  });
 }
 
 // Rows ids [count] of a K-quant weight in row tiles (kquant.h), decoded into out [count, K].

@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <vector>
+
 #include "vec.h"
 
 namespace tokenriver {
@@ -58,5 +60,23 @@ struct TiledWeight {
   float row_scale(int64_t n, int64_t b) const { return half_to_float(block_scales(n / kTileRows, b)[n % kTileRows]); }
   float row_min(int64_t n, int64_t b) const { return half_to_float(block_mins(n / kTileRows, b)[n % kTileRows]); }
 };
+
+// Every tile of a row-major weight (N rows of row_bytes, N a multiple of 16) copied to a thread's scratch and
+// rewritten over its own bytes by write(rows, tile): a tile's rows take the same bytes in either layout, so the load
+// never holds a second copy of a weight (tiling.cpp, kquant.cpp's kquant_tile_records).
+template <typename Write>
+void rewrite_tiles(uint8_t* data, int64_t N, int64_t row_bytes, int num_threads, Write write) {
+  const int64_t tile_bytes = kTileRows * row_bytes;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<uint8_t> scratch(tile_bytes);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < N / kTileRows; ++t) {
+      uint8_t* tile = data + t * tile_bytes;
+      memcpy(scratch.data(), tile, tile_bytes);
+      write(scratch.data(), tile);
+    }
+  }
+}
 
 }  // namespace tokenriver
