@@ -19,6 +19,9 @@ from visualizer_harness import (
 
 # Text that repeats, so the n-gram proposer finds earlier occurrences to copy as drafts.
 REPEATING_PROMPT = "one two three four, one two three four, one two three four, one two three four, one two"
+# True once an accepted draft token on the page is underlined solid (a rejected one's mark is another shape).
+ACCEPTED_MARK_IS_SOLID = """() => { const token = document.querySelector('[data-testid=token].draft-accepted');
+    return token !== null && getComputedStyle(token).borderBottomStyle === 'solid'; }"""
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +52,9 @@ def test_speculative_view_marks_drafts_and_states_the_rule(browser: object, spec
     assert "ngram" in page.inner_text("[data-testid=engine-speculative]")
     # Marks differ by shape, and a legend says which is which.
     assert "accepted" in page.inner_text("[data-testid=spec-legend]")
-    style = page.eval_on_selector("[data-testid=token].draft-accepted", "e => getComputedStyle(e).borderBottomStyle")
-    assert style == "solid"
+    # Asked of the element on the page each time: a panel rebuilt by data arriving meanwhile replaces the token
+    # elements, and a replaced one, detached, has no computed style.
+    page.wait_for_function(ACCEPTED_MARK_IS_SOLID, timeout=10_000)
     # The pass count is the engine's (passes, not tokens), and so are the per-pass figures.
     metrics = response["metrics"]
     assert int(page.inner_text("[data-testid=num-forward-passes]")) == metrics["num_forward_passes"] < len(reference)
