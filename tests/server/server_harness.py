@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from tokenriver.models.cpu.kernels import load_kernels
+
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
 MAX_BODY_SIZE = 64 * 1024
@@ -74,12 +76,22 @@ def start_server(extra_args: list[str] | None = None) -> ServerProcess:
             server.url = match.group(1)
             try:
                 if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    _check_the_kernels_loaded(server)
                     return server
             except httpx.TransportError:
                 pass
         time.sleep(0.2)
     stop_server(server)
     raise RuntimeError(f"the server did not start within {STARTUP_TIMEOUT} s:\n{server.log()}")
+
+
+def _check_the_kernels_loaded(server: ServerProcess) -> None:
+    """A server without the native kernels this process has runs other numerics, and every comparison with
+    LLM.generate here would fail on text: fail on the cause instead."""
+    log = server.log()
+    if load_kernels() is not None and "native kernels off" in log:
+        stop_server(server)
+        raise RuntimeError(f"the server runs without the native kernels this process has:\n{log}")
 
 
 def stop_server(server: ServerProcess) -> None:

@@ -94,6 +94,8 @@ def _cache_dir() -> Path:
 
 # Set to 0 to run without the native kernels: no compiler call (a GPU machine's CUDA path never uses them).
 NATIVE_KERNELS_VARIABLE = "TOKENRIVER_NATIVE_KERNELS"
+# Builds tried before running without the kernels, where a failure may be transient (_may_pass_on_retry).
+BUILD_ATTEMPTS = 3
 
 
 def _build(compiler: str, flags: set[str]) -> Path:
@@ -1298,10 +1300,24 @@ def load_kernels() -> NativeKernels | None:
     if compiler is None:
         logger.info("native kernels off: no C++ compiler (c++ or g++) on PATH")
         return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler, flags)))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        logger.warning("native kernels off: build failed: %s", detail.strip()[:2000])
-        return None
-    return NativeKernels(library)
+    attempt = 1
+    while True:
+        try:
+            return NativeKernels(ctypes.CDLL(str(_build(compiler, flags))))
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = (getattr(error, "stderr", "") or str(error)).strip()[:2000]
+            if attempt == BUILD_ATTEMPTS or not _may_pass_on_retry(error):
+                logger.warning(
+                    "native kernels off: build failed: %s. This process runs the PyTorch definitions: exact float32 "
+                    "products, whose greedy text differs from the native int8 products' on the same prompt",
+                    detail,
+                )
+                return None
+            logger.warning("native kernel build attempt %d failed, retrying: %s", attempt, detail)
+            attempt += 1
+
+
+def _may_pass_on_retry(error: OSError | subprocess.CalledProcessError) -> bool:
+    """A compiler killed by a signal (the out-of-memory killer on a busy machine) or a failed fork or file operation
+    can pass the next time; a compile error cannot."""
+    return isinstance(error, OSError) or error.returncode < 0
