@@ -399,29 +399,48 @@ void int8_tile(const uint32_t* words, const float* w_scales, const float* w_mins
 // scales per 16 or centred rows (Q6_K, or parts fused with it) runs kquant_int8_tile, which sums each half of a block
 // apart. Every lane runs kquant.h's operations in kquant.cpp's order, so a row gets the GEMV's bits.
 
+using tokenriver::kquant_add_plane;
 using tokenriver::kquant_codes;
 using tokenriver::kquant_halves;
 using tokenriver::kquant_min_run;
+using tokenriver::kquant_nibbles;
 using tokenriver::kquant_scale_run;
 
-// stage_tile for a K-quant weight with scales per 32 and mins, no centred rows: the int4 tiles' staging. Read
-// through a local copy, as stage_tile above says why; d and dmin converted once per record of 8 blocks.
+// A Q4_K or Q5_K tile (NH high bits: 0 or 1) staged as stage_tile below, a super-block's record at a time: every
+// field of a record lies at a constant offset from its start (kquant.h), so the fields' addresses are computed
+// once per weight instead of per block and field; the codes are kquant_codes' for these layouts.
+template <int S, int NH>
+inline void stage_nibble_tile(const KQuantWeight& w, int64_t t, int row0, uint32_t* words, float* scales,
+                              float* mins) {
+  const int64_t high_at = w.high_at(), scales_at = high_at + 512 * NH, mins_at = scales_at + 128;
+  const int64_t d_at = mins_at + 128;
+  const uint8_t* record = w.super(t, 0);
+  for (int64_t s = 0; s < w.K / 256; ++s, record += w.record) {
+    const __m512 d = kquant_halves(reinterpret_cast<const uint16_t*>(record + d_at));
+    const __m512 dmin = kquant_halves(reinterpret_cast<const uint16_t*>(record + d_at) + kTileRows);
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = 8 * s + k;
+      __m512i codes[8];
+      kquant_nibbles(record + 256 * k, codes);
+      if (NH == 1) kquant_add_plane<4>(record + high_at + 64 * k, codes);
+      for (int c = 0; c < 8; ++c) _mm512_storeu_si512(words + 8 * S * b + row0 + S * c, codes[c]);
+      _mm512_storeu_ps(scales + S * b + row0,
+                       kquant_scale_run(reinterpret_cast<const int8_t*>(record + scales_at + 16 * k), d));
+      _mm512_storeu_ps(mins + S * b + row0, kquant_min_run(record + mins_at + 16 * k, dmin));
+    }
+  }
+}
+
+// stage_tile for a K-quant weight with scales per 32 and mins, no centred rows (Q4_K, Q5_K): the int4 tiles'
+// staging. Read through a local copy, as stage_tile above says why.
 template <bool IS_INT4, int S>
 inline void stage_tile(const KQuantWeight& weight, int64_t t, int row0, uint32_t* words, float* scales, float* mins) {
   static_assert(IS_INT4, "a K-quant weight stages as int4");
   const KQuantWeight w = weight;
-  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
-  for (int64_t b = 0; b < w.blocks(); ++b) {
-    if (b % 8 == 0) {
-      d = kquant_halves(w.block_d(t, b));
-      dmin = kquant_halves(w.block_dmin(t, b));
-    }
-    __m512i codes[8];
-    kquant_codes(w, t, b, codes);
-    for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + 8 * S * b + row0 + S * k, codes[k]);
-    _mm512_storeu_ps(scales + S * b + row0, kquant_scale_run(w.block_scales(t, b, 0), d));
-    _mm512_storeu_ps(mins + S * b + row0, kquant_min_run(w.block_mins(t, b, 0), dmin));
-  }
+  if (w.num_high == 0)
+    stage_nibble_tile<S, 0>(w, t, row0, words, scales, mins);
+  else
+    stage_nibble_tile<S, 1>(w, t, row0, words, scales, mins);
 }
 
 // Tile t staged for kquant_int8_tile: words [K/32][8][16], scales [K/32][2][16] (each half's d * sc) and mins

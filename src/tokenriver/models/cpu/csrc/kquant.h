@@ -133,6 +133,20 @@ inline __m512 kquant_min_run(const uint8_t* mins, __m512 dmin) {
   return _mm512_xor_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-0.0f));
 }
 
+// One high bit's plane (64 bytes at `at`: bit k of byte 4r + i, code word k's column) merged into the codes as
+// their bit BIT (2 over crumbs, 4 over nibbles).
+template <int BIT>
+inline void kquant_add_plane(const uint8_t* at, __m512i codes[8]) {
+  const __m512i mask = _mm512_set1_epi8(1 << BIT);
+  const __m512i plane = _mm512_loadu_si512(at);
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    const __m512i moved = k < BIT ? _mm512_slli_epi16(plane, BIT - k) : _mm512_srli_epi16(plane, k - BIT);
+    // codes | (moved & mask): ternary logic 0xF8 is a | (b & c).
+    codes[k] = _mm512_ternarylogic_epi32(codes[k], moved, mask, 0xF8);
+  }
+}
+
 // A tile block's 2-bit codes and their third bit (kquant_codes where low_bits is 2): codes[4h + j] is bits 2j, 2j + 1
 // of crumb vector h; the plane's bit k moves to bit 2 of codes[k].
 inline void kquant_crumb_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i codes[8]) {
@@ -145,18 +159,17 @@ inline void kquant_crumb_codes(const KQuantWeight& w, int64_t t, int64_t b, __m5
     codes[4 * h + 2] = _mm512_and_si512(_mm512_srli_epi16(crumbs, 4), two);
     codes[4 * h + 3] = _mm512_and_si512(_mm512_srli_epi16(crumbs, 6), two);
   }
-  if (w.num_high == 1) {
-    // codes | (shifted & mask): ternary logic 0xF8 is a | (b & c).
-    const __m512i mask = _mm512_set1_epi8(0x04);
-    const __m512i plane = _mm512_loadu_si512(w.block_high_a(t, b));
-    codes[0] = _mm512_ternarylogic_epi32(codes[0], _mm512_slli_epi16(plane, 2), mask, 0xF8);
-    codes[1] = _mm512_ternarylogic_epi32(codes[1], _mm512_slli_epi16(plane, 1), mask, 0xF8);
-    codes[2] = _mm512_ternarylogic_epi32(codes[2], plane, mask, 0xF8);
-    codes[3] = _mm512_ternarylogic_epi32(codes[3], _mm512_srli_epi16(plane, 1), mask, 0xF8);
-    codes[4] = _mm512_ternarylogic_epi32(codes[4], _mm512_srli_epi16(plane, 2), mask, 0xF8);
-    codes[5] = _mm512_ternarylogic_epi32(codes[5], _mm512_srli_epi16(plane, 3), mask, 0xF8);
-    codes[6] = _mm512_ternarylogic_epi32(codes[6], _mm512_srli_epi16(plane, 4), mask, 0xF8);
-    codes[7] = _mm512_ternarylogic_epi32(codes[7], _mm512_srli_epi16(plane, 5), mask, 0xF8);
+  if (w.num_high == 1) kquant_add_plane<2>(w.block_high_a(t, b), codes);
+}
+
+// A tile block's nibbles (its 256 bytes at `block`) as codes: codes[j] the low nibbles of word j, codes[4 + j] the
+// high ones (the layout above).
+inline void kquant_nibbles(const uint8_t* block, __m512i codes[8]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i raw = _mm512_loadu_si512(block + 64 * j);
+    codes[j] = _mm512_and_si512(raw, nibble);
+    codes[4 + j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
   }
 }
 
@@ -167,15 +180,9 @@ inline void kquant_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i co
     kquant_crumb_codes(w, t, b, codes);
     return;
   }
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const uint8_t* block = w.block(t, b);
-  for (int j = 0; j < 4; ++j) {
-    const __m512i raw = _mm512_loadu_si512(block + 64 * j);
-    codes[j] = _mm512_and_si512(raw, nibble);
-    codes[4 + j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-  }
-  // codes | (shifted & mask): ternary logic 0xF8 is a | (b & c).
+  kquant_nibbles(w.block(t, b), codes);
   if (w.num_high == 2) {
+    // codes | (shifted & mask): ternary logic 0xF8 is a | (b & c).
     const __m512i mask = _mm512_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
       const __m512i crumbs = _mm512_loadu_si512(h == 0 ? w.block_high_a(t, b) : w.block_high_b(t, b));
@@ -186,16 +193,7 @@ inline void kquant_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i co
       word[3] = _mm512_ternarylogic_epi32(word[3], _mm512_srli_epi16(crumbs, 2), mask, 0xF8);
     }
   } else if (w.num_high == 1) {
-    const __m512i mask = _mm512_set1_epi8(0x10);
-    const __m512i plane = _mm512_loadu_si512(w.block_high_a(t, b));
-    codes[0] = _mm512_ternarylogic_epi32(codes[0], _mm512_slli_epi16(plane, 4), mask, 0xF8);
-    codes[1] = _mm512_ternarylogic_epi32(codes[1], _mm512_slli_epi16(plane, 3), mask, 0xF8);
-    codes[2] = _mm512_ternarylogic_epi32(codes[2], _mm512_slli_epi16(plane, 2), mask, 0xF8);
-    codes[3] = _mm512_ternarylogic_epi32(codes[3], _mm512_slli_epi16(plane, 1), mask, 0xF8);
-    codes[4] = _mm512_ternarylogic_epi32(codes[4], plane, mask, 0xF8);
-    codes[5] = _mm512_ternarylogic_epi32(codes[5], _mm512_srli_epi16(plane, 1), mask, 0xF8);
-    codes[6] = _mm512_ternarylogic_epi32(codes[6], _mm512_srli_epi16(plane, 2), mask, 0xF8);
-    codes[7] = _mm512_ternarylogic_epi32(codes[7], _mm512_srli_epi16(plane, 3), mask, 0xF8);
+    kquant_add_plane<4>(w.block_high_a(t, b), codes);
   }
 }
 #endif
