@@ -1,6 +1,8 @@
 """The native kernels compile for each x86-64 level they have code paths for: AVX2 alone (Haswell), AVX-512
 without VNNI (Skylake-X), with VNNI (Ice Lake) and with BF16 too (Cooper Lake). The machine the tests run on
-builds and runs only its own level, so a path it does not take is compiled here (syntax and types only)."""
+builds and runs only its own level, so a path it does not take is compiled here (syntax and types only). A build
+that fails for a passing reason (a compiler killed by a signal, a failed fork) is tried again; a compile error is not,
+and the warning says the process's greedy text changes."""
 
 from __future__ import annotations
 
