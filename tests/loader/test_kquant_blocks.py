@@ -51,20 +51,13 @@ def test_values_are_ggufs_dequantization_bit_for_bit(qtype, rows, cols):
 
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda t: t.name)
 def test_stored_at_the_files_own_size(qtype):
-    """Q6_K's records are the file's bytes in number; the others take a byte per sub-block scale and min: Q4_K and
-    Q5_K 4 bytes more per 256 weights (1/8 bit a weight), Q3_K 4 (its 16 6-bit scales), Q2_K 16 (its 4-bit scale
-    and min pairs, a byte each)."""
+    """A record takes exactly the file's bytes: the sub-block scales and mins at their own 4 or 6 bits (pack_terms),
+    natively and by the numpy rule alike."""
     rows, cols = 48, 1024
     data = stored(qtype, rows, cols)
-    records = to_kquant(data, qtype, native=False)
-    extra = {
-        Q.Q2_K: rows * cols // 16,
-        Q.Q3_K: rows * cols // 64,
-        Q.Q4_K: rows * cols // 64,
-        Q.Q5_K: rows * cols // 64,
-        Q.Q6_K: 0,
-    }[qtype]
-    assert records.records.nbytes == data.nbytes + extra
+    for native in (False, True):
+        records = to_kquant(data, qtype, native=native)
+        assert records.records.nbytes == data.nbytes
     assert torch.equal(records.dequantize(), unpack_kquant(data, qtype).dequantize())
 
 

@@ -1,6 +1,7 @@
-"""The K-quant format's definition (models/kquant.py): its dequantization is the stated formula, stacking keeps
-every part's values, the layer refuses fields that do not fit, and its reference product is F.linear on the
-dequantized weight with the activations rounded as the engine's default arithmetic rounds them."""
+"""The K-quant format's definition (models/kquant.py): its dequantization is the stated formula, out of the fields
+and out of records whose scales and mins are packed at their own width, stacking keeps every part's values, the
+layer refuses fields that do not fit, and its reference product is F.linear on the dequantized weight with the
+activations rounded as the engine's default arithmetic rounds them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import torch.nn.functional as F
 from kquant_weights import KINDS, random_kquant
 
 from tokenriver.errors import InvalidParameterError
-from tokenriver.models.kquant import KQuantLinear, KQuantWeight, concatenate_kquant, unpack_crumbs
+from tokenriver.models.kquant import (
+    KQuantLinear,
+    KQuantWeight,
+    RecordLayout,
+    concatenate_kquant,
+    pack_records,
+    pack_terms,
+    unpack_crumbs,
+    unpack_terms,
+)
 from tokenriver.models.quant import round_activations_int8, unpack_high_bits, unpack_int4
 
 
@@ -34,6 +44,32 @@ def formula(weight: KQuantWeight) -> torch.Tensor:
 def test_dequantize_is_the_formula(kind):
     weight = random_kquant(21, 512, kind, seed=1)
     assert torch.equal(weight.dequantize(), formula(weight))
+    records = pack_records(weight)
+    assert records.layout.term_bits == weight.term_bits
+    assert torch.equal(records.dequantize(), formula(weight))
+
+
+@pytest.mark.parametrize(
+    ("term_bits", "count", "signed"), [(8, 16, True), (8, 32, False), (6, 16, False), (6, 16, True), (4, 32, False)]
+)
+def test_packed_terms_hold_every_value_of_their_width(term_bits, count, signed):
+    """Every value the width holds, at every position of a super-block's terms, comes back; 6 and 4 bits take
+    exactly their share of bytes."""
+    low, high = (-(2 ** (term_bits - 1)), 2 ** (term_bits - 1)) if signed else (0, 2**term_bits)
+    values = torch.arange(low, high).repeat(count)[: count * (high - low)].reshape(-1, count)
+    values = torch.cat([values, values.roll(1, dims=1)])
+    packed = pack_terms(values, term_bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (values.shape[0], count * term_bits // 8)
+    assert torch.equal(unpack_terms(packed, term_bits, signed), values)
+
+
+def test_a_layout_holds_only_the_packings_the_products_unpack():
+    assert RecordLayout(num_high=0, scale_group=32, has_mins=True, term_bits=6).packs_terms()
+    assert RecordLayout(num_high=0, scale_group=16, has_mins=True, low_bits=2, min_group=16, term_bits=4).packs_terms()
+    assert not RecordLayout(
+        num_high=0, scale_group=16, has_mins=True, low_bits=2, min_group=16, term_bits=6
+    ).packs_terms()
+    assert not RecordLayout(num_high=2, scale_group=16, has_mins=False, term_bits=5).packs_terms()
 
 
 @pytest.mark.parametrize(
@@ -75,6 +111,10 @@ def test_the_layer_refuses_fields_that_do_not_fit():
         KQuantLinear(KQuantWeight(**{**fields, "dmin": None}, scale_group=32))
     with pytest.raises(InvalidParameterError, match="scales and mins per 16 or 32"):
         KQuantLinear(KQuantWeight(**fields, scale_group=64))
+    with pytest.raises(InvalidParameterError, match="6 for 16 of them a super-block or 4 for 32"):
+        KQuantLinear(KQuantWeight(**fields, scale_group=32, term_bits=4))
+    with pytest.raises(InvalidParameterError, match="must fit its term_bits"):
+        KQuantLinear(KQuantWeight(**{**fields, "mins": fields["mins"] + 64}, scale_group=32, term_bits=6))
     crumbs = random_kquant(8, 512, "Q3_K")
     with pytest.raises(InvalidParameterError, match="2-bit codes with up to one"):
         KQuantLinear(KQuantWeight(**{**crumbs.fields(), "high2": crumbs.high1}, scale_group=16, low_bits=2))

@@ -1,14 +1,17 @@
 """GGUF's K-quant blocks → models/kquant.py's KQuantWeight: the readable rule (numpy), which the native converter
 (models/cpu/csrc/kquant.cpp's convert_kquant) matches field for field and whose dequantization is gguf's own.
 
-Q4_K and Q5_K keep their 6-bit sub-block scales and mins (a byte each) beside the super-block's d and dmin, and
-their nibbles regrouped into quant.py's int4 order per 32 (Q4_K's run in 64-weight chunks); Q5_K's fifth bits and
-Q6_K's two high bits become bit words per 32; Q6_K's int8 scales per 16 are kept as they are. Q2_K and Q3_K keep
-their two low bits as crumbs (models/kquant.py's order), Q3_K's third bit as a word per 32, and their 4- and 6-bit
-scales (and Q2_K's 4-bit mins) a byte each.
+Q4_K and Q5_K keep their 6-bit sub-block scales and mins beside the super-block's d and dmin, and their nibbles
+regrouped into quant.py's int4 order per 32 (Q4_K's run in 64-weight chunks); Q5_K's fifth bits and Q6_K's two
+high bits become bit words per 32; Q6_K's int8 scales per 16 are kept as they are. Q2_K and Q3_K keep their two low
+bits as crumbs (models/kquant.py's order), Q3_K's third bit as a word per 32, and their 4- and 6-bit scales (and
+Q2_K's 4-bit mins). The records hold the scales and mins at their own width (models/kquant.py's pack_terms), so a
+record takes the file's bytes.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import gguf
 import numpy as np
@@ -23,10 +26,10 @@ Q = gguf.GGMLQuantizationType
 KQUANT_TYPES = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 # Each type's row record (models/kquant.py) and whether its codes are centred (offset by the layout's centre).
 RECORD_LAYOUTS = {
-    Q.Q2_K: (RecordLayout(num_high=0, scale_group=16, has_mins=True, low_bits=2, min_group=16), False),
-    Q.Q3_K: (RecordLayout(num_high=1, scale_group=16, has_mins=False, low_bits=2), True),
-    Q.Q4_K: (RecordLayout(num_high=0, scale_group=32, has_mins=True), False),
-    Q.Q5_K: (RecordLayout(num_high=1, scale_group=32, has_mins=True), False),
+    Q.Q2_K: (RecordLayout(num_high=0, scale_group=16, has_mins=True, low_bits=2, min_group=16, term_bits=4), False),
+    Q.Q3_K: (RecordLayout(num_high=1, scale_group=16, has_mins=False, low_bits=2, term_bits=6), True),
+    Q.Q4_K: (RecordLayout(num_high=0, scale_group=32, has_mins=True, term_bits=6), False),
+    Q.Q5_K: (RecordLayout(num_high=1, scale_group=32, has_mins=True, term_bits=6), False),
     Q.Q6_K: (RecordLayout(num_high=2, scale_group=16, has_mins=False), True),
 }
 
@@ -176,7 +179,6 @@ _UNPACK = {Q.Q2_K: unpack_q2_k, Q.Q3_K: unpack_q3_k, Q.Q6_K: unpack_q6_k}
 
 
 def unpack_kquant(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> KQuantWeight:
-    """Any of KQUANT_TYPES' bytes → KQuantWeight, by the numpy rules above."""
-    if tensor_type in _UNPACK:
-        return _UNPACK[tensor_type](data)
-    return unpack_q4_k(data, tensor_type)
+    """Any of KQUANT_TYPES' bytes → KQuantWeight, by the numpy rules above, its scales and mins at the type's width."""
+    unpack = _UNPACK.get(tensor_type, lambda blocks: unpack_q4_k(blocks, tensor_type))
+    return dataclasses.replace(unpack(data), term_bits=RECORD_LAYOUTS[tensor_type][0].term_bits)

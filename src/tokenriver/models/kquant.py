@@ -2,10 +2,9 @@
 
 A decode step reads every weight once, so its speed is the bytes it streams. Re-encoded into quant.py's formats,
 Q6_K (6.56 bits a weight) became int8 (8.5), Q4_K (4.5) int4 with a float16 scale and min per 32 (5.0), and Q2_K
-and Q3_K int8 rounded away from the file's values. Kept here with the file's two-level scales, a weight costs
-about its own bits (Q6_K exactly; the 4- and 6-bit sub-block scales and mins take a byte each: Q2_K 3.125 for
-2.625, Q3_K 3.5625 for 3.4375, Q4_K 4.625 for 4.5, Q5_K 5.625 for 5.5), and its values are gguf's own
-dequantization, bit for bit.
+and Q3_K int8 rounded away from the file's values. Kept here with the file's two-level scales, packed at their own
+width (`pack_terms`), a weight costs the file's own bits (Q2_K 2.625, Q3_K 3.4375, Q4_K 4.5, Q5_K 5.5, Q6_K
+6.5625), and its values are gguf's own dequantization, bit for bit.
 
 Format (`KQuantWeight`, an [N, K] matrix, K a multiple of 256), per row n and column k:
 
@@ -20,6 +19,8 @@ Format (`KQuantWeight`, an [N, K] matrix, K a multiple of 256), per row n and co
   minus 32, Q2_K 4-bit);
 - d, dmin: float16 per 256 columns; m: uint8 sub-block mins per min_group columns (32: Q4_K, Q5_K; 16: Q2_K; none
   for Q3_K and Q6_K);
+- `term_bits`, the width a super-block's scales and mins are stored at in its record: 6 (Q4_K, Q5_K, Q3_K: 16
+  values), 4 (Q2_K: 32) or 8 (Q6_K, and a fused projection of parts of different types);
 - o: `centre` (2^(code bits - 1)) for a row whose codes are centred (Q6_K stores q + 32, Q3_K q + 4), else 0.
 Each product d * sc, its product with q - o, and dmin * m is exact in float32, so the one rounding is the
 subtraction: gguf's order. A fused projection whose parts are of different K types (a Q4_K_M file keeps some
@@ -91,6 +92,39 @@ def _words(bits: torch.Tensor) -> torch.Tensor:
     return runs.sum(dim=-1, dtype=torch.int32)  # distinct bits: the sum ORs (bit 31 wraps into the sign)
 
 
+def pack_terms(values: torch.Tensor, term_bits: int) -> torch.Tensor:
+    """A super-block's scales then mins, values [..., V] (each fitting term_bits, two's complement where signed) →
+    their record bytes [..., V * term_bits // 8] uint8. At 8 bits a byte each. At 4 or 6, value 4q + i's low nibble
+    at bits 4 (q % 2) of byte 4 (q // 2) + i, and at 6 (V = 16) its top two bits at bits 2q of byte 8 + i: stored
+    as the CPU's tiles store a record's bytes (byte j of its 16 rows side by side), a shift and a mask then give
+    four values of all 16 rows (csrc/kquant.h's KQuantTerms)."""
+    if term_bits == 8:
+        return values.to(torch.int8).view(torch.uint8)
+    v = values.to(torch.int32) & 0xFF
+    quads = (v & 15).reshape(*v.shape[:-1], -1, 2, 4)  # [..., q // 2, q % 2, i]
+    parts = [(quads[..., 0, :] | (quads[..., 1, :] << 4)).flatten(-2)]
+    if term_bits == 6:
+        tops = (v >> 4 & 3).reshape(*v.shape[:-1], 4, 4) << (2 * torch.arange(4, dtype=torch.int32))[:, None]
+        parts.append(tops.sum(dim=-2))  # [..., i]: distinct bits, so the sum ORs
+    return torch.cat(parts, dim=-1).to(torch.uint8)
+
+
+def unpack_terms(packed: torch.Tensor, term_bits: int, signed: bool) -> torch.Tensor:
+    """pack_terms' inverse: record bytes [..., bytes] → values [..., V] int32 (sign-extended where signed)."""
+    if term_bits == 8:
+        return (packed.view(torch.int8) if signed else packed).to(torch.int32)
+    b = packed.to(torch.int32)
+    low_bytes = b[..., : b.shape[-1] * 4 // term_bits].reshape(*b.shape[:-1], -1, 4)  # [..., q // 2, i]
+    values = torch.stack([low_bytes & 15, low_bytes >> 4], dim=-2).flatten(-3)  # [..., V]: 4q + i
+    if term_bits == 6:
+        tops = b[..., 8:12, None] >> (2 * torch.arange(4, dtype=torch.int32)) & 3  # [..., i, q]
+        values = values | (tops.transpose(-1, -2).flatten(-2) << 4)
+    if signed:
+        sign = 1 << (term_bits - 1)
+        values = (values ^ sign) - sign
+    return values
+
+
 @dataclass(frozen=True)
 class KQuantWeight:
     """A K-quant matrix at its own size, row after row (format in the module docstring)."""
@@ -106,6 +140,7 @@ class KQuantWeight:
     high2: torch.Tensor | None = None  # [N, K // 32] int32 words: the codes' bit low_bits + 1
     low_bits: int = 4  # 4 (nibbles) or 2 (crumbs)
     min_group: int = 32  # 32 or 16
+    term_bits: int = 8  # 8, 6 or 4: the records' width of a scale or min (module docstring)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -211,14 +246,15 @@ def concatenate_kquant(weights: list[KQuantWeight], empty: Allocate = heap_empty
 class RecordLayout:
     """Where a row's fields sit in its record of one super-block (256 columns), in bytes: the codes' low bits
     (32 * low_bits), the high words of its 8 runs of 32 (run by run, high1's word then high2's), the scales (8 or
-    16 int8), the mins (8 or 16), d and dmin (float16). The CPU's row tiles (models/cpu/tiles.py) are 16 such
-    records moved, byte for byte."""
+    16) then the mins (8 or 16) packed at term_bits (pack_terms), d and dmin (float16). The CPU's row tiles
+    (models/cpu/tiles.py) are 16 such records moved, byte for byte."""
 
     num_high: int  # high words per run: 0, 1 or 2
     scale_group: int  # 32 or 16
     has_mins: bool
     low_bits: int = 4  # 4 or 2
     min_group: int = 32  # 32 or 16 (where has_mins)
+    term_bits: int = 8  # 8, 6 (16 values) or 4 (32 values)
 
     @property
     def high(self) -> int:
@@ -226,15 +262,21 @@ class RecordLayout:
 
     @property
     def scales(self) -> int:
+        """Where the scales and mins (the terms) start."""
         return self.high + 32 * self.num_high
 
     @property
-    def mins(self) -> int:
-        return self.scales + SUPER_BLOCK // self.scale_group
+    def num_scales(self) -> int:
+        return SUPER_BLOCK // self.scale_group
+
+    @property
+    def num_terms(self) -> int:
+        """Scales and mins of a super-block."""
+        return self.num_scales + (SUPER_BLOCK // self.min_group if self.has_mins else 0)
 
     @property
     def d(self) -> int:
-        return self.mins + (SUPER_BLOCK // self.min_group if self.has_mins else 0)
+        return self.scales + self.num_terms * self.term_bits // 8
 
     @property
     def size(self) -> int:
@@ -244,20 +286,40 @@ class RecordLayout:
     def centre(self) -> int:
         return 1 << (self.low_bits + self.num_high - 1)
 
+    @property
+    def signed_scales(self) -> bool:
+        """Whether the scales are signed: a layout's without mins (Q6_K, Q3_K; Q3_K's are 6-bit minus 32)."""
+        return not self.has_mins
+
+    def packs_terms(self) -> bool:
+        """Whether term_bits is one the records hold: 8, 6 for 16 terms, 4 for 32 (pack_terms)."""
+        return self.term_bits == 8 or (self.term_bits, self.num_terms) in ((6, 16), (4, 32))
+
     def groups(self) -> dict[str, int]:
         """The KQuantWeight arguments that are not tensors."""
-        return {"scale_group": self.scale_group, "low_bits": self.low_bits, "min_group": self.min_group}
+        return {
+            "scale_group": self.scale_group,
+            "low_bits": self.low_bits,
+            "min_group": self.min_group,
+            "term_bits": self.term_bits,
+        }
 
     @staticmethod
     def of(weight: KQuantWeight) -> RecordLayout:
         return RecordLayout(
-            weight.num_high, weight.scale_group, weight.mins is not None, weight.low_bits, weight.min_group
+            weight.num_high,
+            weight.scale_group,
+            weight.mins is not None,
+            weight.low_bits,
+            weight.min_group,
+            weight.term_bits,
         )
 
     @staticmethod
     def union(layouts: list[RecordLayout]) -> RecordLayout:
         """The layout that holds every part's values: codes as wide as the widest (nibbles where any part has
-        them), scales and mins per 16 where any part has them, mins where any part has them."""
+        them), scales and mins per 16 where any part has them, mins where any part has them, and a byte per scale
+        and min unless every part is laid out alike."""
         low_bits = max(layout.low_bits for layout in layouts)
         code_bits = max(layout.low_bits + layout.num_high for layout in layouts)
         with_mins = [layout.min_group for layout in layouts if layout.has_mins]
@@ -267,6 +329,7 @@ class RecordLayout:
             has_mins=bool(with_mins),
             low_bits=low_bits,
             min_group=min(with_mins, default=32),
+            term_bits=layouts[0].term_bits if len(set(layouts)) == 1 else 8,
         )
 
 
@@ -292,12 +355,15 @@ class KQuantRecords:
             return records[:, :, start:stop].contiguous().view(dtype).reshape(num_rows, -1)
 
         words = part(layout.high, layout.scales, torch.int32).reshape(num_rows, num_supers * 8, -1)
+        packed = records[:, :, layout.scales : layout.d]
+        terms = unpack_terms(packed, layout.term_bits, layout.signed_scales)  # [N, S, num_terms]
+        scales, mins = terms[:, :, : layout.num_scales], terms[:, :, layout.num_scales :]
         return KQuantWeight(
             qweight=part(0, layout.high, torch.uint8),
-            scales=part(layout.scales, layout.mins, torch.int8),
+            scales=scales.to(torch.int8).reshape(num_rows, -1),
             d=part(layout.d, layout.d + 2, torch.float16),
             offsets=self.offsets,
-            mins=part(layout.mins, layout.d, torch.uint8) if layout.has_mins else None,
+            mins=mins.to(torch.uint8).reshape(num_rows, -1) if layout.has_mins else None,
             dmin=part(layout.d + 2, layout.d + 4, torch.float16) if layout.has_mins else None,
             high1=words[:, :, 0].contiguous() if layout.num_high > 0 else None,
             high2=words[:, :, 1].contiguous() if layout.num_high > 1 else None,
@@ -329,10 +395,11 @@ def pack_records(weight: KQuantWeight, empty: Allocate = heap_empty) -> KQuantRe
     if layout.num_high:
         words = [weight.high1, weight.high2][: layout.num_high]
         put(layout.high, torch.stack(words, dim=-1))  # [N, K // 32, num_high]: each run's words together
-    put(layout.scales, weight.scales)
+    terms = [weight.scales.reshape(num_rows, num_supers, -1)]
     if layout.has_mins:
-        put(layout.mins, weight.mins)
+        terms.append(weight.mins.reshape(num_rows, num_supers, -1))
         put(layout.d + 2, weight.dmin)
+    put(layout.scales, pack_terms(torch.cat([t.to(torch.int32) for t in terms], dim=2), layout.term_bits))
     put(layout.d, weight.d)
     return KQuantRecords(records, weight.offsets.contiguous(), layout)
 
@@ -386,13 +453,22 @@ def _check_layout(layout: RecordLayout, num_columns: int) -> None:
         or layout.scale_group not in (16, 32)
         or layout.min_group not in (16, 32)
         or (layout.low_bits, layout.num_high) not in ((4, 0), (4, 1), (4, 2), (2, 0), (2, 1))
+        or not layout.packs_terms()
     ):
         raise InvalidParameterError(
             f"a K-quant weight needs in_features a multiple of {SUPER_BLOCK}, scales and mins per 16 or 32 columns, "
-            f"and 4-bit codes with up to two high bits or 2-bit codes with up to one, got {num_columns} columns, "
-            f"{layout}",
+            f"4-bit codes with up to two high bits or 2-bit codes with up to one, and its scales and mins 8 bits "
+            f"wide, 6 for 16 of them a super-block or 4 for 32, got {num_columns} columns, {layout}",
             param="weight",
         )
+
+
+def _terms_fit(weight: KQuantWeight) -> bool:
+    """Whether every scale and min fits the weight's term_bits (signed scales where it has no mins)."""
+    top = 1 << weight.term_bits
+    low, high = (-top // 2, top // 2 - 1) if weight.mins is None else (0, top - 1)
+    scales_fit = bool(((weight.scales >= low) & (weight.scales <= high)).all())
+    return scales_fit and (weight.mins is None or bool((weight.mins < top).all()))
 
 
 def _check_fields(weight: KQuantWeight) -> None:
@@ -425,6 +501,12 @@ def _check_fields(weight: KQuantWeight) -> None:
     if not bool(((weight.offsets == 0) | (weight.offsets == weight.centre)).all()):
         raise InvalidParameterError(
             f"a K-quant weight's offsets are 0 or its codes' centre {weight.centre}", param="weight"
+        )
+    if weight.term_bits != 8 and not _terms_fit(weight):
+        raise InvalidParameterError(
+            f"a K-quant weight's scales and mins must fit its term_bits ({weight.term_bits}: signed scales where it "
+            f"has no mins)",
+            param="weight",
         )
     if weight.low_bits == 2 and not _folds(weight):
         raise InvalidParameterError(

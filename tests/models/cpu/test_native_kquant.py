@@ -2,7 +2,8 @@
 
 A row's bits depend on that row alone: 1 to 64 activation rows (the GEMV up to max_gemv_rows, the GEMM above),
 each row equal to the row multiplied alone, for every kind, a stack of mixed kinds, and rows summed in sub-chains;
-the values are the reference product's within float rounding; the row tiles hold the weight's values exactly; a
+the values are the reference product's within float rounding; the row tiles hold the weight's values exactly, with
+the scales and mins packed at the file's width or a byte each; a
 tiling whose buffers do not hold the weight is refused before any kernel reads it; a fused projection's parts of
 different kinds, re-laid natively in the union of their layouts, are the definition's records byte for byte."""
 
@@ -46,8 +47,14 @@ MIXES = {
 }
 
 
+# Kinds whose records keep their scales and mins a byte each (a union's width), not packed as the file's.
+BYTE_TERMS = ("Q2_K@8", "Q3_K@8", "Q4_K@8", "Q5_K@8")
+
+
 def layer_of(kind: str, rows: int = 37, cols: int = 768, seed: int = 0) -> KQuantLinear:
-    if kind in MIXES:
+    if kind in BYTE_TERMS:
+        weight = random_kquant(rows, cols, kind.split("@")[0], seed, term_bits=8)
+    elif kind in MIXES:
         sizes = (20, 13, 16)
         weight = concatenate_kquant(
             [random_kquant(size, cols, part, seed + i) for i, (size, part) in enumerate(zip(sizes, MIXES[kind]))]
@@ -59,7 +66,7 @@ def layer_of(kind: str, rows: int = 37, cols: int = 768, seed: int = 0) -> KQuan
     return layer
 
 
-@pytest.mark.parametrize("kind", [*KINDS, *MIXES])
+@pytest.mark.parametrize("kind", [*KINDS, *BYTE_TERMS, *MIXES])
 def test_every_row_has_the_bits_it_has_alone(kind):
     layer = layer_of(kind)
     assert layer.layout == "tiles" and layer._gemv is not None and layer._gemm is not None
@@ -69,7 +76,7 @@ def test_every_row_has_the_bits_it_has_alone(kind):
         assert torch.equal(layer(x[:count]), alone[:count]), f"{count} rows"
 
 
-@pytest.mark.parametrize("kind", [*KINDS, *MIXES])
+@pytest.mark.parametrize("kind", [*KINDS, *BYTE_TERMS, *MIXES])
 def test_values_are_the_reference_products(kind):
     layer = layer_of(kind, seed=5)
     weight = layer.dequantize()
@@ -90,7 +97,7 @@ def test_sub_chains_keep_rows_independent_of_the_batch(kind):
     assert torch.allclose(split, whole, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, *MIXES])
+@pytest.mark.parametrize("kind", [*KINDS, *BYTE_TERMS, *MIXES])
 def test_tiles_hold_the_weights_values(kind):
     layer = layer_of(kind, seed=3)
     reference = layer.row_major_weight().dequantize()  # out of the tile records
@@ -116,7 +123,7 @@ def test_tiles_that_do_not_hold_the_weight_are_refused():
         kernels.bind_kquant(replace(tiled, chain_ends=torch.tensor([3, 2], dtype=torch.int64)), many_rows=False)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, *MIXES])
+@pytest.mark.parametrize("kind", [*KINDS, *BYTE_TERMS, *MIXES])
 def test_the_native_tiling_writes_the_definitions_tile_records(kind):
     records = pack_records(layer_of(kind, rows=48).row_major_weight()).rows(0, 48)  # whole tiles (mixed: 49 rows)
     records = KQuantRecords(records.records.clone(), records.offsets, records.layout)

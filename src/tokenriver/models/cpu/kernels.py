@@ -215,12 +215,13 @@ def check_tiles(tiles: Tiles, where: str = "packed weight") -> None:
 
 
 def _valid_layout(layout: Any) -> bool:
-    """Whether a RecordLayout is one kquant.h reads: scales and mins per 16 or 32, 4-bit codes with up to two high
-    bits or 2-bit codes with up to one."""
+    """Whether a RecordLayout is one kquant.h reads: scales and mins per 16 or 32 at a width it unpacks, 4-bit codes
+    with up to two high bits or 2-bit codes with up to one."""
     return (
         layout.scale_group in (16, 32)
         and layout.min_group in (16, 32)
         and (layout.low_bits, layout.num_high) in ((4, 0), (4, 1), (4, 2), (2, 0), (2, 1))
+        and layout.packs_terms()
     )
 
 
@@ -248,8 +249,8 @@ def check_ktiles(tiles: KTiles, where: str = "K-quant weight") -> None:
 
 def _relayout_fields(layout: Any) -> ctypes.Array:
     """A RecordLayout as kquant.cpp's RowLayout: its byte offsets, then its groups and centre."""
-    values = (layout.size, layout.high, layout.scales, layout.mins, layout.d, layout.low_bits, layout.num_high)
-    values += (layout.scale_group, int(layout.has_mins), layout.min_group, layout.centre)
+    values = (layout.size, layout.high, layout.scales, layout.d, layout.low_bits, layout.num_high)
+    values += (layout.scale_group, int(layout.has_mins), layout.min_group, layout.centre, layout.term_bits)
     return (_i64 * 11)(*values)
 
 
@@ -272,6 +273,7 @@ class KQuantSpec(ctypes.Structure):
         ("chain_ends", _ptr),
         ("low_bits", ctypes.c_int32),
         ("min_group", ctypes.c_int32),
+        ("term_bits", ctypes.c_int32),
     ]
 
     @classmethod
@@ -289,6 +291,7 @@ class KQuantSpec(ctypes.Structure):
             None if tiles.chain_ends is None else tiles.chain_ends.data_ptr(),
             layout.low_bits,
             layout.min_group,
+            layout.term_bits,
         )
         spec.tiles = tiles
         return spec
@@ -475,10 +478,10 @@ _SIGNATURES: dict[str, Signature] = {
     "tile_rows_in_place": ([_ptr, _i64, _i64, _int, _int], _int),
     "tile_fifth_bits_in_place": ([_ptr, _i64, _i64, _int], None),
     "quantize_int8_groups": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
-    "convert_kquant": ([_ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _int], _int),
+    "convert_kquant": ([_ptr, _int, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _int], _int),
     "kquant_dequantize_rows": ([ctypes.POINTER(KQuantSpec), _ptr, _i64, _ptr, _int], None),
     "kquant_relayout": ([_ptr, _ptr, _i64, _i64, ctypes.POINTER(_i64), ctypes.POINTER(_i64), _ptr, _int], None),
-    "kquant_tile_records": ([_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _int, _int, _int, _int, _int, _int], None),
+    "kquant_tile_records": ([_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int, _int, _int, _int], None),
     "row_dots_f32": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int], None),
     "moe_route_f32": ([_ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _int], None),
     "sigmoid_gate_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _int], None),
@@ -659,6 +662,7 @@ class NativeKernels:
             and union.scale_group <= layout.scale_group
             and (union.has_mins or not layout.has_mins)
             and (not layout.has_mins or union.min_group <= layout.min_group)
+            and union.term_bits >= layout.term_bits
         )
         if not fits:
             raise ValueError(f"kquant_relayout: {union} does not hold the values of {layout}")
@@ -681,13 +685,10 @@ class NativeKernels:
             size,
             layout.high,
             layout.scales,
-            layout.mins,
             layout.d,
             layout.num_high,
-            layout.scale_group,
             int(layout.has_mins),
             layout.low_bits,
-            layout.min_group,
             num_threads,
         )
 
@@ -708,8 +709,11 @@ class NativeKernels:
         self, blocks: np.ndarray, gguf_type: int, in_features: int, layout: Any, num_threads: int, empty: Allocate
     ) -> torch.Tensor:
         """A K-quant matrix's GGUF bytes [N, row bytes] → its row records [N, K/256, layout.size] (kquant.cpp's
-        convert_kquant; layout: models/kquant.py's RecordLayout of the type) in a tensor `empty` makes."""
+        convert_kquant; layout: models/kquant.py's RecordLayout of the type, whose record takes the block's
+        bytes) in a tensor `empty` makes."""
         block_bytes = {_Q2_K: 84, _Q3_K: 110, _Q4_K: 144, _Q5_K: 176, _Q6_K: 210}[gguf_type]
+        if layout.size != block_bytes or not _valid_layout(layout):
+            raise ValueError(f"convert_kquant: {layout} is not GGUF type {gguf_type}'s record of {block_bytes} bytes")
         num_rows = _check_blocks("convert_kquant", blocks, in_features, 256, block_bytes)
         records = empty((num_rows, in_features // 256, layout.size), torch.uint8)
         check_elements("convert_kquant", "records", records, torch.uint8, num_rows * in_features // 256 * layout.size)
@@ -722,7 +726,6 @@ class NativeKernels:
             layout.size,
             layout.high,
             layout.scales,
-            layout.mins,
             layout.d,
             num_threads,
         )

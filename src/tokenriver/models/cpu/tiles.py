@@ -240,7 +240,8 @@ def untile(tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | Non
 # (nibbles: int4's words; crumbs: two), the high bits (for the 64-byte vector of code word k, whose byte 4r + i is
 # row r's column c_k(i) = 16 (k // 4) + 4 (k % 4) + i: one high bit as a plane, bit k of byte 4r + i that of column
 # c_k(i); two as two crumb vectors, h = 0 for words 0-3 and 1 for 4-7, bits 2j, 2j + 1 of byte 4r + i those of
-# column c_{4h + j}(i); the crumb codes are laid out so too), the 16 rows' scales, mins, d and dmin side by side.
+# column c_{4h + j}(i); the crumb codes are laid out so too), then byte by byte the 16 rows' scales and mins
+# (models/kquant.py's pack_terms) side by side, and their d and dmin.
 # A shift brings a word's high bits under a mask above the low bits and one bitwise select merges them in.
 
 
@@ -308,9 +309,7 @@ def _record_parts(layout: RecordLayout) -> list[tuple[str, int, int, torch.dtype
     parts = [("qweight", 0, layout.high, torch.uint8)]
     if layout.num_high:
         parts.append(("high", layout.high, layout.scales, torch.int32))
-    parts.append(("scales", layout.scales, layout.mins, torch.int8))
-    if layout.has_mins:
-        parts.append(("mins", layout.mins, layout.d, torch.uint8))
+    parts.append(("terms", layout.scales, layout.d, torch.uint8))
     parts.append(("d", layout.d, layout.d + 2, torch.float16))
     if layout.has_mins:
         parts.append(("dmin", layout.d + 2, layout.d + 4, torch.float16))

@@ -405,6 +405,7 @@ using tokenriver::kquant_halves;
 using tokenriver::kquant_min_run;
 using tokenriver::kquant_nibbles;
 using tokenriver::kquant_scale_run;
+using tokenriver::KQuantTerms;
 
 // A Q4_K or Q5_K tile (NH high bits: 0 or 1) staged as stage_tile below, a super-block's record at a time: every
 // field of a record lies at a constant offset from its start (kquant.h), so the fields' addresses are computed
@@ -412,21 +413,21 @@ using tokenriver::kquant_scale_run;
 template <int S, int NH>
 inline void stage_nibble_tile(const KQuantWeight& w, int64_t t, int row0, uint32_t* words, float* scales,
                               float* mins) {
-  const int64_t high_at = w.high_at(), scales_at = high_at + 512 * NH, mins_at = scales_at + 128;
-  const int64_t d_at = mins_at + 128;
+  const int64_t high_at = w.high_at(), d_at = w.d_at();
   const uint8_t* record = w.super(t, 0);
+  KQuantTerms terms;
   for (int64_t s = 0; s < w.K / 256; ++s, record += w.record) {
     const __m512 d = kquant_halves(reinterpret_cast<const uint16_t*>(record + d_at));
     const __m512 dmin = kquant_halves(reinterpret_cast<const uint16_t*>(record + d_at) + kTileRows);
+    terms.read(w, record);
     for (int k = 0; k < 8; ++k) {
       const int64_t b = 8 * s + k;
       __m512i codes[8];
       kquant_nibbles(record + 256 * k, codes);
       if (NH == 1) kquant_add_plane<4>(record + high_at + 64 * k, codes);
       for (int c = 0; c < 8; ++c) _mm512_storeu_si512(words + 8 * S * b + row0 + S * c, codes[c]);
-      _mm512_storeu_ps(scales + S * b + row0,
-                       kquant_scale_run(reinterpret_cast<const int8_t*>(record + scales_at + 16 * k), d));
-      _mm512_storeu_ps(mins + S * b + row0, kquant_min_run(record + mins_at + 16 * k, dmin));
+      _mm512_storeu_ps(scales + S * b + row0, kquant_scale_run(terms.scales(w, k, 0), d));
+      _mm512_storeu_ps(mins + S * b + row0, kquant_min_run(terms.mins(w, k, 0), dmin));
     }
   }
 }
@@ -448,17 +449,19 @@ inline void stage_tile(const KQuantWeight& weight, int64_t t, int row0, uint32_t
 void stage_kquant_tile(const KQuantWeight& weight, int64_t t, uint32_t* words, float* scales, float* mins) {
   const KQuantWeight w = weight;
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
+  KQuantTerms terms;
   for (int64_t b = 0; b < w.blocks(); ++b) {
     if (b % 8 == 0) {
       d = kquant_halves(w.block_d(t, b));
       dmin = w.has_mins ? kquant_halves(w.block_dmin(t, b)) : _mm512_setzero_ps();
+      terms.read(w, w.super(t, b));
     }
     __m512i codes[8];
     kquant_codes(w, t, b, codes);
     for (int k = 0; k < 8; ++k) _mm512_storeu_si512(words + (8 * b + k) * kTileRows, codes[k]);
     for (int h = 0; h < 2; ++h) {
-      _mm512_storeu_ps(scales + (2 * b + h) * kTileRows, kquant_scale_run(w.block_scales(t, b, h), d));
-      const __m512 min = w.has_mins ? kquant_min_run(w.block_mins(t, b, h), dmin) : _mm512_setzero_ps();
+      _mm512_storeu_ps(scales + (2 * b + h) * kTileRows, kquant_scale_run(terms.scales(w, b, h), d));
+      const __m512 min = w.has_mins ? kquant_min_run(terms.mins(w, b, h), dmin) : _mm512_setzero_ps();
       _mm512_storeu_ps(mins + (2 * b + h) * kTileRows, min);
     }
   }
@@ -634,16 +637,18 @@ void StagedCrumbTile::stage(const KQuantWeight& weight, int64_t t) {
   const __m512i centre_hi = _mm512_maskz_mov_epi16(centred_hi, _mm512_set1_epi16(static_cast<int16_t>(w.centre())));
   // packus interleaves its operands' 128-bit lanes; this puts the 64-bit groups back in order.
   const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  KQuantTerms terms;
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const int64_t s = b / 8;
     if (b % 8 == 0) {
       _mm512_storeu_ps(d.data() + s * kTileRows, kquant_halves(w.block_d(t, b)));
       if (w.has_mins) _mm512_storeu_ps(dmin.data() + s * kTileRows, kquant_halves(w.block_dmin(t, b)));
+      terms.read(w, w.super(t, b));
     }
     __m512i codes[8];
     kquant_codes(w, t, b, codes);
     for (int h = 0; h < 2; ++h) {
-      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block_scales(t, b, h)));
+      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(terms.scales(w, b, h)));
       const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(scales));
       const __m512i sc_lo = _mm512_permutexvar_epi16(lane_lo, sc), sc_hi = _mm512_permutexvar_epi16(lane_hi, sc);
       // (q - o) sc + 127 = q sc + (127 - o sc).
@@ -663,8 +668,8 @@ void StagedCrumbTile::stage(const KQuantWeight& weight, int64_t t) {
       const auto widen = [](const uint8_t* p) {
         return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       };
-      const __m512i high = _mm512_slli_epi32(widen(w.block_mins(t, b, 1)), 16);
-      const __m512i pair = _mm512_or_si512(widen(w.block_mins(t, b, 0)), high);
+      const __m512i high = _mm512_slli_epi32(widen(terms.mins(w, b, 1)), 16);
+      const __m512i pair = _mm512_or_si512(widen(terms.mins(w, b, 0)), high);
       _mm512_storeu_si512(min_pairs.data() + b * kTileRows, pair);
     }
   }

@@ -35,13 +35,15 @@ void decode_row(const KQuantWeight& w, int64_t n, float* out) {
   const int64_t t = n / kTileRows;
   const int r = static_cast<int>(n % kTileRows);
   const int offset = (w.offsets(t) >> r) & 1 ? w.centre() : 0;
+  tokenriver::KQuantTerms terms;
   for (int64_t b = 0; b < w.blocks(); ++b) {
+    if (b % 8 == 0) terms.read(w, w.super(t, b));
     const float d = half_to_float(w.block_d(t, b)[r]);
     const float dmin = w.has_mins ? half_to_float(w.block_dmin(t, b)[r]) : 0.0f;
     for (int c = 0; c < 32; ++c) {
-      const float scale = d * float(w.block_scales(t, b, c / 16)[r]);
+      const float scale = d * float(terms.scales(w, b, c / 16)[r]);
       const float value = scale * float(w.code(t, b, r, c) - offset);
-      out[32 * b + c] = w.has_mins ? value - dmin * float(w.block_mins(t, b, c / 16)[r]) : value;
+      out[32 * b + c] = w.has_mins ? value - dmin * float(terms.mins(w, b, c / 16)[r]) : value;
     }
   }
 }
@@ -96,13 +98,13 @@ inline void block_codes(const KQuantWeight& w, int64_t t, int64_t b, __m512i cod
 }
 
 // The tile's 16 scales d * sc of half h of block b.
-inline __m512 block_scale(const KQuantWeight& w, int64_t t, int64_t b, int h, __m512 d) {
-  return tokenriver::kquant_scale_run(w.block_scales(t, b, h), d);
+inline __m512 block_scale(const KQuantWeight& w, const tokenriver::KQuantTerms& terms, int64_t b, int h, __m512 d) {
+  return tokenriver::kquant_scale_run(terms.scales(w, b, h), d);
 }
 
 // The tile's 16 mins -(dmin * m) of the run holding column 32 b + 16 h.
-inline __m512 block_min(const KQuantWeight& w, int64_t t, int64_t b, int h) {
-  return tokenriver::kquant_min_run(w.block_mins(t, b, h), tokenriver::kquant_halves(w.block_dmin(t, b)));
+inline __m512 block_min(const KQuantWeight& w, const tokenriver::KQuantTerms& terms, int64_t t, int64_t b, int h) {
+  return tokenriver::kquant_min_run(terms.mins(w, b, h), tokenriver::kquant_halves(w.block_dmin(t, b)));
 }
 
 // Tile t's 16 rows against MT activation rows, into y (ld: y's row stride): kquant.h's arithmetic, a lane per row.
@@ -113,18 +115,20 @@ void kquant_tile(const KQuantWeight& w, int64_t t, const KActivations* a, float*
   const int32_t centre = w.centre();
   const bool has_mins = w.has_mins, min16 = w.has_mins && w.min_group == 16;
   __m512 total[MT];
+  tokenriver::KQuantTerms terms;
   for (int64_t c = 0, begin = 0, end; begin < w.blocks(); begin = end, ++c) {
     end = w.chain_end(c);
     __m512 acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = begin; b < end; ++b) {
+      if (b % 8 == 0 || b == begin) terms.read(w, w.super(t, b));
       __m512i codes[8];
       block_codes(w, t, b, codes);
       const __m512 d = tokenriver::kquant_halves(w.block_d(t, b));
-      const __m512 scale_lo = block_scale(w, t, b, 0, d);
-      const __m512 scale_hi = SUB16 ? block_scale(w, t, b, 1, d) : scale_lo;
-      const __m512 min = has_mins ? block_min(w, t, b, 0) : _mm512_setzero_ps();
-      const __m512 min_hi = min16 ? block_min(w, t, b, 1) : min;
+      const __m512 scale_lo = block_scale(w, terms, b, 0, d);
+      const __m512 scale_hi = SUB16 ? block_scale(w, terms, b, 1, d) : scale_lo;
+      const __m512 min = has_mins ? block_min(w, terms, t, b, 0) : _mm512_setzero_ps();
+      const __m512 min_hi = min16 ? block_min(w, terms, t, b, 1) : min;
       for (int m = 0; m < MT; ++m) {
         const __m512 xs = _mm512_set1_ps(a[m].xscale[b]);
         const int32_t t_lo = a[m].half_sums[2 * b], t_hi = a[m].half_sums[2 * b + 1];
@@ -176,14 +180,16 @@ void kquant_crumb_tile(const KQuantWeight& w, int64_t t, const KActivations* a, 
     for (int64_t s = begin / 8; s < end / 8; ++s) {
       __m512 sums[MT], mins[MT];
       for (int m = 0; m < MT; ++m) sums[m] = mins[m] = _mm512_setzero_ps();
+      tokenriver::KQuantTerms terms;
+      terms.read(w, w.super(t, 8 * s));
       for (int64_t b = 8 * s; b < 8 * s + 8; ++b) {
         __m512i codes[8];
         block_codes(w, t, b, codes);
-        const __m512 scale_lo = _mm512_cvtepi32_ps(widened_scales(w.block_scales(t, b, 0)));
-        const __m512 scale_hi = _mm512_cvtepi32_ps(widened_scales(w.block_scales(t, b, 1)));
+        const __m512 scale_lo = _mm512_cvtepi32_ps(widened_scales(terms.scales(w, b, 0)));
+        const __m512 scale_hi = _mm512_cvtepi32_ps(widened_scales(terms.scales(w, b, 1)));
         const __m512 zero = _mm512_setzero_ps();
-        const __m512 min_lo = has_mins ? _mm512_cvtepi32_ps(widened_mins(w.block_mins(t, b, 0))) : zero;
-        const __m512 min_hi = has_mins ? _mm512_cvtepi32_ps(widened_mins(w.block_mins(t, b, 1))) : zero;
+        const __m512 min_lo = has_mins ? _mm512_cvtepi32_ps(widened_mins(terms.mins(w, b, 0))) : zero;
+        const __m512 min_hi = has_mins ? _mm512_cvtepi32_ps(widened_mins(terms.mins(w, b, 1))) : zero;
         for (int m = 0; m < MT; ++m) {
           const int32_t t_lo = a[m].half_sums[2 * b], t_hi = a[m].half_sums[2 * b + 1];
           __m512i lo, hi;
@@ -289,18 +295,42 @@ inline void put_nibbles(const uint8_t* chunk, int shift, uint8_t* out) {
 #endif
 }
 
+// A super-block's scales then mins (values [count]) as a record's bytes at `bits` (models/kquant.py's pack_terms:
+// at 4 or 6, value 4q + i's low nibble in bits 4 (q % 2) of byte 4 (q / 2) + i, at 6 its top two bits in bits 2q
+// of byte 8 + i).
+void put_terms(const int* values, int count, int bits, uint8_t* out) {
+  if (bits == 8) {
+    for (int v = 0; v < count; ++v) out[v] = static_cast<uint8_t>(values[v]);
+    return;
+  }
+  memset(out, 0, count * bits / 8);
+  for (int v = 0; v < count; ++v) {
+    const int q = v / 4, i = v % 4;
+    out[4 * (q / 2) + i] |= static_cast<uint8_t>((values[v] & 0x0F) << (4 * (q % 2)));
+    if (bits == 6) out[8 + i] |= static_cast<uint8_t>(((values[v] >> 4) & 3) << (2 * q));
+  }
+}
+
+// Value v of a record's scales and mins at `bits` (put_terms read back; signed: a 6-bit scale sign-extended).
+int term(const uint8_t* terms, int v, int bits, bool is_signed) {
+  if (bits == 8) return is_signed ? static_cast<int8_t>(terms[v]) : terms[v];
+  const int q = v / 4, i = v % 4;
+  int value = (terms[4 * (q / 2) + i] >> (4 * (q % 2))) & 0x0F;
+  if (bits == 6) value |= ((terms[8 + i] >> (2 * q)) & 3) << 4;
+  return bits == 6 && is_signed ? (value ^ 0x20) - 0x20 : value;
+}
+
 // One Q4_K or Q5_K super-block into its row record (models/kquant.py's RecordLayout): 8 groups' nibbles (16 bytes
-// each, Q4_0's order), scales, mins, d and dmin, and for Q5_K each group's fifth bits as one word.
-void convert_q4_k_block(const uint8_t* b, bool has_high, uint8_t* record, int64_t high_at, int64_t scales_at,
-                        int64_t mins_at, int64_t d_at) {
+// each, Q4_0's order), the 6-bit scales and mins, d and dmin, and for Q5_K each group's fifth bits as one word.
+void convert_q4_k_block(const uint8_t* b, bool has_high, uint8_t* record, int64_t high_at, int64_t terms_at,
+                        int64_t d_at) {
   memcpy(record + d_at, b, 2);
   memcpy(record + d_at + 2, b + 2, 2);
   const uint8_t* qs = b + (has_high ? 48 : 16);
+  int terms[16];
+  for (int g = 0; g < 8; ++g) scale_min_k4(g, b + 4, terms + g, terms + 8 + g);
+  put_terms(terms, 16, 6, record + terms_at);
   for (int g = 0; g < 8; ++g) {
-    int scale, min;
-    scale_min_k4(g, b + 4, &scale, &min);
-    record[scales_at + g] = static_cast<uint8_t>(scale);
-    record[mins_at + g] = static_cast<uint8_t>(min);
     const uint8_t* chunk = qs + (g / 2) * 32;
     put_nibbles(chunk, 4 * (g % 2), record + 16 * g);
     if (has_high) {
@@ -311,10 +341,10 @@ void convert_q4_k_block(const uint8_t* b, bool has_high, uint8_t* record, int64_
 }
 
 // One Q6_K super-block (ql [128], qh [64], scales [16] int8, d) into its row record: nibbles, bit 4 and bit 5
-// words per group of 32, its 16 scales and d. Element 32 g + l: low nibble of ql[64 (g / 4) + 32 (g % 2) + l] (high
-// nibble for g % 4 >= 2), bits 4 and 5 from qh[32 (g / 4) + l] >> 2 (g % 4).
-void convert_q6_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int64_t scales_at, int64_t d_at) {
-  memcpy(record + scales_at, b + 192, 16);
+// words per group of 32, its 16 scales (a byte each) and d. Element 32 g + l: low nibble of
+// ql[64 (g / 4) + 32 (g % 2) + l] (high nibble for g % 4 >= 2), bits 4 and 5 from qh[32 (g / 4) + l] >> 2 (g % 4).
+void convert_q6_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int64_t terms_at, int64_t d_at) {
+  memcpy(record + terms_at, b + 192, 16);
   memcpy(record + d_at, b + 208, 2);
   for (int g = 0; g < 8; ++g) {
     const int half = g / 4, j = g % 4;
@@ -340,15 +370,18 @@ void put_crumbs(const uint8_t* src, int shift, uint8_t* run) {
 }
 
 // One Q3_K super-block (hmask [32], qs [64], 12 bytes of 6-bit scales, d) into its row record: the centred codes
-// q + 4 = low + 4 high as crumbs and a high word per 32, the scales sc - 32 per 16, d (loader/kquant_blocks.py's
-// unpack_q3_k). Element 32 g + l: low bits at bit 2 (g % 4) of qs[32 (g / 4) + l], high bit at bit g of hmask[l].
-void convert_q3_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int64_t scales_at, int64_t d_at) {
+// q + 4 = low + 4 high as crumbs and a high word per 32, the 6-bit scales sc - 32 per 16, d
+// (loader/kquant_blocks.py's unpack_q3_k). Element 32 g + l: low bits at bit 2 (g % 4) of qs[32 (g / 4) + l], high
+// bit at bit g of hmask[l].
+void convert_q3_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int64_t terms_at, int64_t d_at) {
   memcpy(record + d_at, b + 108, 2);
+  int scales[16];
   for (int i = 0; i < 16; ++i) {
     const int low = i < 8 ? b[96 + i] & 0x0F : b[96 + i - 8] >> 4;
     const int top = (b[104 + i % 4] >> (2 * (i / 4))) & 3;
-    record[scales_at + i] = static_cast<uint8_t>(static_cast<int8_t>((low | (top << 4)) - 32));
+    scales[i] = (low | (top << 4)) - 32;
   }
+  put_terms(scales, 16, 6, record + terms_at);
   for (int g = 0; g < 8; ++g) {
     put_crumbs(b + 32 + 32 * (g / 4), 2 * (g % 4), record + 8 * g);
     const uint32_t word = bit_word(b, g);
@@ -357,20 +390,31 @@ void convert_q3_k_block(const uint8_t* b, uint8_t* record, int64_t high_at, int6
 }
 
 // One Q2_K super-block (16 bytes of 4-bit (scale, min) pairs, qs [64], d, dmin) into its row record: the codes as
-// crumbs, the scales and mins per 16 a byte each, d and dmin (loader/kquant_blocks.py's unpack_q2_k).
-void convert_q2_k_block(const uint8_t* b, uint8_t* record, int64_t scales_at, int64_t mins_at, int64_t d_at) {
+// crumbs, the 4-bit scales and mins per 16, d and dmin (loader/kquant_blocks.py's unpack_q2_k).
+void convert_q2_k_block(const uint8_t* b, uint8_t* record, int64_t terms_at, int64_t d_at) {
   memcpy(record + d_at, b + 80, 2);
   memcpy(record + d_at + 2, b + 82, 2);
+  int terms[32];
   for (int i = 0; i < 16; ++i) {
-    record[scales_at + i] = b[i] & 0x0F;
-    record[mins_at + i] = b[i] >> 4;
+    terms[i] = b[i] & 0x0F;
+    terms[16 + i] = b[i] >> 4;
   }
+  put_terms(terms, 32, 4, record + terms_at);
   for (int g = 0; g < 8; ++g) put_crumbs(b + 16 + 32 * (g / 4), 2 * (g % 4), record + 8 * g);
 }
 
 // A row record's layout (models/kquant.py's RecordLayout) as kquant_relayout takes it: byte offsets, then groups.
 struct RowLayout {
-  int64_t size, high, scales, mins, d, low_bits, num_high, scale_group, has_mins, min_group, centre;
+  int64_t size, high, terms, d, low_bits, num_high, scale_group, has_mins, min_group, centre, term_bits;
+
+  int64_t num_scales() const { return 256 / scale_group; }
+  // The record's scale i, min i.
+  int scale(const uint8_t* record, int64_t i) const {
+    return term(record + terms, static_cast<int>(i), static_cast<int>(term_bits), has_mins == 0);
+  }
+  int min(const uint8_t* record, int64_t i) const {
+    return term(record + terms, static_cast<int>(num_scales() + i), static_cast<int>(term_bits), false);
+  }
 
   // Run g's 32 codes: their low bits (nibbles: byte l % 16 of the run, the high nibble for l >= 16; crumbs: byte
   // 4 (l / 16) + l % 4 of the run, bits 2 ((l % 16) / 4)), then each high word's bit l above them.
@@ -413,8 +457,8 @@ struct RowLayout {
 };
 
 // One row's super-block record in layout `from` rewritten in `to` (a union that holds it: codes as wide or wider,
-// scales and mins in groups as small or smaller): the codes re-centred on to's centre where the row is centred,
-// scales and mins repeated to to's groups, absent mins and dmin zero (models/kquant.py's _union_part).
+// scales and mins in groups as small or smaller, at bits as wide): the codes re-centred on to's centre where the row
+// is centred, scales and mins repeated to to's groups, absent mins and dmin zero (models/kquant.py's _union_part).
 void relayout_record(const uint8_t* src, bool centred, const RowLayout& from, const RowLayout& to, uint8_t* dst) {
   memset(dst, 0, to.size);
   const int shift = centred ? static_cast<int>(to.centre - from.centre) : 0;
@@ -424,20 +468,22 @@ void relayout_record(const uint8_t* src, bool centred, const RowLayout& from, co
     for (int l = 0; l < 32; ++l) codes[l] += shift;
     to.put_codes(dst, g, codes);
   }
-  for (int64_t i = 0; i < 256 / to.scale_group; ++i)
-    dst[to.scales + i] = src[from.scales + i * to.scale_group / from.scale_group];
+  int terms[32] = {};
+  for (int64_t i = 0; i < to.num_scales(); ++i) terms[i] = from.scale(src, i * to.scale_group / from.scale_group);
+  const int64_t num_mins = to.has_mins ? 256 / to.min_group : 0;
   if (to.has_mins && from.has_mins) {
-    for (int64_t i = 0; i < 256 / to.min_group; ++i)
-      dst[to.mins + i] = src[from.mins + i * to.min_group / from.min_group];
+    for (int64_t i = 0; i < num_mins; ++i)
+      terms[to.num_scales() + i] = from.min(src, i * to.min_group / from.min_group);
     memcpy(dst + to.d + 2, src + from.d + 2, 2);
   }
+  put_terms(terms, static_cast<int>(to.num_scales() + num_mins), static_cast<int>(to.term_bits), dst + to.terms);
   memcpy(dst + to.d, src + from.d, 2);
 }
 
 // A row record's fields (models/kquant.py's RecordLayout) as kquant_tile_records moves them into a tile record.
 struct TileFields {
-  int64_t high_at, scales_at, mins_at, d_at;
-  int num_high, runs, has_mins, low_bits, min_runs;
+  int64_t high_at, terms_at, d_at;
+  int num_high, has_mins, low_bits;
 };
 
 // A high word's bits as a tile's byte for column c of every fourth: bit k of the byte is the word's bit
@@ -470,11 +516,11 @@ inline uint8_t high_crumbs(uint32_t low, uint32_t high, int h, int c) {
 
 // One super-block of a tile's 16 row records (row r's at rows + r * row_stride) written as its tile record out
 // (kquant.h): the code words transposed (word w of row r to out's word 16 w + r, a gather of the 16 rows' words at
-// a time), the high words as planes or crumbs, scales and mins a row's byte per run, d and dmin per row.
+// a time), the high words as planes or crumbs, the scales' and mins' bytes byte by byte, d and dmin per row.
 void tile_super_block(const uint8_t* rows, int64_t row_stride, const TileFields& f, uint8_t* out) {
   const int code_words = 8 * f.low_bits;
-  const int64_t high_out = 512 * f.low_bits, scales_out = high_out + 512 * f.num_high;
-  const int64_t mins_out = scales_out + 128 * f.runs, d_out = mins_out + (f.has_mins ? 128 * f.min_runs : 0);
+  const int64_t high_out = 512 * f.low_bits, terms_out = high_out + 512 * f.num_high;
+  const int64_t term_bytes = f.d_at - f.terms_at, d_out = terms_out + kTileRows * term_bytes;
 #if defined(__AVX512F__)
   const __m512i starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(static_cast<int>(row_stride)));
@@ -493,11 +539,8 @@ void tile_super_block(const uint8_t* rows, int64_t row_stride, const TileFields&
       for (int c = 0; c < 4 && f.num_high == 2; ++c)
         for (int h = 0; h < 2; ++h)
           out[high_out + 128 * i + 64 * h + 4 * r + c] = high_crumbs(words[0], words[1], h, c);
-      for (int h = 0; h < f.runs; ++h)
-        out[scales_out + 16 * f.runs * i + 16 * h + r] = row[f.scales_at + f.runs * i + h];
-      for (int h = 0; h < f.min_runs && f.has_mins; ++h)
-        out[mins_out + 16 * f.min_runs * i + 16 * h + r] = row[f.mins_at + f.min_runs * i + h];
     }
+    for (int64_t j = 0; j < term_bytes; ++j) out[terms_out + kTileRows * j + r] = row[f.terms_at + j];
     memcpy(out + d_out + 2 * r, row + f.d_at, 2);
     if (f.has_mins) memcpy(out + d_out + 32 + 2 * r, row + f.d_at + 2, 2);
   }
@@ -511,10 +554,10 @@ extern "C" {
 enum : int { kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 // src [N, K / 256 * block bytes] of one GGUF matrix → its row records [N, K / 256, record] (models/kquant.py's
-// RecordLayout for the type: the byte offsets of the bit words, scales, mins and d within a record). Returns 0, or
-// 1 for a type it does not convert.
+// RecordLayout for the type: the byte offsets of the bit words, the scales and mins, and d within a record).
+// Returns 0, or 1 for a type it does not convert.
 int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* records, int64_t record,
-                   int64_t high_at, int64_t scales_at, int64_t mins_at, int64_t d_at, int num_threads) {
+                   int64_t high_at, int64_t terms_at, int64_t d_at, int num_threads) {
   const int bytes = type == kQ2_K   ? 84
                     : type == kQ3_K ? 110
                     : type == kQ4_K ? 144
@@ -529,13 +572,13 @@ int convert_kquant(const uint8_t* src, int type, int64_t N, int64_t K, uint8_t* 
       const uint8_t* b = src + (n * blocks + i) * bytes;
       uint8_t* out = records + (n * blocks + i) * record;
       if (type == kQ6_K)
-        convert_q6_k_block(b, out, high_at, scales_at, d_at);
+        convert_q6_k_block(b, out, high_at, terms_at, d_at);
       else if (type == kQ3_K)
-        convert_q3_k_block(b, out, high_at, scales_at, d_at);
+        convert_q3_k_block(b, out, high_at, terms_at, d_at);
       else if (type == kQ2_K)
-        convert_q2_k_block(b, out, scales_at, mins_at, d_at);
+        convert_q2_k_block(b, out, terms_at, d_at);
       else
-        convert_q4_k_block(b, type == kQ5_K, out, high_at, scales_at, mins_at, d_at);
+        convert_q4_k_block(b, type == kQ5_K, out, high_at, terms_at, d_at);
     }
   return 0;
 }
@@ -555,16 +598,14 @@ void kquant_relayout(const uint8_t* src, const uint8_t* offsets, int64_t N, int6
       relayout_record(src + (n * supers + s) * a.size, offsets[n] != 0, a, b, dst + (n * supers + s) * b.size);
 }
 
-// Row records [N, K/256, record] (models/kquant.py's RecordLayout: the byte offsets high_at, scales_at, mins_at and
-// d_at of a row's fields, its low_bits and min_group) rewritten in place as tile records (kquant.h;
-// models/cpu/tiles.py's tile_kquant, the same bytes): a tile's 16 rows take exactly its record's bytes, so each tile
-// is copied out and written back. N a multiple of 16.
-void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record, int64_t high_at, int64_t scales_at,
-                         int64_t mins_at, int64_t d_at, int num_high, int scale_group, int has_mins, int low_bits,
-                         int min_group, int num_threads) {
+// Row records [N, K/256, record] (models/kquant.py's RecordLayout: the byte offsets high_at, terms_at and d_at of a
+// row's fields, its low_bits) rewritten in place as tile records (kquant.h; models/cpu/tiles.py's tile_kquant, the
+// same bytes): a tile's 16 rows take exactly its record's bytes, so each tile is copied out and written back. N a
+// multiple of 16.
+void kquant_tile_records(uint8_t* records, int64_t N, int64_t K, int64_t record, int64_t high_at, int64_t terms_at,
+                         int64_t d_at, int num_high, int has_mins, int low_bits, int num_threads) {
   const int64_t supers = K / 256;
-  const TileFields fields{high_at, scales_at, mins_at, d_at, num_high, 32 / scale_group, has_mins, low_bits,
-                          32 / min_group};
+  const TileFields fields{high_at, terms_at, d_at, num_high, has_mins, low_bits};
   tokenriver::rewrite_tiles(records, N, supers * record, num_threads, [&](const uint8_t* rows, uint8_t* tile) {
     for (int64_t s = 0; s < supers; ++s)
       tile_super_block(rows + s * record, supers * record, fields, tile + s * kTileRows * record);

@@ -1,4 +1,4 @@
-// K-quant row tiles: GGUF's Q2_K to Q6_K weights at about the file's own bits per weight, in the row tiles of
+// K-quant row tiles: GGUF's Q2_K to Q6_K weights at the file's own bits per weight, in the row tiles of
 // tiles.h (models/cpu/tiles.py's tile_kquant writes them; models/kquant.py defines the values).
 //
 // A weight is w[n, k] = d * sc * (q - o) - dmin * m, per row n:
@@ -17,12 +17,14 @@
 //           0 for words 0-3, 1 for 4-7; bits 2j, 2j + 1 of byte 4r + i: word 4h + j's column)
 //   high    8 blocks × 64 * num_high bytes: one high bit as a plane (byte 4r + i, bit k: code word k's column),
 //           two as two crumb vectors laid out as the crumb codes are
-//   scales  8 blocks × 16 * (32 / scale_group) int8: each scale run's 16 rows
-//   mins    8 blocks × 16 * (32 / min_group) uint8 (where has_mins)
+//   terms   byte j of the 16 rows' scales and mins (models/kquant.py's pack_terms: a byte each at term_bits 8;
+//           at 6 or 4, value 4q + i's low nibble in bits 4 (q % 2) of byte 4 (q / 2) + i, at 6 its top two bits in
+//           bits 2q of byte 8 + i) at 16 j + r, so that one shift and mask give four values of all 16 rows
+//           (KQuantTerms)
 //   d       16 float16, then dmin 16 float16 (where has_mins)
-// Q6_K is then its own size, 6.5625 bits a weight; the sub-block scales and mins take a byte each: Q4_K 4.625 bits
-// (the file: 4.5), Q5_K 5.625 (5.5), Q3_K 3.5625 (3.4375), Q2_K 3.125 (2.625). A fused projection of parts of
-// different types keeps every part's values: the union of their fields, the absent ones zero.
+// A record then takes the file's bytes: Q2_K 2.625 bits a weight, Q3_K 3.4375, Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625. A
+// fused projection of parts of different types keeps every part's values: the union of their fields, the absent
+// ones zero, a byte per scale and min.
 //
 // The int8-activation products (kquant.cpp's GEMV, gemm.cpp's GEMM) compute a row as one chain over its blocks of 32
 // columns, in order, lane by lane the same in both, so a row's bits never depend on its batch. Per block b, with the
@@ -63,6 +65,7 @@ struct KQuantWeight {
   const int64_t* chain_ends;
   int32_t low_bits;              // 4 (nibbles) or 2 (crumbs)
   int32_t min_group;             // 32 or 16 (where has_mins)
+  int32_t term_bits;             // 8, 6 or 4: a scale's or min's width in the records
 
   int64_t blocks() const { return K / 32; }
   int words() const { return 4; }  // a block's code words (tiles.h's int4)
@@ -71,11 +74,16 @@ struct KQuantWeight {
   // The columns the activations are rounded in: a super-block for 2-bit codes, else a block (the comment above).
   int64_t activation_run() const { return low_bits == 2 ? 256 : 32; }
   int min_runs() const { return min_group == 16 ? 2 : 1; }
+  // A super-block's scales, and its scales and mins, per row.
+  int num_scales() const { return 8 * scale_runs(); }
+  int num_terms() const { return num_scales() + (has_mins ? 8 * min_runs() : 0); }
   // The codes' centre, a centred row's offset o.
   int centre() const { return 1 << (low_bits + num_high - 1); }
   int64_t code_bytes() const { return 64 * low_bits; }  // a tile block's codes
   int64_t tile_bytes() const { return K / 256 * record; }  // a tile's records, all a product of it reads
   int64_t high_at() const { return 8 * code_bytes(); }
+  int64_t terms_at() const { return high_at() + 512 * num_high; }
+  int64_t d_at() const { return terms_at() + kTileRows * num_terms() * term_bits / 8; }
   // The record holding block b of tile t.
   const uint8_t* super(int64_t t, int64_t b) const { return records + (t * (K / 256) + b / 8) * record; }
   const uint8_t* block(int64_t t, int64_t b) const { return super(t, b) + code_bytes() * (b % 8); }
@@ -83,18 +91,8 @@ struct KQuantWeight {
     return super(t, b) + high_at() + 64 * num_high * (b % 8);
   }
   const uint8_t* block_high_b(int64_t t, int64_t b) const { return block_high_a(t, b) + 64; }
-  // The tile's 16 scales of the run holding column 32 b + 16 h.
-  const int8_t* block_scales(int64_t t, int64_t b, int h) const {
-    const int64_t at = high_at() + 512 * num_high + 16 * scale_runs() * (b % 8) + (scale_runs() == 2 ? 16 * h : 0);
-    return reinterpret_cast<const int8_t*>(super(t, b) + at);
-  }
-  int64_t mins_at() const { return high_at() + 512 * num_high + 128 * scale_runs(); }
-  // The tile's 16 mins of the run holding column 32 b + 16 h.
-  const uint8_t* block_mins(int64_t t, int64_t b, int h) const {
-    return super(t, b) + mins_at() + 16 * min_runs() * (b % 8) + (min_runs() == 2 ? 16 * h : 0);
-  }
   const uint16_t* block_d(int64_t t, int64_t b) const {
-    return reinterpret_cast<const uint16_t*>(super(t, b) + mins_at() + (has_mins ? 128 * min_runs() : 0));
+    return reinterpret_cast<const uint16_t*>(super(t, b) + d_at());
   }
   const uint16_t* block_dmin(int64_t t, int64_t b) const { return block_d(t, b) + kTileRows; }
   uint16_t offsets(int64_t t) const { return offset_masks == nullptr ? 0 : offset_masks[t]; }
@@ -114,6 +112,70 @@ struct KQuantWeight {
     return value + (high << low_bits);
   }
 };
+
+// A tile's scales and mins of one super-block, each run's 16 rows as 16 bytes: scales [num_scales][16] int8, then
+// mins [8 * min_runs][16] uint8 (where has_mins). At 8 bits the record's own bytes; at 6 or 4 unpacked (the comment
+// above): four values of the 16 rows by a shift and a mask, 6-bit scales of a weight without mins sign-extended
+// (Q3_K's). A weight with 4-bit terms has mins (Q2_K's; 32 scales alone would need runs of 8).
+struct KQuantTerms {
+  alignas(64) uint8_t unpacked[512];
+  const uint8_t* bytes = nullptr;
+
+  // The terms of the super-block whose record starts at `record`.
+  void read(const KQuantWeight& w, const uint8_t* record);
+  // The 16 scales of the run holding column 32 b + 16 h; the 16 mins of that run.
+  const int8_t* scales(const KQuantWeight& w, int64_t b, int h) const {
+    return reinterpret_cast<const int8_t*>(bytes + 16 * (w.scale_runs() * (b % 8) + (w.scale_runs() == 2 ? h : 0)));
+  }
+  const uint8_t* mins(const KQuantWeight& w, int64_t b, int h) const {
+    return bytes + 16 * (w.num_scales() + w.min_runs() * (b % 8) + (w.min_runs() == 2 ? h : 0));
+  }
+};
+
+inline void KQuantTerms::read(const KQuantWeight& w, const uint8_t* record) {
+  const uint8_t* packed = record + w.terms_at();
+  if (w.term_bits == 8) {
+    bytes = packed;
+    return;
+  }
+  bytes = unpacked;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  if (w.term_bits == 4) {
+    for (int k = 0; k < 4; ++k) {
+      const __m512i p = _mm512_loadu_si512(packed + 64 * k);
+      _mm512_store_si512(unpacked + 128 * k, _mm512_and_si512(p, nibble));
+      _mm512_store_si512(unpacked + 128 * k + 64, _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble));
+    }
+    return;
+  }
+  const __m512i p0 = _mm512_loadu_si512(packed), p1 = _mm512_loadu_si512(packed + 64);
+  const __m512i tops = _mm512_loadu_si512(packed + 128);
+  // low | (shifted tops & 0x30): ternary logic 0xF8 is a | (b & c).
+  __m512i values[4] = {
+      _mm512_ternarylogic_epi32(_mm512_and_si512(p0, nibble), _mm512_slli_epi16(tops, 4), top, 0xF8),
+      _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(p0, 4), nibble), _mm512_slli_epi16(tops, 2), top,
+                                0xF8),
+      _mm512_ternarylogic_epi32(_mm512_and_si512(p1, nibble), tops, top, 0xF8),
+      _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(p1, 4), nibble), _mm512_srli_epi16(tops, 2), top,
+                                0xF8),
+  };
+  const __m512i sign = _mm512_set1_epi8(0x20);
+  for (int q = 0; q < 4; ++q) {
+    if (!w.has_mins) values[q] = _mm512_sub_epi8(_mm512_xor_si512(values[q], sign), sign);
+    _mm512_store_si512(unpacked + 64 * q, values[q]);
+  }
+#else
+  for (int v = 0; v < w.num_terms(); ++v)
+    for (int r = 0; r < kTileRows; ++r) {
+      const int q = v / 4, i = v % 4;
+      int value = (packed[16 * (4 * (q / 2) + i) + r] >> (4 * (q % 2))) & 0x0F;
+      if (w.term_bits == 6) value |= ((packed[16 * (8 + i) + r] >> (2 * q)) & 3) << 4;
+      if (w.term_bits == 6 && !w.has_mins) value = (value ^ 0x20) - 0x20;
+      unpacked[16 * v + r] = static_cast<uint8_t>(value);
+    }
+#endif
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // 16 float16 values (a tile's d or dmin) as float32.
