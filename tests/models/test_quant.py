@@ -176,6 +176,8 @@ def make_layer(
         return Int8Linear(quantize_int8(weight), **options)
     if kind == "q5_0":  # 5-bit codes: int4 nibbles plus fifth bits
         return Int4Linear(repack_q5_0(quantize(weight.numpy(), GGMLQuantizationType.Q5_0)), **options)
+    if kind == "q4_0":  # centred codes: every min -8 * scale (the tiles keep none)
+        return Int4Linear(repack_q4_0(quantize(weight.numpy(), GGMLQuantizationType.Q4_0)), **options)
     blocks = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)  # [N, K // 32 * 34]
     return Int8Linear(repack_q8_0(blocks), **options)
 
@@ -191,7 +193,7 @@ def assert_matches_reference(layer: Int4Linear | Int8Linear, x: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0", "q4_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_linear_matches_dequantized_reference(backend: str, kind: str, dtype: torch.dtype) -> None:
     layer = make_layer(kind, 192, 576, backend)
@@ -200,7 +202,7 @@ def test_linear_matches_dequantized_reference(backend: str, kind: str, dtype: to
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0", "q5_0", "q4_0"])
 def test_native_handles_odd_shapes_bias_and_leading_dims(kind: str) -> None:
     # 37 outputs: two row tiles and a partial one (zero rows padded); 3-D input; bias; the GEMM above max_gemv_rows.
     layer = make_layer(kind, 37, 96, "native", bias=True, max_gemv_rows=4)
@@ -212,7 +214,7 @@ def test_native_handles_odd_shapes_bias_and_leading_dims(kind: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0", "q4_0"])
 def test_int8_activations_native_matches_reference_rounding(kind: str) -> None:
     native = make_layer(kind, 76, 576, "native", bias=True, max_gemv_rows=8, int8_activations=True)
     reference = make_layer(kind, 76, 576, "reference", bias=True, max_gemv_rows=8, int8_activations=True)
@@ -254,7 +256,7 @@ def test_int8_activations_int4_pairs_match_reference_rounding(kind: str, in_feat
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind", ["int4-g32", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "q5_0", "q4_0"])
 def test_int8_activations_int4_rows_do_not_depend_on_the_batch(kind: str) -> None:
     """Each row's bits are the same alone, in any tile of a small batch, and through the bound kernel at 300 rows."""
     layer = make_layer(kind, 38, 576, "native", max_gemv_rows=8, int8_activations=True)
@@ -294,7 +296,7 @@ def test_rounded_layers_round_many_rows_as_they_round_one() -> None:
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("rounding", [pytest.param(None, id="f32"), INT8_GEMM])
-@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int8-channel", "q8_0", "q5_0", "q4_0"])
 def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | None) -> None:
     # 40 outputs: two row tiles of 16 and one of 8 real rows. K = 1536: 80 float32 activation rows per pass, 336 in
     # int8, so 1000 rows take one to thirteen passes. Batches of 9 to 1000 put the same rows in half panels, full
@@ -312,7 +314,7 @@ def test_native_gemm_rows_do_not_depend_on_the_batch(kind: str, rounding: str | 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("rounding", [INT8_GEMM])
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int4-g128", "int8-channel", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int4-g128", "int8-channel", "q8_0", "q5_0", "q4_0"])
 @pytest.mark.parametrize("out_features, in_features", [(45, 576), (45, 1536), (45, 128), (16, 32), (77, 96)])
 def test_rounded_gemm_matches_the_reference_rounding(
     kind: str, out_features: int, in_features: int, rounding: str
@@ -337,7 +339,7 @@ def test_rounded_gemm_matches_the_reference_rounding(
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0", "q4_0"])
 def test_rounded_layer_matches_the_reference_backend(kind: str) -> None:
     """A layer with int8_activations: the GEMV rounds to int8, the GEMM as this CPU does; bias included."""
     native = make_layer(kind, 45, 576, "native", bias=True, max_gemv_rows=8, int8_activations=True)
@@ -349,7 +351,7 @@ def test_rounded_layer_matches_the_reference_backend(kind: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_INT8_GEMM, reason="the CPU lacks AVX512-VNNI")
-@pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0", "q4_0"])
 def test_int8_gemm_and_gemv_round_a_row_alike(kind: str) -> None:
     """A row decoded alone (GEMV) and in a batch (GEMM) gets the same integer sums: results agree to float order."""
     layer = make_layer(kind, 40, 576, "native", max_gemv_rows=8, int8_activations=True)
@@ -368,7 +370,7 @@ def test_int8_activations_rounding_matches_its_definition() -> None:
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
-@pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0", "q4_0"])
 def test_native_dequantize_equals_torch_dequantize(kind: str) -> None:
     layer = make_layer(kind, 64, 128, "native")
     weight = layer.row_major_weight()
@@ -385,7 +387,7 @@ def test_native_dequantize_equals_torch_dequantize(kind: str) -> None:
     assert torch.equal(layer.dequantize_rows(torch.tensor([5, 0, 63])), layer.dequantize()[[5, 0, 63]])
 
 
-@pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "q8_0", "q5_0", "q4_0"])
 @pytest.mark.parametrize(
     "backend",
     [
@@ -459,7 +461,7 @@ def test_moving_the_layer_rebinds_the_kernel() -> None:
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("int8_activations", [True, False], ids=["int8-activations", "float-activations"])
-@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0"])
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-channel", "q8_0", "q5_0", "q4_0"])
 @pytest.mark.parametrize("out_features, in_features", [(45, 576), (40, 1536), (16, 32), (77, 96)])
 def test_products_give_a_row_one_arithmetic(
     kind: str, out_features: int, in_features: int, int8_activations: bool

@@ -10,7 +10,8 @@ Formats (an [out_features N, in_features K] matrix, groups of `group_size` conse
   column j + 16 in its high nibble: GGUF's Q4_0/Q4_1 order, so GGUF blocks repack without touching a nibble.
   With `high_bits` [N, K / 32] int32 it holds 5-bit codes: bit j of word b is bit 4 of column 32 b + j's code,
   w = scale * (q + 16 * bit) + min (GGUF's Q5_0, whose per-block word it is as stored: 6 bits a weight where int8
-  took 8.5).
+  took 8.5; the CPU's row tiles leave out a min that is -8 or -16 times its scale, Q4_0's and Q5_0's, and their
+  products compute it: the file's 4.5 and 5.5 bits, models/cpu/tiles.py).
 - `Int8Weight`: qweight [N, K] int8, scales [N, K / group_size] float16, w = scale * q. group_size == K is one
   scale per output channel; 32 is GGUF's Q8_0.
 Float16 scales are what GGUF stores, so repacking Q4_0, Q4_1 and Q8_0 is exact: the dequantized weights equal

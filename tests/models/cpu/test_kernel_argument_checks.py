@@ -85,8 +85,8 @@ def bind_scales_too_small():
 
 
 @case("mins")
-def bind_int4_without_mins():
-    return kernels().bind(dataclasses.replace(int4_tiles(), mins=None))
+def bind_int4_mins_too_small():
+    return kernels().bind(dataclasses.replace(int4_tiles(), mins=torch.zeros(1, dtype=torch.float16)))
 
 
 @case("fifth bits")

@@ -1,4 +1,5 @@
-"""Row tiles (models/cpu/tiles.py): the packed bytes moved, not changed, and decoded as the row-major layout decodes."""
+"""Row tiles (models/cpu/tiles.py): the packed bytes moved, not changed, and decoded as the row-major layout decodes;
+a centred int4 weight's mins left out and computed by the products, to the same bits."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from tokenriver.loader.gguf_blocks import repack_q5_0
 from tokenriver.models.cpu import tiles as tiles_module
 from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.cpu.tiles import tile, tile_in_place, untile
-from tokenriver.models.quant import quantize_int4, quantize_int8
+from tokenriver.models.quant import quantize_int4, quantize_int8, repack_q4_0
 
 HAS_NATIVE = load_kernels() is not None
 
@@ -85,3 +86,35 @@ def test_tiling_in_place_declines_rows_that_are_not_whole_tiles() -> None:
     before = qweight.clone()
     assert tile_in_place(qweight, scales, mins, high_bits, group_size) is None
     assert torch.equal(qweight, before)
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0], ids=["q4_0", "q5_0"])
+def test_a_centred_weight_computes_its_mins_to_the_stored_ones_bits(qtype) -> None:
+    """GGUF's Q4_0 and Q5_0 keep no mins in their tiles: every product and row lookup gives the bits of the same
+    tiles with the mins stored, and the row-major layout comes back with them."""
+    kernels = load_kernels()
+    weight = torch.randn(37, 256, generator=torch.Generator().manual_seed(5)) * 0.05
+    repack = repack_q4_0 if qtype == GGMLQuantizationType.Q4_0 else repack_q5_0
+    w = repack(quantize(weight.numpy(), qtype))
+    assert tiles_module.centred(w.scales, w.mins, w.high_bits is not None)
+    stored = tile(w.qweight, w.scales, w.mins, w.high_bits, 32)
+    computed = tile(w.qweight, w.scales, None, w.high_bits, 32)
+    assert computed.mins is None
+    assert torch.equal(untile(computed)[2], w.mins)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
+    for rounding in (None, "int8"):
+        for many_rows in (False, True):
+            with_mins = kernels.bind(stored, rounding, many_rows)
+            without = kernels.bind(computed, rounding, many_rows)
+            for rows in (1, 5, 64):
+                assert torch.equal(without(x[:rows]), with_mins(x[:rows]))
+    ids = torch.tensor([36, 0, 17], dtype=torch.int64)
+    assert torch.equal(kernels.dequantize_rows(computed, ids), kernels.dequantize_rows(stored, ids))
+
+
+def test_only_mins_that_are_exactly_centred_are_left_out() -> None:
+    w = quantize_int4(torch.randn(16, 64) * 0.05, 32)
+    assert not tiles_module.centred(w.scales, w.mins, False)
+    assert tiles_module.centred(w.scales, tiles_module.centred_mins(w.scales, True), True)
+    assert not tiles_module.centred(w.scales, tiles_module.centred_mins(w.scales, True), False)

@@ -106,7 +106,7 @@ def linear_spec(linear: nn.Module) -> LinearSpec | None:
     return LinearSpec(
         linear.qweight.data_ptr(),
         linear.scales.data_ptr(),
-        linear.mins.data_ptr() if is_int4 else None,
+        linear.mins.data_ptr() if is_int4 and linear.mins is not None else None,
         None if high_bits is None else high_bits.data_ptr(),
         None if linear.bias is None else linear.bias.data_ptr(),
         linear.out_features,

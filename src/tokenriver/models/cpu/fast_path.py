@@ -223,6 +223,8 @@ class NativePacked:
         is_int4 = layer.qweight.dtype == torch.uint8
         mins, high_bits = (layer.mins, layer.high_bits) if is_int4 else (None, None)
         if layer.layout == "rows":
+            if is_int4 and tiles.centred(layer.scales, mins, high_bits is not None):
+                mins = None  # the products compute them (tiles.py): not streamed
             tiled = tiles.tile_in_place(layer.qweight, layer.scales, mins, high_bits, layer.group_size, kernels)
             if tiled is None:
                 tiled = tiles.tile(layer.qweight, layer.scales, mins, high_bits, layer.group_size)

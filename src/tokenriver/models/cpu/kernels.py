@@ -188,8 +188,8 @@ def _check_rows_of(where: str, name: str, tensor: torch.Tensor, num_rows: int, h
 def check_tiles(tiles: Tiles, where: str = "packed weight") -> None:
     """ValueError unless the row tiles hold every element the products (and dequantize_rows) read for a weight of
     tiles.rows × tiles.cols in groups of tiles.group_size (tiles.h's layout): columns and groups in whole 32-column
-    blocks; codes [ceil(N/16), K/32, words, 16, 4]; scales (and an int4 weight's mins) [ceil(N/16), K/G, 16]; an int5
-    weight's masks [ceil(N/16), K/32, 2, 4]; sub-chain ends rising to K/32."""
+    blocks; codes [ceil(N/16), K/32, words, 16, 4]; scales (and an int4 weight's mins, unless it is centred)
+    [ceil(N/16), K/G, 16]; an int5 weight's masks [ceil(N/16), K/32, 2, 4]; sub-chain ends rising to K/32."""
     rows, cols, group_size = tiles.rows, tiles.cols, tiles.group_size
     if rows < 0 or cols <= 0 or cols % 32 or group_size <= 0 or group_size % 32 or cols % group_size:
         raise ValueError(
@@ -200,9 +200,7 @@ def check_tiles(tiles: Tiles, where: str = "packed weight") -> None:
     words = 4 if tiles.is_int4 else 8
     check_elements(where, "codes", tiles.codes, tiles.codes.dtype, num_tiles * blocks * words * 64)
     check_elements(where, "scales", tiles.scales, torch.float16, num_tiles * groups * TILE_ROWS)
-    if tiles.is_int4:
-        if tiles.mins is None:
-            raise ValueError(f"{where}: an int4 weight needs its mins")
+    if tiles.is_int4 and tiles.mins is not None:
         check_elements(where, "mins", tiles.mins, torch.float16, num_tiles * groups * TILE_ROWS)
     if tiles.fifth is not None:
         check_elements(where, "fifth bits", tiles.fifth, torch.int64, num_tiles * blocks * 8)
@@ -597,7 +595,8 @@ class NativeKernels:
             return tiles.codes.data_ptr(), tiles.scales.data_ptr(), tiles.rows, tiles.cols, tiles.group_size
         fifth = None if tiles.fifth is None else tiles.fifth.data_ptr()
         sizes = (tiles.rows, tiles.cols, tiles.group_size)
-        return tiles.codes.data_ptr(), tiles.scales.data_ptr(), tiles.mins.data_ptr(), fifth, *sizes
+        mins = None if tiles.mins is None else tiles.mins.data_ptr()  # None: centred (tiles.py)
+        return tiles.codes.data_ptr(), tiles.scales.data_ptr(), mins, fifth, *sizes
 
     def dequantize_rows(self, tiles: Tiles, row_ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows [len(row_ids), K] of a weight in row tiles, decoded as the products decode them; row_ids

@@ -11,7 +11,9 @@ had to be moved into those lanes on every call; stored as row tiles, one load gi
     nibble, column c + 16 in its high one), so word j holds columns 4j .. 4j + 3 and, in the high nibbles,
     16 + 4j .. 16 + 4j + 3;
   - int8 [tiles, K/32, 8, 16, 4] int8: word j holds columns 4j .. 4j + 3;
-- scales and mins [tiles, K/G, 16] float16: a group's 16 values of the tile's rows together;
+- scales and mins [tiles, K/G, 16] float16: a group's 16 values of the tile's rows together; a centred int4
+  weight, whose every min is -centre * scale (GGUF's Q4_0, centre 8, and Q5_0, 16: `centred`), keeps none, and the
+  products compute them: 0.5 bits a weight less to stream, the same values;
 - int5 high bits [tiles, K/32, 2, 4] int64 masks: bit 4r + i of mask [h, j] is the fifth bit of column
   16h + 4j + i of row r, the lanes a masked add needs for word j's low (h = 0) or high (h = 1) nibbles.
 
@@ -101,7 +103,7 @@ class Tiles:
 
     codes: torch.Tensor  # int4: uint8 [tiles, K/32, 4, 16, 4]; int8: int8 [tiles, K/32, 8, 16, 4]
     scales: torch.Tensor  # float16 [tiles, K/G, 16]
-    mins: torch.Tensor | None  # int4: float16 [tiles, K/G, 16]
+    mins: torch.Tensor | None  # int4: float16 [tiles, K/G, 16], None where centred (module docstring)
     fifth: torch.Tensor | None  # int5: int64 [tiles, K/32, 2, 4]
     rows: int
     cols: int
@@ -225,13 +227,29 @@ def _rewrite(
 
 
 def untile(tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(qweight, scales, mins, high_bits) row after row: tile's inverse."""
+    """(qweight, scales, mins, high_bits) row after row: tile's inverse (a centred int4 weight's mins made again)."""
+    scales = untile_terms(tiles.scales, tiles.rows)
+    if tiles.mins is not None:
+        mins = untile_terms(tiles.mins, tiles.rows)
+    else:
+        mins = centred_mins(scales, tiles.fifth is not None) if tiles.is_int4 else None
     return (
         untile_words(tiles.codes, tiles.rows),
-        untile_terms(tiles.scales, tiles.rows),
-        None if tiles.mins is None else untile_terms(tiles.mins, tiles.rows),
+        scales,
+        mins,
         None if tiles.fifth is None else untile_fifth_bits(tiles.fifth, tiles.rows),
     )
+
+
+def centred_mins(scales: torch.Tensor, five_bit: bool) -> torch.Tensor:
+    """A centred int4 weight's mins, -centre * scale (centre 8, 16 for 5-bit codes) float16: exact wherever the
+    product fits float16."""
+    return (-(16 if five_bit else 8) * scales.float()).to(torch.float16)
+
+
+def centred(scales: torch.Tensor, mins: torch.Tensor, five_bit: bool) -> bool:
+    """Whether every min of an int4 weight is its centred_mins, bit for bit (so the products can compute them)."""
+    return torch.equal(mins.view(torch.int16), centred_mins(scales, five_bit).view(torch.int16))
 
 
 # ---- K-quant weights (models/kquant.py's records; csrc/kquant.h reads these) --------------------------------------

@@ -294,11 +294,13 @@ inline void stage_tile(const TiledWeight& weight, int64_t t, int row0, uint32_t*
       for (int j = 0; j < 8; ++j)
         _mm512_storeu_si512(out + S * j, _mm512_xor_si512(_mm512_loadu_si512(block + 64 * j), _mm512_set1_epi8(-128)));
     }
-    _mm512_storeu_ps(scales + S * b + row0,
-                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, b)))));
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, b))));
+    _mm512_storeu_ps(scales + S * b + row0, scale);
     if (IS_INT4)
       _mm512_storeu_ps(mins + S * b + row0,
-                       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_mins(t, b)))));
+                       w.mins == nullptr
+                           ? _mm512_mul_ps(scale, _mm512_set1_ps(-w.centre()))
+                           : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_mins(t, b)))));
   }
 }
 

@@ -137,9 +137,10 @@ void int8_tile(const TiledWeight& w, int64_t t, const RowActivations* a, float* 
       block_codes<IS_INT4, HIGH>(w, t, b, codes);
       const __m512 scales =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_scales(t, b))));
-      const __m512 mins =
-          IS_INT4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block_mins(t, b))))
-                  : _mm512_setzero_ps();
+      const __m512 mins = !IS_INT4             ? _mm512_setzero_ps()
+                          : w.mins == nullptr ? _mm512_mul_ps(scales, _mm512_set1_ps(-w.centre()))
+                                              : _mm512_cvtph_ps(_mm256_loadu_si256(
+                                                    reinterpret_cast<const __m256i*>(w.block_mins(t, b))));
       for (int m = 0; m < MT; ++m) {
         __m512i sums = block_sums(codes, a[m], b);
         if (!IS_INT4) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(a[m].offset[b]));
@@ -207,7 +208,9 @@ void int8_tile(const TiledWeight& w, int64_t t, const RowActivations* a, float* 
           return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h)));
         };
         const __m256 scales = terms(w.block_scales(t, b));
-        const __m256 mins = IS_INT4 ? terms(w.block_mins(t, b)) : _mm256_setzero_ps();
+        const __m256 mins = !IS_INT4             ? _mm256_setzero_ps()
+                            : w.mins == nullptr ? _mm256_mul_ps(scales, _mm256_set1_ps(-w.centre()))
+                                                : terms(w.block_mins(t, b));
         for (int m = 0; m < MT; ++m) {
           const __m256 exact = _mm256_cvtepi32_ps(block_sums<IS_INT4>(codes, a[m], b));
           acc[m][h] = _mm256_fmadd_ps(exact, _mm256_mul_ps(scales, _mm256_set1_ps(a[m].xscale[b])), acc[m][h]);

@@ -2,8 +2,9 @@
 // Rows go 16 to a tile; each 32-column block of a tile is stored as 32-bit words, word-major, word j holding bytes
 // 4j .. 4j + 3 of each of the tile's 16 rows side by side, so that a 64-byte load puts row r's four bytes in lane
 // r. int4: 4 words a block (a row's 16 bytes of nibbles: byte c holds column c low, column c + 16 high); int8: 8.
-// Scales and mins: [tiles, K/G, 16] float16. int5: masks [tiles, K/32, 2, 4], bit 4r + i of mask [h, j] the fifth
-// bit of column 16h + 4j + i of row r.
+// Scales and mins: [tiles, K/G, 16] float16; an int4 weight without mins is centred, its min -centre * scale (centre
+// 8, 16 with fifth bits: GGUF's Q4_0 and Q5_0). int5: masks [tiles, K/32, 2, 4], bit 4r + i of mask [h, j] the
+// fifth bit of column 16h + 4j + i of row r.
 #pragma once
 
 #include <stdint.h>
@@ -20,7 +21,7 @@ constexpr int kTileRows = 16;
 struct TiledWeight {
   const uint8_t* codes;    // [tiles, K/32, words, 16, 4]
   const uint16_t* scales;  // [tiles, K/G, 16]
-  const uint16_t* mins;    // int4: [tiles, K/G, 16]; int8: null
+  const uint16_t* mins;    // int4: [tiles, K/G, 16], or null where centred; int8: null
   const uint64_t* fifth;   // int5: [tiles, K/32, 2, 4]; else null
   int64_t N, K, G;
   bool is_int4;
@@ -58,7 +59,11 @@ struct TiledWeight {
     return word;
   }
   float row_scale(int64_t n, int64_t b) const { return half_to_float(block_scales(n / kTileRows, b)[n % kTileRows]); }
-  float row_min(int64_t n, int64_t b) const { return half_to_float(block_mins(n / kTileRows, b)[n % kTileRows]); }
+  // A centred int4 weight's codes' centre: its min is -centre() * scale, exact in float32.
+  float centre() const { return fifth != nullptr ? 16.0f : 8.0f; }
+  float row_min(int64_t n, int64_t b) const {
+    return mins != nullptr ? half_to_float(block_mins(n / kTileRows, b)[n % kTileRows]) : -centre() * row_scale(n, b);
+  }
 };
 
 // Every tile of a row-major weight (N rows of row_bytes, N a multiple of 16) copied to a thread's scratch and
