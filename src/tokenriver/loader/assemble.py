@@ -46,8 +46,9 @@ from tokenriver.models.quant import (
 )
 from tokenriver.models.registry import model_class
 from tokenriver.models.row_chains import split_row_chains
+from tokenriver.models.stacked import KQuantStack, StackedLinear
 
-QuantWeight = Int4Weight | Int8Weight | KQuantRecords
+QuantWeight = Int4Weight | Int8Weight | KQuantRecords | KQuantStack
 Weight = torch.Tensor | QuantWeight
 # "auto": keep what the file stores (GGUF quantized types stay packed, float stays float); "none": everything float
 # (the reference the tests compare with transformers); "int8"/"int4": also quantize float matrices at load.
@@ -250,6 +251,8 @@ def _fuse(weights: dict[str, Weight], fused: dict[str, tuple[str, ...]], empty: 
 
 
 def _storage(weight: Weight) -> int:
+    if isinstance(weight, KQuantStack):
+        weight = weight.parts[0]
     if isinstance(weight, KQuantRecords):
         return weight.records.untyped_storage().data_ptr()
     return (weight if isinstance(weight, torch.Tensor) else weight.qweight).untyped_storage().data_ptr()
@@ -264,7 +267,9 @@ class _Trimmer:
 
     def made(self, weight: Weight) -> None:
         """Count `weight`, made just now (its scratch, or the parts it was made of, freed)."""
-        if isinstance(weight, KQuantRecords):
+        if isinstance(weight, KQuantStack):
+            tensors = [part.records for part in weight.parts]
+        elif isinstance(weight, KQuantRecords):
             tensors = [weight.records]
         else:
             tensors = [weight] if isinstance(weight, torch.Tensor) else [weight.qweight, weight.scales]
@@ -275,13 +280,16 @@ class _Trimmer:
 
 
 def _stack(parts: list[Weight], empty: Allocate) -> Weight:
-    """Concatenate along out_features. Parts stored alike stay as they are. Parts in different formats (a
-    Q4_K_M file keeps q and k at 4 bits and v at 6 in some layers) meet as int8 per 32, the packed format that
+    """Concatenate along out_features. Parts stored alike stay as they are. K-quant parts of different types (a
+    Q4_K_M file keeps q and k at Q4_K and v at Q6_K in some layers) stay apart, each at its own size (a
+    KQuantStack: models/stacked.py). Other parts in different formats meet as int8 per 32, the packed format that
     holds each of them closest, so the fused projection stays packed."""
     first = parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return cat_rows(parts, empty)
     if all(isinstance(p, KQuantRecords) for p in parts):
+        if len({p.layout for p in parts}) > 1:
+            return KQuantStack(tuple(parts))
         return concatenate_records(parts, empty)
     if all(
         isinstance(p, (Int4Weight, Int8Weight)) and type(p) is type(first) and p.group_size == first.group_size
@@ -376,7 +384,7 @@ def _install_quantized(
         module_name = name.removesuffix(".weight")
         _check_shape(model, module_name, table, misfit)
         model.set_submodule(module_name, QuantizedEmbedding(_quantized_linear(table, None, device), dtype))
-    installed: dict[int, Int4Linear | Int8Linear | KQuantLinear] = {}  # id(weight) → its layer
+    installed: dict[int, nn.Module] = {}  # id(weight) → its layer
     trim = _Trimmer()
     for name in [n for n, w in weights.items() if not isinstance(w, torch.Tensor) and n != _EMBEDDING]:
         module_name = name.removesuffix(".weight")
@@ -406,8 +414,10 @@ def _check_shape(
 
 def _quantized_linear(
     weight: QuantWeight, bias: torch.Tensor | None, device: str | torch.device
-) -> Int4Linear | Int8Linear | KQuantLinear:
+) -> Int4Linear | Int8Linear | KQuantLinear | StackedLinear:
     bias = None if bias is None else bias.to(device)
+    if isinstance(weight, KQuantStack):
+        return StackedLinear(weight.to(device), bias)
     if isinstance(weight, KQuantRecords):
         return KQuantLinear(weight.to(device), bias)
     if isinstance(weight, Int4Weight) and weight.high_bits is not None and torch.device(device).type != "cpu":

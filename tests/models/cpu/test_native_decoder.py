@@ -26,12 +26,13 @@ from tokenriver.models.config import ModelConfig
 from tokenriver.models.cpu.decoder import NativeDecoder
 from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.gemma import GemmaForCausalLM
-from tokenriver.models.kquant import KQuantLinear, concatenate_kquant
+from tokenriver.models.kquant import KQuantLinear, concatenate_kquant, pack_records
 from tokenriver.models.llama import LlamaForCausalLM
 from tokenriver.models.phi3 import Phi3ForCausalLM
 from tokenriver.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from tokenriver.models.qwen3 import Qwen3ForCausalLM
 from tokenriver.models.registry import model_class
+from tokenriver.models.stacked import KQuantStack, StackedLinear
 from tokenriver.runner.native_stack import NativeStack
 
 pytestmark = pytest.mark.skipif(
@@ -503,9 +504,13 @@ KQUANT_MIXES = {
 }
 
 
-def kquant_tiny_model(down_kind: str = "Q6_K", mix: str = "Q4_K_M", family: str = "llama") -> torch.nn.Module:
+def kquant_tiny_model(
+    down_kind: str = "Q6_K", mix: str = "Q4_K_M", family: str = "llama", stacked: bool = False
+) -> torch.nn.Module:
     """Two layers of Llama (or Gemma 3: GeGLU) whose projections are K-quant weights at their own size
-    (models/kquant.py), in one of KQUANT_MIXES; int8 activations, the engine's default."""
+    (models/kquant.py), in one of KQUANT_MIXES; int8 activations, the engine's default. The second layer's qkv_proj
+    has parts of two types: in the union of their layouts, or stacked (models/stacked.py: the loader's choice), and
+    then its gate_up_proj too."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models: kquant_weights
     from kquant_weights import random_kquant
 
@@ -527,10 +532,13 @@ def kquant_tiny_model(down_kind: str = "Q6_K", mix: str = "Q4_K_M", family: str 
             (layer.mlp, "down_proj"),
         ):
             rows, cols = getattr(owner, name).weight.shape
+            split = 64 if name == "qkv_proj" else rows // 2
+            parts = [random_kquant(rows - split, cols, stacked_kind, i), random_kquant(split, cols, v_kind, i)]
+            if i == 1 and stacked and name in ("qkv_proj", "gate_up_proj"):
+                setattr(owner, name, StackedLinear(KQuantStack(tuple(pack_records(part) for part in parts))))
+                continue
             if name == "qkv_proj" and i == 1:
-                weight = concatenate_kquant(
-                    [random_kquant(rows - 64, cols, stacked_kind, i), random_kquant(64, cols, v_kind, i)]
-                )
+                weight = concatenate_kquant(parts)
             else:
                 weight = random_kquant(rows, cols, kinds[name], seed=10 * i + len(name))
             setattr(owner, name, KQuantLinear(weight, int8_activations=True))
@@ -542,20 +550,22 @@ def kquant_tiny_model(down_kind: str = "Q6_K", mix: str = "Q4_K_M", family: str 
 
 @pytest.mark.skipif(load_kernels() is None or not load_kernels().kquant, reason="K-quant kernels need AVX512-VNNI")
 @pytest.mark.parametrize(
-    ("down_kind", "mix", "family"),
+    ("down_kind", "mix", "family", "stacked"),
     [
-        ("Q6_K", "Q4_K_M", "llama"),
-        ("Q5_K", "Q4_K_M", "llama"),
-        ("Q2_K", "Q3_K_M", "llama"),
-        ("Q6_K", "Q3_K_M", "gemma3"),
+        ("Q6_K", "Q4_K_M", "llama", False),
+        ("Q5_K", "Q4_K_M", "llama", False),
+        ("Q2_K", "Q3_K_M", "llama", False),
+        ("Q6_K", "Q3_K_M", "gemma3", False),
+        ("Q6_K", "Q4_K_M", "llama", True),
+        ("Q6_K", "Q3_K_M", "gemma3", True),
     ],
 )
-def test_k_quant_layers_run_natively_with_the_module_paths_bits(down_kind, mix, family):
+def test_k_quant_layers_run_natively_with_the_module_paths_bits(down_kind, mix, family, stacked):
     """The MLP's prompt steps and GEMM-sized decode steps take the feature-major products (decoder.cpp's
     mlp_feature_major) whatever the K types: SwiGLU (Gemma 3: GeGLU) in the gate/up product's tiles, Q4_K's int4
     tiles or the halves' products of Q6_K, Q3_K and Q2_K (over their 2-bit codes), and a down product packing its
     input from the feature-major intermediate; the modules run them row-major, with a pass of SwiGLU between."""
-    model = kquant_tiny_model(down_kind, mix, family)
+    model = kquant_tiny_model(down_kind, mix, family, stacked)
     for ours, reference in zip(
         run_steps(model, REQUESTS, STEPS, native=True), run_steps(model, REQUESTS, STEPS, native=False)
     ):

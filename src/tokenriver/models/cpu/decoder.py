@@ -71,6 +71,7 @@ from tokenriver.models.moe import SparseMoeBlock
 from tokenriver.models.phi3 import Phi3DecoderLayer
 from tokenriver.models.quant import Int4Linear, Int8Linear
 from tokenriver.models.qwen3 import Qwen3DecoderLayer
+from tokenriver.models.stacked import StackedLinear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotary_dim // 2]
 
@@ -81,6 +82,8 @@ def linear_spec(linear: nn.Module) -> LinearSpec | None:
     activations). ValueError if its buffers do not hold what its shape says (kernels.check_tiles)."""
     if isinstance(linear, KQuantLinear):
         return _kquant_spec(linear)
+    if isinstance(linear, StackedLinear):
+        return _stacked_spec(linear)
     if (
         not isinstance(linear, (Int4Linear, Int8Linear))
         or linear.backend != "native"
@@ -139,6 +142,26 @@ def _kquant_spec(linear: KQuantLinear) -> LinearSpec | None:
         kquant=ctypes.pointer(packed.spec),  # the binding's, alive as long as the layer is bound
     )
     return spec
+
+
+def _stacked_spec(linear: StackedLinear) -> LinearSpec | None:
+    """A projection of parts run apart: the parts' LinearSpecs in an array the layer keeps (refreshed in place, so
+    that every spec made of the layer points at its current parts), or None unless every part runs natively."""
+    parts = [linear_spec(part) for part in linear.parts]
+    if any(spec is None for spec in parts):
+        return None
+    array = getattr(linear, "native_parts", None)
+    if array is None:
+        array = linear.native_parts = (LinearSpec * len(parts))()
+    for index, spec in enumerate(parts):
+        array[index] = spec
+    return LinearSpec(
+        out_features=linear.out_features,
+        in_features=linear.in_features,
+        max_gemv_rows=max(part.max_gemv_rows for part in linear.parts),
+        parts=ctypes.addressof(array),
+        num_parts=len(parts),
+    )
 
 
 def _is_index_array(array: torch.Tensor) -> bool:

@@ -313,6 +313,8 @@ class LinearSpec(ctypes.Structure):
         ("gemm_rounding", ctypes.c_int32),
         ("chain_ends", _ptr),
         ("kquant", ctypes.POINTER(KQuantSpec)),
+        ("parts", _ptr),  # a LinearSpec array: a projection of parts run apart (models/stacked.py), or null
+        ("num_parts", _i64),
     ]
 
 

@@ -106,6 +106,11 @@ struct Linear {
   // A K-quant weight at its own size (kquant.h), in place of the fields above but bias and sizes; or null. Its
   // products are int8-activation ones (the Python side binds it only so).
   const tokenriver::KQuantWeight* kquant;
+  // A projection fused of parts run apart (models/stacked.py: K-quant parts of different types), each a Linear of
+  // its own rows, their outputs side by side; or null (num_parts 0), and then none of this struct's other weights
+  // are set.
+  const Linear* parts;
+  int64_t num_parts;
 };
 
 // A mixture-of-experts MLP (models/moe.py's SparseMoeBlock; native.py's MoeSpec): a float32 router, each expert's
@@ -206,7 +211,33 @@ struct GreedyLoop {
   float* log_normalizers;         // [num_passes, B] out: its row's log-sum-exp
 };
 
+void linear(const Linear& l, const float* x, int64_t M, float* y, int threads);
+
+// A projection of parts run apart: each part's product, its columns laid into y [M, N] beside the others' (one row
+// straight into place).
+void stacked_linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
+  thread_local std::vector<float> part_out;
+  int64_t column = 0;
+  for (int64_t p = 0; p < l.num_parts; ++p) {
+    const Linear& part = l.parts[p];
+    const int64_t n = part.out_features;
+    if (M == 1) {
+      linear(part, x, 1, y + column, threads);
+    } else {
+      if (part_out.size() < static_cast<size_t>(M * n)) part_out.resize(M * n);
+      linear(part, x, M, part_out.data(), threads);
+      for (int64_t m = 0; m < M; ++m)
+        memcpy(y + m * l.out_features + column, part_out.data() + m * n, n * sizeof(float));
+    }
+    column += n;
+  }
+}
+
 void linear(const Linear& l, const float* x, int64_t M, float* y, int threads) {
+  if (l.num_parts > 0) {
+    stacked_linear(l, x, M, y, threads);
+    return;
+  }
   const int64_t N = l.out_features, K = l.in_features, G = l.group_size;
   const bool gemm = M > l.max_gemv_rows;
   const int8_t* codes8 = reinterpret_cast<const int8_t*>(l.qweight);
@@ -249,7 +280,7 @@ bool mlp_feature_major(const Layer& layer, int64_t T, int64_t I) {
   const Linear& gate_up = layer.gate_up;
   const Linear& down = layer.down;
   // I a whole number of row tiles (tiles.h): a tile of gates then has its ups in one tile.
-  return T > gate_up.max_gemv_rows && T > down.max_gemv_rows &&
+  return gate_up.num_parts == 0 && down.num_parts == 0 && T > gate_up.max_gemv_rows && T > down.max_gemv_rows &&
          gate_up.gemm_rounding == 1 && down.gemm_rounding == 1 && gate_up.bias == nullptr && down.bias == nullptr &&
          I % 16 == 0;
 }
