@@ -57,3 +57,16 @@ def test_outputs_are_the_parts_side_by_side_and_a_rows_bits_its_own(kinds):
     assert torch.equal(layer.bias, bias)
     if load_kernels() is not None and load_kernels().kquant:
         assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(24)]))
+
+
+def test_parts_that_do_not_make_the_layers_shape_are_refused_before_native_code():
+    decoder = pytest.importorskip("tokenriver.models.cpu.decoder")
+    if load_kernels() is None or not load_kernels().kquant:
+        pytest.skip("the K-quant kernels need AVX512-VNNI")
+    layer = StackedLinear(stack_of(KINDS[0]))
+    for part in layer.parts:
+        part.set_int8_activations(True)
+    assert decoder.linear_spec(layer).num_parts == 3
+    layer.out_features += 16
+    with pytest.raises(ValueError, match="their rows must add up"):
+        decoder.linear_spec(layer)

@@ -150,6 +150,13 @@ def _stacked_spec(linear: StackedLinear) -> LinearSpec | None:
     parts = [linear_spec(part) for part in linear.parts]
     if any(spec is None for spec in parts):
         return None
+    if sum(spec.out_features for spec in parts) != linear.out_features or any(
+        spec.in_features != linear.in_features for spec in parts
+    ):
+        raise ValueError(
+            f"a stacked linear layer [{linear.out_features}, {linear.in_features}] has parts "
+            f"{[(spec.out_features, spec.in_features) for spec in parts]}: their rows must add up, their columns agree"
+        )
     array = getattr(linear, "native_parts", None)
     if array is None:
         array = linear.native_parts = (LinearSpec * len(parts))()
