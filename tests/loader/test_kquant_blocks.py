@@ -19,6 +19,7 @@ from tokenriver.loader.kquant_blocks import KQUANT_TYPES, unpack_kquant
 from tokenriver.loader.load import load_model
 from tokenriver.models.cpu.kernels import load_kernels
 from tokenriver.models.kquant import KQuantLinear, KQuantRecords
+from tokenriver.models.stacked import StackedLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # kquant_files: SmolLM2's K-quant mixes
 from kquant_files import LOW_BIT_MIXES, low_bit_file, smollm_kquant_file  # noqa: E402
@@ -86,13 +87,20 @@ def test_bytes_that_are_not_whole_super_blocks_are_refused(qtype):
 @has_kquant_kernels
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q6_K", *LOW_BIT_MIXES])
 def test_a_files_k_quant_matrices_load_to_its_dequantized_weights(ftype, tmp_path):
-    """Each K-quant layer (fused q/k/v of mixed types included) dequantizes to exactly the float weights the same
-    file loads to with everything dequantized by gguf."""
+    """Each K-quant layer (fused q/k/v of mixed types included: a stack of parts, each at its own size)
+    dequantizes to exactly the float weights the same file loads to with everything dequantized by gguf."""
     path = str(low_bit_file(ftype, tmp_path) if ftype in LOW_BIT_MIXES else smollm_kquant_file(ftype, tmp_path))
     packed = load_model(path, int8_activations=None)
     floats = load_model(path, quantization="none")
-    layers = {name: m for name, m in packed.model.named_modules() if isinstance(m, KQuantLinear)}
+    modules = dict(packed.model.named_modules())
+    stacked = {name for name, m in modules.items() if isinstance(m, StackedLinear)}
+    layers = {
+        name: m
+        for name, m in modules.items()
+        if isinstance(m, (KQuantLinear, StackedLinear)) and name.rsplit(".parts.", 1)[0] not in stacked
+    }
     assert layers, "no matrix was kept at its own size"
+    assert bool(stacked) == (ftype in LOW_BIT_MIXES)  # their q/k/v mix types; the SmolLM2 files' K-quants do not
     for name, layer in layers.items():
         owner = name.removesuffix(".table")  # a packed embedding's table: the float embedding's weight
         reference = floats.model.get_submodule(owner).weight.detach()
