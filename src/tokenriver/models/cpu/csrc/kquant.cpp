@@ -311,15 +311,6 @@ void put_terms(const int* values, int count, int bits, uint8_t* out) {
   }
 }
 
-// Value v of a record's scales and mins at `bits` (put_terms read back; signed: a 6-bit scale sign-extended).
-int term(const uint8_t* terms, int v, int bits, bool is_signed) {
-  if (bits == 8) return is_signed ? static_cast<int8_t>(terms[v]) : terms[v];
-  const int q = v / 4, i = v % 4;
-  int value = (terms[4 * (q / 2) + i] >> (4 * (q % 2))) & 0x0F;
-  if (bits == 6) value |= ((terms[8 + i] >> (2 * q)) & 3) << 4;
-  return bits == 6 && is_signed ? (value ^ 0x20) - 0x20 : value;
-}
-
 // One Q4_K or Q5_K super-block into its row record (models/kquant.py's RecordLayout): 8 groups' nibbles (16 bytes
 // each, Q4_0's order), the 6-bit scales and mins, d and dmin, and for Q5_K each group's fifth bits as one word.
 void convert_q4_k_block(const uint8_t* b, bool has_high, uint8_t* record, int64_t high_at, int64_t terms_at,
@@ -410,10 +401,11 @@ struct RowLayout {
   int64_t num_scales() const { return 256 / scale_group; }
   // The record's scale i, min i.
   int scale(const uint8_t* record, int64_t i) const {
-    return term(record + terms, static_cast<int>(i), static_cast<int>(term_bits), has_mins == 0);
+    return tokenriver::kquant_term(record + terms, 1, static_cast<int>(i), static_cast<int>(term_bits), has_mins == 0);
   }
   int min(const uint8_t* record, int64_t i) const {
-    return term(record + terms, static_cast<int>(num_scales() + i), static_cast<int>(term_bits), false);
+    return tokenriver::kquant_term(record + terms, 1, static_cast<int>(num_scales() + i), static_cast<int>(term_bits),
+                                   false);
   }
 
   // Run g's 32 codes: their low bits (nibbles: byte l % 16 of the run, the high nibble for l >= 16; crumbs: byte

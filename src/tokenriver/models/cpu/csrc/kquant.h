@@ -113,6 +113,17 @@ struct KQuantWeight {
   }
 };
 
+// Value v of a super-block's scales and mins at `bits` (the layout above; models/kquant.py's pack_terms), byte j of
+// them at terms[j * stride] (a row record: 1; row r of a tile record: terms + r, 16); a signed 6-bit scale
+// sign-extended.
+inline int kquant_term(const uint8_t* terms, int64_t stride, int v, int bits, bool is_signed) {
+  if (bits == 8) return is_signed ? static_cast<int8_t>(terms[v * stride]) : terms[v * stride];
+  const int q = v / 4, i = v % 4;
+  int value = (terms[(4 * (q / 2) + i) * stride] >> (4 * (q % 2))) & 0x0F;
+  if (bits == 6) value |= ((terms[(8 + i) * stride] >> (2 * q)) & 3) << 4;
+  return bits == 6 && is_signed ? (value ^ 0x20) - 0x20 : value;
+}
+
 // A tile's scales and mins of one super-block, each run's 16 rows as 16 bytes: scales [num_scales][16] int8, then
 // mins [8 * min_runs][16] uint8 (where has_mins). At 8 bits the record's own bytes; at 6 or 4 unpacked (the comment
 // above): four values of the 16 rows by a shift and a mask, 6-bit scales of a weight without mins sign-extended
@@ -167,13 +178,8 @@ inline void KQuantTerms::read(const KQuantWeight& w, const uint8_t* record) {
   }
 #else
   for (int v = 0; v < w.num_terms(); ++v)
-    for (int r = 0; r < kTileRows; ++r) {
-      const int q = v / 4, i = v % 4;
-      int value = (packed[16 * (4 * (q / 2) + i) + r] >> (4 * (q % 2))) & 0x0F;
-      if (w.term_bits == 6) value |= ((packed[16 * (8 + i) + r] >> (2 * q)) & 3) << 4;
-      if (w.term_bits == 6 && !w.has_mins) value = (value ^ 0x20) - 0x20;
-      unpacked[16 * v + r] = static_cast<uint8_t>(value);
-    }
+    for (int r = 0; r < kTileRows; ++r)
+      unpacked[16 * v + r] = static_cast<uint8_t>(kquant_term(packed + r, kTileRows, v, w.term_bits, !w.has_mins));
 #endif
 }
 
